@@ -1,0 +1,42 @@
+"""kernel-fun: drop-in, faster Triton kernels for flash-linear-attention's KDA on Hopper.
+
+Change one import -- ``from kernel_fun.kda import chunk_kda`` -- and the call runs through
+kernel-fun's stage chain where it is supported, and through fla's own ``chunk_kda``
+(verbatim, with one log line saying why) where it is not.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+__all__ = ["__version__", "versions"]
+
+
+def versions() -> dict[str, str]:
+    """Versions of kernel-fun, torch, triton and fla, and the device a call would run on."""
+    import importlib.metadata
+
+    import torch
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:  # pragma: no cover - triton is a hard dependency
+        triton_version = "missing"
+    try:
+        fla_version = importlib.metadata.version("fla-core")
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover
+        fla_version = "missing"
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        device = f"{torch.cuda.get_device_name()} (sm_{major}{minor})"
+    else:
+        device = "cpu"
+    return {
+        "kernel_fun": __version__,
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "fla": fla_version,
+        "device": device,
+    }

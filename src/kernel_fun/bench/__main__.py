@@ -1,0 +1,5 @@
+import sys
+
+from kernel_fun.bench.kda import main
+
+sys.exit(main())

@@ -1,0 +1,284 @@
+"""Bench of the whole ``chunk_kda`` op: fla's against kernel-fun's, in one process.
+
+For each named shape (``kernel_fun.kda.problems.SHAPES``) and each implementation:
+
+1. parity first: every output and gradient against fla's at the bench shape (bitwise for
+   the all-fla control), and every implementation against the float64 recurrence at a
+   smaller shape of the same family; a red gate prints no speed;
+2. first-call seconds (the first fwd+bwd in this process: compile and autotune included
+   for whichever implementation runs first) and peak memory of one fwd+bwd;
+3. fwd and fwd+bwd time: median of CUDA-event timings after warm-up, with the 10th-90th
+   percentile spread, the implementations interleaved round by round;
+4. device time per stage from the profiler (kernel-fun's stage ranges; fla's kernels by
+   name).
+
+Each (shape, implementation) is appended as one JSON row under the output directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+# Memory floors from docs/kda-roofline.md (fla's stage chain at 4.25 TB/s; the fused design).
+FLOORS_MS = {
+    "prod8192_gate": {"fla_chain_fwd": 6.23, "fla_chain_fwdbwd": 20.59, "fused_fwdbwd": 9.0},
+    "kimi": {"fla_chain_fwd": 4.84, "fla_chain_fwdbwd": 16.29, "fused_fwdbwd": 6.36},
+}
+ORACLE_T = 512
+
+
+def percentile(values: list[float], q: float) -> float:
+    s = sorted(values)
+    i = (len(s) - 1) * q
+    lo, hi = int(i), min(int(i) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (i - lo)
+
+
+def cuda_times(fn, reps: int) -> list[float]:
+    """Milliseconds of ``reps`` calls, each between its own pair of CUDA events."""
+    out = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        out.append(start.elapsed_time(end))
+    return out
+
+
+def summary(times: list[float]) -> dict:
+    return {"median": statistics.median(times), "p10": percentile(times, 0.1),
+            "p90": percentile(times, 0.9), "n": len(times)}
+
+
+class Variant:
+    def __init__(self, name: str, fn, force=None):
+        self.name, self.fn, self.force = name, fn, force
+
+    def __call__(self, **kwargs):
+        if self.force is None:
+            return self.fn(**kwargs)
+        from kernel_fun.kda import use_impls
+
+        with use_impls(self.force):
+            return self.fn(**kwargs)
+
+
+def variants(names: list[str]) -> list[Variant]:
+    from fla.ops.kda import chunk_kda as fla_chunk_kda
+
+    from kernel_fun.kda import chunk_kda
+
+    table = {
+        "fla": Variant("fla", fla_chunk_kda),
+        "chain_fla": Variant("chain_fla", chunk_kda, force="fla"),
+        "ours": Variant("ours", chunk_kda),
+    }
+    return [table[n] for n in names]
+
+
+def fwd_bwd(variant: Variant, kwargs: dict, do: torch.Tensor):
+    from kernel_fun.kda.problems import leaves
+
+    o, _ = variant(**kwargs)
+    return torch.autograd.grad(o, list(leaves(kwargs).values()), do)
+
+
+def parity(variants_: list[Variant], p, device, seed: int) -> dict[str, dict]:
+    """Each variant against fla at the bench shape, and against the oracle at T=ORACLE_T."""
+    from kernel_fun.kda import last_record
+    from kernel_fun.kda import reference as ref
+    from kernel_fun.kda.problems import as_oracle_inputs, make_inputs, run_fwd_bwd
+
+    out = {v.name: {} for v in variants_}
+    kw = make_inputs(p, device=device, seed=seed)
+    results, records = {}, {}
+    for v in variants_:
+        results[v.name] = run_fwd_bwd(v, kw, grid=p.dtype)
+        records[v.name] = last_record() if v.name != "fla" else None
+    base = results.get("fla")
+    for v in variants_:
+        rec = records[v.name]
+        if rec is not None:
+            out[v.name]["engaged"] = rec.engaged
+            out[v.name]["impls"] = {**rec.forward, **rec.backward}
+        if base is not None and v.name != "fla":
+            res = results[v.name]
+            out[v.name]["bitwise_vs_fla"] = all(
+                (res[n] is None and base[n] is None) or (res[n] is not None and torch.equal(res[n], base[n]))
+                for n in base
+            )
+            out[v.name]["vs_fla"] = {n: ref.rel_rms(res[n], base[n]) for n in base if base[n] is not None}
+    del results, base
+    torch.cuda.empty_cache()
+
+    small = dataclasses.replace(p, B=1, T=min(p.T, ORACLE_T))
+    kw = make_inputs(small, device=device, seed=seed + 1)
+    oracle = run_fwd_bwd(ref.recurrent_kda, as_oracle_inputs(kw), grid=p.dtype)
+    errors = {}
+    for v in variants_:
+        res = run_fwd_bwd(v, kw, grid=p.dtype)
+        errors[v.name] = {n: ref.rel_rms(res[n], oracle[n]) for n in oracle if oracle[n] is not None}
+    fla_err = errors.get("fla")
+    for v in variants_:
+        e = errors[v.name]
+        out[v.name]["oracle_shape"] = small.describe()
+        out[v.name]["vs_oracle"] = e
+        # Within fla's budget, or no more than 10% over fla's own error on the same inputs.
+        within = {n: e[n] <= ref.BUDGETS[n] or (fla_err is not None and e[n] <= 1.1 * fla_err[n]) for n in e}
+        ok = all(within.values())
+        if v.name == "chain_fla":
+            ok = ok and out[v.name].get("bitwise_vs_fla", False)
+        out[v.name]["ok"] = ok
+        out[v.name]["over_budget"] = sorted(n for n, good in within.items() if not good)
+    return out
+
+
+def profile_stages(variant: Variant, kwargs: dict, do: torch.Tensor) -> tuple[dict, dict]:
+    """(ms per kernel-fun stage range, ms per kernel name) of one fwd+bwd."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fwd_bwd(variant, kwargs, do)
+        torch.cuda.synchronize()
+    stages, kernels = {}, {}
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CPU and evt.name.startswith("kernel_fun::"):
+            name = evt.name.split("::", 1)[1]
+            stages[name] = stages.get(name, 0.0) + evt.device_time_total / 1e3
+        elif evt.device_type == torch.autograd.DeviceType.CUDA and not evt.name.startswith("kernel_fun::"):
+            kernels[evt.name] = kernels.get(evt.name, 0.0) + evt.device_time_total / 1e3
+    kernels = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:25])
+    return stages, kernels
+
+
+def bench_shape(name: str, names: list[str], reps: int, rounds: int, out_path: Path, seed: int = 0) -> list[dict]:
+    from kernel_fun import versions
+    from kernel_fun.bench import results
+    from kernel_fun.kda.problems import SHAPES, cotangents, make_inputs
+
+    p = SHAPES[name]
+    device = torch.device("cuda")
+    vs = variants(names)
+    kw = make_inputs(p, device=device, seed=seed)
+    o_shape = torch.empty(p.B, p.T, p.HV, p.V, device=device, dtype=p.dtype)
+    do, _ = cotangents(o_shape, None, seed=seed + 7)
+    del o_shape
+
+    first_call = {}
+    for v in vs:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fwd_bwd(v, kw, do)
+        torch.cuda.synchronize()
+        first_call[v.name] = time.perf_counter() - t0
+    print(f"[{name}] first calls (s): {first_call}", flush=True)
+
+    checks = parity(vs, p, device, seed)
+    print(f"[{name}] parity: " + ", ".join(f"{k}: {'ok' if c['ok'] else 'RED ' + str(c['over_budget'])}"
+                                           for k, c in checks.items()), flush=True)
+
+    peaks = {}
+    for v in vs:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        fwd_bwd(v, kw, do)
+        torch.cuda.synchronize()
+        peaks[v.name] = torch.cuda.max_memory_allocated() / 2**30
+
+    fwd_times = {v.name: [] for v in vs}
+    fb_times = {v.name: [] for v in vs}
+    for v in vs:  # warm-up
+        for _ in range(3):
+            fwd_bwd(v, kw, do)
+    for _ in range(rounds):
+        for v in vs:
+            if not checks[v.name]["ok"]:
+                continue
+            fwd_times[v.name] += cuda_times(lambda: v(**kw), reps)
+            fb_times[v.name] += cuda_times(lambda: fwd_bwd(v, kw, do), reps)
+
+    rows = []
+    info = versions()
+    for v in vs:
+        try:
+            stage_ms, kernel_ms = profile_stages(v, kw, do)
+        except Exception as err:  # a broken profiler must not cost the timings
+            stage_ms, kernel_ms = {"error": repr(err)}, {}
+        ok = checks[v.name]["ok"]
+        fwd = summary(fwd_times[v.name]) if ok else None
+        fb = summary(fb_times[v.name]) if ok else None
+        row = {
+            "kind": "chunk_kda",
+            "shape": name,
+            "problem": p.describe(),
+            "impl": v.name,
+            "fwd_ms": fwd["median"] if fwd else None,
+            "fwd_spread_ms": [fwd["p10"], fwd["p90"]] if fwd else None,
+            "fwdbwd_ms": fb["median"] if fb else None,
+            "fwdbwd_spread_ms": [fb["p10"], fb["p90"]] if fb else None,
+            "reps": fb["n"] if fb else 0,
+            "stage_ms": stage_ms,
+            "kernel_ms": kernel_ms,
+            "first_call_s": first_call[v.name],
+            "first_call_cold": v is vs[0],
+            "peak_gib": peaks[v.name],
+            "parity": checks[v.name],
+            "floors_ms": FLOORS_MS.get(name),
+            "gpu": torch.cuda.get_device_name(),
+            "versions": info,
+            "commit": results.commit(),
+            "date": results.now(),
+        }
+        results.append(out_path, row)
+        rows.append(row)
+    return rows
+
+
+def main(argv=None) -> int:
+    from kernel_fun.kda.problems import SHAPES
+
+    parser = argparse.ArgumentParser(prog="python -m kernel_fun.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default="prod8192_gate", help=f"comma list of {sorted(SHAPES)} or 'all'")
+    parser.add_argument("--impls", default="fla,chain_fla,ours", help="comma list of fla, chain_fla, ours")
+    parser.add_argument("--reps", type=int, default=10, help="timed calls per round")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
+    parser.add_argument("--out", type=Path, default=None, help="JSONL file to append rows to")
+    parser.add_argument("--fla-configs", type=Path, default=None,
+                        help="where to store fla's autotune choices (default: bench/fla_configs/<gpu>)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("kernel_fun.bench needs a CUDA GPU; `python -m kernel_fun.demo` runs anywhere.", file=sys.stderr)
+        return 2
+
+    from kernel_fun.bench import fla_configs, results
+
+    gpu = torch.cuda.get_device_name()
+    stored = fla_configs.use_stored_configs(gpu)
+    print(f"fla configs: {stored or 'none stored for this GPU; fla autotunes'}", flush=True)
+    shapes = sorted(SHAPES) if args.shapes == "all" else args.shapes.split(",")
+    impls = args.impls.split(",")
+    from kernel_fun.kda import stages
+
+    if "ours" in impls and not any("ours" in s.impls for s in stages().values()):
+        impls.remove("ours")  # no kernel-fun kernel yet: "ours" would be the control again
+        print("no stage has a kernel-fun kernel yet; benching fla and the all-fla control", flush=True)
+    out = args.out or results.RESULTS / "chunk_kda.jsonl"
+    all_rows = []
+    for name in shapes:
+        all_rows += bench_shape(name, impls, args.reps, args.rounds, out)
+        torch.cuda.empty_cache()
+    n = fla_configs.dump(args.fla_configs or fla_configs.gpu_dir(gpu))
+    print(f"stored {n} fla autotune entries", flush=True)
+    print()
+    print(results.op_table(all_rows))
+    return 0 if all(r["parity"]["ok"] for r in all_rows) else 1

@@ -1,0 +1,6 @@
+"""Regenerate the README's numbers table from ``bench/results/*.jsonl``."""
+
+from kernel_fun.bench.results import README, update_readme
+
+if __name__ == "__main__":
+    print(f"{README}: {'updated' if update_readme() else 'already current'}")

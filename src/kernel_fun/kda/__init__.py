@@ -1,0 +1,12 @@
+"""Kimi Delta Attention (KDA): ``chunk_kda``, drop-in for ``fla.ops.kda.chunk_kda``.
+
+``from kernel_fun.kda import chunk_kda`` is the one line a user changes. ``is_supported``
+says whether a call would run kernel-fun's chain; ``last_record`` says what the last call
+ran, stage by stage; ``use_impls`` forces implementations (tests, benchmarks).
+"""
+
+from kernel_fun.kda import chain as _chain  # noqa: F401  (registers the stages)
+from kernel_fun.kda.chunk import PARAMETERS, chunk_kda, is_supported
+from kernel_fun.kda.stages import CallRecord, last_record, stages, use_impls
+
+__all__ = ["chunk_kda", "is_supported", "last_record", "use_impls", "stages", "CallRecord", "PARAMETERS"]

@@ -1,0 +1,397 @@
+"""KDA's forward and backward as a chain of stages, and the autograd Function over it.
+
+The stage boundaries are fla's (``chunk_kda_fwd`` / ``chunk_kda_bwd`` in fla-core 0.5.2),
+so with every stage on ``fla`` the chain launches exactly fla's kernels, in fla's order,
+with fla's arguments: its results equal fla's ``chunk_kda`` bit for bit, and the bench
+row of that configuration measures what the wrapper alone costs. The Function saves what
+fla saves (the normalized q/k with their rstd, v, the raw gate input, the raw and used
+beta, A_log, dt_bias, Aqk, Akk_inv, the initial state and -- for a pre-computed gate --
+its chunk cumsum), and recomputes the rest in the backward as fla does.
+
+Stage units and the fla functions they stand for:
+
+==========  ============================================================================
+F1          l2norm of q and k (``fla.modules.l2norm.l2norm_fwd``)
+F1b         beta = scale * sigmoid(beta_raw) (``fla.ops.common.gate.fused_beta_sigmoid``)
+F2          gate activation + chunk cumsum (``kda_gate_chunk_cumsum`` / ``chunk_local_cumsum``)
+F3-F6       intra-chunk Aqk, Akk, their solve, w/u/kg (``chunk_kda_fwd_intra``)
+F7          the state scan (``chunk_gated_delta_rule_fwd_h``)
+F8          the output (``chunk_gla_fwd_o_gk``)
+B1          F2 recomputed (gate in the op only)
+B2          w, u, qg, kg recomputed (``recompute_w_u_fwd``)
+B3          F7 recomputed
+B4          dAqk and dv through Aqk (``chunk_kda_bwd_dAv``)
+B5          the reverse scan (``chunk_gated_delta_rule_bwd_dhu``)
+B6          the WY backward (``chunk_kda_bwd_wy_dqkg_fused``)
+B7          gradients through Aqk/Akk (``chunk_kda_bwd_intra``)
+B8          reverse chunk cumsum of dg (``chunk_local_cumsum``)
+B9          the gate's backward (``kda_gate_bwd``)
+B10         l2norm backward of dq and dk (``l2norm_bwd``)
+B10b        beta sigmoid backward (``fused_beta_sigmoid_bwd``)
+==========  ============================================================================
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Mapping
+
+import torch
+
+from kernel_fun.kda import reference as ref
+from kernel_fun.kda.stages import CallRecord, Dispatcher, Stage, register, set_last_record
+
+RCP_LN2 = ref.RCP_LN2
+
+
+# --------------------------------------------------------------------------------------
+# fla's stage functions (imported on first use: fla is the fallback, not an import cost)
+# --------------------------------------------------------------------------------------
+def _fla_l2norm_fwd(q, k):
+    from fla.modules.l2norm import l2norm_fwd
+
+    q, q_rstd = l2norm_fwd(q)
+    k, k_rstd = l2norm_fwd(k)
+    return q, q_rstd, k, k_rstd
+
+
+def _fla_beta_sigmoid(beta, scale):
+    from fla.ops.common.gate import fused_beta_sigmoid
+
+    return fused_beta_sigmoid(beta, scale=scale)
+
+
+def _fla_gate(g, use_gate_in_kernel, A_log, dt_bias, lower_bound, chunk_size, cu_seqlens, chunk_indices):
+    if use_gate_in_kernel:
+        from fla.ops.kda.gate import kda_gate_chunk_cumsum
+
+        return kda_gate_chunk_cumsum(
+            g=g, A_log=A_log, dt_bias=dt_bias, scale=RCP_LN2, chunk_size=chunk_size,
+            cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, lower_bound=lower_bound,
+        )
+    from fla.ops.utils import chunk_local_cumsum
+
+    return chunk_local_cumsum(
+        g=g, scale=RCP_LN2, chunk_size=chunk_size, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
+    )
+
+
+def _fla_intra(q, k, v, gc, beta, scale, chunk_size, cu_seqlens, chunk_indices):
+    from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
+
+    w, u, _, kg, Aqk, Akk = chunk_kda_fwd_intra(
+        q=q, k=k, v=v, gk=gc, beta=beta, scale=scale, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+        chunk_indices=chunk_indices, safe_gate=False, disable_recompute=False,
+    )
+    return w, u, kg, Aqk, Akk
+
+
+def _fla_h(kg, w, u, gc, initial_state, output_final_state, chunk_size, cu_seqlens, cu_seqlens_cpu, chunk_indices):
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+
+    extra = {"cu_seqlens_cpu": cu_seqlens_cpu} if cu_seqlens_cpu is not None else {}
+    return chunk_gated_delta_rule_fwd_h(
+        k=kg, w=w, u=u, gk=gc, initial_state=initial_state, output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, chunk_size=chunk_size, state_v_first=False, **extra,
+    )
+
+
+def _fla_o(q, v_new, gc, Aqk, h, scale, chunk_size, cu_seqlens, chunk_indices):
+    from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
+
+    return chunk_gla_fwd_o_gk(
+        q=q, v=v_new, g=gc, A=Aqk, h=h, scale=scale, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+        chunk_indices=chunk_indices, state_v_first=False,
+    )
+
+
+def _fla_wy(q, k, v, beta, A, gc, chunk_size, cu_seqlens, chunk_indices):
+    from fla.ops.kda.wy_fast import recompute_w_u_fwd
+
+    return recompute_w_u_fwd(
+        q=q, k=k, v=v, beta=beta, A=A, gk=gc, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
+    )
+
+
+def _fla_dav(q, k, v_new, do, Aqk, scale, chunk_size, cu_seqlens, chunk_indices):
+    from fla.ops.kda.chunk_bwd import chunk_kda_bwd_dAv
+
+    return chunk_kda_bwd_dAv(
+        q=q, k=k, v=v_new, do=do, A=Aqk, scale=scale, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+        chunk_indices=chunk_indices,
+    )
+
+
+def _fla_dhu(qg, kg, w, gc, h0, dht, do, dv, scale, chunk_size, cu_seqlens, chunk_indices):
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu
+
+    return chunk_gated_delta_rule_bwd_dhu(
+        q=qg, k=kg, w=w, gk=gc, h0=h0, dht=dht, do=do, dv=dv, scale=scale, cu_seqlens=cu_seqlens,
+        chunk_size=chunk_size, chunk_indices=chunk_indices, state_v_first=False,
+    )
+
+
+def _fla_wy_dqkg(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, cu_seqlens, chunk_indices):
+    from fla.ops.kda.chunk_bwd import chunk_kda_bwd_wy_dqkg_fused
+
+    return chunk_kda_bwd_wy_dqkg_fused(
+        q=q, k=k, v=v, v_new=v_new, g=gc, beta=beta, A=A, h=h, do=do, dh=dh, dv=dv, scale=scale,
+        cu_seqlens=cu_seqlens, chunk_size=chunk_size, chunk_indices=chunk_indices, state_v_first=False,
+    )
+
+
+def _fla_intra_bwd(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens, chunk_indices):
+    from fla.ops.kda.chunk_intra import chunk_kda_bwd_intra
+
+    return chunk_kda_bwd_intra(
+        q=q, k=k, g=gc, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db, dg=dg, cu_seqlens=cu_seqlens,
+        chunk_indices=chunk_indices, chunk_size=chunk_size, safe_gate=False,
+    )
+
+
+def _fla_reverse_cumsum(dg, chunk_size, cu_seqlens, chunk_indices):
+    from fla.ops.utils import chunk_local_cumsum
+
+    return chunk_local_cumsum(dg, chunk_size=chunk_size, reverse=True, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
+
+
+def _fla_gate_bwd(g, A_log, dt_bias, dyg, lower_bound):
+    from fla.ops.kda.gate import kda_gate_bwd
+
+    return kda_gate_bwd(g=g, A_log=A_log, dt_bias=dt_bias, dyg=dyg, lower_bound=lower_bound)
+
+
+def _fla_l2norm_bwd(q, q_rstd, dq, k, k_rstd, dk):
+    from fla.modules.l2norm import l2norm_bwd
+
+    return l2norm_bwd(q, q_rstd, dq), l2norm_bwd(k, k_rstd, dk)
+
+
+def _fla_beta_sigmoid_bwd(beta, db, scale):
+    from fla.ops.common.gate import fused_beta_sigmoid_bwd
+
+    return fused_beta_sigmoid_bwd(beta, db, scale=scale)
+
+
+# --------------------------------------------------------------------------------------
+# The reference implementations, with the shared stage signatures
+# --------------------------------------------------------------------------------------
+def _ref_l2norm_fwd(q, k):
+    q, q_rstd = ref.l2norm_fwd(q)
+    k, k_rstd = ref.l2norm_fwd(k)
+    return q, q_rstd, k, k_rstd
+
+
+def _ref_gate(g, use_gate_in_kernel, A_log, dt_bias, lower_bound, chunk_size, cu_seqlens, chunk_indices):
+    return ref.gate_cumsum(g, use_gate_in_kernel, A_log, dt_bias, lower_bound, chunk_size, cu_seqlens)
+
+
+def _ref_intra(q, k, v, gc, beta, scale, chunk_size, cu_seqlens, chunk_indices):
+    Aqk, Akk = ref.intra_scores(q, k, gc, beta, scale, chunk_size, cu_seqlens)
+    w, u, _, kg = ref.wy_fwd(k, v, beta, Akk, gc, None, chunk_size, cu_seqlens)
+    return w, u, kg, Aqk, Akk
+
+
+def _ref_h(kg, w, u, gc, initial_state, output_final_state, chunk_size, cu_seqlens, cu_seqlens_cpu, chunk_indices):
+    return ref.h_fwd(kg, w, u, gc, initial_state, output_final_state, chunk_size, cu_seqlens)
+
+
+def _ref_o(q, v_new, gc, Aqk, h, scale, chunk_size, cu_seqlens, chunk_indices):
+    return ref.o_fwd(q, v_new, gc, Aqk, h, scale, chunk_size, cu_seqlens)
+
+
+def _ref_wy(q, k, v, beta, A, gc, chunk_size, cu_seqlens, chunk_indices):
+    return ref.wy_fwd(k, v, beta, A, gc, q, chunk_size, cu_seqlens)
+
+
+def _ref_dav(q, k, v_new, do, Aqk, scale, chunk_size, cu_seqlens, chunk_indices):
+    return ref.dav_bwd(v_new, do, Aqk, scale, chunk_size, cu_seqlens)
+
+
+def _ref_dhu(qg, kg, w, gc, h0, dht, do, dv, scale, chunk_size, cu_seqlens, chunk_indices):
+    return ref.dhu_bwd(qg, kg, w, gc, h0, dht, do, dv, scale, chunk_size, cu_seqlens)
+
+
+def _ref_wy_dqkg(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, cu_seqlens, chunk_indices):
+    return ref.wy_dqkg_bwd(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, cu_seqlens)
+
+
+def _ref_intra_bwd(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens, chunk_indices):
+    return ref.intra_bwd(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens)
+
+
+def _ref_reverse_cumsum(dg, chunk_size, cu_seqlens, chunk_indices):
+    return ref.chunk_cumsum(dg, reverse=True, chunk_size=chunk_size, cu_seqlens=cu_seqlens)
+
+
+def _ref_l2norm_bwd(q, q_rstd, dq, k, k_rstd, dk):
+    return ref.l2norm_bwd(q, q_rstd, dq), ref.l2norm_bwd(k, k_rstd, dk)
+
+
+def _stage(name, covers, title, outputs, fla, reference):
+    register(Stage(name=name, covers=covers, title=title, outputs=outputs,
+                   impls={"fla": fla, "reference": reference}))
+
+
+_stage("F1", ("F1",), "l2norm fwd (q, k)", ("q", "q_rstd", "k", "k_rstd"), _fla_l2norm_fwd, _ref_l2norm_fwd)
+_stage("F1b", ("F1b",), "beta sigmoid", ("beta",), _fla_beta_sigmoid, ref.beta_sigmoid_fwd)
+_stage("F2", ("F2",), "gate + chunk cumsum", ("gc",), _fla_gate, _ref_gate)
+_stage("F3-F6", ("F3", "F4", "F5", "F6"), "intra scores, solve, w/u/kg", ("w", "u", "kg", "Aqk", "Akk"),
+       _fla_intra, _ref_intra)
+_stage("F7", ("F7",), "state scan", ("h", "v_new", "final_state"), _fla_h, _ref_h)
+_stage("F8", ("F8",), "output", ("o",), _fla_o, _ref_o)
+_stage("B1", ("B1",), "gate + chunk cumsum (recompute)", ("gc",), _fla_gate, _ref_gate)
+_stage("B2", ("B2",), "w/u/qg/kg (recompute)", ("w", "u", "qg", "kg"), _fla_wy, _ref_wy)
+_stage("B3", ("B3",), "state scan (recompute)", ("h", "v_new", "final_state"), _fla_h, _ref_h)
+_stage("B4", ("B4",), "dAqk, dv through Aqk", ("dAqk", "dv"), _fla_dav, _ref_dav)
+_stage("B5", ("B5",), "reverse state scan", ("dh", "dh0", "dv2"), _fla_dhu, _ref_dhu)
+_stage("B6", ("B6",), "WY backward dq/dk/dv/db/dg/dA", ("dq", "dk", "dv", "db", "dg", "dA"),
+       _fla_wy_dqkg, _ref_wy_dqkg)
+_stage("B7", ("B7",), "intra backward", ("dq", "dk", "db", "dg"), _fla_intra_bwd, _ref_intra_bwd)
+_stage("B8", ("B8",), "reverse chunk cumsum of dg", ("dg",), _fla_reverse_cumsum, _ref_reverse_cumsum)
+_stage("B9", ("B9",), "gate backward", ("dg", "dA_log", "ddt_bias"), _fla_gate_bwd, ref.gate_bwd)
+_stage("B10", ("B10",), "l2norm bwd (q, k)", ("dq", "dk"), _fla_l2norm_bwd, _ref_l2norm_bwd)
+_stage("B10b", ("B10b",), "beta sigmoid bwd", ("dbeta",), _fla_beta_sigmoid_bwd, ref.beta_sigmoid_bwd)
+
+FORWARD_STAGES = ("F1", "F1b", "F2", "F3-F6", "F7", "F8")
+BACKWARD_STAGES = ("B1", "B2", "B3", "B4", "B5", "B6", "B7", "B8", "B9", "B10", "B10b")
+
+
+# --------------------------------------------------------------------------------------
+# The autograd Function
+# --------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, eq=False)
+class Options:
+    """The non-tensor arguments of one call, after validation."""
+
+    scale: float
+    output_final_state: bool
+    use_qk_l2norm_in_kernel: bool
+    use_gate_in_kernel: bool
+    use_beta_sigmoid_in_kernel: bool
+    allow_neg_eigval: bool
+    lower_bound: float | None
+    chunk_size: int
+    cu_seqlens: torch.Tensor | None
+    cu_seqlens_cpu: torch.Tensor | None
+    forced: Mapping[str, str] | None
+    tap: list | None = None
+
+    @property
+    def beta_scale(self) -> float:
+        return 2.0 if self.allow_neg_eigval else 1.0
+
+
+def _device_scope(t: torch.Tensor):
+    if t.device.type == "cuda":
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
+
+
+def _chunk_indices(opts: Options):
+    if opts.cu_seqlens is None:
+        return None
+    from fla.ops.utils.index import prepare_chunk_indices
+
+    return prepare_chunk_indices(opts.cu_seqlens, opts.chunk_size, cu_seqlens_cpu=opts.cu_seqlens_cpu)
+
+
+class ChunkKDAFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, opts: Options, record: CallRecord):
+        with _device_scope(q):
+            return _forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, opts, record)
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        with _device_scope(do):
+            return _backward(ctx, do, dht)
+
+
+def _forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, opts: Options, record: CallRecord):
+    run = Dispatcher(q.device, record, opts.forced, opts.tap)
+    common = dict(chunk_size=opts.chunk_size, cu_seqlens=opts.cu_seqlens)
+    q_rstd = k_rstd = None
+    if opts.use_qk_l2norm_in_kernel:
+        q, q_rstd, k, k_rstd = run.run("F1", "forward", q=q, k=k)
+    beta_raw = beta
+    if opts.use_beta_sigmoid_in_kernel:
+        beta = run.run("F1b", "forward", beta=beta_raw, scale=opts.beta_scale)
+    chunk_indices = _chunk_indices(opts)
+    common["chunk_indices"] = chunk_indices
+    gc = run.run(
+        "F2", "forward", g=g, use_gate_in_kernel=opts.use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+        lower_bound=opts.lower_bound, **common,
+    )
+    w, u, kg, Aqk, Akk = run.run("F3-F6", "forward", q=q, k=k, v=v, gc=gc, beta=beta, scale=opts.scale, **common)
+    h, v_new, final_state = run.run(
+        "F7", "forward", kg=kg, w=w, u=u, gc=gc, initial_state=initial_state,
+        output_final_state=opts.output_final_state, cu_seqlens_cpu=opts.cu_seqlens_cpu, **common,
+    )
+    del w, u, kg
+    o = run.run("F8", "forward", q=q, v_new=v_new, gc=gc, Aqk=Aqk, h=h, scale=opts.scale, **common)
+    del v_new, h
+    g_cumsum = None if opts.use_gate_in_kernel else gc
+    ctx.save_for_backward(
+        q, q_rstd, k, k_rstd, v, g_cumsum, g, beta_raw, beta, A_log, dt_bias, Aqk, Akk, initial_state,
+        opts.cu_seqlens, chunk_indices,
+    )
+    ctx.opts = opts
+    ctx.record = record
+    set_last_record(record)
+    return o.type_as(q), final_state
+
+
+def _backward(ctx, do, dht):
+    (q, q_rstd, k, k_rstd, v, gc, g_input, beta_raw, beta, A_log, dt_bias, Aqk, Akk, initial_state,
+     cu_seqlens, chunk_indices) = ctx.saved_tensors
+    opts: Options = ctx.opts
+    record: CallRecord = ctx.record
+    run = Dispatcher(do.device, record, opts.forced, opts.tap)
+    do = do.contiguous()
+    dht = dht.contiguous() if dht is not None else None
+    common = dict(chunk_size=opts.chunk_size, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
+    H, HV = q.shape[2], v.shape[2]
+
+    if opts.use_gate_in_kernel:
+        gc = run.run(
+            "B1", "backward", g=g_input, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+            lower_bound=opts.lower_bound, **common,
+        )
+    w, u, qg, kg = run.run("B2", "backward", q=q, k=k, v=v, beta=beta, A=Akk, gc=gc, **common)
+    h, v_new, _ = run.run(
+        "B3", "backward", kg=kg, w=w, u=u, gc=gc, initial_state=initial_state, output_final_state=False,
+        cu_seqlens_cpu=None, **common,
+    )
+    del u
+    dAqk, dv = run.run("B4", "backward", q=q, k=k, v_new=v_new, do=do, Aqk=Aqk, scale=opts.scale, **common)
+    dh, dh0, dv = run.run(
+        "B5", "backward", qg=qg, kg=kg, w=w, gc=gc, h0=initial_state, dht=dht, do=do, dv=dv,
+        scale=opts.scale, **common,
+    )
+    del qg, kg, w
+    dq, dk, dv, db, dg, dAkk = run.run(
+        "B6", "backward", q=q, k=k, v=v, v_new=v_new, gc=gc, beta=beta, A=Akk, h=h, do=do, dh=dh, dv=dv,
+        scale=opts.scale, **common,
+    )
+    del h, dh, v_new
+    dq, dk, db, dg = run.run(
+        "B7", "backward", q=q, k=k, gc=gc, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db, dg=dg, **common,
+    )
+    del dAqk, dAkk
+    if HV > H:  # GVA: dq, dk come at value heads; each qk head sums its group
+        dq = dq.view(*dq.shape[:2], H, HV // H, dq.shape[-1]).sum(dim=3)
+        dk = dk.view(*dk.shape[:2], H, HV // H, dk.shape[-1]).sum(dim=3)
+    dg = run.run("B8", "backward", dg=dg, **common)
+    dA_log = ddt_bias = None
+    if opts.use_gate_in_kernel:
+        dg, dA_log, ddt_bias = run.run(
+            "B9", "backward", g=g_input, A_log=A_log, dt_bias=dt_bias, dyg=dg, lower_bound=opts.lower_bound,
+        )
+    if opts.use_qk_l2norm_in_kernel:
+        dq, dk = run.run("B10", "backward", q=q, q_rstd=q_rstd, dq=dq, k=k, k_rstd=k_rstd, dk=dk)
+    if opts.use_beta_sigmoid_in_kernel:
+        db = run.run("B10b", "backward", beta=beta_raw, db=db, scale=opts.beta_scale)
+    set_last_record(record)
+    return (dq.to(q), dk.to(k), dv.to(v), dg.to(g_input), db.to(beta_raw), dA_log, ddt_bias, dh0, None, None)

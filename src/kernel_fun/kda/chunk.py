@@ -1,0 +1,364 @@
+"""The public ``chunk_kda``: fla's signature and contract, kernel-fun's chain inside.
+
+A call is validated exactly as fla-core 0.5.2 validates it (same exceptions, same
+messages), plus a few clearer checks where fla would fail inside a kernel or silently
+compute on malformed input. Then a whitelist gate decides: a call it knows is supported
+runs kernel-fun's staged chain (``kernel_fun.kda.chain``); anything else -- an argument it
+does not know, a flag not implemented, a shape, dtype or device outside the box, a switch
+-- goes to fla's ``chunk_kda`` with the caller's arguments untouched, so the fallback is
+bitwise fla. Each distinct decision is logged once on the ``kernel_fun`` logger.
+
+Switches (environment variables, read on every call; a malformed value warns and keeps
+the default):
+
+- ``KERNEL_FUN_DISABLE=1``: every op goes to fla.
+- ``KERNEL_FUN_KDA_DISABLE=1``: ``chunk_kda`` goes to fla.
+- ``KERNEL_FUN_KDA_MIN_CTAS=<n>``: calls with fewer than n chunk-heads (chunks x value
+  heads: the grid of the chunk-parallel stages) go to fla. Default 0 (no floor).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import logging
+from typing import Any
+
+import torch
+
+from kernel_fun._runtime import env_flag, env_int, log_once
+from kernel_fun.kda.chain import ChunkKDAFunction, Options
+from kernel_fun.kda.stages import CallRecord, current_forced, current_tap, set_last_record
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_KNOWN_KWARGS = ("A_log", "dt_bias", "chunk_size")
+
+
+def _signature(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    safe_gate: bool = False,
+    lower_bound: float | None = None,
+    disable_recompute: bool = False,
+    return_intermediate_states: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: torch.LongTensor | None = None,
+    cu_seqlens_cpu: torch.LongTensor | None = None,
+    cp_context: Any = None,
+    use_graph: bool = False,
+    max_num_seqs: int | None = None,
+    **kwargs,
+):  # pragma: no cover - only its signature is used
+    ...
+
+
+_SIG = inspect.signature(_signature)
+
+# Every parameter of fla 0.5.2's and 0.6.0's chunk_kda, and what the gate does with it.
+PARAMETERS = {
+    "q": "handled", "k": "handled", "v": "handled", "g": "handled", "beta": "handled",
+    "scale": "handled", "initial_state": "handled", "output_final_state": "handled",
+    "use_qk_l2norm_in_kernel": "handled", "use_gate_in_kernel": "handled",
+    "use_beta_sigmoid_in_kernel": "handled", "allow_neg_eigval": "handled",
+    "lower_bound": "handled", "cu_seqlens": "handled", "cu_seqlens_cpu": "handled",
+    "A_log": "handled", "dt_bias": "handled",
+    "chunk_size": "handled when 64; 32 falls back",
+    "safe_gate": "falls back when True",
+    "disable_recompute": "falls back when True",
+    "return_intermediate_states": "falls back when True",
+    "state_v_first": "falls back when True",
+    "transpose_state_layout": "falls back whenever given (deprecated alias of state_v_first)",
+    "cp_context": "falls back when set",
+    "use_graph": "falls back when True (fla 0.6)",
+    "max_num_seqs": "falls back when set (fla 0.6)",
+}
+
+
+@dataclasses.dataclass
+class _Call:
+    """A bound call: the caller's arguments with defaults applied."""
+
+    args: dict[str, Any]
+    kwargs: dict[str, Any]
+
+    def __getattr__(self, name):
+        try:
+            return self.args[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def _bind(args, kwargs) -> _Call:
+    bound = _SIG.bind(*args, **kwargs)
+    bound.apply_defaults()
+    arguments = dict(bound.arguments)
+    extra = arguments.pop("kwargs")
+    return _Call(arguments, dict(extra))
+
+
+def _describe(t) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')} on {t.device.type}"
+    return type(t).__name__
+
+
+# --------------------------------------------------------------------------------------
+# Validation: fla-core 0.5.2's checks in fla's order, then clearer ones of our own
+# --------------------------------------------------------------------------------------
+def _validate(c: _Call) -> None:
+    kw = c.kwargs
+    if "transpose_state_layout" in kw and c.state_v_first:
+        raise ValueError("Cannot pass both `state_v_first` and the deprecated `transpose_state_layout`.")
+    q, k, v, g, beta = c.q, c.k, c.v, c.g, c.beta
+    for name in ("q", "k", "v", "g", "beta"):
+        t = c.args[name]
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"`{name}` must be a torch.Tensor, got {type(t).__name__}.")
+    if q.dim() != 4:
+        raise ValueError(f"q must have shape [B, T, H, K], got {list(q.shape)}.")
+    if v.dim() != 4:
+        raise ValueError(f"v must have shape [B, T, HV, V], got {list(v.shape)}.")
+    cu_seqlens = c.cu_seqlens
+    if cu_seqlens is not None:
+        if q.shape[0] != 1:
+            raise ValueError(
+                f"The batch size is expected to be 1 rather than {q.shape[0]} when using `cu_seqlens`."
+                f"Please flatten variable-length inputs before processing.",
+            )
+        if c.initial_state is not None and c.initial_state.shape[0] != len(cu_seqlens) - 1:
+            raise ValueError(
+                f"The number of initial states is expected to be equal to the number of input sequences, "
+                f"i.e., {len(cu_seqlens) - 1} rather than {c.initial_state.shape[0]}.",
+            )
+    if c.initial_state is not None:
+        assert c.initial_state.dtype == torch.float32, "initial_state must be in float32."
+    if c.use_gate_in_kernel and c.lower_bound is None:
+        if "A_log" not in kw:
+            raise AssertionError("A_log must be provided when use_gate_in_kernel=True.")
+        if not isinstance(kw["A_log"], torch.Tensor):
+            raise TypeError(f"A_log must be a tensor of HV elements when use_gate_in_kernel=True, got {_describe(kw['A_log'])}.")
+    chunk_size = kw.get("chunk_size", 64)
+    if chunk_size not in (32, 64):
+        raise ValueError(f"`chunk_size` must be either 32 or 64 for KDA, got {chunk_size}.")
+    if c.safe_gate and c.use_gate_in_kernel:
+        if c.lower_bound is None:
+            raise ValueError("`lower_bound` must be specified when `safe_gate=True` and `use_gate_in_kernel=True`.")
+        if not (-5 <= c.lower_bound < 0):
+            raise ValueError(f"`lower_bound` must be in the safe range [-5, 0), got {c.lower_bound}.")
+    if c.allow_neg_eigval and not c.use_beta_sigmoid_in_kernel:
+        raise ValueError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`.")
+    B, T, H, K = q.shape
+    HV = v.shape[2]
+    assert q.shape == k.shape, f"q and k must have the same shape, got q={q.shape} vs k={k.shape}"
+    assert K <= 256, f"Currently we only support key headdim <=256 for KDA, got {K}."
+    if H == 0 or HV == 0:
+        raise ValueError(f"the head counts must be positive, got H={H}, HV={HV}.")
+    assert HV % H == 0, (
+        f"For GVA, num_v_heads (HV={HV}) must be evenly divisible by num_qk_heads (H={H}), "
+        f"but got HV % H = {HV % H}"
+    )
+    assert g.shape == (B, T, HV, K), f"g must have shape [B, T, HV, K]={[B, T, HV, K]}, got {list(g.shape)}"
+    assert beta.shape == (B, T, HV), f"beta must have shape [B, T, HV]={[B, T, HV]}, got {list(beta.shape)}"
+    # Checks fla does not make, where it would fail inside a kernel or compute on bad input.
+    if tuple(v.shape[:2]) != (B, T):
+        raise ValueError(f"v must have shape [B, T, HV, V] with B={B}, T={T}, got {list(v.shape)}.")
+    if T == 0 or K == 0 or v.shape[3] == 0:
+        raise ValueError(f"chunk_kda needs T, K and V >= 1, got q {list(q.shape)}, v {list(v.shape)}.")
+    for name in ("q", "k", "v", "g", "beta"):
+        if not c.args[name].is_floating_point():
+            raise TypeError(f"`{name}` must be a floating-point tensor, got {c.args[name].dtype}.")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share one dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}.")
+    tensors = {n: c.args[n] for n in ("q", "k", "v", "g", "beta", "initial_state", "cu_seqlens")}
+    tensors.update({n: kw.get(n) for n in ("A_log", "dt_bias")})
+    devices = {n: t.device for n, t in tensors.items() if isinstance(t, torch.Tensor)}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"all tensors must be on one device, got {devices}.")
+    N = B if cu_seqlens is None else len(cu_seqlens) - 1
+    if c.initial_state is not None and tuple(c.initial_state.shape) != (N, HV, K, v.shape[3]):
+        raise ValueError(
+            f"initial_state must have shape [N, HV, K, V]={[N, HV, K, v.shape[3]]}, got {list(c.initial_state.shape)}."
+        )
+    if c.use_gate_in_kernel:
+        A_log, dt_bias = kw.get("A_log"), kw.get("dt_bias")
+        if A_log is not None and A_log.numel() != HV:
+            raise ValueError(f"A_log must have HV={HV} elements, got shape {list(A_log.shape)}.")
+        if dt_bias is not None and dt_bias.numel() != HV * K:
+            raise ValueError(f"dt_bias must have HV*K={HV * K} elements, got shape {list(dt_bias.shape)}.")
+    if cu_seqlens is not None:
+        if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64) or len(cu_seqlens) < 2:
+            raise ValueError(f"cu_seqlens must be a 1-D int32/int64 tensor of N+1 >= 2 offsets, got {_describe(cu_seqlens)}.")
+        host = c.cu_seqlens_cpu if c.cu_seqlens_cpu is not None else (cu_seqlens if cu_seqlens.device.type == "cpu" else None)
+        if host is not None:  # checked only where it costs no device sync
+            bounds = host.tolist()
+            if bounds[0] != 0 or bounds[-1] != T or any(b > a for a, b in zip(bounds[1:], bounds[:-1])):
+                raise ValueError(f"cu_seqlens must rise from 0 to T={T}, got {bounds}.")
+
+
+# --------------------------------------------------------------------------------------
+# The gate
+# --------------------------------------------------------------------------------------
+def _switch_reason() -> str | None:
+    if env_flag("KERNEL_FUN_DISABLE"):
+        return "KERNEL_FUN_DISABLE=1"
+    if env_flag("KERNEL_FUN_KDA_DISABLE"):
+        return "KERNEL_FUN_KDA_DISABLE=1"
+    return None
+
+
+def _gate(c: _Call) -> str | None:
+    """None when kernel-fun's chain takes the call; otherwise the reason it goes to fla."""
+    unknown = sorted(set(c.kwargs) - set(_KNOWN_KWARGS) - {"transpose_state_layout"})
+    if unknown:
+        return f"unknown keyword argument(s) {', '.join(unknown)}"
+    if "transpose_state_layout" in c.kwargs:
+        return "transpose_state_layout given (deprecated alias of state_v_first; not supported)"
+    if c.cp_context is not None:
+        return f"cp_context={type(c.cp_context).__name__} (context parallel) is not supported"
+    flags = {
+        "return_intermediate_states": "inference path",
+        "disable_recompute": "not supported yet",
+        "state_v_first": "V-first state layout not supported yet",
+        "safe_gate": "not supported yet",
+        "use_graph": "fla 0.6 graph-capture buffers",
+    }
+    for name, why in flags.items():
+        if c.args[name]:
+            return f"{name}=True ({why})"
+    if c.max_num_seqs is not None:
+        return f"max_num_seqs={c.max_num_seqs} (fla 0.6 graph capture)"
+    chunk_size = c.kwargs.get("chunk_size", 64)
+    if chunk_size != 64:
+        return f"chunk_size={chunk_size} (only 64 is supported)"
+    if c.use_gate_in_kernel and c.kwargs.get("A_log") is None:
+        return "use_gate_in_kernel=True with A_log=None (fla 0.6's lower-bound-only gate)"
+    q = c.q
+    if q.dtype not in _DTYPES:
+        return f"q dtype {str(q.dtype).replace('torch.', '')} (supported: bfloat16, float16, float32)"
+    for name in ("g", "beta"):
+        if c.args[name].dtype not in _DTYPES:
+            return f"{name} dtype {str(c.args[name].dtype).replace('torch.', '')} (supported: bfloat16, float16, float32)"
+    device = q.device
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) != (9, 0):
+            return f"device {torch.cuda.get_device_name(device)} is sm_{major}{minor}; kernel-fun targets Hopper (sm_90)"
+    elif device.type != "cpu":
+        return f"device type {device.type} is not supported"
+    min_ctas = env_int("KERNEL_FUN_KDA_MIN_CTAS", 0)
+    if min_ctas:
+        B, T = q.shape[:2]
+        HV = c.v.shape[2]
+        n_seq = 1 if c.cu_seqlens is None else len(c.cu_seqlens) - 1
+        # Without a host copy of cu_seqlens, count the fewest chunks the tokens can make.
+        chunks = B * -(-T // 64) if c.cu_seqlens is None else max(-(-T // 64), n_seq)
+        if chunks * HV < min_ctas:
+            return f"{chunks * HV} chunk-heads < KERNEL_FUN_KDA_MIN_CTAS={min_ctas}"
+    return None
+
+
+def _fla_entry():
+    from fla.ops.kda import chunk_kda as fla_chunk_kda
+
+    return fla_chunk_kda
+
+
+def _fallback(reason: str, args, kwargs):
+    log_once(logging.WARNING, f"falling back to fla — {reason}")
+    set_last_record(CallRecord(engaged=False, reason=reason))
+    return _fla_entry()(*args, **kwargs)
+
+
+def _decide(args, kwargs) -> tuple[_Call | None, str | None]:
+    switch = _switch_reason()
+    if switch is not None:
+        return None, switch
+    c = _bind(args, kwargs)
+    if c.cp_context is not None:  # fla takes cu_seqlens from the context and validates it itself
+        return c, _gate(c)
+    _validate(c)
+    return c, _gate(c)
+
+
+def is_supported(*args, **kwargs) -> tuple[bool, str | None]:
+    """``(True, None)`` when ``chunk_kda`` with these arguments runs kernel-fun's chain,
+    else ``(False, reason)``. Takes ``chunk_kda``'s arguments; arguments ``chunk_kda``
+    would reject give ``(False, "invalid arguments — <the error>")``."""
+    try:
+        _, reason = _decide(args, kwargs)
+    except (TypeError, ValueError, AssertionError) as err:
+        return False, f"invalid arguments — {err}"
+    return reason is None, reason
+
+
+@torch.compiler.disable
+def chunk_kda(*args, **kwargs):
+    c, reason = _decide(args, kwargs)
+    if reason is not None:
+        return _fallback(reason, args, kwargs)
+    q, v = c.q, c.v
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    log_once(
+        logging.INFO,
+        f"engaged (B={B} T={T} H={H} HV={HV} K={K} V={V} {str(q.dtype).replace('torch.', '')} on {q.device.type}"
+        f"{', varlen' if c.cu_seqlens is not None else ''})",
+    )
+    opts = Options(
+        scale=K ** -0.5 if c.scale is None else c.scale,
+        output_final_state=bool(c.output_final_state),
+        use_qk_l2norm_in_kernel=bool(c.use_qk_l2norm_in_kernel),
+        use_gate_in_kernel=bool(c.use_gate_in_kernel),
+        use_beta_sigmoid_in_kernel=bool(c.use_beta_sigmoid_in_kernel),
+        allow_neg_eigval=bool(c.allow_neg_eigval),
+        lower_bound=c.lower_bound,
+        chunk_size=64,
+        cu_seqlens=c.cu_seqlens,
+        cu_seqlens_cpu=c.cu_seqlens_cpu,
+        forced=current_forced(),
+        tap=current_tap(),
+    )
+    A_log = dt_bias = None
+    if opts.use_gate_in_kernel:
+        A_log, dt_bias = c.kwargs.get("A_log"), c.kwargs.get("dt_bias")
+    record = CallRecord(engaged=True)
+    set_last_record(record)
+    return ChunkKDAFunction.apply(q, c.k, v, c.g, c.beta, A_log, dt_bias, c.initial_state, opts, record)
+
+
+chunk_kda.__signature__ = _SIG
+chunk_kda.__doc__ = """Chunked Kimi Delta Attention: ``fla.ops.kda.chunk_kda``'s contract, kernel-fun's kernels.
+
+Same signature, defaults, validation errors and return value as fla-core 0.5.2's
+``chunk_kda``; also accepts fla 0.6's ``use_graph`` and ``max_num_seqs`` (a call that sets
+them goes to fla). Calls outside the supported box go to fla with the same arguments.
+
+Args:
+    q, k: ``[B, T, H, K]``. v: ``[B, T, HV, V]`` with HV a multiple of H (GVA).
+    g: ``[B, T, HV, K]``: the log-decay, or with ``use_gate_in_kernel=True`` the raw gate
+        input of ``-exp(A_log) * softplus(g + dt_bias)`` (``lower_bound`` L:
+        ``L * sigmoid(exp(A_log) * (g + dt_bias))``); pass ``A_log`` ``[HV]`` and optional
+        ``dt_bias`` ``[HV * K]`` as keywords.
+    beta: ``[B, T, HV]`` (raw logits with ``use_beta_sigmoid_in_kernel``; doubled range
+        with ``allow_neg_eigval``).
+    scale: defaults to ``K ** -0.5``.
+    initial_state: float32 ``[N, HV, K, V]`` (N = B, or the number of packed sequences).
+    output_final_state: also return the final state ``[N, HV, K, V]`` (float32).
+    use_qk_l2norm_in_kernel: l2-normalize q and k rows inside the op.
+    cu_seqlens / cu_seqlens_cpu: ``[N + 1]`` offsets of packed sequences (B must be 1).
+    chunk_size (keyword): 64 (32 goes to fla).
+
+Returns:
+    ``(o [B, T, HV, V] in q.dtype, final_state or None)``.
+"""

@@ -1,0 +1,169 @@
+"""Named KDA problems and their random inputs, shared by the tests, the bench and the demo.
+
+Inputs follow fla's own tests (whose error budgets kernel-fun adopts): q, k, v uniform in
+[0, 1) (q, k row-normalized when l2norm is not done in the op, which keeps the delta rule
+contractive); raw gate input standard
+normal with Kimi-Linear's A_log and dt_bias initializations, or a pre-computed log-decay ``logsigmoid(x) / 16``; beta
+in (0, 1) (raw logits when the op applies the sigmoid). Never zeros: zeros hide unwritten
+outputs and wrong indexing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    name: str
+    B: int
+    T: int
+    H: int
+    HV: int
+    K: int
+    V: int
+    gate_in_kernel: bool = True
+    l2norm_in_kernel: bool = True
+    beta_sigmoid_in_kernel: bool = False
+    allow_neg_eigval: bool = False
+    lower_bound: float | None = None
+    initial_state: bool = False
+    output_final_state: bool = False
+    cu_seqlens: tuple[int, ...] | None = None
+    dtype: torch.dtype = torch.bfloat16
+
+    @property
+    def chunk_heads(self) -> int:
+        if self.cu_seqlens is None:
+            return self.B * -(-self.T // 64) * self.HV
+        lens = [b - a for a, b in zip(self.cu_seqlens[:-1], self.cu_seqlens[1:])]
+        return sum(-(-n // 64) for n in lens) * self.HV
+
+    def describe(self) -> str:
+        flags = []
+        if self.gate_in_kernel:
+            flags.append("gate" if self.lower_bound is None else f"gate(lb={self.lower_bound})")
+        if self.l2norm_in_kernel:
+            flags.append("l2norm")
+        if self.beta_sigmoid_in_kernel:
+            flags.append("beta_sigmoid" + ("(neg)" if self.allow_neg_eigval else ""))
+        if self.initial_state:
+            flags.append("h0")
+        if self.cu_seqlens is not None:
+            flags.append(f"varlen{len(self.cu_seqlens) - 1}")
+        return (f"B{self.B} T{self.T} H{self.H} HV{self.HV} K{self.K} V{self.V} "
+                f"{str(self.dtype).replace('torch.', '')} {'+'.join(flags) or 'pre-gated'}")
+
+
+# The bench's named shapes (anchors.md): production Kimi-Linear-style training calls.
+SHAPES = {
+    "prod8192_gate": Problem("prod8192_gate", 16, 8192, 16, 16, 128, 256),
+    "prod8192": Problem("prod8192", 16, 8192, 16, 16, 128, 256, gate_in_kernel=False),
+    "kimi": Problem("kimi", 8, 8192, 32, 32, 128, 128),
+    "b8": Problem("b8", 8, 8192, 16, 16, 128, 256),
+    "small": Problem("small", 4, 8192, 8, 8, 128, 256),
+}
+
+
+def make_inputs(p: Problem, device="cpu", seed: int = 0, requires_grad: bool = True) -> dict:
+    """The keyword arguments of a ``chunk_kda`` call for problem ``p`` (leaf tensors)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def randn(*shape, dtype=p.dtype):
+        return torch.randn(*shape, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)
+
+    def rand(*shape, dtype=p.dtype):
+        return torch.rand(*shape, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)
+
+    B, T, H, HV, K, V = p.B, p.T, p.H, p.HV, p.K, p.V
+    q, k = rand(B, T, H, K, dtype=torch.float32), rand(B, T, H, K, dtype=torch.float32)
+    if not p.l2norm_in_kernel:
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+    q, k = q.to(p.dtype), k.to(p.dtype)
+    v = rand(B, T, HV, V)
+    kwargs = dict(q=q, k=k, v=v)
+    if p.gate_in_kernel:
+        kwargs["g"] = randn(B, T, HV, K)
+        kwargs["A_log"] = torch.log(torch.empty(HV).uniform_(1, 16, generator=gen)).to(device)
+        # Mamba/Kimi-style init: dt log-uniform in [1e-3, 1e-1], dt_bias its inverse softplus.
+        dt = torch.exp(torch.empty(HV * K).uniform_(math.log(1e-3), math.log(1e-1), generator=gen))
+        kwargs["dt_bias"] = (dt + torch.log(-torch.expm1(-dt))).to(device)
+    else:
+        kwargs["g"] = (F.logsigmoid(torch.randn(B, T, HV, K, generator=gen)) / 16).to(device=device, dtype=p.dtype)
+    if p.beta_sigmoid_in_kernel:
+        kwargs["beta"] = randn(B, T, HV)
+    else:
+        kwargs["beta"] = torch.sigmoid(torch.randn(B, T, HV, generator=gen)).to(device=device, dtype=p.dtype)
+    N = B if p.cu_seqlens is None else len(p.cu_seqlens) - 1
+    if p.initial_state:
+        kwargs["initial_state"] = randn(N, HV, K, V, dtype=torch.float32) * 0.1
+    if requires_grad:
+        for name, t in kwargs.items():
+            t.requires_grad_(True)
+    kwargs.update(
+        use_gate_in_kernel=p.gate_in_kernel,
+        use_qk_l2norm_in_kernel=p.l2norm_in_kernel,
+        use_beta_sigmoid_in_kernel=p.beta_sigmoid_in_kernel,
+        allow_neg_eigval=p.allow_neg_eigval,
+        output_final_state=p.output_final_state,
+    )
+    if p.lower_bound is not None:
+        kwargs["lower_bound"] = p.lower_bound
+    if p.cu_seqlens is not None:
+        kwargs["cu_seqlens"] = torch.tensor(p.cu_seqlens, dtype=torch.int64, device=device)
+    return kwargs
+
+
+GRAD_NAMES = {"q": "dq", "k": "dk", "v": "dv", "g": "dg", "beta": "dbeta",
+              "initial_state": "dh0", "A_log": "dA_log", "dt_bias": "ddt_bias"}
+
+
+def leaves(kwargs: dict) -> dict[str, torch.Tensor]:
+    """The differentiable tensor inputs of a call, by argument name."""
+    return {n: t for n, t in kwargs.items() if isinstance(t, torch.Tensor) and t.requires_grad}
+
+
+def cotangents(o: torch.Tensor, final_state: torch.Tensor | None, seed: int = 1, grid: torch.dtype | None = None):
+    """Random do (and dht) for a backward, never zeros. ``grid`` rounds the draws to a
+    dtype first, so an oracle run in float64 gets exactly the cotangents a bf16 run got."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def draw(t):
+        x = torch.randn(t.shape, generator=gen)
+        if grid is not None:
+            x = x.to(grid)
+        return x.to(device=t.device, dtype=t.dtype)
+
+    return draw(o), (draw(final_state) if final_state is not None else None)
+
+
+def run_fwd_bwd(fn, kwargs: dict, seed: int = 1, grid: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Call ``fn(**kwargs)`` and backpropagate random cotangents; returns o, final_state and
+    every gradient, keyed ``o``, ``final_state``, ``dq``, ``dk``, ..."""
+    o, final_state = fn(**kwargs)
+    do, dht = cotangents(o, final_state, seed, grid)
+    outs, grads_in = [o], [do]
+    if final_state is not None:
+        outs.append(final_state)
+        grads_in.append(dht)
+    named = leaves(kwargs)
+    grads = torch.autograd.grad(outs, list(named.values()), grads_in, allow_unused=True)
+    result = {"o": o.detach(), "final_state": final_state.detach() if final_state is not None else None}
+    for name, grad in zip(named, grads):
+        result[GRAD_NAMES[name]] = grad
+    return result
+
+
+def as_oracle_inputs(kwargs: dict) -> dict:
+    """The same call with every floating tensor as a float64 leaf (for ``recurrent_kda``)."""
+    out = {}
+    for name, t in kwargs.items():
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            out[name] = t.detach().to(torch.float64).requires_grad_(t.requires_grad)
+        else:
+            out[name] = t
+    return out

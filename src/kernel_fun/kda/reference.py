@@ -1,0 +1,761 @@
+"""Torch references for KDA: the float64 oracle and one reference per stage.
+
+Two kinds of reference live here, and every test, the bench and the CPU path share them:
+
+(a) ``recurrent_kda`` -- the token-by-token recurrence in float64, the ground truth. Every
+    gradient (dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias) comes from torch autograd
+    through it.
+
+(b) The stage references -- one torch function per stage of fla's chunked chain (F1-F8,
+    B1-B10; ``docs/`` and ``kda-roofline.md`` name them), each computing that stage's
+    outputs from that stage's inputs, with fla's layouts and dtypes. They compute in
+    float32 and round where fla's kernels round (a bf16 operand before a dot, a bf16
+    store), so a stage reference and fla's stage agree to accumulation order, and a
+    Triton stage can be checked against either. The chain of stage references is what a
+    CPU call of ``kernel_fun.kda.chunk_kda`` runs.
+
+Conventions (fla's): q, k are ``[B, T, H, K]``; v, g, every intermediate and every
+per-value-head gradient are at HV = G*H heads; ``gc`` is the chunk-local cumulative
+log-decay times 1/ln 2 (so ``exp2(gc_r - gc_s) = exp(Gamma_r - Gamma_s)``), float32; the
+gradients the backward stages produce for the gate are with respect to the natural-log
+cumsum Gamma. Packed sequences (``cu_seqlens``, B = 1) run once per sequence.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+# fla's constant for 1/ln 2 (fla.ops.utils.constant.RCP_LN2); the stored gc carries it.
+RCP_LN2 = 1.4426950216
+LN2 = math.log(2.0)
+CHUNK = 64
+# Pairwise-decay tensors are [B, HV, chunks, 64, 64, K] floats; process chunks in groups
+# that keep one group under this many elements (~256 MB in float32).
+_PAIRWISE_BUDGET = 64 * 1024 * 1024
+
+
+# --------------------------------------------------------------------------------------
+# Error metric
+# --------------------------------------------------------------------------------------
+def rel_rms(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """rms(x - ref) / rms(ref), in float64. NaN anywhere gives NaN (which fails any bound)."""
+    x = x.detach().to(device="cpu", dtype=torch.float64)
+    ref = ref.detach().to(device="cpu", dtype=torch.float64)
+    if x.shape != ref.shape:
+        raise ValueError(f"shape mismatch: {tuple(x.shape)} vs {tuple(ref.shape)}")
+    num = (x - ref).pow(2).mean().sqrt()
+    den = ref.pow(2).mean().sqrt()
+    if torch.isnan(num) or torch.isnan(den):
+        return float("nan")
+    if den == 0:
+        return 0.0 if num == 0 else float("inf")
+    return (num / den).item()
+
+
+# fla's test budgets (relative RMS against a float64 oracle).
+BUDGETS = {
+    "o": 0.005,
+    "final_state": 0.005,
+    "dq": 0.008,
+    "dk": 0.008,
+    "dv": 0.008,
+    "dh0": 0.008,
+    "dg": 0.02,
+    "dbeta": 0.02,
+    "dA_log": 0.02,
+    "ddt_bias": 0.02,
+}
+
+
+# --------------------------------------------------------------------------------------
+# (a) The float64 oracle
+# --------------------------------------------------------------------------------------
+def gate_activation(
+    g: torch.Tensor,
+    A_log: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    lower_bound: float | None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """KDA's log-decay from the raw gate input, ``[..., HV, K]``, in ``dtype``.
+
+    Default: ``-exp(A_log) * softplus(g + dt_bias)``. With ``lower_bound`` L:
+    ``L * sigmoid(exp(A_log) * (g + dt_bias))``, which lies in (L, 0).
+    """
+    HV, K = g.shape[-2:]
+    x = g.to(dtype)
+    if dt_bias is not None:
+        x = x + dt_bias.to(dtype).view(HV, K)
+    if lower_bound is None:
+        return -A_log.to(dtype).exp().view(HV, 1) * F.softplus(x)
+    a = A_log.to(dtype).exp().view(HV, 1) if A_log is not None else 1.0
+    return lower_bound * torch.sigmoid(a * x)
+
+
+def _sequence_bounds(B: int, T: int, cu_seqlens: torch.Tensor | None) -> list[tuple[int, int, int]]:
+    """(batch row, bos, eos) of every sequence."""
+    if cu_seqlens is None:
+        return [(b, 0, T) for b in range(B)]
+    bounds = cu_seqlens.detach().cpu().tolist()
+    return [(0, bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
+
+
+def recurrent_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    lower_bound: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The KDA recurrence token by token, in float64: ``(o [B,T,HV,V], final_state [N,HV,K,V])``.
+
+    Per value head, with S in R^{K x V}: ``S <- Diag(exp(a_t)) S``, then
+    ``S <- S + beta_t k_t (v_t - S^T k_t)^T``, then ``o_t = scale * S^T q_t``. Takes the same
+    flags as ``chunk_kda``; differentiable in every tensor argument.
+    """
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    G = HV // H
+    if scale is None:
+        scale = K ** -0.5
+    f64 = torch.float64
+    q, k, v, g, beta = (x.to(f64) for x in (q, k, v, g, beta))
+    if use_qk_l2norm_in_kernel:
+        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    if use_beta_sigmoid_in_kernel:
+        beta = torch.sigmoid(beta) * (2.0 if allow_neg_eigval else 1.0)
+    a = gate_activation(g, A_log, dt_bias, lower_bound, dtype=f64) if use_gate_in_kernel else g
+    q = q.repeat_interleave(G, dim=2) * scale
+    k = k.repeat_interleave(G, dim=2)
+
+    outputs, finals = [], []
+    for i_n, (b, bos, eos) in enumerate(_sequence_bounds(B, T, cu_seqlens)):
+        if initial_state is not None:
+            S = initial_state[i_n].to(f64)
+        else:
+            S = q.new_zeros(HV, K, V)
+        rows = []
+        for t in range(bos, eos):
+            S = S * a[b, t].exp()[..., None]
+            k_t = k[b, t]
+            kv = (S * k_t[..., None]).sum(-2)
+            S = S + beta[b, t][:, None, None] * k_t[..., None] * (v[b, t] - kv)[:, None, :]
+            rows.append((S * q[b, t][..., None]).sum(-2))
+        outputs.append(torch.stack(rows, 0) if rows else v.new_zeros(0, HV, V))
+        finals.append(S)
+    if cu_seqlens is None:
+        o = torch.stack(outputs, 0)
+    else:
+        o = torch.cat(outputs, 0).unsqueeze(0)
+    final_state = torch.stack(finals, 0) if output_final_state else None
+    return o, final_state
+
+
+# --------------------------------------------------------------------------------------
+# Chunk layout helpers
+# --------------------------------------------------------------------------------------
+def _num_chunks(T: int, BT: int) -> int:
+    return (T + BT - 1) // BT
+
+
+def to_chunks(x: torch.Tensor, BT: int = CHUNK) -> torch.Tensor:
+    """``[B, T, H, *rest]`` -> ``[B, H, NT, BT, *rest]``, zero-padding T up to NT*BT."""
+    B, T = x.shape[:2]
+    NT = _num_chunks(T, BT)
+    pad = NT * BT - T
+    if pad:
+        x = torch.cat([x, x.new_zeros(B, pad, *x.shape[2:])], 1)
+    return x.reshape(B, NT, BT, *x.shape[2:]).movedim(3, 1)
+
+
+def from_chunks(y: torch.Tensor, T: int) -> torch.Tensor:
+    """Inverse of ``to_chunks``: ``[B, H, NT, BT, *rest]`` -> ``[B, T, H, *rest]``."""
+    B, H, NT, BT = y.shape[:4]
+    return y.movedim(1, 3).reshape(B, NT * BT, H, *y.shape[4:])[:, :T]
+
+
+def _valid_rows(T: int, BT: int, device) -> torch.Tensor:
+    """``[NT, BT]`` True where the chunk row is a real token."""
+    NT = _num_chunks(T, BT)
+    return (torch.arange(NT * BT, device=device) < T).view(NT, BT)
+
+
+def _last_rows(x: torch.Tensor, T: int, BT: int) -> torch.Tensor:
+    """Per chunk, the row of ``x`` (``[B, H, NT, BT, *rest]``) at the chunk's last real token."""
+    NT = x.shape[2]
+    last = torch.clamp(torch.arange(NT, device=x.device) * BT + BT, max=T) - 1 - torch.arange(NT, device=x.device) * BT
+    index = last.view(1, 1, NT, 1, *([1] * (x.dim() - 4))).expand(*x.shape[:3], 1, *x.shape[4:])
+    return x.gather(3, index).squeeze(3)
+
+
+def _expand_heads(x: torch.Tensor, HV: int) -> torch.Tensor:
+    """q/k heads -> value heads (GVA): head hv reads qk head hv // G."""
+    H = x.shape[2]
+    return x if H == HV else x.repeat_interleave(HV // H, dim=2)
+
+
+def _mask_pairs(T: int, BT: int, device, strict: bool) -> torch.Tensor:
+    """``[NT, BT, BT]``: (r, s) with s <= r (s < r when strict), both real tokens."""
+    valid = _valid_rows(T, BT, device)
+    r = torch.arange(BT, device=device)
+    tri = (r[:, None] > r[None, :]) if strict else (r[:, None] >= r[None, :])
+    return tri & valid[:, :, None] & valid[:, None, :]
+
+
+def _pairwise_decay(gc: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``exp2(gc_r - gc_s)`` for the (r, s) pairs in ``mask``, 0 elsewhere.
+
+    gc: ``[B, HV, n, BT, K]``, mask: ``[n, BT, BT]`` -> ``[B, HV, n, BT, BT, K]``. Masked
+    pairs never see an exponent, so a steep decay cannot overflow into them.
+    """
+    diff = gc[..., :, None, :] - gc[..., None, :, :]
+    return torch.exp2(torch.where(mask[..., None], diff, float("-inf")))
+
+
+def _chunk_groups(B: int, HV: int, NT: int, BT: int, K: int) -> list[slice]:
+    per_chunk = B * HV * BT * BT * max(K, 1)
+    step = max(1, _PAIRWISE_BUDGET // per_chunk)
+    return [slice(i, min(i + step, NT)) for i in range(0, NT, step)]
+
+
+# --------------------------------------------------------------------------------------
+# Packed sequences: run a dense stage once per sequence and stitch the results
+# --------------------------------------------------------------------------------------
+def _chunk_counts(cu_seqlens: torch.Tensor, BT: int) -> list[int]:
+    bounds = cu_seqlens.detach().cpu().tolist()
+    return [_num_chunks(bounds[i + 1] - bounds[i], BT) for i in range(len(bounds) - 1)]
+
+
+def per_sequence(
+    fn: Callable,
+    cu_seqlens: torch.Tensor,
+    kwargs: dict,
+    kinds: dict[str, str],
+    out_kinds: Sequence[str | None],
+    BT: int = CHUNK,
+):
+    """Run dense ``fn`` on each sequence of a packed batch (B = 1) and concatenate.
+
+    ``kinds`` says how each argument splits: ``token`` ([1, T, ...] along dim 1 by
+    cu_seqlens), ``chunk`` ([1, NT, ...] along dim 1 by per-sequence chunk counts),
+    ``state`` ([N, ...], one row each). ``out_kinds`` says the same of the outputs, in order.
+    """
+    bounds = cu_seqlens.detach().cpu().tolist()
+    counts = _chunk_counts(cu_seqlens, BT)
+    chunk_starts = [sum(counts[:i]) for i in range(len(counts))]
+    results = []
+    for i in range(len(bounds) - 1):
+        bos, eos = bounds[i], bounds[i + 1]
+        c0, nc = chunk_starts[i], counts[i]
+        call = {}
+        for name, value in kwargs.items():
+            kind = kinds.get(name)
+            if value is None or kind is None:
+                call[name] = value
+            elif kind == "token":
+                call[name] = value[:, bos:eos]
+            elif kind == "chunk":
+                call[name] = value[:, c0:c0 + nc]
+            elif kind == "state":
+                call[name] = value[i:i + 1]
+            else:  # pragma: no cover - programming error
+                raise ValueError(kind)
+        out = fn(**call)
+        results.append(out if isinstance(out, tuple) else (out,))
+    stitched = []
+    for j, kind in enumerate(out_kinds):
+        parts = [r[j] for r in results]
+        if kind is None or parts[0] is None:
+            stitched.append(parts[0] if kind is None else None)
+        elif kind in ("token", "chunk"):
+            stitched.append(torch.cat(parts, 1))
+        elif kind == "state":
+            stitched.append(torch.cat(parts, 0))
+        else:  # pragma: no cover
+            raise ValueError(kind)
+    return tuple(stitched) if len(stitched) > 1 else stitched[0]
+
+
+# --------------------------------------------------------------------------------------
+# (b) Stage references
+# --------------------------------------------------------------------------------------
+# F1 / B10: l2norm of q and k rows ---------------------------------------------------------
+def l2norm_fwd(x: torch.Tensor, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """x -> (x * rstd in x.dtype, rstd float32), rstd = 1/sqrt(sum x^2 + eps)."""
+    xf = x.float()
+    rstd = 1.0 / torch.sqrt((xf * xf).sum(-1) + eps)
+    return (xf * rstd[..., None]).to(x.dtype), rstd
+
+
+def l2norm_bwd(y: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    """dx = rstd * (dy - (dy . y) y), y the normalized rows; in y.dtype."""
+    yf, dyf, r = y.float(), dy.float(), rstd.float()[..., None]
+    dx = dyf * r - (dyf * yf).sum(-1, keepdim=True) * yf * r
+    return dx.to(y.dtype)
+
+
+# F1b / B10b: beta = scale * sigmoid(beta_raw) ---------------------------------------------
+def beta_sigmoid_fwd(beta: torch.Tensor, scale: float) -> torch.Tensor:
+    """float32, as fla's fused kernel writes it."""
+    return scale * torch.sigmoid(beta.float())
+
+
+def beta_sigmoid_bwd(beta: torch.Tensor, db: torch.Tensor, scale: float) -> torch.Tensor:
+    s = torch.sigmoid(beta.float())
+    return (db.float() * scale * s * (1.0 - s)).to(beta.dtype)
+
+
+# F2 / B1 / B8: chunk-local cumulative sums --------------------------------------------------
+def _chunk_cumsum_dense(x: torch.Tensor, reverse: bool, BT: int) -> torch.Tensor:
+    T = x.shape[1]
+    c = to_chunks(x.float(), BT)
+    c = c.flip(3).cumsum(3).flip(3) if reverse else c.cumsum(3)
+    return from_chunks(c, T)
+
+
+def chunk_cumsum(
+    x: torch.Tensor,
+    reverse: bool = False,
+    chunk_size: int = CHUNK,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Inclusive cumsum within each chunk (reversed: from the chunk's end), float32."""
+    if cu_seqlens is not None:
+        return per_sequence(
+            _chunk_cumsum_dense, cu_seqlens, dict(x=x, reverse=reverse, BT=chunk_size),
+            {"x": "token"}, ("token",), chunk_size,
+        )
+    return _chunk_cumsum_dense(x, reverse, chunk_size)
+
+
+def gate_cumsum(
+    g: torch.Tensor,
+    use_gate_in_kernel: bool,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    lower_bound: float | None = None,
+    chunk_size: int = CHUNK,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """F2/B1: gc = RCP_LN2 * chunk-local cumsum of the log-decay (activated in-op or given)."""
+    a = gate_activation(g, A_log, dt_bias, lower_bound) if use_gate_in_kernel else g.float()
+    return chunk_cumsum(a, chunk_size=chunk_size, cu_seqlens=cu_seqlens) * RCP_LN2
+
+
+# F3-F6: intra-chunk scores, their solve, and the WY vectors ---------------------------------
+def _intra_dense(q, k, gc, beta, scale, BT):
+    B, T, H, K = q.shape
+    HV = gc.shape[2]
+    qc = to_chunks(_expand_heads(q, HV).float(), BT)
+    kc = to_chunks(_expand_heads(k, HV).float(), BT)
+    gcc = to_chunks(gc.float(), BT)
+    bc = to_chunks(beta.float(), BT)
+    NT = qc.shape[2]
+    m_incl = _mask_pairs(T, BT, q.device, strict=False)
+    m_strict = _mask_pairs(T, BT, q.device, strict=True)
+    Aqk = qc.new_zeros(B, HV, NT, BT, BT)
+    Akk = qc.new_zeros(B, HV, NT, BT, BT)
+    for sl in _chunk_groups(B, HV, NT, BT, K):
+        E = _pairwise_decay(gcc[:, :, sl], m_incl[sl])
+        Aqk[:, :, sl] = scale * torch.einsum("bhnrk,bhnsk,bhnrsk->bhnrs", qc[:, :, sl], kc[:, :, sl], E)
+        kk = torch.einsum("bhnrk,bhnsk,bhnrsk->bhnrs", kc[:, :, sl], kc[:, :, sl], E)
+        Akk[:, :, sl] = torch.where(m_strict[sl], kk * bc[:, :, sl, :, None], 0.0)
+    eye = torch.eye(BT, device=q.device, dtype=Akk.dtype)
+    Akk_inv = torch.linalg.solve_triangular(eye + Akk, eye.expand_as(Akk), upper=False, unitriangular=True)
+    Akk_inv = Akk_inv * m_incl.to(Akk_inv.dtype)  # rows/columns of padding rows are not tokens
+    return from_chunks(Aqk, T).to(k.dtype), from_chunks(Akk_inv, T).to(k.dtype)
+
+
+def intra_scores(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    gc: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    chunk_size: int = CHUNK,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """F3-F5: ``Aqk`` (scaled, s <= r; 0 above) and ``Akk_inv = (I + Akk)^-1`` (lower, unit
+    diagonal), both ``[B, T, HV, BT]`` in k.dtype, with
+    ``Akk[r, s] = beta_r * sum_i k_ri k_si exp2(gc_ri - gc_si)`` for s < r."""
+    if cu_seqlens is not None:
+        return per_sequence(
+            _intra_dense, cu_seqlens, dict(q=q, k=k, gc=gc, beta=beta, scale=scale, BT=chunk_size),
+            {"q": "token", "k": "token", "gc": "token", "beta": "token"}, ("token", "token"), chunk_size,
+        )
+    return _intra_dense(q, k, gc, beta, scale, chunk_size)
+
+
+def _wy_dense(k, v, beta, A, gc, q, BT):
+    B, T, H, K = k.shape
+    HV = v.shape[2]
+    ke = _expand_heads(k, HV)
+    A_c = to_chunks(A.float(), BT)  # [B, HV, NT, BT, BT]
+    kb = ke * beta[..., None]  # rounds like the kernel: bf16 * bf16 stays bf16
+    kbg = (kb.float() * torch.exp2(gc.float())).to(k.dtype)
+    w = from_chunks(A_c @ to_chunks(kbg.float(), BT), T).to(k.dtype)
+    vb = (v * beta[..., None]).to(v.dtype)
+    u = from_chunks(A_c @ to_chunks(vb.float(), BT), T).to(v.dtype)
+    gcc = to_chunks(gc.float(), BT)
+    g_last = _last_rows(gcc, T, BT)  # [B, HV, NT, K]
+    valid = _valid_rows(T, BT, k.device)[..., None]
+    kg = to_chunks(ke.float(), BT) * torch.where(valid, torch.exp2(g_last[:, :, :, None] - gcc), 0.0)
+    kg = from_chunks(kg, T).to(k.dtype)
+    qg = None
+    if q is not None:
+        qg = (_expand_heads(q, HV).float() * torch.exp2(gc.float())).to(k.dtype)
+    return w, u, qg, kg
+
+
+def wy_fwd(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    A: torch.Tensor,
+    gc: torch.Tensor,
+    q: torch.Tensor | None = None,
+    chunk_size: int = CHUNK,
+    cu_seqlens: torch.Tensor | None = None,
+):
+    """F6/B2: ``w = A (beta k exp2 gc)``, ``u = A (beta v)``, ``kg = k exp2(gc_last - gc)`` and,
+    when q is given, ``qg = q exp2 gc``; all at HV heads in the input dtypes."""
+    if cu_seqlens is not None:
+        return per_sequence(
+            _wy_dense, cu_seqlens, dict(k=k, v=v, beta=beta, A=A, gc=gc, q=q, BT=chunk_size),
+            {"k": "token", "v": "token", "beta": "token", "A": "token", "gc": "token", "q": "token"},
+            ("token", "token", "token", "token"), chunk_size,
+        )
+    return _wy_dense(k, v, beta, A, gc, q, chunk_size)
+
+
+# F7 / B3: the state scan ----------------------------------------------------------------
+def _h_dense(kg, w, u, gc, initial_state, output_final_state, BT):
+    B, T, HV, K = kg.shape
+    V = u.shape[-1]
+    kgc, wc, uc = (to_chunks(x.float(), BT) for x in (kg, w, u))
+    g_last = _last_rows(to_chunks(gc.float(), BT), T, BT)
+    NT = kgc.shape[2]
+    S = initial_state.float().clone() if initial_state is not None else kgc.new_zeros(B, HV, K, V)
+    h = kg.new_empty(B, NT, HV, K, V)
+    v_new = []
+    for c in range(NT):
+        Sb = S.to(kg.dtype)
+        h[:, c] = Sb
+        vn = (uc[:, :, c] - wc[:, :, c] @ Sb.float()).to(u.dtype)
+        v_new.append(vn)
+        S = S * torch.exp2(g_last[:, :, c])[..., None] + kgc[:, :, c].transpose(-1, -2) @ vn.float()
+    v_new = from_chunks(torch.stack(v_new, 2), T)
+    return h, v_new, (S if output_final_state else None)
+
+
+def h_fwd(
+    kg: torch.Tensor,
+    w: torch.Tensor,
+    u: torch.Tensor,
+    gc: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    chunk_size: int = CHUNK,
+    cu_seqlens: torch.Tensor | None = None,
+):
+    """F7/B3: per chunk, ``h[c] = S`` (bf16), ``v_new = u - w h[c]``,
+    ``S <- exp2(gc_last) S + kg^T v_new``. Returns (h [B,NT,HV,K,V], v_new, final state fp32)."""
+    if cu_seqlens is not None:
+        return per_sequence(
+            _h_dense, cu_seqlens,
+            dict(kg=kg, w=w, u=u, gc=gc, initial_state=initial_state,
+                 output_final_state=output_final_state, BT=chunk_size),
+            {"kg": "token", "w": "token", "u": "token", "gc": "token", "initial_state": "state"},
+            ("chunk", "token", "state"), chunk_size,
+        )
+    return _h_dense(kg, w, u, gc, initial_state, output_final_state, chunk_size)
+
+
+# F8: the output --------------------------------------------------------------------------
+def _o_dense(q, v_new, gc, Aqk, h, scale, BT):
+    B, T, H, K = q.shape
+    HV = v_new.shape[2]
+    qg = (_expand_heads(q, HV).float() * torch.exp2(gc.float())).to(q.dtype)
+    qgc = to_chunks(qg.float(), BT)
+    hc = h.float().movedim(2, 1)  # [B, HV, NT, K, V]
+    m_incl = _mask_pairs(T, BT, q.device, strict=False)
+    A = torch.where(m_incl, to_chunks(Aqk, BT), 0).to(v_new.dtype).float()
+    o = scale * (qgc @ hc) + A @ to_chunks(v_new.float(), BT)
+    return from_chunks(o, T).to(v_new.dtype)
+
+
+def o_fwd(
+    q: torch.Tensor,
+    v_new: torch.Tensor,
+    gc: torch.Tensor,
+    Aqk: torch.Tensor,
+    h: torch.Tensor,
+    scale: float,
+    chunk_size: int = CHUNK,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """F8: ``o = scale (q exp2 gc) h[c] + tril(Aqk) v_new``, in v_new.dtype."""
+    if cu_seqlens is not None:
+        return per_sequence(
+            _o_dense, cu_seqlens, dict(q=q, v_new=v_new, gc=gc, Aqk=Aqk, h=h, scale=scale, BT=chunk_size),
+            {"q": "token", "v_new": "token", "gc": "token", "Aqk": "token", "h": "chunk"}, ("token",), chunk_size,
+        )
+    return _o_dense(q, v_new, gc, Aqk, h, scale, chunk_size)
+
+
+# B4: dAqk and the intra-chunk part of dv ------------------------------------------------------
+def _dav_dense(v_new, do, Aqk, scale, BT):
+    T = do.shape[1]
+    m_incl = _mask_pairs(T, BT, do.device, strict=False)
+    A = torch.where(m_incl, to_chunks(Aqk, BT), 0).to(do.dtype).float()
+    doc = to_chunks(do.float(), BT)
+    dA = torch.where(m_incl, scale * (doc @ to_chunks(v_new.float(), BT).transpose(-1, -2)), 0.0)
+    dv = (A.transpose(-1, -2) @ doc)
+    return from_chunks(dA, T), from_chunks(dv, T).to(do.dtype)
+
+
+def dav_bwd(
+    v_new: torch.Tensor,
+    do: torch.Tensor,
+    Aqk: torch.Tensor,
+    scale: float,
+    chunk_size: int = CHUNK,
+    cu_seqlens: torch.Tensor | None = None,
+):
+    """B4: ``dAqk = scale tril(do v_new^T)`` (fp32; the gradient of the unscaled score) and
+    ``dv = tril(Aqk)^T do`` (do.dtype)."""
+    if cu_seqlens is not None:
+        return per_sequence(
+            _dav_dense, cu_seqlens, dict(v_new=v_new, do=do, Aqk=Aqk, scale=scale, BT=chunk_size),
+            {"v_new": "token", "do": "token", "Aqk": "token"}, ("token", "token"), chunk_size,
+        )
+    return _dav_dense(v_new, do, Aqk, scale, chunk_size)
+
+
+# B5: the reverse state-gradient scan -----------------------------------------------------------
+def _dhu_dense(qg, kg, w, gc, h0, dht, do, dv, scale, BT):
+    B, T, HV, K = kg.shape
+    V = do.shape[-1]
+    qgc, kgc, wc = (to_chunks(x.float(), BT) for x in (qg, kg, w))
+    doc, dvc = to_chunks(do.float(), BT), to_chunks(dv.float(), BT)
+    g_last = _last_rows(to_chunks(gc.float(), BT), T, BT)
+    NT = kgc.shape[2]
+    dS = dht.float().clone() if dht is not None else kgc.new_zeros(B, HV, K, V)
+    dh = kg.new_empty(B, NT, HV, K, V)
+    dv2 = [None] * NT
+    for c in range(NT - 1, -1, -1):
+        dSb = dS.to(kg.dtype)
+        dh[:, c] = dSb
+        dvn = (dvc[:, :, c] + kgc[:, :, c] @ dSb.float()).to(dv.dtype)
+        dv2[c] = dvn
+        dS = (dS * torch.exp2(g_last[:, :, c])[..., None]
+              + scale * (qgc[:, :, c].transpose(-1, -2) @ doc[:, :, c])
+              - wc[:, :, c].transpose(-1, -2) @ dvn.float())
+    dv2 = from_chunks(torch.stack(dv2, 2), T)
+    return dh, (dS if h0 is not None else None), dv2
+
+
+def dhu_bwd(
+    qg: torch.Tensor,
+    kg: torch.Tensor,
+    w: torch.Tensor,
+    gc: torch.Tensor,
+    h0: torch.Tensor | None,
+    dht: torch.Tensor | None,
+    do: torch.Tensor,
+    dv: torch.Tensor,
+    scale: float,
+    chunk_size: int = CHUNK,
+    cu_seqlens: torch.Tensor | None = None,
+):
+    """B5: reverse scan from dht. Per chunk c (last first): ``dh[c] = dS`` (the gradient of the
+    state leaving c), ``dv2 = dv + kg dS``, ``dS <- exp2(gc_last) dS + scale qg^T do - w^T dv2``.
+    Returns (dh [B,NT,HV,K,V], dh0 fp32 when h0 is given, dv2)."""
+    if cu_seqlens is not None:
+        return per_sequence(
+            _dhu_dense, cu_seqlens,
+            dict(qg=qg, kg=kg, w=w, gc=gc, h0=h0, dht=dht, do=do, dv=dv, scale=scale, BT=chunk_size),
+            {"qg": "token", "kg": "token", "w": "token", "gc": "token", "h0": "state", "dht": "state",
+             "do": "token", "dv": "token"},
+            ("chunk", "state", "token"), chunk_size,
+        )
+    return _dhu_dense(qg, kg, w, gc, h0, dht, do, dv, scale, chunk_size)
+
+
+# B6: the WY backward ----------------------------------------------------------------------
+def _wy_dqkg_dense(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, BT):
+    B, T, H, K = q.shape
+    HV = v.shape[2]
+    qc = to_chunks(_expand_heads(q, HV).float(), BT)
+    kc = to_chunks(_expand_heads(k, HV).float(), BT)
+    gcc = to_chunks(gc.float(), BT)
+    bc = to_chunks(beta.float(), BT)[..., None]  # [B, HV, NT, BT, 1]
+    vc, vnc, doc, dvc = (to_chunks(x.float(), BT) for x in (v, v_new, do, dv))
+    Ac = to_chunks(A.float(), BT)
+    S = h.float().movedim(2, 1)  # [B, HV, NT, K, V]
+    dS = dh.float().movedim(2, 1)
+    valid = _valid_rows(T, BT, q.device)[..., None]
+    m_strict = _mask_pairs(T, BT, q.device, strict=True)
+    is_last = (torch.arange(BT, device=q.device)[None, :]
+               == (torch.clamp((torch.arange(_num_chunks(T, BT), device=q.device) + 1) * BT, max=T) - 1
+                   - torch.arange(_num_chunks(T, BT), device=q.device) * BT)[:, None])[..., None]
+
+    g_last = _last_rows(gcc, T, BT)[:, :, :, None, :]  # [B, HV, NT, 1, K]
+    g_exp = torch.exp2(gcc)
+    dq = (doc @ S.transpose(-1, -2)) * g_exp * scale
+    dk_h = (vnc @ dS.transpose(-1, -2)) * torch.where(valid, torch.exp2(g_last - gcc), 0.0)
+    dw = (-(dvc @ S.transpose(-1, -2))).to(k.dtype).float()
+    dg_last = (S * dS).sum(-1)[:, :, :, None, :] * torch.exp2(g_last)  # [B, HV, NT, 1, K]
+    kg = kc * g_exp
+    At = Ac.transpose(-1, -2)
+    dvb = At @ dvc
+    dv2 = dvb * bc
+    dkgb = At @ dw
+    db = (dvb * vc).sum(-1) + (dkgb * kg).sum(-1)
+    dA = dvc @ vc.transpose(-1, -2) + dw @ kg.to(k.dtype).float().transpose(-1, -2)
+    dA = torch.where(m_strict, dA * bc.transpose(-1, -2), 0.0).to(k.dtype).float()
+    dA = (At @ (dA @ At).to(k.dtype).float())
+    dA = torch.where(m_strict, -dA, 0.0)
+    kdk = kc * dk_h
+    dg = qc * dq - kdk + is_last * (dg_last + kdk.sum(-2, keepdim=True)) + kg * dkgb * bc
+    dk = dk_h + dkgb * g_exp * bc
+    return (from_chunks(dq, T), from_chunks(dk, T), from_chunks(dv2, T).to(v.dtype),
+            from_chunks(db, T), from_chunks(dg, T), from_chunks(dA, T))
+
+
+def wy_dqkg_bwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    v_new: torch.Tensor,
+    gc: torch.Tensor,
+    beta: torch.Tensor,
+    A: torch.Tensor,
+    h: torch.Tensor,
+    do: torch.Tensor,
+    dh: torch.Tensor,
+    dv: torch.Tensor,
+    scale: float,
+    chunk_size: int = CHUNK,
+    cu_seqlens: torch.Tensor | None = None,
+):
+    """B6, with S = h[c], dS = dh[c], dvn = dv (B5's dv2), A = Akk_inv:
+
+    - ``dq = scale (do S^T) exp2 gc``; ``dk_h = (v_new dS^T) exp2(gc_last - gc)``; ``dw = -dvn S^T``;
+    - ``dv2 = beta (A^T dvn)``; ``dk = dk_h + beta exp2(gc) (A^T dw)``;
+    - ``db = rowsum(A^T dvn * v) + rowsum(A^T dw * k exp2 gc)``;
+    - ``dA = -A^T strict_lower([dvn v^T + dw (k exp2 gc)^T] Diag(beta)) A^T``, strictly lower;
+    - ``dg = q dq - k dk_h + beta (k exp2 gc)(A^T dw)``, plus on the chunk's last row
+      ``sum_V(S dS) exp2(gc_last) + sum_rows(k dk_h)``.
+
+    Returns dq, dk (fp32, HV heads), dv2 (v.dtype), db, dg, dA (fp32).
+    """
+    if cu_seqlens is not None:
+        return per_sequence(
+            _wy_dqkg_dense, cu_seqlens,
+            dict(q=q, k=k, v=v, v_new=v_new, gc=gc, beta=beta, A=A, h=h, do=do, dh=dh, dv=dv,
+                 scale=scale, BT=chunk_size),
+            {"q": "token", "k": "token", "v": "token", "v_new": "token", "gc": "token", "beta": "token",
+             "A": "token", "h": "chunk", "do": "token", "dh": "chunk", "dv": "token"},
+            ("token",) * 6, chunk_size,
+        )
+    return _wy_dqkg_dense(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size)
+
+
+# B7: gradients through the intra-chunk scores -------------------------------------------------
+def _intra_bwd_dense(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, BT):
+    B, T, H, K = q.shape
+    HV = gc.shape[2]
+    qc = to_chunks(_expand_heads(q, HV).float(), BT)
+    kc = to_chunks(_expand_heads(k, HV).float(), BT)
+    Gc = to_chunks(gc.float(), BT) * LN2  # natural-log cumsum: the gradients are d/dGamma
+    bc = to_chunks(beta.float(), BT)
+    dAqk_c, dAkk_c = to_chunks(dAqk.float(), BT), to_chunks(dAkk.float(), BT)
+    NT = qc.shape[2]
+    m_incl = _mask_pairs(T, BT, q.device, strict=False)
+    m_strict = _mask_pairs(T, BT, q.device, strict=True)
+    grads = [torch.zeros_like(x) for x in (qc, kc, Gc, bc)]
+    for sl in _chunk_groups(B, HV, NT, BT, K):
+        with torch.enable_grad():
+            leaves = [x[:, :, sl].detach().requires_grad_() for x in (qc, kc, Gc, bc)]
+            ql, kl, Gl, bl = leaves
+            diff = Gl[..., :, None, :] - Gl[..., None, :, :]
+            E = torch.exp(torch.where(m_incl[sl][..., None], diff, float("-inf")))
+            aqk = torch.einsum("bhnrk,bhnsk,bhnrsk->bhnrs", ql, kl, E)
+            akk = torch.einsum("bhnrk,bhnsk,bhnrsk->bhnrs", kl, kl, E) * bl[..., None]
+            loss = ((dAqk_c[:, :, sl] * torch.where(m_incl[sl], aqk, 0.0)).sum()
+                    + (dAkk_c[:, :, sl] * torch.where(m_strict[sl], akk, 0.0)).sum())
+            for acc, grad in zip(grads, torch.autograd.grad(loss, leaves)):
+                acc[:, :, sl] = grad
+    dq_i, dk_i, dg_i, db_i = (from_chunks(x, T) for x in grads)
+    return dq.float() + dq_i, dk.float() + dk_i, db.float() + db_i, dg.float() + dg_i
+
+
+def intra_bwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    gc: torch.Tensor,
+    beta: torch.Tensor,
+    dAqk: torch.Tensor,
+    dAkk: torch.Tensor,
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    db: torch.Tensor,
+    dg: torch.Tensor,
+    chunk_size: int = CHUNK,
+    cu_seqlens: torch.Tensor | None = None,
+):
+    """B7: adds to dq, dk, db, dg (fp32, HV heads) the vector-Jacobian product of
+    ``(Aqk_raw, Akk)`` with ``(dAqk, dAkk)``, where ``Aqk_raw[r,s] = sum_i q_ri k_si e^{G_ri - G_si}``
+    (s <= r) and ``Akk[r,s] = beta_r sum_i k_ri k_si e^{G_ri - G_si}`` (s < r)."""
+    if cu_seqlens is not None:
+        return per_sequence(
+            _intra_bwd_dense, cu_seqlens,
+            dict(q=q, k=k, gc=gc, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db, dg=dg, BT=chunk_size),
+            {name: "token" for name in ("q", "k", "gc", "beta", "dAqk", "dAkk", "dq", "dk", "db", "dg")},
+            ("token",) * 4, chunk_size,
+        )
+    return _intra_bwd_dense(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size)
+
+
+# B9: the gate's backward ------------------------------------------------------------------
+def gate_bwd(
+    g: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor | None,
+    dyg: torch.Tensor,
+    lower_bound: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """B9: from da (d loss / d log-decay, fp32) to (dg in g.dtype, dA_log, ddt_bias)."""
+    HV, K = g.shape[-2:]
+    x = g.float()
+    if dt_bias is not None:
+        x = x + dt_bias.float().view(HV, K)
+    dy = dyg.float()
+    a = A_log.float().exp().view(HV, 1)
+    if lower_bound is None:
+        dx = -a * dy * torch.sigmoid(x)
+        dA = (dy * (-a * F.softplus(x))).sum(dim=tuple(range(g.dim() - 2)) + (-1,))
+    else:
+        s = torch.sigmoid(a * x)
+        dx = dy * lower_bound * s * (1.0 - s) * a
+        dA = (dx * x).sum(dim=tuple(range(g.dim() - 2)) + (-1,))
+    dg = dx.to(g.dtype)
+    dbias = dg.float().reshape(-1, HV * K).sum(0).to(dt_bias.dtype) if dt_bias is not None else None
+    return dg, dA.view_as(A_log).to(A_log.dtype), dbias

@@ -1,0 +1,197 @@
+"""The staged chain's plumbing: stages, their implementations, and the per-call record.
+
+Every stage of fla's KDA chain (F1-F8 forward, B1-B10 backward; a unit may cover a group
+of them, e.g. ``F3-F6``) has up to three implementations behind one dispatcher:
+
+- ``ours``: a kernel-fun Triton kernel (runs on CUDA; on the CPU through the interpreter);
+- ``fla``: fla's own stage function (CUDA only);
+- ``reference``: the torch stage reference (anywhere).
+
+The dispatcher picks, per call: a forced choice (``use_impls``), else ``ours`` where it is
+registered and says it supports the arguments, else ``fla`` on CUDA and ``reference`` on
+the CPU. Every pick is written into the call's ``CallRecord``: the launch witness that
+tests and the bench read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import os
+import threading
+from collections.abc import Callable, Iterator, Mapping
+
+import torch
+
+IMPLS = ("ours", "fla", "reference")
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """One unit of the chain.
+
+    ``covers`` names the stages of fla's chain it replaces; ``impls`` maps an
+    implementation name to a callable taking the stage's inputs as keywords; ``supports``
+    maps an implementation name to a predicate returning ``None`` (supported) or a reason.
+    """
+
+    name: str
+    covers: tuple[str, ...]
+    title: str
+    impls: Mapping[str, Callable]
+    outputs: tuple[str, ...] = ()
+    supports: Mapping[str, Callable[..., str | None]] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class CallRecord:
+    """What one ``chunk_kda`` call did: engaged or fell back, and which implementation ran
+    each stage of its forward and backward (in execution order)."""
+
+    engaged: bool
+    reason: str | None = None
+    forward: dict[str, str] = dataclasses.field(default_factory=dict)
+    backward: dict[str, str] = dataclasses.field(default_factory=dict)
+    notes: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def impl_of(self, stage: str) -> str | None:
+        return self.forward.get(stage, self.backward.get(stage))
+
+
+_REGISTRY: dict[str, Stage] = {}
+_FORCED: contextvars.ContextVar[Mapping[str, str] | None] = contextvars.ContextVar("kernel_fun_forced", default=None)
+_TAP: contextvars.ContextVar[list | None] = contextvars.ContextVar("kernel_fun_tap", default=None)
+_LAST = threading.local()
+
+
+def register(stage: Stage) -> Stage:
+    _REGISTRY[stage.name] = stage
+    return stage
+
+
+def add_impl(stage: str, impl: str, fn: Callable, supports: Callable[..., str | None] | None = None) -> None:
+    """Attach an implementation (and its support predicate) to a registered stage."""
+    if impl not in IMPLS:
+        raise ValueError(f"unknown implementation {impl!r}; expected one of {IMPLS}")
+    old = _REGISTRY[stage]
+    impls = dict(old.impls)
+    impls[impl] = fn
+    sup = dict(old.supports)
+    if supports is not None:
+        sup[impl] = supports
+    _REGISTRY[stage] = dataclasses.replace(old, impls=impls, supports=sup)
+
+
+def stages() -> dict[str, Stage]:
+    """The registered stages, by name."""
+    return dict(_REGISTRY)
+
+
+@contextlib.contextmanager
+def use_impls(choice: str | Mapping[str, str]) -> Iterator[None]:
+    """Force implementations for calls made inside the block.
+
+    ``use_impls("fla")`` puts every stage on fla; ``use_impls({"B6": "ours", "*": "fla"})``
+    picks per stage, ``*`` standing for the rest. The choice is captured when the forward
+    runs, so a backward run later follows it too. A forced implementation that cannot run
+    (fla on the CPU, or an unregistered one) raises instead of silently running another.
+    """
+    if isinstance(choice, str):
+        choice = {"*": choice}
+    for impl in choice.values():
+        if impl not in IMPLS:
+            raise ValueError(f"unknown implementation {impl!r}; expected one of {IMPLS}")
+    token = _FORCED.set(dict(choice))
+    try:
+        yield
+    finally:
+        _FORCED.reset(token)
+
+
+def current_forced() -> Mapping[str, str] | None:
+    return _FORCED.get()
+
+
+@contextlib.contextmanager
+def capture_stages() -> Iterator[list]:
+    """Record ``(stage, impl, inputs, outputs)`` of every stage run by calls whose forward
+    starts inside the block (their backward too). For stage-by-stage parity checks."""
+    log: list = []
+    token = _TAP.set(log)
+    try:
+        yield log
+    finally:
+        _TAP.reset(token)
+
+
+def current_tap() -> list | None:
+    return _TAP.get()
+
+
+def last_record() -> CallRecord | None:
+    """The record of the most recent ``chunk_kda`` call on this thread (its backward too,
+    once that has run)."""
+    return getattr(_LAST, "record", None)
+
+
+def set_last_record(record: CallRecord) -> None:
+    _LAST.record = record
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+class Dispatcher:
+    """Runs stages for one call, choosing and recording an implementation for each."""
+
+    def __init__(self, device: torch.device, record: CallRecord, forced: Mapping[str, str] | None,
+                 tap: list | None = None):
+        self.device = device
+        self.record = record
+        self.forced = forced or {}
+        self.tap = tap
+
+    def choose(self, name: str, **inputs) -> str:
+        stage = _REGISTRY[name]
+        explicit = self.forced.get(name)
+        forced = explicit if explicit is not None else self.forced.get("*")
+        if forced is not None:
+            reason = self._cannot_run(stage, forced, inputs)
+            if reason is None:
+                return forced
+            if explicit is not None or forced == "fla":
+                raise RuntimeError(f"stage {name} cannot run {forced!r}: {reason}")
+            # "*" naming an implementation this stage lacks: the default choice below.
+        if "ours" in stage.impls and (self.device.type == "cuda" or interpreting()):
+            reason = self._cannot_run(stage, "ours", inputs)
+            if reason is None:
+                return "ours"
+            self.record.notes[name] = reason
+        if self.device.type == "cuda" and "fla" in stage.impls:
+            return "fla"
+        return "reference"
+
+    def _cannot_run(self, stage: Stage, impl: str, inputs: dict) -> str | None:
+        if impl not in stage.impls:
+            return "not implemented"
+        if impl == "fla" and self.device.type != "cuda":
+            return f"fla's kernels need a CUDA device, got {self.device}"
+        if impl == "ours" and self.device.type != "cuda" and not interpreting():
+            return "Triton on the CPU needs TRITON_INTERPRET=1"
+        check = stage.supports.get(impl)
+        return check(**inputs) if check is not None else None
+
+    def run(self, name: str, phase: str, **inputs):
+        impl = self.choose(name, **inputs)
+        (self.record.forward if phase == "forward" else self.record.backward)[name] = impl
+        fn = _REGISTRY[name].impls[impl]
+        if torch.autograd._profiler_enabled():  # a named range per stage for the bench's profile
+            with torch.profiler.record_function(f"kernel_fun::{name}"):
+                out = fn(**inputs)
+        else:
+            out = fn(**inputs)
+        if self.tap is not None:
+            self.tap.append((name, impl, dict(inputs), out))
+        return out

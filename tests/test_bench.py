@@ -1,0 +1,69 @@
+"""The bench's CPU-side parts: fla's config files round-trip through fla's own loader, and
+the README's numbers are exactly what the committed result rows generate."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import triton
+
+from kernel_fun.bench import fla_configs, results
+
+
+def test_fla_config_dump_is_read_back_by_fla(tmp_path, monkeypatch):
+    import fla.ops.utils.cache as cache
+    from fla.ops.kda.chunk_bwd import chunk_kda_bwd_kernel_wy_dqkg_fused as kernel
+
+    tuner = kernel.fn if not isinstance(kernel, cache.CachedAutotuner) else kernel
+    assert isinstance(tuner, cache.CachedAutotuner)
+    key = (64, 16, False, "torch.bfloat16", "torch.float32")
+    chosen = triton.Config({"BK": 64, "BV": 128}, num_warps=4, num_stages=3)
+    monkeypatch.setitem(tuner.cache, key, chosen)
+    assert fla_configs.dump(tmp_path) >= 1
+    data = json.loads((tmp_path / f"{tuner.kernel_name}.json").read_text())
+    assert data["kernel_name"] == tuner.kernel_name
+
+    monkeypatch.setenv("FLA_CONFIG_DIR", str(tmp_path))
+    monkeypatch.setattr(cache, "FLA_CACHE_MODE", cache.FlaCacheMode.STRICT)
+    cache.load_config_file.cache_clear()
+    loaded = cache.load_cached_config(tuner.kernel_name, cache.AutotuneKey(autotune_key=key))
+    assert loaded == {"kwargs": {"BK": 64, "BV": 128}, "num_warps": 4, "num_stages": 3, "num_ctas": 1, "maxnreg": None}
+    other = cache.AutotuneKey(autotune_key=(64, 32, False, "torch.bfloat16", "torch.float32"))
+    assert cache.load_cached_config(tuner.kernel_name, other) is None  # strict: exact keys only
+    cache.load_config_file.cache_clear()
+
+
+def _row(**kw):
+    row = {"kind": "chunk_kda", "shape": "prod8192_gate", "impl": "fla", "fwd_ms": 9.0, "fwdbwd_ms": 46.0,
+           "first_call_s": 250.0, "peak_gib": 22.6, "parity": {"ok": True}, "gpu": "NVIDIA H200",
+           "date": "2026-11-30T10:00:00+00:00", "commit": "abc"}
+    row.update(kw)
+    return row
+
+
+def test_readme_table_is_generated_from_rows(tmp_path):
+    results.append(tmp_path / "a.jsonl", _row())
+    results.append(tmp_path / "a.jsonl", _row(impl="chain_fla", fwdbwd_ms=46.46, parity={"ok": True, "bitwise_vs_fla": True}))
+    results.append(tmp_path / "a.jsonl", _row(impl="chain_fla", fwdbwd_ms=50.0, date="2026-11-29T10:00:00+00:00"))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{results.TABLE_BEGIN}\nstale\n{results.TABLE_END}\noutro\n")
+    assert results.update_readme(readme, tmp_path)
+    text = readme.read_text()
+    assert "stale" not in text and text.startswith("intro\n") and text.endswith("outro\n")
+    assert "| prod8192_gate | kernel-fun, every stage on fla (control) | 9.00 | 46.46 | 0.990x |" in text
+    assert "50.00" not in text  # the newer row wins
+    assert not results.update_readme(readme, tmp_path)
+
+
+def test_repository_readme_is_current():
+    text = results.README.read_text()
+    start = text.index(results.TABLE_BEGIN)
+    end = text.index(results.TABLE_END) + len(results.TABLE_END)
+    assert text[start:end] == results.render(results.load()), "run `python -m kernel_fun.bench.readme`"
+
+
+@pytest.mark.parametrize("rows", [[], [_row(parity={"ok": False})]])
+def test_red_rows_say_so(rows):
+    table = results.op_table(rows)
+    assert ("RED" in table) == bool(rows)

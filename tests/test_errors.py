@@ -1,0 +1,124 @@
+"""Bad input gets fla's error (same type, same message) or a clearer one -- never a wrong
+result, never a crash inside a kernel. fla validates before it launches anything, so its
+errors can be observed on the CPU and compared one for one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_fun.kda import chunk_kda, last_record
+from kernel_fun.kda.problems import Problem, make_inputs
+
+P = Problem("err", 2, 70, 2, 4, 32, 16)
+
+
+def base(**overrides):
+    kw = make_inputs(P, requires_grad=False)
+    kw.update(overrides)
+    return kw
+
+
+def fla_error(kwargs) -> BaseException:
+    from fla.ops.kda import chunk_kda as fla_chunk_kda
+
+    with pytest.raises(Exception) as info:
+        fla_chunk_kda(**kwargs)
+    return info.value
+
+
+def _cases():
+    kw = make_inputs(P, requires_grad=False)
+    q, k, v, g, beta = kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"]
+    packed = make_inputs(Problem("packed", 1, 70, 2, 4, 32, 16), requires_grad=False)
+    return {
+        "q-k-mismatch": dict(k=k[:, :, :1]),
+        "hv-not-multiple-of-h": dict(v=v[:, :, :3], g=g[:, :, :3], beta=beta[:, :, :3]),
+        "g-shape": dict(g=g[:, :, :, :16]),
+        "beta-shape": dict(beta=beta[:, :, :2]),
+        "K-over-256": dict(q=torch.rand(2, 70, 2, 264).bfloat16(), k=torch.rand(2, 70, 2, 264).bfloat16(),
+                           g=torch.randn(2, 70, 4, 264).bfloat16()),
+        "cu_seqlens-with-B2": dict(cu_seqlens=torch.tensor([0, 30, 70])),
+        "h0-not-fp32": dict(initial_state=torch.zeros(2, 4, 32, 16, dtype=torch.bfloat16)),
+        "h0-count-vs-cu_seqlens": dict(packed, cu_seqlens=torch.tensor([0, 30, 70]),
+                                       initial_state=torch.zeros(3, 4, 32, 16)),
+        "chunk_size-48": dict(chunk_size=48),
+        "neg-eigval-without-sigmoid": dict(allow_neg_eigval=True),
+        "safe_gate-without-lower_bound": dict(safe_gate=True),
+        "safe_gate-lower_bound-range": dict(safe_gate=True, lower_bound=-6.0),
+        "gate-without-A_log": dict(A_log=None, dt_bias=None, _drop=("A_log", "dt_bias")),
+        "both-state-layout-flags": dict(state_v_first=True, transpose_state_layout=True),
+    }
+
+
+FLA_CASES = _cases()
+
+
+@pytest.mark.parametrize("name", list(FLA_CASES))
+def test_same_error_as_fla(name):
+    overrides = dict(FLA_CASES[name])
+    drop = overrides.pop("_drop", ())
+    kw = base(**overrides)
+    for key in drop:
+        kw.pop(key)
+    expected = fla_error(kw)
+    with pytest.raises(type(expected)) as ours:
+        chunk_kda(**kw)
+    assert str(ours.value) == str(expected)
+
+
+CLEARER = {
+    "mixed-dtypes": (dict(v=torch.rand(2, 70, 4, 16)), TypeError, "share one dtype"),
+    "T-zero": (dict(q=torch.rand(2, 0, 2, 32).bfloat16(), k=torch.rand(2, 0, 2, 32).bfloat16(),
+                    v=torch.rand(2, 0, 4, 16).bfloat16(), g=torch.randn(2, 0, 4, 32).bfloat16(),
+                    beta=torch.rand(2, 0, 4).bfloat16()), ValueError, "T, K and V >= 1"),
+    "v-batch": (dict(v=torch.rand(1, 70, 4, 16).bfloat16()), ValueError, "v must have shape"),
+    "q-not-4d": (dict(q=torch.rand(2, 70, 64).bfloat16()), ValueError, "q must have shape"),
+    "h0-shape": (dict(initial_state=torch.zeros(2, 4, 16, 32)), ValueError, "initial_state must have shape"),
+    "A_log-size": (dict(A_log=torch.zeros(3)), ValueError, "A_log must have HV=4"),
+    "dt_bias-size": (dict(dt_bias=torch.zeros(4 * 16)), ValueError, "dt_bias must have HV[*]K=128"),
+    "A_log-none": (dict(A_log=None), TypeError, "A_log must be a tensor"),
+    "cu_seqlens-not-ending-at-T": (dict(cu_seqlens=torch.tensor([0, 30, 60])), ValueError, "rise from 0 to T"),
+    "cu_seqlens-float": (dict(cu_seqlens=torch.tensor([0.0, 70.0])), ValueError, "int32/int64"),
+    "integer-g": (dict(g=torch.zeros(2, 70, 4, 32, dtype=torch.int32)), TypeError, "floating-point"),
+}
+
+
+@pytest.mark.parametrize("name", list(CLEARER))
+def test_clearer_errors(name):
+    overrides, exc, match = CLEARER[name]
+    kw = base(**overrides)
+    if "cu_seqlens" in overrides:
+        kw = {n: (t[:1] if isinstance(t, torch.Tensor) and n in ("q", "k", "v", "g", "beta") else t) for n, t in kw.items()}
+    with pytest.raises(exc, match=match):
+        chunk_kda(**kw)
+
+
+def test_non_contiguous_inputs_give_the_contiguous_result():
+    kw = make_inputs(P, requires_grad=False)
+    o_ref, _ = chunk_kda(**kw)
+    strided = dict(kw)
+    for name in ("q", "k", "v", "g"):
+        t = kw[name]
+        strided[name] = t.transpose(1, 2).contiguous().transpose(1, 2)  # same values, other strides
+        assert not strided[name].is_contiguous()
+    o, _ = chunk_kda(**strided)
+    assert last_record().engaged
+    assert torch.equal(o, o_ref)
+
+
+def test_nan_input_gives_nan_output_not_a_crash():
+    kw = make_inputs(P, requires_grad=False)
+    q = kw["q"].clone()
+    q[0, 5, 0, 3] = float("nan")
+    o, _ = chunk_kda(**dict(kw, q=q))
+    assert torch.isnan(o[0, 5:]).any()
+    assert not torch.isnan(o[1]).any()  # the other sequence is untouched
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_tensors_on_two_devices():
+    kw = make_inputs(P, requires_grad=False)
+    kw["v"] = kw["v"].cuda()
+    with pytest.raises(ValueError, match="one device"):
+        chunk_kda(**kw)

@@ -1,0 +1,188 @@
+"""The whitelist gate: every parameter classified, every fallback verbatim, every switch."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+
+import pytest
+import torch
+
+import kernel_fun
+from kernel_fun.kda import PARAMETERS, chunk_kda, is_supported, last_record, use_impls
+from kernel_fun.kda import chunk as chunk_mod
+from kernel_fun.kda.problems import Problem, make_inputs
+
+# fla 0.6.0 added these to chunk_kda's signature (fla 0.5.2 is what CI installs).
+FLA_060_EXTRA = ("use_graph", "max_num_seqs")
+# Keywords fla 0.5.2 reads out of **kwargs.
+FLA_KWARGS = ("A_log", "dt_bias", "chunk_size", "transpose_state_layout")
+
+SMALL = Problem("gate", 1, 70, 2, 2, 32, 16)
+
+
+class FlaStub:
+    """Stands in for fla's chunk_kda (fla's kernels do not run on the CPU)."""
+
+    def __init__(self):
+        self.calls = []
+        self.result = (object(), None)
+
+    def __call__(self, *args, **kwargs):
+        self.calls.append((args, kwargs))
+        return self.result
+
+
+@pytest.fixture
+def fla_stub(monkeypatch):
+    stub = FlaStub()
+    monkeypatch.setattr(chunk_mod, "_fla_entry", lambda: stub)
+    return stub
+
+
+def inputs(**overrides):
+    kw = make_inputs(SMALL, requires_grad=False)
+    kw.update(overrides)
+    return kw
+
+
+def test_signature_is_fla_0_5_2_plus_0_6():
+    from fla.ops.kda import chunk_kda as fla_chunk_kda
+
+    fla_params = list(inspect.signature(fla_chunk_kda).parameters.values())
+    ours = list(inspect.signature(chunk_kda).parameters.values())
+    fla_named = [p for p in fla_params if p.kind != p.VAR_KEYWORD]
+    ours_named = [p for p in ours if p.kind != p.VAR_KEYWORD]
+    assert [p.name for p in ours_named] == [p.name for p in fla_named] + list(FLA_060_EXTRA)
+    for a, b in zip(ours_named, fla_named):
+        assert a.default == b.default, a.name
+    assert ours[-1].kind == inspect.Parameter.VAR_KEYWORD
+
+
+def test_every_parameter_is_classified():
+    from fla.ops.kda import chunk_kda as fla_chunk_kda
+
+    names = [p.name for p in inspect.signature(fla_chunk_kda).parameters.values() if p.kind != p.VAR_KEYWORD]
+    for name in names + list(FLA_060_EXTRA) + list(FLA_KWARGS):
+        assert name in PARAMETERS, f"{name} is not classified"
+
+
+def test_supported_call_engages_and_logs_once(caplog, fla_stub):
+    caplog.set_level(logging.INFO, logger="kernel_fun")
+    kw = inputs()
+    assert is_supported(**kw) == (True, None)
+    for _ in range(2):
+        chunk_kda(**kw)
+    assert not fla_stub.calls
+    assert last_record().engaged
+    engaged = [r for r in caplog.records if r.getMessage().startswith("engaged (")]
+    assert len(engaged) == 1 and engaged[0].levelno == logging.INFO
+
+
+FALLBACKS = [
+    (dict(safe_gate=True, lower_bound=-5.0), "safe_gate"),
+    (dict(disable_recompute=True), "disable_recompute"),
+    (dict(return_intermediate_states=True), "return_intermediate_states"),
+    (dict(state_v_first=True), "state_v_first"),
+    (dict(transpose_state_layout=False), "transpose_state_layout"),
+    (dict(cp_context=object()), "cp_context"),
+    (dict(use_graph=True), "use_graph"),
+    (dict(max_num_seqs=4), "max_num_seqs"),
+    (dict(chunk_size=32), "chunk_size=32"),
+    (dict(some_new_flag=1), "some_new_flag"),
+]
+
+
+@pytest.mark.parametrize("extra,needle", FALLBACKS, ids=[n for _, n in FALLBACKS])
+def test_fallback_passes_fla_the_callers_arguments(extra, needle, fla_stub, caplog):
+    caplog.set_level(logging.INFO, logger="kernel_fun")
+    kw = inputs(**extra)
+    ok, reason = is_supported(**kw)
+    assert not ok and needle in reason
+    assert "tensor(" not in reason
+    out = chunk_kda(kw["q"], kw["k"], **{n: v for n, v in kw.items() if n not in ("q", "k")})
+    assert out is fla_stub.result
+    (args, kwargs), = fla_stub.calls
+    assert args[0] is kw["q"] and args[1] is kw["k"] and len(args) == 2
+    assert kwargs.keys() == {n for n in kw if n not in ("q", "k")}
+    assert all(kwargs[n] is kw[n] for n in kwargs)
+    record = last_record()
+    assert not record.engaged and needle in record.reason
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert [r.getMessage() for r in warnings] == [f"falling back to fla — {reason}"]
+
+
+def test_fallback_logs_once_per_reason(fla_stub, caplog):
+    caplog.set_level(logging.WARNING, logger="kernel_fun")
+    kw = inputs(disable_recompute=True)
+    for _ in range(3):
+        chunk_kda(**kw)
+    assert len(fla_stub.calls) == 3
+    assert len(caplog.records) == 1
+
+
+@pytest.mark.parametrize("switch", ["KERNEL_FUN_DISABLE", "KERNEL_FUN_KDA_DISABLE"])
+def test_disable_switches(switch, monkeypatch, fla_stub):
+    kw = inputs()
+    monkeypatch.setenv(switch, "1")
+    assert is_supported(**kw) == (False, f"{switch}=1")
+    chunk_kda(**kw)
+    assert len(fla_stub.calls) == 1
+    monkeypatch.setenv(switch, "0")
+    assert is_supported(**kw) == (True, None)
+
+
+@pytest.mark.parametrize("value", ["maybe", "2", " "])
+def test_bad_switch_value_warns_and_keeps_default(value, monkeypatch, caplog, fla_stub):
+    caplog.set_level(logging.WARNING, logger="kernel_fun")
+    monkeypatch.setenv("KERNEL_FUN_DISABLE", value)
+    chunk_kda(**inputs())
+    assert not fla_stub.calls and last_record().engaged
+    if value.strip():
+        assert any("ignoring KERNEL_FUN_DISABLE" in r.getMessage() for r in caplog.records)
+
+
+def test_min_ctas(monkeypatch, caplog, fla_stub):
+    kw = inputs()  # 2 chunks x 2 value heads = 4 chunk-heads
+    monkeypatch.setenv("KERNEL_FUN_KDA_MIN_CTAS", "5")
+    ok, reason = is_supported(**kw)
+    assert not ok and reason == "4 chunk-heads < KERNEL_FUN_KDA_MIN_CTAS=5"
+    monkeypatch.setenv("KERNEL_FUN_KDA_MIN_CTAS", "4")
+    assert is_supported(**kw) == (True, None)
+    caplog.set_level(logging.WARNING, logger="kernel_fun")
+    for bad in ("many", "-1"):
+        monkeypatch.setenv("KERNEL_FUN_KDA_MIN_CTAS", bad)
+        assert is_supported(**kw) == (True, None)
+        assert any(f"ignoring KERNEL_FUN_KDA_MIN_CTAS='{bad}'" in r.getMessage() for r in caplog.records)
+
+
+def test_is_supported_reports_invalid_arguments():
+    ok, reason = is_supported(**inputs(chunk_size=48))
+    assert not ok and reason.startswith("invalid arguments — ") and "chunk_size" in reason
+
+
+def test_unsupported_dtype_falls_back(fla_stub):
+    kw = make_inputs(SMALL, requires_grad=False)
+    kw = {n: (t.double() if isinstance(t, torch.Tensor) and n in ("q", "k", "v") else t) for n, t in kw.items()}
+    ok, reason = is_supported(**kw)
+    assert not ok and "float64" in reason
+
+
+def test_forced_impls_never_silently_substitute():
+    kw = inputs()
+    with use_impls("fla"):
+        with pytest.raises(RuntimeError, match="CUDA"):
+            chunk_kda(**kw)
+    with use_impls({"B6": "ours"}):
+        o, _ = chunk_kda(**inputs(q=kw["q"].requires_grad_()))
+        with pytest.raises(RuntimeError, match="stage B6"):
+            o.float().sum().backward()
+    with use_impls("reference"):
+        chunk_kda(**inputs())
+    assert set(last_record().forward.values()) == {"reference"}
+
+
+def test_versions():
+    v = kernel_fun.versions()
+    assert set(v) == {"kernel_fun", "torch", "triton", "fla", "device"}
+    assert v["fla"] == __import__("importlib.metadata").metadata.version("fla-core")
