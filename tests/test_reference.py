@@ -100,3 +100,28 @@ def test_rel_rms_propagates_nan():
     y = x.clone()
     y[1] = float("nan")
     assert not ref.rel_rms(y, x) <= 1.0
+
+
+def test_stage_errors_ignore_the_unwritten_upper_triangle_per_sequence():
+    """Aqk's upper triangle is never written by fla; the comparison masks it per chunk, with
+    chunks restarting at each packed sequence."""
+    from kernel_fun.kda.parity import stage_errors
+
+    p = Problem("mask", 1, 150, 1, 1, 16, 16, cu_seqlens=(0, 10, 150))
+    kw = make_inputs(p, requires_grad=False)
+    cu = kw["cu_seqlens"]
+    gc = ref.gate_cumsum(kw["g"], True, kw["A_log"], kw["dt_bias"], cu_seqlens=cu)
+    q, _ = ref.l2norm_fwd(kw["q"])
+    k, _ = ref.l2norm_fwd(kw["k"])
+    Aqk, Akk = ref.intra_scores(q, k, gc, kw["beta"], 0.25, cu_seqlens=cu)
+    pos = torch.tensor(list(range(10)) + list(range(140)))
+    garbage = Aqk.clone()
+    upper = torch.arange(64)[None, :] > (pos % 64)[:, None]
+    garbage[0].masked_fill_(upper[:, None, :], float("nan"))
+    w = torch.zeros(1)
+    out = (w, w, w, garbage, Akk)
+    assert stage_errors("F3-F6", out, (w, w, w, Aqk, Akk), cu_seqlens=cu)["Aqk"] == 0.0
+    garbage[0, 12, :, 5] = 1.0  # row 2 of the second sequence, column 5: above its diagonal
+    assert stage_errors("F3-F6", out, (w, w, w, Aqk, Akk), cu_seqlens=cu)["Aqk"] == 0.0
+    garbage[0, 15, :, 3] += 1.0  # row 5 of the second sequence, column 3: compared
+    assert stage_errors("F3-F6", out, (w, w, w, Aqk, Akk), cu_seqlens=cu)["Aqk"] > 0.0

@@ -87,12 +87,15 @@ def op_table(rows: list[dict]) -> str:
         if base and r.get("fwdbwd_ms") and base.get("fwdbwd_ms"):
             ratio = base["fwdbwd_ms"] / r["fwdbwd_ms"]
         parity = r.get("parity", {})
+        over = parity.get("over_budget", [])
         if r["impl"] == "fla":
-            verdict = "oracle ok" if parity.get("ok") else "RED"
+            verdict = "oracle: " + (f"{', '.join(over)} over budget" if over else "within budgets")
+        elif not parity.get("ok"):
+            verdict = "RED"
         elif parity.get("bitwise_vs_fla"):
             verdict = "bitwise = fla"
         else:
-            verdict = "ok" if parity.get("ok") else "RED"
+            verdict = "ok"
         lines.append(
             f"| {r['shape']} | {IMPL_NAMES.get(r['impl'], r['impl'])} | {_fmt(r.get('fwd_ms'))} | "
             f"{_fmt(r.get('fwdbwd_ms'))} | {'—' if ratio is None else f'{ratio:.3f}x'} | "

@@ -277,6 +277,7 @@ class Options:
     cu_seqlens_cpu: torch.Tensor | None
     forced: Mapping[str, str] | None
     tap: list | None = None
+    timer: list | None = None
 
     @property
     def beta_scale(self) -> float:
@@ -310,7 +311,7 @@ class ChunkKDAFunction(torch.autograd.Function):
 
 
 def _forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, opts: Options, record: CallRecord):
-    run = Dispatcher(q.device, record, opts.forced, opts.tap)
+    run = Dispatcher(q.device, record, opts.forced, opts.tap, opts.timer)
     common = dict(chunk_size=opts.chunk_size, cu_seqlens=opts.cu_seqlens)
     q_rstd = k_rstd = None
     if opts.use_qk_l2norm_in_kernel:
@@ -348,7 +349,7 @@ def _backward(ctx, do, dht):
      cu_seqlens, chunk_indices) = ctx.saved_tensors
     opts: Options = ctx.opts
     record: CallRecord = ctx.record
-    run = Dispatcher(do.device, record, opts.forced, opts.tap)
+    run = Dispatcher(do.device, record, opts.forced, opts.tap, opts.timer)
     do = do.contiguous()
     dht = dht.contiguous() if dht is not None else None
     common = dict(chunk_size=opts.chunk_size, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)

@@ -29,7 +29,7 @@ import torch
 
 from kernel_fun._runtime import env_flag, env_int, log_once
 from kernel_fun.kda.chain import ChunkKDAFunction, Options
-from kernel_fun.kda.stages import CallRecord, current_forced, current_tap, set_last_record
+from kernel_fun.kda.stages import CallRecord, current_forced, current_tap, current_timer, set_last_record
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _KNOWN_KWARGS = ("A_log", "dt_bias", "chunk_size")
@@ -328,6 +328,7 @@ def chunk_kda(*args, **kwargs):
         cu_seqlens_cpu=c.cu_seqlens_cpu,
         forced=current_forced(),
         tap=current_tap(),
+        timer=current_timer(),
     )
     A_log = dt_bias = None
     if opts.use_gate_in_kernel:

@@ -62,6 +62,7 @@ class CallRecord:
 _REGISTRY: dict[str, Stage] = {}
 _FORCED: contextvars.ContextVar[Mapping[str, str] | None] = contextvars.ContextVar("kernel_fun_forced", default=None)
 _TAP: contextvars.ContextVar[list | None] = contextvars.ContextVar("kernel_fun_tap", default=None)
+_TIMER: contextvars.ContextVar[list | None] = contextvars.ContextVar("kernel_fun_timer", default=None)
 _LAST = threading.local()
 
 
@@ -129,6 +130,32 @@ def current_tap() -> list | None:
     return _TAP.get()
 
 
+@contextlib.contextmanager
+def time_stages() -> Iterator[list]:
+    """Put a pair of CUDA events around every stage run by calls whose forward starts inside
+    the block (their backward too). ``stage_ms`` turns the marks into milliseconds: the
+    device time between the stage's first launch and its last completing, which on a busy
+    stream is the stage's device time."""
+    marks: list = []
+    token = _TIMER.set(marks)
+    try:
+        yield marks
+    finally:
+        _TIMER.reset(token)
+
+
+def current_timer() -> list | None:
+    return _TIMER.get()
+
+
+def stage_ms(marks: list) -> dict[str, float]:
+    torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for name, start, end in marks:
+        out[name] = out.get(name, 0.0) + start.elapsed_time(end)
+    return out
+
+
 def last_record() -> CallRecord | None:
     """The record of the most recent ``chunk_kda`` call on this thread (its backward too,
     once that has run)."""
@@ -147,11 +174,12 @@ class Dispatcher:
     """Runs stages for one call, choosing and recording an implementation for each."""
 
     def __init__(self, device: torch.device, record: CallRecord, forced: Mapping[str, str] | None,
-                 tap: list | None = None):
+                 tap: list | None = None, timer: list | None = None):
         self.device = device
         self.record = record
         self.forced = forced or {}
         self.tap = tap
+        self.timer = timer if device.type == "cuda" else None
 
     def choose(self, name: str, **inputs) -> str:
         stage = _REGISTRY[name]
@@ -187,7 +215,13 @@ class Dispatcher:
         impl = self.choose(name, **inputs)
         (self.record.forward if phase == "forward" else self.record.backward)[name] = impl
         fn = _REGISTRY[name].impls[impl]
-        if torch.autograd._profiler_enabled():  # a named range per stage for the bench's profile
+        if self.timer is not None:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn(**inputs)
+            end.record()
+            self.timer.append((name, start, end))
+        elif torch.autograd._profiler_enabled():  # a named range per stage for the bench's profile
             with torch.profiler.record_function(f"kernel_fun::{name}"):
                 out = fn(**inputs)
         else:
