@@ -14,7 +14,7 @@ import zlib
 import pytest
 import torch
 
-from kernel_fun.kda import chunk_kda, last_record, reference as ref
+from kernel_fun.kda import chunk_kda, last_record, reference as ref, use_impls
 from kernel_fun.kda.problems import Problem, as_oracle_inputs, make_inputs, run_fwd_bwd
 
 CASES = [
@@ -59,7 +59,8 @@ def check_against_oracle(result: dict, oracle: dict, dtype: torch.dtype) -> dict
 def test_reference_chain_matches_recurrence(p: Problem, dtype: torch.dtype):
     p = dataclasses.replace(p, dtype=dtype)
     kwargs = make_inputs(p, seed=zlib.crc32(p.name.encode()) % 1000)
-    result = run_fwd_bwd(chunk_kda, kwargs, grid=p.dtype)
+    with use_impls("reference"):
+        result = run_fwd_bwd(chunk_kda, kwargs, grid=p.dtype)
     record = last_record()
     assert record.engaged and set(record.forward.values()) == {"reference"}
     assert set(record.backward.values()) == {"reference"}

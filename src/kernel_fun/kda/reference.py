@@ -185,9 +185,10 @@ def to_chunks(x: torch.Tensor, BT: int = CHUNK) -> torch.Tensor:
 
 
 def from_chunks(y: torch.Tensor, T: int) -> torch.Tensor:
-    """Inverse of ``to_chunks``: ``[B, H, NT, BT, *rest]`` -> ``[B, T, H, *rest]``."""
+    """Inverse of ``to_chunks``: ``[B, H, NT, BT, *rest]`` -> ``[B, T, H, *rest]``, contiguous
+    (stage outputs have fla's dense layouts)."""
     B, H, NT, BT = y.shape[:4]
-    return y.movedim(1, 3).reshape(B, NT * BT, H, *y.shape[4:])[:, :T]
+    return y.movedim(1, 3).reshape(B, NT * BT, H, *y.shape[4:])[:, :T].contiguous()
 
 
 def _valid_rows(T: int, BT: int, device) -> torch.Tensor:
@@ -599,28 +600,31 @@ def dhu_bwd(
 
 
 # B6: the WY backward ----------------------------------------------------------------------
-def _wy_dqkg_dense(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, BT):
+def _wy_dqkg_dense(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, BT, exact=False):
     B, T, H, K = q.shape
     HV = v.shape[2]
-    qc = to_chunks(_expand_heads(q, HV).float(), BT)
-    kc = to_chunks(_expand_heads(k, HV).float(), BT)
-    gcc = to_chunks(gc.float(), BT)
-    bc = to_chunks(beta.float(), BT)[..., None]  # [B, HV, NT, BT, 1]
-    vc, vnc, doc, dvc = (to_chunks(x.float(), BT) for x in (v, v_new, do, dv))
-    Ac = to_chunks(A.float(), BT)
-    S = h.float().movedim(2, 1)  # [B, HV, NT, K, V]
-    dS = dh.float().movedim(2, 1)
+    f = (lambda x: x.double()) if exact else (lambda x: x.float())
+    # Where fla rounds to the input dtype before a dot; the exact variant does not round.
+    r = (lambda x: x) if exact else (lambda x: x.to(k.dtype).float())
+    qc = to_chunks(f(_expand_heads(q, HV)), BT)
+    kc = to_chunks(f(_expand_heads(k, HV)), BT)
+    gcc = to_chunks(f(gc), BT)
+    bc = to_chunks(f(beta), BT)[..., None]  # [B, HV, NT, BT, 1]
+    vc, vnc, doc, dvc = (to_chunks(f(x), BT) for x in (v, v_new, do, dv))
+    Ac = to_chunks(f(A), BT)
+    S = f(h).movedim(2, 1)  # [B, HV, NT, K, V]
+    dS = f(dh).movedim(2, 1)
     valid = _valid_rows(T, BT, q.device)[..., None]
     m_strict = _mask_pairs(T, BT, q.device, strict=True)
-    is_last = (torch.arange(BT, device=q.device)[None, :]
-               == (torch.clamp((torch.arange(_num_chunks(T, BT), device=q.device) + 1) * BT, max=T) - 1
-                   - torch.arange(_num_chunks(T, BT), device=q.device) * BT)[:, None])[..., None]
+    NT = _num_chunks(T, BT)
+    last = torch.clamp((torch.arange(NT, device=q.device) + 1) * BT, max=T) - 1 - torch.arange(NT, device=q.device) * BT
+    is_last = (torch.arange(BT, device=q.device)[None, :] == last[:, None])[..., None]
 
     g_last = _last_rows(gcc, T, BT)[:, :, :, None, :]  # [B, HV, NT, 1, K]
     g_exp = torch.exp2(gcc)
     dq = (doc @ S.transpose(-1, -2)) * g_exp * scale
     dk_h = (vnc @ dS.transpose(-1, -2)) * torch.where(valid, torch.exp2(g_last - gcc), 0.0)
-    dw = (-(dvc @ S.transpose(-1, -2))).to(k.dtype).float()
+    dw = r(-(dvc @ S.transpose(-1, -2)))
     dg_last = (S * dS).sum(-1)[:, :, :, None, :] * torch.exp2(g_last)  # [B, HV, NT, 1, K]
     kg = kc * g_exp
     At = Ac.transpose(-1, -2)
@@ -628,14 +632,15 @@ def _wy_dqkg_dense(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, BT):
     dv2 = dvb * bc
     dkgb = At @ dw
     db = (dvb * vc).sum(-1) + (dkgb * kg).sum(-1)
-    dA = dvc @ vc.transpose(-1, -2) + dw @ kg.to(k.dtype).float().transpose(-1, -2)
-    dA = torch.where(m_strict, dA * bc.transpose(-1, -2), 0.0).to(k.dtype).float()
-    dA = (At @ (dA @ At).to(k.dtype).float())
+    dA = dvc @ vc.transpose(-1, -2) + dw @ r(kg).transpose(-1, -2)
+    dA = r(torch.where(m_strict, dA * bc.transpose(-1, -2), 0.0))
+    dA = At @ r(dA @ At)
     dA = torch.where(m_strict, -dA, 0.0)
     kdk = kc * dk_h
     dg = qc * dq - kdk + is_last * (dg_last + kdk.sum(-2, keepdim=True)) + kg * dkgb * bc
     dk = dk_h + dkgb * g_exp * bc
-    return (from_chunks(dq, T), from_chunks(dk, T), from_chunks(dv2, T).to(v.dtype),
+    dv2 = from_chunks(dv2, T)
+    return (from_chunks(dq, T), from_chunks(dk, T), dv2 if exact else dv2.to(v.dtype),
             from_chunks(db, T), from_chunks(dg, T), from_chunks(dA, T))
 
 
@@ -654,6 +659,7 @@ def wy_dqkg_bwd(
     scale: float,
     chunk_size: int = CHUNK,
     cu_seqlens: torch.Tensor | None = None,
+    exact: bool = False,
 ):
     """B6, with S = h[c], dS = dh[c], dvn = dv (B5's dv2), A = Akk_inv:
 
@@ -664,18 +670,20 @@ def wy_dqkg_bwd(
     - ``dg = q dq - k dk_h + beta (k exp2 gc)(A^T dw)``, plus on the chunk's last row
       ``sum_V(S dS) exp2(gc_last) + sum_rows(k dk_h)``.
 
-    Returns dq, dk (fp32, HV heads), dv2 (v.dtype), db, dg, dA (fp32).
+    Returns dq, dk (fp32, HV heads), dv2 (v.dtype), db, dg, dA (fp32). ``exact=True``
+    computes in float64 without fla's intermediate bf16 roundings and returns float64: the
+    stage's oracle.
     """
     if cu_seqlens is not None:
         return per_sequence(
             _wy_dqkg_dense, cu_seqlens,
             dict(q=q, k=k, v=v, v_new=v_new, gc=gc, beta=beta, A=A, h=h, do=do, dh=dh, dv=dv,
-                 scale=scale, BT=chunk_size),
+                 scale=scale, BT=chunk_size, exact=exact),
             {"q": "token", "k": "token", "v": "token", "v_new": "token", "gc": "token", "beta": "token",
              "A": "token", "h": "chunk", "do": "token", "dh": "chunk", "dv": "token"},
             ("token",) * 6, chunk_size,
         )
-    return _wy_dqkg_dense(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size)
+    return _wy_dqkg_dense(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, exact)
 
 
 # B7: gradients through the intra-chunk scores -------------------------------------------------

@@ -1,0 +1,121 @@
+"""Compile kernel-fun's Triton kernels for Hopper (sm_90a) without a GPU and report what
+the compiler made of them: registers, spill bytes, stack, shared memory, wgmma count.
+
+Triton lowers to PTX on any machine; its bundled ptxas assembles for sm_90a. This costs
+no GPU time, so register pressure is read here first and only the configs worth timing
+go to the H200. ``python -m kernel_fun.bench.compile_report [--design fullk] ...``
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import re
+import subprocess
+import tempfile
+
+_PTR = {"bf16": "*bf16", "fp32": "*fp32"}
+
+
+def _signature(jit, pointer_types: dict[str, str], constexprs: dict) -> dict:
+    sig = {}
+    for name in jit.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in pointer_types:
+            sig[name] = pointer_types[name]
+        elif name == "scale":
+            sig[name] = "fp32"
+        elif name == "T":
+            sig[name] = "i32"
+        else:
+            raise KeyError(f"no type for argument {name}")
+    return sig
+
+
+def compile_sm90(kernel, pointer_types: dict[str, str], constexprs: dict, num_warps: int, num_stages: int) -> dict:
+    """Compile ``kernel`` (a JITFunction, or a heuristics wrapper of one) for sm_90a."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    jit = kernel
+    while not hasattr(jit, "arg_names") or not hasattr(jit, "src"):
+        jit = jit.fn
+    sig = _signature(jit, pointer_types, constexprs)
+    # As a launch with 16-byte-aligned tensors specializes them (without it no load is
+    # vectorized and the pipeliner leaves every loop alone).
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(jit.arg_names) if sig[name].startswith("*")}
+    src = ASTSource(fn=jit, signature=sig, constexprs=constexprs, attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=num_warps, num_stages=num_stages))
+    ptx = compiled.asm["ptx"]
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        log = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", path, "-o", os.path.join(tmp, "k.cubin")],
+                             capture_output=True, text=True, check=True).stderr
+
+    def grab(pattern, default=0):
+        m = re.search(pattern, log)
+        return int(m.group(1)) if m else default
+
+    return {
+        "registers": grab(r"Used (\d+) registers"),
+        "spill_stores": grab(r"(\d+) bytes spill stores"),
+        "spill_loads": grab(r"(\d+) bytes spill loads"),
+        "stack": grab(r"(\d+) bytes stack frame"),
+        "shared": compiled.metadata.shared,
+        "wgmma": ptx.count("wgmma.mma_async"),
+        "num_warps": num_warps,
+        "num_stages": num_stages,
+    }
+
+
+def b6_report(design: str, K: int, V: int, H: int, HV: int, BV: int, num_warps: int, num_stages: int,
+              KS: int = 32, dtype: str = "bf16") -> dict:
+    from kernel_fun.kda import wy_bwd
+
+    common = dict(cu_seqlens=None, chunk_indices=None, HV=HV, K=K, V=V, BT=64, BK=K, BV=BV, IS_VARLEN=False)
+    act = {n: _PTR[dtype] for n in ("q", "k", "v", "v_new", "beta", "A", "h", "do", "dh", "dv", "dv2",
+                                     "dw_park", "kg_park")}
+    f32 = {n: "*fp32" for n in ("g", "dq", "dk", "dg", "db", "dA", "dgk_buf")}
+    types = {**act, **f32}
+    if design == "fullk":
+        return compile_sm90(wy_bwd.wy_dqkg_fullk_kernel, types, dict(common, H=H), num_warps, num_stages)
+    if design == "transposed":
+        return compile_sm90(wy_bwd.wy_dqkg_transposed_main_kernel, types, dict(common, H=H, KS=KS),
+                            num_warps, num_stages)
+    if design == "side":
+        return compile_sm90(wy_bwd.wy_dqkg_transposed_side_kernel, types, common, num_warps, num_stages)
+    raise ValueError(design)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--design", default="fullk,transposed,side")
+    parser.add_argument("--K", type=int, default=128)
+    parser.add_argument("--V", type=int, default=256)
+    parser.add_argument("--BV", default="32,64,128")
+    parser.add_argument("--warps", default="4,8")
+    parser.add_argument("--stages", default="1,2,3")
+    parser.add_argument("--KS", default="32")
+    args = parser.parse_args(argv)
+    os.environ.pop("TRITON_INTERPRET", None)
+    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    for design in args.design.split(","):
+        for BV, warps, stages, KS in itertools.product(ints(args.BV), ints(args.warps), ints(args.stages), ints(args.KS)):
+            row = dict(design=design, K=args.K, V=args.V, BV=BV, KS=KS if design == "transposed" else None)
+            try:
+                row.update(b6_report(design, args.K, args.V, 16, 16, BV, warps, stages, KS))
+            except Exception as err:  # a config that does not compile is a row too
+                row.update(error=str(err).splitlines()[0][:160], num_warps=warps, num_stages=stages)
+            print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,485 @@
+"""B6, the WY backward of KDA (fla's ``chunk_kda_bwd_wy_dqkg_fused``), for Hopper.
+
+What it computes, per chunk c of 64 tokens and value head (S = h[c], dS = dh[c],
+dvn = the dv that B5 produces, A = Akk_inv):
+
+- ``dq = scale (do S^T) exp2 gc``; ``dk_h = (v_new dS^T) exp2(gc_last - gc)``; ``dw = -dvn S^T``;
+- ``dv2 = beta (A^T dvn)``; ``dk = dk_h + beta exp2(gc) (A^T dw)``;
+- ``db = rowsum(A^T dvn * v) + rowsum(A^T dw * kg)`` with ``kg = k exp2 gc``;
+- ``dA = -A^T strict_lower([dvn v^T + dw kg^T] Diag(beta)) A^T``;
+- ``dg = q dq - k dk_h + beta kg (A^T dw)`` (+ ``exp2(gc_last) sum_V S dS + sum_rows k dk_h``
+  on the chunk's last row).
+
+Where fla's kernel loses time (12.4 ms at prod8192_gate on the H200, 3.3x its 3.73 ms
+memory floor): its program loops over K slabs of 32 or 64 and, inside, over V tiles, so
+v_new, do and dv are read once per K slab; every dot is [64, BV] @ [BV, 32|64] -- a tiny N,
+three dots chained on the same operands -- so it is latency-bound; a ``debug_barrier`` runs
+every inner iteration (the ``i_k == 0`` block reuses the loop's shared memory), which
+defeats software pipelining; and the exp2/dg/dA epilogue runs once per slab.
+
+Two designs, same contract and outputs as fla's function:
+
+1. ``fullk`` -- one program per (chunk, b*hv) with no K-slab loop: h and dh load as
+   [BV, K] tiles, the V-shaped tiles are read once, the three dots widen to
+   [64, BV] @ [BV, K], the barrier disappears and the epilogue runs once. Accumulators
+   dq, dk, dw [64, K] and dA [64, 64] in fp32 registers.
+2. ``transposed`` -- two kernels. The main kernel accumulates the transposes
+   dq^T = S do^T, dw^T = S dvn^T, dk^T = dS v_new^T, so every dot has M = K and h, dh load
+   in their natural [K, BV] layout; it parks the raw dq and dk in their fp32 outputs, -dw
+   (bf16) and sum_V S dS in scratch, and runs the elementwise epilogue over K strips
+   re-read from L2, so the epilogue's live set is a strip, not [64, K]. A side kernel does
+   the v-side -- dv2, its part of db -- and dA = chain(dvn v^T + dw kg^T), accumulated in
+   that order into one accumulator as in design 1. The side kernel finishes db in place on
+   the main kernel's partial: the one read-modify-write output, which is why neither
+   kernel is ever autotuned.
+
+Numerics: the V accumulation keeps fla's order (V tiles ascending, fp32 accumulators);
+what moves is the reduction blocking inside each dot (fp32 reassociations of the same
+terms). Every bf16 rounding fla makes is made at the same point (dw and kg before their
+dots, dA before each of its two chain dots, dv2 at the store); no exp2 is factored
+differently.
+
+Not handled here (the stage goes to fla's kernel; ``supports`` says why): K not 64 or
+128, V not a multiple of 32, fp32 inputs, chunk size other than 64, the V-first state
+layout, grids below ``MIN_CTAS``.
+
+Measured on the H200: see ``CONFIGS`` and ``docs/b6-wy-backward.md``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from kernel_fun.kda.stages import add_impl
+
+
+# --------------------------------------------------------------------------------------
+# Shared pieces
+# --------------------------------------------------------------------------------------
+# Two faults of Triton 3.6's interpreter with bf16, which it stores as uint16: tl.dot
+# multiplies that storage (a [16,16] bf16 dot comes out ~1e10 off; fp16 and fp32 are
+# right), and fp32 -> bf16 casts truncate instead of rounding to nearest even. Under the
+# interpreter the dots take fp32 copies of their operands (exact for bf16 values) and the
+# casts round to nearest even by hand; compiled for the GPU both helpers are the plain op.
+_INTERPRETING = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+@triton.jit
+def _dot(a, b):
+    if _INTERPRETING:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _to(x, dtype: tl.constexpr):
+    if _INTERPRETING:
+        if dtype == tl.bfloat16:
+            bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
+def _chunk_coords(i_t, i_bh, cu_seqlens, chunk_indices, T, HV: tl.constexpr, BT: tl.constexpr,
+                  IS_VARLEN: tl.constexpr):
+    """(chunk index within its sequence, global chunk index, first token row, sequence length)."""
+    i_b = i_bh // HV
+    if IS_VARLEN:
+        i_tg = i_t.to(tl.int64)
+        i_n = tl.load(chunk_indices + i_t * 2).to(tl.int64)
+        i_c = tl.load(chunk_indices + i_t * 2 + 1).to(tl.int64)
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+        T_seq = (eos - bos).to(tl.int32)
+    else:
+        NT = tl.cdiv(T, BT)
+        i_c = i_t.to(tl.int64)
+        i_tg = i_b.to(tl.int64) * NT + i_t
+        bos = i_b.to(tl.int64) * T
+        T_seq = T
+    return i_c, i_tg, bos, T_seq
+
+
+@triton.jit
+def _da_chain(b_dA, b_At, b_beta, m_strict):
+    """dA = -A^T strict_lower(X Diag(beta)) A^T, rounding to A's dtype before each dot as fla does."""
+    b_dA = tl.where(m_strict, b_dA * b_beta[None, :], 0)
+    b_dA = _dot(_to(b_dA, b_At.dtype), b_At)
+    b_dA = _dot(b_At, _to(b_dA, b_At.dtype))
+    return tl.where(m_strict, -b_dA, 0)
+
+
+# --------------------------------------------------------------------------------------
+# Design 1: full K, one kernel
+# --------------------------------------------------------------------------------------
+@triton.heuristics({"IS_VARLEN": lambda args: args["cu_seqlens"] is not None})
+@triton.jit(do_not_specialize=["T"])
+def wy_dqkg_fullk_kernel(
+    q, k, v, v_new, g, beta, A, h, do, dh, dv,
+    dq, dk, dv2, dg, db, dA,
+    cu_seqlens, chunk_indices, scale, T,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
+):
+    i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    i_hv = i_bh % HV
+    i_h = i_hv // (HV // H)
+    i_c, i_tg, bos, T = _chunk_coords(i_t, i_bh, cu_seqlens, chunk_indices, T, HV, BT, IS_VARLEN)
+
+    o_t = i_c * BT + tl.arange(0, BT)
+    m_t = o_t < T
+    o_i = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    m_tk = m_t[:, None] & m_k[None, :]
+    i_last = tl.minimum(T, i_c * BT + BT) - 1
+    m_last = o_t == i_last
+
+    q += (bos * H + i_h) * K
+    k += (bos * H + i_h) * K
+    v += (bos * HV + i_hv) * V
+    v_new += (bos * HV + i_hv) * V
+    g += (bos * HV + i_hv) * K
+    beta += bos * HV + i_hv
+    A += (bos * HV + i_hv) * BT
+    h += (i_tg * HV + i_hv) * K * V
+    dh += (i_tg * HV + i_hv) * K * V
+    do += (bos * HV + i_hv) * V
+    dv += (bos * HV + i_hv) * V
+    dq += (bos * HV + i_hv) * K
+    dk += (bos * HV + i_hv) * K
+    dv2 += (bos * HV + i_hv) * V
+    dg += (bos * HV + i_hv) * K
+    db += bos * HV + i_hv
+    dA += (bos * HV + i_hv) * BT
+
+    b_beta = tl.load(beta + o_t * HV, mask=m_t, other=0).to(tl.float32)
+    # A^T: b_At[i, j] = A[row j, column i]
+    b_At = tl.load(A + o_t[None, :] * (HV * BT) + o_i[:, None], mask=m_t[None, :], other=0)
+
+    b_dq = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dk = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dw = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dA = tl.zeros([BT, BT], dtype=tl.float32)
+    b_db = tl.zeros([BT], dtype=tl.float32)
+    b_dgk = tl.zeros([BK], dtype=tl.float32)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        m_tv = m_t[:, None] & m_v[None, :]
+        p_tv = o_t[:, None] * (HV * V) + o_v[None, :]
+        b_do = tl.load(do + p_tv, mask=m_tv, other=0)
+        b_vn = tl.load(v_new + p_tv, mask=m_tv, other=0)
+        b_dvn = tl.load(dv + p_tv, mask=m_tv, other=0)
+        b_v = tl.load(v + p_tv, mask=m_tv, other=0)
+        # [BV, BK] views of the [K, V] state and its gradient
+        p_vk = o_v[:, None] + o_k[None, :] * V
+        m_vk = m_v[:, None] & m_k[None, :]
+        b_hT = tl.load(h + p_vk, mask=m_vk, other=0)
+        b_dhT = tl.load(dh + p_vk, mask=m_vk, other=0)
+
+        b_dgk += tl.sum(b_hT.to(tl.float32) * b_dhT.to(tl.float32), axis=0)
+        b_dq += _dot(b_do, b_hT)
+        b_dk += _dot(b_vn, b_dhT)
+        b_dw += _dot(b_dvn, b_hT)
+        b_dA += _dot(b_dvn, tl.trans(b_v))
+        b_dvb = _dot(b_At, b_dvn)
+        tl.store(dv2 + p_tv, _to(b_dvb * b_beta[:, None], dv2.dtype.element_ty), mask=m_tv)
+        b_db += tl.sum(b_dvb * b_v.to(tl.float32), axis=1)
+
+    p_tk = o_t[:, None] * (HV * K) + o_k[None, :]
+    b_g = tl.load(g + p_tk, mask=m_tk, other=0).to(tl.float32)
+    b_gn = tl.load(g + i_last * (HV * K) + o_k, mask=m_k, other=0).to(tl.float32)
+    b_gexp = tl.exp2(b_g)
+
+    b_dq = b_dq * b_gexp * scale
+    b_q = tl.load(q + o_t[:, None] * (H * K) + o_k[None, :], mask=m_tk, other=0).to(tl.float32)
+    b_dg = b_q * b_dq
+    tl.store(dq + p_tk, b_dq, mask=m_tk)
+
+    b_dk = b_dk * tl.where(m_t[:, None], tl.exp2(b_gn[None, :] - b_g), 0)
+    b_k = tl.load(k + o_t[:, None] * (H * K) + o_k[None, :], mask=m_tk, other=0)
+    b_kdk = b_k.to(tl.float32) * b_dk
+    b_dg -= b_kdk
+    b_dgk = b_dgk * tl.exp2(b_gn) + tl.sum(b_kdk, axis=0)
+
+    b_dwb = _to(-b_dw, b_k.dtype)
+    b_kg = b_k * b_gexp
+    b_dA += _dot(b_dwb, tl.trans(_to(b_kg, b_k.dtype)))
+    b_dkgb = _dot(b_At, b_dwb)
+    b_db += tl.sum(b_dkgb * b_kg, axis=1)
+    b_dg += b_kg * b_dkgb * b_beta[:, None] + tl.where(m_last[:, None], b_dgk[None, :], 0)
+    b_dk += b_dkgb * b_gexp * b_beta[:, None]
+    tl.store(dk + p_tk, b_dk, mask=m_tk)
+    tl.store(dg + p_tk, b_dg, mask=m_tk)
+
+    m_strict = (o_t[:, None] > o_t[None, :]) & m_t[:, None] & m_t[None, :]
+    b_dA = _da_chain(b_dA, b_At, b_beta, m_strict)
+    tl.store(dA + o_t[:, None] * (HV * BT) + o_i[None, :], b_dA, mask=m_t[:, None])
+    tl.store(db + o_t * HV, b_db, mask=m_t)
+
+
+# --------------------------------------------------------------------------------------
+# Design 2: transposed main kernel + v-side kernel
+# --------------------------------------------------------------------------------------
+@triton.heuristics({"IS_VARLEN": lambda args: args["cu_seqlens"] is not None})
+@triton.jit(do_not_specialize=["T"])
+def wy_dqkg_transposed_main_kernel(
+    q, k, g, beta, A, h, do, dh, dv, v_new,
+    dq, dk, dg, db, dw_park, kg_park, dgk_buf,
+    cu_seqlens, chunk_indices, scale, T,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, KS: tl.constexpr, IS_VARLEN: tl.constexpr,
+):
+    i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    i_hv = i_bh % HV
+    i_h = i_hv // (HV // H)
+    i_c, i_tg, bos, T = _chunk_coords(i_t, i_bh, cu_seqlens, chunk_indices, T, HV, BT, IS_VARLEN)
+
+    o_t = i_c * BT + tl.arange(0, BT)
+    m_t = o_t < T
+    o_i = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    i_last = tl.minimum(T, i_c * BT + BT) - 1
+    m_last = o_t == i_last
+
+    q += (bos * H + i_h) * K
+    k += (bos * H + i_h) * K
+    g += (bos * HV + i_hv) * K
+    beta += bos * HV + i_hv
+    A += (bos * HV + i_hv) * BT
+    h += (i_tg * HV + i_hv) * K * V
+    dh += (i_tg * HV + i_hv) * K * V
+    do += (bos * HV + i_hv) * V
+    dv += (bos * HV + i_hv) * V
+    v_new += (bos * HV + i_hv) * V
+    dq += (bos * HV + i_hv) * K
+    dk += (bos * HV + i_hv) * K
+    dg += (bos * HV + i_hv) * K
+    db += bos * HV + i_hv
+    dw_park += (bos * HV + i_hv) * K
+    kg_park += (bos * HV + i_hv) * K
+    dgk_buf += (i_tg * HV + i_hv) * K
+
+    # Main phase: M = K dots on the natural [K, BV] layout of h and dh.
+    b_dqT = tl.zeros([BK, BT], dtype=tl.float32)
+    b_dwT = tl.zeros([BK, BT], dtype=tl.float32)
+    b_dkT = tl.zeros([BK, BT], dtype=tl.float32)
+    b_dgk = tl.zeros([BK], dtype=tl.float32)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        p_kv = o_k[:, None] * V + o_v[None, :]
+        m_kv = m_k[:, None] & m_v[None, :]
+        b_h = tl.load(h + p_kv, mask=m_kv, other=0)
+        b_dh = tl.load(dh + p_kv, mask=m_kv, other=0)
+        # [BV, BT] views of the token-major do, dv, v_new
+        p_vt = o_v[:, None] + o_t[None, :] * (HV * V)
+        m_vt = m_v[:, None] & m_t[None, :]
+        b_doT = tl.load(do + p_vt, mask=m_vt, other=0)
+        b_dvT = tl.load(dv + p_vt, mask=m_vt, other=0)
+        b_vnT = tl.load(v_new + p_vt, mask=m_vt, other=0)
+        b_dgk += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
+        b_dqT += _dot(b_h, b_doT)
+        b_dwT += _dot(b_h, b_dvT)
+        b_dkT += _dot(b_dh, b_vnT)
+
+    # Park: raw dq and dk in their outputs, -dw in bf16 (what every consumer of dw reads),
+    # sum_V S dS in scratch; stored through transposed pointers, never a register transpose.
+    p_kt = o_k[:, None] + o_t[None, :] * (HV * K)
+    m_kt = m_k[:, None] & m_t[None, :]
+    tl.store(dq + p_kt, b_dqT, mask=m_kt)
+    tl.store(dk + p_kt, b_dkT, mask=m_kt)
+    tl.store(dw_park + p_kt, _to(-b_dwT, dw_park.dtype.element_ty), mask=m_kt)
+    tl.store(dgk_buf + o_k, b_dgk, mask=m_k)
+    tl.debug_barrier()  # the strips below re-read what other threads of this program parked
+
+    b_beta = tl.load(beta + o_t * HV, mask=m_t, other=0).to(tl.float32)
+    b_At = tl.load(A + o_t[None, :] * (HV * BT) + o_i[:, None], mask=m_t[None, :], other=0)
+    b_db = tl.zeros([BT], dtype=tl.float32)
+    for i_s in range(tl.cdiv(K, KS)):
+        o_s = i_s * KS + tl.arange(0, KS)
+        m_s = o_s < K
+        m_ts = m_t[:, None] & m_s[None, :]
+        p_ts = o_t[:, None] * (HV * K) + o_s[None, :]
+        p_qk = o_t[:, None] * (H * K) + o_s[None, :]
+        b_g = tl.load(g + p_ts, mask=m_ts, other=0).to(tl.float32)
+        b_gn = tl.load(g + i_last * (HV * K) + o_s, mask=m_s, other=0).to(tl.float32)
+        b_gexp = tl.exp2(b_g)
+
+        b_dq = tl.load(dq + p_ts, mask=m_ts, other=0) * b_gexp * scale
+        b_dg = tl.load(q + p_qk, mask=m_ts, other=0).to(tl.float32) * b_dq
+        tl.store(dq + p_ts, b_dq, mask=m_ts)
+
+        b_dk = tl.load(dk + p_ts, mask=m_ts, other=0) * tl.where(m_t[:, None], tl.exp2(b_gn[None, :] - b_g), 0)
+        b_k = tl.load(k + p_qk, mask=m_ts, other=0)
+        b_kdk = b_k.to(tl.float32) * b_dk
+        b_dg -= b_kdk
+        b_dgk_s = tl.load(dgk_buf + o_s, mask=m_s, other=0) * tl.exp2(b_gn) + tl.sum(b_kdk, axis=0)
+
+        b_dwb = tl.load(dw_park + p_ts, mask=m_ts, other=0)
+        b_kg = b_k * b_gexp
+        tl.store(kg_park + p_ts, _to(b_kg, kg_park.dtype.element_ty), mask=m_ts)
+        b_dkgb = _dot(b_At, b_dwb)
+        b_db += tl.sum(b_dkgb * b_kg, axis=1)
+        b_dg += b_kg * b_dkgb * b_beta[:, None] + tl.where(m_last[:, None], b_dgk_s[None, :], 0)
+        b_dk += b_dkgb * b_gexp * b_beta[:, None]
+        tl.store(dk + p_ts, b_dk, mask=m_ts)
+        tl.store(dg + p_ts, b_dg, mask=m_ts)
+    tl.store(db + o_t * HV, b_db, mask=m_t)
+
+
+@triton.heuristics({"IS_VARLEN": lambda args: args["cu_seqlens"] is not None})
+@triton.jit(do_not_specialize=["T"])
+def wy_dqkg_transposed_side_kernel(
+    v, beta, A, dv, dw_park, kg_park,
+    dv2, db, dA,
+    cu_seqlens, chunk_indices, T,
+    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
+):
+    i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    i_hv = i_bh % HV
+    i_c, i_tg, bos, T = _chunk_coords(i_t, i_bh, cu_seqlens, chunk_indices, T, HV, BT, IS_VARLEN)
+
+    o_t = i_c * BT + tl.arange(0, BT)
+    m_t = o_t < T
+    o_i = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+
+    v += (bos * HV + i_hv) * V
+    dv += (bos * HV + i_hv) * V
+    dv2 += (bos * HV + i_hv) * V
+    beta += bos * HV + i_hv
+    A += (bos * HV + i_hv) * BT
+    dw_park += (bos * HV + i_hv) * K
+    kg_park += (bos * HV + i_hv) * K
+    db += bos * HV + i_hv
+    dA += (bos * HV + i_hv) * BT
+
+    b_beta = tl.load(beta + o_t * HV, mask=m_t, other=0).to(tl.float32)
+    b_At = tl.load(A + o_t[None, :] * (HV * BT) + o_i[:, None], mask=m_t[None, :], other=0)
+    b_dA = tl.zeros([BT, BT], dtype=tl.float32)
+    b_db = tl.zeros([BT], dtype=tl.float32)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_tv = m_t[:, None] & (o_v[None, :] < V)
+        p_tv = o_t[:, None] * (HV * V) + o_v[None, :]
+        b_dvn = tl.load(dv + p_tv, mask=m_tv, other=0)
+        b_v = tl.load(v + p_tv, mask=m_tv, other=0)
+        b_dA += _dot(b_dvn, tl.trans(b_v))
+        b_dvb = _dot(b_At, b_dvn)
+        tl.store(dv2 + p_tv, _to(b_dvb * b_beta[:, None], dv2.dtype.element_ty), mask=m_tv)
+        b_db += tl.sum(b_dvb * b_v.to(tl.float32), axis=1)
+    p_tk = o_t[:, None] * (HV * K) + o_k[None, :]
+    m_tk = m_t[:, None] & m_k[None, :]
+    b_dwb = tl.load(dw_park + p_tk, mask=m_tk, other=0)
+    b_kg = tl.load(kg_park + p_tk, mask=m_tk, other=0)
+    b_dA += _dot(b_dwb, tl.trans(b_kg))
+
+    m_strict = (o_t[:, None] > o_t[None, :]) & m_t[:, None] & m_t[None, :]
+    b_dA = _da_chain(b_dA, b_At, b_beta, m_strict)
+    tl.store(dA + o_t[:, None] * (HV * BT) + o_i[None, :], b_dA, mask=m_t[:, None])
+    # The one read-modify-write: the main kernel's sum_K part of db, plus the sum_V part.
+    p_db = db + o_t * HV
+    tl.store(p_db, tl.load(p_db, mask=m_t, other=0) + b_db, mask=m_t)
+
+
+# --------------------------------------------------------------------------------------
+# Configs (pinned; never autotuned -- see the module docstring) and the launcher
+# --------------------------------------------------------------------------------------
+# (design, K) -> launch config. Placeholders until the H200 sweep replaces them with the
+# measured winners (docs/b6-wy-backward.md records the sweep).
+CONFIGS = {
+    ("fullk", 64): dict(BV=64, num_warps=4, num_stages=2),
+    ("fullk", 128): dict(BV=64, num_warps=8, num_stages=2),
+    ("transposed", 64): dict(BV=32, KS=32, num_warps=8, num_stages=2, side_BV=32, side_warps=8, side_stages=2),
+    ("transposed", 128): dict(BV=32, KS=32, num_warps=8, num_stages=2, side_BV=32, side_warps=8, side_stages=2),
+}
+DEFAULT_DESIGN = "fullk"
+# Grids (chunks x value heads) below this go to fla's kernel. 0 until measured.
+MIN_CTAS = 0
+_SMALLEST_BV = 32
+
+
+def wy_dqkg_bwd(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, cu_seqlens, chunk_indices,
+                design: str | None = None, config: dict | None = None):
+    """B6 with fla's contract: returns (dq, dk, dv2, db, dg, dA); dq/dk/dg/db/dA fp32."""
+    B, T, H, K = k.shape
+    HV, V = v.shape[2], v.shape[3]
+    BT = chunk_size
+    for name, t in dict(q=q, k=k, v=v, v_new=v_new, gc=gc, beta=beta, A=A, h=h, do=do, dh=dh, dv=dv).items():
+        if not t.is_contiguous():
+            raise ValueError(f"B6 kernels index {name} as a dense tensor; got strides {t.stride()}")
+    NT = triton.cdiv(T, BT) if cu_seqlens is None else len(chunk_indices)
+    design = design or os.environ.get("KERNEL_FUN_B6_DESIGN") or DEFAULT_DESIGN
+    cfg = dict(CONFIGS[(design, K)])
+    if config:
+        cfg.update(config)
+    BK = triton.next_power_of_2(K)
+    dq = torch.empty(B, T, HV, K, device=k.device, dtype=torch.float32)
+    dk = torch.empty_like(dq)
+    dg = torch.empty_like(dq)
+    dv2 = torch.empty_like(v)
+    db = torch.empty(B, T, HV, device=k.device, dtype=torch.float32)
+    dA = torch.empty(B, T, HV, BT, device=k.device, dtype=torch.float32)
+    grid = (NT, B * HV)
+    if design == "fullk":
+        wy_dqkg_fullk_kernel[grid](
+            q=q, k=k, v=v, v_new=v_new, g=gc, beta=beta, A=A, h=h, do=do, dh=dh, dv=dv,
+            dq=dq, dk=dk, dv2=dv2, dg=dg, db=db, dA=dA,
+            cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, scale=scale, T=T,
+            H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=cfg["BV"],
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+    elif design == "transposed":
+        dw_park = torch.empty(B, T, HV, K, device=k.device, dtype=k.dtype)
+        kg_park = torch.empty_like(dw_park)
+        dgk_buf = torch.empty(B * NT * HV, K, device=k.device, dtype=torch.float32)
+        wy_dqkg_transposed_main_kernel[grid](
+            q=q, k=k, g=gc, beta=beta, A=A, h=h, do=do, dh=dh, dv=dv, v_new=v_new,
+            dq=dq, dk=dk, dg=dg, db=db, dw_park=dw_park, kg_park=kg_park, dgk_buf=dgk_buf,
+            cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, scale=scale, T=T,
+            H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=cfg["BV"], KS=cfg["KS"],
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+        wy_dqkg_transposed_side_kernel[grid](
+            v=v, beta=beta, A=A, dv=dv, dw_park=dw_park, kg_park=kg_park,
+            dv2=dv2, db=db, dA=dA,
+            cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, T=T,
+            HV=HV, K=K, V=V, BT=BT, BK=BK, BV=cfg["side_BV"],
+            num_warps=cfg["side_warps"], num_stages=cfg["side_stages"],
+        )
+    else:
+        raise ValueError(f"unknown B6 design {design!r}; expected 'fullk' or 'transposed'")
+    return dq, dk, dv2, db, dg, dA
+
+
+def supports(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, cu_seqlens, chunk_indices):
+    """None when ``wy_dqkg_bwd`` takes the call, else why the stage stays on fla."""
+    K, V, HV = k.shape[-1], v.shape[-1], v.shape[2]
+    if chunk_size != 64:
+        return f"chunk_size={chunk_size} (B6 kernels are built for 64)"
+    if K not in (64, 128):
+        return f"K={K} (B6 kernels take K in 64, 128)"
+    if V % _SMALLEST_BV:
+        return f"V={V} is not a multiple of {_SMALLEST_BV}"
+    if k.dtype not in (torch.bfloat16, torch.float16) or h.dtype != k.dtype or v.dtype != k.dtype:
+        return f"dtype {str(k.dtype).replace('torch.', '')} (B6 kernels take bf16/fp16)"
+    if tuple(h.shape[-2:]) != (K, V):
+        return "state layout is not [K, V]"
+    n_chunks = triton.cdiv(k.shape[1], chunk_size) * k.shape[0] if cu_seqlens is None else len(chunk_indices)
+    if n_chunks * HV < MIN_CTAS:
+        return f"{n_chunks * HV} chunk-heads < the B6 floor of {MIN_CTAS}"
+    return None
+
+
+add_impl("B6", "ours", wy_dqkg_bwd, supports)
