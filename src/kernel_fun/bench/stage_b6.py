@@ -174,6 +174,7 @@ def bench_shape(name, candidates, reps, rounds, out_path):
             "ms": s["median"] if s else None, "spread_ms": [s["p10"], s["p90"]] if s else None,
             "reps": s["n"] if s else 0, "floor_ms": floor_ms, "bytes": b6_bytes(p),
             "parity": checks[label], "gpu": torch.cuda.get_device_name(), "versions": info,
+            "fla_cache_mode": os.environ.get("FLA_CACHE_MODE", "disabled"),
             "commit": results.commit(), "date": results.now(),
         }
         results.append(out_path, row)

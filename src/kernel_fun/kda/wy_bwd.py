@@ -396,16 +396,22 @@ def wy_dqkg_transposed_side_kernel(
 # --------------------------------------------------------------------------------------
 # Configs (pinned; never autotuned -- see the module docstring) and the launcher
 # --------------------------------------------------------------------------------------
-# (design, K) -> launch config. Placeholders until the H200 sweep replaces them with the
-# measured winners (docs/b6-wy-backward.md records the sweep).
+# (design, K) -> launch config, pinned from the H200 sweep of 2026-11-30 (rows in
+# bench/results/stages.jsonl, summary in docs/b6-wy-backward.md). At K=128, V=256:
+# fullk BV=64/8 warps/2 stages 7.68 ms at prod8192_gate against 9.28-14.76 ms for the
+# other five fullk configs; transposed BV=32/KS=64 9.88 ms, the best of its six (its
+# 3-stage main kernel failed parity, see the doc). K=64 was not measured: it takes the
+# K=128 winners.
 CONFIGS = {
-    ("fullk", 64): dict(BV=64, num_warps=4, num_stages=2),
+    ("fullk", 64): dict(BV=64, num_warps=8, num_stages=2),
     ("fullk", 128): dict(BV=64, num_warps=8, num_stages=2),
-    ("transposed", 64): dict(BV=32, KS=32, num_warps=8, num_stages=2, side_BV=32, side_warps=8, side_stages=2),
-    ("transposed", 128): dict(BV=32, KS=32, num_warps=8, num_stages=2, side_BV=32, side_warps=8, side_stages=2),
+    ("transposed", 64): dict(BV=32, KS=64, num_warps=8, num_stages=2, side_BV=32, side_warps=8, side_stages=2),
+    ("transposed", 128): dict(BV=32, KS=64, num_warps=8, num_stages=2, side_BV=32, side_warps=8, side_stages=2),
 }
+# fullk beat transposed at every shape measured (prod8192_gate, b8, 1024/256/64 chunk-heads).
 DEFAULT_DESIGN = "fullk"
-# Grids (chunks x value heads) below this go to fla's kernel. 0 until measured.
+# No floor: fullk beat fla's kernel at every grid measured, down to 64 chunk-heads
+# (0.083 against 0.146 ms). Grids below this many chunk-heads would go to fla.
 MIN_CTAS = 0
 _SMALLEST_BV = 32
 
