@@ -74,15 +74,19 @@ IMPL_NAMES = {
 
 def op_table(rows: list[dict]) -> str:
     """Whole-op rows: one line per (shape, impl), fla's row first, speedups against it."""
-    rows = latest([r for r in rows if r.get("kind") == "chunk_kda"], "shape", "impl")
+    every = [r for r in rows if r.get("kind") == "chunk_kda"]
+    rows = latest(every, "shape", "impl")
     fla = {r["shape"]: r for r in rows if r["impl"] == "fla"}
+    # A row is compared with fla's row of the same bench run (same commit and shape) where
+    # there is one: the two were timed interleaved in one process.
+    same_run = {(r["shape"], r["commit"]): r for r in latest(every, "shape", "impl", "commit") if r["impl"] == "fla"}
     lines = [
         "| shape | implementation | fwd ms | fwd+bwd ms | vs fla (fwd+bwd) | first call s | peak GiB | parity | GPU, date, commit |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     order = {"fla": 0, "chain_fla": 1, "ours": 2}
     for r in sorted(rows, key=lambda r: (r["shape"], order.get(r["impl"], 9))):
-        base = fla.get(r["shape"])
+        base = same_run.get((r["shape"], r["commit"]), fla.get(r["shape"]))
         ratio = None
         if base and r.get("fwdbwd_ms") and base.get("fwdbwd_ms"):
             ratio = base["fwdbwd_ms"] / r["fwdbwd_ms"]
@@ -105,42 +109,93 @@ def op_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def stage_table(rows: list[dict]) -> str:
-    """Stage-alone rows (``kind == "stage"``): ours against fla's kernel and the stage's floor."""
+def _config_text(row) -> str:
+    c = row.get("config") or {}
+    parts = [f"BV={c['BV']}"] if "BV" in c else []
+    if "KS" in c:
+        parts.append(f"KS={c['KS']}")
+    if "num_warps" in c:
+        parts.append(f"{c['num_warps']}w/{c['num_stages']}s")
+    if "side_BV" in c:
+        parts.append(f"side BV={c['side_BV']} {c['side_warps']}w/{c['side_stages']}s")
+    return ", ".join(parts)
+
+
+def stage_table(rows: list[dict], best_only: bool = True) -> str:
+    """Stage-alone rows (``kind == "stage"``) against fla's kernel and the stage's memory
+    floor: per (stage, shape) fla and, with ``best_only``, each design's fastest config
+    that passed parity (else every config, red ones included)."""
     rows = latest([r for r in rows if r.get("kind") == "stage"], "stage", "shape", "impl")
     if not rows:
         return ""
     fla = {(r["stage"], r["shape"]): r for r in rows if r["impl"] == "fla"}
+    if best_only:
+        # A config that failed parity at any shape is not a candidate anywhere.
+        red = {r["impl"] for r in rows if not r.get("parity", {}).get("ok")}
+        best: dict[tuple, dict] = {}
+        for r in rows:
+            if r["impl"] == "fla" or not r.get("ms") or r["impl"] in red:
+                continue
+            key = (r["stage"], r["shape"], r["design"])
+            if key not in best or r["ms"] < best[key]["ms"]:
+                best[key] = r
+        rows = list(fla.values()) + list(best.values())
+    order = {"prod8192_gate": 0, "kimi": 1, "b8": 2, "small": 3}
     lines = [
-        "| stage | shape | implementation | ms | vs fla | floor ms | parity | GPU, date, commit |",
-        "|---|---|---|---|---|---|---|---|",
+        "| stage | shape | implementation | config | ms (p10–p90) | vs fla | floor ms | × floor | parity | GPU, date, commit |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in sorted(rows, key=lambda r: (r["stage"], r["shape"], r["impl"] != "fla", r["impl"])):
+    for r in sorted(rows, key=lambda r: (r["stage"], order.get(r["shape"], 9), r["shape"], r["impl"] != "fla",
+                                         r.get("ms") or 1e9)):
         base = fla.get((r["stage"], r["shape"]))
-        ratio = base["ms"] / r["ms"] if base and r.get("ms") else None
+        ratio = base["ms"] / r["ms"] if base and base.get("ms") and r.get("ms") else None
+        ms = "—" if not r.get("ms") else f"{r['ms']:.3f} ({r['spread_ms'][0]:.3f}–{r['spread_ms'][1]:.3f})"
+        floor = r.get("floor_ms")
+        times_floor = f"{r['ms'] / floor:.2f}" if r.get("ms") and floor else "—"
+        note = "*" if "fuzzy" in (r.get("fla_cache_mode") or "") else ""
         lines.append(
-            f"| {r['stage']} | {r['shape']} | {r['impl']} | {_fmt(r.get('ms'), 3)} | "
-            f"{'—' if ratio is None else f'{ratio:.2f}x'} | {_fmt(r.get('floor_ms'), 2)} | "
+            f"| {r['stage']} | {r['shape']}{note} | {'fla' if r['impl'] == 'fla' else r['design']} | "
+            f"{_config_text(r) if r['impl'] != 'fla' else 'autotuned'} | {ms} | "
+            f"{'—' if ratio is None else f'{ratio:.2f}x'} | {_fmt(floor, 2)} | {times_floor} | "
             f"{'ok' if r.get('parity', {}).get('ok') else 'RED'} | {r['gpu']}, {r['date'][:10]}, `{r['commit']}` |"
         )
+    if any("fuzzy" in (r.get("fla_cache_mode") or "") for r in rows):
+        lines.append("")
+        lines.append("\\* fla's kernel ran with the config its autotuner chose at prod8192_gate "
+                     "(`FLA_CACHE_MODE=fuzzy`), not re-autotuned for this shape family.")
     return "\n".join(lines)
 
 
 def render(rows: list[dict]) -> str:
-    parts = [TABLE_BEGIN, "", op_table(rows)]
+    """The README's numbers: the whole-op table, then the stage-alone table."""
     stages = stage_table(rows)
-    if stages:
-        parts += ["", stages]
-    parts += ["", TABLE_END]
-    return "\n".join(parts)
+    return op_table(rows) + ("\n\n" + stages if stages else "")
 
 
-def update_readme(readme: Path = README, directory: Path = RESULTS) -> bool:
-    """Rewrite the generated block of the README; True when it changed."""
-    text = readme.read_text()
-    start, end = text.index(TABLE_BEGIN), text.index(TABLE_END) + len(TABLE_END)
-    new = text[:start] + render(load(directory)) + text[end:]
+SWEEP_DOC = REPO / "docs" / "b6-wy-backward.md"
+SWEEP_BEGIN = "<!-- sweep:begin (generated by `python -m kernel_fun.bench.readme`; do not edit) -->"
+SWEEP_END = "<!-- sweep:end -->"
+
+
+def _replace_block(path: Path, begin: str, end: str, body: str) -> bool:
+    text = path.read_text()
+    start, stop = text.index(begin), text.index(end) + len(end)
+    new = text[:start] + begin + "\n\n" + body + "\n\n" + end + text[stop:]
     if new != text:
-        readme.write_text(new)
+        path.write_text(new)
         return True
     return False
+
+
+def render_sweep(rows: list[dict]) -> str:
+    return stage_table(rows, best_only=False)
+
+
+def update_readme(readme: Path = README, directory: Path = RESULTS, sweep_doc: Path | None = SWEEP_DOC) -> bool:
+    """Rewrite the generated blocks (the README's numbers, the B6 doc's sweep); True when
+    anything changed."""
+    rows = load(directory)
+    changed = _replace_block(readme, TABLE_BEGIN, TABLE_END, render(rows))
+    if sweep_doc is not None and sweep_doc.exists():
+        changed |= _replace_block(sweep_doc, SWEEP_BEGIN, SWEEP_END, render_sweep(rows))
+    return changed

@@ -142,7 +142,8 @@ def bench_shape(name, candidates, reps, rounds, out_path):
 
     impls = {"fla": (lambda: _fla_wy_dqkg(**inputs), None)}
     checks = {"fla": {"ok": True, "vs_exact": fla_exact}}
-    for design, config in candidates:
+    for design, overrides in candidates:
+        config = {**wy_bwd.CONFIGS[(design, p.K)], **overrides}  # the effective launch config
         label = config_label(design, config)
         out = wy_bwd.wy_dqkg_bwd(**inputs, design=design, config=config)
         vs_fla = stage_errors("B6", out, fla_out)

@@ -43,7 +43,21 @@ Not handled here (the stage goes to fla's kernel; ``supports`` says why): K not 
 128, V not a multiple of 32, fp32 inputs, chunk size other than 64, the V-first state
 layout, grids below ``MIN_CTAS``.
 
-Measured on the H200: see ``CONFIGS`` and ``docs/b6-wy-backward.md``.
+Measured on the H200 (2026-11-30, torch 2.11, triton 3.6; rows in
+``bench/results/stages.jsonl``, the sweep and its reading in ``docs/b6-wy-backward.md``):
+
+- prod8192_gate (B16 T8192 H=HV=16 K128 V256): fla 12.33 ms; fullk 7.68 ms (BV=64,
+  8 warps, 2 stages; 255 registers, 348 B of spills per thread, 104 KB shared), 1.61x fla,
+  2.06x the 3.73 ms floor; transposed 9.88 ms at its best (BV=32, KS=64; main kernel 213
+  registers and no spills, side kernel 124). fullk won at every shape and grid measured
+  (1.58-1.77x fla down to 64 chunk-heads), so it is the default and there is no CTA floor.
+- the 4.5 ms target was missed: one 8-warp program per SM, latency-bound (two pipeline
+  stages beat one by 18%; 16 warps at 128 registers spilled more and ran 11.1 ms).
+- the transposed main kernel at three pipeline stages failed parity at >= 1,024
+  chunk-heads (a grid-dependent error: the parked accumulators and the strip loads race);
+  its pinned config uses two stages, which held parity everywhere.
+- whole op at prod8192_gate with this stage ours and every other on fla: fwd+bwd 42.85 ms
+  against fla's 47.17 ms.
 """
 
 from __future__ import annotations
