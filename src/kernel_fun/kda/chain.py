@@ -90,10 +90,10 @@ def _fla_intra(q, k, v, gc, beta, scale, chunk_size, cu_seqlens, chunk_indices):
 def _fla_h(kg, w, u, gc, initial_state, output_final_state, chunk_size, cu_seqlens, cu_seqlens_cpu, chunk_indices):
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
 
-    extra = {"cu_seqlens_cpu": cu_seqlens_cpu} if cu_seqlens_cpu is not None else {}
     return chunk_gated_delta_rule_fwd_h(
         k=kg, w=w, u=u, gk=gc, initial_state=initial_state, output_final_state=output_final_state,
-        cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, chunk_size=chunk_size, state_v_first=False, **extra,
+        cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices, chunk_size=chunk_size,
+        state_v_first=False,
     )
 
 

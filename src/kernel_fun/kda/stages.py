@@ -115,33 +115,31 @@ def current_forced() -> Mapping[str, str] | None:
 
 
 @contextlib.contextmanager
-def capture_stages() -> Iterator[list]:
-    """Record ``(stage, impl, inputs, outputs)`` of every stage run by calls whose forward
-    starts inside the block (their backward too). For stage-by-stage parity checks."""
+def _collecting(var: contextvars.ContextVar) -> Iterator[list]:
     log: list = []
-    token = _TAP.set(log)
+    token = var.set(log)
     try:
         yield log
     finally:
-        _TAP.reset(token)
+        var.reset(token)
+
+
+def capture_stages():
+    """Record ``(stage, impl, inputs, outputs)`` of every stage run by calls whose forward
+    starts inside the block (their backward too). For stage-by-stage parity checks."""
+    return _collecting(_TAP)
 
 
 def current_tap() -> list | None:
     return _TAP.get()
 
 
-@contextlib.contextmanager
-def time_stages() -> Iterator[list]:
+def time_stages():
     """Put a pair of CUDA events around every stage run by calls whose forward starts inside
     the block (their backward too). ``stage_ms`` turns the marks into milliseconds: the
     device time between the stage's first launch and its last completing, which on a busy
     stream is the stage's device time."""
-    marks: list = []
-    token = _TIMER.set(marks)
-    try:
-        yield marks
-    finally:
-        _TIMER.reset(token)
+    return _collecting(_TIMER)
 
 
 def current_timer() -> list | None:

@@ -54,8 +54,9 @@ Measured on the H200 (2026-11-30, torch 2.11, triton 3.6; rows in
 - the 4.5 ms target was missed: one 8-warp program per SM, latency-bound (two pipeline
   stages beat one by 18%; 16 warps at 128 registers spilled more and ran 11.1 ms).
 - the transposed main kernel at three pipeline stages failed parity at >= 1,024
-  chunk-heads (a grid-dependent error: the parked accumulators and the strip loads race);
-  its pinned config uses two stages, which held parity everywhere.
+  chunk-heads (a grid-dependent error, which points at a race between the parked
+  accumulators and the pipelined strip loads; not chased further); its pinned config uses
+  two stages, which held parity everywhere.
 - whole op at prod8192_gate with this stage ours and every other on fla: fwd+bwd 42.85 ms
   against fla's 47.17 ms.
 """
@@ -440,7 +441,7 @@ def wy_dqkg_bwd(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, c
         if not t.is_contiguous():
             raise ValueError(f"B6 kernels index {name} as a dense tensor; got strides {t.stride()}")
     NT = triton.cdiv(T, BT) if cu_seqlens is None else len(chunk_indices)
-    design = design or os.environ.get("KERNEL_FUN_B6_DESIGN") or DEFAULT_DESIGN
+    design = design or DEFAULT_DESIGN
     cfg = dict(CONFIGS[(design, K)])
     if config:
         cfg.update(config)
