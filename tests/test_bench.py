@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
 import triton
 
 from kernel_fun.bench import fla_configs, results

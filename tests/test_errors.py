@@ -29,7 +29,7 @@ def fla_error(kwargs) -> BaseException:
 
 def _cases():
     kw = make_inputs(P, requires_grad=False)
-    q, k, v, g, beta = kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"]
+    k, v, g, beta = kw["k"], kw["v"], kw["g"], kw["beta"]
     packed = make_inputs(Problem("packed", 1, 70, 2, 4, 32, 16), requires_grad=False)
     return {
         "q-k-mismatch": dict(k=k[:, :, :1]),

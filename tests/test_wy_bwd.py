@@ -60,9 +60,11 @@ def test_kernel_matches_reference_stage(p: Problem, design: str):
 
 @pytest.mark.parametrize("design", ["fullk", "transposed"])
 def test_pinned_configs_and_other_blockings_agree(design):
-    """Other V tiles and strip widths reassociate the same fp32 sums."""
+    """Other V tiles and strip widths reassociate the same fp32 sums (warps and pipeline
+    stages do not exist under the interpreter; the GPU tests cover those)."""
     inputs, want = stage_inputs(SHAPES[5])
-    for config in ({"BV": 32}, {"BV": 128}, {"KS": 64} if design == "transposed" else {"num_warps": 4}):
+    configs = [{"BV": 32}, {"BV": 128}] + ([{"KS": 32}, {"KS": 128}] if design == "transposed" else [])
+    for config in configs:
         got = wy_bwd.wy_dqkg_bwd(**inputs, design=design, config=config)
         errors = stage_errors("B6", got, want)
         assert all(e <= BOUND for e in errors.values()), (config, errors)

@@ -197,7 +197,6 @@ def main(argv=None) -> int:
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
     from kernel_fun.bench import fla_configs, results
-    from kernel_fun.kda import wy_bwd
 
     fla_configs.use_stored_configs(torch.cuda.get_device_name())
     if args.configs == "sweep":

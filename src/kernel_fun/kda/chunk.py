@@ -20,7 +20,6 @@ the default):
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect
 import logging
 from typing import Any
