@@ -35,7 +35,8 @@ def _signature(jit, pointer_types: dict[str, str], constexprs: dict) -> dict:
     return sig
 
 
-def compile_sm90(kernel, pointer_types: dict[str, str], constexprs: dict, num_warps: int, num_stages: int) -> dict:
+def compile_sm90(kernel, pointer_types: dict[str, str], constexprs: dict, num_warps: int, num_stages: int,
+                 maxnreg: int | None = None) -> dict:
     """Compile ``kernel`` (a JITFunction, or a heuristics wrapper of one) for sm_90a."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -50,7 +51,7 @@ def compile_sm90(kernel, pointer_types: dict[str, str], constexprs: dict, num_wa
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(jit.arg_names) if sig[name].startswith("*")}
     src = ASTSource(fn=jit, signature=sig, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=num_warps, num_stages=num_stages))
+                              options=dict(num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg))
     ptx = compiled.asm["ptx"]
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     with tempfile.TemporaryDirectory() as tmp:
@@ -73,11 +74,12 @@ def compile_sm90(kernel, pointer_types: dict[str, str], constexprs: dict, num_wa
         "wgmma": ptx.count("wgmma.mma_async"),
         "num_warps": num_warps,
         "num_stages": num_stages,
+        "maxnreg": maxnreg,
     }
 
 
 def b6_report(design: str, K: int, V: int, H: int, HV: int, BV: int, num_warps: int, num_stages: int,
-              KS: int = 32, dtype: str = "bf16") -> dict:
+              KS: int = 32, dtype: str = "bf16", maxnreg: int | None = None) -> dict:
     from kernel_fun.kda import wy_bwd
 
     common = dict(cu_seqlens=None, chunk_indices=None, HV=HV, K=K, V=V, BT=64, BK=K, BV=BV, IS_VARLEN=False)
@@ -87,6 +89,10 @@ def b6_report(design: str, K: int, V: int, H: int, HV: int, BV: int, num_warps: 
     types = {**act, **f32}
     if design == "fullk":
         return compile_sm90(wy_bwd.wy_dqkg_fullk_kernel, types, dict(common, H=H), num_warps, num_stages)
+    if design == "ksplit":
+        ks = {k_: v_ for k_, v_ in common.items() if k_ != "BK"}
+        return compile_sm90(wy_bwd.wy_dqkg_ksplit_kernel, dict(types, sync="*i32"), dict(ks, H=H, KH=K // 2),
+                            num_warps, num_stages, maxnreg)
     if design == "transposed":
         return compile_sm90(wy_bwd.wy_dqkg_transposed_main_kernel, types, dict(common, H=H, KS=KS),
                             num_warps, num_stages)
@@ -104,6 +110,7 @@ def main(argv=None):
     parser.add_argument("--warps", default="4,8")
     parser.add_argument("--stages", default="1,2,3")
     parser.add_argument("--KS", default="32")
+    parser.add_argument("--maxnreg", type=int, default=None)
     args = parser.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
@@ -111,7 +118,7 @@ def main(argv=None):
         for BV, warps, stages, KS in itertools.product(ints(args.BV), ints(args.warps), ints(args.stages), ints(args.KS)):
             row = dict(design=design, K=args.K, V=args.V, BV=BV, KS=KS if design == "transposed" else None)
             try:
-                row.update(b6_report(design, args.K, args.V, 16, 16, BV, warps, stages, KS))
+                row.update(b6_report(design, args.K, args.V, 16, 16, BV, warps, stages, KS, maxnreg=args.maxnreg))
             except Exception as err:  # a config that does not compile is a row too
                 row.update(error=str(err).splitlines()[0][:160], num_warps=warps, num_stages=stages)
             print(json.dumps(row), flush=True)
