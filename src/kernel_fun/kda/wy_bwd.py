@@ -63,6 +63,8 @@ Measured on the H200 (2026-11-30, torch 2.11, triton 3.6; rows in
 
 from __future__ import annotations
 
+import ctypes
+import math
 import os
 
 import torch
@@ -147,32 +149,36 @@ def wy_dqkg_fullk_kernel(
     i_h = i_hv // (HV // H)
     i_c, i_tg, bos, T = _chunk_coords(i_t, i_bh, cu_seqlens, chunk_indices, T, HV, BT, IS_VARLEN)
 
-    o_t = i_c * BT + tl.arange(0, BT)
-    m_t = o_t < T
+    # Every pointer starts at this chunk's first row, so the offsets inside the tile are
+    # int32 (an int64 offset tensor costs twice the registers).
+    row0 = bos + i_c * BT
+    n_t = (T - i_c * BT).to(tl.int32)
+    o_t = tl.arange(0, BT)
+    m_t = o_t < n_t
     o_i = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     m_tk = m_t[:, None] & m_k[None, :]
-    i_last = tl.minimum(T, i_c * BT + BT) - 1
+    i_last = tl.minimum(n_t, BT) - 1
     m_last = o_t == i_last
 
-    q += (bos * H + i_h) * K
-    k += (bos * H + i_h) * K
-    v += (bos * HV + i_hv) * V
-    v_new += (bos * HV + i_hv) * V
-    g += (bos * HV + i_hv) * K
-    beta += bos * HV + i_hv
-    A += (bos * HV + i_hv) * BT
+    q += (row0 * H + i_h) * K
+    k += (row0 * H + i_h) * K
+    v += (row0 * HV + i_hv) * V
+    v_new += (row0 * HV + i_hv) * V
+    g += (row0 * HV + i_hv) * K
+    beta += row0 * HV + i_hv
+    A += (row0 * HV + i_hv) * BT
     h += (i_tg * HV + i_hv) * K * V
     dh += (i_tg * HV + i_hv) * K * V
-    do += (bos * HV + i_hv) * V
-    dv += (bos * HV + i_hv) * V
-    dq += (bos * HV + i_hv) * K
-    dk += (bos * HV + i_hv) * K
-    dv2 += (bos * HV + i_hv) * V
-    dg += (bos * HV + i_hv) * K
-    db += bos * HV + i_hv
-    dA += (bos * HV + i_hv) * BT
+    do += (row0 * HV + i_hv) * V
+    dv += (row0 * HV + i_hv) * V
+    dq += (row0 * HV + i_hv) * K
+    dk += (row0 * HV + i_hv) * K
+    dv2 += (row0 * HV + i_hv) * V
+    dg += (row0 * HV + i_hv) * K
+    db += row0 * HV + i_hv
+    dA += (row0 * HV + i_hv) * BT
 
     b_beta = tl.load(beta + o_t * HV, mask=m_t, other=0).to(tl.float32)
     # A^T: b_At[i, j] = A[row j, column i]
@@ -580,6 +586,33 @@ MIN_CTAS = 0
 _SMALLEST_BV = 32
 
 
+_CARVED: set = set()
+
+
+def _fit_carveout(compiled, ctas: int | None) -> None:
+    """Shrink the kernel's shared-memory carveout to what ``ctas`` programs per SM need, so
+    the rest of the 256 KB per SM stays L1 cache, where register spills are served.
+
+    Triton marks every kernel with more than 48 KB of shared memory CU_FUNC_CACHE_PREFER_SHARED,
+    which gives it the largest carveout (228 KB) and leaves ~23 KB of L1: a kernel that
+    spills a few hundred bytes per thread then misses L1 on most of its spill traffic. The
+    preference is set once per loaded kernel and applies from the next launch on."""
+    if not ctas or not hasattr(compiled, "function") or not hasattr(compiled, "metadata"):
+        return  # no config asks for it, or the interpreter ran the kernel
+    key = (compiled.function, ctas)
+    if key in _CARVED:
+        return
+    per_sm = torch.cuda.get_device_properties(torch.cuda.current_device()).shared_memory_per_multiprocessor
+    need = ctas * (compiled.metadata.shared + 1024)  # the driver reserves 1 KB per block
+    pct = min(100, math.ceil(100 * need / per_sm))
+    CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9
+    rc = ctypes.CDLL("libcuda.so.1").cuFuncSetAttribute(
+        ctypes.c_void_p(compiled.function), CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, ctypes.c_int(pct))
+    if rc != 0:
+        raise RuntimeError(f"cuFuncSetAttribute(carveout={pct}%) failed with CUresult {rc}")
+    _CARVED.add(key)
+
+
 def _maxnreg(cfg: dict) -> dict:
     """The register cap, passed only when a config sets one (the interpreter takes no such option)."""
     return {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}
@@ -608,22 +641,24 @@ def wy_dqkg_bwd(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, c
     dA = torch.empty(B, T, HV, BT, device=k.device, dtype=torch.float32)
     grid = (NT, B * HV)
     if design == "fullk":
-        wy_dqkg_fullk_kernel[grid](
+        compiled = wy_dqkg_fullk_kernel[grid](
             q=q, k=k, v=v, v_new=v_new, g=gc, beta=beta, A=A, h=h, do=do, dh=dh, dv=dv,
             dq=dq, dk=dk, dv2=dv2, dg=dg, db=db, dA=dA,
             cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, scale=scale, T=T,
             H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=cfg["BV"],
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_maxnreg(cfg),
         )
+        _fit_carveout(compiled, cfg.get("carveout_ctas"))
     elif design == "ksplit":
         sync = torch.zeros(2 * NT * B * HV, device=k.device, dtype=torch.int32)
-        wy_dqkg_ksplit_kernel[(2 * NT, B * HV)](
+        compiled = wy_dqkg_ksplit_kernel[(2 * NT, B * HV)](
             q=q, k=k, v=v, v_new=v_new, g=gc, beta=beta, A=A, h=h, do=do, dh=dh, dv=dv,
             dq=dq, dk=dk, dv2=dv2, dg=dg, db=db, dA=dA, sync=sync,
             cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, scale=scale, T=T,
             H=H, HV=HV, K=K, V=V, BT=BT, KH=K // 2, BV=cfg["BV"],
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_maxnreg(cfg),
         )
+        _fit_carveout(compiled, cfg.get("carveout_ctas"))
     elif design == "transposed":
         dw_park = torch.empty(B, T, HV, K, device=k.device, dtype=k.dtype)
         kg_park = torch.empty_like(dw_park)
