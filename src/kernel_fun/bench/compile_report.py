@@ -89,10 +89,6 @@ def b6_report(design: str, K: int, V: int, H: int, HV: int, BV: int, num_warps: 
     types = {**act, **f32}
     if design == "fullk":
         return compile_sm90(wy_bwd.wy_dqkg_fullk_kernel, types, dict(common, H=H), num_warps, num_stages)
-    if design == "ksplit":
-        ks = {k_: v_ for k_, v_ in common.items() if k_ != "BK"}
-        return compile_sm90(wy_bwd.wy_dqkg_ksplit_kernel, dict(types, sync="*i32"), dict(ks, H=H, KH=K // 2),
-                            num_warps, num_stages, maxnreg)
     if design == "transposed":
         return compile_sm90(wy_bwd.wy_dqkg_transposed_main_kernel, types, dict(common, H=H, KS=KS),
                             num_warps, num_stages)

@@ -1,7 +1,7 @@
 """Run B6 designs a few times on one shape, for a profiler to attach to (Nsight Compute):
 
     ncu --clock-control none --kernel-name regex:wy_dqkg python -m kernel_fun.bench.profile_b6 \\
-        --shape b8 --configs '[["fullk", {}], ["ksplit", {"BV": 64}]]'
+        --shape b8 --configs '[["fullk", {}], ["fullk", {"num_stages": 2}]]'
 """
 
 from __future__ import annotations

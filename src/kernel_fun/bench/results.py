@@ -118,6 +118,8 @@ def _config_text(row) -> str:
         parts.append(f"{c['num_warps']}w/{c['num_stages']}s")
     if c.get("maxnreg"):
         parts.append(f"maxnreg {c['maxnreg']}")
+    if c.get("carveout_ctas"):
+        parts.append(f"L1 carveout for {c['carveout_ctas']}")
     if "side_BV" in c:
         parts.append(f"side BV={c['side_BV']} {c['side_warps']}w/{c['side_stages']}s")
     return ", ".join(parts)

@@ -37,7 +37,8 @@ BANDWIDTH = 4.25e12  # measured H200 copy rate (anchors.md)
 # main kernel is spill-free at 8 warps.
 _SIDE = dict(side_BV=32, side_warps=8, side_stages=2)  # 124 registers: two side programs per SM
 SWEEP = {
-    "fullk": [dict(BV=32, num_warps=8, num_stages=2), dict(BV=64, num_warps=8, num_stages=1),
+    "fullk": [dict(BV=64, num_warps=8, num_stages=3, carveout_ctas=1), dict(BV=64, num_warps=8, num_stages=3),
+              dict(BV=32, num_warps=8, num_stages=2), dict(BV=64, num_warps=8, num_stages=1),
               dict(BV=64, num_warps=8, num_stages=2), dict(BV=64, num_warps=16, num_stages=2),
               dict(BV=128, num_warps=8, num_stages=1), dict(BV=32, num_warps=16, num_stages=2)],
     "transposed": [dict(BV=32, KS=32, num_warps=8, num_stages=2, **_SIDE),
@@ -46,12 +47,6 @@ SWEEP = {
                    dict(BV=64, KS=16, num_warps=8, num_stages=1, **_SIDE),
                    dict(BV=32, KS=64, num_warps=8, num_stages=2, **_SIDE),
                    dict(BV=32, KS=32, num_warps=8, num_stages=2, side_BV=64, side_warps=8, side_stages=1)],
-    # Two programs per SM: 4 warps at <= 255 registers, or 8 warps capped at 128; one
-    # uncapped 8-warp config (one program per SM) as the control.
-    "ksplit": [dict(BV=64, num_warps=4, num_stages=2), dict(BV=32, num_warps=4, num_stages=2),
-               dict(BV=32, num_warps=4, num_stages=3), dict(BV=64, num_warps=8, num_stages=2, maxnreg=128),
-               dict(BV=32, num_warps=8, num_stages=2, maxnreg=128), dict(BV=32, num_warps=8, num_stages=3, maxnreg=128),
-               dict(BV=64, num_warps=8, num_stages=2)],
 }
 
 

@@ -247,153 +247,6 @@ def wy_dqkg_fullk_kernel(
 
 
 # --------------------------------------------------------------------------------------
-# Design 3: K split across a pair of programs that meet once
-# --------------------------------------------------------------------------------------
-@triton.jit
-def _ksplit_v_loop(v, v_new, h, dh, do, dv, dv2, b_At, b_beta, o_i, m_t, o_k, m_k,
-                   V: tl.constexpr, HV: tl.constexpr, BT: tl.constexpr, KH: tl.constexpr, BV: tl.constexpr,
-                   VSIDE: tl.constexpr):
-    """The V loop of one K half; with VSIDE also the v-side (dv2, sum_V db, dvn v^T)."""
-    b_dq = tl.zeros([BT, KH], dtype=tl.float32)
-    b_dk = tl.zeros([BT, KH], dtype=tl.float32)
-    b_dw = tl.zeros([BT, KH], dtype=tl.float32)
-    b_X = tl.zeros([BT, BT], dtype=tl.float32)
-    b_db = tl.zeros([BT], dtype=tl.float32)
-    b_dgk = tl.zeros([KH], dtype=tl.float32)
-    for i_v in range(tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_v = o_v < V
-        m_tv = m_t[:, None] & m_v[None, :]
-        p_tv = o_i[:, None] * (HV * V) + o_v[None, :]
-        b_do = tl.load(do + p_tv, mask=m_tv, other=0)
-        b_vn = tl.load(v_new + p_tv, mask=m_tv, other=0)
-        b_dvn = tl.load(dv + p_tv, mask=m_tv, other=0)
-        p_vk = o_v[:, None] + o_k[None, :] * V
-        m_vk = m_v[:, None] & m_k[None, :]
-        b_hT = tl.load(h + p_vk, mask=m_vk, other=0)
-        b_dhT = tl.load(dh + p_vk, mask=m_vk, other=0)
-        b_dgk += tl.sum(b_hT.to(tl.float32) * b_dhT.to(tl.float32), axis=0)
-        b_dq += _dot(b_do, b_hT)
-        b_dk += _dot(b_vn, b_dhT)
-        b_dw += _dot(b_dvn, b_hT)
-        if VSIDE:
-            b_v = tl.load(v + p_tv, mask=m_tv, other=0)
-            b_X += _dot(b_dvn, tl.trans(b_v))
-            b_dvb = _dot(b_At, b_dvn)
-            tl.store(dv2 + p_tv, _to(b_dvb * b_beta[:, None], dv2.dtype.element_ty), mask=m_tv)
-            b_db += tl.sum(b_dvb * b_v.to(tl.float32), axis=1)
-    return b_dq, b_dk, b_dw, b_X, b_db, b_dgk
-
-
-@triton.heuristics({"IS_VARLEN": lambda args: args["cu_seqlens"] is not None})
-@triton.jit(do_not_specialize=["T"])
-def wy_dqkg_ksplit_kernel(
-    q, k, v, v_new, g, beta, A, h, do, dh, dv,
-    dq, dk, dv2, dg, db, dA, sync,
-    cu_seqlens, chunk_indices, scale, T,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, KH: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
-):
-    i_p, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
-    i_t, i_half = i_p // 2, i_p % 2
-    i_hv = i_bh % HV
-    i_h = i_hv // (HV // H)
-    i_c, i_tg, bos, T = _chunk_coords(i_t, i_bh, cu_seqlens, chunk_indices, T, HV, BT, IS_VARLEN)
-
-    # Every pointer starts at this chunk's first row, so the offsets inside the tile are
-    # int32 (an int64 offset tensor costs twice the registers).
-    row0 = bos + i_c * BT
-    n_t = (T - i_c * BT).to(tl.int32)
-    o_i = tl.arange(0, BT)
-    m_t = o_i < n_t
-    o_k = (i_half * KH).to(tl.int32) + tl.arange(0, KH)
-    m_k = o_k < K
-    m_tk = m_t[:, None] & m_k[None, :]
-    i_last = tl.minimum(n_t, BT) - 1
-    m_last = o_i == i_last
-
-    q += (row0 * H + i_h) * K
-    k += (row0 * H + i_h) * K
-    v += (row0 * HV + i_hv) * V
-    v_new += (row0 * HV + i_hv) * V
-    g += (row0 * HV + i_hv) * K
-    beta += row0 * HV + i_hv
-    A += (row0 * HV + i_hv) * BT
-    h += (i_tg * HV + i_hv) * K * V
-    dh += (i_tg * HV + i_hv) * K * V
-    do += (row0 * HV + i_hv) * V
-    dv += (row0 * HV + i_hv) * V
-    dq += (row0 * HV + i_hv) * K
-    dk += (row0 * HV + i_hv) * K
-    dv2 += (row0 * HV + i_hv) * V
-    dg += (row0 * HV + i_hv) * K
-    db += row0 * HV + i_hv
-    dA += (row0 * HV + i_hv) * BT
-    sync += (i_tg * HV + i_hv) * 2
-
-    b_beta = tl.load(beta + o_i * HV, mask=m_t, other=0).to(tl.float32)
-    b_At = tl.load(A + o_i[None, :] * (HV * BT) + o_i[:, None], mask=m_t[None, :], other=0)
-    # The first half also does the v-side, so its X starts as dvn v^T and its db as sum_V:
-    # X = (dvn v^T + dw_0 kg_0^T) + dw_1 kg_1^T, the order of fla's kernel with 64-wide slabs.
-    if i_half == 0:
-        b_dq, b_dk, b_dw, b_X, b_db, b_dgk = _ksplit_v_loop(
-            v, v_new, h, dh, do, dv, dv2, b_At, b_beta, o_i, m_t, o_k, m_k, V, HV, BT, KH, BV, True)
-    else:
-        b_dq, b_dk, b_dw, b_X, b_db, b_dgk = _ksplit_v_loop(
-            v, v_new, h, dh, do, dv, dv2, b_At, b_beta, o_i, m_t, o_k, m_k, V, HV, BT, KH, BV, False)
-
-    p_tk = o_i[:, None] * (HV * K) + o_k[None, :]
-    p_qk = o_i[:, None] * (H * K) + o_k[None, :]
-    b_g = tl.load(g + p_tk, mask=m_tk, other=0).to(tl.float32)
-    b_gn = tl.load(g + i_last * (HV * K) + o_k, mask=m_k, other=0).to(tl.float32)
-    b_gexp = tl.exp2(b_g)
-
-    b_dq = b_dq * b_gexp * scale
-    b_dg = tl.load(q + p_qk, mask=m_tk, other=0).to(tl.float32) * b_dq
-    tl.store(dq + p_tk, b_dq, mask=m_tk)
-
-    b_dk = b_dk * tl.where(m_t[:, None], tl.exp2(b_gn[None, :] - b_g), 0)
-    b_k = tl.load(k + p_qk, mask=m_tk, other=0)
-    b_kdk = b_k.to(tl.float32) * b_dk
-    b_dg -= b_kdk
-    b_dgk = b_dgk * tl.exp2(b_gn) + tl.sum(b_kdk, axis=0)
-
-    b_dwb = _to(-b_dw, b_k.dtype)
-    b_kg = b_k * b_gexp
-    b_X += _dot(b_dwb, tl.trans(_to(b_kg, b_k.dtype)))
-    b_dkgb = _dot(b_At, b_dwb)
-    b_db += tl.sum(b_dkgb * b_kg, axis=1)
-    b_dg += b_kg * b_dkgb * b_beta[:, None] + tl.where(m_last[:, None], b_dgk[None, :], 0)
-    b_dk += b_dkgb * b_gexp * b_beta[:, None]
-    tl.store(dk + p_tk, b_dk, mask=m_tk)
-    tl.store(dg + p_tk, b_dg, mask=m_tk)
-
-    # The pair meets once. The first to arrive parks its partial X and db in the dA and db
-    # outputs and raises the ready flag; the second waits for that flag (the first is
-    # already running and waits on nothing, so this cannot deadlock), adds the parked
-    # partial to its own (fp32 addition commutes, so the sum does not depend on who came
-    # first), runs the chain and overwrites both outputs. sync[0] counts arrivals, sync[1]
-    # is the flag; the launcher zeroes them for every call.
-    p_dA = dA + o_i[:, None] * (HV * BT) + o_i[None, :]
-    p_db = db + o_i * HV
-    if tl.atomic_add(sync, 1, sem="acq_rel", scope="gpu") == 0:
-        tl.store(p_dA, b_X, mask=m_t[:, None])
-        tl.store(p_db, b_db, mask=m_t)
-        tl.debug_barrier()
-        tl.atomic_xchg(sync + 1, 1, sem="release", scope="gpu")
-    else:
-        while tl.atomic_add(sync + 1, 0, sem="acquire", scope="gpu") == 0:
-            pass
-        tl.debug_barrier()
-        b_X += tl.load(p_dA, mask=m_t[:, None], other=0, cache_modifier=".cg")
-        b_db += tl.load(p_db, mask=m_t, other=0, cache_modifier=".cg")
-        m_strict = (o_i[:, None] > o_i[None, :]) & m_t[:, None] & m_t[None, :]
-        b_dA = _da_chain(b_X, b_At, b_beta, m_strict)
-        tl.store(p_dA, b_dA, mask=m_t[:, None])
-        tl.store(p_db, b_db, mask=m_t)
-
-
-# --------------------------------------------------------------------------------------
 # Design 2: transposed main kernel + v-side kernel
 # --------------------------------------------------------------------------------------
 @triton.heuristics({"IS_VARLEN": lambda args: args["cu_seqlens"] is not None})
@@ -564,17 +417,17 @@ def wy_dqkg_transposed_side_kernel(
 # --------------------------------------------------------------------------------------
 # Configs (pinned; never autotuned -- see the module docstring) and the launcher
 # --------------------------------------------------------------------------------------
-# (design, K) -> launch config, pinned from the H200 sweep of 2026-11-30 (rows in
+# (design, K) -> launch config, pinned from the H200 sweeps of 2026-11-30 (rows in
 # bench/results/stages.jsonl, summary in docs/b6-wy-backward.md). At K=128, V=256:
-# fullk BV=64/8 warps/2 stages 7.68 ms at prod8192_gate against 9.28-14.76 ms for the
-# other five fullk configs; transposed BV=32/KS=64 9.88 ms, the best of its six (its
-# 3-stage main kernel failed parity, see the doc). K=64 was not measured: it takes the
-# K=128 winners.
+# fullk BV=64/8 warps/3 stages with the carveout fitted to one program (196 KB shared,
+# 60 KB L1) 6.90 ms at prod8192_gate, against 7.48-7.51 ms at 2 stages and 7.93 ms at
+# BV=32/3 stages in the same run (9.28-14.76 ms for the other configs of the first sweep);
+# transposed BV=32/KS=64 9.88 ms, the best of its six (its 3-stage main kernel failed
+# parity, see the doc). K=64 was not measured: it takes the K=128 winners (its 3-stage
+# fullk needs 144 KB of shared memory).
 CONFIGS = {
-    ("fullk", 64): dict(BV=64, num_warps=8, num_stages=2),
-    ("fullk", 128): dict(BV=64, num_warps=8, num_stages=2),
-    ("ksplit", 64): dict(BV=64, num_warps=4, num_stages=2),
-    ("ksplit", 128): dict(BV=64, num_warps=4, num_stages=2),
+    ("fullk", 64): dict(BV=64, num_warps=8, num_stages=3, carveout_ctas=1),
+    ("fullk", 128): dict(BV=64, num_warps=8, num_stages=3, carveout_ctas=1),
     ("transposed", 64): dict(BV=32, KS=64, num_warps=8, num_stages=2, side_BV=32, side_warps=8, side_stages=2),
     ("transposed", 128): dict(BV=32, KS=64, num_warps=8, num_stages=2, side_BV=32, side_warps=8, side_stages=2),
 }
@@ -649,16 +502,6 @@ def wy_dqkg_bwd(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, c
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_maxnreg(cfg),
         )
         _fit_carveout(compiled, cfg.get("carveout_ctas"))
-    elif design == "ksplit":
-        sync = torch.zeros(2 * NT * B * HV, device=k.device, dtype=torch.int32)
-        compiled = wy_dqkg_ksplit_kernel[(2 * NT, B * HV)](
-            q=q, k=k, v=v, v_new=v_new, g=gc, beta=beta, A=A, h=h, do=do, dh=dh, dv=dv,
-            dq=dq, dk=dk, dv2=dv2, dg=dg, db=db, dA=dA, sync=sync,
-            cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, scale=scale, T=T,
-            H=H, HV=HV, K=K, V=V, BT=BT, KH=K // 2, BV=cfg["BV"],
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_maxnreg(cfg),
-        )
-        _fit_carveout(compiled, cfg.get("carveout_ctas"))
     elif design == "transposed":
         dw_park = torch.empty(B, T, HV, K, device=k.device, dtype=k.dtype)
         kg_park = torch.empty_like(dw_park)
@@ -678,7 +521,7 @@ def wy_dqkg_bwd(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, c
             num_warps=cfg["side_warps"], num_stages=cfg["side_stages"],
         )
     else:
-        raise ValueError(f"unknown B6 design {design!r}; expected 'fullk', 'ksplit' or 'transposed'")
+        raise ValueError(f"unknown B6 design {design!r}; expected 'fullk' or 'transposed'")
     return dq, dk, dv2, db, dg, dA
 
 
