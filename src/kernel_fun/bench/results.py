@@ -129,10 +129,14 @@ def stage_table(rows: list[dict], best_only: bool = True) -> str:
     """Stage-alone rows (``kind == "stage"``) against fla's kernel and the stage's memory
     floor: per (stage, shape) fla and, with ``best_only``, each design's fastest config
     that passed parity (else every config, red ones included)."""
-    rows = latest([r for r in rows if r.get("kind") == "stage"], "stage", "shape", "impl")
+    every = [r for r in rows if r.get("kind") == "stage"]
+    rows = latest(every, "stage", "shape", "impl")
     if not rows:
         return ""
     fla = {(r["stage"], r["shape"]): r for r in rows if r["impl"] == "fla"}
+    # A config is compared with fla's kernel timed in the same bench run (same commit and
+    # shape): runs on different machines of the same kind differ by a few percent.
+    fla_same_run = {(r["stage"], r["shape"], r["commit"]): r for r in every if r["impl"] == "fla"}
     if best_only:
         # A config that failed parity at any shape is not a candidate anywhere.
         red = {r["impl"] for r in rows if not r.get("parity", {}).get("ok")}
@@ -146,12 +150,12 @@ def stage_table(rows: list[dict], best_only: bool = True) -> str:
         rows = list(fla.values()) + list(best.values())
     order = {"prod8192_gate": 0, "kimi": 1, "b8": 2, "small": 3}
     lines = [
-        "| stage | shape | implementation | config | ms (p10–p90) | vs fla | floor ms | × floor | parity | GPU, date, commit |",
+        "| stage | shape | implementation | config | ms (p10–p90) | vs fla (same run) | floor ms | × floor | parity | GPU, date, commit |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in sorted(rows, key=lambda r: (r["stage"], order.get(r["shape"], 9), r["shape"], r["impl"] != "fla",
                                          r.get("ms") or 1e9)):
-        base = fla.get((r["stage"], r["shape"]))
+        base = fla_same_run.get((r["stage"], r["shape"], r["commit"]), fla.get((r["stage"], r["shape"])))
         ratio = base["ms"] / r["ms"] if base and base.get("ms") and r.get("ms") else None
         ms = "—" if not r.get("ms") else f"{r['ms']:.3f} ({r['spread_ms'][0]:.3f}–{r['spread_ms'][1]:.3f})"
         floor = r.get("floor_ms")

@@ -37,7 +37,7 @@ BANDWIDTH = 4.25e12  # measured H200 copy rate (anchors.md)
 # main kernel is spill-free at 8 warps.
 _SIDE = dict(side_BV=32, side_warps=8, side_stages=2)  # 124 registers: two side programs per SM
 SWEEP = {
-    "fullk": [dict(BV=64, num_warps=8, num_stages=3, carveout_ctas=1), dict(BV=64, num_warps=8, num_stages=3),
+    "fullk": [dict(BV=64, num_warps=8, num_stages=3),
               dict(BV=32, num_warps=8, num_stages=2), dict(BV=64, num_warps=8, num_stages=1),
               dict(BV=64, num_warps=8, num_stages=2), dict(BV=64, num_warps=16, num_stages=2),
               dict(BV=128, num_warps=8, num_stages=1), dict(BV=32, num_warps=16, num_stages=2)],

@@ -44,27 +44,31 @@ Not handled here (the stage goes to fla's kernel; ``supports`` says why): K not 
 layout, grids below ``MIN_CTAS``.
 
 Measured on the H200 (2026-11-30, torch 2.11, triton 3.6; rows in
-``bench/results/stages.jsonl``, the sweep and its reading in ``docs/b6-wy-backward.md``):
+``bench/results/stages.jsonl``, the sweeps and their reading in ``docs/b6-wy-backward.md``):
 
-- prod8192_gate (B16 T8192 H=HV=16 K128 V256): fla 12.33 ms; fullk 7.68 ms (BV=64,
-  8 warps, 2 stages; 255 registers, 348 B of spills per thread, 104 KB shared), 1.61x fla,
-  2.06x the 3.73 ms floor; transposed 9.88 ms at its best (BV=32, KS=64; main kernel 213
-  registers and no spills, side kernel 124). fullk won at every shape and grid measured
-  (1.58-1.77x fla down to 64 chunk-heads), so it is the default and there is no CTA floor.
-- the 4.5 ms target was missed: one 8-warp program per SM, latency-bound (two pipeline
-  stages beat one by 18%; 16 warps at 128 registers spilled more and ran 11.1 ms).
+- prod8192_gate (B16 T8192 H=HV=16 K128 V256): fla 12.44 ms; fullk 6.74 ms (BV=64,
+  8 warps, 3 stages, 172 KB shared; 255 registers, 296 B of spills per thread), 1.85x fla,
+  1.81x the 3.73 ms floor; the same config at 2 stages 7.37 ms (the first sweep's pinned
+  config, then with int64 in-tile offsets: 7.68 ms, 348 B of spills); transposed 9.94 ms at
+  its best (BV=32, KS=64; main kernel 213 registers and no spills, side kernel 124).
+  fullk won at every shape and grid measured (1.72-1.87x fla: kimi 5.53 ms, b8 3.40,
+  small 0.91, down to 64 chunk-heads), so it is the default and there is no CTA floor.
+- the 4.5 ms target was missed: one 8-warp program per SM, latency-bound. Nsight Compute
+  at b8: 52-54% of DRAM bandwidth, 0.18 instructions issued per scheduler cycle, 2 warps
+  per scheduler, the top stall waiting on L1TEX (global loads and register spills).
+  Tried and measured without a gain: K split across a pair of 4-warp programs (two per
+  SM, meeting once through an arrival counter for dA and db; 7.72 ms, more spills) and a
+  shared-memory carveout that leaves L1 room for the spills (6.74 ms either way).
 - the transposed main kernel at three pipeline stages failed parity at >= 1,024
   chunk-heads (a grid-dependent error, which points at a race between the parked
   accumulators and the pipelined strip loads; not chased further); its pinned config uses
   two stages, which held parity everywhere.
-- whole op at prod8192_gate with this stage ours and every other on fla: fwd+bwd 42.85 ms
-  against fla's 47.17 ms.
+- whole op at prod8192_gate with this stage ours and every other on fla: fwd+bwd 41.48 ms
+  against fla's 46.94 ms (1.13x).
 """
 
 from __future__ import annotations
 
-import ctypes
-import math
 import os
 
 import torch
@@ -419,15 +423,14 @@ def wy_dqkg_transposed_side_kernel(
 # --------------------------------------------------------------------------------------
 # (design, K) -> launch config, pinned from the H200 sweeps of 2026-11-30 (rows in
 # bench/results/stages.jsonl, summary in docs/b6-wy-backward.md). At K=128, V=256:
-# fullk BV=64/8 warps/3 stages with the carveout fitted to one program (196 KB shared,
-# 60 KB L1) 6.90 ms at prod8192_gate, against 7.48-7.51 ms at 2 stages and 7.93 ms at
-# BV=32/3 stages in the same run (9.28-14.76 ms for the other configs of the first sweep);
-# transposed BV=32/KS=64 9.88 ms, the best of its six (its 3-stage main kernel failed
-# parity, see the doc). K=64 was not measured: it takes the K=128 winners (its 3-stage
-# fullk needs 144 KB of shared memory).
+# fullk BV=64/8 warps/3 stages (172 KB of shared memory) 6.74 ms at prod8192_gate against
+# 7.37 ms at 2 stages in the same run (7.93 ms at BV=32/3 stages, 9.28-14.76 ms for the
+# other configs of the first sweep); transposed BV=32/KS=64 9.88 ms, the best of its six
+# (its 3-stage main kernel failed parity, see the doc). K=64 was not measured: it takes
+# the K=128 winners (its 3-stage fullk needs 144 KB of shared memory).
 CONFIGS = {
-    ("fullk", 64): dict(BV=64, num_warps=8, num_stages=3, carveout_ctas=1),
-    ("fullk", 128): dict(BV=64, num_warps=8, num_stages=3, carveout_ctas=1),
+    ("fullk", 64): dict(BV=64, num_warps=8, num_stages=3),
+    ("fullk", 128): dict(BV=64, num_warps=8, num_stages=3),
     ("transposed", 64): dict(BV=32, KS=64, num_warps=8, num_stages=2, side_BV=32, side_warps=8, side_stages=2),
     ("transposed", 128): dict(BV=32, KS=64, num_warps=8, num_stages=2, side_BV=32, side_warps=8, side_stages=2),
 }
@@ -437,38 +440,6 @@ DEFAULT_DESIGN = "fullk"
 # (0.083 against 0.146 ms). Grids below this many chunk-heads would go to fla.
 MIN_CTAS = 0
 _SMALLEST_BV = 32
-
-
-_CARVED: set = set()
-
-
-def _fit_carveout(compiled, ctas: int | None) -> None:
-    """Shrink the kernel's shared-memory carveout to what ``ctas`` programs per SM need, so
-    the rest of the 256 KB per SM stays L1 cache, where register spills are served.
-
-    Triton marks every kernel with more than 48 KB of shared memory CU_FUNC_CACHE_PREFER_SHARED,
-    which gives it the largest carveout (228 KB) and leaves ~23 KB of L1: a kernel that
-    spills a few hundred bytes per thread then misses L1 on most of its spill traffic. The
-    preference is set once per loaded kernel and applies from the next launch on."""
-    if not ctas or not hasattr(compiled, "function") or not hasattr(compiled, "metadata"):
-        return  # no config asks for it, or the interpreter ran the kernel
-    key = (compiled.function, ctas)
-    if key in _CARVED:
-        return
-    per_sm = torch.cuda.get_device_properties(torch.cuda.current_device()).shared_memory_per_multiprocessor
-    need = ctas * (compiled.metadata.shared + 1024)  # the driver reserves 1 KB per block
-    pct = min(100, math.ceil(100 * need / per_sm))
-    CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9
-    rc = ctypes.CDLL("libcuda.so.1").cuFuncSetAttribute(
-        ctypes.c_void_p(compiled.function), CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, ctypes.c_int(pct))
-    if rc != 0:
-        raise RuntimeError(f"cuFuncSetAttribute(carveout={pct}%) failed with CUresult {rc}")
-    _CARVED.add(key)
-
-
-def _maxnreg(cfg: dict) -> dict:
-    """The register cap, passed only when a config sets one (the interpreter takes no such option)."""
-    return {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}
 
 
 def wy_dqkg_bwd(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, cu_seqlens, chunk_indices,
@@ -494,14 +465,13 @@ def wy_dqkg_bwd(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, c
     dA = torch.empty(B, T, HV, BT, device=k.device, dtype=torch.float32)
     grid = (NT, B * HV)
     if design == "fullk":
-        compiled = wy_dqkg_fullk_kernel[grid](
+        wy_dqkg_fullk_kernel[grid](
             q=q, k=k, v=v, v_new=v_new, g=gc, beta=beta, A=A, h=h, do=do, dh=dh, dv=dv,
             dq=dq, dk=dk, dv2=dv2, dg=dg, db=db, dA=dA,
             cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, scale=scale, T=T,
             H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=cfg["BV"],
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_maxnreg(cfg),
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
-        _fit_carveout(compiled, cfg.get("carveout_ctas"))
     elif design == "transposed":
         dw_park = torch.empty(B, T, HV, K, device=k.device, dtype=k.dtype)
         kg_park = torch.empty_like(dw_park)
