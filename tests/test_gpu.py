@@ -157,3 +157,20 @@ def test_b6_launch_witness_at_prod8192_gate():
     # B6 reassociates fp32 sums, so a bf16 rounding downstream can land one ulp apart: the
     # accuracy verdict is the bench's oracle check; this bounds the drift from fla.
     assert all(e <= 5e-3 for e in errors.values()), errors
+
+
+def test_b6_on_packed_sequences_matches_fla_stage():
+    """Packed documents (1, 199 and 500 tokens, one chunk shared by two of them): B6's
+    inputs from a real chain with our B6, fla's stage on the same inputs."""
+    from kernel_fun.kda.chain import _fla_wy_dqkg
+
+    p = SMALL[1]
+    kwargs = make_inputs(p, device="cuda", seed=4)
+    with capture_stages() as log:
+        run_fwd_bwd(chunk_kda, kwargs, grid=p.dtype)
+    assert last_record().backward["B6"] == "ours"
+    (_, _, inputs, ours), = [entry for entry in log if entry[0] == "B6"]
+    theirs = _fla_wy_dqkg(**inputs)
+    vs_fla = stage_errors("B6", ours, theirs, cu_seqlens=inputs["cu_seqlens"])
+    print("packed B6 vs fla", vs_fla)
+    assert all(vs_fla[n] <= B6_TOLERANCE[n] for n in vs_fla), vs_fla
