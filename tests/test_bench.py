@@ -68,3 +68,12 @@ def test_red_rows_say_so():
     assert "RED" not in results.op_table([_row(), _row(impl="ours")])
     assert "RED" in results.op_table([_row(), _row(impl="ours", parity={"ok": False})])
     assert "dk over budget" in results.op_table([_row(parity={"ok": True, "over_budget": ["dk"]})])
+
+
+def test_readme_stage_table_lists_shipped_designs_only():
+    stage = dict(kind="stage", stage="B6", shape="b8", ms=1.0, spread_ms=[0.9, 1.1], floor_ms=0.5, gpu="H200",
+                 date="2026-11-30T10:00:00+00:00", commit="abc", parity={"ok": True}, config={"BV": 64})
+    rows = [dict(stage, impl="fla", design="fla", ms=2.0), dict(stage, impl="fullk[x]", design="fullk"),
+            dict(stage, impl="gone[x]", design="gone")]
+    assert "| gone |" not in results.render(rows) and "| fullk |" in results.render(rows)
+    assert "| gone |" in results.render_sweep(rows)

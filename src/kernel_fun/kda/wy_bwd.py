@@ -159,7 +159,6 @@ def wy_dqkg_fullk_kernel(
     n_t = (T - i_c * BT).to(tl.int32)
     o_t = tl.arange(0, BT)
     m_t = o_t < n_t
-    o_i = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     m_tk = m_t[:, None] & m_k[None, :]
@@ -186,7 +185,7 @@ def wy_dqkg_fullk_kernel(
 
     b_beta = tl.load(beta + o_t * HV, mask=m_t, other=0).to(tl.float32)
     # A^T: b_At[i, j] = A[row j, column i]
-    b_At = tl.load(A + o_t[None, :] * (HV * BT) + o_i[:, None], mask=m_t[None, :], other=0)
+    b_At = tl.load(A + o_t[None, :] * (HV * BT) + o_t[:, None], mask=m_t[None, :], other=0)
 
     b_dq = tl.zeros([BT, BK], dtype=tl.float32)
     b_dk = tl.zeros([BT, BK], dtype=tl.float32)
@@ -246,7 +245,7 @@ def wy_dqkg_fullk_kernel(
 
     m_strict = (o_t[:, None] > o_t[None, :]) & m_t[:, None] & m_t[None, :]
     b_dA = _da_chain(b_dA, b_At, b_beta, m_strict)
-    tl.store(dA + o_t[:, None] * (HV * BT) + o_i[None, :], b_dA, mask=m_t[:, None])
+    tl.store(dA + o_t[:, None] * (HV * BT) + o_t[None, :], b_dA, mask=m_t[:, None])
     tl.store(db + o_t * HV, b_db, mask=m_t)
 
 
