@@ -118,6 +118,10 @@ def _config_text(row) -> str:
         parts.append(f"{c['num_warps']}w/{c['num_stages']}s")
     if c.get("maxnreg"):
         parts.append(f"maxnreg {c['maxnreg']}")
+    if c.get("tma"):
+        parts.append("TMA loads")
+    if c.get("persistent"):
+        parts.append("persistent" + (", flattened" if c.get("flatten") else ""))
     if c.get("carveout_ctas"):
         parts.append(f"L1 carveout for {c['carveout_ctas']}")
     if "side_BV" in c:
