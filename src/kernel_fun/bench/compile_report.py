@@ -28,7 +28,7 @@ def _signature(jit, pointer_types: dict[str, str], constexprs: dict) -> dict:
             sig[name] = pointer_types[name]
         elif name == "scale":
             sig[name] = "fp32"
-        elif name in ("T", "NT", "NBH", "NPROG", "NITER"):
+        elif name == "T":
             sig[name] = "i32"
         else:
             raise KeyError(f"no type for argument {name}")
@@ -87,16 +87,9 @@ def b6_report(design: str, K: int, V: int, H: int, HV: int, BV: int, num_warps: 
                                      "dw_park", "kg_park")}
     f32 = {n: "*fp32" for n in ("g", "dq", "dk", "dg", "db", "dA", "dgk_buf")}
     types = {**act, **f32}
-    if design.startswith("fullk"):
-        # fullk[+tma][+persistent][+flatten]
-        flags = design.split("+")[1:]
-        if "tma" in flags:
-            for n, block in (("v", [64, BV]), ("v_new", [64, BV]), ("do", [64, BV]), ("dv", [64, BV]),
-                             ("h", [K, BV]), ("dh", [K, BV])):
-                types[n] = f"tensordesc<{dtype}[{block[0]}, {block[1]}]>"
+    if design == "fullk":
         return compile_sm90(wy_bwd.wy_dqkg_fullk_kernel, types,
-                            dict(common, H=H, TMA="tma" in flags, PERSISTENT="persistent" in flags,
-                                 FLATTEN="flatten" in flags), num_warps, num_stages, maxnreg)
+                            {n: v for n, v in dict(common, H=H).items() if n != "BK"}, num_warps, num_stages, maxnreg)
     if design == "transposed":
         return compile_sm90(wy_bwd.wy_dqkg_transposed_main_kernel, types, dict(common, H=H, KS=KS),
                             num_warps, num_stages)

@@ -140,35 +140,21 @@ def _da_chain(b_dA, b_At, b_beta, m_strict):
 # Design 1: full K, one kernel
 # --------------------------------------------------------------------------------------
 @triton.jit
-def _fullk_vstep(b_do, b_vn, b_dvn, b_v, b_hT, b_dhT, b_At, b_beta,
-                 b_dq, b_dk, b_dw, b_dA, b_db, b_dgk):
-    """One V tile of design 1: the three [BT, BV] @ [BV, K] dots, dA's dvn v^T part, dv2."""
-    b_dgk += tl.sum(b_hT.to(tl.float32) * b_dhT.to(tl.float32), axis=0)
-    b_dq += _dot(b_do, b_hT)
-    b_dk += _dot(b_vn, b_dhT)
-    b_dw += _dot(b_dvn, b_hT)
-    b_dA += _dot(b_dvn, tl.trans(b_v))
-    b_dvb = _dot(b_At, b_dvn)
-    b_db += tl.sum(b_dvb * b_v.to(tl.float32), axis=1)
-    return b_dq, b_dk, b_dw, b_dA, b_db, b_dgk, b_dvb * b_beta[:, None]
-
-
-@triton.jit
-def _fullk_epilogue(q, k, g, dq, dk, dg, dA, db, b_dq, b_dk, b_dw, b_dA, b_db, b_dgk, b_At, b_beta,
-                    n_t, scale, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                    BT: tl.constexpr, BK: tl.constexpr):
-    """The once-per-chunk-head tail of design 1; every pointer is at the chunk's first row."""
+def _fullk_epilogue_half(q, k, g, dq, dk, dg, b_dq, b_dk, b_dw, b_dgk, b_dA, b_db, b_At, b_beta,
+                         n_t, scale, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                         BT: tl.constexpr, KH: tl.constexpr):
+    """The epilogue for one K half (the pointers are at its first column): stores dq, dk
+    and dg of the half, returns dA and db with the half's dw kg^T and A^T dw terms added."""
     o_t = tl.arange(0, BT)
     m_t = o_t < n_t
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    m_tk = m_t[:, None] & m_k[None, :]
+    o_k = tl.arange(0, KH)
+    m_tk = m_t[:, None] & (o_k < KH)[None, :]
     i_last = tl.minimum(n_t, BT) - 1
     m_last = o_t == i_last
 
     p_tk = o_t[:, None] * (HV * K) + o_k[None, :]
     b_g = tl.load(g + p_tk, mask=m_tk, other=0).to(tl.float32)
-    b_gn = tl.load(g + i_last * (HV * K) + o_k, mask=m_k, other=0).to(tl.float32)
+    b_gn = tl.load(g + i_last * (HV * K) + o_k).to(tl.float32)
     b_gexp = tl.exp2(b_g)
 
     b_dq = b_dq * b_gexp * scale
@@ -191,29 +177,23 @@ def _fullk_epilogue(q, k, g, dq, dk, dg, dA, db, b_dq, b_dk, b_dw, b_dA, b_db, b
     b_dk += b_dkgb * b_gexp * b_beta[:, None]
     tl.store(dk + p_tk, b_dk, mask=m_tk)
     tl.store(dg + p_tk, b_dg, mask=m_tk)
-
-    m_strict = (o_t[:, None] > o_t[None, :]) & m_t[:, None] & m_t[None, :]
-    b_dA = _da_chain(b_dA, b_At, b_beta, m_strict)
-    tl.store(dA + o_t[:, None] * (HV * BT) + o_t[None, :], b_dA, mask=m_t[:, None])
-    tl.store(db + o_t * HV, b_db, mask=m_t)
+    return b_dA, b_db
 
 
-@triton.jit
-def _fullk_tile(
-    i_t, i_bh, live, q, k, v, v_new, g, beta, A, h, do, dh, dv,
+@triton.heuristics({"IS_VARLEN": lambda args: args["cu_seqlens"] is not None})
+@triton.jit(do_not_specialize=["T"])
+def wy_dqkg_fullk_kernel(
+    q, k, v, v_new, g, beta, A, h, do, dh, dv,
     dq, dk, dv2, dg, db, dA,
     cu_seqlens, chunk_indices, scale, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr, TMA: tl.constexpr,
+    BT: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
-    """One chunk-head of design 1 (i_t, i_bh int64); with ``live`` false it stores nothing.
-
-    With TMA, v, v_new, h, do, dh and dv are 2-D tensor descriptors ([rows, HV*V] for the
-    token-major tensors, [rows, V] for the states) and their tiles arrive by bulk copy: no
-    per-thread address or mask registers. A copy that runs past a chunk's last token reads
-    the next rows of the tensor (or zeros past its end); those rows only ever meet rows of
-    A, beta, q, k and g that are loaded as zeros, and every store is masked.
-    """
+    """Design 1. The [BT, K] accumulators are held as two K halves, each dot as two
+    [BT, BV] @ [BV, K/2] dots, so that the epilogue finishes and stores one half before it
+    touches the other: its temporaries are [BT, K/2], not [BT, K]."""
+    KH: tl.constexpr = K // 2
+    i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     i_hv = i_bh % HV
     i_h = i_hv // (HV // H)
     i_c, i_tg, bos, T = _chunk_coords(i_t, i_bh, cu_seqlens, chunk_indices, T, HV, BT, IS_VARLEN)
@@ -221,101 +201,83 @@ def _fullk_tile(
     # Every pointer starts at this chunk's first row, so the offsets inside the tile are
     # int32 (an int64 offset tensor costs twice the registers).
     row0 = bos + i_c * BT
-    n_t = tl.where(live, T - i_c * BT, 0).to(tl.int32)
+    n_t = (T - i_c * BT).to(tl.int32)
     o_t = tl.arange(0, BT)
     m_t = o_t < n_t
+    o_k = tl.arange(0, KH)
 
     q += (row0 * H + i_h) * K
     k += (row0 * H + i_h) * K
+    v += (row0 * HV + i_hv) * V
+    v_new += (row0 * HV + i_hv) * V
     g += (row0 * HV + i_hv) * K
     beta += row0 * HV + i_hv
     A += (row0 * HV + i_hv) * BT
-    dv2 += (row0 * HV + i_hv) * V
+    h += (i_tg * HV + i_hv) * K * V
+    dh += (i_tg * HV + i_hv) * K * V
+    do += (row0 * HV + i_hv) * V
+    dv += (row0 * HV + i_hv) * V
     dq += (row0 * HV + i_hv) * K
     dk += (row0 * HV + i_hv) * K
+    dv2 += (row0 * HV + i_hv) * V
     dg += (row0 * HV + i_hv) * K
     db += row0 * HV + i_hv
     dA += (row0 * HV + i_hv) * BT
-    if not TMA:
-        v += (row0 * HV + i_hv) * V
-        v_new += (row0 * HV + i_hv) * V
-        do += (row0 * HV + i_hv) * V
-        dv += (row0 * HV + i_hv) * V
-        h += (i_tg * HV + i_hv) * K * V
-        dh += (i_tg * HV + i_hv) * K * V
-    r_t = row0.to(tl.int32)
-    c_v = (i_hv * V).to(tl.int32)
-    r_h = ((i_tg * HV + i_hv) * K).to(tl.int32)
 
     b_beta = tl.load(beta + o_t * HV, mask=m_t, other=0).to(tl.float32)
     # A^T: b_At[i, j] = A[row j, column i]
     b_At = tl.load(A + o_t[None, :] * (HV * BT) + o_t[:, None], mask=m_t[None, :], other=0)
 
-    b_dq = tl.zeros([BT, BK], dtype=tl.float32)
-    b_dk = tl.zeros([BT, BK], dtype=tl.float32)
-    b_dw = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dq0 = tl.zeros([BT, KH], dtype=tl.float32)
+    b_dq1 = tl.zeros([BT, KH], dtype=tl.float32)
+    b_dk0 = tl.zeros([BT, KH], dtype=tl.float32)
+    b_dk1 = tl.zeros([BT, KH], dtype=tl.float32)
+    b_dw0 = tl.zeros([BT, KH], dtype=tl.float32)
+    b_dw1 = tl.zeros([BT, KH], dtype=tl.float32)
+    b_dgk0 = tl.zeros([KH], dtype=tl.float32)
+    b_dgk1 = tl.zeros([KH], dtype=tl.float32)
     b_dA = tl.zeros([BT, BT], dtype=tl.float32)
     b_db = tl.zeros([BT], dtype=tl.float32)
-    b_dgk = tl.zeros([BK], dtype=tl.float32)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
         m_tv = m_t[:, None] & m_v[None, :]
         p_tv = o_t[:, None] * (HV * V) + o_v[None, :]
-        if TMA:
-            b_do = do.load([r_t, c_v + i_v * BV])
-            b_vn = v_new.load([r_t, c_v + i_v * BV])
-            b_dvn = dv.load([r_t, c_v + i_v * BV])
-            b_v = v.load([r_t, c_v + i_v * BV])
-            b_hT = tl.trans(h.load([r_h, i_v * BV]))
-            b_dhT = tl.trans(dh.load([r_h, i_v * BV]))
-        else:
-            b_do = tl.load(do + p_tv, mask=m_tv, other=0)
-            b_vn = tl.load(v_new + p_tv, mask=m_tv, other=0)
-            b_dvn = tl.load(dv + p_tv, mask=m_tv, other=0)
-            b_v = tl.load(v + p_tv, mask=m_tv, other=0)
-            # [BV, BK] views of the [K, V] state and its gradient
-            o_k = tl.arange(0, BK)
-            p_vk = o_v[:, None] + o_k[None, :] * V
-            m_vk = m_v[:, None] & (o_k < K)[None, :]
-            b_hT = tl.load(h + p_vk, mask=m_vk, other=0)
-            b_dhT = tl.load(dh + p_vk, mask=m_vk, other=0)
-        b_dq, b_dk, b_dw, b_dA, b_db, b_dgk, b_dv2 = _fullk_vstep(
-            b_do, b_vn, b_dvn, b_v, b_hT, b_dhT, b_At, b_beta, b_dq, b_dk, b_dw, b_dA, b_db, b_dgk)
-        tl.store(dv2 + p_tv, _to(b_dv2, dv2.dtype.element_ty), mask=m_tv)
+        b_do = tl.load(do + p_tv, mask=m_tv, other=0)
+        b_vn = tl.load(v_new + p_tv, mask=m_tv, other=0)
+        b_dvn = tl.load(dv + p_tv, mask=m_tv, other=0)
+        b_v = tl.load(v + p_tv, mask=m_tv, other=0)
+        # [BV, K/2] views of the two K halves of the [K, V] state and its gradient
+        p_vk = o_v[:, None] + o_k[None, :] * V
+        m_vk = m_v[:, None] & (o_k < KH)[None, :]
+        b_hT0 = tl.load(h + p_vk, mask=m_vk, other=0)
+        b_hT1 = tl.load(h + KH * V + p_vk, mask=m_vk, other=0)
+        b_dhT0 = tl.load(dh + p_vk, mask=m_vk, other=0)
+        b_dhT1 = tl.load(dh + KH * V + p_vk, mask=m_vk, other=0)
 
-    _fullk_epilogue(q, k, g, dq, dk, dg, dA, db, b_dq, b_dk, b_dw, b_dA, b_db, b_dgk, b_At, b_beta,
-                    n_t, scale, H, HV, K, BT, BK)
+        b_dgk0 += tl.sum(b_hT0.to(tl.float32) * b_dhT0.to(tl.float32), axis=0)
+        b_dgk1 += tl.sum(b_hT1.to(tl.float32) * b_dhT1.to(tl.float32), axis=0)
+        b_dq0 += _dot(b_do, b_hT0)
+        b_dq1 += _dot(b_do, b_hT1)
+        b_dk0 += _dot(b_vn, b_dhT0)
+        b_dk1 += _dot(b_vn, b_dhT1)
+        b_dw0 += _dot(b_dvn, b_hT0)
+        b_dw1 += _dot(b_dvn, b_hT1)
+        b_dA += _dot(b_dvn, tl.trans(b_v))
+        b_dvb = _dot(b_At, b_dvn)
+        tl.store(dv2 + p_tv, _to(b_dvb * b_beta[:, None], dv2.dtype.element_ty), mask=m_tv)
+        b_db += tl.sum(b_dvb * b_v.to(tl.float32), axis=1)
 
+    b_dA, b_db = _fullk_epilogue_half(q, k, g, dq, dk, dg, b_dq0, b_dk0, b_dw0, b_dgk0, b_dA, b_db,
+                                      b_At, b_beta, n_t, scale, H, HV, K, BT, KH)
+    b_dA, b_db = _fullk_epilogue_half(q + KH, k + KH, g + KH, dq + KH, dk + KH, dg + KH,
+                                      b_dq1, b_dk1, b_dw1, b_dgk1, b_dA, b_db,
+                                      b_At, b_beta, n_t, scale, H, HV, K, BT, KH)
 
-@triton.heuristics({"IS_VARLEN": lambda args: args["cu_seqlens"] is not None})
-@triton.jit(do_not_specialize=["T", "NT", "NBH", "NPROG", "NITER"])
-def wy_dqkg_fullk_kernel(
-    q, k, v, v_new, g, beta, A, h, do, dh, dv,
-    dq, dk, dv2, dg, db, dA,
-    cu_seqlens, chunk_indices, scale, T, NT, NBH, NPROG, NITER,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
-    TMA: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
-):
-    """Design 1. One program per chunk-head, or (PERSISTENT) one per SM walking the
-    chunk-heads; with FLATTEN the chunk-head and V loops become one pipelined loop, so the
-    next chunk-head's first tiles are in flight while this one runs its epilogue."""
-    if PERSISTENT:
-        # NITER = cdiv(NT * NBH, NPROG) rounds; in the last one a program without a
-        # chunk-head left re-reads the last one with every store masked off (n_t = 0).
-        n_tiles = NT * NBH
-        for j in tl.range(0, NITER, flatten=FLATTEN):
-            tile = tl.program_id(0) + j * NPROG
-            live = tile < n_tiles
-            tile = tl.minimum(tile, n_tiles - 1)
-            _fullk_tile((tile % NT).to(tl.int64), (tile // NT).to(tl.int64), live,
-                        q, k, v, v_new, g, beta, A, h, do, dh, dv, dq, dk, dv2, dg, db, dA,
-                        cu_seqlens, chunk_indices, scale, T, H, HV, K, V, BT, BK, BV, IS_VARLEN, TMA)
-    else:
-        _fullk_tile(tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), True,
-                    q, k, v, v_new, g, beta, A, h, do, dh, dv, dq, dk, dv2, dg, db, dA,
-                    cu_seqlens, chunk_indices, scale, T, H, HV, K, V, BT, BK, BV, IS_VARLEN, TMA)
+    m_strict = (o_t[:, None] > o_t[None, :]) & m_t[:, None] & m_t[None, :]
+    b_dA = _da_chain(b_dA, b_At, b_beta, m_strict)
+    tl.store(dA + o_t[:, None] * (HV * BT) + o_t[None, :], b_dA, mask=m_t[:, None])
+    tl.store(db + o_t * HV, b_db, mask=m_t)
 
 
 # --------------------------------------------------------------------------------------
@@ -510,20 +472,6 @@ MIN_CTAS = 0
 _SMALLEST_BV = 32
 
 
-def _descriptor(t: torch.Tensor, cols: int, block: list[int]):
-    """A 2-D TMA descriptor over dense ``t`` seen as [numel / cols, cols]."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    return TensorDescriptor(t, [t.numel() // cols, cols], [cols, 1], block)
-
-
-def _resident_programs(device: torch.device) -> int:
-    """Programs of a persistent launch: one per SM (design 1 fits one program per SM)."""
-    if device.type != "cuda":
-        return 3  # under the interpreter: few enough that every program walks several tiles
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def wy_dqkg_bwd(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, cu_seqlens, chunk_indices,
                 design: str | None = None, config: dict | None = None):
     """B6 with fla's contract: returns (dq, dk, dv2, db, dg, dA); dq/dk/dg/db/dA fp32."""
@@ -547,22 +495,11 @@ def wy_dqkg_bwd(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, c
     dA = torch.empty(B, T, HV, BT, device=k.device, dtype=torch.float32)
     grid = (NT, B * HV)
     if design == "fullk":
-        BV, tma, persistent = cfg["BV"], cfg.get("tma", False), cfg.get("persistent", False)
-        tma = tma and V % BV == 0  # a partial V tile would read the next head's columns
-        if tma:
-            tiles = [_descriptor(t, HV * V, [BT, BV]) for t in (v, v_new, do, dv)]
-            states = [_descriptor(t, V, [K, BV]) for t in (h, dh)]
-            v_, v_new_, do_, dv_, h_, dh_ = *tiles, *states
-        else:
-            v_, v_new_, do_, dv_, h_, dh_ = v, v_new, do, dv, h, dh
-        if persistent:
-            grid = (min(NT * B * HV, _resident_programs(k.device)),)
         wy_dqkg_fullk_kernel[grid](
-            q=q, k=k, v=v_, v_new=v_new_, g=gc, beta=beta, A=A, h=h_, do=do_, dh=dh_, dv=dv_,
+            q=q, k=k, v=v, v_new=v_new, g=gc, beta=beta, A=A, h=h, do=do, dh=dh, dv=dv,
             dq=dq, dk=dk, dv2=dv2, dg=dg, db=db, dA=dA,
-            cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, scale=scale, T=T, NT=NT, NBH=B * HV, NPROG=grid[0], NITER=triton.cdiv(NT * B * HV, grid[0]),
-            H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV,
-            TMA=tma, PERSISTENT=persistent, FLATTEN=cfg.get("flatten", False),
+            cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, scale=scale, T=T,
+            H=H, HV=HV, K=K, V=V, BT=BT, BV=cfg["BV"],
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     elif design == "transposed":
