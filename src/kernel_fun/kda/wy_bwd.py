@@ -140,30 +140,49 @@ def _da_chain(b_dA, b_At, b_beta, m_strict):
 # Design 1: full K, one kernel
 # --------------------------------------------------------------------------------------
 @triton.jit
-def _fullk_epilogue_half(q, k, g, dq, dk, dg, b_dq, b_dk, b_dw, b_dgk, b_dA, b_db, b_At, b_beta,
-                         n_t, scale, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                         BT: tl.constexpr, KH: tl.constexpr):
-    """The epilogue for one K half (the pointers are at its first column): stores dq, dk
-    and dg of the half, returns dA and db with the half's dw kg^T and A^T dw terms added."""
+def _fullk_epilogue_loads(q, k, g, n_t, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                          BT: tl.constexpr, KH: tl.constexpr):
+    """q, k, g and g's last row, each as its two K halves, loaded with g last: the layout
+    conversion of the first g value is placed right after its load and is a CTA barrier,
+    so every other load must already be in flight by then, and g is one [BT, KH, 2] load."""
     o_t = tl.arange(0, BT)
     m_t = o_t < n_t
     o_k = tl.arange(0, KH)
     m_tk = m_t[:, None] & (o_k < KH)[None, :]
-    i_last = tl.minimum(n_t, BT) - 1
-    m_last = o_t == i_last
+    p_q = q + o_t[:, None] * (H * K) + o_k[None, :]
+    p_k = k + o_t[:, None] * (H * K) + o_k[None, :]
+    b_q0 = tl.load(p_q, mask=m_tk, other=0)
+    b_k0 = tl.load(p_k, mask=m_tk, other=0)
+    b_q1 = tl.load(p_q + KH, mask=m_tk, other=0)
+    b_k1 = tl.load(p_k + KH, mask=m_tk, other=0)
+    p_gn = g + (tl.minimum(n_t, BT) - 1) * (HV * K) + o_k
+    b_gn0 = tl.load(p_gn).to(tl.float32)
+    b_gn1 = tl.load(p_gn + KH).to(tl.float32)
+    o_2 = tl.arange(0, 2)
+    p_g = g + o_t[:, None, None] * (HV * K) + o_k[None, :, None] + KH * o_2[None, None, :]
+    b_g0, b_g1 = tl.split(tl.load(p_g, mask=m_tk[:, :, None], other=0).to(tl.float32))
+    return b_q0, b_k0, b_gn0, b_g0, b_q1, b_k1, b_gn1, b_g1
 
+
+@triton.jit
+def _fullk_epilogue_half(b_gexp, b_gdecay, b_gn, b_q, b_k, dq, dk, dg, b_dq, b_dk, b_dw, b_dgk, b_dA, b_db,
+                         b_At, b_beta, n_t, scale, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+                         KH: tl.constexpr):
+    """The epilogue for one K half (the pointers are at its first column; b_gexp = exp2 g
+    and b_gdecay = exp2(g_last - g) on valid rows): stores dq, dk and dg of the half,
+    returns dA and db with the half's dw kg^T and A^T dw terms added."""
+    o_t = tl.arange(0, BT)
+    m_t = o_t < n_t
+    o_k = tl.arange(0, KH)
+    m_tk = m_t[:, None] & (o_k < KH)[None, :]
+    m_last = o_t == tl.minimum(n_t, BT) - 1
     p_tk = o_t[:, None] * (HV * K) + o_k[None, :]
-    b_g = tl.load(g + p_tk, mask=m_tk, other=0).to(tl.float32)
-    b_gn = tl.load(g + i_last * (HV * K) + o_k).to(tl.float32)
-    b_gexp = tl.exp2(b_g)
 
     b_dq = b_dq * b_gexp * scale
-    b_q = tl.load(q + o_t[:, None] * (H * K) + o_k[None, :], mask=m_tk, other=0).to(tl.float32)
-    b_dg = b_q * b_dq
+    b_dg = b_q.to(tl.float32) * b_dq
     tl.store(dq + p_tk, b_dq, mask=m_tk)
 
-    b_dk = b_dk * tl.where(m_t[:, None], tl.exp2(b_gn[None, :] - b_g), 0)
-    b_k = tl.load(k + o_t[:, None] * (H * K) + o_k[None, :], mask=m_tk, other=0)
+    b_dk = b_dk * b_gdecay
     b_kdk = b_k.to(tl.float32) * b_dk
     b_dg -= b_kdk
     b_dgk = b_dgk * tl.exp2(b_gn) + tl.sum(b_kdk, axis=0)
@@ -225,8 +244,10 @@ def wy_dqkg_fullk_kernel(
     dA += (row0 * HV + i_hv) * BT
 
     b_beta = tl.load(beta + o_t * HV, mask=m_t, other=0).to(tl.float32)
-    # A^T: b_At[i, j] = A[row j, column i]
-    b_At = tl.load(A + o_t[None, :] * (HV * BT) + o_t[:, None], mask=m_t[None, :], other=0)
+    # A (rows past the chunk's end are zero) is loaded in the V loop with the V tiles,
+    # not here: a load whose value is stored to shared memory before the loop would make
+    # every chunk-head wait out one DRAM round trip before its first tile is requested.
+    p_A = A + o_t[:, None] * (HV * BT) + o_t[None, :]
 
     b_dq0 = tl.zeros([BT, KH], dtype=tl.float32)
     b_dq1 = tl.zeros([BT, KH], dtype=tl.float32)
@@ -264,16 +285,25 @@ def wy_dqkg_fullk_kernel(
         b_dw0 += _dot(b_dvn, b_hT0)
         b_dw1 += _dot(b_dvn, b_hT1)
         b_dA += _dot(b_dvn, tl.trans(b_v))
-        b_dvb = _dot(b_At, b_dvn)
+        b_dvb = _dot(tl.trans(tl.load(p_A, mask=m_t[:, None], other=0)), b_dvn)
         tl.store(dv2 + p_tv, _to(b_dvb * b_beta[:, None], dv2.dtype.element_ty), mask=m_tv)
         b_db += tl.sum(b_dvb * b_v.to(tl.float32), axis=1)
 
-    b_dA, b_db = _fullk_epilogue_half(q, k, g, dq, dk, dg, b_dq0, b_dk0, b_dw0, b_dgk0, b_dA, b_db,
-                                      b_At, b_beta, n_t, scale, H, HV, K, BT, KH)
-    b_dA, b_db = _fullk_epilogue_half(q + KH, k + KH, g + KH, dq + KH, dk + KH, dg + KH,
-                                      b_dq1, b_dk1, b_dw1, b_dgk1, b_dA, b_db,
-                                      b_At, b_beta, n_t, scale, H, HV, K, BT, KH)
-
+    # Every load of the epilogue is issued here, before the first layout conversion: each
+    # conversion is a CTA barrier, and a load placed after one waits out its own DRAM
+    # round trip (six of them in a row per chunk-head, otherwise).
+    b_At = tl.trans(tl.load(p_A, mask=m_t[:, None], other=0))  # A^T: b_At[i, j] = A[j, i]
+    b_q0, b_k0, b_gn0, b_g0, b_q1, b_k1, b_gn1, b_g1 = _fullk_epilogue_loads(q, k, g, n_t, H, HV, K, BT, KH)
+    b_gexp0 = tl.exp2(b_g0)
+    b_gdecay0 = tl.where(m_t[:, None], tl.exp2(b_gn0[None, :] - b_g0), 0)
+    b_gexp1 = tl.exp2(b_g1)
+    b_gdecay1 = tl.where(m_t[:, None], tl.exp2(b_gn1[None, :] - b_g1), 0)
+    b_dA, b_db = _fullk_epilogue_half(b_gexp0, b_gdecay0, b_gn0, b_q0, b_k0, dq, dk, dg,
+                                      b_dq0, b_dk0, b_dw0, b_dgk0, b_dA, b_db, b_At, b_beta,
+                                      n_t, scale, HV, K, BT, KH)
+    b_dA, b_db = _fullk_epilogue_half(b_gexp1, b_gdecay1, b_gn1, b_q1, b_k1, dq + KH, dk + KH, dg + KH,
+                                      b_dq1, b_dk1, b_dw1, b_dgk1, b_dA, b_db, b_At, b_beta,
+                                      n_t, scale, HV, K, BT, KH)
     m_strict = (o_t[:, None] > o_t[None, :]) & m_t[:, None] & m_t[None, :]
     b_dA = _da_chain(b_dA, b_At, b_beta, m_strict)
     tl.store(dA + o_t[:, None] * (HV * BT) + o_t[None, :], b_dA, mask=m_t[:, None])
