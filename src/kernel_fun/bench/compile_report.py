@@ -88,8 +88,7 @@ def b6_report(design: str, K: int, V: int, H: int, HV: int, BV: int, num_warps: 
     f32 = {n: "*fp32" for n in ("g", "dq", "dk", "dg", "db", "dA", "dgk_buf")}
     types = {**act, **f32}
     if design == "fullk":
-        return compile_sm90(wy_bwd.wy_dqkg_fullk_kernel, types,
-                            {n: v for n, v in dict(common, H=H).items() if n != "BK"}, num_warps, num_stages, maxnreg)
+        return compile_sm90(wy_bwd.wy_dqkg_fullk_kernel, types, dict(common, H=H), num_warps, num_stages)
     if design == "transposed":
         return compile_sm90(wy_bwd.wy_dqkg_transposed_main_kernel, types, dict(common, H=H, KS=KS),
                             num_warps, num_stages)

@@ -139,66 +139,6 @@ def _da_chain(b_dA, b_At, b_beta, m_strict):
 # --------------------------------------------------------------------------------------
 # Design 1: full K, one kernel
 # --------------------------------------------------------------------------------------
-@triton.jit
-def _fullk_epilogue_loads(q, k, g, n_t, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                          BT: tl.constexpr, KH: tl.constexpr):
-    """q, k, g and g's last row, each as its two K halves, loaded with g last: the layout
-    conversion of the first g value is placed right after its load and is a CTA barrier,
-    so every other load must already be in flight by then, and g is one [BT, KH, 2] load."""
-    o_t = tl.arange(0, BT)
-    m_t = o_t < n_t
-    o_k = tl.arange(0, KH)
-    m_tk = m_t[:, None] & (o_k < KH)[None, :]
-    p_q = q + o_t[:, None] * (H * K) + o_k[None, :]
-    p_k = k + o_t[:, None] * (H * K) + o_k[None, :]
-    b_q0 = tl.load(p_q, mask=m_tk, other=0)
-    b_k0 = tl.load(p_k, mask=m_tk, other=0)
-    b_q1 = tl.load(p_q + KH, mask=m_tk, other=0)
-    b_k1 = tl.load(p_k + KH, mask=m_tk, other=0)
-    p_gn = g + (tl.minimum(n_t, BT) - 1) * (HV * K) + o_k
-    b_gn0 = tl.load(p_gn).to(tl.float32)
-    b_gn1 = tl.load(p_gn + KH).to(tl.float32)
-    o_2 = tl.arange(0, 2)
-    p_g = g + o_t[:, None, None] * (HV * K) + o_k[None, :, None] + KH * o_2[None, None, :]
-    b_g0, b_g1 = tl.split(tl.load(p_g, mask=m_tk[:, :, None], other=0).to(tl.float32))
-    return b_q0, b_k0, b_gn0, b_g0, b_q1, b_k1, b_gn1, b_g1
-
-
-@triton.jit
-def _fullk_epilogue_half(b_gexp, b_gdecay, b_gn, b_q, b_k, dq, dk, dg, b_dq, b_dk, b_dw, b_dgk, b_dA, b_db,
-                         b_At, b_beta, n_t, scale, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
-                         KH: tl.constexpr):
-    """The epilogue for one K half (the pointers are at its first column; b_gexp = exp2 g
-    and b_gdecay = exp2(g_last - g) on valid rows): stores dq, dk and dg of the half,
-    returns dA and db with the half's dw kg^T and A^T dw terms added."""
-    o_t = tl.arange(0, BT)
-    m_t = o_t < n_t
-    o_k = tl.arange(0, KH)
-    m_tk = m_t[:, None] & (o_k < KH)[None, :]
-    m_last = o_t == tl.minimum(n_t, BT) - 1
-    p_tk = o_t[:, None] * (HV * K) + o_k[None, :]
-
-    b_dq = b_dq * b_gexp * scale
-    b_dg = b_q.to(tl.float32) * b_dq
-    tl.store(dq + p_tk, b_dq, mask=m_tk)
-
-    b_dk = b_dk * b_gdecay
-    b_kdk = b_k.to(tl.float32) * b_dk
-    b_dg -= b_kdk
-    b_dgk = b_dgk * tl.exp2(b_gn) + tl.sum(b_kdk, axis=0)
-
-    b_dwb = _to(-b_dw, b_k.dtype)
-    b_kg = b_k * b_gexp
-    b_dA += _dot(b_dwb, tl.trans(_to(b_kg, b_k.dtype)))
-    b_dkgb = _dot(b_At, b_dwb)
-    b_db += tl.sum(b_dkgb * b_kg, axis=1)
-    b_dg += b_kg * b_dkgb * b_beta[:, None] + tl.where(m_last[:, None], b_dgk[None, :], 0)
-    b_dk += b_dkgb * b_gexp * b_beta[:, None]
-    tl.store(dk + p_tk, b_dk, mask=m_tk)
-    tl.store(dg + p_tk, b_dg, mask=m_tk)
-    return b_dA, b_db
-
-
 @triton.heuristics({"IS_VARLEN": lambda args: args["cu_seqlens"] is not None})
 @triton.jit(do_not_specialize=["T"])
 def wy_dqkg_fullk_kernel(
@@ -206,12 +146,8 @@ def wy_dqkg_fullk_kernel(
     dq, dk, dv2, dg, db, dA,
     cu_seqlens, chunk_indices, scale, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
-    """Design 1. The [BT, K] accumulators are held as two K halves, each dot as two
-    [BT, BV] @ [BV, K/2] dots, so that the epilogue finishes and stores one half before it
-    touches the other: its temporaries are [BT, K/2], not [BT, K]."""
-    KH: tl.constexpr = K // 2
     i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     i_hv = i_bh % HV
     i_h = i_hv // (HV // H)
@@ -223,7 +159,11 @@ def wy_dqkg_fullk_kernel(
     n_t = (T - i_c * BT).to(tl.int32)
     o_t = tl.arange(0, BT)
     m_t = o_t < n_t
-    o_k = tl.arange(0, KH)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    m_tk = m_t[:, None] & m_k[None, :]
+    i_last = tl.minimum(n_t, BT) - 1
+    m_last = o_t == i_last
 
     q += (row0 * H + i_h) * K
     k += (row0 * H + i_h) * K
@@ -244,21 +184,15 @@ def wy_dqkg_fullk_kernel(
     dA += (row0 * HV + i_hv) * BT
 
     b_beta = tl.load(beta + o_t * HV, mask=m_t, other=0).to(tl.float32)
-    # A (rows past the chunk's end are zero) is loaded in the V loop with the V tiles,
-    # not here: a load whose value is stored to shared memory before the loop would make
-    # every chunk-head wait out one DRAM round trip before its first tile is requested.
-    p_A = A + o_t[:, None] * (HV * BT) + o_t[None, :]
+    # A^T: b_At[i, j] = A[row j, column i]
+    b_At = tl.load(A + o_t[None, :] * (HV * BT) + o_t[:, None], mask=m_t[None, :], other=0)
 
-    b_dq0 = tl.zeros([BT, KH], dtype=tl.float32)
-    b_dq1 = tl.zeros([BT, KH], dtype=tl.float32)
-    b_dk0 = tl.zeros([BT, KH], dtype=tl.float32)
-    b_dk1 = tl.zeros([BT, KH], dtype=tl.float32)
-    b_dw0 = tl.zeros([BT, KH], dtype=tl.float32)
-    b_dw1 = tl.zeros([BT, KH], dtype=tl.float32)
-    b_dgk0 = tl.zeros([KH], dtype=tl.float32)
-    b_dgk1 = tl.zeros([KH], dtype=tl.float32)
+    b_dq = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dk = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dw = tl.zeros([BT, BK], dtype=tl.float32)
     b_dA = tl.zeros([BT, BT], dtype=tl.float32)
     b_db = tl.zeros([BT], dtype=tl.float32)
+    b_dgk = tl.zeros([BK], dtype=tl.float32)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
@@ -268,42 +202,51 @@ def wy_dqkg_fullk_kernel(
         b_vn = tl.load(v_new + p_tv, mask=m_tv, other=0)
         b_dvn = tl.load(dv + p_tv, mask=m_tv, other=0)
         b_v = tl.load(v + p_tv, mask=m_tv, other=0)
-        # [BV, K/2] views of the two K halves of the [K, V] state and its gradient
+        # [BV, BK] views of the [K, V] state and its gradient
         p_vk = o_v[:, None] + o_k[None, :] * V
-        m_vk = m_v[:, None] & (o_k < KH)[None, :]
-        b_hT0 = tl.load(h + p_vk, mask=m_vk, other=0)
-        b_hT1 = tl.load(h + KH * V + p_vk, mask=m_vk, other=0)
-        b_dhT0 = tl.load(dh + p_vk, mask=m_vk, other=0)
-        b_dhT1 = tl.load(dh + KH * V + p_vk, mask=m_vk, other=0)
+        m_vk = m_v[:, None] & m_k[None, :]
+        b_hT = tl.load(h + p_vk, mask=m_vk, other=0)
+        b_dhT = tl.load(dh + p_vk, mask=m_vk, other=0)
 
-        b_dgk0 += tl.sum(b_hT0.to(tl.float32) * b_dhT0.to(tl.float32), axis=0)
-        b_dgk1 += tl.sum(b_hT1.to(tl.float32) * b_dhT1.to(tl.float32), axis=0)
-        b_dq0 += _dot(b_do, b_hT0)
-        b_dq1 += _dot(b_do, b_hT1)
-        b_dk0 += _dot(b_vn, b_dhT0)
-        b_dk1 += _dot(b_vn, b_dhT1)
-        b_dw0 += _dot(b_dvn, b_hT0)
-        b_dw1 += _dot(b_dvn, b_hT1)
+        b_dgk += tl.sum(b_hT.to(tl.float32) * b_dhT.to(tl.float32), axis=0)
+        b_dq += _dot(b_do, b_hT)
+        b_dk += _dot(b_vn, b_dhT)
+        b_dw += _dot(b_dvn, b_hT)
         b_dA += _dot(b_dvn, tl.trans(b_v))
-        b_dvb = _dot(tl.trans(tl.load(p_A, mask=m_t[:, None], other=0)), b_dvn)
+        b_dvb = _dot(b_At, b_dvn)
         tl.store(dv2 + p_tv, _to(b_dvb * b_beta[:, None], dv2.dtype.element_ty), mask=m_tv)
         b_db += tl.sum(b_dvb * b_v.to(tl.float32), axis=1)
 
-    # Every load of the epilogue is issued here, before the first layout conversion: each
-    # conversion is a CTA barrier, and a load placed after one waits out its own DRAM
-    # round trip (six of them in a row per chunk-head, otherwise).
-    b_At = tl.trans(tl.load(p_A, mask=m_t[:, None], other=0))  # A^T: b_At[i, j] = A[j, i]
-    b_q0, b_k0, b_gn0, b_g0, b_q1, b_k1, b_gn1, b_g1 = _fullk_epilogue_loads(q, k, g, n_t, H, HV, K, BT, KH)
-    b_gexp0 = tl.exp2(b_g0)
-    b_gdecay0 = tl.where(m_t[:, None], tl.exp2(b_gn0[None, :] - b_g0), 0)
-    b_gexp1 = tl.exp2(b_g1)
-    b_gdecay1 = tl.where(m_t[:, None], tl.exp2(b_gn1[None, :] - b_g1), 0)
-    b_dA, b_db = _fullk_epilogue_half(b_gexp0, b_gdecay0, b_gn0, b_q0, b_k0, dq, dk, dg,
-                                      b_dq0, b_dk0, b_dw0, b_dgk0, b_dA, b_db, b_At, b_beta,
-                                      n_t, scale, HV, K, BT, KH)
-    b_dA, b_db = _fullk_epilogue_half(b_gexp1, b_gdecay1, b_gn1, b_q1, b_k1, dq + KH, dk + KH, dg + KH,
-                                      b_dq1, b_dk1, b_dw1, b_dgk1, b_dA, b_db, b_At, b_beta,
-                                      n_t, scale, HV, K, BT, KH)
+    # Every epilogue load is issued here, in one batch, g last. Each use of a loaded tile
+    # starts with a layout conversion, which is a CTA barrier that the compiler places
+    # right after the load, so a load written next to its use waits out its own DRAM round
+    # trip: three in a row per chunk-head (g, then q, then k) before this ordering.
+    p_tk = o_t[:, None] * (HV * K) + o_k[None, :]
+    b_gn = tl.load(g + i_last * (HV * K) + o_k, mask=m_k, other=0).to(tl.float32)
+    b_k = tl.load(k + o_t[:, None] * (H * K) + o_k[None, :], mask=m_tk, other=0)
+    b_q = tl.load(q + o_t[:, None] * (H * K) + o_k[None, :], mask=m_tk, other=0)
+    b_g = tl.load(g + p_tk, mask=m_tk, other=0).to(tl.float32)
+    b_gexp = tl.exp2(b_g)
+
+    b_dq = b_dq * b_gexp * scale
+    b_dg = b_q.to(tl.float32) * b_dq
+    tl.store(dq + p_tk, b_dq, mask=m_tk)
+
+    b_dk = b_dk * tl.where(m_t[:, None], tl.exp2(b_gn[None, :] - b_g), 0)
+    b_kdk = b_k.to(tl.float32) * b_dk
+    b_dg -= b_kdk
+    b_dgk = b_dgk * tl.exp2(b_gn) + tl.sum(b_kdk, axis=0)
+
+    b_dwb = _to(-b_dw, b_k.dtype)
+    b_kg = b_k * b_gexp
+    b_dA += _dot(b_dwb, tl.trans(_to(b_kg, b_k.dtype)))
+    b_dkgb = _dot(b_At, b_dwb)
+    b_db += tl.sum(b_dkgb * b_kg, axis=1)
+    b_dg += b_kg * b_dkgb * b_beta[:, None] + tl.where(m_last[:, None], b_dgk[None, :], 0)
+    b_dk += b_dkgb * b_gexp * b_beta[:, None]
+    tl.store(dk + p_tk, b_dk, mask=m_tk)
+    tl.store(dg + p_tk, b_dg, mask=m_tk)
+
     m_strict = (o_t[:, None] > o_t[None, :]) & m_t[:, None] & m_t[None, :]
     b_dA = _da_chain(b_dA, b_At, b_beta, m_strict)
     tl.store(dA + o_t[:, None] * (HV * BT) + o_t[None, :], b_dA, mask=m_t[:, None])
@@ -529,7 +472,7 @@ def wy_dqkg_bwd(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, c
             q=q, k=k, v=v, v_new=v_new, g=gc, beta=beta, A=A, h=h, do=do, dh=dh, dv=dv,
             dq=dq, dk=dk, dv2=dv2, dg=dg, db=db, dA=dA,
             cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, scale=scale, T=T,
-            H=H, HV=HV, K=K, V=V, BT=BT, BV=cfg["BV"],
+            H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=cfg["BV"],
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     elif design == "transposed":
