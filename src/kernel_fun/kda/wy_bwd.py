@@ -44,27 +44,32 @@ Not handled here (the stage goes to fla's kernel; ``supports`` says why): K not 
 layout, grids below ``MIN_CTAS``.
 
 Measured on the H200 (2026-11-30, torch 2.11, triton 3.6; rows in
-``bench/results/stages.jsonl``, the sweeps and their reading in ``docs/b6-wy-backward.md``):
+``bench/results/stages.jsonl``, the sweeps, ablations and their reading in
+``docs/b6-wy-backward.md``):
 
-- prod8192_gate (B16 T8192 H=HV=16 K128 V256): fla 12.44 ms; fullk 6.74 ms (BV=64,
-  8 warps, 3 stages, 172 KB shared; 255 registers, 296 B of spills per thread), 1.85x fla,
-  1.81x the 3.73 ms floor; the same config at 2 stages 7.37 ms (the first sweep's pinned
-  config, then with int64 in-tile offsets: 7.68 ms, 348 B of spills); transposed 9.94 ms at
-  its best (BV=32, KS=64; main kernel 213 registers and no spills, side kernel 124).
-  fullk won at every shape and grid measured (1.72-1.87x fla: kimi 5.53 ms, b8 3.40,
-  small 0.91, down to 64 chunk-heads), so it is the default and there is no CTA floor.
-- the 4.5 ms target was missed: one 8-warp program per SM, latency-bound. Nsight Compute
-  at b8: 52-54% of DRAM bandwidth, 0.18 instructions issued per scheduler cycle, 2 warps
-  per scheduler, the top stall waiting on L1TEX (global loads and register spills).
-  Tried and measured without a gain: K split across a pair of 4-warp programs (two per
-  SM, meeting once through an arrival counter for dA and db; 7.72 ms, more spills) and a
-  shared-memory carveout that leaves L1 room for the spills (6.74 ms either way).
+- prod8192_gate (B16 T8192 H=HV=16 K128 V256): fla 12.33 ms; fullk 6.50 ms (BV=64,
+  8 warps, 3 stages, 172 KB shared; 255 registers, 304 B of spills per thread), 1.90x fla,
+  1.74x the 3.73 ms floor. Before its epilogue issued every load in one batch (each load
+  then waited out its own DRAM round trip behind a layout-conversion barrier) the same
+  config took 6.74-6.82 ms; at 2 stages and int64 in-tile offsets, 7.68 ms. transposed:
+  9.94 ms at its best (BV=32, KS=64; main kernel 213 registers and no spills, side kernel
+  124). fullk won at every shape and grid measured (1.75-1.90x fla: kimi 5.49 ms, b8 3.30,
+  small 0.88, down to 64 chunk-heads), so it is the default and there is no CTA floor.
+- the 4.5 ms target was missed: one 8-warp program per SM. By ablation the V loop runs at
+  its own memory floor and the once-per-chunk-head epilogue (~2.7 ms of the 6.5) runs
+  with nothing else in flight on its SM. Tried and measured without a gain: K split across
+  a pair of 4-warp programs (7.72 ms), an L1 carveout for the spills, accumulators as two
+  K halves (spills 296 -> 120 B, same time), TMA-descriptor loads (7.28 against 6.93 ms),
+  and a persistent grid with TMA loads (9.38 ms); its flattened form, which would overlap
+  the epilogue with the next chunk-head's loads, failed parity on the H200 (everything that
+  uses the A^T and beta carried from the chunk-head's prologue) while passing in the
+  interpreter.
 - the transposed main kernel at three pipeline stages failed parity at >= 1,024
   chunk-heads (a grid-dependent error, which points at a race between the parked
   accumulators and the pipelined strip loads; not chased further); its pinned config uses
   two stages, which held parity everywhere.
-- whole op at prod8192_gate with this stage ours and every other on fla: fwd+bwd 41.48 ms
-  against fla's 46.94 ms (1.13x).
+- whole op at prod8192_gate with this stage ours and every other on fla: fwd+bwd 41.56 ms
+  against fla's 47.18 ms (1.135x).
 """
 
 from __future__ import annotations
@@ -428,7 +433,7 @@ def wy_dqkg_transposed_side_kernel(
 # bench/results/stages.jsonl, summary in docs/b6-wy-backward.md). At K=128, V=256:
 # fullk BV=64/8 warps/3 stages (172 KB of shared memory) 6.74 ms at prod8192_gate against
 # 7.37 ms at 2 stages in the same run (7.93 ms at BV=32/3 stages, 9.28-14.76 ms for the
-# other configs of the first sweep); transposed BV=32/KS=64 9.88 ms, the best of its six
+# other configs of the first sweep), 6.50 ms since its epilogue loads go in one batch; transposed BV=32/KS=64 9.88 ms, the best of its six
 # (its 3-stage main kernel failed parity, see the doc). K=64 was not measured: it takes
 # the K=128 winners (its 3-stage fullk needs 144 KB of shared memory).
 CONFIGS = {
