@@ -63,7 +63,7 @@ Measured on the H200 (2026-11-30, torch 2.11, triton 3.6; rows in
   and a persistent grid with TMA loads (9.38 ms); its flattened form, which would overlap
   the epilogue with the next chunk-head's loads, failed parity on the H200 (everything that
   uses the A^T and beta carried from the chunk-head's prologue) while passing in the
-  interpreter.
+  interpreter; with A and beta loaded inside the V loop it held parity and took 10.27 ms.
 - the transposed main kernel at three pipeline stages failed parity at >= 1,024
   chunk-heads (a grid-dependent error, which points at a race between the parked
   accumulators and the pipelined strip loads; not chased further); its pinned config uses
