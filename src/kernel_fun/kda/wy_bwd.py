@@ -433,8 +433,9 @@ def wy_dqkg_transposed_side_kernel(
 # bench/results/stages.jsonl, summary in docs/b6-wy-backward.md). At K=128, V=256:
 # fullk BV=64/8 warps/3 stages (172 KB of shared memory) 6.74 ms at prod8192_gate against
 # 7.37 ms at 2 stages in the same run (7.93 ms at BV=32/3 stages, 9.28-14.76 ms for the
-# other configs of the first sweep), 6.50 ms since its epilogue loads go in one batch; transposed BV=32/KS=64 9.88 ms, the best of its six
-# (its 3-stage main kernel failed parity, see the doc). K=64 was not measured: it takes
+# other configs of the first sweep), 6.50 ms since its epilogue loads go in one batch;
+# transposed BV=32/KS=64 9.88 ms, the best of its six (its 3-stage main kernel failed
+# parity, see the doc). K=64 was not measured: it takes
 # the K=128 winners (its 3-stage fullk needs 144 KB of shared memory).
 CONFIGS = {
     ("fullk", 64): dict(BV=64, num_warps=8, num_stages=3),
