@@ -79,7 +79,7 @@ def compile_sm90(kernel, pointer_types: dict[str, str], constexprs: dict, num_wa
 
 
 def b6_report(design: str, K: int, V: int, H: int, HV: int, BV: int, num_warps: int, num_stages: int,
-              KS: int = 32, dtype: str = "bf16", maxnreg: int | None = None) -> dict:
+              KS: int = 32, dtype: str = "bf16", maxnreg: int | None = None, extra: dict | None = None) -> dict:
     from kernel_fun.kda import wy_bwd
 
     common = dict(cu_seqlens=None, chunk_indices=None, HV=HV, K=K, V=V, BT=64, BK=K, BV=BV, IS_VARLEN=False)
@@ -88,7 +88,9 @@ def b6_report(design: str, K: int, V: int, H: int, HV: int, BV: int, num_warps: 
     f32 = {n: "*fp32" for n in ("g", "dq", "dk", "dg", "db", "dA", "dgk_buf")}
     types = {**act, **f32}
     if design == "fullk":
-        return compile_sm90(wy_bwd.wy_dqkg_fullk_kernel, types, dict(common, H=H), num_warps, num_stages)
+        switches = {**dict(A_IN_LOOP=0, PF_OWN=0, PF_NEXT=0, NSM=132), **(extra or {})}
+        return compile_sm90(wy_bwd.wy_dqkg_fullk_kernel, types, dict(common, H=H, **switches), num_warps, num_stages,
+                            maxnreg)
     if design == "transposed":
         return compile_sm90(wy_bwd.wy_dqkg_transposed_main_kernel, types, dict(common, H=H, KS=KS),
                             num_warps, num_stages)
@@ -107,14 +109,17 @@ def main(argv=None):
     parser.add_argument("--stages", default="1,2,3")
     parser.add_argument("--KS", default="32")
     parser.add_argument("--maxnreg", type=int, default=None)
+    parser.add_argument("--extra", default="{}", help="JSON of fullk switches, e.g. '{\"PF_OWN\": 2}'")
     args = parser.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     for design in args.design.split(","):
         for BV, warps, stages, KS in itertools.product(ints(args.BV), ints(args.warps), ints(args.stages), ints(args.KS)):
-            row = dict(design=design, K=args.K, V=args.V, BV=BV, KS=KS if design == "transposed" else None)
+            row = dict(design=design, K=args.K, V=args.V, BV=BV, KS=KS if design == "transposed" else None,
+                       **({"switches": json.loads(args.extra)} if args.extra != "{}" else {}))
             try:
-                row.update(b6_report(design, args.K, args.V, 16, 16, BV, warps, stages, KS, maxnreg=args.maxnreg))
+                row.update(b6_report(design, args.K, args.V, 16, 16, BV, warps, stages, KS, maxnreg=args.maxnreg,
+                                     extra=json.loads(args.extra)))
             except Exception as err:  # a config that does not compile is a row too
                 row.update(error=str(err).splitlines()[0][:160], num_warps=warps, num_stages=stages)
             print(json.dumps(row), flush=True)

@@ -122,6 +122,12 @@ def _config_text(row) -> str:
         parts.append("TMA loads")
     if c.get("persistent"):
         parts.append("persistent" + (", flattened" if c.get("flatten") else ""))
+    if c.get("A_IN_LOOP"):
+        parts.append("A, beta with the V tiles")
+    if c.get("PF_OWN"):
+        parts.append("L2 prefetch of k, q, g " + ("at start" if c["PF_OWN"] == 1 else "in the V loop"))
+    if c.get("PF_NEXT"):
+        parts.append("L2 prefetch for the next program")
     if c.get("carveout_ctas"):
         parts.append(f"L1 carveout for {c['carveout_ctas']}")
     if "side_BV" in c:

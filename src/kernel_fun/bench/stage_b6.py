@@ -28,6 +28,8 @@ FLOOR_SHAPES = {
     "grid256": dict(B=1, T=1024, H=16, HV=16, K=128, V=256),
     "grid64": dict(B=1, T=256, H=16, HV=16, K=128, V=256),
 }
+# K=64 (the other head size the B6 kernels take), at b8's token count.
+OTHER_SHAPES = {"k64": dict(B=8, T=8192, H=16, HV=16, K=64, V=128)}
 BANDWIDTH = 4.25e12  # measured H200 copy rate (anchors.md)
 
 # The configs worth timing, chosen from the sm_90a compile report (kernel_fun.bench.compile_report,
@@ -53,7 +55,7 @@ def problem(name: str):
 
     if name in SHAPES:
         return SHAPES[name]
-    return Problem(name, **FLOOR_SHAPES[name])
+    return Problem(name, **{**FLOOR_SHAPES, **OTHER_SHAPES}[name])
 
 
 def b6_bytes(p) -> int:

@@ -112,6 +112,21 @@ def _to(x, dtype: tl.constexpr):
 
 
 @triton.jit
+def _prefetch_rows(base, rows, row_stride, m_rows, ROW_BYTES: tl.constexpr):
+    """Asks L2 for the 128-byte lines of rows ``base + rows * row_stride`` (elements), each
+    ROW_BYTES long. A hint: it returns nothing, faults on nothing (masked lanes are
+    predicated off) and is skipped under the interpreter, where it would mean nothing."""
+    if not _INTERPRETING:
+        NL: tl.constexpr = (ROW_BYTES + 127) // 128
+        o_l = tl.arange(0, NL)
+        ptrs = (base + rows[:, None] * row_stride).to(tl.pointer_type(tl.int8)) + o_l[None, :] * 128
+        on = (m_rows[:, None] & (o_l[None, :] < NL)).to(tl.int32)
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
+            "=r,l,r", [ptrs, on], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _chunk_coords(i_t, i_bh, cu_seqlens, chunk_indices, T, HV: tl.constexpr, BT: tl.constexpr,
                   IS_VARLEN: tl.constexpr):
     """(chunk index within its sequence, global chunk index, first token row, sequence length)."""
@@ -141,6 +156,38 @@ def _da_chain(b_dA, b_At, b_beta, m_strict):
     return tl.where(m_strict, -b_dA, 0)
 
 
+@triton.jit
+def _prefetch_next(q, k, v, v_new, g, beta, A, h, do, dh, dv, cu_seqlens, chunk_indices, T,
+                   H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                   BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
+                   NSM: tl.constexpr):
+    """L2 prefetch of what the program NSM places later in launch order reads first (A,
+    beta and its first V tile): one program per SM runs at a time, so that program starts
+    about when this one ends, on whichever SM frees first; L2 is shared by all of them."""
+    n0 = tl.num_programs(0)
+    n_all = n0 * tl.num_programs(1)
+    lin = tl.program_id(1) * n0 + tl.program_id(0) + NSM
+    valid = lin < n_all
+    lin = tl.minimum(lin, n_all - 1)
+    i_t, i_bh = (lin % n0).to(tl.int64), (lin // n0).to(tl.int64)
+    i_hv = i_bh % HV
+    i_c, i_tg, bos, T = _chunk_coords(i_t, i_bh, cu_seqlens, chunk_indices, T, HV, BT, IS_VARLEN)
+    row0 = bos + i_c * BT
+    o_t = tl.arange(0, BT)
+    m_t = (o_t < (T - i_c * BT)) & valid
+    o_k = tl.arange(0, BK)
+    m_k = (o_k < K) & valid
+    tok = (row0 * HV + i_hv) * V
+    _prefetch_rows(A + (row0 * HV + i_hv) * BT, o_t, HV * BT, m_t, BT * 2)
+    _prefetch_rows(beta + row0 * HV + i_hv, o_t, HV, m_t, 2)
+    _prefetch_rows(do + tok, o_t, HV * V, m_t, BV * 2)
+    _prefetch_rows(v_new + tok, o_t, HV * V, m_t, BV * 2)
+    _prefetch_rows(dv + tok, o_t, HV * V, m_t, BV * 2)
+    _prefetch_rows(v + tok, o_t, HV * V, m_t, BV * 2)
+    _prefetch_rows(h + (i_tg * HV + i_hv) * K * V, o_k, V, m_k, BV * 2)
+    _prefetch_rows(dh + (i_tg * HV + i_hv) * K * V, o_k, V, m_k, BV * 2)
+
+
 # --------------------------------------------------------------------------------------
 # Design 1: full K, one kernel
 # --------------------------------------------------------------------------------------
@@ -152,11 +199,14 @@ def wy_dqkg_fullk_kernel(
     cu_seqlens, chunk_indices, scale, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
+    A_IN_LOOP: tl.constexpr, PF_OWN: tl.constexpr, PF_NEXT: tl.constexpr, NSM: tl.constexpr,
 ):
     i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     i_hv = i_bh % HV
     i_h = i_hv // (HV // H)
+    T_all = T
     i_c, i_tg, bos, T = _chunk_coords(i_t, i_bh, cu_seqlens, chunk_indices, T, HV, BT, IS_VARLEN)
+    NV: tl.constexpr = (V + BV - 1) // BV
 
     # Every pointer starts at this chunk's first row, so the offsets inside the tile are
     # int32 (an int64 offset tensor costs twice the registers).
@@ -188,9 +238,14 @@ def wy_dqkg_fullk_kernel(
     db += row0 * HV + i_hv
     dA += (row0 * HV + i_hv) * BT
 
-    b_beta = tl.load(beta + o_t * HV, mask=m_t, other=0).to(tl.float32)
-    # A^T: b_At[i, j] = A[row j, column i]
-    b_At = tl.load(A + o_t[None, :] * (HV * BT) + o_t[:, None], mask=m_t[None, :], other=0)
+    if PF_OWN == 1:
+        _prefetch_rows(k, o_t, H * K, m_t, K * 2)
+        _prefetch_rows(q, o_t, H * K, m_t, K * 2)
+        _prefetch_rows(g, o_t, HV * K, m_t, K * 4)
+    if not A_IN_LOOP:
+        b_beta = tl.load(beta + o_t * HV, mask=m_t, other=0).to(tl.float32)
+        # A^T: b_At[i, j] = A[row j, column i]
+        b_At = tl.load(A + o_t[None, :] * (HV * BT) + o_t[:, None], mask=m_t[None, :], other=0)
 
     b_dq = tl.zeros([BT, BK], dtype=tl.float32)
     b_dk = tl.zeros([BT, BK], dtype=tl.float32)
@@ -212,6 +267,14 @@ def wy_dqkg_fullk_kernel(
         m_vk = m_v[:, None] & m_k[None, :]
         b_hT = tl.load(h + p_vk, mask=m_vk, other=0)
         b_dhT = tl.load(dh + p_vk, mask=m_vk, other=0)
+        if A_IN_LOOP:
+            b_beta = tl.load(beta + o_t * HV, mask=m_t, other=0).to(tl.float32)
+            b_At = tl.trans(tl.load(A + o_t[:, None] * (HV * BT) + o_t[None, :], mask=m_t[:, None], other=0))
+        if PF_OWN == 2:
+            if i_v == NV - 2:
+                _prefetch_rows(k, o_t, H * K, m_t, K * 2)
+                _prefetch_rows(q, o_t, H * K, m_t, K * 2)
+                _prefetch_rows(g, o_t, HV * K, m_t, K * 4)
 
         b_dgk += tl.sum(b_hT.to(tl.float32) * b_dhT.to(tl.float32), axis=0)
         b_dq += _dot(b_do, b_hT)
@@ -227,11 +290,18 @@ def wy_dqkg_fullk_kernel(
     # right after the load, so a load written next to its use waits out its own DRAM round
     # trip: three in a row per chunk-head (g, then q, then k) before this ordering.
     p_tk = o_t[:, None] * (HV * K) + o_k[None, :]
+    p_qk = o_t[:, None] * (H * K) + o_k[None, :]
+    if A_IN_LOOP:
+        b_beta = tl.load(beta + o_t * HV, mask=m_t, other=0).to(tl.float32)
+        b_At = tl.load(A + o_t[None, :] * (HV * BT) + o_t[:, None], mask=m_t[None, :], other=0)
     b_gn = tl.load(g + i_last * (HV * K) + o_k, mask=m_k, other=0).to(tl.float32)
-    b_k = tl.load(k + o_t[:, None] * (H * K) + o_k[None, :], mask=m_tk, other=0)
-    b_q = tl.load(q + o_t[:, None] * (H * K) + o_k[None, :], mask=m_tk, other=0)
+    b_k = tl.load(k + p_qk, mask=m_tk, other=0)
+    b_q = tl.load(q + p_qk, mask=m_tk, other=0)
     b_g = tl.load(g + p_tk, mask=m_tk, other=0).to(tl.float32)
     b_gexp = tl.exp2(b_g)
+    if PF_NEXT:
+        _prefetch_next(q, k, v, v_new, g, beta, A, h, do, dh, dv, cu_seqlens, chunk_indices, T_all,
+                       H, HV, K, V, BT, BK, BV, IS_VARLEN, NSM)
 
     b_dq = b_dq * b_gexp * scale
     b_dg = b_q.to(tl.float32) * b_dq
@@ -451,6 +521,12 @@ MIN_CTAS = 0
 _SMALLEST_BV = 32
 
 
+def _sm_count(device) -> int:
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def wy_dqkg_bwd(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, cu_seqlens, chunk_indices,
                 design: str | None = None, config: dict | None = None):
     """B6 with fla's contract: returns (dq, dk, dv2, db, dg, dA); dq/dk/dg/db/dA fp32."""
@@ -479,7 +555,10 @@ def wy_dqkg_bwd(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, c
             dq=dq, dk=dk, dv2=dv2, dg=dg, db=db, dA=dA,
             cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, scale=scale, T=T,
             H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=cfg["BV"],
+            A_IN_LOOP=cfg.get("A_IN_LOOP", 0), PF_OWN=cfg.get("PF_OWN", 0), PF_NEXT=cfg.get("PF_NEXT", 0),
+            NSM=_sm_count(k.device) if cfg.get("PF_NEXT", 0) else 0,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
         )
     elif design == "transposed":
         dw_park = torch.empty(B, T, HV, K, device=k.device, dtype=k.dtype)
