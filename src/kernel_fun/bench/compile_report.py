@@ -88,7 +88,7 @@ def b6_report(design: str, K: int, V: int, H: int, HV: int, BV: int, num_warps: 
     f32 = {n: "*fp32" for n in ("g", "dq", "dk", "dg", "db", "dA", "dgk_buf")}
     types = {**act, **f32}
     if design == "fullk":
-        switches = {**dict(A_IN_LOOP=0, PF_OWN=0, PF_NEXT=0, NSM=132), **(extra or {})}
+        switches = {**dict(PF_ITER=2), **(extra or {})}
         return compile_sm90(wy_bwd.wy_dqkg_fullk_kernel, types, dict(common, H=H, **switches), num_warps, num_stages,
                             maxnreg)
     if design == "transposed":
@@ -109,7 +109,7 @@ def main(argv=None):
     parser.add_argument("--stages", default="1,2,3")
     parser.add_argument("--KS", default="32")
     parser.add_argument("--maxnreg", type=int, default=None)
-    parser.add_argument("--extra", default="{}", help="JSON of fullk switches, e.g. '{\"PF_OWN\": 2}'")
+    parser.add_argument("--extra", default="{}", help="JSON of fullk switches, e.g. '{\"PF_ITER\": -1}'")
     args = parser.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731

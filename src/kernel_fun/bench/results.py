@@ -126,6 +126,10 @@ def _config_text(row) -> str:
         parts.append("A, beta with the V tiles")
     if c.get("PF_OWN"):
         parts.append("L2 prefetch of k, q, g " + ("at start" if c["PF_OWN"] == 1 else "in the V loop"))
+    if c.get("PF_AT"):
+        parts.append(f"k, q, g prefetched at V tile -{c['PF_AT']}")
+    elif "PF_AT" in c:
+        parts.append("no prefetch")
     if c.get("PF_NEXT"):
         parts.append("L2 prefetch for the next program")
     if c.get("carveout_ctas"):

@@ -156,38 +156,6 @@ def _da_chain(b_dA, b_At, b_beta, m_strict):
     return tl.where(m_strict, -b_dA, 0)
 
 
-@triton.jit
-def _prefetch_next(q, k, v, v_new, g, beta, A, h, do, dh, dv, cu_seqlens, chunk_indices, T,
-                   H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                   BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
-                   NSM: tl.constexpr):
-    """L2 prefetch of what the program NSM places later in launch order reads first (A,
-    beta and its first V tile): one program per SM runs at a time, so that program starts
-    about when this one ends, on whichever SM frees first; L2 is shared by all of them."""
-    n0 = tl.num_programs(0)
-    n_all = n0 * tl.num_programs(1)
-    lin = tl.program_id(1) * n0 + tl.program_id(0) + NSM
-    valid = lin < n_all
-    lin = tl.minimum(lin, n_all - 1)
-    i_t, i_bh = (lin % n0).to(tl.int64), (lin // n0).to(tl.int64)
-    i_hv = i_bh % HV
-    i_c, i_tg, bos, T = _chunk_coords(i_t, i_bh, cu_seqlens, chunk_indices, T, HV, BT, IS_VARLEN)
-    row0 = bos + i_c * BT
-    o_t = tl.arange(0, BT)
-    m_t = (o_t < (T - i_c * BT)) & valid
-    o_k = tl.arange(0, BK)
-    m_k = (o_k < K) & valid
-    tok = (row0 * HV + i_hv) * V
-    _prefetch_rows(A + (row0 * HV + i_hv) * BT, o_t, HV * BT, m_t, BT * 2)
-    _prefetch_rows(beta + row0 * HV + i_hv, o_t, HV, m_t, 2)
-    _prefetch_rows(do + tok, o_t, HV * V, m_t, BV * 2)
-    _prefetch_rows(v_new + tok, o_t, HV * V, m_t, BV * 2)
-    _prefetch_rows(dv + tok, o_t, HV * V, m_t, BV * 2)
-    _prefetch_rows(v + tok, o_t, HV * V, m_t, BV * 2)
-    _prefetch_rows(h + (i_tg * HV + i_hv) * K * V, o_k, V, m_k, BV * 2)
-    _prefetch_rows(dh + (i_tg * HV + i_hv) * K * V, o_k, V, m_k, BV * 2)
-
-
 # --------------------------------------------------------------------------------------
 # Design 1: full K, one kernel
 # --------------------------------------------------------------------------------------
@@ -199,14 +167,12 @@ def wy_dqkg_fullk_kernel(
     cu_seqlens, chunk_indices, scale, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
-    A_IN_LOOP: tl.constexpr, PF_OWN: tl.constexpr, PF_NEXT: tl.constexpr, NSM: tl.constexpr,
+    PF_ITER: tl.constexpr,
 ):
     i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     i_hv = i_bh % HV
     i_h = i_hv // (HV // H)
-    T_all = T
     i_c, i_tg, bos, T = _chunk_coords(i_t, i_bh, cu_seqlens, chunk_indices, T, HV, BT, IS_VARLEN)
-    NV: tl.constexpr = (V + BV - 1) // BV
 
     # Every pointer starts at this chunk's first row, so the offsets inside the tile are
     # int32 (an int64 offset tensor costs twice the registers).
@@ -238,15 +204,6 @@ def wy_dqkg_fullk_kernel(
     db += row0 * HV + i_hv
     dA += (row0 * HV + i_hv) * BT
 
-    if PF_OWN == 1:
-        _prefetch_rows(k, o_t, H * K, m_t, K * 2)
-        _prefetch_rows(q, o_t, H * K, m_t, K * 2)
-        _prefetch_rows(g, o_t, HV * K, m_t, K * 4)
-    if not A_IN_LOOP:
-        b_beta = tl.load(beta + o_t * HV, mask=m_t, other=0).to(tl.float32)
-        # A^T: b_At[i, j] = A[row j, column i]
-        b_At = tl.load(A + o_t[None, :] * (HV * BT) + o_t[:, None], mask=m_t[None, :], other=0)
-
     b_dq = tl.zeros([BT, BK], dtype=tl.float32)
     b_dk = tl.zeros([BT, BK], dtype=tl.float32)
     b_dw = tl.zeros([BT, BK], dtype=tl.float32)
@@ -267,11 +224,12 @@ def wy_dqkg_fullk_kernel(
         m_vk = m_v[:, None] & m_k[None, :]
         b_hT = tl.load(h + p_vk, mask=m_vk, other=0)
         b_dhT = tl.load(dh + p_vk, mask=m_vk, other=0)
-        if A_IN_LOOP:
-            b_beta = tl.load(beta + o_t * HV, mask=m_t, other=0).to(tl.float32)
-            b_At = tl.trans(tl.load(A + o_t[:, None] * (HV * BT) + o_t[None, :], mask=m_t[:, None], other=0))
-        if PF_OWN == 2:
-            if i_v == NV - 2:
+        # A^T and beta come with every V tile (L2 hits after the first): loaded once before
+        # the loop, they would hold the first tile requests behind a DRAM round trip.
+        b_beta = tl.load(beta + o_t * HV, mask=m_t, other=0).to(tl.float32)
+        b_At = tl.trans(tl.load(A + o_t[:, None] * (HV * BT) + o_t[None, :], mask=m_t[:, None], other=0))
+        if PF_ITER >= 0:
+            if i_v == PF_ITER:  # the epilogue's k, q, g into L2 while the last tiles stream
                 _prefetch_rows(k, o_t, H * K, m_t, K * 2)
                 _prefetch_rows(q, o_t, H * K, m_t, K * 2)
                 _prefetch_rows(g, o_t, HV * K, m_t, K * 4)
@@ -285,23 +243,20 @@ def wy_dqkg_fullk_kernel(
         tl.store(dv2 + p_tv, _to(b_dvb * b_beta[:, None], dv2.dtype.element_ty), mask=m_tv)
         b_db += tl.sum(b_dvb * b_v.to(tl.float32), axis=1)
 
-    # Every epilogue load is issued here, in one batch, g last. Each use of a loaded tile
-    # starts with a layout conversion, which is a CTA barrier that the compiler places
-    # right after the load, so a load written next to its use waits out its own DRAM round
-    # trip: three in a row per chunk-head (g, then q, then k) before this ordering.
+    # Every epilogue load (A^T and beta again, g's last row, k, q, g) is issued here, in one
+    # batch, g last. Each use of a loaded tile starts with a layout conversion, which is a
+    # CTA barrier that the compiler places right after the load, so a load written next to
+    # its use waits out its own DRAM round trip: three in a row per chunk-head (g, then q,
+    # then k) before this ordering.
     p_tk = o_t[:, None] * (HV * K) + o_k[None, :]
     p_qk = o_t[:, None] * (H * K) + o_k[None, :]
-    if A_IN_LOOP:
-        b_beta = tl.load(beta + o_t * HV, mask=m_t, other=0).to(tl.float32)
-        b_At = tl.load(A + o_t[None, :] * (HV * BT) + o_t[:, None], mask=m_t[None, :], other=0)
+    b_beta = tl.load(beta + o_t * HV, mask=m_t, other=0).to(tl.float32)
+    b_At = tl.load(A + o_t[None, :] * (HV * BT) + o_t[:, None], mask=m_t[None, :], other=0)
     b_gn = tl.load(g + i_last * (HV * K) + o_k, mask=m_k, other=0).to(tl.float32)
     b_k = tl.load(k + p_qk, mask=m_tk, other=0)
     b_q = tl.load(q + p_qk, mask=m_tk, other=0)
     b_g = tl.load(g + p_tk, mask=m_tk, other=0).to(tl.float32)
     b_gexp = tl.exp2(b_g)
-    if PF_NEXT:
-        _prefetch_next(q, k, v, v_new, g, beta, A, h, do, dh, dv, cu_seqlens, chunk_indices, T_all,
-                       H, HV, K, V, BT, BK, BV, IS_VARLEN, NSM)
 
     b_dq = b_dq * b_gexp * scale
     b_dg = b_q.to(tl.float32) * b_dq
@@ -508,8 +463,8 @@ def wy_dqkg_transposed_side_kernel(
 # parity, see the doc). K=64 was not measured: it takes
 # the K=128 winners (its 3-stage fullk needs 144 KB of shared memory).
 CONFIGS = {
-    ("fullk", 64): dict(BV=64, num_warps=8, num_stages=3),
-    ("fullk", 128): dict(BV=64, num_warps=8, num_stages=3),
+    ("fullk", 64): dict(BV=64, num_warps=8, num_stages=3, PF_AT=2),
+    ("fullk", 128): dict(BV=64, num_warps=8, num_stages=3, PF_AT=2),
     ("transposed", 64): dict(BV=32, KS=64, num_warps=8, num_stages=2, side_BV=32, side_warps=8, side_stages=2),
     ("transposed", 128): dict(BV=32, KS=64, num_warps=8, num_stages=2, side_BV=32, side_warps=8, side_stages=2),
 }
@@ -519,12 +474,6 @@ DEFAULT_DESIGN = "fullk"
 # (0.083 against 0.146 ms). Grids below this many chunk-heads would go to fla.
 MIN_CTAS = 0
 _SMALLEST_BV = 32
-
-
-def _sm_count(device) -> int:
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def wy_dqkg_bwd(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, cu_seqlens, chunk_indices,
@@ -555,8 +504,7 @@ def wy_dqkg_bwd(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, c
             dq=dq, dk=dk, dv2=dv2, dg=dg, db=db, dA=dA,
             cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, scale=scale, T=T,
             H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=cfg["BV"],
-            A_IN_LOOP=cfg.get("A_IN_LOOP", 0), PF_OWN=cfg.get("PF_OWN", 0), PF_NEXT=cfg.get("PF_NEXT", 0),
-            NSM=_sm_count(k.device) if cfg.get("PF_NEXT", 0) else 0,
+            PF_ITER=max(triton.cdiv(V, cfg["BV"]) - cfg["PF_AT"], 0) if cfg.get("PF_AT") else -1,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
             **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
         )
