@@ -139,14 +139,19 @@ def _config_text(row) -> str:
     return ", ".join(parts)
 
 
-def stage_table(rows: list[dict], best_only: bool = True, designs: set[str] | None = None) -> str:
+def stage_table(rows: list[dict], best_only: bool = True, designs: set[str] | None = None,
+                pinned: dict | None = None) -> str:
     """Stage-alone rows (``kind == "stage"``) against fla's kernel and the stage's memory
     floor: per (stage, shape) fla and, with ``best_only``, each design's fastest config
     that passed parity (else every config, red ones included); with ``designs``, only those
-    designs (a measured design that no longer ships stays in the sweep record only)."""
+    designs (a measured design that no longer ships stays in the sweep record only); with
+    ``pinned`` ({design: [launch configs]}), only rows of a pinned config, so the table
+    shows what ships rather than a faster number from a kernel since replaced."""
     every = [r for r in rows if r.get("kind") == "stage"]
     if designs is not None:
         every = [r for r in every if r["impl"] == "fla" or r.get("design") in designs]
+    if pinned is not None:
+        every = [r for r in every if r["impl"] == "fla" or r.get("config") in pinned.get(r.get("design"), [])]
     rows = latest(every, "stage", "shape", "impl")
     if not rows:
         return ""
@@ -195,7 +200,10 @@ def render(rows: list[dict]) -> str:
     """The README's numbers: the whole-op table, then the stage-alone table."""
     from kernel_fun.kda.wy_bwd import CONFIGS
 
-    stages = stage_table(rows, designs={design for design, _ in CONFIGS})
+    pinned: dict[str, list[dict]] = {}
+    for (design, _), config in CONFIGS.items():
+        pinned.setdefault(design, []).append(config)
+    stages = stage_table(rows, designs=set(pinned), pinned=pinned)
     return op_table(rows) + ("\n\n" + stages if stages else "")
 
 

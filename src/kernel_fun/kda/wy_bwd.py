@@ -156,6 +156,39 @@ def _da_chain(b_dA, b_At, b_beta, m_strict):
     return tl.where(m_strict, -b_dA, 0)
 
 
+@triton.jit
+def _prefetch_next(v, v_new, beta, A, h, do, dh, dv, cu_seqlens, chunk_indices, T,
+                   HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                   BV: tl.constexpr, IS_VARLEN: tl.constexpr, NSM: tl.constexpr):
+    """L2 prefetch of what the program NSM places later in launch order reads first (A,
+    beta and its first V tile). With one program per SM, that program starts about when
+    this one ends, on whichever SM frees first; L2 is shared by all of them. The pointers
+    come in advanced to this program's chunk-head and move by the difference."""
+    n0 = tl.num_programs(0)
+    n_all = n0 * tl.num_programs(1)
+    lin = tl.program_id(1) * n0 + tl.program_id(0) + NSM
+    valid = lin < n_all
+    lin = tl.minimum(lin, n_all - 1)
+    i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    i_c, i_tg, bos, _ = _chunk_coords(i_t, i_bh, cu_seqlens, chunk_indices, T, HV, BT, IS_VARLEN)
+    n_t, n_bh = (lin % n0).to(tl.int64), (lin // n0).to(tl.int64)
+    n_c, n_tg, n_bos, n_T = _chunk_coords(n_t, n_bh, cu_seqlens, chunk_indices, T, HV, BT, IS_VARLEN)
+    d_tok = ((n_bos + n_c * BT) * HV + n_bh % HV) - ((bos + i_c * BT) * HV + i_bh % HV)
+    d_st = (n_tg * HV + n_bh % HV) - (i_tg * HV + i_bh % HV)
+    o_t = tl.arange(0, BT)
+    m_t = (o_t < (n_T - n_c * BT)) & valid
+    o_k = tl.arange(0, BK)
+    m_k = (o_k < K) & valid
+    _prefetch_rows(A + d_tok * BT, o_t, HV * BT, m_t, BT * 2)
+    _prefetch_rows(beta + d_tok, o_t, HV, m_t, 2)
+    _prefetch_rows(do + d_tok * V, o_t, HV * V, m_t, BV * 2)
+    _prefetch_rows(v_new + d_tok * V, o_t, HV * V, m_t, BV * 2)
+    _prefetch_rows(dv + d_tok * V, o_t, HV * V, m_t, BV * 2)
+    _prefetch_rows(v + d_tok * V, o_t, HV * V, m_t, BV * 2)
+    _prefetch_rows(h + d_st * (K * V), o_k, V, m_k, BV * 2)
+    _prefetch_rows(dh + d_st * (K * V), o_k, V, m_k, BV * 2)
+
+
 # --------------------------------------------------------------------------------------
 # Design 1: full K, one kernel
 # --------------------------------------------------------------------------------------
@@ -167,11 +200,12 @@ def wy_dqkg_fullk_kernel(
     cu_seqlens, chunk_indices, scale, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
-    PF_ITER: tl.constexpr,
+    PF_ITER: tl.constexpr, PF_NEXT: tl.constexpr, NSM: tl.constexpr,
 ):
     i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     i_hv = i_bh % HV
     i_h = i_hv // (HV // H)
+    T_all = T
     i_c, i_tg, bos, T = _chunk_coords(i_t, i_bh, cu_seqlens, chunk_indices, T, HV, BT, IS_VARLEN)
 
     # Every pointer starts at this chunk's first row, so the offsets inside the tile are
@@ -257,6 +291,9 @@ def wy_dqkg_fullk_kernel(
     b_q = tl.load(q + p_qk, mask=m_tk, other=0)
     b_g = tl.load(g + p_tk, mask=m_tk, other=0).to(tl.float32)
     b_gexp = tl.exp2(b_g)
+    if PF_NEXT:
+        _prefetch_next(v, v_new, beta, A, h, do, dh, dv, cu_seqlens, chunk_indices, T_all,
+                       HV, K, V, BT, BK, BV, IS_VARLEN, NSM)
 
     b_dq = b_dq * b_gexp * scale
     b_dg = b_q.to(tl.float32) * b_dq
@@ -476,6 +513,10 @@ MIN_CTAS = 0
 _SMALLEST_BV = 32
 
 
+def _sm_count(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
 def wy_dqkg_bwd(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, cu_seqlens, chunk_indices,
                 design: str | None = None, config: dict | None = None):
     """B6 with fla's contract: returns (dq, dk, dv2, db, dg, dA); dq/dk/dg/db/dA fp32."""
@@ -505,6 +546,7 @@ def wy_dqkg_bwd(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, c
             cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, scale=scale, T=T,
             H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=cfg["BV"],
             PF_ITER=max(triton.cdiv(V, cfg["BV"]) - cfg["PF_AT"], 0) if cfg.get("PF_AT") else -1,
+            PF_NEXT=cfg.get("PF_NEXT", 0), NSM=_sm_count(k.device) if cfg.get("PF_NEXT") else 0,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
             **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
         )
