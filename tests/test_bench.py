@@ -71,9 +71,17 @@ def test_red_rows_say_so():
 
 
 def test_readme_stage_table_lists_shipped_designs_only():
+    from kernel_fun.kda.wy_bwd import CONFIGS
+
+    pinned = dict(CONFIGS[("fullk", 128)])
     stage = dict(kind="stage", stage="B6", shape="b8", ms=1.0, spread_ms=[0.9, 1.1], floor_ms=0.5, gpu="H200",
-                 date="2026-11-30T10:00:00+00:00", commit="abc", parity={"ok": True}, config={"BV": 64})
+                 date="2026-11-30T10:00:00+00:00", commit="abc", parity={"ok": True}, config=pinned)
     rows = [dict(stage, impl="fla", design="fla", ms=2.0), dict(stage, impl="fullk[x]", design="fullk"),
             dict(stage, impl="gone[x]", design="gone")]
     assert "| gone |" not in results.render(rows) and "| fullk |" in results.render(rows)
     assert "| gone |" in results.render_sweep(rows)
+    # A faster row of a config that does not ship (another commit's kernel, another
+    # blocking) stays in the sweep record and out of the README.
+    faster = dict(stage, impl="fullk[y]", design="fullk", ms=0.5, config=dict(pinned, BV=32))
+    assert "0.500" not in results.render(rows + [faster]) and "1.000" in results.render(rows + [faster])
+    assert "0.500" in results.render_sweep(rows + [faster])
