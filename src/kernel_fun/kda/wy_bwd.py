@@ -22,7 +22,11 @@ Two designs, same contract and outputs as fla's function:
 1. ``fullk`` -- one program per (chunk, b*hv) with no K-slab loop: h and dh load as
    [BV, K] tiles, the V-shaped tiles are read once, the three dots widen to
    [64, BV] @ [BV, K], the barrier disappears and the epilogue runs once. Accumulators
-   dq, dk, dw [64, K] and dA [64, 64] in fp32 registers.
+   dq, dk, dw [64, K] and dA [64, 64] in fp32 registers. One program fills an SM, so
+   nothing hides its waits: A^T and beta come with every V tile rather than before the
+   loop, the epilogue issues all its loads in one batch, and two V tiles before the end
+   the program asks L2 for the epilogue's k, q and g (``prefetch.global.L2``, a hint that
+   changes no value and is skipped under the interpreter).
 2. ``transposed`` -- two kernels. The main kernel accumulates the transposes
    dq^T = S do^T, dw^T = S dvn^T, dk^T = dS v_new^T, so every dot has M = K and h, dh load
    in their natural [K, BV] layout; it parks the raw dq and dk in their fp32 outputs, -dw
@@ -47,16 +51,28 @@ Measured on the H200 (2026-11-30, torch 2.11, triton 3.6; rows in
 ``bench/results/stages.jsonl``, the sweeps, ablations and their reading in
 ``docs/b6-wy-backward.md``):
 
-- prod8192_gate (B16 T8192 H=HV=16 K128 V256): fla 12.33 ms; fullk 6.50 ms (BV=64,
-  8 warps, 3 stages, 172 KB shared; 255 registers, 304 B of spills per thread), 1.90x fla,
-  1.74x the 3.73 ms floor. Before its epilogue issued every load in one batch (each load
-  then waited out its own DRAM round trip behind a layout-conversion barrier) the same
-  config took 6.74-6.82 ms; at 2 stages and int64 in-tile offsets, 7.68 ms. transposed:
+- prod8192_gate (B16 T8192 H=HV=16 K128 V256): fullk 6.27-6.45 ms against fla's
+  12.46-12.93 in the same runs, 1.99-2.02x fla, 1.68-1.73x the 3.73 ms floor (BV=64,
+  8 warps, 3 stages, A and beta loaded with every V tile, the epilogue's k, q and g
+  prefetched into L2 two V tiles before the end; 188 KB shared, 255 registers, 300 B of
+  spills per thread). Side by side in one process: 6.26 ms against 6.47 with A and beta
+  in the loop but no prefetch and 6.83 for the kernel before both (A^T and beta loaded
+  once before the loop, where their store to shared memory held the first V tile
+  requests behind one DRAM round trip). Prefetching at the start of the program instead
+  took 6.93 ms, at the first V tile 6.95; prefetching the next program's first tiles
+  (launch order + one wave) 6.80. Before the epilogue issued its loads in one batch
+  (each load waited out its own DRAM round trip behind a layout-conversion barrier) the
+  kernel took 6.74-6.82 ms; at 2 stages and int64 in-tile offsets, 7.68 ms. transposed:
   9.94 ms at its best (BV=32, KS=64; main kernel 213 registers and no spills, side kernel
-  124). fullk won at every shape and grid measured (1.75-1.90x fla: kimi 5.49 ms, b8 3.30,
-  small 0.88, down to 64 chunk-heads), so it is the default and there is no CTA floor.
+  124). fullk won at every shape and grid measured (1.78-2.01x fla: kimi 5.49 ms, b8
+  3.17-3.24, small 1.01, 1,024 chunk-heads 0.284, 64 chunk-heads 0.093), so it is the
+  default and there is no CTA floor.
+- K=64 (k64: B8 T8192 H=HV=16 K64 V128): 1.60 ms against fla's 2.72 (1.70x, 1.87x the
+  0.85 ms floor) at the K=128 config (253 registers, no spills); 1.75 ms without the
+  prefetch; 4-warp programs (two per SM) 1.67-1.76 ms, 8 warps capped at 128 registers
+  2.35 ms.
 - the 4.5 ms target was missed: one 8-warp program per SM. By ablation the V loop runs at
-  its own memory floor and the once-per-chunk-head epilogue (~2.7 ms of the 6.5) runs
+  its own memory floor and the once-per-chunk-head epilogue (~2.5 ms of the 6.3) runs
   with nothing else in flight on its SM. Tried and measured without a gain: K split across
   a pair of 4-warp programs (7.72 ms), an L1 carveout for the spills, accumulators as two
   K halves (spills 296 -> 120 B, same time), TMA-descriptor loads (7.28 against 6.93 ms),
@@ -68,8 +84,8 @@ Measured on the H200 (2026-11-30, torch 2.11, triton 3.6; rows in
   chunk-heads (a grid-dependent error, which points at a race between the parked
   accumulators and the pipelined strip loads; not chased further); its pinned config uses
   two stages, which held parity everywhere.
-- whole op at prod8192_gate with this stage ours and every other on fla: fwd+bwd 41.56 ms
-  against fla's 47.18 ms (1.135x).
+- whole op at prod8192_gate with this stage ours and every other on fla: fwd+bwd 41.44 ms
+  against fla's 47.45 ms (1.145x).
 """
 
 from __future__ import annotations
@@ -156,39 +172,6 @@ def _da_chain(b_dA, b_At, b_beta, m_strict):
     return tl.where(m_strict, -b_dA, 0)
 
 
-@triton.jit
-def _prefetch_next(v, v_new, beta, A, h, do, dh, dv, cu_seqlens, chunk_indices, T,
-                   HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                   BV: tl.constexpr, IS_VARLEN: tl.constexpr, NSM: tl.constexpr):
-    """L2 prefetch of what the program NSM places later in launch order reads first (A,
-    beta and its first V tile). With one program per SM, that program starts about when
-    this one ends, on whichever SM frees first; L2 is shared by all of them. The pointers
-    come in advanced to this program's chunk-head and move by the difference."""
-    n0 = tl.num_programs(0)
-    n_all = n0 * tl.num_programs(1)
-    lin = tl.program_id(1) * n0 + tl.program_id(0) + NSM
-    valid = lin < n_all
-    lin = tl.minimum(lin, n_all - 1)
-    i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
-    i_c, i_tg, bos, _ = _chunk_coords(i_t, i_bh, cu_seqlens, chunk_indices, T, HV, BT, IS_VARLEN)
-    n_t, n_bh = (lin % n0).to(tl.int64), (lin // n0).to(tl.int64)
-    n_c, n_tg, n_bos, n_T = _chunk_coords(n_t, n_bh, cu_seqlens, chunk_indices, T, HV, BT, IS_VARLEN)
-    d_tok = ((n_bos + n_c * BT) * HV + n_bh % HV) - ((bos + i_c * BT) * HV + i_bh % HV)
-    d_st = (n_tg * HV + n_bh % HV) - (i_tg * HV + i_bh % HV)
-    o_t = tl.arange(0, BT)
-    m_t = (o_t < (n_T - n_c * BT)) & valid
-    o_k = tl.arange(0, BK)
-    m_k = (o_k < K) & valid
-    _prefetch_rows(A + d_tok * BT, o_t, HV * BT, m_t, BT * 2)
-    _prefetch_rows(beta + d_tok, o_t, HV, m_t, 2)
-    _prefetch_rows(do + d_tok * V, o_t, HV * V, m_t, BV * 2)
-    _prefetch_rows(v_new + d_tok * V, o_t, HV * V, m_t, BV * 2)
-    _prefetch_rows(dv + d_tok * V, o_t, HV * V, m_t, BV * 2)
-    _prefetch_rows(v + d_tok * V, o_t, HV * V, m_t, BV * 2)
-    _prefetch_rows(h + d_st * (K * V), o_k, V, m_k, BV * 2)
-    _prefetch_rows(dh + d_st * (K * V), o_k, V, m_k, BV * 2)
-
-
 # --------------------------------------------------------------------------------------
 # Design 1: full K, one kernel
 # --------------------------------------------------------------------------------------
@@ -200,12 +183,11 @@ def wy_dqkg_fullk_kernel(
     cu_seqlens, chunk_indices, scale, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
-    PF_ITER: tl.constexpr, PF_NEXT: tl.constexpr, NSM: tl.constexpr,
+    PF_ITER: tl.constexpr, EVICT: tl.constexpr,
 ):
     i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     i_hv = i_bh % HV
     i_h = i_hv // (HV // H)
-    T_all = T
     i_c, i_tg, bos, T = _chunk_coords(i_t, i_bh, cu_seqlens, chunk_indices, T, HV, BT, IS_VARLEN)
 
     # Every pointer starts at this chunk's first row, so the offsets inside the tile are
@@ -249,15 +231,15 @@ def wy_dqkg_fullk_kernel(
         m_v = o_v < V
         m_tv = m_t[:, None] & m_v[None, :]
         p_tv = o_t[:, None] * (HV * V) + o_v[None, :]
-        b_do = tl.load(do + p_tv, mask=m_tv, other=0)
-        b_vn = tl.load(v_new + p_tv, mask=m_tv, other=0)
-        b_dvn = tl.load(dv + p_tv, mask=m_tv, other=0)
-        b_v = tl.load(v + p_tv, mask=m_tv, other=0)
+        b_do = tl.load(do + p_tv, mask=m_tv, other=0, eviction_policy=EVICT)
+        b_vn = tl.load(v_new + p_tv, mask=m_tv, other=0, eviction_policy=EVICT)
+        b_dvn = tl.load(dv + p_tv, mask=m_tv, other=0, eviction_policy=EVICT)
+        b_v = tl.load(v + p_tv, mask=m_tv, other=0, eviction_policy=EVICT)
         # [BV, BK] views of the [K, V] state and its gradient
         p_vk = o_v[:, None] + o_k[None, :] * V
         m_vk = m_v[:, None] & m_k[None, :]
-        b_hT = tl.load(h + p_vk, mask=m_vk, other=0)
-        b_dhT = tl.load(dh + p_vk, mask=m_vk, other=0)
+        b_hT = tl.load(h + p_vk, mask=m_vk, other=0, eviction_policy=EVICT)
+        b_dhT = tl.load(dh + p_vk, mask=m_vk, other=0, eviction_policy=EVICT)
         # A^T and beta come with every V tile (L2 hits after the first): loaded once before
         # the loop, they would hold the first tile requests behind a DRAM round trip.
         b_beta = tl.load(beta + o_t * HV, mask=m_t, other=0).to(tl.float32)
@@ -274,7 +256,7 @@ def wy_dqkg_fullk_kernel(
         b_dw += _dot(b_dvn, b_hT)
         b_dA += _dot(b_dvn, tl.trans(b_v))
         b_dvb = _dot(b_At, b_dvn)
-        tl.store(dv2 + p_tv, _to(b_dvb * b_beta[:, None], dv2.dtype.element_ty), mask=m_tv)
+        tl.store(dv2 + p_tv, _to(b_dvb * b_beta[:, None], dv2.dtype.element_ty), mask=m_tv, eviction_policy=EVICT)
         b_db += tl.sum(b_dvb * b_v.to(tl.float32), axis=1)
 
     # Every epilogue load (A^T and beta again, g's last row, k, q, g) is issued here, in one
@@ -291,13 +273,10 @@ def wy_dqkg_fullk_kernel(
     b_q = tl.load(q + p_qk, mask=m_tk, other=0)
     b_g = tl.load(g + p_tk, mask=m_tk, other=0).to(tl.float32)
     b_gexp = tl.exp2(b_g)
-    if PF_NEXT:
-        _prefetch_next(v, v_new, beta, A, h, do, dh, dv, cu_seqlens, chunk_indices, T_all,
-                       HV, K, V, BT, BK, BV, IS_VARLEN, NSM)
 
     b_dq = b_dq * b_gexp * scale
     b_dg = b_q.to(tl.float32) * b_dq
-    tl.store(dq + p_tk, b_dq, mask=m_tk)
+    tl.store(dq + p_tk, b_dq, mask=m_tk, eviction_policy=EVICT)
 
     b_dk = b_dk * tl.where(m_t[:, None], tl.exp2(b_gn[None, :] - b_g), 0)
     b_kdk = b_k.to(tl.float32) * b_dk
@@ -311,8 +290,8 @@ def wy_dqkg_fullk_kernel(
     b_db += tl.sum(b_dkgb * b_kg, axis=1)
     b_dg += b_kg * b_dkgb * b_beta[:, None] + tl.where(m_last[:, None], b_dgk[None, :], 0)
     b_dk += b_dkgb * b_gexp * b_beta[:, None]
-    tl.store(dk + p_tk, b_dk, mask=m_tk)
-    tl.store(dg + p_tk, b_dg, mask=m_tk)
+    tl.store(dk + p_tk, b_dk, mask=m_tk, eviction_policy=EVICT)
+    tl.store(dg + p_tk, b_dg, mask=m_tk, eviction_policy=EVICT)
 
     m_strict = (o_t[:, None] > o_t[None, :]) & m_t[:, None] & m_t[None, :]
     b_dA = _da_chain(b_dA, b_At, b_beta, m_strict)
@@ -468,11 +447,11 @@ def wy_dqkg_transposed_side_kernel(
         o_v = i_v * BV + tl.arange(0, BV)
         m_tv = m_t[:, None] & (o_v[None, :] < V)
         p_tv = o_t[:, None] * (HV * V) + o_v[None, :]
-        b_dvn = tl.load(dv + p_tv, mask=m_tv, other=0)
-        b_v = tl.load(v + p_tv, mask=m_tv, other=0)
+        b_dvn = tl.load(dv + p_tv, mask=m_tv, other=0, eviction_policy=EVICT)
+        b_v = tl.load(v + p_tv, mask=m_tv, other=0, eviction_policy=EVICT)
         b_dA += _dot(b_dvn, tl.trans(b_v))
         b_dvb = _dot(b_At, b_dvn)
-        tl.store(dv2 + p_tv, _to(b_dvb * b_beta[:, None], dv2.dtype.element_ty), mask=m_tv)
+        tl.store(dv2 + p_tv, _to(b_dvb * b_beta[:, None], dv2.dtype.element_ty), mask=m_tv, eviction_policy=EVICT)
         b_db += tl.sum(b_dvb * b_v.to(tl.float32), axis=1)
     p_tk = o_t[:, None] * (HV * K) + o_k[None, :]
     m_tk = m_t[:, None] & m_k[None, :]
@@ -495,10 +474,13 @@ def wy_dqkg_transposed_side_kernel(
 # bench/results/stages.jsonl, summary in docs/b6-wy-backward.md). At K=128, V=256:
 # fullk BV=64/8 warps/3 stages (172 KB of shared memory) 6.74 ms at prod8192_gate against
 # 7.37 ms at 2 stages in the same run (7.93 ms at BV=32/3 stages, 9.28-14.76 ms for the
-# other configs of the first sweep), 6.50 ms since its epilogue loads go in one batch;
+# other configs of the first sweep), 6.50 ms since its epilogue loads go in one batch,
+# 6.26-6.45 ms (188 KB) with A and beta loaded with the V tiles and the prefetch below;
 # transposed BV=32/KS=64 9.88 ms, the best of its six (its 3-stage main kernel failed
-# parity, see the doc). K=64 was not measured: it takes
-# the K=128 winners (its 3-stage fullk needs 144 KB of shared memory).
+# parity, see the doc). PF_AT: the V tile, counted from the end, during which the
+# epilogue's k, q, g are prefetched into L2: 2 measured 6.26-6.45 ms, 1 6.34-6.44, 3 6.51,
+# 4 (the first tile) 6.95, none 6.47-6.50. K=64 (k64 shape): the same config 1.60 ms, the
+# best measured (4-warp programs 1.67-1.76, BV=32 1.88, BV=128 1.88, 2 stages 1.85).
 CONFIGS = {
     ("fullk", 64): dict(BV=64, num_warps=8, num_stages=3, PF_AT=2),
     ("fullk", 128): dict(BV=64, num_warps=8, num_stages=3, PF_AT=2),
@@ -511,10 +493,6 @@ DEFAULT_DESIGN = "fullk"
 # (0.083 against 0.146 ms). Grids below this many chunk-heads would go to fla.
 MIN_CTAS = 0
 _SMALLEST_BV = 32
-
-
-def _sm_count(device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 def wy_dqkg_bwd(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, cu_seqlens, chunk_indices,
@@ -546,7 +524,7 @@ def wy_dqkg_bwd(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, c
             cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, scale=scale, T=T,
             H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=cfg["BV"],
             PF_ITER=max(triton.cdiv(V, cfg["BV"]) - cfg["PF_AT"], 0) if cfg.get("PF_AT") else -1,
-            PF_NEXT=cfg.get("PF_NEXT", 0), NSM=_sm_count(k.device) if cfg.get("PF_NEXT") else 0,
+            EVICT="evict_first" if cfg.get("STREAM_EVICT") else "",
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
             **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
         )
