@@ -231,15 +231,15 @@ def wy_dqkg_fullk_kernel(
         m_v = o_v < V
         m_tv = m_t[:, None] & m_v[None, :]
         p_tv = o_t[:, None] * (HV * V) + o_v[None, :]
-        b_do = tl.load(do + p_tv, mask=m_tv, other=0, eviction_policy=EVICT)
-        b_vn = tl.load(v_new + p_tv, mask=m_tv, other=0, eviction_policy=EVICT)
-        b_dvn = tl.load(dv + p_tv, mask=m_tv, other=0, eviction_policy=EVICT)
-        b_v = tl.load(v + p_tv, mask=m_tv, other=0, eviction_policy=EVICT)
+        b_do = tl.load(do + p_tv, mask=m_tv, other=0)
+        b_vn = tl.load(v_new + p_tv, mask=m_tv, other=0)
+        b_dvn = tl.load(dv + p_tv, mask=m_tv, other=0)
+        b_v = tl.load(v + p_tv, mask=m_tv, other=0)
         # [BV, BK] views of the [K, V] state and its gradient
         p_vk = o_v[:, None] + o_k[None, :] * V
         m_vk = m_v[:, None] & m_k[None, :]
-        b_hT = tl.load(h + p_vk, mask=m_vk, other=0, eviction_policy=EVICT)
-        b_dhT = tl.load(dh + p_vk, mask=m_vk, other=0, eviction_policy=EVICT)
+        b_hT = tl.load(h + p_vk, mask=m_vk, other=0)
+        b_dhT = tl.load(dh + p_vk, mask=m_vk, other=0)
         # A^T and beta come with every V tile (L2 hits after the first): loaded once before
         # the loop, they would hold the first tile requests behind a DRAM round trip.
         b_beta = tl.load(beta + o_t * HV, mask=m_t, other=0).to(tl.float32)
@@ -447,11 +447,11 @@ def wy_dqkg_transposed_side_kernel(
         o_v = i_v * BV + tl.arange(0, BV)
         m_tv = m_t[:, None] & (o_v[None, :] < V)
         p_tv = o_t[:, None] * (HV * V) + o_v[None, :]
-        b_dvn = tl.load(dv + p_tv, mask=m_tv, other=0, eviction_policy=EVICT)
-        b_v = tl.load(v + p_tv, mask=m_tv, other=0, eviction_policy=EVICT)
+        b_dvn = tl.load(dv + p_tv, mask=m_tv, other=0)
+        b_v = tl.load(v + p_tv, mask=m_tv, other=0)
         b_dA += _dot(b_dvn, tl.trans(b_v))
         b_dvb = _dot(b_At, b_dvn)
-        tl.store(dv2 + p_tv, _to(b_dvb * b_beta[:, None], dv2.dtype.element_ty), mask=m_tv, eviction_policy=EVICT)
+        tl.store(dv2 + p_tv, _to(b_dvb * b_beta[:, None], dv2.dtype.element_ty), mask=m_tv)
         b_db += tl.sum(b_dvb * b_v.to(tl.float32), axis=1)
     p_tk = o_t[:, None] * (HV * K) + o_k[None, :]
     m_tk = m_t[:, None] & m_k[None, :]
