@@ -130,6 +130,8 @@ def _config_text(row) -> str:
         parts.append(f"k, q, g prefetched at V tile -{c['PF_AT']}")
     elif "PF_AT" in c:
         parts.append("no prefetch")
+    if c.get("STREAM_EVICT"):
+        parts.append("evict-first stores")
     if c.get("PF_NEXT"):
         parts.append("L2 prefetch for the next program")
     if c.get("carveout_ctas"):

@@ -60,7 +60,8 @@ Measured on the H200 (2026-11-30, torch 2.11, triton 3.6; rows in
   once before the loop, where their store to shared memory held the first V tile
   requests behind one DRAM round trip). Prefetching at the start of the program instead
   took 6.93 ms, at the first V tile 6.95; prefetching the next program's first tiles
-  (launch order + one wave) 6.80. Before the epilogue issued its loads in one batch
+  (launch order + one wave) 6.80; evict-first stores 6.16 against 6.26 in one run, not
+  shipped on one measurement. Before the epilogue issued its loads in one batch
   (each load waited out its own DRAM round trip behind a layout-conversion barrier) the
   kernel took 6.74-6.82 ms; at 2 stages and int64 in-tile offsets, 7.68 ms. transposed:
   9.94 ms at its best (BV=32, KS=64; main kernel 213 registers and no spills, side kernel
@@ -183,7 +184,7 @@ def wy_dqkg_fullk_kernel(
     cu_seqlens, chunk_indices, scale, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
-    PF_ITER: tl.constexpr, EVICT: tl.constexpr,
+    PF_ITER: tl.constexpr,
 ):
     i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     i_hv = i_bh % HV
@@ -256,7 +257,7 @@ def wy_dqkg_fullk_kernel(
         b_dw += _dot(b_dvn, b_hT)
         b_dA += _dot(b_dvn, tl.trans(b_v))
         b_dvb = _dot(b_At, b_dvn)
-        tl.store(dv2 + p_tv, _to(b_dvb * b_beta[:, None], dv2.dtype.element_ty), mask=m_tv, eviction_policy=EVICT)
+        tl.store(dv2 + p_tv, _to(b_dvb * b_beta[:, None], dv2.dtype.element_ty), mask=m_tv)
         b_db += tl.sum(b_dvb * b_v.to(tl.float32), axis=1)
 
     # Every epilogue load (A^T and beta again, g's last row, k, q, g) is issued here, in one
@@ -276,7 +277,7 @@ def wy_dqkg_fullk_kernel(
 
     b_dq = b_dq * b_gexp * scale
     b_dg = b_q.to(tl.float32) * b_dq
-    tl.store(dq + p_tk, b_dq, mask=m_tk, eviction_policy=EVICT)
+    tl.store(dq + p_tk, b_dq, mask=m_tk)
 
     b_dk = b_dk * tl.where(m_t[:, None], tl.exp2(b_gn[None, :] - b_g), 0)
     b_kdk = b_k.to(tl.float32) * b_dk
@@ -290,8 +291,8 @@ def wy_dqkg_fullk_kernel(
     b_db += tl.sum(b_dkgb * b_kg, axis=1)
     b_dg += b_kg * b_dkgb * b_beta[:, None] + tl.where(m_last[:, None], b_dgk[None, :], 0)
     b_dk += b_dkgb * b_gexp * b_beta[:, None]
-    tl.store(dk + p_tk, b_dk, mask=m_tk, eviction_policy=EVICT)
-    tl.store(dg + p_tk, b_dg, mask=m_tk, eviction_policy=EVICT)
+    tl.store(dk + p_tk, b_dk, mask=m_tk)
+    tl.store(dg + p_tk, b_dg, mask=m_tk)
 
     m_strict = (o_t[:, None] > o_t[None, :]) & m_t[:, None] & m_t[None, :]
     b_dA = _da_chain(b_dA, b_At, b_beta, m_strict)
@@ -524,7 +525,6 @@ def wy_dqkg_bwd(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, c
             cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, scale=scale, T=T,
             H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=cfg["BV"],
             PF_ITER=max(triton.cdiv(V, cfg["BV"]) - cfg["PF_AT"], 0) if cfg.get("PF_AT") else -1,
-            EVICT="evict_first" if cfg.get("STREAM_EVICT") else "",
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
             **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
         )
