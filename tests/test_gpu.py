@@ -101,10 +101,10 @@ def test_gate_engages_on_hopper():
 # --------------------------------------------------------------------------------------
 # B6: kernel-fun's WY backward against fla's stage on the GPU
 # --------------------------------------------------------------------------------------
-@pytest.mark.parametrize("design", ["fullk", "transposed"])
-@pytest.mark.parametrize("shape", ["grid64", "grid1024", "b8"])
+@pytest.mark.parametrize("shape,design", [(shape, design) for shape in ("grid64", "grid1024", "b8")
+                                          for design in ("fullk", "transposed")] + [("k64", "fullk")])
 def test_b6_matches_fla_stage(shape, design):
-    """Both sides of any CTA floor (64 and 1,024 chunk-heads) and a production grid."""
+    """Both sides of any CTA floor (64 and 1,024 chunk-heads), a production grid, and K=64."""
     from kernel_fun.bench import stage_b6
     from kernel_fun.kda import reference as ref
     from kernel_fun.kda import wy_bwd
@@ -121,6 +121,21 @@ def test_b6_matches_fla_stage(shape, design):
     our_err = stage_errors("B6", tuple(t[:1] for t in ours), exact)
     print(shape, design, "vs fla", vs_fla, "vs exact", our_err, "fla vs exact", fla_err)
     assert not b6_misses(our_err, fla_err, vs_fla), b6_misses(our_err, fla_err, vs_fla)
+
+
+@pytest.mark.parametrize("shape", ["grid1024", "b8"])
+def test_b6_prefetch_changes_no_value(shape):
+    """The L2 prefetch of the epilogue's inputs is a hint: with it (the pinned config) and
+    without it, the compiled kernels differ and the outputs must not."""
+    from kernel_fun.bench import stage_b6
+    from kernel_fun.kda import wy_bwd
+
+    inputs = stage_b6.make_inputs(stage_b6.problem(shape), "cuda", seed=3)
+    assert wy_bwd.CONFIGS[("fullk", 128)].get("PF_AT")
+    pinned = wy_bwd.wy_dqkg_bwd(**inputs, design="fullk")
+    plain = wy_bwd.wy_dqkg_bwd(**inputs, design="fullk", config={"PF_AT": 0})
+    for a, b in zip(pinned, plain):
+        assert torch.equal(a, b)
 
 
 def test_b6_launch_witness_at_prod8192_gate():
