@@ -129,11 +129,14 @@ def _to(x, dtype: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_rows(base, rows, row_stride, m_rows, ROW_BYTES: tl.constexpr):
+def _prefetch_rows(base, rows, row_stride, m_rows, ROW_ELEMS: tl.constexpr):
     """Asks L2 for the 128-byte lines of rows ``base + rows * row_stride`` (elements), each
-    ROW_BYTES long. A hint: it returns nothing, faults on nothing (masked lanes are
-    predicated off) and is skipped under the interpreter, where it would mean nothing."""
+    ROW_ELEMS elements long. A hint: it returns nothing, faults on nothing (masked lanes are
+    predicated off) and is skipped under the interpreter, where it would mean nothing. Its
+    addresses still matter: prefetches outside the tensors measured 5x slower on the H200
+    (docs/b6-wy-backward.md, fourth round), which no value shows."""
     if not _INTERPRETING:
+        ROW_BYTES: tl.constexpr = ROW_ELEMS * base.dtype.element_ty.primitive_bitwidth // 8
         NL: tl.constexpr = (ROW_BYTES + 127) // 128
         o_l = tl.arange(0, NL)
         ptrs = (base + rows[:, None] * row_stride).to(tl.pointer_type(tl.int8)) + o_l[None, :] * 128
@@ -247,9 +250,9 @@ def wy_dqkg_fullk_kernel(
         b_At = tl.trans(tl.load(A + o_t[:, None] * (HV * BT) + o_t[None, :], mask=m_t[:, None], other=0))
         if PF_ITER >= 0:
             if i_v == PF_ITER:  # the epilogue's k, q, g into L2 while the last tiles stream
-                _prefetch_rows(k, o_t, H * K, m_t, K * 2)
-                _prefetch_rows(q, o_t, H * K, m_t, K * 2)
-                _prefetch_rows(g, o_t, HV * K, m_t, K * 4)
+                _prefetch_rows(k, o_t, H * K, m_t, K)
+                _prefetch_rows(q, o_t, H * K, m_t, K)
+                _prefetch_rows(g, o_t, HV * K, m_t, K)
 
         b_dgk += tl.sum(b_hT.to(tl.float32) * b_dhT.to(tl.float32), axis=0)
         b_dq += _dot(b_do, b_hT)
