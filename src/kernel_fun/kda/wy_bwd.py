@@ -140,7 +140,7 @@ def _prefetch_rows(base, rows, row_stride, m_rows, ROW_ELEMS: tl.constexpr):
         NL: tl.constexpr = (ROW_BYTES + 127) // 128
         o_l = tl.arange(0, NL)
         ptrs = (base + rows[:, None] * row_stride).to(tl.pointer_type(tl.int8)) + o_l[None, :] * 128
-        on = (m_rows[:, None] & (o_l[None, :] < NL)).to(tl.int32)
+        on = tl.broadcast_to(m_rows[:, None], (rows.shape[0], NL)).to(tl.int32)  # a row's lines share its mask
         tl.inline_asm_elementwise(
             "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
             "=r,l,r", [ptrs, on], dtype=tl.int32, is_pure=False, pack=1)
