@@ -28,7 +28,7 @@ def _signature(jit, pointer_types: dict[str, str], constexprs: dict) -> dict:
             sig[name] = pointer_types[name]
         elif name == "scale":
             sig[name] = "fp32"
-        elif name == "T":
+        elif name in ("T", "NBH"):
             sig[name] = "i32"
         else:
             raise KeyError(f"no type for argument {name}")

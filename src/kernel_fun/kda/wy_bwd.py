@@ -180,16 +180,19 @@ def _da_chain(b_dA, b_At, b_beta, m_strict):
 # Design 1: full K, one kernel
 # --------------------------------------------------------------------------------------
 @triton.heuristics({"IS_VARLEN": lambda args: args["cu_seqlens"] is not None})
-@triton.jit(do_not_specialize=["T"])
+@triton.jit(do_not_specialize=["T", "NBH"])
 def wy_dqkg_fullk_kernel(
     q, k, v, v_new, g, beta, A, h, do, dh, dv,
     dq, dk, dv2, dg, db, dA,
-    cu_seqlens, chunk_indices, scale, T,
+    cu_seqlens, chunk_indices, scale, T, NBH,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
     PF_ITER: tl.constexpr,
 ):
-    i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    # A 1D grid in which b*hv (NBH of them) runs fastest: the programs in flight work on one
+    # chunk index of every sequence and head, not on consecutive chunks of one head.
+    pid = tl.program_id(0).to(tl.int64)
+    i_t, i_bh = pid // NBH, pid % NBH
     i_hv = i_bh % HV
     i_h = i_hv // (HV // H)
     i_c, i_tg, bos, T = _chunk_coords(i_t, i_bh, cu_seqlens, chunk_indices, T, HV, BT, IS_VARLEN)
@@ -522,10 +525,10 @@ def wy_dqkg_bwd(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, c
     dA = torch.empty(B, T, HV, BT, device=k.device, dtype=torch.float32)
     grid = (NT, B * HV)
     if design == "fullk":
-        wy_dqkg_fullk_kernel[grid](
+        wy_dqkg_fullk_kernel[(NT * B * HV,)](
             q=q, k=k, v=v, v_new=v_new, g=gc, beta=beta, A=A, h=h, do=do, dh=dh, dv=dv,
             dq=dq, dk=dk, dv2=dv2, dg=dg, db=db, dA=dA,
-            cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, scale=scale, T=T,
+            cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, scale=scale, T=T, NBH=B * HV,
             H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=cfg["BV"],
             PF_ITER=max(triton.cdiv(V, cfg["BV"]) - cfg["PF_AT"], 0) if cfg.get("PF_AT") else -1,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
