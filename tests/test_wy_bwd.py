@@ -70,6 +70,37 @@ def test_pinned_configs_and_other_blockings_agree(design):
         assert all(e <= BOUND for e in errors.values()), (config, errors)
 
 
+
+@pytest.mark.parametrize("p", [SHAPES[0], SHAPES[3], SHAPES[6]], ids=lambda p: p.name)
+def test_both_launch_orders_compute_the_same(p: Problem):
+    """fullk's two launch orders (a 2D grid with chunks fastest, a 1D grid with b*hv fastest)
+    only change which program takes which (chunk, head): the outputs are bitwise equal."""
+    inputs, want = stage_inputs(p)
+    fast = wy_bwd.wy_dqkg_bwd(**inputs, design="fullk", config={"HEADS_FAST": True})
+    slow = wy_bwd.wy_dqkg_bwd(**inputs, design="fullk", config={"HEADS_FAST": False})
+    assert all(torch.equal(a, b) for a, b in zip(fast, slow))
+    errors = stage_errors("B6", fast, want)
+    assert all(e <= BOUND for e in errors.values()), errors
+
+
+def test_launch_order_rule(monkeypatch):
+    """b*hv fastest (a 1D grid) only at K=128 with at least HEADS_FAST_MIN_BHV (b, hv) pairs."""
+    grids, real = [], wy_bwd.wy_dqkg_fullk_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(wy_bwd, "wy_dqkg_fullk_kernel", Spy())
+    k128, _ = stage_inputs(SHAPES[5])  # B*HV = 1
+    k64, _ = stage_inputs(SHAPES[1])  # B*HV = 2
+    wy_bwd.wy_dqkg_bwd(**k128)
+    monkeypatch.setattr(wy_bwd, "HEADS_FAST_MIN_BHV", 1)
+    wy_bwd.wy_dqkg_bwd(**k128)
+    wy_bwd.wy_dqkg_bwd(**k64)
+    assert [len(g) for g in grids] == [2, 1, 2], grids
+
 def test_out_of_box_calls_stay_on_fla():
     inputs, _ = stage_inputs(Problem("K60", 1, 70, 1, 1, 60, 64))
     assert "K=60" in wy_bwd.supports(**inputs)

@@ -187,12 +187,15 @@ def wy_dqkg_fullk_kernel(
     cu_seqlens, chunk_indices, scale, T, NBH,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
-    PF_ITER: tl.constexpr,
+    PF_ITER: tl.constexpr, HEADS_FAST: tl.constexpr,
 ):
-    # A 1D grid in which b*hv (NBH of them) runs fastest: the programs in flight work on one
-    # chunk index of every sequence and head, not on consecutive chunks of one head.
-    pid = tl.program_id(0).to(tl.int64)
-    i_t, i_bh = pid // NBH, pid % NBH
+    if HEADS_FAST:
+        # 1D grid, b*hv (NBH of them) fastest: the programs in flight work on one chunk
+        # index of every sequence and head rather than on consecutive chunks of one head
+        pid = tl.program_id(0).to(tl.int64)
+        i_t, i_bh = pid // NBH, pid % NBH
+    else:
+        i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     i_hv = i_bh % HV
     i_h = i_hv // (HV // H)
     i_c, i_tg, bos, T = _chunk_coords(i_t, i_bh, cu_seqlens, chunk_indices, T, HV, BT, IS_VARLEN)
@@ -496,6 +499,13 @@ CONFIGS = {
 }
 # fullk beat transposed at every shape measured (prod8192_gate, b8, 1024/256/64 chunk-heads).
 DEFAULT_DESIGN = "fullk"
+# Launch order of fullk (HEADS_FAST): a 1D grid with b*hv fastest when K = 128 and there are at
+# least this many (b, hv) pairs, else fla's order (a 2D grid, chunks fastest). Side by side on
+# the H200 (2026-11-30, bitwise-equal outputs, ms 2D -> 1D): prod8192_gate 6.31 -> 6.09 and
+# 6.37 -> 6.18, kimi 5.36 -> 4.99, b8 3.24 -> 3.14 (B*HV 256, 256, 128); small (B*HV 32)
+# 0.94 -> 0.99, k64 (K=64) 1.61 -> 1.62 and 1.59 -> 1.62, 1,024 and 64 chunk-heads (B*HV 16)
+# 0.332 -> 0.326 and 0.126 -> 0.126. Why the order matters was not isolated; see the doc.
+HEADS_FAST_MIN_BHV = 128
 # No floor: fullk beat fla's kernel at every grid measured, down to 64 chunk-heads
 # (0.083 against 0.146 ms). Grids below this many chunk-heads would go to fla.
 MIN_CTAS = 0
@@ -525,13 +535,16 @@ def wy_dqkg_bwd(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, c
     dA = torch.empty(B, T, HV, BT, device=k.device, dtype=torch.float32)
     grid = (NT, B * HV)
     if design == "fullk":
-        wy_dqkg_fullk_kernel[(NT * B * HV,)](
+        heads_fast = cfg.get("HEADS_FAST")
+        if heads_fast is None:
+            heads_fast = K == 128 and B * HV >= HEADS_FAST_MIN_BHV
+        wy_dqkg_fullk_kernel[(NT * B * HV,) if heads_fast else grid](
             q=q, k=k, v=v, v_new=v_new, g=gc, beta=beta, A=A, h=h, do=do, dh=dh, dv=dv,
             dq=dq, dk=dk, dv2=dv2, dg=dg, db=db, dA=dA,
             cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, scale=scale, T=T, NBH=B * HV,
             H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=cfg["BV"],
             PF_ITER=max(triton.cdiv(V, cfg["BV"]) - cfg["PF_AT"], 0) if cfg.get("PF_AT") else -1,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            HEADS_FAST=bool(heads_fast), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
             **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
         )
     elif design == "transposed":
