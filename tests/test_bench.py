@@ -73,7 +73,7 @@ def test_red_rows_say_so():
 def test_readme_stage_table_lists_shipped_designs_only():
     from kernel_fun.kda.wy_bwd import CONFIGS
 
-    pinned = dict(CONFIGS[("fullk", 128)])
+    pinned = dict(CONFIGS[("fullk", 128)], HEADS_FAST=True)  # b8: K=128, 128 (b, hv) pairs
     stage = dict(kind="stage", stage="B6", shape="b8", ms=1.0, spread_ms=[0.9, 1.1], floor_ms=0.5, gpu="H200",
                  date="2026-11-30T10:00:00+00:00", commit="abc", parity={"ok": True}, config=pinned)
     rows = [dict(stage, impl="fla", design="fla", ms=2.0), dict(stage, impl="fullk[x]", design="fullk"),
@@ -85,3 +85,24 @@ def test_readme_stage_table_lists_shipped_designs_only():
     faster = dict(stage, impl="fullk[y]", design="fullk", ms=0.5, config=dict(pinned, BV=32))
     assert "0.500" not in results.render(rows + [faster]) and "1.000" in results.render(rows + [faster])
     assert "0.500" in results.render_sweep(rows + [faster])
+
+
+def test_readme_stage_rows_follow_the_launch_order_rule():
+    """A fullk row counts as shipped only in the launch order the rule picks at its shape:
+    b8 (K=128, 128 (b, hv) pairs) ships b*hv fastest, small (32 pairs) and k64 (K=64) fla's
+    order; rows without the key ran fla's order."""
+    from kernel_fun.kda.wy_bwd import CONFIGS
+
+    def row(shape, ms, heads_fast=None, K=128):
+        config = dict(CONFIGS[("fullk", K)])
+        if heads_fast is not None:
+            config["HEADS_FAST"] = heads_fast
+        return dict(kind="stage", stage="B6", shape=shape, impl="fullk[x]", design="fullk", ms=ms,
+                    spread_ms=[ms, ms], floor_ms=0.1, gpu="H200", date="2026-11-30T10:00:00+00:00",
+                    commit="abc", parity={"ok": True}, config=config)
+
+    table = results.render([row("b8", 0.777), row("b8", 0.888, True), row("small", 0.555, True),
+                            row("small", 0.666), row("k64", 0.333, True, K=64), row("k64", 0.444, False, K=64)])
+    assert "0.888" in table and "0.777" not in table
+    assert "0.666" in table and "0.555" not in table
+    assert "0.444" in table and "0.333" not in table

@@ -138,6 +138,20 @@ def test_b6_prefetch_changes_no_value(shape):
         assert torch.equal(a, b)
 
 
+
+@pytest.mark.parametrize("shape", ["grid1024", "b8", "k64"])
+def test_b6_launch_orders_compute_the_same(shape):
+    """fullk compiled for each launch order (b*hv fastest on a 1D grid, fla's 2D grid)
+    gives bitwise the same outputs, at shapes on both sides of the rule."""
+    from kernel_fun.bench import stage_b6
+    from kernel_fun.kda import wy_bwd
+
+    inputs = stage_b6.make_inputs(stage_b6.problem(shape), "cuda", seed=4)
+    fast = wy_bwd.wy_dqkg_bwd(**inputs, design="fullk", config={"HEADS_FAST": True})
+    slow = wy_bwd.wy_dqkg_bwd(**inputs, design="fullk", config={"HEADS_FAST": False})
+    for a, b in zip(fast, slow):
+        assert torch.equal(a, b)
+
 def test_b6_launch_witness_at_prod8192_gate():
     """The whole op at prod8192_gate: B6 ran kernel-fun's kernel and not fla's, every other
     stage ran fla's, and the result tracks fla's chunk_kda."""

@@ -134,6 +134,8 @@ def _config_text(row) -> str:
         parts.append("evict-first stores")
     if c.get("PF_NEXT"):
         parts.append("L2 prefetch for the next program")
+    if c.get("HEADS_FAST"):
+        parts.append("b*hv-fastest order")
     if c.get("carveout_ctas"):
         parts.append(f"L1 carveout for {c['carveout_ctas']}")
     if "side_BV" in c:
@@ -142,18 +144,18 @@ def _config_text(row) -> str:
 
 
 def stage_table(rows: list[dict], best_only: bool = True, designs: set[str] | None = None,
-                pinned: dict | None = None) -> str:
+                ships=None) -> str:
     """Stage-alone rows (``kind == "stage"``) against fla's kernel and the stage's memory
     floor: per (stage, shape) fla and, with ``best_only``, each design's fastest config
     that passed parity (else every config, red ones included); with ``designs``, only those
     designs (a measured design that no longer ships stays in the sweep record only); with
-    ``pinned`` ({design: [launch configs]}), only rows of a pinned config, so the table
-    shows what ships rather than a faster number from a kernel since replaced."""
+    ``ships`` (row -> bool), only rows of the launch config that ships at the row's shape,
+    so the table shows what ships rather than a faster number from a kernel since replaced."""
     every = [r for r in rows if r.get("kind") == "stage"]
     if designs is not None:
         every = [r for r in every if r["impl"] == "fla" or r.get("design") in designs]
-    if pinned is not None:
-        every = [r for r in every if r["impl"] == "fla" or r.get("config") in pinned.get(r.get("design"), [])]
+    if ships is not None:
+        every = [r for r in every if r["impl"] == "fla" or ships(r)]
     rows = latest(every, "stage", "shape", "impl")
     if not rows:
         return ""
@@ -200,12 +202,23 @@ def stage_table(rows: list[dict], best_only: bool = True, designs: set[str] | No
 
 def render(rows: list[dict]) -> str:
     """The README's numbers: the whole-op table, then the stage-alone table."""
-    from kernel_fun.kda.wy_bwd import CONFIGS
+    from kernel_fun.bench.stage_b6 import problem
+    from kernel_fun.kda.wy_bwd import CONFIGS, heads_fast_order
 
-    pinned: dict[str, list[dict]] = {}
-    for (design, _), config in CONFIGS.items():
-        pinned.setdefault(design, []).append(config)
-    stages = stage_table(rows, designs=set(pinned), pinned=pinned)
+    def ships(row) -> bool:
+        """The row ran the pinned config and, for fullk, the launch order the rule picks at
+        its shape (rows from before the order switch carry none: fla's order)."""
+        config = dict(row.get("config") or {})
+        heads_fast = config.pop("HEADS_FAST", False)
+        try:
+            p = problem(row["shape"])
+        except KeyError:
+            return False
+        if CONFIGS.get((row.get("design"), p.K)) != config:
+            return False
+        return row["design"] != "fullk" or heads_fast == heads_fast_order(p.K, p.B * p.HV)
+
+    stages = stage_table(rows, designs={design for design, _ in CONFIGS}, ships=ships)
     return op_table(rows) + ("\n\n" + stages if stages else "")
 
 

@@ -148,6 +148,8 @@ def bench_shape(name, candidates, reps, rounds, out_path):
     checks = {"fla": {"ok": True, "vs_exact": fla_exact}}
     for design, overrides in candidates:
         config = {**wy_bwd.CONFIGS[(design, p.K)], **overrides}  # the effective launch config
+        if design == "fullk":
+            config.setdefault("HEADS_FAST", wy_bwd.heads_fast_order(p.K, p.B * p.HV))
         label = config_label(design, config)
         impls[label] = (None, (design, config))
         try:

@@ -26,7 +26,10 @@ Two designs, same contract and outputs as fla's function:
    nothing hides its waits: A^T and beta come with every V tile rather than before the
    loop, the epilogue issues all its loads in one batch, and two V tiles before the end
    the program asks L2 for the epilogue's k, q and g (``prefetch.global.L2``, a hint that
-   changes no value and is skipped under the interpreter).
+   changes no value and is skipped under the interpreter). Launch order: at K=128 with at
+   least ``HEADS_FAST_MIN_BHV`` (b, hv) pairs a 1D grid with b*hv fastest, so the programs
+   in flight share a chunk index across sequences and heads; otherwise fla's order (2D
+   grid, chunks fastest). Both orders compute bitwise the same outputs.
 2. ``transposed`` -- two kernels. The main kernel accumulates the transposes
    dq^T = S do^T, dw^T = S dvn^T, dk^T = dS v_new^T, so every dot has M = K and h, dh load
    in their natural [K, BV] layout; it parks the raw dq and dk in their fp32 outputs, -dw
@@ -51,30 +54,51 @@ Measured on the H200 (2026-11-30, torch 2.11, triton 3.6; rows in
 ``bench/results/stages.jsonl``, the sweeps, ablations and their reading in
 ``docs/b6-wy-backward.md``):
 
-- prod8192_gate (B16 T8192 H=HV=16 K128 V256): fullk 6.27-6.45 ms against fla's
-  12.46-12.93 in the same runs, 1.99-2.02x fla, 1.68-1.73x the 3.73 ms floor (BV=64,
-  8 warps, 3 stages, A and beta loaded with every V tile, the epilogue's k, q and g
-  prefetched into L2 two V tiles before the end; 188 KB shared, 255 registers, 300 B of
-  spills per thread). Side by side in one process: 6.26 ms against 6.47 with A and beta
-  in the loop but no prefetch and 6.83 for the kernel before both (A^T and beta loaded
-  once before the loop, where their store to shared memory held the first V tile
-  requests behind one DRAM round trip). Prefetching at the start of the program instead
-  took 6.93 ms, at the first V tile 6.95; prefetching the next program's first tiles
-  (launch order + one wave) 6.80; evict-first stores 6.16 against 6.26 in one run, not
-  shipped on one measurement. Before the epilogue issued its loads in one batch
+- prod8192_gate (B16 T8192 H=HV=16 K128 V256): fullk 6.20 ms against fla's 12.82 in the
+  same run, 2.07x fla, 1.66x the 3.73 ms floor (BV=64, 8 warps, 3 stages, A and beta
+  loaded with every V tile, the epilogue's k, q and g prefetched into L2 two V tiles
+  before the end, b*hv-fastest launch order; 188 KB shared, 255 registers, 288 B of
+  spills per thread). The launch order, side by side with fla's order in one process
+  (outputs bitwise equal): 6.31 -> 6.09, 6.37 -> 6.18 and 6.17 -> 5.96 ms on three machine
+  starts; kimi 5.36 -> 4.99, b8 3.24 -> 3.14; worse where it is not used: small (8 heads,
+  B=4) 0.94 -> 0.99, k64 1.59-1.61 -> 1.62; no change at 1,024 and 64 chunk-heads.
+  Before the launch order: 6.26-6.45 ms (1.99-2.02x fla); side by side, 6.26 ms against
+  6.47 with A and beta in the loop but no prefetch and 6.83 for the kernel before both
+  (A^T and beta loaded once before the loop, where their store to shared memory held the
+  first V tile requests behind one DRAM round trip). Prefetching at the start of the
+  program instead took 6.93 ms, at the first V tile 6.95; prefetching the next program's
+  first tiles (launch order + one wave) 6.80; evict-first stores 6.16 against 6.26 in one
+  run, not shipped on one measurement. Before the epilogue issued its loads in one batch
   (each load waited out its own DRAM round trip behind a layout-conversion barrier) the
   kernel took 6.74-6.82 ms; at 2 stages and int64 in-tile offsets, 7.68 ms. transposed:
   9.94 ms at its best (BV=32, KS=64; main kernel 213 registers and no spills, side kernel
-  124). fullk won at every shape and grid measured (1.78-2.01x fla: kimi 5.49 ms, b8
-  3.17-3.24, small 1.01, 1,024 chunk-heads 0.284, 64 chunk-heads 0.093), so it is the
-  default and there is no CTA floor.
+  124). fullk won at every shape and grid measured (1.70-2.14x fla: kimi 4.99 ms and b8
+  3.21 in the b*hv-fastest order; small 1.01, k64 1.60, 1,024 chunk-heads 0.284 and 64
+  chunk-heads 0.093 in fla's order, which they keep), so it is the default and there is
+  no CTA floor.
 - K=64 (k64: B8 T8192 H=HV=16 K64 V128): 1.60 ms against fla's 2.72 (1.70x, 1.87x the
   0.85 ms floor) at the K=128 config (253 registers, no spills); 1.75 ms without the
   prefetch; 4-warp programs (two per SM) 1.67-1.76 ms, 8 warps capped at 128 registers
   2.35 ms.
-- the 4.5 ms target was missed: one 8-warp program per SM. By ablation the V loop runs at
-  its own memory floor and the once-per-chunk-head epilogue (~2.5 ms of the 6.3) runs
-  with nothing else in flight on its SM. Tried and measured without a gain: K split across
+- where a program's time goes (per-program %globaltimer stamps, prod8192_gate, one
+  launch): V loop 11.8 us and epilogue 11.8 us (medians) of a ~24 us program, one program
+  per SM; at any moment about half the SMs are in each phase (56-68 streaming), a V loop
+  takes 11.6 us in the quarter of programs with the fewest other SMs streaming and 11.9
+  in the busiest quarter, and DRAM moves 15.85 GB in 6.2 ms (~2.6 TB/s, ~60% of the copy
+  rate). So the V loop is not limited by DRAM bytes, nor by too few requests in flight:
+  more made it slower -- the later V tiles prefetched into L2 at the start
+  7.02-7.35 ms against 6.27 (b8 3.61-3.71 against 3.15), BV=32 with 4-5 stages 7.35-8.00;
+  so did staggering the first wave (6.31 against 6.17) and every way tried of taking the
+  epilogue's layout conversions out, each of which raised spills to 456-760 B:
+  loads and stores through inline PTX in the accumulator layout 7.43-10.35 ms, the
+  epilogue inside a one-iteration loop so its loads are staged in shared memory and read
+  in the accumulator layout 7.95-8.48 ms. Evict-first stores: 6.12 against 6.17 (second
+  run under the 2% bar). What does limit the loop (L2 or fabric contention, DRAM
+  efficiency of the access pattern -- the launch order moves it -- or stalls inside the
+  program) is not measured yet.
+- the 4.5 ms target was missed: one 8-warp program per SM (255 registers), whose V loop
+  and once-per-chunk-head epilogue each take ~12 us and never overlap within the SM; the
+  4.5 ms target needs ~18 us per program. Tried and measured without a gain: K split across
   a pair of 4-warp programs (7.72 ms), an L1 carveout for the spills, accumulators as two
   K halves (spills 296 -> 120 B, same time), TMA-descriptor loads (7.28 against 6.93 ms),
   and a persistent grid with TMA loads (9.38 ms); its flattened form, which would overlap
@@ -85,8 +109,8 @@ Measured on the H200 (2026-11-30, torch 2.11, triton 3.6; rows in
   chunk-heads (a grid-dependent error, which points at a race between the parked
   accumulators and the pipelined strip loads; not chased further); its pinned config uses
   two stages, which held parity everywhere.
-- whole op at prod8192_gate with this stage ours and every other on fla: fwd+bwd 41.44 ms
-  against fla's 47.45 ms (1.145x).
+- whole op at prod8192_gate with this stage ours and every other on fla: fwd+bwd 41.12 ms
+  against fla's 47.35 ms (1.152x).
 """
 
 from __future__ import annotations
@@ -506,6 +530,12 @@ DEFAULT_DESIGN = "fullk"
 # 0.94 -> 0.99, k64 (K=64) 1.61 -> 1.62 and 1.59 -> 1.62, 1,024 and 64 chunk-heads (B*HV 16)
 # 0.332 -> 0.326 and 0.126 -> 0.126. Why the order matters was not isolated; see the doc.
 HEADS_FAST_MIN_BHV = 128
+
+
+def heads_fast_order(K: int, n_bhv: int) -> bool:
+    """fullk's launch order for K and B*HV (n_bhv) (b, hv) pairs: True for the 1D grid with
+    b*hv fastest, False for fla's order."""
+    return K == 128 and n_bhv >= HEADS_FAST_MIN_BHV
 # No floor: fullk beat fla's kernel at every grid measured, down to 64 chunk-heads
 # (0.083 against 0.146 ms). Grids below this many chunk-heads would go to fla.
 MIN_CTAS = 0
@@ -537,7 +567,7 @@ def wy_dqkg_bwd(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, c
     if design == "fullk":
         heads_fast = cfg.get("HEADS_FAST")
         if heads_fast is None:
-            heads_fast = K == 128 and B * HV >= HEADS_FAST_MIN_BHV
+            heads_fast = heads_fast_order(K, B * HV)
         wy_dqkg_fullk_kernel[(NT * B * HV,) if heads_fast else grid](
             q=q, k=k, v=v, v_new=v_new, g=gc, beta=beta, A=A, h=h, do=do, dh=dh, dv=dv,
             dq=dq, dk=dk, dv2=dv2, dg=dg, db=db, dA=dA,
