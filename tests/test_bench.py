@@ -106,3 +106,19 @@ def test_readme_stage_rows_follow_the_launch_order_rule():
     assert "0.888" in table and "0.777" not in table
     assert "0.666" in table and "0.555" not in table
     assert "0.444" in table and "0.333" not in table
+
+
+
+def test_timeline_stats_on_a_known_schedule():
+    import numpy as np
+
+    from kernel_fun.bench.b6_timeline import timeline_stats
+
+    # (smid, start, V loop done, end) in ns: two SMs, two programs each
+    stamps = np.array([[0, 0, 1000, 2000], [0, 2500, 3500, 4500], [1, 0, 1500, 2000], [1, 2200, 3200, 4400]])
+    st = timeline_stats(stamps)
+    assert st["loop_us"][1] == 1.0 and st["epilogue_us"][1] == 1.0
+    assert st["program_us"] == [2.0, 2.0, 2.14]  # 2000, 2000, 2000, 2200 ns
+    assert sorted(st["same_sm_gap_us"]) == sorted([round(np.percentile([500, 200], p) * 1e-3, 3) for p in (10, 50, 90)])
+    assert st["n_sm"] == 2 and st["programs_per_sm"] == [2, 2] and st["span_ms"] == 0.0045
+    assert max(st["programs_in_loop"]) <= 2 and max(st["programs_in_epilogue"]) <= 2

@@ -152,6 +152,18 @@ def test_b6_launch_orders_compute_the_same(shape):
     for a, b in zip(fast, slow):
         assert torch.equal(a, b)
 
+
+@pytest.mark.parametrize("shape", ["grid1024", "b8"])
+def test_b6_timeline_instrument(shape):
+    """The timeline instrument on the GPU: outputs bitwise equal to the plain kernel, every
+    program stamped, stamps in order, SM ids inside the device."""
+    from kernel_fun.bench import b6_timeline
+
+    row = b6_timeline.run(shape, reps=2, rounds=1)
+    assert row["outputs_bitwise_equal"] and row["stamps_complete"]
+    assert row["loop_us"][0] > 0 and row["epilogue_us"][0] > 0
+    assert row["n_sm"] <= torch.cuda.get_device_properties(0).multi_processor_count
+
 def test_b6_launch_witness_at_prod8192_gate():
     """The whole op at prod8192_gate: B6 ran kernel-fun's kernel and not fla's, every other
     stage ran fla's, and the result tracks fla's chunk_kda."""

@@ -101,6 +101,20 @@ def test_launch_order_rule(monkeypatch):
     wy_bwd.wy_dqkg_bwd(**k64)
     assert [len(g) for g in grids] == [2, 1, 2], grids
 
+
+@pytest.mark.parametrize("heads_fast", [True, False])
+def test_timeline_stamps_every_program_and_change_no_value(heads_fast):
+    """The timeline instrument writes one row per program, in either launch order, and
+    changes no output (under the interpreter its clock reads 0; the GPU test reads times)."""
+    p = SHAPES[3]  # GVA, T not a multiple of 64, initial state
+    inputs, _ = stage_inputs(p)
+    n_programs = -(-p.T // 64) * p.B * p.HV
+    stamps = torch.full((n_programs, 4), -1, dtype=torch.int64, device=DEVICE)
+    plain = wy_bwd.wy_dqkg_bwd(**inputs, design="fullk", config={"HEADS_FAST": heads_fast})
+    stamped = wy_bwd.wy_dqkg_bwd(**inputs, design="fullk", config={"HEADS_FAST": heads_fast, "timeline": stamps})
+    assert all(torch.equal(a, b) for a, b in zip(plain, stamped))
+    assert (stamps == 0).all()
+
 def test_out_of_box_calls_stay_on_fla():
     inputs, _ = stage_inputs(Problem("K60", 1, 70, 1, 1, 60, 64))
     assert "K=60" in wy_bwd.supports(**inputs)

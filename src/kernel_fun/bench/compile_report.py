@@ -88,7 +88,11 @@ def b6_report(design: str, K: int, V: int, H: int, HV: int, BV: int, num_warps: 
     f32 = {n: "*fp32" for n in ("g", "dq", "dk", "dg", "db", "dA", "dgk_buf")}
     types = {**act, **f32}
     if design == "fullk":
-        switches = {**dict(PF_ITER=2, HEADS_FAST=True), **(extra or {})}
+        switches = {**dict(PF_ITER=2, HEADS_FAST=True, TIMELINE=False), **(extra or {})}
+        if switches["TIMELINE"]:
+            types["stamps"] = "*i64"
+        else:
+            switches["stamps"] = None
         return compile_sm90(wy_bwd.wy_dqkg_fullk_kernel, types, dict(common, H=H, **switches), num_warps, num_stages,
                             maxnreg)
     if design == "transposed":

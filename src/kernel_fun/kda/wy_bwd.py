@@ -29,7 +29,10 @@ Two designs, same contract and outputs as fla's function:
    changes no value and is skipped under the interpreter). Launch order: at K=128 with at
    least ``HEADS_FAST_MIN_BHV`` (b, hv) pairs a 1D grid with b*hv fastest, so the programs
    in flight share a chunk index across sequences and heads; otherwise fla's order (2D
-   grid, chunks fastest). Both orders compute bitwise the same outputs.
+   grid, chunks fastest). Both orders compute bitwise the same outputs. Launched with a
+   ``timeline`` buffer in its config, it also stores per program its SM and three
+   ``%globaltimer`` readings (``kernel_fun.bench.b6_timeline``); without one that code is
+   not compiled (same PTX).
 2. ``transposed`` -- two kernels. The main kernel accumulates the transposes
    dq^T = S do^T, dw^T = S dvn^T, dk^T = dS v_new^T, so every dot has M = K and h, dh load
    in their natural [K, BV] layout; it parks the raw dq and dk in their fp32 outputs, -dw
@@ -192,6 +195,29 @@ def _chunk_coords(i_t, i_bh, cu_seqlens, chunk_indices, T, HV: tl.constexpr, BT:
 
 
 @triton.jit
+def _clock(dep):
+    """%globaltimer (ns), read once the [N] vector ``dep`` is ready (0 under the interpreter,
+    where there is no clock to read). Only the timeline instrument (TIMELINE) uses it."""
+    if _INTERPRETING:
+        return tl.max(dep.to(tl.float32) * 0, axis=0).to(tl.int64)
+    else:
+        t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer; // $1", "=l,r", [dep.to(tl.float32)],
+                                      dtype=tl.int64, is_pure=False, pack=1)
+        return tl.max(t, axis=0)
+
+
+@triton.jit
+def _smid(dep):
+    """The SM this program runs on (0 under the interpreter)."""
+    if _INTERPRETING:
+        return tl.max(dep.to(tl.float32) * 0, axis=0).to(tl.int64)
+    else:
+        s = tl.inline_asm_elementwise("mov.u32 $0, %smid; // $1", "=r,r", [dep.to(tl.float32)],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+        return tl.max(s, axis=0).to(tl.int64)
+
+
+@triton.jit
 def _da_chain(b_dA, b_At, b_beta, m_strict):
     """dA = -A^T strict_lower(X Diag(beta)) A^T, rounding to A's dtype before each dot as fla does."""
     b_dA = tl.where(m_strict, b_dA * b_beta[None, :], 0)
@@ -203,16 +229,19 @@ def _da_chain(b_dA, b_At, b_beta, m_strict):
 # --------------------------------------------------------------------------------------
 # Design 1: full K, one kernel
 # --------------------------------------------------------------------------------------
-@triton.heuristics({"IS_VARLEN": lambda args: args["cu_seqlens"] is not None})
+@triton.heuristics({"IS_VARLEN": lambda args: args["cu_seqlens"] is not None,
+                    "TIMELINE": lambda args: args["stamps"] is not None})
 @triton.jit(do_not_specialize=["T", "NBH"])
 def wy_dqkg_fullk_kernel(
     q, k, v, v_new, g, beta, A, h, do, dh, dv,
     dq, dk, dv2, dg, db, dA,
-    cu_seqlens, chunk_indices, scale, T, NBH,
+    cu_seqlens, chunk_indices, scale, T, NBH, stamps,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
-    PF_ITER: tl.constexpr, HEADS_FAST: tl.constexpr,
+    PF_ITER: tl.constexpr, HEADS_FAST: tl.constexpr, TIMELINE: tl.constexpr,
 ):
+    if TIMELINE:  # the timeline instrument (kernel_fun.bench.b6_timeline): program start
+        t_start = _clock(tl.arange(0, BT))
     if HEADS_FAST:
         # 1D grid, b*hv (NBH of them) fastest: the programs in flight work on one chunk
         # index of every sequence and head rather than on consecutive chunks of one head
@@ -293,6 +322,8 @@ def wy_dqkg_fullk_kernel(
         tl.store(dv2 + p_tv, _to(b_dvb * b_beta[:, None], dv2.dtype.element_ty), mask=m_tv)
         b_db += tl.sum(b_dvb * b_v.to(tl.float32), axis=1)
 
+    if TIMELINE:  # the V loop's last result is in
+        t_loop = _clock(b_db)
     # Every epilogue load (A^T and beta again, g's last row, k, q, g) is issued here, in one
     # batch, g last. Each use of a loaded tile starts with a layout conversion, which is a
     # CTA barrier that the compiler places right after the load, so a load written next to
@@ -331,6 +362,12 @@ def wy_dqkg_fullk_kernel(
     b_dA = _da_chain(b_dA, b_At, b_beta, m_strict)
     tl.store(dA + o_t[:, None] * (HV * BT) + o_t[None, :], b_dA, mask=m_t[:, None])
     tl.store(db + o_t * HV, b_db, mask=m_t)
+    if TIMELINE:  # every store issued; one row per program, in launch order
+        row = stamps + (tl.program_id(0) + tl.program_id(1) * tl.num_programs(0)).to(tl.int64) * 4
+        tl.store(row + 0, _smid(b_db))
+        tl.store(row + 1, t_start)
+        tl.store(row + 2, t_loop)
+        tl.store(row + 3, _clock(b_db))
 
 
 # --------------------------------------------------------------------------------------
@@ -572,6 +609,7 @@ def wy_dqkg_bwd(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, c
             q=q, k=k, v=v, v_new=v_new, g=gc, beta=beta, A=A, h=h, do=do, dh=dh, dv=dv,
             dq=dq, dk=dk, dv2=dv2, dg=dg, db=db, dA=dA,
             cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, scale=scale, T=T, NBH=B * HV,
+            stamps=cfg.get("timeline"),
             H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=cfg["BV"],
             PF_ITER=max(triton.cdiv(V, cfg["BV"]) - cfg["PF_AT"], 0) if cfg.get("PF_AT") else -1,
             HEADS_FAST=bool(heads_fast), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
