@@ -147,9 +147,7 @@ def bench_shape(name, candidates, reps, rounds, out_path):
     impls = {"fla": (lambda: _fla_wy_dqkg(**inputs), None)}
     checks = {"fla": {"ok": True, "vs_exact": fla_exact}}
     for design, overrides in candidates:
-        config = {**wy_bwd.CONFIGS[(design, p.K)], **overrides}  # the effective launch config
-        if design == "fullk":
-            config.setdefault("HEADS_FAST", wy_bwd.heads_fast_order(p.K, p.B * p.HV))
+        config = wy_bwd.launch_config(design, p.K, p.B * p.HV, overrides)
         label = config_label(design, config)
         impls[label] = (None, (design, config))
         try:

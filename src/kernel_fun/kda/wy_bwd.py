@@ -573,6 +573,15 @@ def heads_fast_order(K: int, n_bhv: int) -> bool:
     """fullk's launch order for K and B*HV (n_bhv) (b, hv) pairs: True for the 1D grid with
     b*hv fastest, False for fla's order."""
     return K == 128 and n_bhv >= HEADS_FAST_MIN_BHV
+
+
+def launch_config(design: str, K: int, n_bhv: int, config: dict | None = None) -> dict:
+    """The effective launch config of ``design``: the pinned one for K, ``config`` over it,
+    and for fullk the launch order (HEADS_FAST) the rule picks unless ``config`` sets it."""
+    cfg = {**CONFIGS[(design, K)], **(config or {})}
+    if design == "fullk" and cfg.get("HEADS_FAST") is None:
+        cfg["HEADS_FAST"] = heads_fast_order(K, n_bhv)
+    return cfg
 # No floor: fullk beat fla's kernel at every grid measured, down to 64 chunk-heads
 # (0.083 against 0.146 ms). Grids below this many chunk-heads would go to fla.
 MIN_CTAS = 0
@@ -590,9 +599,7 @@ def wy_dqkg_bwd(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, c
             raise ValueError(f"B6 kernels index {name} as a dense tensor; got strides {t.stride()}")
     NT = triton.cdiv(T, BT) if cu_seqlens is None else len(chunk_indices)
     design = design or DEFAULT_DESIGN
-    cfg = dict(CONFIGS[(design, K)])
-    if config:
-        cfg.update(config)
+    cfg = launch_config(design, K, B * HV, config)
     BK = triton.next_power_of_2(K)
     dq = torch.empty(B, T, HV, K, device=k.device, dtype=torch.float32)
     dk = torch.empty_like(dq)
@@ -602,17 +609,14 @@ def wy_dqkg_bwd(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, c
     dA = torch.empty(B, T, HV, BT, device=k.device, dtype=torch.float32)
     grid = (NT, B * HV)
     if design == "fullk":
-        heads_fast = cfg.get("HEADS_FAST")
-        if heads_fast is None:
-            heads_fast = heads_fast_order(K, B * HV)
-        wy_dqkg_fullk_kernel[(NT * B * HV,) if heads_fast else grid](
+        wy_dqkg_fullk_kernel[(NT * B * HV,) if cfg["HEADS_FAST"] else grid](
             q=q, k=k, v=v, v_new=v_new, g=gc, beta=beta, A=A, h=h, do=do, dh=dh, dv=dv,
             dq=dq, dk=dk, dv2=dv2, dg=dg, db=db, dA=dA,
             cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, scale=scale, T=T, NBH=B * HV,
             stamps=cfg.get("timeline"),
             H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=cfg["BV"],
             PF_ITER=max(triton.cdiv(V, cfg["BV"]) - cfg["PF_AT"], 0) if cfg.get("PF_AT") else -1,
-            HEADS_FAST=bool(heads_fast), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            HEADS_FAST=bool(cfg["HEADS_FAST"]), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
             **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
         )
     elif design == "transposed":
