@@ -4,6 +4,7 @@ the README's numbers are exactly what the committed result rows generate."""
 from __future__ import annotations
 
 import json
+import os
 
 import triton
 
@@ -122,3 +123,17 @@ def test_timeline_stats_on_a_known_schedule():
     assert sorted(st["same_sm_gap_us"]) == sorted([round(np.percentile([500, 200], p) * 1e-3, 3) for p in (10, 50, 90)])
     assert st["n_sm"] == 2 and st["programs_per_sm"] == [2, 2] and st["span_ms"] == 0.0045
     assert max(st["programs_in_loop"]) <= 2 and max(st["programs_in_epilogue"]) <= 2
+
+
+def test_timeline_cli_appends_its_row(tmp_path, monkeypatch):
+    from kernel_fun.bench import b6_timeline
+
+    row = {"kind": "timeline", "shape": "b8", "outputs_bitwise_equal": True, "stamps_complete": True}
+    monkeypatch.setattr(b6_timeline, "run", lambda shape: dict(row, shape=shape))
+    # main() drops TRITON_INTERPRET (it times compiled kernels); give it back to later tests
+    monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "0"))
+    out = tmp_path / "sub" / "timeline.jsonl"
+    assert b6_timeline.main(["--shape", "small", "--out", str(out)]) == 0
+    assert b6_timeline.main(["--shape", "b8", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["shape"] for r in rows] == ["small", "b8"]

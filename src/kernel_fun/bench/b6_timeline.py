@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 
@@ -121,7 +122,7 @@ def main(argv=None) -> int:
     if args.out:
         from kernel_fun.bench import results
 
-        results.append(args.out, row)
+        results.append(Path(args.out), row)
     print(json.dumps({k: v for k, v in row.items() if k not in ("versions", "method")}, indent=1))
     return 0 if row["outputs_bitwise_equal"] and row["stamps_complete"] else 1
 
