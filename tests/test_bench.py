@@ -87,6 +87,13 @@ def test_readme_stage_table_lists_shipped_designs_only():
     assert "0.500" not in results.render(rows + [faster]) and "1.000" in results.render(rows + [faster])
     assert "0.500" in results.render_sweep(rows + [faster])
 
+    # The newest run of the shipped config stands for it, even when an older kernel's row
+    # with the same config was faster; within one run the fastest config.
+    newer = dict(stage, impl="fullk[z]", design="fullk", ms=1.5, commit="def", date="2026-11-30T11:00:00+00:00")
+    assert "1.500" in results.render(rows + [newer]) and "1.000" not in results.render(rows + [newer])
+    older = dict(stage, impl="fullk[z]", design="fullk", ms=0.7, commit="old", date="2026-11-29T11:00:00+00:00")
+    assert "1.000" in results.render(rows + [older]) and "0.700" not in results.render(rows + [older])
+
 
 def test_readme_stage_rows_follow_the_launch_order_rule():
     """A fullk row counts as shipped only in the launch order the rule picks at its shape:

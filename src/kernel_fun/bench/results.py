@@ -164,13 +164,21 @@ def stage_table(rows: list[dict], best_only: bool = True, designs: set[str] | No
     # shape): runs on different machines of the same kind differ by a few percent.
     fla_same_run = {(r["stage"], r["shape"], r["commit"]): r for r in every if r["impl"] == "fla"}
     if best_only:
-        # A config that failed parity at any shape is not a candidate anywhere.
+        # A config that failed parity at any shape is not a candidate anywhere. Per design
+        # and shape, the fastest config of the newest run (commit) that measured it: an older
+        # run's faster number belongs to a kernel since changed.
         red = {r["impl"] for r in rows if not r.get("parity", {}).get("ok")}
-        best: dict[tuple, dict] = {}
-        for r in rows:
-            if r["impl"] == "fla" or not r.get("ms") or r["impl"] in red:
-                continue
+        candidates = [r for r in rows if r["impl"] != "fla" and r.get("ms") and r["impl"] not in red]
+        newest: dict[tuple, dict] = {}
+        for r in candidates:
             key = (r["stage"], r["shape"], r["design"])
+            if key not in newest or r["date"] > newest[key]["date"]:
+                newest[key] = r
+        best: dict[tuple, dict] = {}
+        for r in candidates:
+            key = (r["stage"], r["shape"], r["design"])
+            if r["commit"] != newest[key]["commit"]:
+                continue
             if key not in best or r["ms"] < best[key]["ms"]:
                 best[key] = r
         rows = list(fla.values()) + list(best.values())
