@@ -26,7 +26,9 @@ Two designs, same contract and outputs as fla's function:
    nothing hides its waits: A^T and beta come with every V tile rather than before the
    loop, the epilogue issues all its loads in one batch, and two V tiles before the end
    the program asks L2 for the epilogue's k, q and g (``prefetch.global.L2``, a hint that
-   changes no value and is skipped under the interpreter). Launch order: at K=128 with at
+   changes no value and is skipped under the interpreter), and g is pinned to the
+   accumulators' layout where it is loaded, so the epilogue converts it once rather than
+   three values derived from it. Launch order: at K=128 with at
    least ``HEADS_FAST_MIN_BHV`` (b, hv) pairs a 1D grid with b*hv fastest, so the programs
    in flight share a chunk index across sequences and heads; otherwise fla's order (2D
    grid, chunks fastest). Both orders compute bitwise the same outputs. Launched with a
@@ -57,11 +59,18 @@ Measured on the H200 (2026-11-30, torch 2.11, triton 3.6; rows in
 ``bench/results/stages.jsonl``, the sweeps, ablations and their reading in
 ``docs/b6-wy-backward.md``):
 
-- prod8192_gate (B16 T8192 H=HV=16 K128 V256): fullk 6.20 ms against fla's 12.82 in the
-  same run, 2.07x fla, 1.66x the 3.73 ms floor (BV=64, 8 warps, 3 stages, A and beta
+- prod8192_gate (B16 T8192 H=HV=16 K128 V256): fullk 5.56 ms against fla's 12.83 in the
+  same run, 2.31x fla, 1.49x the 3.73 ms floor (BV=64, 8 warps, 3 stages, A and beta
   loaded with every V tile, the epilogue's k, q and g prefetched into L2 two V tiles
-  before the end, b*hv-fastest launch order; 188 KB shared, 255 registers, 288 B of
-  spills per thread). The launch order, side by side with fla's order in one process
+  before the end, g converted once into the accumulators' layout, b*hv-fastest launch
+  order; 188 KB shared, 255 registers, 164 B of spills per thread). g converted once,
+  side by side with the kernel before it: 6.03 -> 5.41 and 6.04 -> 5.41 ms (two machine
+  starts), b8 3.21 -> 2.89, small 0.87 -> 0.79, k64 1.55 -> 1.46-1.47, 1,024 chunk-heads
+  0.277 -> 0.260 (spills 288 -> 164 B; dg moves by 1.7e-8, the rest bitwise). Not better
+  on top of it: beta loaded once before the V loop (5.75), dA accumulated transposed so
+  beta scales rows (5.44), db's v-side from the dA accumulator after the loop (5.73),
+  q and k pinned too (5.60 against 5.57), BV=128 at 2 stages (6.25) and BV=32 at 4
+  (6.59, against 5.39). The launch order, side by side with fla's order in one process
   (outputs bitwise equal): 6.31 -> 6.09, 6.37 -> 6.18 and 6.17 -> 5.96 ms on three machine
   starts; kimi 5.36 -> 4.99, b8 3.24 -> 3.14; worse where it is not used: small (8 heads,
   B=4) 0.94 -> 0.99, k64 1.59-1.61 -> 1.62; no change at 1,024 and 64 chunk-heads.
@@ -75,33 +84,39 @@ Measured on the H200 (2026-11-30, torch 2.11, triton 3.6; rows in
   (each load waited out its own DRAM round trip behind a layout-conversion barrier) the
   kernel took 6.74-6.82 ms; at 2 stages and int64 in-tile offsets, 7.68 ms. transposed:
   9.94 ms at its best (BV=32, KS=64; main kernel 213 registers and no spills, side kernel
-  124). fullk won at every shape and grid measured (1.70-2.14x fla: kimi 4.99 ms and b8
-  3.21 in the b*hv-fastest order; small 1.01, k64 1.60, 1,024 chunk-heads 0.284 and 64
-  chunk-heads 0.093 in fla's order, which they keep), so it is the default and there is
+  124). fullk won at every shape and grid measured (1.68-2.39x fla: kimi 4.37 ms and b8
+  2.91 in the b*hv-fastest order; small 0.82, k64 1.60, 1,024 chunk-heads 0.301 and 64
+  chunk-heads 0.123 in fla's order, which they keep), so it is the default and there is
   no CTA floor.
-- K=64 (k64: B8 T8192 H=HV=16 K64 V128): 1.60 ms against fla's 2.72 (1.70x, 1.87x the
-  0.85 ms floor) at the K=128 config (253 registers, no spills); 1.75 ms without the
+- K=64 (k64: B8 T8192 H=HV=16 K64 V128): 1.60 ms against fla's 2.82 (1.76x, 1.88x the
+  0.85 ms floor) at the K=128 config (245 registers, no spills); before g was converted
+  once 1.60 ms against 2.72 (1.55 -> 1.46 side by side); 1.75 ms without the
   prefetch; 4-warp programs (two per SM) 1.67-1.76 ms, 8 warps capped at 128 registers
   2.35 ms.
 - where a program's time goes (per-program %globaltimer stamps, prod8192_gate, one
-  launch): V loop 11.8 us and epilogue 11.8 us (medians) of a ~24 us program, one program
-  per SM; at any moment about half the SMs are in each phase (56-68 streaming), a V loop
+  launch, before g was converted once): V loop 11.8 us and epilogue 11.8 us (medians) of a
+  ~24 us program, one program per SM (after: 11.1 and 11.7 of ~23 us, an upper bound,
+  as the stamped kernel compiles to a slower epilogue, 6.12 against 5.55 ms); at any moment about half the SMs are in each phase (56-68 streaming), a V loop
   takes 11.6 us in the quarter of programs with the fewest other SMs streaming and 11.9
   in the busiest quarter, and DRAM moves 15.85 GB in 6.2 ms (~2.6 TB/s, ~60% of the copy
   rate). So the V loop is not limited by DRAM bytes, nor by too few requests in flight:
   more made it slower -- the later V tiles prefetched into L2 at the start
   7.02-7.35 ms against 6.27 (b8 3.61-3.71 against 3.15), BV=32 with 4-5 stages 7.35-8.00;
-  so did staggering the first wave (6.31 against 6.17) and every way tried of taking the
+  so did staggering the first wave (6.31 against 6.17) and the two ways tried of taking all the
   epilogue's layout conversions out, each of which raised spills to 456-760 B:
   loads and stores through inline PTX in the accumulator layout 7.43-10.35 ms, the
   epilogue inside a one-iteration loop so its loads are staged in shared memory and read
   in the accumulator layout 7.95-8.48 ms. Evict-first stores: 6.12 against 6.17 (second
   run under the 2% bar). What does limit the loop (L2 or fabric contention, DRAM
   efficiency of the access pattern -- the launch order moves it -- or stalls inside the
-  program) is not measured yet.
+  program) is not settled: Nsight Compute's stall samples (one launch, 6.99 ms at the
+  profiler's locked clocks) put 40% in the V loop and 55% in the epilogue, 25.6% of issue
+  slots busy with 2 warps per scheduler, DRAM at 54% of peak; the loop's largest waits
+  were its per-tile beta load (8.4% of samples) and its tile wait (6.1%), and hoisting
+  the beta load made the kernel slower.
 - the 4.5 ms target was missed: one 8-warp program per SM (255 registers), whose V loop
-  and once-per-chunk-head epilogue each take ~12 us and never overlap within the SM; the
-  4.5 ms target needs ~18 us per program. Tried and measured without a gain: K split across
+  and once-per-chunk-head epilogue each take ~11-12 us and never overlap within the SM;
+  the 4.5 ms target needs ~18 us per program. Tried and measured without a gain: K split across
   a pair of 4-warp programs (7.72 ms), an L1 carveout for the spills, accumulators as two
   K halves (spills 296 -> 120 B, same time), TMA-descriptor loads (7.28 against 6.93 ms),
   and a persistent grid with TMA loads (9.38 ms); its flattened form, which would overlap
@@ -112,8 +127,8 @@ Measured on the H200 (2026-11-30, torch 2.11, triton 3.6; rows in
   chunk-heads (a grid-dependent error, which points at a race between the parked
   accumulators and the pipelined strip loads; not chased further); its pinned config uses
   two stages, which held parity everywhere.
-- whole op at prod8192_gate with this stage ours and every other on fla: fwd+bwd 41.12 ms
-  against fla's 47.35 ms (1.152x).
+- whole op at prod8192_gate with this stage ours and every other on fla: fwd+bwd 40.67 ms
+  against fla's 47.53 ms (1.169x).
 """
 
 from __future__ import annotations
