@@ -16,8 +16,10 @@ import dataclasses
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
-from kernel_fun.kda import chunk_kda, last_record, use_impls
+from kernel_fun.kda import chunk_kda, last_record, use_impls, wy_bwd
 from kernel_fun.kda.parity import B6_VS_FLA, b6_misses, stage_errors
 from kernel_fun.kda.problems import SHAPES, Problem, make_inputs, run_fwd_bwd
 from kernel_fun.kda.stages import capture_stages, stages
@@ -163,6 +165,37 @@ def test_b6_timeline_instrument(shape):
     assert row["outputs_bitwise_equal"] and row["stamps_complete"]
     assert row["loop_us"][0] > 0 and row["epilogue_us"][0] > 0
     assert row["n_sm"] <= torch.cuda.get_device_properties(0).multi_processor_count
+
+@triton.jit
+def _pair_store_probe(a, b, out, n_rows, PAIRS: tl.constexpr):
+    o_m, o_n, o_k = tl.arange(0, 64), tl.arange(0, 128), tl.arange(0, 16)
+    x = tl.dot(tl.load(a + o_m[:, None] * 16 + o_k[None, :]), tl.load(b + o_k[:, None] * 128 + o_n[None, :]))
+    ptr = out + o_m[:, None] * 128 + o_n[None, :]
+    mask = (o_m < n_rows)[:, None] & (o_n < 128)[None, :]
+    if PAIRS:
+        wy_bwd._store_pairs(ptr, x, mask)
+    else:
+        tl.store(ptr, x, mask=mask)
+
+
+def test_b6_pair_stores_equal_plain_stores():
+    """wy_bwd._store_pairs (8-byte stores of element pairs from the accumulators' layout,
+    inline PTX) writes exactly what tl.store writes: on a dot result with a partial row
+    mask, at an 8-byte-aligned base (pairs stored whole) and a base 4 bytes off (every
+    pair falls back to single stores), leaving masked rows untouched."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device=device).manual_seed(5)
+    a = torch.randn(64, 16, device=device, generator=gen).bfloat16()
+    b = torch.randn(16, 128, device=device, generator=gen).bfloat16()
+    for offset in (0, 1):
+        outs = []
+        for pairs in (False, True):
+            buf = torch.full((64 * 128 + 2,), -7.0, device=device)
+            _pair_store_probe[(1,)](a, b, buf[offset:], 41, PAIRS=pairs, num_warps=8)
+            outs.append(buf)
+        assert torch.equal(outs[0], outs[1]), f"offset {offset}"
+        assert (outs[1][offset + 41 * 128:] == -7.0).all() and (outs[1][offset:offset + 41 * 128] != -7.0).all()
+
 
 def test_b6_launch_witness_at_prod8192_gate():
     """The whole op at prod8192_gate: B6 ran kernel-fun's kernel and not fla's, every other

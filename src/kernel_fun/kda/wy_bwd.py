@@ -246,6 +246,31 @@ def _opaque_zeros_like(x):
 
 
 @triton.jit
+def _store_pairs(ptr, x, mask):
+    """tl.store(ptr, x, mask) for fp32, written by each thread as 8-byte stores of
+    consecutive element pairs in x's own layout, so a tile in the accumulators' layout is
+    stored without first moving through shared memory into a blocked layout. In that
+    layout a thread's elements come in pairs of adjacent columns; each pair is checked at
+    run time (second address = first + 4, first 8-byte aligned, both unmasked) and stored
+    element by element otherwise, so any layout stores the same values."""
+    if _INTERPRETING:
+        tl.store(ptr, x, mask=mask)
+    else:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred m0, m1, adj, al, v, f0, f1; .reg .b64 d, lo;"
+            " setp.ne.b32 m0, $6, 0; setp.ne.b32 m1, $7, 0;"
+            " sub.s64 d, $3, $2; setp.eq.s64 adj, d, 4;"
+            " and.b64 lo, $2, 7; setp.eq.s64 al, lo, 0;"
+            " and.pred v, adj, al; and.pred v, v, m0; and.pred v, v, m1;"
+            " @v st.global.v2.f32 [$2], {$4, $5};"
+            " not.pred v, v; and.pred f0, v, m0; and.pred f1, v, m1;"
+            " @f0 st.global.f32 [$2], $4; @f1 st.global.f32 [$3], $5;"
+            " mov.b32 $0, 0; mov.b32 $1, 0; }",
+            "=r,=r,l,l,r,r,r,r", [ptr.to(tl.int64, bitcast=True), x, mask.to(tl.int32)],
+            dtype=tl.int32, is_pure=False, pack=2)
+
+
+@triton.jit
 def _da_chain(b_dA, b_At, b_beta, m_strict):
     """dA = -A^T strict_lower(X Diag(beta)) A^T, rounding to A's dtype before each dot as fla does."""
     b_dA = tl.where(m_strict, b_dA * b_beta[None, :], 0)
@@ -374,7 +399,8 @@ def wy_dqkg_fullk_kernel(
 
     b_dq = b_dq * b_gexp * scale
     b_dg = b_q.to(tl.float32) * b_dq
-    tl.store(dq + p_tk, b_dq, mask=m_tk)
+    # stored from the accumulators' layout: 104 B of spills per thread instead of 164
+    _store_pairs(dq + p_tk, b_dq, m_tk)
 
     b_dk = b_dk * tl.where(m_t[:, None], tl.exp2(b_gn[None, :] - b_g), 0)
     b_kdk = b_k.to(tl.float32) * b_dk
