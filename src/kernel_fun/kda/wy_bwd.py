@@ -26,9 +26,10 @@ Two designs, same contract and outputs as fla's function:
    nothing hides its waits: A^T and beta come with every V tile rather than before the
    loop, the epilogue issues all its loads in one batch, and two V tiles before the end
    the program asks L2 for the epilogue's k, q and g (``prefetch.global.L2``, a hint that
-   changes no value and is skipped under the interpreter), and g is pinned to the
+   changes no value and is skipped under the interpreter), g is pinned to the
    accumulators' layout where it is loaded, so the epilogue converts it once rather than
-   three values derived from it. Launch order: at K=128 with at
+   three values derived from it, and dq is stored straight from that layout (8-byte pair
+   stores, ``_store_pairs``) rather than through shared memory. Launch order: at K=128 with at
    least ``HEADS_FAST_MIN_BHV`` (b, hv) pairs a 1D grid with b*hv fastest, so the programs
    in flight share a chunk index across sequences and heads; otherwise fla's order (2D
    grid, chunks fastest). Both orders compute bitwise the same outputs. Launched with a
@@ -59,11 +60,14 @@ Measured on the H200 (2026-11-30, torch 2.11, triton 3.6; rows in
 ``bench/results/stages.jsonl``, the sweeps, ablations and their reading in
 ``docs/b6-wy-backward.md``):
 
-- prod8192_gate (B16 T8192 H=HV=16 K128 V256): fullk 5.56 ms against fla's 12.83 in the
-  same run, 2.31x fla, 1.49x the 3.73 ms floor (BV=64, 8 warps, 3 stages, A and beta
+- prod8192_gate (B16 T8192 H=HV=16 K128 V256): fullk 5.22 ms against fla's 12.39 in the
+  same run, 2.37x fla, 1.40x the 3.73 ms floor (BV=64, 8 warps, 3 stages, A and beta
   loaded with every V tile, the epilogue's k, q and g prefetched into L2 two V tiles
-  before the end, g converted once into the accumulators' layout, b*hv-fastest launch
-  order; 188 KB shared, 255 registers, 164 B of spills per thread). g converted once,
+  before the end, g converted once into the accumulators' layout, dq stored from it,
+  b*hv-fastest launch order; 188 KB shared, 255 registers, 104 B of spills per thread).
+  dq stored from the accumulators' layout, side by side with the kernel before it:
+  5.53 -> 5.38 ms, b8 2.90 -> 2.82, small 0.80 -> 0.76, k64 1.59 -> 1.60 (spills 164 ->
+  104 B; dk and dg stored the same way compile to 212-296 B, so they are not). g converted once,
   side by side with the kernel before it: 6.03 -> 5.41 and 6.04 -> 5.41 ms (two machine
   starts), b8 3.21 -> 2.89, small 0.87 -> 0.79, k64 1.55 -> 1.46-1.47, 1,024 chunk-heads
   0.277 -> 0.260 (spills 288 -> 164 B; dg moves by 1.7e-8, the rest bitwise). Not better
@@ -84,12 +88,12 @@ Measured on the H200 (2026-11-30, torch 2.11, triton 3.6; rows in
   (each load waited out its own DRAM round trip behind a layout-conversion barrier) the
   kernel took 6.74-6.82 ms; at 2 stages and int64 in-tile offsets, 7.68 ms. transposed:
   9.94 ms at its best (BV=32, KS=64; main kernel 213 registers and no spills, side kernel
-  124). fullk won at every shape and grid measured (1.68-2.39x fla: kimi 4.37 ms and b8
-  2.91 in the b*hv-fastest order; small 0.82, k64 1.60, 1,024 chunk-heads 0.301 and 64
-  chunk-heads 0.123 in fla's order, which they keep), so it is the default and there is
-  no CTA floor.
+  124). fullk won at every shape and grid measured (1.68-2.46x fla: kimi 4.22 ms and b8
+  2.67 in the b*hv-fastest order; small 0.82, k64 1.60, 1,024 chunk-heads 0.301 and 64
+  chunk-heads 0.123 in fla's order, which they keep, measured before dq was stored from
+  the accumulators' layout), so it is the default and there is no CTA floor.
 - K=64 (k64: B8 T8192 H=HV=16 K64 V128): 1.60 ms against fla's 2.82 (1.76x, 1.88x the
-  0.85 ms floor) at the K=128 config (245 registers, no spills); before g was converted
+  0.85 ms floor) at the K=128 config (244 registers, no spills); before g was converted
   once 1.60 ms against 2.72 (1.55 -> 1.46 side by side); 1.75 ms without the
   prefetch; 4-warp programs (two per SM) 1.67-1.76 ms, 8 warps capped at 128 registers
   2.35 ms.
@@ -128,7 +132,7 @@ Measured on the H200 (2026-11-30, torch 2.11, triton 3.6; rows in
   accumulators and the pipelined strip loads; not chased further); its pinned config uses
   two stages, which held parity everywhere.
 - whole op at prod8192_gate with this stage ours and every other on fla: fwd+bwd 40.67 ms
-  against fla's 47.53 ms (1.169x).
+  against fla's 47.53 ms (1.169x), before dq was stored from the accumulators' layout.
 """
 
 from __future__ import annotations
