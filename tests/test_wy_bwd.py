@@ -178,3 +178,39 @@ def test_b6_verdict_flags_each_kind_of_miss():
     assert set(b6_misses(dict(fine, dg=1.2e-3), fine)) == {"dg vs exact"}  # >10% worse than the baseline
     assert set(b6_misses(fine, fine, dict.fromkeys(fine, 0.0) | {"dq": 2e-4})) == {"dq vs fla"}
     assert set(b6_misses(dict(fine, db=float("nan")), fine)) == {"db vs exact"}
+
+
+
+_PAIR_STORE_PROBE = """
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernel_fun.kda import wy_bwd
+
+@triton.jit
+def probe(out):
+    o = tl.arange(0, 256)
+    wy_bwd._store_pairs(out + o, tl.zeros([256], dtype=tl.DTYPE), o < 256)
+
+try:
+    triton.compile(ASTSource(fn=probe, signature={"out": "*PTR"}, constexprs={}), target=GPUTarget("cuda", 90, 32))
+    print("compiled")
+except Exception as err:
+    print("refused:", err, err.__cause__)
+"""
+
+
+@pytest.mark.parametrize("dtype,ptr,want", [("bfloat16", "bf16", "_store_pairs stores fp32 values"),
+                                           ("float32", "bf16", "_store_pairs stores to fp32 pointers"),
+                                           ("float32", "fp32", "compiled")])
+def test_pair_stores_compile_for_fp32_only(dtype, ptr, want, tmp_path):
+    """_store_pairs writes fp32 pairs in inline PTX: compiled for sm_90a (in a process
+    without the interpreter), fp32 compiles and anything else is refused at compile time."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    probe = tmp_path / "probe.py"
+    probe.write_text(_PAIR_STORE_PROBE.replace("DTYPE", dtype).replace("PTR", ptr))
+    out = subprocess.run([sys.executable, str(probe)], capture_output=True, text=True, env=env, timeout=300)
+    assert want in out.stdout, out.stdout + out.stderr

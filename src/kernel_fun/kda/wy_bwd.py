@@ -257,6 +257,8 @@ def _store_pairs(ptr, x, mask):
     layout a thread's elements come in pairs of adjacent columns; each pair is checked at
     run time (second address = first + 4, first 8-byte aligned, both unmasked) and stored
     element by element otherwise, so any layout stores the same values."""
+    tl.static_assert(x.dtype == tl.float32, "_store_pairs stores fp32 values")
+    tl.static_assert(ptr.dtype.element_ty == tl.float32, "_store_pairs stores to fp32 pointers")
     if _INTERPRETING:
         tl.store(ptr, x, mask=mask)
     else:
@@ -403,7 +405,8 @@ def wy_dqkg_fullk_kernel(
 
     b_dq = b_dq * b_gexp * scale
     b_dg = b_q.to(tl.float32) * b_dq
-    # stored from the accumulators' layout: 104 B of spills per thread instead of 164
+    # stored from the accumulators' layout: 104 B of spills per thread instead of 164 (5.38
+    # against 5.53 ms at prod8192_gate)
     _store_pairs(dq + p_tk, b_dq, m_tk)
 
     b_dk = b_dk * tl.where(m_t[:, None], tl.exp2(b_gn[None, :] - b_g), 0)
