@@ -109,7 +109,6 @@ def test_b6_matches_fla_stage(shape, design):
     """Both sides of any CTA floor (64 and 1,024 chunk-heads), a production grid, and K=64."""
     from kernel_fun.bench import stage_b6
     from kernel_fun.kda import reference as ref
-    from kernel_fun.kda import wy_bwd
     from kernel_fun.kda.chain import _fla_wy_dqkg
 
     p = stage_b6.problem(shape)
@@ -130,7 +129,6 @@ def test_b6_prefetch_changes_no_value(shape):
     """The L2 prefetch of the epilogue's inputs is a hint: with it (the pinned config) and
     without it, the compiled kernels differ and the outputs must not."""
     from kernel_fun.bench import stage_b6
-    from kernel_fun.kda import wy_bwd
 
     inputs = stage_b6.make_inputs(stage_b6.problem(shape), "cuda", seed=3)
     assert wy_bwd.CONFIGS[("fullk", 128)].get("PF_AT")
@@ -146,7 +144,6 @@ def test_b6_launch_orders_compute_the_same(shape):
     """fullk compiled for each launch order (b*hv fastest on a 1D grid, fla's 2D grid)
     gives bitwise the same outputs, at shapes on both sides of the rule."""
     from kernel_fun.bench import stage_b6
-    from kernel_fun.kda import wy_bwd
 
     inputs = stage_b6.make_inputs(stage_b6.problem(shape), "cuda", seed=4)
     fast = wy_bwd.wy_dqkg_bwd(**inputs, design="fullk", config={"HEADS_FAST": True})
@@ -183,15 +180,16 @@ def test_b6_pair_stores_equal_plain_stores():
     inline PTX) writes exactly what tl.store writes: on a dot result with a partial row
     mask, at an 8-byte-aligned base (pairs stored whole) and a base 4 bytes off (every
     pair falls back to single stores), leaving masked rows untouched."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    gen = torch.Generator(device=device).manual_seed(5)
-    a = torch.randn(64, 16, device=device, generator=gen).bfloat16()
-    b = torch.randn(16, 128, device=device, generator=gen).bfloat16()
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    a = torch.randn(64, 16, device="cuda", generator=gen).bfloat16()
+    b = torch.randn(16, 128, device="cuda", generator=gen).bfloat16()
     for offset in (0, 1):
         outs = []
         for pairs in (False, True):
-            buf = torch.full((64 * 128 + 2,), -7.0, device=device)
-            _pair_store_probe[(1,)](a, b, buf[offset:], 41, PAIRS=pairs, num_warps=8)
+            buf = torch.full((64 * 128 + 2,), -7.0, device="cuda")
+            launched = _pair_store_probe[(1,)](a, b, buf[offset:], 41, PAIRS=pairs, num_warps=8)
+            # the pair path really is the inline 8-byte stores, from the dot's layout
+            assert not pairs or "st.global.v2.f32" in launched.asm["ptx"]
             outs.append(buf)
         assert torch.equal(outs[0], outs[1]), f"offset {offset}"
         assert (outs[1][offset + 41 * 128:] == -7.0).all() and (outs[1][offset:offset + 41 * 128] != -7.0).all()
@@ -201,8 +199,6 @@ def test_b6_launch_witness_at_prod8192_gate():
     """The whole op at prod8192_gate: B6 ran kernel-fun's kernel and not fla's, every other
     stage ran fla's, and the result tracks fla's chunk_kda."""
     from torch.profiler import ProfilerActivity, profile
-
-    from kernel_fun.kda import wy_bwd
 
     kwargs = make_inputs(PROD, device="cuda", seed=9)
     theirs = run_fwd_bwd(_fla(), kwargs, grid=PROD.dtype)

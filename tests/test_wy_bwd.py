@@ -214,3 +214,12 @@ def test_pair_stores_compile_for_fp32_only(dtype, ptr, want, tmp_path):
     probe.write_text(_PAIR_STORE_PROBE.replace("DTYPE", dtype).replace("PTR", ptr))
     out = subprocess.run([sys.executable, str(probe)], capture_output=True, text=True, env=env, timeout=300)
     assert want in out.stdout, out.stdout + out.stderr
+
+
+def test_prefetch_tile_counts_from_the_end():
+    """fullk's prefetch tile: PF_AT tiles before the end, the first tile when V has fewer
+    tiles, none without PF_AT (the launcher and the compile report both take it from here)."""
+    assert wy_bwd.prefetch_iter(256, 64, 2) == 2
+    assert wy_bwd.prefetch_iter(128, 64, 2) == 0
+    assert wy_bwd.prefetch_iter(96, 32, 1) == 2
+    assert wy_bwd.prefetch_iter(256, 64, None) == -1 and wy_bwd.prefetch_iter(256, 64, 0) == -1

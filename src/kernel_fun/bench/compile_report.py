@@ -88,7 +88,9 @@ def b6_report(design: str, K: int, V: int, H: int, HV: int, BV: int, num_warps: 
     f32 = {n: "*fp32" for n in ("g", "dq", "dk", "dg", "db", "dA", "dgk_buf")}
     types = {**act, **f32}
     if design == "fullk":
-        switches = {**dict(PF_ITER=2, HEADS_FAST=True, TIMELINE=False), **(extra or {})}
+        # the pinned prefetch tile for this K and V (not a fixed tile: at V=128 it is the first)
+        pf_iter = wy_bwd.prefetch_iter(V, BV, wy_bwd.CONFIGS.get(("fullk", K), {}).get("PF_AT"))
+        switches = {**dict(PF_ITER=pf_iter, HEADS_FAST=True, TIMELINE=False), **(extra or {})}
         if switches["TIMELINE"]:
             types["stamps"] = "*i64"
         else:

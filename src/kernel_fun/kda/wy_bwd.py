@@ -93,7 +93,7 @@ Measured on the H200 (2026-11-30, torch 2.11, triton 3.6; rows in
   chunk-heads 0.123 in fla's order, which they keep, measured before dq was stored from
   the accumulators' layout), so it is the default and there is no CTA floor.
 - K=64 (k64: B8 T8192 H=HV=16 K64 V128): 1.60 ms against fla's 2.82 (1.76x, 1.88x the
-  0.85 ms floor) at the K=128 config (244 registers, no spills); before g was converted
+  0.85 ms floor) at the K=128 config (247 registers, no spills); before g was converted
   once 1.60 ms against 2.72 (1.55 -> 1.46 side by side); 1.75 ms without the
   prefetch; 4-warp programs (two per SM) 1.67-1.76 ms, 8 warps capped at 128 registers
   2.35 ms.
@@ -648,8 +648,17 @@ def launch_config(design: str, K: int, n_bhv: int, config: dict | None = None) -
     if design == "fullk" and cfg.get("HEADS_FAST") is None:
         cfg["HEADS_FAST"] = heads_fast_order(K, n_bhv)
     return cfg
+
+
+def prefetch_iter(V: int, BV: int, pf_at: int | None) -> int:
+    """fullk's PF_ITER: the V tile (from 0) during which the epilogue's k, q and g are
+    prefetched into L2, ``pf_at`` tiles before the end (the first tile if there are fewer);
+    -1, no prefetch, without ``pf_at``."""
+    return max(triton.cdiv(V, BV) - pf_at, 0) if pf_at else -1
+
+
 # No floor: fullk beat fla's kernel at every grid measured, down to 64 chunk-heads
-# (0.083 against 0.146 ms). Grids below this many chunk-heads would go to fla.
+# (0.123 against 0.206 ms at cc3f7e4). Grids below this many chunk-heads would go to fla.
 MIN_CTAS = 0
 _SMALLEST_BV = 32
 
@@ -681,7 +690,7 @@ def wy_dqkg_bwd(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, c
             cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, scale=scale, T=T, NBH=B * HV,
             stamps=cfg.get("timeline"),
             H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=cfg["BV"],
-            PF_ITER=max(triton.cdiv(V, cfg["BV"]) - cfg["PF_AT"], 0) if cfg.get("PF_AT") else -1,
+            PF_ITER=prefetch_iter(V, cfg["BV"], cfg.get("PF_AT")),
             HEADS_FAST=bool(cfg["HEADS_FAST"]), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
             **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
         )
