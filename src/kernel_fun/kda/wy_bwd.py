@@ -61,11 +61,18 @@ Measured on the H200 (2026-11-30, torch 2.11, triton 3.6; rows in
 ``bench/results/stages.jsonl``, the sweeps, ablations and their reading in
 ``docs/b6-wy-backward.md``):
 
-- prod8192_gate (B16 T8192 H=HV=16 K128 V256): fullk 5.22 ms against fla's 12.39 in the
-  same run, 2.37x fla, 1.40x the 3.73 ms floor (BV=64, 8 warps, 3 stages, A and beta
-  loaded with every V tile, the epilogue's k, q and g prefetched into L2 two V tiles
-  before the end, g converted once into the accumulators' layout, dq stored from it,
-  b*hv-fastest launch order; 188 KB shared, 255 registers, 104 B of spills per thread).
+- prod8192_gate (B16 T8192 H=HV=16 K128 V256): fullk 5.15 ms against fla's 12.48 in the
+  same run, 2.42x fla, 1.38x the 3.73 ms floor (BV=64, 8 warps, 3 stages, A and beta
+  loaded with every V tile, beta's load first in the loop body, the epilogue's k, q and
+  g prefetched into L2 two V tiles before the end, g converted once into the
+  accumulators' layout, dq stored from it, b*hv-fastest launch order; 188 KB shared, 255
+  registers, 104 B of spills per thread). Beta's load first, side by side with the
+  kernel before it: 5.25 -> 5.16 ms, b8 2.67 -> 2.64, small 0.762 -> 0.746, k64 1.47 ->
+  1.42 (bitwise the same outputs). Not better on top of it (same process, prod8192_gate):
+  dk stored by pair stores as well 5.30 against 5.23 (112 B of spills), dA by pair
+  stores 5.20-5.24 against 5.23 (within noise, sign changes by shape), dv2 stored in the
+  loop as packed bf16 pairs 5.41 (152 B), db's k-side dot issued before the epilogue's
+  loads 5.44 (144 B).
   dq stored from the accumulators' layout, side by side with the kernel before it:
   5.53 -> 5.38 ms, b8 2.90 -> 2.82, small 0.80 -> 0.76, k64 1.59 -> 1.60 (spills 164 ->
   104 B; dk and dg stored the same way compile to 212-296 B, so they are not). g converted once,
@@ -89,12 +96,12 @@ Measured on the H200 (2026-11-30, torch 2.11, triton 3.6; rows in
   (each load waited out its own DRAM round trip behind a layout-conversion barrier) the
   kernel took 6.74-6.82 ms; at 2 stages and int64 in-tile offsets, 7.68 ms. transposed:
   9.94 ms at its best (BV=32, KS=64; main kernel 213 registers and no spills, side kernel
-  124). fullk won at every shape and grid measured (1.68-2.46x fla: kimi 4.22 ms and b8
-  2.67 in the b*hv-fastest order; small 0.82, k64 1.60, 1,024 chunk-heads 0.301 and 64
-  chunk-heads 0.123 in fla's order, which they keep, measured before dq was stored from
-  the accumulators' layout), so it is the default and there is no CTA floor.
-- K=64 (k64: B8 T8192 H=HV=16 K64 V128): 1.60 ms against fla's 2.82 (1.76x, 1.88x the
-  0.85 ms floor) at the K=128 config (247 registers, no spills); before g was converted
+  124). fullk won at every shape and grid measured (1.68-2.53x fla: kimi 4.11 ms and b8
+  2.63 in the b*hv-fastest order; small 0.733 and k64 1.40 in fla's order, which they
+  keep; 1,024 chunk-heads 0.301 and 64 chunk-heads 0.123, measured before dq was stored
+  from the accumulators' layout), so it is the default and there is no CTA floor.
+- K=64 (k64: B8 T8192 H=HV=16 K64 V128): 1.40 ms against fla's 2.60 (1.85x, 1.64x the
+  0.85 ms floor) at the K=128 config (255 registers, no spills); before g was converted
   once 1.60 ms against 2.72 (1.55 -> 1.46 side by side); 1.75 ms without the
   prefetch; 4-warp programs (two per SM) 1.67-1.76 ms, 8 warps capped at 128 registers
   2.35 ms.
@@ -118,7 +125,9 @@ Measured on the H200 (2026-11-30, torch 2.11, triton 3.6; rows in
   profiler's locked clocks) put 40% in the V loop and 55% in the epilogue, 25.6% of issue
   slots busy with 2 warps per scheduler, DRAM at 54% of peak; the loop's largest waits
   were its per-tile beta load (8.4% of samples) and its tile wait (6.1%), and hoisting
-  the beta load made the kernel slower.
+  the beta load made the kernel slower. In the current kernel's profile (6.06 ms, 30.5%
+  of issue slots busy, DRAM 57%) the largest single wait (6.6%) is sum_V h*dh reading h
+  back from shared memory behind the dots' operand reads.
 - the 4.5 ms target was missed: one 8-warp program per SM (255 registers), whose V loop
   and once-per-chunk-head epilogue each take ~11-12 us and never overlap within the SM;
   the 4.5 ms target needs ~18 us per program. Tried and measured without a gain: K split across
@@ -132,8 +141,8 @@ Measured on the H200 (2026-11-30, torch 2.11, triton 3.6; rows in
   chunk-heads (a grid-dependent error, which points at a race between the parked
   accumulators and the pipelined strip loads; not chased further); its pinned config uses
   two stages, which held parity everywhere.
-- whole op at prod8192_gate with this stage ours and every other on fla: fwd+bwd 40.67 ms
-  against fla's 47.53 ms (1.169x), before dq was stored from the accumulators' layout.
+- whole op at prod8192_gate with this stage ours and every other on fla: fwd+bwd 40.11 ms
+  against fla's 47.21 ms (1.177x).
 """
 
 from __future__ import annotations
