@@ -97,9 +97,11 @@ Measured on the H200 (2026-11-30, torch 2.11, triton 3.6; rows in
   kernel took 6.74-6.82 ms; at 2 stages and int64 in-tile offsets, 7.68 ms. transposed:
   9.94 ms at its best (BV=32, KS=64; main kernel 213 registers and no spills, side kernel
   124). fullk won at every shape and grid measured (1.68-2.53x fla: kimi 4.11 ms and b8
-  2.63 in the b*hv-fastest order; small 0.733 and k64 1.40 in fla's order, which they
-  keep; 1,024 chunk-heads 0.301 and 64 chunk-heads 0.123, measured before dq was stored
-  from the accumulators' layout), so it is the default and there is no CTA floor.
+  2.63 in the b*hv-fastest order; small 0.733, k64 1.40, 1,024 chunk-heads 0.325 and 64
+  chunk-heads 0.155 in fla's order, which they keep; at the two small grids fla ran the
+  config tuned at prod8192_gate, and autotuned there on another machine start it took
+  0.565 and 0.206 against our 0.301 and 0.123), so it is the default and there is no
+  CTA floor.
 - K=64 (k64: B8 T8192 H=HV=16 K64 V128): 1.40 ms against fla's 2.60 (1.85x, 1.64x the
   0.85 ms floor) at the K=128 config (255 registers, no spills); before g was converted
   once 1.60 ms against 2.72 (1.55 -> 1.46 side by side); 1.75 ms without the
@@ -672,7 +674,8 @@ def prefetch_iter(V: int, BV: int, pf_at: int | None) -> int:
 
 
 # No floor: fullk beat fla's kernel at every grid measured, down to 64 chunk-heads
-# (0.123 against 0.206 ms at cc3f7e4). Grids below this many chunk-heads would go to fla.
+# (0.155 against 0.245 ms at 1a00800; 0.123 against 0.206 at cc3f7e4, another machine
+# start). Grids below this many chunk-heads would go to fla.
 MIN_CTAS = 0
 _SMALLEST_BV = 32
 
