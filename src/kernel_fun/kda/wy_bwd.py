@@ -96,7 +96,7 @@ Measured on the H200 (2026-11-30, torch 2.11, triton 3.6; rows in
   (each load waited out its own DRAM round trip behind a layout-conversion barrier) the
   kernel took 6.74-6.82 ms; at 2 stages and int64 in-tile offsets, 7.68 ms. transposed:
   9.94 ms at its best (BV=32, KS=64; main kernel 213 registers and no spills, side kernel
-  124). fullk won at every shape and grid measured (1.68-2.53x fla: kimi 4.11 ms and b8
+  124). fullk won at every shape and grid measured (1.58-2.53x fla: kimi 4.11 ms and b8
   2.63 in the b*hv-fastest order; small 0.733, k64 1.40, 1,024 chunk-heads 0.325 and 64
   chunk-heads 0.155 in fla's order, which they keep; at the two small grids fla ran the
   config tuned at prod8192_gate, and autotuned there on another machine start it took
