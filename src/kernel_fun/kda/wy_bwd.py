@@ -253,8 +253,9 @@ def _opaque_zeros_like(x):
     """fp32 zeros in x's layout that the compiler cannot fold: adding them to a loaded tile
     pins that tile to x's layout at one point (a layout conversion of the load), where it
     would otherwise convert each value derived from the tile separately. Exact: v + 0.0 is
-    v for every v but -0.0, which only ever feeds exp2 here. Plain zeros under the
-    interpreter, which has no inline assembly."""
+    v for every v but -0.0, which becomes +0.0; here it feeds exp2 (g) or products that
+    are summed with other terms or masked (beta), so no output value changes. Plain zeros
+    under the interpreter, which has no inline assembly."""
     if _INTERPRETING:
         return tl.zeros_like(x)
     else:
@@ -406,7 +407,11 @@ def wy_dqkg_fullk_kernel(
     # then k) before this ordering.
     p_tk = o_t[:, None] * (HV * K) + o_k[None, :]
     p_qk = o_t[:, None] * (H * K) + o_k[None, :]
-    b_beta = tl.load(beta + o_t * HV, mask=m_t, other=0).to(tl.float32)
+    # beta pinned to db's row layout, two loads per thread; its column copy for the dA
+    # chain then comes through one shared-memory conversion. Left to itself the compiler
+    # loads that copy straight in the chain's layout, 16 two-byte loads per thread whose
+    # addresses and values it spills (104 -> 48 B of spills, 125 -> 109 global loads).
+    b_beta = tl.load(beta + o_t * HV, mask=m_t, other=0).to(tl.float32) + _opaque_zeros_like(b_db)
     b_At = tl.load(A + o_t[None, :] * (HV * BT) + o_t[:, None], mask=m_t[None, :], other=0)
     b_gn = tl.load(g + i_last * (HV * K) + o_k, mask=m_k, other=0).to(tl.float32)
     b_k = tl.load(k + p_qk, mask=m_tk, other=0)
