@@ -61,12 +61,18 @@ Measured on the H200 (2026-11-30, torch 2.11, triton 3.6; rows in
 ``bench/results/stages.jsonl``, the sweeps, ablations and their reading in
 ``docs/b6-wy-backward.md``):
 
-- prod8192_gate (B16 T8192 H=HV=16 K128 V256): fullk 5.15 ms against fla's 12.48 in the
-  same run, 2.42x fla, 1.38x the 3.73 ms floor (BV=64, 8 warps, 3 stages, A and beta
+- prod8192_gate (B16 T8192 H=HV=16 K128 V256): fullk 4.97 ms against fla's 12.49 in the
+  same run, 2.51x fla, 1.33x the 3.73 ms floor (BV=64, 8 warps, 3 stages, A and beta
   loaded with every V tile, beta's load first in the loop body, the epilogue's k, q and
   g prefetched into L2 two V tiles before the end, g converted once into the
-  accumulators' layout, dq stored from it, b*hv-fastest launch order; 188 KB shared, 255
-  registers, 104 B of spills per thread). Beta's load first, side by side with the
+  accumulators' layout, dq stored from it, the epilogue's beta pinned to db's layout,
+  b*hv-fastest launch order; 188 KB shared, 255 registers, 48 B of spills per thread).
+  The epilogue's beta pinned, side by side with the kernel before it: 5.29 -> 5.12 ms,
+  b8 2.76 -> 2.66 (bitwise the same outputs; 104 -> 48 B of spills). On top of it, in
+  the same process: dA stored by pair stores 5.02 (b8 2.61; 28 B of spills), the loop's
+  beta loaded at the first V tile only and carried 5.00 (b8 2.65), both 5.04 (b8 2.63):
+  gains of 1-2% on a machine whose spreads were +-2.5%, untested on the other shapes, not
+  shipped. Beta's load first, side by side with the
   kernel before it: 5.25 -> 5.16 ms, b8 2.67 -> 2.64, small 0.762 -> 0.746, k64 1.47 ->
   1.42 (bitwise the same outputs). Not better on top of it (same process, prod8192_gate):
   dk stored by pair stores as well 5.30 against 5.23 (112 B of spills), dA by pair
@@ -96,14 +102,16 @@ Measured on the H200 (2026-11-30, torch 2.11, triton 3.6; rows in
   (each load waited out its own DRAM round trip behind a layout-conversion barrier) the
   kernel took 6.74-6.82 ms; at 2 stages and int64 in-tile offsets, 7.68 ms. transposed:
   9.94 ms at its best (BV=32, KS=64; main kernel 213 registers and no spills, side kernel
-  124). fullk won at every shape and grid measured (1.58-2.53x fla: kimi 4.11 ms and b8
-  2.63 in the b*hv-fastest order; small 0.733, k64 1.40, 1,024 chunk-heads 0.325 and 64
+  124). fullk won at every shape and grid measured (1.58-2.59x fla: kimi 4.12 ms and b8
+  2.56 in the b*hv-fastest order; small 0.707, k64 1.52, 1,024 chunk-heads 0.325 and 64
   chunk-heads 0.155 in fla's order, which they keep; at the two small grids fla ran the
   config tuned at prod8192_gate, and autotuned there on another machine start it took
   0.565 and 0.206 against our 0.301 and 0.123), so it is the default and there is no
   CTA floor.
-- K=64 (k64: B8 T8192 H=HV=16 K64 V128): 1.40 ms against fla's 2.60 (1.85x, 1.64x the
-  0.85 ms floor) at the K=128 config (255 registers, no spills); before g was converted
+- K=64 (k64: B8 T8192 H=HV=16 K64 V128): 1.52 ms against fla's 2.78 (1.83x, 1.78x the
+  0.85 ms floor; both kernels 7-8% slower than on the machine start before, where the
+  previous kernel took 1.40 against 2.60) at the K=128 config (226 registers, no
+  spills; not timed side by side with the previous kernel); before g was converted
   once 1.60 ms against 2.72 (1.55 -> 1.46 side by side); 1.75 ms without the
   prefetch; 4-warp programs (two per SM) 1.67-1.76 ms, 8 warps capped at 128 registers
   2.35 ms.
@@ -130,9 +138,9 @@ Measured on the H200 (2026-11-30, torch 2.11, triton 3.6; rows in
   the beta load made the kernel slower. In the current kernel's profile (6.06 ms, 30.5%
   of issue slots busy, DRAM 57%) the largest single wait (6.6%) is sum_V h*dh reading h
   back from shared memory behind the dots' operand reads.
-- the 4.5 ms target was missed: one 8-warp program per SM (255 registers), whose V loop
-  and once-per-chunk-head epilogue each take ~11-12 us and never overlap within the SM;
-  the 4.5 ms target needs ~18 us per program. Tried and measured without a gain: K split across
+- the 4.5 ms target is not met yet (4.97 ms, ~10% short): one 8-warp program per SM (255
+  registers), whose V loop and once-per-chunk-head epilogue each took ~11-12 us and
+  never overlap within the SM; 4.5 ms needs ~18 us per program against ~20 now. Tried and measured without a gain: K split across
   a pair of 4-warp programs (7.72 ms), an L1 carveout for the spills, accumulators as two
   K halves (spills 296 -> 120 B, same time), TMA-descriptor loads (7.28 against 6.93 ms),
   and a persistent grid with TMA loads (9.38 ms); its flattened form, which would overlap
@@ -144,7 +152,7 @@ Measured on the H200 (2026-11-30, torch 2.11, triton 3.6; rows in
   accumulators and the pipelined strip loads; not chased further); its pinned config uses
   two stages, which held parity everywhere.
 - whole op at prod8192_gate with this stage ours and every other on fla: fwd+bwd 40.11 ms
-  against fla's 47.21 ms (1.177x).
+  against fla's 47.21 ms (1.177x), before the epilogue's beta was pinned.
 """
 
 from __future__ import annotations
