@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import triton
 import torch
 
 from kernel_fun.kda import chunk_kda, last_record, reference as ref, use_impls
@@ -223,3 +224,31 @@ def test_prefetch_tile_counts_from_the_end():
     assert wy_bwd.prefetch_iter(128, 64, 2) == 0
     assert wy_bwd.prefetch_iter(96, 32, 1) == 2
     assert wy_bwd.prefetch_iter(256, 64, None) == -1 and wy_bwd.prefetch_iter(256, 64, 0) == -1
+
+
+# The shipped fullk kernel as ptxas 12.8 (Triton 3.6.0's bundled one) assembles it for
+# sm_90a, launch order as the launcher picks it: bench/results/b6_compile_sm90.jsonl at 6e7a91a.
+_FULLK_BUDGET = [(128, 256, True, 48), (128, 256, False, 44), (64, 128, False, 0)]
+
+
+@pytest.mark.skipif(triton.__version__ != "3.6.0", reason="spill figures recorded with Triton 3.6.0's ptxas")
+@pytest.mark.parametrize("K,V,heads_fast,spills", _FULLK_BUDGET, ids=lambda x: str(x))
+def test_fullk_compiles_within_its_recorded_spills(K, V, heads_fast, spills):
+    """The kernel's speed rests on its register budget (one 8-warp program per SM, 255
+    registers): a change that adds spills to the pinned config fails here, on the CPU,
+    before it reaches the H200. Compiled by the compile report in a process without the
+    interpreter."""
+    import json
+    import subprocess
+    import sys
+
+    cfg = wy_bwd.CONFIGS[("fullk", K)]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-m", "kernel_fun.bench.compile_report", "--design", "fullk", "--K", str(K), "--V", str(V),
+           "--BV", str(cfg["BV"]), "--warps", str(cfg["num_warps"]), "--stages", str(cfg["num_stages"]),
+           "--extra", json.dumps({"HEADS_FAST": heads_fast})]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "error" not in row, row
+    assert row["registers"] <= 255 and row["wgmma"] > 0, row
+    assert row["spill_stores"] <= spills and row["spill_loads"] <= spills, row

@@ -110,7 +110,7 @@ Measured on the H200 (2026-11-30, torch 2.11, triton 3.6; rows in
   CTA floor.
 - K=64 (k64: B8 T8192 H=HV=16 K64 V128): 1.52 ms against fla's 2.78 (1.83x, 1.78x the
   0.85 ms floor; both kernels 7-8% slower than on the machine start before, where the
-  previous kernel took 1.40 against 2.60) at the K=128 config (226 registers, no
+  previous kernel took 1.40 against 2.60) at the K=128 config (248 registers, no
   spills; not timed side by side with the previous kernel); before g was converted
   once 1.60 ms against 2.72 (1.55 -> 1.46 side by side); 1.75 ms without the
   prefetch; 4-warp programs (two per SM) 1.67-1.76 ms, 8 warps capped at 128 registers
