@@ -300,6 +300,18 @@ def _store_pairs(ptr, x, mask):
 
 
 @triton.jit
+def _k_side_terms(b_At, b_dwb, b_kg, b_gexp, b_beta, b_dgk, m_last, b_dg, b_dk, b_db):
+    """The terms through kg = k exp2(g) and -dw (bf16), shared by both designs' epilogues:
+    dkgb = A^T (-dw), then db += rowsum(dkgb kg), dg += kg dkgb beta (+ dgk on the chunk's
+    last row), dk += dkgb exp2(g) beta."""
+    b_dkgb = _dot(b_At, b_dwb)
+    b_db += tl.sum(b_dkgb * b_kg, axis=1)
+    b_dg += b_kg * b_dkgb * b_beta[:, None] + tl.where(m_last[:, None], b_dgk[None, :], 0)
+    b_dk += b_dkgb * b_gexp * b_beta[:, None]
+    return b_dg, b_dk, b_db
+
+
+@triton.jit
 def _da_chain(b_dA, b_At, b_beta, m_strict):
     """dA = -A^T strict_lower(X Diag(beta)) A^T, rounding to A's dtype before each dot as fla does."""
     b_dA = tl.where(m_strict, b_dA * b_beta[None, :], 0)
@@ -449,10 +461,7 @@ def wy_dqkg_fullk_kernel(
     b_dwb = _to(-b_dw, b_k.dtype)
     b_kg = b_k * b_gexp
     b_dA += _dot(b_dwb, tl.trans(_to(b_kg, b_k.dtype)))
-    b_dkgb = _dot(b_At, b_dwb)
-    b_db += tl.sum(b_dkgb * b_kg, axis=1)
-    b_dg += b_kg * b_dkgb * b_beta[:, None] + tl.where(m_last[:, None], b_dgk[None, :], 0)
-    b_dk += b_dkgb * b_gexp * b_beta[:, None]
+    b_dg, b_dk, b_db = _k_side_terms(b_At, b_dwb, b_kg, b_gexp, b_beta, b_dgk, m_last, b_dg, b_dk, b_db)
     tl.store(dk + p_tk, b_dk, mask=m_tk)
     tl.store(dg + p_tk, b_dg, mask=m_tk)
 
@@ -570,10 +579,7 @@ def wy_dqkg_transposed_main_kernel(
         b_dwb = tl.load(dw_park + p_ts, mask=m_ts, other=0)
         b_kg = b_k * b_gexp
         tl.store(kg_park + p_ts, _to(b_kg, kg_park.dtype.element_ty), mask=m_ts)
-        b_dkgb = _dot(b_At, b_dwb)
-        b_db += tl.sum(b_dkgb * b_kg, axis=1)
-        b_dg += b_kg * b_dkgb * b_beta[:, None] + tl.where(m_last[:, None], b_dgk_s[None, :], 0)
-        b_dk += b_dkgb * b_gexp * b_beta[:, None]
+        b_dg, b_dk, b_db = _k_side_terms(b_At, b_dwb, b_kg, b_gexp, b_beta, b_dgk_s, m_last, b_dg, b_dk, b_db)
         tl.store(dk + p_ts, b_dk, mask=m_ts)
         tl.store(dg + p_ts, b_dg, mask=m_ts)
     tl.store(db + o_t * HV, b_db, mask=m_t)
