@@ -227,8 +227,9 @@ def test_prefetch_tile_counts_from_the_end():
 
 
 # The shipped fullk kernel as ptxas 12.8 (Triton 3.6.0's bundled one) assembles it for
-# sm_90a, launch order as the launcher picks it: bench/results/b6_compile_sm90.jsonl at 6e7a91a.
-_FULLK_BUDGET = [(128, 256, True, 48), (128, 256, False, 44), (64, 128, False, 0)]
+# sm_90a, launch order as the launcher picks it: the latest rows of
+# bench/results/b6_compile_sm90.jsonl (db's v-side accumulated element by element).
+_FULLK_BUDGET = [(128, 256, True, 36), (128, 256, False, 32), (64, 128, False, 0)]
 
 
 @pytest.mark.skipif(triton.__version__ != "3.6.0", reason="spill figures recorded with Triton 3.6.0's ptxas")
