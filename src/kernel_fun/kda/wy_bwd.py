@@ -32,7 +32,9 @@ Two designs, same contract and outputs as fla's function:
    three values derived from it, and dq is stored straight from that layout (8-byte pair
    stores, ``_store_pairs``) rather than through shared memory, and beta is pinned to db's
    row layout so the dA chain's column copy of it is one conversion rather than 16
-   loads per thread. Launch order: at K=128 with at
+   loads per thread. db's v-side is accumulated element by element over the V tiles and
+   summed over its columns once after the loop (a row sum per tile was three of the
+   loop's five CTA barriers), and dA too is stored by pair stores. Launch order: at K=128 with at
    least ``HEADS_FAST_MIN_BHV`` (b, hv) pairs a 1D grid with b*hv fastest, so the programs
    in flight share a chunk index across sequences and heads; otherwise fla's order (2D
    grid, chunks fastest). Both orders compute bitwise the same outputs. Launched with a
@@ -63,18 +65,23 @@ Measured on the H200 (2026-11-30, torch 2.11, triton 3.6; rows in
 ``bench/results/stages.jsonl``, the sweeps, ablations and their reading in
 ``docs/b6-wy-backward.md``):
 
-- prod8192_gate (B16 T8192 H=HV=16 K128 V256): fullk 4.97 ms against fla's 12.49 in the
-  same run, 2.51x fla, 1.33x the 3.73 ms floor (BV=64, 8 warps, 3 stages, A and beta
+- prod8192_gate (B16 T8192 H=HV=16 K128 V256): fullk 4.87 ms against fla's 12.62 in the
+  same run, 2.59x fla, 1.30x the 3.73 ms floor (BV=64, 8 warps, 3 stages, A and beta
   loaded with every V tile, beta's load first in the loop body, the epilogue's k, q and
   g prefetched into L2 two V tiles before the end, g converted once into the
-  accumulators' layout, dq stored from it, the epilogue's beta pinned to db's layout,
-  b*hv-fastest launch order; 188 KB shared, 255 registers, 48 B of spills per thread).
-  The epilogue's beta pinned, side by side with the kernel before it: 5.29 -> 5.12 ms,
-  b8 2.76 -> 2.66 (bitwise the same outputs; 104 -> 48 B of spills). On top of it, in
-  the same process: dA stored by pair stores 5.02 (b8 2.61; 28 B of spills), the loop's
-  beta loaded at the first V tile only and carried 5.00 (b8 2.65), both 5.04 (b8 2.63):
-  gains of 1-2% on a machine whose spreads were +-2.5%, untested on the other shapes, not
-  shipped. Beta's load first, side by side with the
+  accumulators' layout, dq and dA stored from it, the epilogue's beta pinned to db's
+  layout, db's v-side summed once after the loop, b*hv-fastest launch order; 188 KB
+  shared, 255 registers, 36 B of spills per thread). db's v-side accumulated element by
+  element with dA's pair stores, side by side with the kernel before it: 5.02 -> 4.77 ms,
+  b8 2.58 -> 2.46, small 0.776 -> 0.712 (db moves by 1.2e-7 relative, the rest bitwise;
+  spills 48 -> 36 B, the V loop 502 -> 468 SASS instructions and 5 -> 2 CTA barriers per
+  tile); either alone 4.96 and 4.91. Not better on top of it (same process): the
+  prefetch one V tile before the end 4.90 against 4.93 (b8 2.52 against 2.53, noise),
+  three before 5.09, the loop's beta loaded at the first tile only 5.01 (b8 2.66 against
+  2.53), dk or dg by pair stores 5.00 / 5.03 (68 / 72 B), dk, dg and dv2 stored
+  evict-first 4.897 against 4.903. The epilogue's beta pinned, side by side with the
+  kernel before it: 5.29 -> 5.12 ms, b8 2.76 -> 2.66 (bitwise the same outputs; 104 ->
+  48 B of spills). Beta's load first, side by side with the
   kernel before it: 5.25 -> 5.16 ms, b8 2.67 -> 2.64, small 0.762 -> 0.746, k64 1.47 ->
   1.42 (bitwise the same outputs). Not better on top of it (same process, prod8192_gate):
   dk stored by pair stores as well 5.30 against 5.23 (112 B of spills), dA by pair
@@ -104,21 +111,23 @@ Measured on the H200 (2026-11-30, torch 2.11, triton 3.6; rows in
   (each load waited out its own DRAM round trip behind a layout-conversion barrier) the
   kernel took 6.74-6.82 ms; at 2 stages and int64 in-tile offsets, 7.68 ms. transposed:
   9.94 ms at its best (BV=32, KS=64; main kernel 213 registers and no spills, side kernel
-  124). fullk won at every shape and grid measured (1.58-2.59x fla: kimi 4.12 ms and b8
-  2.56 in the b*hv-fastest order; small 0.707, k64 1.52, 1,024 chunk-heads 0.325 and 64
-  chunk-heads 0.155 in fla's order, which they keep; at the two small grids fla ran the
+  124). fullk won at every shape and grid measured (1.58-2.59x fla: kimi 4.21 ms and b8
+  2.44 in the b*hv-fastest order; small 0.692, k64 1.43 at the current kernel, 1,024
+  chunk-heads 0.325 and 64 chunk-heads 0.155 at a64d502, in fla's order, which they keep; at the two small grids fla ran the
   config tuned at prod8192_gate, and autotuned there on another machine start it took
   0.565 and 0.206 against our 0.301 and 0.123), so it is the default and there is no
   CTA floor.
-- K=64 (k64: B8 T8192 H=HV=16 K64 V128): 1.52 ms against fla's 2.78 (1.83x, 1.78x the
-  0.85 ms floor; both kernels 7-8% slower than on the machine start before, where the
-  previous kernel took 1.40 against 2.60) at the K=128 config (248 registers, no
-  spills; not timed side by side with the previous kernel); before g was converted
+- K=64 (k64: B8 T8192 H=HV=16 K64 V128): 1.43 ms against fla's 2.71 (1.90x, 1.67x the
+  0.85 ms floor) at the K=128 config (222 registers, no spills); 1.52 against 2.78 with
+  the epilogue's beta pinned, 1.40 against 2.60 before it on another machine start (not
+  timed side by side); before g was converted
   once 1.60 ms against 2.72 (1.55 -> 1.46 side by side); 1.75 ms without the
   prefetch; 4-warp programs (two per SM) 1.67-1.76 ms, 8 warps capped at 128 registers
   2.35 ms.
 - where a program's time goes (per-program %globaltimer stamps, prod8192_gate, one
-  launch, before g was converted once): V loop 11.8 us and epilogue 11.8 us (medians) of a
+  launch, at the current kernel): V loop 9.95 us and epilogue 10.46 us (medians) of a
+  20.5 us program, an upper bound (the stamped kernel took 5.45 ms against 4.87); before
+  g was converted once: V loop 11.8 us and epilogue 11.8 us (medians) of a
   ~24 us program, one program per SM (after: 11.1 and 11.7 of ~23 us, an upper bound,
   as the stamped kernel compiles to a slower epilogue, 6.12 against 5.55 ms); at any moment about half the SMs are in each phase (56-68 streaming), a V loop
   takes 11.6 us in the quarter of programs with the fewest other SMs streaming and 11.9
@@ -140,9 +149,9 @@ Measured on the H200 (2026-11-30, torch 2.11, triton 3.6; rows in
   the beta load made the kernel slower. In the current kernel's profile (6.06 ms, 30.5%
   of issue slots busy, DRAM 57%) the largest single wait (6.6%) is sum_V h*dh reading h
   back from shared memory behind the dots' operand reads.
-- the 4.5 ms target is not met yet (4.97 ms, ~10% short): one 8-warp program per SM (255
-  registers), whose V loop and once-per-chunk-head epilogue each took ~11-12 us and
-  never overlap within the SM; 4.5 ms needs ~18 us per program against ~20 now. Tried and measured without a gain: K split across
+- the 4.5 ms target is not met yet (4.87 ms, ~8% short): one 8-warp program per SM (255
+  registers), whose V loop and once-per-chunk-head epilogue each take ~10 us and
+  never overlap within the SM; 4.5 ms needs ~18 us per program against ~19.5 now. Tried and measured without a gain: K split across
   a pair of 4-warp programs (7.72 ms), an L1 carveout for the spills, accumulators as two
   K halves (spills 296 -> 120 B, same time), TMA-descriptor loads (7.28 against 6.93 ms),
   and a persistent grid with TMA loads (9.38 ms); its flattened form, which would overlap
@@ -153,8 +162,9 @@ Measured on the H200 (2026-11-30, torch 2.11, triton 3.6; rows in
   chunk-heads (a grid-dependent error, which points at a race between the parked
   accumulators and the pipelined strip loads; not chased further); its pinned config uses
   two stages, which held parity everywhere.
-- whole op at prod8192_gate with this stage ours and every other on fla: fwd+bwd 40.11 ms
-  against fla's 47.21 ms (1.177x), before the epilogue's beta was pinned.
+- whole op at prod8192_gate with this stage ours and every other on fla: fwd+bwd 39.71 ms
+  against fla's 47.06 ms (1.185x); 40.11 against 47.21 (1.177x) before the epilogue's
+  beta was pinned.
 """
 
 from __future__ import annotations
@@ -474,6 +484,9 @@ def wy_dqkg_fullk_kernel(
 
     m_strict = (o_t[:, None] > o_t[None, :]) & m_t[:, None] & m_t[None, :]
     b_dA = _da_chain(b_dA, b_At, b_beta, m_strict)
+    # from the accumulators' layout too (one fp32 [64, 64] conversion fewer): with db's
+    # v-side summed after the loop, 72 -> 36 B of spills and 4.96 -> 4.77 ms side by side;
+    # alone, on the kernel before, 5.12 -> 5.02 and within noise before that
     _store_pairs(dA + o_t[:, None] * (HV * BT) + o_t[None, :], b_dA, m_t[:, None] & (o_t[None, :] < BT))
     tl.store(db + o_t * HV, b_db, mask=m_t)
     if TIMELINE:  # every store issued; one row per program, in launch order
