@@ -112,8 +112,8 @@ Measured on the H200 (2026-11-30, torch 2.11, triton 3.6; rows in
   kernel took 6.74-6.82 ms; at 2 stages and int64 in-tile offsets, 7.68 ms. transposed:
   9.94 ms at its best (BV=32, KS=64; main kernel 213 registers and no spills, side kernel
   124). fullk won at every shape and grid measured (1.58-2.59x fla: kimi 4.21 ms and b8
-  2.44 in the b*hv-fastest order; small 0.692, k64 1.43 at the current kernel, 1,024
-  chunk-heads 0.325 and 64 chunk-heads 0.155 at a64d502, in fla's order, which they keep; at the two small grids fla ran the
+  2.44 in the b*hv-fastest order; small 0.692, k64 1.43, 1,024 chunk-heads 0.242 and 64
+  chunk-heads 0.087 in fla's order, which they keep; at the two small grids fla ran the
   config tuned at prod8192_gate, and autotuned there on another machine start it took
   0.565 and 0.206 against our 0.301 and 0.123), so it is the default and there is no
   CTA floor.
@@ -146,9 +146,12 @@ Measured on the H200 (2026-11-30, torch 2.11, triton 3.6; rows in
   profiler's locked clocks) put 40% in the V loop and 55% in the epilogue, 25.6% of issue
   slots busy with 2 warps per scheduler, DRAM at 54% of peak; the loop's largest waits
   were its per-tile beta load (8.4% of samples) and its tile wait (6.1%), and hoisting
-  the beta load made the kernel slower. In the current kernel's profile (6.06 ms, 30.5%
-  of issue slots busy, DRAM 57%) the largest single wait (6.6%) is sum_V h*dh reading h
-  back from shared memory behind the dots' operand reads.
+  the beta load made the kernel slower. In the current kernel's profile (5.58 ms at the
+  profiler's clocks, 31% of issue slots busy, DRAM 60%) 45% of samples are in the V
+  loop (its dots 16%, the h and dh tiles' first use 7%, dv2's store 5%) and 49% in the
+  epilogue (spread: stores 9%, sums 4%, the dA chain's beta 3%, g's load 3%); sum_V h*dh
+  as thread-local partial sums (no shuffles in the loop) took 4.98 against 4.86 ms, dv2
+  as packed bf16 pairs 5.11, and the pair stores without their checks 4.89.
 - the 4.5 ms target is not met yet (4.87 ms, ~8% short): one 8-warp program per SM (255
   registers), whose V loop and once-per-chunk-head epilogue each take ~10 us and
   never overlap within the SM; 4.5 ms needs ~18 us per program against ~19.5 now. Tried and measured without a gain: K split across
@@ -716,8 +719,9 @@ def prefetch_iter(V: int, BV: int, pf_at: int | None) -> int:
 
 
 # No floor: fullk beat fla's kernel at every grid measured, down to 64 chunk-heads
-# (0.155 against 0.245 ms at 1a00800; 0.123 against 0.206 at cc3f7e4, another machine
-# start). Grids below this many chunk-heads would go to fla.
+# (0.087 against 0.152 ms at d4cc914; 0.155 against 0.245 at 1a00800 and 0.123 against
+# 0.206 at cc3f7e4, other machine starts). Grids below this many chunk-heads would go to
+# fla.
 MIN_CTAS = 0
 _SMALLEST_BV = 32
 
