@@ -151,7 +151,8 @@ Measured on the H200 (2026-11-30, torch 2.11, triton 3.6; rows in
   loop (its dots 16%, the h and dh tiles' first use 7%, dv2's store 5%) and 49% in the
   epilogue (spread: stores 9%, sums 4%, the dA chain's beta 3%, g's load 3%); sum_V h*dh
   as thread-local partial sums (no shuffles in the loop) took 4.98 against 4.86 ms, dv2
-  as packed bf16 pairs 5.11, and the pair stores without their checks 4.89.
+  as packed bf16 pairs 5.11, and the pair stores without their checks 4.89; 16 warps
+  (128 registers, 140 B of spills) 6.59 against 4.83.
 - the 4.5 ms target is not met yet (4.87 ms, ~8% short): one 8-warp program per SM (255
   registers), whose V loop and once-per-chunk-head epilogue each take ~10 us and
   never overlap within the SM; 4.5 ms needs ~18 us per program against ~19.5 now. Tried and measured without a gain: K split across
