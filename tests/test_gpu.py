@@ -167,12 +167,12 @@ def test_b6_timeline_instrument(shape):
 def _pair_store_probe(a, b, out, n_rows, PAIRS: tl.constexpr):
     o_m, o_n, o_k = tl.arange(0, 64), tl.arange(0, 128), tl.arange(0, 16)
     x = tl.dot(tl.load(a + o_m[:, None] * 16 + o_k[None, :]), tl.load(b + o_k[:, None] * 128 + o_n[None, :]))
-    ptr = out + o_m[:, None] * 128 + o_n[None, :]
+    off = o_m[:, None] * 128 + o_n[None, :]
     mask = (o_m < n_rows)[:, None] & (o_n < 128)[None, :]
     if PAIRS:
-        wy_bwd._store_pairs(ptr, x, mask)
+        wy_bwd._store_pairs(out, off, x, mask)
     else:
-        tl.store(ptr, x, mask=mask)
+        tl.store(out + off, x, mask=mask)
 
 
 def test_b6_pair_stores_equal_plain_stores():

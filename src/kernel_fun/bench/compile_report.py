@@ -110,6 +110,8 @@ def main(argv=None):
     parser.add_argument("--design", default="fullk,transposed,side")
     parser.add_argument("--K", type=int, default=128)
     parser.add_argument("--V", type=int, default=256)
+    parser.add_argument("--H", type=int, default=16)
+    parser.add_argument("--HV", type=int, default=16, help="value heads; strides fold into the code, so spills can change with it")
     parser.add_argument("--BV", default="32,64,128")
     parser.add_argument("--warps", default="4,8")
     parser.add_argument("--stages", default="1,2,3")
@@ -121,10 +123,11 @@ def main(argv=None):
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     for design in args.design.split(","):
         for BV, warps, stages, KS in itertools.product(ints(args.BV), ints(args.warps), ints(args.stages), ints(args.KS)):
-            row = dict(design=design, K=args.K, V=args.V, BV=BV, KS=KS if design == "transposed" else None,
+            row = dict(design=design, K=args.K, V=args.V, **({"H": args.H, "HV": args.HV} if (args.H, args.HV) != (16, 16) else {}),
+                       BV=BV, KS=KS if design == "transposed" else None,
                        **({"switches": json.loads(args.extra)} if args.extra != "{}" else {}))
             try:
-                row.update(b6_report(design, args.K, args.V, 16, 16, BV, warps, stages, KS, maxnreg=args.maxnreg,
+                row.update(b6_report(design, args.K, args.V, args.H, args.HV, BV, warps, stages, KS, maxnreg=args.maxnreg,
                                      extra=json.loads(args.extra)))
             except Exception as err:  # a config that does not compile is a row too
                 row.update(error=str(err).splitlines()[0][:160], num_warps=warps, num_stages=stages)

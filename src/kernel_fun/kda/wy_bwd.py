@@ -287,29 +287,35 @@ def _opaque_zeros_like(x):
 
 
 @triton.jit
-def _store_pairs(ptr, x, mask):
-    """tl.store(ptr, x, mask) for fp32, written by each thread as 8-byte stores of
+def _store_pairs(base, off, x, mask):
+    """tl.store(base + off, x, mask) for fp32, written by each thread as 8-byte stores of
     consecutive element pairs in x's own layout, so a tile in the accumulators' layout is
     stored without first moving through shared memory into a blocked layout. In that
     layout a thread's elements come in pairs of adjacent columns; each pair is checked at
-    run time (second address = first + 4, first 8-byte aligned, both unmasked) and stored
-    element by element otherwise, so any layout stores the same values."""
+    run time (second offset = first + 1, first address 8-byte aligned, both unmasked) and
+    stored element by element otherwise, so any layout stores the same values. The
+    addresses are formed inside the store from one base pointer and int32 element offsets:
+    given a 64-bit pointer per element, the compiler kept up to 32 of them live for a
+    [64, 64] tile and spilled (the dA store at HV=32: 196 B of spills against 20 B)."""
     tl.static_assert(x.dtype == tl.float32, "_store_pairs stores fp32 values")
-    tl.static_assert(ptr.dtype.element_ty == tl.float32, "_store_pairs stores to fp32 pointers")
+    tl.static_assert(base.dtype.element_ty == tl.float32, "_store_pairs stores to fp32 pointers")
+    tl.static_assert(off.dtype == tl.int32, "_store_pairs takes int32 element offsets")
     if _INTERPRETING:
-        tl.store(ptr, x, mask=mask)
+        tl.store(base + off, x, mask=mask)
     else:
+        b = tl.broadcast_to(base.to(tl.int64, bitcast=True), x.shape)
         tl.inline_asm_elementwise(
-            "{ .reg .pred m0, m1, adj, al, v, f0, f1; .reg .b64 d, lo;"
-            " setp.ne.b32 m0, $6, 0; setp.ne.b32 m1, $7, 0;"
-            " sub.s64 d, $3, $2; setp.eq.s64 adj, d, 4;"
-            " and.b64 lo, $2, 7; setp.eq.s64 al, lo, 0;"
+            "{ .reg .pred m0, m1, adj, al, v, f0, f1; .reg .b64 a0, a1, lo; .reg .b32 d;"
+            " setp.ne.b32 m0, $8, 0; setp.ne.b32 m1, $9, 0;"
+            " sub.s32 d, $5, $4; setp.eq.s32 adj, d, 1;"
+            " mad.wide.s32 a0, $4, 4, $2; mad.wide.s32 a1, $5, 4, $3;"
+            " and.b64 lo, a0, 7; setp.eq.s64 al, lo, 0;"
             " and.pred v, adj, al; and.pred v, v, m0; and.pred v, v, m1;"
-            " @v st.global.v2.f32 [$2], {$4, $5};"
+            " @v st.global.v2.f32 [a0], {$6, $7};"
             " not.pred v, v; and.pred f0, v, m0; and.pred f1, v, m1;"
-            " @f0 st.global.f32 [$2], $4; @f1 st.global.f32 [$3], $5;"
+            " @f0 st.global.f32 [a0], $6; @f1 st.global.f32 [a1], $7;"
             " mov.b32 $0, 0; mov.b32 $1, 0; }",
-            "=r,=r,l,l,r,r,r,r", [ptr.to(tl.int64, bitcast=True), x, mask.to(tl.int32)],
+            "=r,=r,l,l,r,r,r,r,r,r", [b, off, x, mask.to(tl.int32)],
             dtype=tl.int32, is_pure=False, pack=2)
 
 
@@ -472,7 +478,7 @@ def wy_dqkg_fullk_kernel(
     b_dg = b_q.to(tl.float32) * b_dq
     # stored from the accumulators' layout: 104 B of spills per thread instead of 164 (5.38
     # against 5.53 ms at prod8192_gate)
-    _store_pairs(dq + p_tk, b_dq, m_tk)
+    _store_pairs(dq, p_tk, b_dq, m_tk)
 
     b_dk = b_dk * tl.where(m_t[:, None], tl.exp2(b_gn[None, :] - b_g), 0)
     b_kdk = b_k.to(tl.float32) * b_dk
@@ -491,7 +497,7 @@ def wy_dqkg_fullk_kernel(
     # from the accumulators' layout too (one fp32 [64, 64] conversion fewer): with db's
     # v-side summed after the loop, 72 -> 36 B of spills and 4.96 -> 4.77 ms side by side;
     # alone, on the kernel before, 5.12 -> 5.02 and within noise before that
-    _store_pairs(dA + o_t[:, None] * (HV * BT) + o_t[None, :], b_dA, m_t[:, None] & (o_t[None, :] < BT))
+    _store_pairs(dA, o_t[:, None] * (HV * BT) + o_t[None, :], b_dA, m_t[:, None] & (o_t[None, :] < BT))
     tl.store(db + o_t * HV, b_db, mask=m_t)
     if TIMELINE:  # every store issued; one row per program, in launch order
         row = stamps + (tl.program_id(0) + tl.program_id(1) * tl.num_programs(0)).to(tl.int64) * 4
