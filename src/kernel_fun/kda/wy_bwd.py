@@ -34,7 +34,9 @@ Two designs, same contract and outputs as fla's function:
    row layout so the dA chain's column copy of it is one conversion rather than 16
    loads per thread. db's v-side is accumulated element by element over the V tiles and
    summed over its columns once after the loop (a row sum per tile was three of the
-   loop's five CTA barriers), and dA too is stored by pair stores. Launch order: at K=128 with at
+   loop's five CTA barriers), and dA too is stored by pair stores, which take one base
+   pointer and int32 element offsets (with a 64-bit pointer per element the compiler kept
+   the addresses live and spilled: 196 B at HV=32). Launch order: at K=128 with at
    least ``HEADS_FAST_MIN_BHV`` (b, hv) pairs a 1D grid with b*hv fastest, so the programs
    in flight share a chunk index across sequences and heads; otherwise fla's order (2D
    grid, chunks fastest). Both orders compute bitwise the same outputs. Launched with a
@@ -65,13 +67,18 @@ Measured on the H200 (2026-11-30, torch 2.11, triton 3.6; rows in
 ``bench/results/stages.jsonl``, the sweeps, ablations and their reading in
 ``docs/b6-wy-backward.md``):
 
-- prod8192_gate (B16 T8192 H=HV=16 K128 V256): fullk 4.87 ms against fla's 12.62 in the
-  same run, 2.59x fla, 1.30x the 3.73 ms floor (BV=64, 8 warps, 3 stages, A and beta
+- prod8192_gate (B16 T8192 H=HV=16 K128 V256): fullk 4.90 ms against fla's 12.34 in the
+  same run, 2.52x fla, 1.31x the 3.73 ms floor (4.87 against 12.62 at eadc09a, the
+  pair stores' 64-bit pointers; BV=64, 8 warps, 3 stages, A and beta
   loaded with every V tile, beta's load first in the loop body, the epilogue's k, q and
   g prefetched into L2 two V tiles before the end, g converted once into the
   accumulators' layout, dq and dA stored from it, the epilogue's beta pinned to db's
   layout, db's v-side summed once after the loop, b*hv-fastest launch order; 188 KB
-  shared, 255 registers, 36 B of spills per thread). db's v-side accumulated element by
+  shared, 255 registers, 24 B of spills per thread). Pair stores by int32 offsets, side
+  by side with eadc09a: prod8192_gate 4.85 -> 4.96 ms (+2.3%), kimi (H=HV=32, V=128)
+  4.19 -> 3.78 (-9.8%; eadc09a had made kimi 6% slower than the kernel before it, 196 B
+  of spills at HV=32 against 20 B now); shipped for kimi and for robustness across HV
+  (offline, HV 4 to 64: 20-40 B against up to 208). db's v-side accumulated element by
   element with dA's pair stores, side by side with the kernel before it: 5.02 -> 4.77 ms,
   b8 2.58 -> 2.46, small 0.776 -> 0.712 (db moves by 1.2e-7 relative, the rest bitwise;
   spills 48 -> 36 B, the V loop 502 -> 468 SASS instructions and 5 -> 2 CTA barriers per
@@ -111,8 +118,9 @@ Measured on the H200 (2026-11-30, torch 2.11, triton 3.6; rows in
   (each load waited out its own DRAM round trip behind a layout-conversion barrier) the
   kernel took 6.74-6.82 ms; at 2 stages and int64 in-tile offsets, 7.68 ms. transposed:
   9.94 ms at its best (BV=32, KS=64; main kernel 213 registers and no spills, side kernel
-  124). fullk won at every shape and grid measured (1.58-2.59x fla: kimi 4.21 ms and b8
-  2.44 in the b*hv-fastest order; small 0.692, k64 1.43, 1,024 chunk-heads 0.242 and 64
+  124). fullk won at every shape and grid measured (1.58-2.74x fla: kimi 3.74 ms and b8
+  2.44 (eadc09a) in the b*hv-fastest order; small 0.692, k64 1.43 (eadc09a), 1,024
+  chunk-heads 0.242 and 64
   chunk-heads 0.087 in fla's order, which they keep; at the two small grids fla ran the
   config tuned at prod8192_gate, and autotuned there on another machine start it took
   0.565 and 0.206 against our 0.301 and 0.123), so it is the default and there is no
@@ -153,7 +161,7 @@ Measured on the H200 (2026-11-30, torch 2.11, triton 3.6; rows in
   as thread-local partial sums (no shuffles in the loop) took 4.98 against 4.86 ms, dv2
   as packed bf16 pairs 5.11, and the pair stores without their checks 4.89; 16 warps
   (128 registers, 140 B of spills) 6.59 against 4.83.
-- the 4.5 ms target is not met yet (4.87 ms, ~8% short): one 8-warp program per SM (255
+- the 4.5 ms target is not met yet (4.87-4.90 ms, ~8% short): one 8-warp program per SM (255
   registers), whose V loop and once-per-chunk-head epilogue each take ~10 us and
   never overlap within the SM; 4.5 ms needs ~18 us per program against ~19.5 now. Tried and measured without a gain: K split across
   a pair of 4-warp programs (7.72 ms), an L1 carveout for the spills, accumulators as two
@@ -167,8 +175,8 @@ Measured on the H200 (2026-11-30, torch 2.11, triton 3.6; rows in
   accumulators and the pipelined strip loads; not chased further); its pinned config uses
   two stages, which held parity everywhere.
 - whole op at prod8192_gate with this stage ours and every other on fla: fwd+bwd 39.71 ms
-  against fla's 47.06 ms (1.185x); 40.11 against 47.21 (1.177x) before the epilogue's
-  beta was pinned.
+  against fla's 47.06 ms (1.185x) at eadc09a (not re-run with the offset pair stores);
+  40.11 against 47.21 (1.177x) before the epilogue's beta was pinned.
 """
 
 from __future__ import annotations
