@@ -78,7 +78,7 @@ Measured on the H200 (2026-11-30, torch 2.11, triton 3.6; rows in
   by side with eadc09a: prod8192_gate 4.85 -> 4.96 ms (+2.3%), kimi (H=HV=32, V=128)
   4.19 -> 3.78 (-9.8%; eadc09a had made kimi 6% slower than the kernel before it, 196 B
   of spills at HV=32 against 20 B now); shipped for kimi and for robustness across HV
-  (offline, HV 4 to 64: 20-40 B against up to 208). db's v-side accumulated element by
+  (offline, nine (HV, V) pairs, HV 4-64, V 128-512: 16-40 B against up to 208). db's v-side accumulated element by
   element with dA's pair stores, side by side with the kernel before it: 5.02 -> 4.77 ms,
   b8 2.58 -> 2.46, small 0.776 -> 0.712 (db moves by 1.2e-7 relative, the rest bitwise;
   spills 48 -> 36 B, the V loop 502 -> 468 SASS instructions and 5 -> 2 CTA barriers per
