@@ -126,7 +126,8 @@ Measured on the H200 (2026-11-30, torch 2.11, triton 3.6; rows in
   0.565 and 0.206 against our 0.301 and 0.123), so it is the default and there is no
   CTA floor.
 - K=64 (k64: B8 T8192 H=HV=16 K64 V128): 1.43 ms against fla's 2.71 (1.90x, 1.67x the
-  0.85 ms floor) at the K=128 config (222 registers, no spills); 1.52 against 2.78 with
+  0.85 ms floor) at eadc09a, at the K=128 config (222 registers, no spills; 239 with the
+  offset pair stores, not timed at K=64); 1.52 against 2.78 with
   the epilogue's beta pinned, 1.40 against 2.60 before it on another machine start (not
   timed side by side); before g was converted
   once 1.60 ms against 2.72 (1.55 -> 1.46 side by side); 1.75 ms without the
