@@ -191,7 +191,7 @@ from kernel_fun.kda import wy_bwd
 @triton.jit
 def probe(out):
     o = tl.arange(0, 256)
-    wy_bwd._store_pairs(out, o, tl.zeros([256], dtype=tl.DTYPE), o < 256)
+    wy_bwd._store_pairs(out, o.to(tl.OFF), tl.zeros([256], dtype=tl.DTYPE), o < 256)
 
 try:
     triton.compile(ASTSource(fn=probe, signature={"out": "*PTR"}, constexprs={}), target=GPUTarget("cuda", 90, 32))
@@ -201,18 +201,20 @@ except Exception as err:
 """
 
 
-@pytest.mark.parametrize("dtype,ptr,want", [("bfloat16", "bf16", "_store_pairs stores fp32 values"),
-                                           ("float32", "bf16", "_store_pairs stores to fp32 pointers"),
-                                           ("float32", "fp32", "compiled")])
-def test_pair_stores_compile_for_fp32_only(dtype, ptr, want, tmp_path):
-    """_store_pairs writes fp32 pairs in inline PTX: compiled for sm_90a (in a process
-    without the interpreter), fp32 compiles and anything else is refused at compile time."""
+@pytest.mark.parametrize("dtype,ptr,off,want", [("bfloat16", "bf16", "int32", "_store_pairs stores fp32 values"),
+                                               ("float32", "bf16", "int32", "_store_pairs stores to fp32 pointers"),
+                                               ("float32", "fp32", "int64", "_store_pairs takes int32 element offsets"),
+                                               ("float32", "fp32", "int32", "compiled")])
+def test_pair_stores_compile_for_fp32_only(dtype, ptr, off, want, tmp_path):
+    """_store_pairs writes fp32 pairs in inline PTX at int32 element offsets: compiled for
+    sm_90a (in a process without the interpreter), fp32 at int32 offsets compiles and
+    anything else is refused at compile time (an int64 offset would be truncated)."""
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     probe = tmp_path / "probe.py"
-    probe.write_text(_PAIR_STORE_PROBE.replace("DTYPE", dtype).replace("PTR", ptr))
+    probe.write_text(_PAIR_STORE_PROBE.replace("DTYPE", dtype).replace("PTR", ptr).replace("OFF", off))
     out = subprocess.run([sys.executable, str(probe)], capture_output=True, text=True, env=env, timeout=300)
     assert want in out.stdout, out.stdout + out.stderr
 

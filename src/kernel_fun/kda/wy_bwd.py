@@ -506,7 +506,7 @@ def wy_dqkg_fullk_kernel(
     # from the accumulators' layout too (one fp32 [64, 64] conversion fewer): with db's
     # v-side summed after the loop, 72 -> 36 B of spills and 4.96 -> 4.77 ms side by side;
     # alone, on the kernel before, 5.12 -> 5.02 and within noise before that
-    _store_pairs(dA, o_t[:, None] * (HV * BT) + o_t[None, :], b_dA, m_t[:, None] & (o_t[None, :] < BT))
+    _store_pairs(dA, o_t[:, None] * (HV * BT) + o_t[None, :], b_dA, tl.broadcast_to(m_t[:, None], (BT, BT)))
     tl.store(db + o_t * HV, b_db, mask=m_t)
     if TIMELINE:  # every store issued; one row per program, in launch order
         row = stamps + (tl.program_id(0) + tl.program_id(1) * tl.num_programs(0)).to(tl.int64) * 4
