@@ -104,9 +104,11 @@ def test_gate_engages_on_hopper():
 # B6: kernel-fun's WY backward against fla's stage on the GPU
 # --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("shape,design", [(shape, design) for shape in ("grid64", "grid1024", "b8")
-                                          for design in ("fullk", "transposed")] + [("k64", "fullk")])
+                                          for design in ("fullk", "transposed")]
+                         + [("k64", "fullk"), ("v64", "fullk"), ("v32", "fullk")])
 def test_b6_matches_fla_stage(shape, design):
-    """Both sides of any CTA floor (64 and 1,024 chunk-heads), a production grid, and K=64."""
+    """Both sides of any CTA floor (64 and 1,024 chunk-heads), a production grid, K=64, and
+    V=64 and 32 (where the V tile rule halves the pinned BV)."""
     from kernel_fun.bench import stage_b6
     from kernel_fun.kda import reference as ref
     from kernel_fun.kda.chain import _fla_wy_dqkg
@@ -169,30 +171,34 @@ def _pair_store_probe(a, b, out, n_rows, PAIRS: tl.constexpr):
     x = tl.dot(tl.load(a + o_m[:, None] * 16 + o_k[None, :]), tl.load(b + o_k[:, None] * 128 + o_n[None, :]))
     off = o_m[:, None] * 128 + o_n[None, :]
     mask = (o_m < n_rows)[:, None] & (o_n < 128)[None, :]
-    if PAIRS:
+    if PAIRS == 1:
         wy_bwd._store_pairs(out, off, x, mask)
+    elif PAIRS == 2:
+        wy_bwd._store_pairs(out + off, None, x, mask)
     else:
         tl.store(out + off, x, mask=mask)
 
 
 def test_b6_pair_stores_equal_plain_stores():
     """wy_bwd._store_pairs (8-byte stores of element pairs from the accumulators' layout,
-    inline PTX) writes exactly what tl.store writes: on a dot result with a partial row
-    mask, at an 8-byte-aligned base (pairs stored whole) and a base 4 bytes off (every
-    pair falls back to single stores), leaving masked rows untouched."""
+    inline PTX), addressed by int32 offsets or by a pointer per element, writes exactly what
+    tl.store writes: on a dot result with a partial row mask, at an 8-byte-aligned base
+    (pairs stored whole) and a base 4 bytes off (every pair falls back to single stores),
+    leaving masked rows untouched."""
     gen = torch.Generator(device="cuda").manual_seed(5)
     a = torch.randn(64, 16, device="cuda", generator=gen).bfloat16()
     b = torch.randn(16, 128, device="cuda", generator=gen).bfloat16()
     for offset in (0, 1):
         outs = []
-        for pairs in (False, True):
+        for pairs in (0, 1, 2):
             buf = torch.full((64 * 128 + 2,), -7.0, device="cuda")
             launched = _pair_store_probe[(1,)](a, b, buf[offset:], 41, PAIRS=pairs, num_warps=8)
             # the pair path really is the inline 8-byte stores, from the dot's layout
             assert not pairs or "st.global.v2.f32" in launched.asm["ptx"]
             outs.append(buf)
-        assert torch.equal(outs[0], outs[1]), f"offset {offset}"
-        assert (outs[1][offset + 41 * 128:] == -7.0).all() and (outs[1][offset:offset + 41 * 128] != -7.0).all()
+        for by, got in zip(("offsets", "pointers"), outs[1:]):
+            assert torch.equal(outs[0], got), f"offset {offset}, by {by}"
+            assert (got[offset + 41 * 128:] == -7.0).all() and (got[offset:offset + 41 * 128] != -7.0).all()
 
 
 def test_b6_launch_witness_at_prod8192_gate():

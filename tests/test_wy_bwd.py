@@ -44,6 +44,7 @@ SHAPES = [
     Problem("K128-V256-T90", 1, 90, 1, 1, 128, 256),
     Problem("K128-V96-varlen", 1, 200, 1, 2, 128, 96, cu_seqlens=(0, 1, 70, 200), initial_state=True),
     Problem("K64-V64-fp16", 1, 100, 1, 1, 64, 64, dtype=torch.float16),
+    Problem("K128-V32-T80", 1, 80, 1, 1, 128, 32),
 ]
 
 
@@ -191,7 +192,7 @@ from kernel_fun.kda import wy_bwd
 @triton.jit
 def probe(out):
     o = tl.arange(0, 256)
-    wy_bwd._store_pairs(out, o.to(tl.OFF), tl.zeros([256], dtype=tl.DTYPE), o < 256)
+    wy_bwd._store_pairs(ADDR, tl.zeros([256], dtype=tl.DTYPE), o < 256)
 
 try:
     triton.compile(ASTSource(fn=probe, signature={"out": "*PTR"}, constexprs={}), target=GPUTarget("cuda", 90, 32))
@@ -201,22 +202,40 @@ except Exception as err:
 """
 
 
-@pytest.mark.parametrize("dtype,ptr,off,want", [("bfloat16", "bf16", "int32", "_store_pairs stores fp32 values"),
-                                               ("float32", "bf16", "int32", "_store_pairs stores to fp32 pointers"),
-                                               ("float32", "fp32", "int64", "_store_pairs takes int32 element offsets"),
-                                               ("float32", "fp32", "int32", "compiled")])
-def test_pair_stores_compile_for_fp32_only(dtype, ptr, off, want, tmp_path):
-    """_store_pairs writes fp32 pairs in inline PTX at int32 element offsets: compiled for
-    sm_90a (in a process without the interpreter), fp32 at int32 offsets compiles and
-    anything else is refused at compile time (an int64 offset would be truncated)."""
+_BY_OFFSETS, _BY_POINTERS = "out, o.to(tl.int32)", "out + o, None"
+
+
+@pytest.mark.parametrize("dtype,ptr,addr,want", [
+    ("bfloat16", "bf16", _BY_OFFSETS, "_store_pairs stores fp32 values"),
+    ("float32", "bf16", _BY_OFFSETS, "_store_pairs stores to fp32 pointers"),
+    ("float32", "fp32", "out, o.to(tl.int64)", "_store_pairs takes int32 element offsets"),
+    ("float32", "fp32", _BY_OFFSETS, "compiled"),
+    ("bfloat16", "fp32", _BY_POINTERS, "_store_pairs stores fp32 values"),
+    ("float32", "bf16", _BY_POINTERS, "_store_pairs stores to fp32 pointers"),
+    ("float32", "fp32", _BY_POINTERS, "compiled")])
+def test_pair_stores_compile_for_fp32_only(dtype, ptr, addr, want, tmp_path):
+    """_store_pairs writes fp32 pairs in inline PTX, addressed by int32 element offsets from
+    one pointer or by a pointer per element: compiled for sm_90a (in a process without the
+    interpreter), fp32 either way compiles and anything else is refused at compile time (an
+    int64 offset would be truncated)."""
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     probe = tmp_path / "probe.py"
-    probe.write_text(_PAIR_STORE_PROBE.replace("DTYPE", dtype).replace("PTR", ptr).replace("OFF", off))
+    probe.write_text(_PAIR_STORE_PROBE.replace("DTYPE", dtype).replace("PTR", ptr).replace("ADDR", addr))
     out = subprocess.run([sys.executable, str(probe)], capture_output=True, text=True, env=env, timeout=300)
     assert want in out.stdout, out.stdout + out.stderr
+
+
+def test_v_tile_rule_keeps_two_tiles():
+    """fullk's V tile is halved until V spans two tiles (a single tile peels the V loop and
+    spills ~3 KB per thread at K=128); a BV in the caller's config is kept as given."""
+    assert [wy_bwd.fullk_bv(V, 64) for V in (32, 64, 96, 128, 256)] == [16, 32, 64, 64, 64]
+    assert wy_bwd.launch_config("fullk", 128, 64, 1)["BV"] == 32
+    assert wy_bwd.launch_config("fullk", 128, 256, 1)["BV"] == 64
+    assert wy_bwd.launch_config("fullk", 128, 64, 1, {"BV": 64})["BV"] == 64
+    assert wy_bwd.launch_config("transposed", 128, 64, 1)["BV"] == wy_bwd.CONFIGS[("transposed", 128)]["BV"]
 
 
 def test_prefetch_tile_counts_from_the_end():
@@ -229,11 +248,13 @@ def test_prefetch_tile_counts_from_the_end():
 
 
 # The shipped fullk kernel as ptxas 12.8 (Triton 3.6.0's bundled one) assembles it for
-# sm_90a, launch order as the launcher picks it: the latest rows of
-# bench/results/b6_compile_sm90.jsonl (pair stores addressed by int32 offsets). (K, V, HV,
-# heads fast, spill bytes): prod8192_gate, the same in fla's order, k64, and kimi (HV=32,
-# where the strides folded into the code once took the kernel from 36 to 196 B).
-_FULLK_BUDGET = [(128, 256, 16, True, 24), (128, 256, 16, False, 20), (64, 128, 16, False, 0), (128, 128, 32, True, 20)]
+# sm_90a, launch order and V tile as the launcher picks them: the latest rows of
+# bench/results/b6_compile_sm90.jsonl (dq stored by pointers, dA by int32 offsets). (K, V,
+# HV, heads fast, spill bytes): prod8192_gate, the same in fla's order, k64, kimi (HV=32,
+# where the strides folded into the code once took the kernel from 36 to 196 B), and V=64,
+# where the pinned BV=64 would be a single tile and ~3 KB of spills.
+_FULLK_BUDGET = [(128, 256, 16, True, 28), (128, 256, 16, False, 28), (64, 128, 16, False, 0),
+                 (128, 128, 32, True, 24), (128, 64, 16, True, 76)]
 
 
 @pytest.mark.skipif(triton.__version__ != "3.6.0", reason="spill figures recorded with Triton 3.6.0's ptxas")
@@ -251,7 +272,7 @@ def test_fullk_compiles_within_its_recorded_spills(K, V, HV, heads_fast, spills)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     cmd = [sys.executable, "-m", "kernel_fun.bench.compile_report", "--design", "fullk", "--K", str(K), "--V", str(V),
            "--H", str(HV), "--HV", str(HV),
-           "--BV", str(cfg["BV"]), "--warps", str(cfg["num_warps"]), "--stages", str(cfg["num_stages"]),
+           "--BV", str(wy_bwd.fullk_bv(V, cfg["BV"])), "--warps", str(cfg["num_warps"]), "--stages", str(cfg["num_stages"]),
            "--extra", json.dumps({"HEADS_FAST": heads_fast})]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     row = json.loads(out.stdout.strip().splitlines()[-1])

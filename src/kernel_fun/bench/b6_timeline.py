@@ -97,7 +97,7 @@ def run(shape: str, reps: int = 10, rounds: int = 5) -> dict:
     torch.cuda.synchronize()
     a = stamps.cpu().numpy()
     complete = bool((a[:, 1:] > 0).all())
-    config = wy_bwd.launch_config("fullk", p.K, p.B * p.HV)
+    config = wy_bwd.launch_config("fullk", p.K, p.V, p.B * p.HV)
     return {
         "kind": "timeline", "stage": "B6", "shape": shape, "problem": p.describe(), "design": "fullk",
         "config": config, "outputs_bitwise_equal": same, "stamps_complete": complete,

@@ -28,8 +28,12 @@ FLOOR_SHAPES = {
     "grid256": dict(B=1, T=1024, H=16, HV=16, K=128, V=256),
     "grid64": dict(B=1, T=256, H=16, HV=16, K=128, V=256),
 }
-# K=64 (the other head size the B6 kernels take), at b8's token count.
-OTHER_SHAPES = {"k64": dict(B=8, T=8192, H=16, HV=16, K=64, V=128)}
+# K=64 (the other head size the B6 kernels take), at b8's token count; and V=64 and V=32,
+# where V fits one tile of fullk's pinned BV (docs/b6-wy-backward.md, tenth round).
+OTHER_SHAPES = {"k64": dict(B=8, T=8192, H=16, HV=16, K=64, V=128),
+                "v64": dict(B=8, T=8192, H=16, HV=16, K=128, V=64),
+                "v32": dict(B=8, T=8192, H=16, HV=16, K=128, V=32),
+                "k64v64": dict(B=8, T=8192, H=16, HV=16, K=64, V=64)}
 BANDWIDTH = 4.25e12  # measured H200 copy rate (anchors.md)
 
 # The configs worth timing, chosen from the sm_90a compile report (kernel_fun.bench.compile_report,
@@ -147,7 +151,7 @@ def bench_shape(name, candidates, reps, rounds, out_path):
     impls = {"fla": (lambda: _fla_wy_dqkg(**inputs), None)}
     checks = {"fla": {"ok": True, "vs_exact": fla_exact}}
     for design, overrides in candidates:
-        config = wy_bwd.launch_config(design, p.K, p.B * p.HV, overrides)
+        config = wy_bwd.launch_config(design, p.K, p.V, p.B * p.HV, overrides)
         label = config_label(design, config)
         impls[label] = (None, (design, config))
         try:

@@ -295,37 +295,62 @@ def _opaque_zeros_like(x):
         return tl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
 
 
+def _pair_store_asm(addresses: str, x0: str, x1: str, m0: str, m1: str) -> str:
+    """PTX of one pair of ``_store_pairs``: ``addresses`` sets a0, a1 (the two addresses) and
+    adj (whether they are adjacent); the rest is shared by both ways of addressing."""
+    return ("{ .reg .pred m0, m1, adj, al, v, f0, f1; .reg .b64 a0, a1, d, lo; .reg .b32 e;"
+            f" setp.ne.b32 m0, {m0}, 0; setp.ne.b32 m1, {m1}, 0; {addresses}"
+            " and.b64 lo, a0, 7; setp.eq.s64 al, lo, 0;"
+            " and.pred v, adj, al; and.pred v, v, m0; and.pred v, v, m1;"
+            f" @v st.global.v2.f32 [a0], {{{x0}, {x1}}};"
+            " not.pred v, v; and.pred f0, v, m0; and.pred f1, v, m1;"
+            f" @f0 st.global.f32 [a0], {x0}; @f1 st.global.f32 [a1], {x1};"
+            " mov.b32 $0, 0; mov.b32 $1, 0; }")
+
+
+# operands: $2, $3 two pointers, $4, $5 values, $6, $7 masks
+_PAIRS_BY_POINTERS = tl.constexpr(_pair_store_asm(
+    "mov.b64 a0, $2; mov.b64 a1, $3; sub.s64 d, a1, a0; setp.eq.s64 adj, d, 4;", "$4", "$5", "$6", "$7"))
+# operands: $2, $3 the base pointer, $4, $5 int32 element offsets, $6, $7 values, $8, $9 masks
+_PAIRS_BY_OFFSETS = tl.constexpr(_pair_store_asm(
+    "sub.s32 e, $5, $4; setp.eq.s32 adj, e, 1; mad.wide.s32 a0, $4, 4, $2; mad.wide.s32 a1, $5, 4, $3;",
+    "$6", "$7", "$8", "$9"))
+
+
 @triton.jit
 def _store_pairs(base, off, x, mask):
     """tl.store(base + off, x, mask) for fp32, written by each thread as 8-byte stores of
     consecutive element pairs in x's own layout, so a tile in the accumulators' layout is
     stored without first moving through shared memory into a blocked layout. In that
     layout a thread's elements come in pairs of adjacent columns; each pair is checked at
-    run time (second offset = first + 1, first address 8-byte aligned, both unmasked) and
-    stored element by element otherwise, so any layout stores the same values. The
-    addresses are formed inside the store from one base pointer and int32 element offsets:
-    given a 64-bit pointer per element, the compiler kept up to 32 of them live for a
-    [64, 64] tile and spilled (the dA store at HV=32: 196 B of spills against 20 B)."""
+    run time (second address = first + 4 bytes, first 8-byte aligned, both unmasked) and
+    stored element by element otherwise, so any layout stores the same values.
+
+    Two ways to address, which compile differently and neither is best everywhere:
+    ``off`` int32 element offsets from the one pointer ``base`` (the addresses are formed
+    inside the store), or ``off=None`` with ``base`` a pointer per element. Given a 64-bit
+    pointer per element the compiler may keep up to 32 of them live for a [64, 64] tile:
+    dA's store that way spilled 196 B at HV=32 (20 B by offsets). dq's [64, K] store is
+    faster by pointers (prod8192_gate 5.00 -> 4.89 ms, kimi 3.81 -> 3.75, side by side;
+    28 B of spills against 24 at prod8192_gate)."""
     tl.static_assert(x.dtype == tl.float32, "_store_pairs stores fp32 values")
     tl.static_assert(base.dtype.element_ty == tl.float32, "_store_pairs stores to fp32 pointers")
-    tl.static_assert(off.dtype == tl.int32, "_store_pairs takes int32 element offsets")
+    if off is not None:
+        tl.static_assert(off.dtype == tl.int32, "_store_pairs takes int32 element offsets")
     if _INTERPRETING:
-        tl.store(base + off, x, mask=mask)
+        if off is None:
+            tl.store(base, x, mask=mask)
+        else:
+            tl.store(base + off, x, mask=mask)
+    elif off is None:
+        tl.inline_asm_elementwise(_PAIRS_BY_POINTERS, "=r,=r,l,l,r,r,r,r",
+                                  [base.to(tl.int64, bitcast=True), x, mask.to(tl.int32)],
+                                  dtype=tl.int32, is_pure=False, pack=2)
     else:
-        b = tl.broadcast_to(base.to(tl.int64, bitcast=True), x.shape)
-        tl.inline_asm_elementwise(
-            "{ .reg .pred m0, m1, adj, al, v, f0, f1; .reg .b64 a0, a1, lo; .reg .b32 d;"
-            " setp.ne.b32 m0, $8, 0; setp.ne.b32 m1, $9, 0;"
-            " sub.s32 d, $5, $4; setp.eq.s32 adj, d, 1;"
-            " mad.wide.s32 a0, $4, 4, $2; mad.wide.s32 a1, $5, 4, $3;"
-            " and.b64 lo, a0, 7; setp.eq.s64 al, lo, 0;"
-            " and.pred v, adj, al; and.pred v, v, m0; and.pred v, v, m1;"
-            " @v st.global.v2.f32 [a0], {$6, $7};"
-            " not.pred v, v; and.pred f0, v, m0; and.pred f1, v, m1;"
-            " @f0 st.global.f32 [a0], $6; @f1 st.global.f32 [a1], $7;"
-            " mov.b32 $0, 0; mov.b32 $1, 0; }",
-            "=r,=r,l,l,r,r,r,r,r,r", [b, off, x, mask.to(tl.int32)],
-            dtype=tl.int32, is_pure=False, pack=2)
+        tl.inline_asm_elementwise(_PAIRS_BY_OFFSETS, "=r,=r,l,l,r,r,r,r,r,r",
+                                  [tl.broadcast_to(base.to(tl.int64, bitcast=True), x.shape), off, x,
+                                   mask.to(tl.int32)],
+                                  dtype=tl.int32, is_pure=False, pack=2)
 
 
 @triton.jit
@@ -486,8 +511,9 @@ def wy_dqkg_fullk_kernel(
     b_dq = b_dq * b_gexp * scale
     b_dg = b_q.to(tl.float32) * b_dq
     # stored from the accumulators' layout: 104 B of spills per thread instead of 164 (5.38
-    # against 5.53 ms at prod8192_gate)
-    _store_pairs(dq, p_tk, b_dq, m_tk)
+    # against 5.53 ms at prod8192_gate); by a pointer per element, not offsets (5.00 ->
+    # 4.89 ms at prod8192_gate, 3.81 -> 3.75 at kimi, side by side)
+    _store_pairs(dq + p_tk, None, b_dq, m_tk)
 
     b_dk = b_dk * tl.where(m_t[:, None], tl.exp2(b_gn[None, :] - b_g), 0)
     b_kdk = b_k.to(tl.float32) * b_dk
@@ -718,12 +744,28 @@ def heads_fast_order(K: int, n_bhv: int) -> bool:
     return K == 128 and n_bhv >= HEADS_FAST_MIN_BHV
 
 
-def launch_config(design: str, K: int, n_bhv: int, config: dict | None = None) -> dict:
+def fullk_bv(V: int, pinned: int) -> int:
+    """fullk's V tile for V: the pinned width, halved (down to 16) until V spans at least two
+    tiles. With a single tile the V loop is peeled and everything in it is live at once: at
+    K=128 ~3 KB of spills per thread. Measured on the H200 (stage alone, B8 T8192 H=HV=16
+    K128, against fla's 4.67 / 4.56 ms): V=64 at BV 64 / 32 / 16: 9.20 / 1.88 / 2.31 ms;
+    V=32 at BV 64 / 32 / 16: 8.45 / 5.49 / 1.96 ms."""
+    bv = pinned
+    while bv > 16 and triton.cdiv(V, bv) < 2:
+        bv //= 2
+    return bv
+
+
+def launch_config(design: str, K: int, V: int, n_bhv: int, config: dict | None = None) -> dict:
     """The effective launch config of ``design``: the pinned one for K, ``config`` over it,
-    and for fullk the launch order (HEADS_FAST) the rule picks unless ``config`` sets it."""
+    and for fullk the V tile (``fullk_bv``) and the launch order (HEADS_FAST) the rules pick
+    unless ``config`` sets them."""
     cfg = {**CONFIGS[(design, K)], **(config or {})}
-    if design == "fullk" and cfg.get("HEADS_FAST") is None:
-        cfg["HEADS_FAST"] = heads_fast_order(K, n_bhv)
+    if design == "fullk":
+        if "BV" not in (config or {}):
+            cfg["BV"] = fullk_bv(V, cfg["BV"])
+        if cfg.get("HEADS_FAST") is None:
+            cfg["HEADS_FAST"] = heads_fast_order(K, n_bhv)
     return cfg
 
 
@@ -753,7 +795,7 @@ def wy_dqkg_bwd(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, c
             raise ValueError(f"B6 kernels index {name} as a dense tensor; got strides {t.stride()}")
     NT = triton.cdiv(T, BT) if cu_seqlens is None else len(chunk_indices)
     design = design or DEFAULT_DESIGN
-    cfg = launch_config(design, K, B * HV, config)
+    cfg = launch_config(design, K, V, B * HV, config)
     BK = triton.next_power_of_2(K)
     dq = torch.empty(B, T, HV, K, device=k.device, dtype=torch.float32)
     dk = torch.empty_like(dq)
