@@ -116,6 +116,21 @@ def test_readme_stage_rows_follow_the_launch_order_rule():
     assert "0.444" in table and "0.333" not in table
 
 
+def test_readme_stage_rows_follow_the_v_tile_rule():
+    """Where V fits one tile of the pinned BV (v64: K=128, V=64), the shipped fullk row is
+    the one at the halved BV the launcher picks, not a faster or slower row at the pinned BV."""
+    from kernel_fun.kda.wy_bwd import CONFIGS
+
+    def row(ms, BV):
+        config = dict(CONFIGS[("fullk", 128)], BV=BV, HEADS_FAST=True)
+        return dict(kind="stage", stage="B6", shape="v64", impl=f"fullk[{BV}]", design="fullk", ms=ms,
+                    spread_ms=[ms, ms], floor_ms=0.1, gpu="H200", date="2026-11-30T10:00:00+00:00",
+                    commit="abc", parity={"ok": True}, config=config)
+
+    table = results.render([row(9.202, 64), row(1.877, 32), row(1.111, 16)])
+    assert "1.877" in table and "9.202" not in table and "1.111" not in table
+
+
 
 def test_timeline_stats_on_a_known_schedule():
     import numpy as np

@@ -211,18 +211,21 @@ def stage_table(rows: list[dict], best_only: bool = True, designs: set[str] | No
 def render(rows: list[dict]) -> str:
     """The README's numbers: the whole-op table, then the stage-alone table."""
     from kernel_fun.bench.stage_b6 import problem
-    from kernel_fun.kda.wy_bwd import CONFIGS, heads_fast_order
+    from kernel_fun.kda.wy_bwd import CONFIGS, fullk_bv, heads_fast_order
 
     def ships(row) -> bool:
-        """The row ran the pinned config and, for fullk, the launch order the rule picks at
-        its shape (rows from before the order switch carry none: fla's order)."""
+        """The row ran the pinned config and, for fullk, the V tile and the launch order the
+        rules pick at its shape (rows from before the order switch carry none: fla's order)."""
         config = dict(row.get("config") or {})
         heads_fast = config.pop("HEADS_FAST", False)
         try:
             p = problem(row["shape"])
         except KeyError:
             return False
-        if CONFIGS.get((row.get("design"), p.K)) != config:
+        pinned = dict(CONFIGS.get((row.get("design"), p.K)) or {})
+        if row.get("design") == "fullk" and pinned:
+            pinned["BV"] = fullk_bv(p.V, pinned["BV"])
+        if pinned != config:
             return False
         return row["design"] != "fullk" or heads_fast == heads_fast_order(p.K, p.B * p.HV)
 

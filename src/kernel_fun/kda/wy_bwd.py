@@ -36,7 +36,10 @@ Two designs, same contract and outputs as fla's function:
    summed over its columns once after the loop (a row sum per tile was three of the
    loop's five CTA barriers), and dA too is stored by pair stores, which take one base
    pointer and int32 element offsets (with a 64-bit pointer per element the compiler kept
-   the addresses live and spilled: 196 B at HV=32). Launch order: at K=128 with at
+   the addresses live and spilled: 196 B at HV=32), while dq's are addressed by a pointer
+   per element (faster there). The V tile is the pinned BV halved until V spans two tiles
+   (``fullk_bv``): a single tile peels the V loop and spilled ~3 KB per thread, slower than
+   fla's kernel. Launch order: at K=128 with at
    least ``HEADS_FAST_MIN_BHV`` (b, hv) pairs a 1D grid with b*hv fastest, so the programs
    in flight share a chunk index across sequences and heads; otherwise fla's order (2D
    grid, chunks fastest). Both orders compute bitwise the same outputs. Launched with a
@@ -67,14 +70,28 @@ Measured on the H200 (2026-11-30, torch 2.11, triton 3.6; rows in
 ``bench/results/stages.jsonl``, the sweeps, ablations and their reading in
 ``docs/b6-wy-backward.md``):
 
-- prod8192_gate (B16 T8192 H=HV=16 K128 V256): fullk 4.90 ms against fla's 12.34 in the
-  same run, 2.52x fla, 1.31x the 3.73 ms floor (4.87 against 12.62 at eadc09a, the
+- prod8192_gate (B16 T8192 H=HV=16 K128 V256): fullk 4.80 ms against fla's 12.52 in the
+  same run at 0abd794, 2.61x fla, 1.29x the 3.73 ms floor (4.75-4.96 in six machine
+  starts' side by sides); kimi 3.88 against 10.53 (2.72x), b8 2.45 (2.56x), small 0.704
+  (2.37x), k64 1.37 (1.93x), V=64 1.93 (2.38x), V=32 2.05 (2.23x). dq's pair stores by
+  pointers, side by side with offsets: 5.00 -> 4.89 ms, kimi 3.81 -> 3.75 (bitwise the
+  same outputs; 28 B of spills against 24). The V tile rule, same run against fla's
+  4.67 / 4.56 ms (B8 T8192 H=HV=16 K128): V=64 at BV 64 / 32 / 16 9.20 / 1.88 / 2.31 ms,
+  V=32 at BV 64 / 32 / 16 8.45 / 5.49 / 1.96; K=64, V=64 at BV 64 / 32 1.53 / 1.22. Not
+  better (same process): the epilogue's k, q, g loaded by TMA into shared memory and
+  read in the accumulators' layout 5.81 against 4.96 (g alone 5.42; each TMA load waits
+  alone, 152-204 B of spills); A^T dvn issued first so the four accumulating dots run on
+  into the next V tile, made safe by a second load of h and dh for sum_V S dS (a third
+  buffer, 216 KB) 5.24 against 4.91 -- the second loads alone 5.33, and without them
+  (an ablation without sum_V S dS) 4.834 run on against 4.836 not: the loop does not
+  wait on its dots. Before: 4.90 ms against fla's 12.34 at 9d25a16, 2.52x fla, 1.31x the
+  floor (4.87 against 12.62 at eadc09a, the
   pair stores' 64-bit pointers; BV=64, 8 warps, 3 stages, A and beta
   loaded with every V tile, beta's load first in the loop body, the epilogue's k, q and
   g prefetched into L2 two V tiles before the end, g converted once into the
   accumulators' layout, dq and dA stored from it, the epilogue's beta pinned to db's
   layout, db's v-side summed once after the loop, b*hv-fastest launch order; 188 KB
-  shared, 255 registers, 24 B of spills per thread). Pair stores by int32 offsets, side
+  shared, 255 registers, 24 B of spills per thread; 28 B at 0abd794). Pair stores by int32 offsets, side
   by side with eadc09a: prod8192_gate 4.85 -> 4.96 ms (+2.3%), kimi (H=HV=32, V=128)
   4.19 -> 3.78 (-9.8%; eadc09a had made kimi 6% slower than the kernel before it, 196 B
   of spills at HV=32 against 20 B now); shipped for kimi and for robustness across HV
@@ -125,9 +142,9 @@ Measured on the H200 (2026-11-30, torch 2.11, triton 3.6; rows in
   config tuned at prod8192_gate, and autotuned there on another machine start it took
   0.565 and 0.206 against our 0.301 and 0.123), so it is the default and there is no
   CTA floor.
-- K=64 (k64: B8 T8192 H=HV=16 K64 V128): 1.43 ms against fla's 2.71 (1.90x, 1.67x the
-  0.85 ms floor) at eadc09a, at the K=128 config (222 registers, no spills; 239 with the
-  offset pair stores, not timed at K=64); 1.52 against 2.78 with
+- K=64 (k64: B8 T8192 H=HV=16 K64 V128): 1.37 ms against fla's 2.64 (1.93x, 1.60x the
+  0.85 ms floor) at 0abd794, at the K=128 config (217 registers, no spills); 1.43
+  against 2.71 at eadc09a (222 registers); 1.52 against 2.78 with
   the epilogue's beta pinned, 1.40 against 2.60 before it on another machine start (not
   timed side by side); before g was converted
   once 1.60 ms against 2.72 (1.55 -> 1.46 side by side); 1.75 ms without the
@@ -162,7 +179,7 @@ Measured on the H200 (2026-11-30, torch 2.11, triton 3.6; rows in
   as thread-local partial sums (no shuffles in the loop) took 4.98 against 4.86 ms, dv2
   as packed bf16 pairs 5.11, and the pair stores without their checks 4.89; 16 warps
   (128 registers, 140 B of spills) 6.59 against 4.83.
-- the 4.5 ms target is not met yet (4.87-4.90 ms, ~8% short): one 8-warp program per SM (255
+- the 4.5 ms target is not met yet (4.80 ms, ~6% short): one 8-warp program per SM (255
   registers), whose V loop and once-per-chunk-head epilogue each take ~10 us and
   never overlap within the SM; 4.5 ms needs ~18 us per program against ~19.5 now. Tried and measured without a gain: K split across
   a pair of 4-warp programs (7.72 ms), an L1 carveout for the spills, accumulators as two
@@ -175,8 +192,8 @@ Measured on the H200 (2026-11-30, torch 2.11, triton 3.6; rows in
   chunk-heads (a grid-dependent error, which points at a race between the parked
   accumulators and the pipelined strip loads; not chased further); its pinned config uses
   two stages, which held parity everywhere.
-- whole op at prod8192_gate with this stage ours and every other on fla: fwd+bwd 39.71 ms
-  against fla's 47.06 ms (1.185x) at eadc09a (not re-run with the offset pair stores);
+- whole op at prod8192_gate with this stage ours and every other on fla: fwd+bwd 39.61 ms
+  against fla's 47.02 ms (1.187x) at 0abd794; 39.71 against 47.06 (1.185x) at eadc09a;
   40.11 against 47.21 (1.177x) before the epilogue's beta was pinned.
 """
 
