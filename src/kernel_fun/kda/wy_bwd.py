@@ -80,7 +80,8 @@ Measured on the H200 (2026-11-30, torch 2.11, triton 3.6; rows in
   V=32 at BV 64 / 32 / 16 8.45 / 5.49 / 1.96; K=64, V=64 at BV 64 / 32 1.53 / 1.22. Not
   better (same process): the epilogue's k, q, g loaded by TMA into shared memory and
   read in the accumulators' layout 5.81 against 4.96 (g alone 5.42; each TMA load waits
-  alone, 152-204 B of spills); A^T dvn issued first so the four accumulating dots run on
+  alone, 152-204 B of spills); dk and dg stored by TMA from shared memory 5.25 against
+  4.85 (4 B of spills, the fewest yet), with dv2 by TMA in the loop too 5.47; A^T dvn issued first so the four accumulating dots run on
   into the next V tile, made safe by a second load of h and dh for sum_V S dS (a third
   buffer, 216 KB) 5.24 against 4.91 -- the second loads alone 5.33, and without them
   (an ablation without sum_V S dS) 4.834 run on against 4.836 not: the loop does not
