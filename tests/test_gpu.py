@@ -126,6 +126,20 @@ def test_b6_matches_fla_stage(shape, design):
     assert not b6_misses(our_err, fla_err, vs_fla), b6_misses(our_err, fla_err, vs_fla)
 
 
+@pytest.mark.parametrize("shape", ["grid64", "b8", "k64"])
+def test_b6_persistent_grid_matches_the_shipped_kernel(shape):
+    """fullk on the persistent grid (not the default) computes bitwise what the shipped
+    launch computes, with and without the next chunk-head's L2 prefetch."""
+    from kernel_fun.bench import stage_b6
+
+    p = stage_b6.problem(shape)
+    inputs = stage_b6.make_inputs(p, "cuda", seed=3)
+    base = wy_bwd.wy_dqkg_bwd(**inputs, design="fullk")
+    for pf_next in (True, False):
+        got = wy_bwd.wy_dqkg_bwd(**inputs, design="fullk", config={"PERSISTENT": True, "PF_NEXT_TILES": pf_next})
+        assert all(torch.equal(a, b) for a, b in zip(got, base)), (shape, pf_next)
+
+
 @pytest.mark.parametrize("shape", ["grid1024", "b8"])
 def test_b6_prefetch_changes_no_value(shape):
     """The L2 prefetch of the epilogue's inputs is a hint: with it (the pinned config) and

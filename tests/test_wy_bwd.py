@@ -85,6 +85,23 @@ def test_both_launch_orders_compute_the_same(p: Problem):
     assert all(e <= BOUND for e in errors.values()), errors
 
 
+@pytest.mark.parametrize("p", [SHAPES[0], SHAPES[3], SHAPES[6], SHAPES[8]], ids=lambda p: p.name)
+def test_persistent_grid_computes_the_same(p: Problem):
+    """fullk on a persistent grid (each program loops over chunk-heads; under the
+    interpreter 4 programs, so every program takes several) in either launch order, with
+    and without the next chunk-head's L2 prefetch: bitwise the outputs of the
+    one-chunk-head-per-program launch."""
+    inputs, want = stage_inputs(p)
+    for heads_fast in (True, False):
+        base = wy_bwd.wy_dqkg_bwd(**inputs, design="fullk", config={"HEADS_FAST": heads_fast})
+        for pf_next in (True, False):
+            got = wy_bwd.wy_dqkg_bwd(**inputs, design="fullk",
+                                     config={"HEADS_FAST": heads_fast, "PERSISTENT": True, "PF_NEXT_TILES": pf_next})
+            assert all(torch.equal(a, b) for a, b in zip(got, base)), (heads_fast, pf_next)
+    errors = stage_errors("B6", base, want)
+    assert all(e <= BOUND for e in errors.values()), errors
+
+
 def test_launch_order_rule(monkeypatch):
     """b*hv fastest (a 1D grid) only at K=128 with at least HEADS_FAST_MIN_BHV (b, hv) pairs."""
     grids, real = [], wy_bwd.wy_dqkg_fullk_kernel
@@ -257,6 +274,41 @@ _FULLK_BUDGET = [(128, 256, 16, True, 28), (128, 256, 16, False, 28), (64, 128, 
                  (128, 128, 32, True, 24), (128, 64, 16, True, 76)]
 
 
+# The persistent grid (not the default: untimed), the largest over the kernel and the
+# chunk-head function it calls: prod8192_gate and kimi, next chunk-head prefetch on.
+_PERSISTENT_BUDGET = [(128, 256, 16, True, 52), (128, 128, 32, True, 28)]
+
+
+def _compiled(design, K, V, HV, heads_fast):
+    """The compile report's row for ``design`` at the pinned config, in a process without
+    the interpreter."""
+    import json
+    import subprocess
+    import sys
+
+    cfg = wy_bwd.CONFIGS[("fullk", K)]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-m", "kernel_fun.bench.compile_report", "--design", design, "--K", str(K),
+           "--V", str(V), "--H", str(HV), "--HV", str(HV), "--BV", str(wy_bwd.fullk_bv(V, cfg["BV"])),
+           "--warps", str(cfg["num_warps"]), "--stages", str(cfg["num_stages"]),
+           "--extra", json.dumps({"HEADS_FAST": heads_fast})]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "error" not in row, row
+    assert row["registers"] <= 255 and row["wgmma"] > 0, row
+    return row
+
+
+@pytest.mark.skipif(triton.__version__ != "3.6.0", reason="spill figures recorded with Triton 3.6.0's ptxas")
+@pytest.mark.parametrize("K,V,HV,heads_fast,spills", _PERSISTENT_BUDGET, ids=lambda x: str(x))
+def test_persistent_kernel_compiles_within_its_recorded_spills(K, V, HV, heads_fast, spills):
+    """The persistent kernel calls the chunk-head function rather than inlining it: inlined,
+    the compiler hoists the index ranges out of the chunk-head loop and spills 364 B. A
+    change that loses that fails here."""
+    row = _compiled("persistent", K, V, HV, heads_fast)
+    assert row["spill_stores"] <= spills and row["spill_loads"] <= spills, row
+
+
 @pytest.mark.skipif(triton.__version__ != "3.6.0", reason="spill figures recorded with Triton 3.6.0's ptxas")
 @pytest.mark.parametrize("K,V,HV,heads_fast,spills", _FULLK_BUDGET, ids=lambda x: str(x))
 def test_fullk_compiles_within_its_recorded_spills(K, V, HV, heads_fast, spills):
@@ -264,18 +316,5 @@ def test_fullk_compiles_within_its_recorded_spills(K, V, HV, heads_fast, spills)
     registers): a change that adds spills to the pinned config fails here, on the CPU,
     before it reaches the H200. Compiled by the compile report in a process without the
     interpreter."""
-    import json
-    import subprocess
-    import sys
-
-    cfg = wy_bwd.CONFIGS[("fullk", K)]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [sys.executable, "-m", "kernel_fun.bench.compile_report", "--design", "fullk", "--K", str(K), "--V", str(V),
-           "--H", str(HV), "--HV", str(HV),
-           "--BV", str(wy_bwd.fullk_bv(V, cfg["BV"])), "--warps", str(cfg["num_warps"]), "--stages", str(cfg["num_stages"]),
-           "--extra", json.dumps({"HEADS_FAST": heads_fast})]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    row = json.loads(out.stdout.strip().splitlines()[-1])
-    assert "error" not in row, row
-    assert row["registers"] <= 255 and row["wgmma"] > 0, row
+    row = _compiled("fullk", K, V, HV, heads_fast)
     assert row["spill_stores"] <= spills and row["spill_loads"] <= spills, row

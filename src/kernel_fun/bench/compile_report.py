@@ -28,7 +28,7 @@ def _signature(jit, pointer_types: dict[str, str], constexprs: dict) -> dict:
             sig[name] = pointer_types[name]
         elif name == "scale":
             sig[name] = "fp32"
-        elif name in ("T", "NBH"):
+        elif name in ("T", "NBH", "NT"):
             sig[name] = "i32"
         else:
             raise KeyError(f"no type for argument {name}")
@@ -62,8 +62,9 @@ def compile_sm90(kernel, pointer_types: dict[str, str], constexprs: dict, num_wa
                              capture_output=True, text=True, check=True).stderr
 
     def grab(pattern, default=0):
-        m = re.search(pattern, log)
-        return int(m.group(1)) if m else default
+        # the largest over the functions ptxas reports (a kernel and the functions it calls)
+        found = [int(x) for x in re.findall(pattern, log)]
+        return max(found) if found else default
 
     return {
         "registers": grab(r"Used (\d+) registers"),
@@ -97,6 +98,11 @@ def b6_report(design: str, K: int, V: int, H: int, HV: int, BV: int, num_warps: 
             switches["stamps"] = None
         return compile_sm90(wy_bwd.wy_dqkg_fullk_kernel, types, dict(common, H=H, **switches), num_warps, num_stages,
                             maxnreg)
+    if design == "persistent":
+        pf_iter = wy_bwd.prefetch_iter(V, BV, wy_bwd.CONFIGS.get(("fullk", K), {}).get("PF_AT"))
+        switches = {**dict(PF_ITER=pf_iter, HEADS_FAST=True, PF_NEXT=True), **(extra or {})}
+        return compile_sm90(wy_bwd.wy_dqkg_fullk_persistent_kernel, types, dict(common, H=H, **switches),
+                            num_warps, num_stages, maxnreg)
     if design == "transposed":
         return compile_sm90(wy_bwd.wy_dqkg_transposed_main_kernel, types, dict(common, H=H, KS=KS),
                             num_warps, num_stages)
