@@ -86,17 +86,27 @@ def test_both_launch_orders_compute_the_same(p: Problem):
 
 
 @pytest.mark.parametrize("p", [SHAPES[0], SHAPES[3], SHAPES[6], SHAPES[8]], ids=lambda p: p.name)
-def test_persistent_grid_computes_the_same(p: Problem):
+def test_persistent_grid_computes_the_same(p: Problem, monkeypatch):
     """fullk on a persistent grid (each program loops over chunk-heads; under the
-    interpreter 4 programs, so every program takes several) in either launch order, with
-    and without the next chunk-head's L2 prefetch: bitwise the outputs of the
-    one-chunk-head-per-program launch."""
+    interpreter at most 4 programs, so at 8 or more chunk-heads each takes several) in
+    either launch order, with and without the next chunk-head's L2 prefetch: bitwise the
+    outputs of the one-chunk-head-per-program launch."""
+    grids, real = [], wy_bwd.wy_dqkg_fullk_persistent_kernel
+
+    class Spy:  # the launch witness: the persistent kernel ran, on fewer programs than chunk-heads
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(wy_bwd, "wy_dqkg_fullk_persistent_kernel", Spy())
     inputs, want = stage_inputs(p)
     for heads_fast in (True, False):
         base = wy_bwd.wy_dqkg_bwd(**inputs, design="fullk", config={"HEADS_FAST": heads_fast})
+        assert not grids
         for pf_next in (True, False):
             got = wy_bwd.wy_dqkg_bwd(**inputs, design="fullk",
                                      config={"HEADS_FAST": heads_fast, "PERSISTENT": True, "PF_NEXT_TILES": pf_next})
+            assert len(grids) == 1 and grids.pop()[0] <= 4
             assert all(torch.equal(a, b) for a, b in zip(got, base)), (heads_fast, pf_next)
     errors = stage_errors("B6", base, want)
     assert all(e <= BOUND for e in errors.values()), errors
