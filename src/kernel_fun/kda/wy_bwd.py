@@ -78,8 +78,8 @@ Measured on the H200 (2026-11-30, torch 2.11, triton 3.6; rows in
 ``docs/b6-wy-backward.md``):
 
 - prod8192_gate (B16 T8192 H=HV=16 K128 V256): fullk 4.80 ms against fla's 12.52 in the
-  same run at 0abd794, 2.61x fla, 1.29x the 3.73 ms floor (4.75-4.96 in six machine
-  starts' side by sides); kimi 3.88 against 10.53 (2.72x), b8 2.45 (2.56x), small 0.704
+  same run at 0abd794, 2.61x fla, 1.29x the 3.73 ms floor (4.74-4.96 in the side by
+  sides of nine machine starts); kimi 3.88 against 10.53 (2.72x), b8 2.45 (2.56x), small 0.704
   (2.37x), k64 1.37 (1.93x), V=64 1.93 (2.38x), V=32 2.05 (2.23x). dq's pair stores by
   pointers, side by side with offsets: 5.00 -> 4.89 ms, kimi 3.81 -> 3.75 (bitwise the
   same outputs; 28 B of spills against 24). The V tile rule, same run against fla's
