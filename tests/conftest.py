@@ -79,3 +79,23 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def fullk_launches(monkeypatch):
+    """The launch witness for fullk: every launch of ``wy_bwd.wy_dqkg_fullk_kernel`` during
+    the test, as (grid, keyword arguments), the kernel still running as it would."""
+    from kernel_fun.kda import wy_bwd
+
+    launches, real = [], wy_bwd.wy_dqkg_fullk_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append((grid, kwargs))
+                return real[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(wy_bwd, "wy_dqkg_fullk_kernel", Spy())
+    return launches
+

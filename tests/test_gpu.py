@@ -127,29 +127,22 @@ def test_b6_matches_fla_stage(shape, design):
 
 
 @pytest.mark.parametrize("shape", ["grid64", "b8", "k64"])
-def test_b6_persistent_grid_matches_the_shipped_kernel(shape, monkeypatch):
+def test_b6_persistent_grid_matches_the_shipped_kernel(shape, fullk_launches):
     """fullk on the persistent grid (not the default) computes what the shipped launch
     computes, with and without the next chunk-head's L2 prefetch: the same arithmetic in a
     called function instead of inlined (bitwise under the interpreter; compiled, only the
     contraction of a multiply-add could differ, so 1e-6 relative RMS at most)."""
     from kernel_fun.bench import stage_b6
 
-    grids, real = [], wy_bwd.wy_dqkg_fullk_persistent_kernel
-
-    class Spy:  # the launch witness: the persistent kernel ran, one program per SM at most
-        def __getitem__(self, grid):
-            grids.append(grid)
-            return real[grid]
-
-    monkeypatch.setattr(wy_bwd, "wy_dqkg_fullk_persistent_kernel", Spy())
     p = stage_b6.problem(shape)
     inputs = stage_b6.make_inputs(p, "cuda", seed=3)
     base = wy_bwd.wy_dqkg_bwd(**inputs, design="fullk")
-    assert not grids
+    assert not fullk_launches.pop()[1]["PERSISTENT"]
     n_sm = torch.cuda.get_device_properties(0).multi_processor_count
     for pf_next in (True, False):
         got = wy_bwd.wy_dqkg_bwd(**inputs, design="fullk", config={"PERSISTENT": True, "PF_NEXT_TILES": pf_next})
-        assert len(grids) == 1 and grids.pop()[0] <= n_sm
+        grid, kwargs = fullk_launches.pop()  # the launch witness: the persistent branch ran
+        assert kwargs["PERSISTENT"] and kwargs["PF_NEXT"] == pf_next and grid[0] <= n_sm
         errors = stage_errors("B6", got, base)
         print(shape, pf_next, "bitwise", [torch.equal(a, b) for a, b in zip(got, base)], errors)
         assert all(e <= 1e-6 for e in errors.values()), (shape, pf_next, errors)

@@ -86,49 +86,34 @@ def test_both_launch_orders_compute_the_same(p: Problem):
 
 
 @pytest.mark.parametrize("p", [SHAPES[0], SHAPES[3], SHAPES[6], SHAPES[8]], ids=lambda p: p.name)
-def test_persistent_grid_computes_the_same(p: Problem, monkeypatch):
+def test_persistent_grid_computes_the_same(p: Problem, fullk_launches):
     """fullk on a persistent grid (each program loops over chunk-heads; under the
     interpreter at most 4 programs, so at 8 or more chunk-heads each takes several) in
     either launch order, with and without the next chunk-head's L2 prefetch: bitwise the
     outputs of the one-chunk-head-per-program launch."""
-    grids, real = [], wy_bwd.wy_dqkg_fullk_persistent_kernel
-
-    class Spy:  # the launch witness: the persistent kernel ran, on fewer programs than chunk-heads
-        def __getitem__(self, grid):
-            grids.append(grid)
-            return real[grid]
-
-    monkeypatch.setattr(wy_bwd, "wy_dqkg_fullk_persistent_kernel", Spy())
     inputs, want = stage_inputs(p)
     for heads_fast in (True, False):
         base = wy_bwd.wy_dqkg_bwd(**inputs, design="fullk", config={"HEADS_FAST": heads_fast})
-        assert not grids
+        assert not fullk_launches.pop()[1]["PERSISTENT"]
         for pf_next in (True, False):
             got = wy_bwd.wy_dqkg_bwd(**inputs, design="fullk",
                                      config={"HEADS_FAST": heads_fast, "PERSISTENT": True, "PF_NEXT_TILES": pf_next})
-            assert len(grids) == 1 and grids.pop()[0] <= 4
+            grid, kwargs = fullk_launches.pop()
+            assert kwargs["PERSISTENT"] and kwargs["PF_NEXT"] == pf_next and grid[0] <= 4
             assert all(torch.equal(a, b) for a, b in zip(got, base)), (heads_fast, pf_next)
     errors = stage_errors("B6", base, want)
     assert all(e <= BOUND for e in errors.values()), errors
 
 
-def test_launch_order_rule(monkeypatch):
+def test_launch_order_rule(monkeypatch, fullk_launches):
     """b*hv fastest (a 1D grid) only at K=128 with at least HEADS_FAST_MIN_BHV (b, hv) pairs."""
-    grids, real = [], wy_bwd.wy_dqkg_fullk_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            grids.append(grid)
-            return real[grid]
-
-    monkeypatch.setattr(wy_bwd, "wy_dqkg_fullk_kernel", Spy())
     k128, _ = stage_inputs(SHAPES[5])  # B*HV = 1
     k64, _ = stage_inputs(SHAPES[1])  # B*HV = 2
     wy_bwd.wy_dqkg_bwd(**k128)
     monkeypatch.setattr(wy_bwd, "HEADS_FAST_MIN_BHV", 1)
     wy_bwd.wy_dqkg_bwd(**k128)
     wy_bwd.wy_dqkg_bwd(**k64)
-    assert [len(g) for g in grids] == [2, 1, 2], grids
+    assert [len(grid) for grid, _ in fullk_launches] == [2, 1, 2], fullk_launches
 
 
 @pytest.mark.parametrize("heads_fast", [True, False])

@@ -88,21 +88,18 @@ def b6_report(design: str, K: int, V: int, H: int, HV: int, BV: int, num_warps: 
                                      "dw_park", "kg_park")}
     f32 = {n: "*fp32" for n in ("g", "dq", "dk", "dg", "db", "dA", "dgk_buf")}
     types = {**act, **f32}
-    if design == "fullk":
+    if design in ("fullk", "persistent"):
         # the pinned prefetch tile for this K and V (not a fixed tile: at V=128 it is the first)
         pf_iter = wy_bwd.prefetch_iter(V, BV, wy_bwd.CONFIGS.get(("fullk", K), {}).get("PF_AT"))
-        switches = {**dict(PF_ITER=pf_iter, HEADS_FAST=True, TIMELINE=False), **(extra or {})}
+        persistent = design == "persistent"  # fullk's persistent grid, next chunk-head prefetch on
+        switches = {**dict(PF_ITER=pf_iter, HEADS_FAST=True, TIMELINE=False, PERSISTENT=persistent,
+                           PF_NEXT=persistent), **(extra or {})}
         if switches["TIMELINE"]:
             types["stamps"] = "*i64"
         else:
             switches["stamps"] = None
         return compile_sm90(wy_bwd.wy_dqkg_fullk_kernel, types, dict(common, H=H, **switches), num_warps, num_stages,
                             maxnreg)
-    if design == "persistent":
-        pf_iter = wy_bwd.prefetch_iter(V, BV, wy_bwd.CONFIGS.get(("fullk", K), {}).get("PF_AT"))
-        switches = {**dict(PF_ITER=pf_iter, HEADS_FAST=True, PF_NEXT=True), **(extra or {})}
-        return compile_sm90(wy_bwd.wy_dqkg_fullk_persistent_kernel, types, dict(common, H=H, **switches),
-                            num_warps, num_stages, maxnreg)
     if design == "transposed":
         return compile_sm90(wy_bwd.wy_dqkg_transposed_main_kernel, types, dict(common, H=H, KS=KS),
                             num_warps, num_stages)

@@ -48,8 +48,8 @@ Two designs, same contract and outputs as fla's function:
    not compiled (same PTX). A chunk-head's work is one function, ``_fullk_chunk_head``,
    inlined into this kernel (sm_90a SASS instruction for instruction the kernel's before
    it was split out, at prod8192_gate in both orders, K=64 and V=64; at kimi one
-   independent conversion moves two places) and called, not inlined, by
-   ``wy_dqkg_fullk_persistent_kernel`` (config ``PERSISTENT``): one program per SM
+   independent conversion moves two places) and called, not inlined, by the same
+   kernel's ``PERSISTENT`` branch (config ``PERSISTENT``): one program per SM
    looping over chunk-heads, asking L2 for the next one's first tiles during each
    epilogue. Bitwise the same outputs (interpreter tests; a GPU test for the next H200
    call); not timed on the H200 yet, so not the default.
@@ -405,16 +405,17 @@ def _da_chain(b_dA, b_At, b_beta, m_strict):
 def _fullk_chunk_head(
     q, k, v, v_new, g, beta, A, h, do, dh, dv,
     dq, dk, dv2, dg, db, dA,
-    cu_seqlens, chunk_indices, scale, T, i_t, i_bh, HAS_NEXT, next_t, next_bh,
+    cu_seqlens, chunk_indices, scale, T, i_t, i_bh, has_next, next_t, next_bh,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
-    PF_ITER: tl.constexpr, TIMELINE: tl.constexpr,
+    PF_ITER: tl.constexpr, TIMELINE: tl.constexpr, PF_NEXT: tl.constexpr, RETURNS: tl.constexpr,
 ):
     """fullk's work for one chunk-head (chunk i_t of sequence-head i_bh): the V loop, the
-    epilogue and every store. Returns the loop's end stamp (0 without TIMELINE) and db.
-    With HAS_NEXT it also asks L2 for chunk-head (next_t, next_bh)'s first tiles during
-    its epilogue (the persistent grid)."""
-    q0, k0, v0, v_new0, beta0, A0, h0, do0, dh0, dv0, T0 = q, k, v, v_new, beta, A, h, do, dh, dv, T
+    epilogue and every store. With RETURNS, returns the loop's end stamp (0 without
+    TIMELINE) and db (a called, not inlined, function cannot return a tensor here). With
+    PF_NEXT and has_next it also asks L2 for chunk-head (next_t, next_bh)'s first tiles
+    during its epilogue (the persistent grid)."""
+    v0, v_new0, beta0, A0, h0, do0, dh0, dv0, T0 = v, v_new, beta, A, h, do, dh, dv, T
     i_hv = i_bh % HV
     i_h = i_hv // (HV // H)
     i_c, i_tg, bos, T = _chunk_coords(i_t, i_bh, cu_seqlens, chunk_indices, T, HV, BT, IS_VARLEN)
@@ -502,9 +503,10 @@ def _fullk_chunk_head(
     t_loop = 0
     if TIMELINE:  # the V loop's last result is in
         t_loop = _clock(b_db)
-    if HAS_NEXT:  # the next chunk-head's first V tiles, A^T and beta into L2 during this epilogue
-        _prefetch_first_tiles(q0, k0, v0, v_new0, beta0, A0, h0, do0, dh0, dv0, cu_seqlens, chunk_indices, T0,
-                              next_t, next_bh, H, HV, K, V, BT, BK, BV, IS_VARLEN)
+    if PF_NEXT:  # the next chunk-head's first V tiles, A^T and beta into L2 during this epilogue
+        if has_next:
+            _prefetch_first_tiles(v0, v_new0, beta0, A0, h0, do0, dh0, dv0, cu_seqlens, chunk_indices, T0,
+                                  next_t, next_bh, HV, K, V, BT, BK, BV, IS_VARLEN)
     # Every epilogue load (A^T and beta again, g's last row, k, q, g) is issued here, in one
     # batch, g last. Each use of a loaded tile starts with a layout conversion, which is a
     # CTA barrier that the compiler places right after the load, so a load written next to
@@ -556,7 +558,7 @@ def _fullk_chunk_head(
     # alone, on the kernel before, 5.12 -> 5.02 and within noise before that
     _store_pairs(dA, o_t[:, None] * (HV * BT) + o_t[None, :], b_dA, tl.broadcast_to(m_t[:, None], (BT, BT)))
     tl.store(db + o_t * HV, b_db, mask=m_t)
-    if TIMELINE:  # nothing is returned otherwise: a called function cannot return a tensor here
+    if RETURNS:
         return t_loop, b_db
 
 
@@ -569,8 +571,8 @@ _fullk_chunk_head_call = triton.jit(noinline=True)(_fullk_chunk_head)
 
 
 @triton.jit
-def _prefetch_first_tiles(q, k, v, v_new, beta, A, h, do, dh, dv, cu_seqlens, chunk_indices, T, i_t, i_bh,
-                          H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+def _prefetch_first_tiles(v, v_new, beta, A, h, do, dh, dv, cu_seqlens, chunk_indices, T, i_t, i_bh,
+                          HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                           BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Asks L2 for chunk-head (i_t, i_bh)'s first V tile of do, v_new, dv, v, h and dh, its
     A rows and beta (a hint, see ``_prefetch_rows``)."""
@@ -593,79 +595,58 @@ def _prefetch_first_tiles(q, k, v, v_new, beta, A, h, do, dh, dv, cu_seqlens, ch
 
 @triton.heuristics({"IS_VARLEN": lambda args: args["cu_seqlens"] is not None,
                     "TIMELINE": lambda args: args["stamps"] is not None})
-@triton.jit(do_not_specialize=["T", "NBH"])
+@triton.jit(do_not_specialize=["T", "NBH", "NT"])
 def wy_dqkg_fullk_kernel(
     q, k, v, v_new, g, beta, A, h, do, dh, dv,
     dq, dk, dv2, dg, db, dA,
-    cu_seqlens, chunk_indices, scale, T, NBH, stamps,
+    cu_seqlens, chunk_indices, scale, T, NBH, stamps, NT,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
     PF_ITER: tl.constexpr, HEADS_FAST: tl.constexpr, TIMELINE: tl.constexpr,
+    PERSISTENT: tl.constexpr, PF_NEXT: tl.constexpr,
 ):
-    if TIMELINE:  # the timeline instrument (kernel_fun.bench.b6_timeline): program start
-        t_start = _clock(tl.arange(0, BT))
-    if HEADS_FAST:
-        # 1D grid, b*hv (NBH of them) fastest: the programs in flight work on one chunk
-        # index of every sequence and head rather than on consecutive chunks of one head
+    if PERSISTENT:
+        # A persistent grid (config PERSISTENT; not timed on the H200 yet, so not the
+        # default): each program takes chunk-heads pid, pid + P, ... of the NT * NBH in the
+        # launch order HEADS_FAST picks and, with PF_NEXT (config PF_NEXT_TILES, on unless
+        # set false), during each one's epilogue asks L2 for the next one's first tiles, so
+        # no program waits on a launch and the first V tile is an L2 hit. Compiled for sm_90a
+        # (prod8192_gate): 8 B of spills in the loop, 48 B in the called chunk-head function
+        # with PF_NEXT (4 B without), against 28 B for the one-chunk-head-per-program launch.
+        tl.static_assert(not TIMELINE, "the timeline instrument stamps one chunk-head per program")
         pid = tl.program_id(0).to(tl.int64)
-        i_t, i_bh = pid // NBH, pid % NBH
-    else:
-        i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
-    if TIMELINE:
-        t_loop, b_db = _fullk_chunk_head_inline(
-            q, k, v, v_new, g, beta, A, h, do, dh, dv, dq, dk, dv2, dg, db, dA,
-            cu_seqlens, chunk_indices, scale, T, i_t, i_bh, False, 0, 0,
-            H, HV, K, V, BT, BK, BV, IS_VARLEN, PF_ITER, True)
-        # every store issued; one row per program, in launch order
-        row = stamps + (tl.program_id(0) + tl.program_id(1) * tl.num_programs(0)).to(tl.int64) * 4
-        tl.store(row + 0, _smid(b_db))
-        tl.store(row + 1, t_start)
-        tl.store(row + 2, t_loop)
-        tl.store(row + 3, _clock(b_db))
-    else:
-        _fullk_chunk_head_inline(
-            q, k, v, v_new, g, beta, A, h, do, dh, dv, dq, dk, dv2, dg, db, dA,
-            cu_seqlens, chunk_indices, scale, T, i_t, i_bh, False, 0, 0,
-            H, HV, K, V, BT, BK, BV, IS_VARLEN, PF_ITER, False)
-
-
-@triton.heuristics({"IS_VARLEN": lambda args: args["cu_seqlens"] is not None})
-@triton.jit(do_not_specialize=["T", "NBH", "NT"])
-def wy_dqkg_fullk_persistent_kernel(
-    q, k, v, v_new, g, beta, A, h, do, dh, dv,
-    dq, dk, dv2, dg, db, dA,
-    cu_seqlens, chunk_indices, scale, T, NBH, NT,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
-    PF_ITER: tl.constexpr, HEADS_FAST: tl.constexpr, PF_NEXT: tl.constexpr,
-):
-    """fullk on a persistent grid (config PERSISTENT; not timed on the H200 yet, so not the
-    default): each program takes chunk-heads pid, pid + P, ... in the launch order
-    HEADS_FAST picks and, with PF_NEXT (config PF_NEXT_TILES, on unless set false), during
-    each one's epilogue asks L2 for the next one's first tiles, so no program waits on a
-    launch and the first V tile is an L2 hit. Same outputs, bit for bit, as the
-    one-chunk-head-per-program kernel. Compiled for
-    sm_90a (prod8192_gate): 8 B of spills in the loop, 48 B in the called chunk-head
-    function with PF_NEXT (4 B without), against 28 B for the shipped kernel."""
-    pid = tl.program_id(0).to(tl.int64)
-    n_prog = tl.num_programs(0).to(tl.int64)
-    n_tot = NT.to(tl.int64) * NBH
-    for tile in range(pid, n_tot, n_prog):
-        nxt = tile + n_prog
-        if HEADS_FAST:
-            i_t, i_bh, next_t, next_bh = tile // NBH, tile % NBH, nxt // NBH, nxt % NBH
-        else:
-            i_t, i_bh, next_t, next_bh = tile % NT, tile // NT, nxt % NT, nxt // NT
-        if PF_NEXT:
+        n_prog = tl.num_programs(0).to(tl.int64)
+        n_tot = NT.to(tl.int64) * NBH
+        for tile in range(pid, n_tot, n_prog):
+            nxt = tile + n_prog
+            if HEADS_FAST:
+                i_t, i_bh, next_t, next_bh = tile // NBH, tile % NBH, nxt // NBH, nxt % NBH
+            else:
+                i_t, i_bh, next_t, next_bh = tile % NT, tile // NT, nxt % NT, nxt // NT
             _fullk_chunk_head_call(
                 q, k, v, v_new, g, beta, A, h, do, dh, dv, dq, dk, dv2, dg, db, dA,
                 cu_seqlens, chunk_indices, scale, T, i_t, i_bh, nxt < n_tot, next_t, next_bh,
-                H, HV, K, V, BT, BK, BV, IS_VARLEN, PF_ITER, False)
+                H, HV, K, V, BT, BK, BV, IS_VARLEN, PF_ITER, False, PF_NEXT, False)
+    else:
+        if TIMELINE:  # the timeline instrument (kernel_fun.bench.b6_timeline): program start
+            t_start = _clock(tl.arange(0, BT))
+        if HEADS_FAST:
+            # 1D grid, b*hv (NBH of them) fastest: the programs in flight work on one chunk
+            # index of every sequence and head rather than on consecutive chunks of one head
+            pid = tl.program_id(0).to(tl.int64)
+            i_t, i_bh = pid // NBH, pid % NBH
         else:
-            _fullk_chunk_head_call(
-                q, k, v, v_new, g, beta, A, h, do, dh, dv, dq, dk, dv2, dg, db, dA,
-                cu_seqlens, chunk_indices, scale, T, i_t, i_bh, False, next_t, next_bh,
-                H, HV, K, V, BT, BK, BV, IS_VARLEN, PF_ITER, False)
+            i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+        t_loop, b_db = _fullk_chunk_head_inline(
+            q, k, v, v_new, g, beta, A, h, do, dh, dv, dq, dk, dv2, dg, db, dA,
+            cu_seqlens, chunk_indices, scale, T, i_t, i_bh, False, 0, 0,
+            H, HV, K, V, BT, BK, BV, IS_VARLEN, PF_ITER, TIMELINE, False, True)
+        if TIMELINE:  # every store issued; one row per program, in launch order
+            row = stamps + (tl.program_id(0) + tl.program_id(1) * tl.num_programs(0)).to(tl.int64) * 4
+            tl.store(row + 0, _smid(b_db))
+            tl.store(row + 1, t_start)
+            tl.store(row + 2, t_loop)
+            tl.store(row + 3, _clock(b_db))
 
 
 # --------------------------------------------------------------------------------------
@@ -931,26 +912,23 @@ def wy_dqkg_bwd(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, c
     db = torch.empty(B, T, HV, device=k.device, dtype=torch.float32)
     dA = torch.empty(B, T, HV, BT, device=k.device, dtype=torch.float32)
     grid = (NT, B * HV)
-    if design == "fullk" and cfg.get("PERSISTENT"):
-        n_sm = torch.cuda.get_device_properties(k.device).multi_processor_count if k.is_cuda else 4
-        wy_dqkg_fullk_persistent_kernel[(min(n_sm, NT * B * HV),)](
-            q=q, k=k, v=v, v_new=v_new, g=gc, beta=beta, A=A, h=h, do=do, dh=dh, dv=dv,
-            dq=dq, dk=dk, dv2=dv2, dg=dg, db=db, dA=dA,
-            cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, scale=scale, T=T, NBH=B * HV, NT=NT,
-            H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=cfg["BV"],
-            PF_ITER=prefetch_iter(V, cfg["BV"], cfg.get("PF_AT")),
-            HEADS_FAST=bool(cfg["HEADS_FAST"]), PF_NEXT=bool(cfg.get("PF_NEXT_TILES", True)),
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        )
-    elif design == "fullk":
-        wy_dqkg_fullk_kernel[(NT * B * HV,) if cfg["HEADS_FAST"] else grid](
+    if design == "fullk":
+        persistent = bool(cfg.get("PERSISTENT"))
+        if persistent:  # one program per SM at most (4 under the interpreter: several chunk-heads each)
+            n_prog = torch.cuda.get_device_properties(k.device).multi_processor_count if k.is_cuda else 4
+            fullk_grid = (min(n_prog, NT * B * HV),)
+        else:
+            fullk_grid = (NT * B * HV,) if cfg["HEADS_FAST"] else grid
+        wy_dqkg_fullk_kernel[fullk_grid](
             q=q, k=k, v=v, v_new=v_new, g=gc, beta=beta, A=A, h=h, do=do, dh=dh, dv=dv,
             dq=dq, dk=dk, dv2=dv2, dg=dg, db=db, dA=dA,
             cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, scale=scale, T=T, NBH=B * HV,
-            stamps=cfg.get("timeline"),
+            stamps=cfg.get("timeline"), NT=NT,
             H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=cfg["BV"],
             PF_ITER=prefetch_iter(V, cfg["BV"], cfg.get("PF_AT")),
-            HEADS_FAST=bool(cfg["HEADS_FAST"]), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            HEADS_FAST=bool(cfg["HEADS_FAST"]), PERSISTENT=persistent,
+            PF_NEXT=persistent and bool(cfg.get("PF_NEXT_TILES", True)),
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
             **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
         )
     elif design == "transposed":
