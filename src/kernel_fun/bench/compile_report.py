@@ -28,7 +28,7 @@ def _signature(jit, pointer_types: dict[str, str], constexprs: dict) -> dict:
             sig[name] = pointer_types[name]
         elif name == "scale":
             sig[name] = "fp32"
-        elif name in ("T", "NBH", "NT"):
+        elif name in ("T", "NBH"):
             sig[name] = "i32"
         else:
             raise KeyError(f"no type for argument {name}")
@@ -62,9 +62,8 @@ def compile_sm90(kernel, pointer_types: dict[str, str], constexprs: dict, num_wa
                              capture_output=True, text=True, check=True).stderr
 
     def grab(pattern, default=0):
-        # the largest over the functions ptxas reports (a kernel and the functions it calls)
-        found = [int(x) for x in re.findall(pattern, log)]
-        return max(found) if found else default
+        m = re.search(pattern, log)
+        return int(m.group(1)) if m else default
 
     return {
         "registers": grab(r"Used (\d+) registers"),
@@ -88,12 +87,10 @@ def b6_report(design: str, K: int, V: int, H: int, HV: int, BV: int, num_warps: 
                                      "dw_park", "kg_park")}
     f32 = {n: "*fp32" for n in ("g", "dq", "dk", "dg", "db", "dA", "dgk_buf")}
     types = {**act, **f32}
-    if design in ("fullk", "persistent"):
+    if design == "fullk":
         # the pinned prefetch tile for this K and V (not a fixed tile: at V=128 it is the first)
         pf_iter = wy_bwd.prefetch_iter(V, BV, wy_bwd.CONFIGS.get(("fullk", K), {}).get("PF_AT"))
-        persistent = design == "persistent"  # fullk's persistent grid, next chunk-head prefetch on
-        switches = {**dict(PF_ITER=pf_iter, HEADS_FAST=True, TIMELINE=False, PERSISTENT=persistent,
-                           PF_NEXT=persistent), **(extra or {})}
+        switches = {**dict(PF_ITER=pf_iter, HEADS_FAST=True, TIMELINE=False), **(extra or {})}
         if switches["TIMELINE"]:
             types["stamps"] = "*i64"
         else:

@@ -48,11 +48,7 @@ Two designs, same contract and outputs as fla's function:
    not compiled (same PTX). A chunk-head's work is one function, ``_fullk_chunk_head``,
    inlined into this kernel (sm_90a SASS instruction for instruction the kernel's before
    it was split out, at prod8192_gate in both orders, K=64 and V=64; at kimi one
-   independent conversion moves two places) and called, not inlined, by the same
-   kernel's ``PERSISTENT`` branch (config ``PERSISTENT``): one program per SM
-   looping over chunk-heads, asking L2 for the next one's first tiles during each
-   epilogue. Bitwise the same outputs (interpreter tests; a GPU test for the next H200
-   call); not timed on the H200 yet, so not the default.
+   independent conversion moves two places).
 2. ``transposed`` -- two kernels. The main kernel accumulates the transposes
    dq^T = S do^T, dw^T = S dvn^T, dk^T = dS v_new^T, so every dot has M = K and h, dh load
    in their natural [K, BV] layout; it parks the raw dq and dk in their fp32 outputs, -dw
@@ -79,7 +75,7 @@ Measured on the H200 (2026-11-30, torch 2.11, triton 3.6; rows in
 
 - prod8192_gate (B16 T8192 H=HV=16 K128 V256): fullk 4.80 ms against fla's 12.52 in the
   same run at 0abd794, 2.61x fla, 1.29x the 3.73 ms floor (4.74-4.96 in the side by
-  sides of nine machine starts); kimi 3.88 against 10.53 (2.72x), b8 2.45 (2.56x), small 0.704
+  sides of eleven machine starts); kimi 3.88 against 10.53 (2.72x), b8 2.45 (2.56x), small 0.704
   (2.37x), k64 1.37 (1.93x), V=64 1.93 (2.38x), V=32 2.05 (2.23x). dq's pair stores by
   pointers, side by side with offsets: 5.00 -> 4.89 ms, kimi 3.81 -> 3.75 (bitwise the
   same outputs; 28 B of spills against 24). The V tile rule, same run against fla's
@@ -196,6 +192,13 @@ Measured on the H200 (2026-11-30, torch 2.11, triton 3.6; rows in
   the epilogue with the next chunk-head's loads, failed parity on the H200 (everything that
   uses the A^T and beta carried from the chunk-head's prologue) while passing in the
   interpreter; with A and beta loaded inside the V loop it held parity and took 10.27 ms.
+  A persistent grid calling the chunk-head function (inlined, its loop spills 364-520 B),
+  side by side with the shipped launch at 6f13156: 5.05 ms against 4.75 (kimi 3.97 /
+  3.74, b8 2.57 / 2.42, small 0.840 / 0.759), and 5.75 with the next chunk-head's first
+  tiles prefetched into L2 during each epilogue; removed. BV=32 at 4-6 stages (same
+  bytes in flight as BV=64 at 3, 76 B of spills, 147-229 KB): 5.95-6.04 against 4.77
+  (kimi 4.25-4.52 / 3.71, b8 3.02-3.06 / 2.43), flat in the depth: the per-tile costs
+  double with the tile count.
 - the transposed main kernel at three pipeline stages failed parity at >= 1,024
   chunk-heads (a grid-dependent error, which points at a race between the parked
   accumulators and the pipelined strip loads; not chased further); its pinned config uses
@@ -402,20 +405,17 @@ def _da_chain(b_dA, b_At, b_beta, m_strict):
 # --------------------------------------------------------------------------------------
 # Design 1: full K, one kernel
 # --------------------------------------------------------------------------------------
+@triton.jit
 def _fullk_chunk_head(
     q, k, v, v_new, g, beta, A, h, do, dh, dv,
     dq, dk, dv2, dg, db, dA,
-    cu_seqlens, chunk_indices, scale, T, i_t, i_bh, has_next, next_t, next_bh,
+    cu_seqlens, chunk_indices, scale, T, i_t, i_bh,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
-    PF_ITER: tl.constexpr, TIMELINE: tl.constexpr, PF_NEXT: tl.constexpr, RETURNS: tl.constexpr,
+    PF_ITER: tl.constexpr, TIMELINE: tl.constexpr,
 ):
     """fullk's work for one chunk-head (chunk i_t of sequence-head i_bh): the V loop, the
-    epilogue and every store. With RETURNS, returns the loop's end stamp (0 without
-    TIMELINE) and db (a called, not inlined, function cannot return a tensor here). With
-    PF_NEXT and has_next it also asks L2 for chunk-head (next_t, next_bh)'s first tiles
-    during its epilogue (the persistent grid)."""
-    v0, v_new0, beta0, A0, h0, do0, dh0, dv0, T0 = v, v_new, beta, A, h, do, dh, dv, T
+    epilogue and every store. Returns the loop's end stamp (0 without TIMELINE) and db."""
     i_hv = i_bh % HV
     i_h = i_hv // (HV // H)
     i_c, i_tg, bos, T = _chunk_coords(i_t, i_bh, cu_seqlens, chunk_indices, T, HV, BT, IS_VARLEN)
@@ -503,10 +503,6 @@ def _fullk_chunk_head(
     t_loop = 0
     if TIMELINE:  # the V loop's last result is in
         t_loop = _clock(b_db)
-    if PF_NEXT:  # the next chunk-head's first V tiles, A^T and beta into L2 during this epilogue
-        if has_next:
-            _prefetch_first_tiles(v0, v_new0, beta0, A0, h0, do0, dh0, dv0, cu_seqlens, chunk_indices, T0,
-                                  next_t, next_bh, HV, K, V, BT, BK, BV, IS_VARLEN)
     # Every epilogue load (A^T and beta again, g's last row, k, q, g) is issued here, in one
     # batch, g last. Each use of a loaded tile starts with a layout conversion, which is a
     # CTA barrier that the compiler places right after the load, so a load written next to
@@ -558,95 +554,39 @@ def _fullk_chunk_head(
     # alone, on the kernel before, 5.12 -> 5.02 and within noise before that
     _store_pairs(dA, o_t[:, None] * (HV * BT) + o_t[None, :], b_dA, tl.broadcast_to(m_t[:, None], (BT, BT)))
     tl.store(db + o_t * HV, b_db, mask=m_t)
-    if RETURNS:
-        return t_loop, b_db
-
-
-# The same function twice: inlined into the one-chunk-head-per-program kernel (the shipped
-# launch), and as a called function in the persistent kernel, where inlining lets the
-# compiler hoist everything that does not depend on the chunk-head (index ranges in ~18
-# layouts) out of the chunk-head loop and keep it live: 364 B of spills instead of 4.
-_fullk_chunk_head_inline = triton.jit(_fullk_chunk_head)
-_fullk_chunk_head_call = triton.jit(noinline=True)(_fullk_chunk_head)
-
-
-@triton.jit
-def _prefetch_first_tiles(v, v_new, beta, A, h, do, dh, dv, cu_seqlens, chunk_indices, T, i_t, i_bh,
-                          HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                          BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """Asks L2 for chunk-head (i_t, i_bh)'s first V tile of do, v_new, dv, v, h and dh, its
-    A rows and beta (a hint, see ``_prefetch_rows``)."""
-    i_hv = i_bh % HV
-    i_c, i_tg, bos, T = _chunk_coords(i_t, i_bh, cu_seqlens, chunk_indices, T, HV, BT, IS_VARLEN)
-    row0 = bos + i_c * BT
-    o_t = tl.arange(0, BT)
-    m_t = o_t < (T - i_c * BT).to(tl.int32)
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    ROW: tl.constexpr = BV if BV < V else V
-    for base in tl.static_range(4):
-        t = (do, v_new, dv, v)[base]
-        _prefetch_rows(t + (row0 * HV + i_hv) * V, o_t, HV * V, m_t, ROW)
-    _prefetch_rows(h + (i_tg * HV + i_hv) * K * V, o_k, V, m_k, ROW)
-    _prefetch_rows(dh + (i_tg * HV + i_hv) * K * V, o_k, V, m_k, ROW)
-    _prefetch_rows(A + (row0 * HV + i_hv) * BT, o_t, HV * BT, m_t, BT)
-    _prefetch_rows(beta + row0 * HV + i_hv, o_t, HV, m_t, 1)
+    return t_loop, b_db
 
 
 @triton.heuristics({"IS_VARLEN": lambda args: args["cu_seqlens"] is not None,
                     "TIMELINE": lambda args: args["stamps"] is not None})
-@triton.jit(do_not_specialize=["T", "NBH", "NT"])
+@triton.jit(do_not_specialize=["T", "NBH"])
 def wy_dqkg_fullk_kernel(
     q, k, v, v_new, g, beta, A, h, do, dh, dv,
     dq, dk, dv2, dg, db, dA,
-    cu_seqlens, chunk_indices, scale, T, NBH, stamps, NT,
+    cu_seqlens, chunk_indices, scale, T, NBH, stamps,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
     PF_ITER: tl.constexpr, HEADS_FAST: tl.constexpr, TIMELINE: tl.constexpr,
-    PERSISTENT: tl.constexpr, PF_NEXT: tl.constexpr,
 ):
-    if PERSISTENT:
-        # A persistent grid (config PERSISTENT; not timed on the H200 yet, so not the
-        # default): each program takes chunk-heads pid, pid + P, ... of the NT * NBH in the
-        # launch order HEADS_FAST picks and, with PF_NEXT (config PF_NEXT_TILES, on unless
-        # set false), during each one's epilogue asks L2 for the next one's first tiles, so
-        # no program waits on a launch and the first V tile is an L2 hit. Compiled for sm_90a
-        # (prod8192_gate): 8 B of spills in the loop, 48 B in the called chunk-head function
-        # with PF_NEXT (4 B without), against 28 B for the one-chunk-head-per-program launch.
-        tl.static_assert(not TIMELINE, "the timeline instrument stamps one chunk-head per program")
+    if TIMELINE:  # the timeline instrument (kernel_fun.bench.b6_timeline): program start
+        t_start = _clock(tl.arange(0, BT))
+    if HEADS_FAST:
+        # 1D grid, b*hv (NBH of them) fastest: the programs in flight work on one chunk
+        # index of every sequence and head rather than on consecutive chunks of one head
         pid = tl.program_id(0).to(tl.int64)
-        n_prog = tl.num_programs(0).to(tl.int64)
-        n_tot = NT.to(tl.int64) * NBH
-        for tile in range(pid, n_tot, n_prog):
-            nxt = tile + n_prog
-            if HEADS_FAST:
-                i_t, i_bh, next_t, next_bh = tile // NBH, tile % NBH, nxt // NBH, nxt % NBH
-            else:
-                i_t, i_bh, next_t, next_bh = tile % NT, tile // NT, nxt % NT, nxt // NT
-            _fullk_chunk_head_call(
-                q, k, v, v_new, g, beta, A, h, do, dh, dv, dq, dk, dv2, dg, db, dA,
-                cu_seqlens, chunk_indices, scale, T, i_t, i_bh, nxt < n_tot, next_t, next_bh,
-                H, HV, K, V, BT, BK, BV, IS_VARLEN, PF_ITER, False, PF_NEXT, False)
+        i_t, i_bh = pid // NBH, pid % NBH
     else:
-        if TIMELINE:  # the timeline instrument (kernel_fun.bench.b6_timeline): program start
-            t_start = _clock(tl.arange(0, BT))
-        if HEADS_FAST:
-            # 1D grid, b*hv (NBH of them) fastest: the programs in flight work on one chunk
-            # index of every sequence and head rather than on consecutive chunks of one head
-            pid = tl.program_id(0).to(tl.int64)
-            i_t, i_bh = pid // NBH, pid % NBH
-        else:
-            i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
-        t_loop, b_db = _fullk_chunk_head_inline(
-            q, k, v, v_new, g, beta, A, h, do, dh, dv, dq, dk, dv2, dg, db, dA,
-            cu_seqlens, chunk_indices, scale, T, i_t, i_bh, False, 0, 0,
-            H, HV, K, V, BT, BK, BV, IS_VARLEN, PF_ITER, TIMELINE, False, True)
-        if TIMELINE:  # every store issued; one row per program, in launch order
-            row = stamps + (tl.program_id(0) + tl.program_id(1) * tl.num_programs(0)).to(tl.int64) * 4
-            tl.store(row + 0, _smid(b_db))
-            tl.store(row + 1, t_start)
-            tl.store(row + 2, t_loop)
-            tl.store(row + 3, _clock(b_db))
+        i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    t_loop, b_db = _fullk_chunk_head(
+        q, k, v, v_new, g, beta, A, h, do, dh, dv, dq, dk, dv2, dg, db, dA,
+        cu_seqlens, chunk_indices, scale, T, i_t, i_bh,
+        H, HV, K, V, BT, BK, BV, IS_VARLEN, PF_ITER, TIMELINE)
+    if TIMELINE:  # every store issued; one row per program, in launch order
+        row = stamps + (tl.program_id(0) + tl.program_id(1) * tl.num_programs(0)).to(tl.int64) * 4
+        tl.store(row + 0, _smid(b_db))
+        tl.store(row + 1, t_start)
+        tl.store(row + 2, t_loop)
+        tl.store(row + 3, _clock(b_db))
 
 
 # --------------------------------------------------------------------------------------
@@ -864,10 +804,21 @@ def fullk_bv(V: int, pinned: int) -> int:
     return bv
 
 
+# What ``config`` may set, per design (``timeline`` is the timeline instrument's buffer).
+_CONFIG_KEYS = {
+    "fullk": {"BV", "num_warps", "num_stages", "PF_AT", "HEADS_FAST", "maxnreg", "timeline"},
+    "transposed": {"BV", "KS", "num_warps", "num_stages", "side_BV", "side_warps", "side_stages"},
+}
+
+
 def launch_config(design: str, K: int, V: int, n_bhv: int, config: dict | None = None) -> dict:
     """The effective launch config of ``design``: the pinned one for K, ``config`` over it,
     and for fullk the V tile (``fullk_bv``) and the launch order (HEADS_FAST) the rules pick
     unless ``config`` sets them."""
+    unknown = set(config or {}) - _CONFIG_KEYS.get(design, set())
+    if unknown:  # a misspelt or retired knob would otherwise be ignored without a word
+        raise ValueError(f"B6 {design} takes no config key {sorted(unknown)}; "
+                         f"known: {sorted(_CONFIG_KEYS.get(design, ()))}")
     cfg = {**CONFIGS[(design, K)], **(config or {})}
     if design == "fullk":
         if "BV" not in (config or {}):
@@ -913,21 +864,15 @@ def wy_dqkg_bwd(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, c
     dA = torch.empty(B, T, HV, BT, device=k.device, dtype=torch.float32)
     grid = (NT, B * HV)
     if design == "fullk":
-        persistent = bool(cfg.get("PERSISTENT"))
-        if persistent:  # one program per SM at most (4 under the interpreter: several chunk-heads each)
-            n_prog = torch.cuda.get_device_properties(k.device).multi_processor_count if k.is_cuda else 4
-            fullk_grid = (min(n_prog, NT * B * HV),)
-        else:
-            fullk_grid = (NT * B * HV,) if cfg["HEADS_FAST"] else grid
+        fullk_grid = (NT * B * HV,) if cfg["HEADS_FAST"] else grid
         wy_dqkg_fullk_kernel[fullk_grid](
             q=q, k=k, v=v, v_new=v_new, g=gc, beta=beta, A=A, h=h, do=do, dh=dh, dv=dv,
             dq=dq, dk=dk, dv2=dv2, dg=dg, db=db, dA=dA,
             cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, scale=scale, T=T, NBH=B * HV,
-            stamps=cfg.get("timeline"), NT=NT,
+            stamps=cfg.get("timeline"),
             H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=cfg["BV"],
             PF_ITER=prefetch_iter(V, cfg["BV"], cfg.get("PF_AT")),
-            HEADS_FAST=bool(cfg["HEADS_FAST"]), PERSISTENT=persistent,
-            PF_NEXT=persistent and bool(cfg.get("PF_NEXT_TILES", True)),
+            HEADS_FAST=bool(cfg["HEADS_FAST"]),
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
             **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
         )
