@@ -98,4 +98,3 @@ def fullk_launches(monkeypatch):
 
     monkeypatch.setattr(wy_bwd, "wy_dqkg_fullk_kernel", Spy())
     return launches
-

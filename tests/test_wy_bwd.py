@@ -112,11 +112,14 @@ def test_timeline_stamps_every_program_and_change_no_value(heads_fast):
 
 def test_unknown_config_keys_are_refused():
     """A knob a design does not have (misspelt, retired, or another design's) is an error,
-    not silently ignored: the persistent grid's keys were retired after it measured slower."""
+    not silently ignored: the persistent grid's keys were retired after it measured slower.
+    So is a design that does not exist."""
     inputs, _ = stage_inputs(SHAPES[0])
     for design, key in [("fullk", "PERSISTENT"), ("fullk", "KS"), ("transposed", "HEADS_FAST"), ("fullk", "bv")]:
         with pytest.raises(ValueError, match=key):
             wy_bwd.wy_dqkg_bwd(**inputs, design=design, config={key: 1})
+    with pytest.raises(ValueError, match="unknown B6 design 'fulk'"):
+        wy_bwd.wy_dqkg_bwd(**inputs, design="fulk")
 
 
 def test_out_of_box_calls_stay_on_fla():

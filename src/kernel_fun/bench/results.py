@@ -134,9 +134,6 @@ def _config_text(row) -> str:
         parts.append("evict-first stores")
     if c.get("PF_NEXT"):
         parts.append("L2 prefetch for the next program")
-    if c.get("PERSISTENT"):
-        parts.append("persistent grid" + (", the next chunk-head's first tiles prefetched"
-                                          if c.get("PF_NEXT_TILES", True) else ""))
     if c.get("HEADS_FAST"):
         parts.append("b*hv-fastest order")
     if c.get("carveout_ctas"):

@@ -45,10 +45,7 @@ Two designs, same contract and outputs as fla's function:
    grid, chunks fastest). Both orders compute bitwise the same outputs. Launched with a
    ``timeline`` buffer in its config, it also stores per program its SM and three
    ``%globaltimer`` readings (``kernel_fun.bench.b6_timeline``); without one that code is
-   not compiled (same PTX). A chunk-head's work is one function, ``_fullk_chunk_head``,
-   inlined into this kernel (sm_90a SASS instruction for instruction the kernel's before
-   it was split out, at prod8192_gate in both orders, K=64 and V=64; at kimi one
-   independent conversion moves two places).
+   not compiled (same PTX).
 2. ``transposed`` -- two kernels. The main kernel accumulates the transposes
    dq^T = S do^T, dw^T = S dvn^T, dk^T = dS v_new^T, so every dot has M = K and h, dh load
    in their natural [K, BV] layout; it parks the raw dq and dk in their fp32 outputs, -dw
@@ -405,17 +402,26 @@ def _da_chain(b_dA, b_At, b_beta, m_strict):
 # --------------------------------------------------------------------------------------
 # Design 1: full K, one kernel
 # --------------------------------------------------------------------------------------
-@triton.jit
-def _fullk_chunk_head(
+@triton.heuristics({"IS_VARLEN": lambda args: args["cu_seqlens"] is not None,
+                    "TIMELINE": lambda args: args["stamps"] is not None})
+@triton.jit(do_not_specialize=["T", "NBH"])
+def wy_dqkg_fullk_kernel(
     q, k, v, v_new, g, beta, A, h, do, dh, dv,
     dq, dk, dv2, dg, db, dA,
-    cu_seqlens, chunk_indices, scale, T, i_t, i_bh,
+    cu_seqlens, chunk_indices, scale, T, NBH, stamps,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
-    PF_ITER: tl.constexpr, TIMELINE: tl.constexpr,
+    PF_ITER: tl.constexpr, HEADS_FAST: tl.constexpr, TIMELINE: tl.constexpr,
 ):
-    """fullk's work for one chunk-head (chunk i_t of sequence-head i_bh): the V loop, the
-    epilogue and every store. Returns the loop's end stamp (0 without TIMELINE) and db."""
+    if TIMELINE:  # the timeline instrument (kernel_fun.bench.b6_timeline): program start
+        t_start = _clock(tl.arange(0, BT))
+    if HEADS_FAST:
+        # 1D grid, b*hv (NBH of them) fastest: the programs in flight work on one chunk
+        # index of every sequence and head rather than on consecutive chunks of one head
+        pid = tl.program_id(0).to(tl.int64)
+        i_t, i_bh = pid // NBH, pid % NBH
+    else:
+        i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     i_hv = i_bh % HV
     i_h = i_hv // (HV // H)
     i_c, i_tg, bos, T = _chunk_coords(i_t, i_bh, cu_seqlens, chunk_indices, T, HV, BT, IS_VARLEN)
@@ -500,7 +506,6 @@ def _fullk_chunk_head(
         b_dbv += b_dvb * b_v.to(tl.float32)
 
     b_db += tl.sum(b_dbv, axis=1)
-    t_loop = 0
     if TIMELINE:  # the V loop's last result is in
         t_loop = _clock(b_db)
     # Every epilogue load (A^T and beta again, g's last row, k, q, g) is issued here, in one
@@ -554,33 +559,6 @@ def _fullk_chunk_head(
     # alone, on the kernel before, 5.12 -> 5.02 and within noise before that
     _store_pairs(dA, o_t[:, None] * (HV * BT) + o_t[None, :], b_dA, tl.broadcast_to(m_t[:, None], (BT, BT)))
     tl.store(db + o_t * HV, b_db, mask=m_t)
-    return t_loop, b_db
-
-
-@triton.heuristics({"IS_VARLEN": lambda args: args["cu_seqlens"] is not None,
-                    "TIMELINE": lambda args: args["stamps"] is not None})
-@triton.jit(do_not_specialize=["T", "NBH"])
-def wy_dqkg_fullk_kernel(
-    q, k, v, v_new, g, beta, A, h, do, dh, dv,
-    dq, dk, dv2, dg, db, dA,
-    cu_seqlens, chunk_indices, scale, T, NBH, stamps,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
-    PF_ITER: tl.constexpr, HEADS_FAST: tl.constexpr, TIMELINE: tl.constexpr,
-):
-    if TIMELINE:  # the timeline instrument (kernel_fun.bench.b6_timeline): program start
-        t_start = _clock(tl.arange(0, BT))
-    if HEADS_FAST:
-        # 1D grid, b*hv (NBH of them) fastest: the programs in flight work on one chunk
-        # index of every sequence and head rather than on consecutive chunks of one head
-        pid = tl.program_id(0).to(tl.int64)
-        i_t, i_bh = pid // NBH, pid % NBH
-    else:
-        i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
-    t_loop, b_db = _fullk_chunk_head(
-        q, k, v, v_new, g, beta, A, h, do, dh, dv, dq, dk, dv2, dg, db, dA,
-        cu_seqlens, chunk_indices, scale, T, i_t, i_bh,
-        H, HV, K, V, BT, BK, BV, IS_VARLEN, PF_ITER, TIMELINE)
     if TIMELINE:  # every store issued; one row per program, in launch order
         row = stamps + (tl.program_id(0) + tl.program_id(1) * tl.num_programs(0)).to(tl.int64) * 4
         tl.store(row + 0, _smid(b_db))
@@ -815,10 +793,11 @@ def launch_config(design: str, K: int, V: int, n_bhv: int, config: dict | None =
     """The effective launch config of ``design``: the pinned one for K, ``config`` over it,
     and for fullk the V tile (``fullk_bv``) and the launch order (HEADS_FAST) the rules pick
     unless ``config`` sets them."""
-    unknown = set(config or {}) - _CONFIG_KEYS.get(design, set())
+    if design not in _CONFIG_KEYS:
+        raise ValueError(f"unknown B6 design {design!r}; expected 'fullk' or 'transposed'")
+    unknown = set(config or {}) - _CONFIG_KEYS[design]
     if unknown:  # a misspelt or retired knob would otherwise be ignored without a word
-        raise ValueError(f"B6 {design} takes no config key {sorted(unknown)}; "
-                         f"known: {sorted(_CONFIG_KEYS.get(design, ()))}")
+        raise ValueError(f"B6 {design} takes no config key {sorted(unknown)}; known: {sorted(_CONFIG_KEYS[design])}")
     cfg = {**CONFIGS[(design, K)], **(config or {})}
     if design == "fullk":
         if "BV" not in (config or {}):
@@ -876,7 +855,7 @@ def wy_dqkg_bwd(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, c
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
             **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
         )
-    elif design == "transposed":
+    else:  # transposed (launch_config refuses any other design)
         dw_park = torch.empty(B, T, HV, K, device=k.device, dtype=k.dtype)
         kg_park = torch.empty_like(dw_park)
         dgk_buf = torch.empty(B * NT * HV, K, device=k.device, dtype=torch.float32)
@@ -894,8 +873,6 @@ def wy_dqkg_bwd(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, c
             HV=HV, K=K, V=V, BT=BT, BK=BK, BV=cfg["side_BV"],
             num_warps=cfg["side_warps"], num_stages=cfg["side_stages"],
         )
-    else:
-        raise ValueError(f"unknown B6 design {design!r}; expected 'fullk' or 'transposed'")
     return dq, dk, dv2, db, dg, dA
 
 
