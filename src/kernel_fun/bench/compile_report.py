@@ -35,43 +35,55 @@ def _signature(jit, pointer_types: dict[str, str], constexprs: dict) -> dict:
     return sig
 
 
-def compile_sm90(kernel, pointer_types: dict[str, str], constexprs: dict, num_warps: int, num_stages: int,
-                 maxnreg: int | None = None) -> dict:
-    """Compile ``kernel`` (a JITFunction, or a heuristics wrapper of one) for sm_90a."""
+def assemble_sm90(jit, sig: dict, constexprs: dict, num_warps: int, num_stages: int, maxnreg: int | None = None):
+    """Compile the JITFunction ``jit`` with the full signature ``sig`` for sm_90a and
+    assemble it with Triton's ptxas: (the compiled kernel, ptxas's -v report)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    jit = kernel
-    while not hasattr(jit, "arg_names") or not hasattr(jit, "src"):
-        jit = jit.fn
-    sig = _signature(jit, pointer_types, constexprs)
     # As a launch with 16-byte-aligned tensors specializes them (without it no load is
     # vectorized and the pipeliner leaves every loop alone).
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(jit.arg_names) if sig[name].startswith("*")}
     src = ASTSource(fn=jit, signature=sig, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg))
-    ptx = compiled.asm["ptx"]
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.ptx")
         with open(path, "w") as f:
-            f.write(ptx)
+            f.write(compiled.asm["ptx"])
         log = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", path, "-o", os.path.join(tmp, "k.cubin")],
                              capture_output=True, text=True, check=True).stderr
+    return compiled, log
 
-    def grab(pattern, default=0):
+
+def ptxas_numbers(log: str) -> dict:
+    """Registers, spill bytes and stack from ptxas's -v report (0 where it names none)."""
+    def grab(pattern):
         m = re.search(pattern, log)
-        return int(m.group(1)) if m else default
+        return int(m.group(1)) if m else 0
 
     return {
         "registers": grab(r"Used (\d+) registers"),
         "spill_stores": grab(r"(\d+) bytes spill stores"),
         "spill_loads": grab(r"(\d+) bytes spill loads"),
         "stack": grab(r"(\d+) bytes stack frame"),
+    }
+
+
+def compile_sm90(kernel, pointer_types: dict[str, str], constexprs: dict, num_warps: int, num_stages: int,
+                 maxnreg: int | None = None) -> dict:
+    """Compile ``kernel`` (a JITFunction, or a heuristics wrapper of one) for sm_90a."""
+    jit = kernel
+    while not hasattr(jit, "arg_names") or not hasattr(jit, "src"):
+        jit = jit.fn
+    sig = _signature(jit, pointer_types, constexprs)
+    compiled, log = assemble_sm90(jit, sig, constexprs, num_warps, num_stages, maxnreg)
+    return {
+        **ptxas_numbers(log),
         "shared": compiled.metadata.shared,
-        "wgmma": ptx.count("wgmma.mma_async"),
+        "wgmma": compiled.asm["ptx"].count("wgmma.mma_async"),
         "num_warps": num_warps,
         "num_stages": num_stages,
         "maxnreg": maxnreg,

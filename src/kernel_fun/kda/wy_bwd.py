@@ -195,7 +195,11 @@ Measured on the H200 (2026-11-30, torch 2.11, triton 3.6; rows in
   tiles prefetched into L2 during each epilogue; removed. BV=32 at 4-6 stages (same
   bytes in flight as BV=64 at 3, 76 B of spills, 147-229 KB): 5.95-6.04 against 4.77
   (kimi 4.25-4.52 / 3.71, b8 3.02-3.06 / 2.43), flat in the depth: the per-tile costs
-  double with the tile count.
+  double with the tile count. Triton 3.6's automatic warp specialization (4 warps, operands by
+  tensor descriptor; ``kernel_fun.bench.ws_probe``) on this V loop: never compiles with
+  the epilogue's (-dw) kg^T dot, compiles the rest in 1-4 of 16 attempts with 1.4-1.9 KB
+  of spills, and that rest took 8.57-9.61 ms against 4.99 for the same source
+  unspecialized and 4.89 for this kernel (bitwise the same dq, dk, dv2, dA).
 - the transposed main kernel at three pipeline stages failed parity at >= 1,024
   chunk-heads (a grid-dependent error, which points at a race between the parked
   accumulators and the pipelined strip loads; not chased further); its pinned config uses
