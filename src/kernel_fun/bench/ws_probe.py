@@ -158,8 +158,9 @@ def run_b6_probe(inputs: dict, BV: int, kg_dot: bool = False, warp_specialize: b
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     BT = 64
-    if T % BT or inputs.get("cu_seqlens") is not None:
-        raise ValueError("the B6 probe takes T a multiple of 64 and no cu_seqlens")
+    if T % BT or inputs.get("cu_seqlens") is not None or V % BV or K & (K - 1):
+        raise ValueError(f"the B6 probe takes T a multiple of 64, V a multiple of BV, K a power of two and no "
+                         f"cu_seqlens; got T={T}, V={V}, BV={BV}, K={K}")
     desc = lambda t, cols, block: TensorDescriptor.from_tensor(t.reshape(-1, cols), block)  # noqa: E731
     dq, dk, dg = (torch.empty(B, T, HV, K, device=k.device, dtype=torch.float32) for _ in range(3))
     dv2 = torch.empty_like(v)
