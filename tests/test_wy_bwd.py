@@ -22,8 +22,29 @@ pytestmark = pytest.mark.skipif(
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 # The kernels round where the reference rounds (exactly, to nearest even, also under the
-# interpreter), so what is left is fp32 accumulation order: measured ~1e-7.
+# interpreter), so what is left is fp32 accumulation order: measured ~1e-7 under the
+# interpreter, whose dots sum in the order torch does on the CPU.
 BOUND = 1e-4
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def assert_matches(got, want, inputs):
+    """Under the interpreter every output within BOUND of the reference stage. On the GPU
+    the reference's sums (cuBLAS) and the kernel's come in other orders, and where an fp32
+    value near a bf16 rounding boundary lands on the other side, dA's chain carries the
+    flip: 2.9e-4 / 3.0e-4 relative at K128-V64-T70-gva / K128-V96-varlen (15% of dA's
+    elements, both designs identically), while against float64 the kernel's dA error equals
+    the reference's (6.21e-3 / 7.22e-3). So on the GPU the bar is the issue's, the one the
+    GPU tests hold fla's stage to (``b6_misses``): dq, dk, dv2 within 1e-4 of the
+    reference, db, dg, dA within 0.02, and against float64 within fla's budgets and no
+    worse than the reference's own error by more than 10%."""
+    errors = stage_errors("B6", got, want)
+    if INTERPRETING:
+        assert all(e <= BOUND for e in errors.values()), errors
+        return
+    exact = ref.wy_dqkg_bwd(**{n: t for n, t in inputs.items() if n != "chunk_indices"}, exact=True)
+    misses = b6_misses(stage_errors("B6", got, exact), stage_errors("B6", want, exact), errors)
+    assert not misses, (misses, errors)
 
 
 def stage_inputs(p: Problem, seed: int = 0) -> tuple[dict, tuple]:
@@ -56,20 +77,19 @@ def test_kernel_matches_reference_stage(p: Problem, design: str):
     got = wy_bwd.wy_dqkg_bwd(**inputs, design=design)
     for a, b in zip(got, want):
         assert a.dtype == b.dtype and a.shape == b.shape
-    errors = stage_errors("B6", got, want)
-    assert all(e <= BOUND for e in errors.values()), errors
+    assert_matches(got, want, inputs)
 
 
 @pytest.mark.parametrize("design", ["fullk", "transposed"])
 def test_pinned_configs_and_other_blockings_agree(design):
     """Other V tiles and strip widths reassociate the same fp32 sums (warps and pipeline
-    stages do not exist under the interpreter; the GPU tests cover those)."""
+    stages do not exist under the interpreter; the GPU tests cover those). fullk's BV=128
+    runs at two stages: at three it needs 352 KB of shared memory, more than an SM has."""
     inputs, want = stage_inputs(SHAPES[5])
-    configs = [{"BV": 32}, {"BV": 128}] + ([{"KS": 32}, {"KS": 128}] if design == "transposed" else [])
+    configs = [{"BV": 32}, {"BV": 128, "num_stages": 2}] + ([{"KS": 32}, {"KS": 128}] if design == "transposed" else [])
     for config in configs:
         got = wy_bwd.wy_dqkg_bwd(**inputs, design=design, config=config)
-        errors = stage_errors("B6", got, want)
-        assert all(e <= BOUND for e in errors.values()), (config, errors)
+        assert_matches(got, want, inputs)
 
 
 
@@ -81,8 +101,7 @@ def test_both_launch_orders_compute_the_same(p: Problem):
     fast = wy_bwd.wy_dqkg_bwd(**inputs, design="fullk", config={"HEADS_FAST": True})
     slow = wy_bwd.wy_dqkg_bwd(**inputs, design="fullk", config={"HEADS_FAST": False})
     assert all(torch.equal(a, b) for a, b in zip(fast, slow))
-    errors = stage_errors("B6", fast, want)
-    assert all(e <= BOUND for e in errors.values()), errors
+    assert_matches(fast, want, inputs)
 
 
 def test_launch_order_rule(monkeypatch, fullk_launches):
@@ -99,7 +118,9 @@ def test_launch_order_rule(monkeypatch, fullk_launches):
 @pytest.mark.parametrize("heads_fast", [True, False])
 def test_timeline_stamps_every_program_and_change_no_value(heads_fast):
     """The timeline instrument writes one row per program, in either launch order, and
-    changes no output (under the interpreter its clock reads 0; the GPU test reads times)."""
+    changes no output. Under the interpreter its clock and SM id read 0; on the GPU every
+    row holds an SM id and three readings in order (test_gpu's timeline test reads them
+    at a bench shape)."""
     p = SHAPES[3]  # GVA, T not a multiple of 64, initial state
     inputs, _ = stage_inputs(p)
     n_programs = -(-p.T // 64) * p.B * p.HV
@@ -107,7 +128,13 @@ def test_timeline_stamps_every_program_and_change_no_value(heads_fast):
     plain = wy_bwd.wy_dqkg_bwd(**inputs, design="fullk", config={"HEADS_FAST": heads_fast})
     stamped = wy_bwd.wy_dqkg_bwd(**inputs, design="fullk", config={"HEADS_FAST": heads_fast, "timeline": stamps})
     assert all(torch.equal(a, b) for a, b in zip(plain, stamped))
-    assert (stamps == 0).all()
+    if INTERPRETING:
+        assert (stamps == 0).all()
+    else:
+        sm, start, loop, end = stamps.unbind(1)
+        n_sm = torch.cuda.get_device_properties(stamps.device).multi_processor_count
+        assert ((sm >= 0) & (sm < n_sm)).all() and (start > 0).all()
+        assert ((start <= loop) & (loop <= end)).all()
 
 
 def test_unknown_config_keys_are_refused():
