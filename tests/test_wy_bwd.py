@@ -28,7 +28,7 @@ BOUND = 1e-4
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def assert_matches(got, want, inputs):
+def assert_matches(got, want, inputs, what=None):
     """Under the interpreter every output within BOUND of the reference stage. On the GPU
     the reference's sums (cuBLAS) and the kernel's come in other orders, and where an fp32
     value near a bf16 rounding boundary lands on the other side, dA's chain carries the
@@ -40,11 +40,11 @@ def assert_matches(got, want, inputs):
     worse than the reference's own error by more than 10%."""
     errors = stage_errors("B6", got, want)
     if INTERPRETING:
-        assert all(e <= BOUND for e in errors.values()), errors
+        assert all(e <= BOUND for e in errors.values()), (what, errors)
         return
     exact = ref.wy_dqkg_bwd(**{n: t for n, t in inputs.items() if n != "chunk_indices"}, exact=True)
     misses = b6_misses(stage_errors("B6", got, exact), stage_errors("B6", want, exact), errors)
-    assert not misses, (misses, errors)
+    assert not misses, (what, misses, errors)
 
 
 def stage_inputs(p: Problem, seed: int = 0) -> tuple[dict, tuple]:
@@ -89,7 +89,7 @@ def test_pinned_configs_and_other_blockings_agree(design):
     configs = [{"BV": 32}, {"BV": 128, "num_stages": 2}] + ([{"KS": 32}, {"KS": 128}] if design == "transposed" else [])
     for config in configs:
         got = wy_bwd.wy_dqkg_bwd(**inputs, design=design, config=config)
-        assert_matches(got, want, inputs)
+        assert_matches(got, want, inputs, config)
 
 
 
