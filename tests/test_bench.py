@@ -132,6 +132,18 @@ def test_readme_stage_rows_follow_the_v_tile_rule():
 
 
 
+def test_stamps_complete_needs_every_row_written_and_in_order():
+    import numpy as np
+
+    from kernel_fun.bench.b6_timeline import stamps_complete
+
+    good = np.array([[0, 10, 20, 30], [131, 5, 5, 9]])
+    assert stamps_complete(good, 132)
+    assert not stamps_complete(good, 131)  # an SM id outside the device
+    assert not stamps_complete(np.array([[1, 10, 9, 30]]), 132)  # the loop ends before it starts
+    assert not stamps_complete(np.array([[1, 0, 0, 0]]), 132)  # a row its program never wrote
+
+
 def test_timeline_stats_on_a_known_schedule():
     import numpy as np
 

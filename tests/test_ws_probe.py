@@ -14,17 +14,13 @@ import torch
 from kernel_fun.bench.stage_b6 import make_inputs
 from kernel_fun.bench.ws_probe import run_b6_probe
 from kernel_fun.kda.problems import Problem
+from kernel_fun.kda.reference import rel_rms
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
     reason="Triton kernels need the interpreter or a CUDA device",
 )
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _rel(x, ref):
-    x, ref = x.double(), ref.double()
-    return ((x - ref).square().mean().sqrt() / ref.square().mean().sqrt()).item()
 
 
 @pytest.mark.parametrize("BV, kg_dot, H, HV", [(64, False, 2, 2), (32, True, 1, 2)])
@@ -59,7 +55,7 @@ def test_ws_b6_probe_matches_float64(BV, kg_dot, H, HV):
     got = dict(dq=dq, dk=dk, dv2=dv2, dg=dg, db=db, dA=dA)
     want = dict(dq=want_dq, dk=want_dk, dv2=want_dv2, dg=want_dg, db=want_db, dA=want_dA)
     for name in got:
-        err = _rel(got[name].view(want[name].shape), want[name])
+        err = rel_rms(got[name].view(want[name].shape), want[name])
         assert err < 0.005, (name, err)
 
 
@@ -81,7 +77,7 @@ def test_ws_mm_probe_matches_float64(desc, epi, ws):
     acc = a.double() @ b.double()
     if epi in (1, 2):  # a[:, :BM] @ bf16(acc)
         acc = a[:, :BM].double() @ acc.float().bfloat16().double()
-    assert _rel(c[:BM * BN].view(BM, BN), acc) < 0.005
+    assert rel_rms(c[:BM * BN].view(BM, BN), acc) < 0.005
     if epi == 3:
         x = acc.float().bfloat16().double()
-        assert _rel(c[BM * BN:].view(BM, BM), x @ x.T) < 0.005
+        assert rel_rms(c[BM * BN:].view(BM, BM), x @ x.T) < 0.005

@@ -211,23 +211,22 @@ def stage_table(rows: list[dict], best_only: bool = True, designs: set[str] | No
 def render(rows: list[dict]) -> str:
     """The README's numbers: the whole-op table, then the stage-alone table."""
     from kernel_fun.bench.stage_b6 import problem
-    from kernel_fun.kda.wy_bwd import CONFIGS, fullk_bv, heads_fast_order
+    from kernel_fun.kda.wy_bwd import CONFIGS, launch_config
 
     def ships(row) -> bool:
-        """The row ran the pinned config and, for fullk, the V tile and the launch order the
-        rules pick at its shape (rows from before the order switch carry none: fla's order)."""
-        config = dict(row.get("config") or {})
-        heads_fast = config.pop("HEADS_FAST", False)
+        """The row ran the config the launcher picks at its shape (``launch_config``: the
+        pinned one and, for fullk, the V tile and launch order its rules pick; rows from
+        before the order switch carry no HEADS_FAST: fla's order)."""
+        design = row.get("design")
         try:
             p = problem(row["shape"])
-        except KeyError:
+            picked = launch_config(design, p.K, p.V, p.B * p.HV)
+        except (KeyError, ValueError):  # a shape or design the launcher does not know
             return False
-        pinned = dict(CONFIGS.get((row.get("design"), p.K)) or {})
-        if row.get("design") == "fullk" and pinned:
-            pinned["BV"] = fullk_bv(p.V, pinned["BV"])
-        if pinned != config:
-            return False
-        return row["design"] != "fullk" or heads_fast == heads_fast_order(p.K, p.B * p.HV)
+        config = dict(row.get("config") or {})
+        if design == "fullk":
+            config.setdefault("HEADS_FAST", False)
+        return config == picked
 
     stages = stage_table(rows, designs={design for design, _ in CONFIGS}, ships=ships)
     return op_table(rows) + ("\n\n" + stages if stages else "")
