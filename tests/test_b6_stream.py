@@ -21,10 +21,11 @@ pytestmark = pytest.mark.skipif(
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("T, H, HV, K, V, BV, num_stages", [(100, 2, 4, 64, 64, 32, 2), (128, 2, 2, 128, 128, 64, 3)])
-def test_stream_outputs_follow_the_formula(T, H, HV, K, V, BV, num_stages):
+@pytest.mark.parametrize("T, H, HV, K, V, BV, num_stages, heads_fast", [
+    (100, 2, 4, 64, 64, 32, 2, True), (128, 2, 2, 128, 128, 64, 3, True), (100, 1, 2, 64, 128, 128, 1, False)])
+def test_stream_outputs_follow_the_formula(T, H, HV, K, V, BV, num_stages, heads_fast):
     inputs = make_inputs(Problem("stream", B=2, T=T, H=H, HV=HV, K=K, V=V), DEVICE, seed=5)
-    got = launch(inputs, BV, num_warps=4, num_stages=num_stages)
+    got = launch(inputs, BV, num_warps=4, num_stages=num_stages, heads_fast=heads_fast)
     want = reference_outputs(inputs, BV)
     for name, a, b in zip(("dq", "dk", "dv2", "dg", "db", "dA"), got, want):
         assert a.shape == b.shape and a.dtype == b.dtype, name

@@ -30,18 +30,28 @@ import triton.language as tl
 
 from kernel_fun.kda.wy_bwd import _to
 
-# (BV, num_warps, num_stages): fullk's residency (about 192 KB of shared memory: one
-# program per SM) first, then configs that let several programs share an SM.
-CONFIGS = [(64, 8, 3), (64, 8, 2), (64, 4, 2), (32, 4, 2), (32, 4, 3), (32, 8, 2), (64, 4, 1), (32, 4, 1)]
+# (BV, num_warps, num_stages, b*hv fastest): fullk's tiles and residency (BV=64 at three
+# stages, 144 KB of shared memory: one program per SM) first, then configs that let several
+# programs share an SM, wider V tiles (longer runs of each token row per request), and
+# fla's launch order (chunks fastest).
+CONFIGS = [(64, 8, 3, True), (64, 8, 2, True), (64, 4, 2, True), (32, 4, 2, True), (32, 4, 3, True),
+           (32, 8, 2, True), (64, 4, 1, True), (32, 4, 1, True),
+           (128, 8, 2, True), (128, 8, 1, True), (128, 16, 2, True), (256, 8, 1, True), (256, 16, 1, True),
+           (64, 8, 1, True), (64, 8, 2, False), (64, 4, 1, False), (128, 8, 1, False)]
 
 
 @triton.jit(do_not_specialize=["T", "NBH"])
 def b6_stream_kernel(q, k, v, v_new, g, beta, A, h, do, dh, dv,
                      dq, dk, dv2, dg, db, dA, T, NBH,
                      H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                     BT: tl.constexpr, BV: tl.constexpr, NS: tl.constexpr, RS: tl.constexpr):
+                     BT: tl.constexpr, BV: tl.constexpr, NS: tl.constexpr, RS: tl.constexpr,
+                     HEADS_FAST: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
-    i_t, i_bh = pid // NBH, pid % NBH
+    if HEADS_FAST:
+        i_t, i_bh = pid // NBH, pid % NBH
+    else:
+        NTC = tl.cdiv(T, BT)
+        i_t, i_bh = pid % NTC, pid // NTC
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
     row0 = i_b * T + i_t * BT
@@ -107,7 +117,8 @@ def b6_stream_kernel(q, k, v, v_new, g, beta, A, h, do, dh, dv,
     tl.store(db + o_t * HV, b_x + b_beta, mask=m_t)
 
 
-def launch(inputs: dict, BV: int, num_warps: int, num_stages: int, with_kernel: bool = False):
+def launch(inputs: dict, BV: int, num_warps: int, num_stages: int, heads_fast: bool = True,
+           with_kernel: bool = False):
     """Moves B6's bytes for ``inputs`` (stage_b6.make_inputs's dict, fixed-length sequences)
     and returns (dq, dk, dv2, dg, db, dA), and with ``with_kernel`` the compiled kernel too."""
     q, k, v, v_new, g, beta, A, h, do, dh, dv = (inputs[n] for n in
@@ -125,7 +136,8 @@ def launch(inputs: dict, BV: int, num_warps: int, num_stages: int, with_kernel: 
     dA = torch.empty(B, T, HV, 64, **f32)
     NT = triton.cdiv(T, 64)
     kernel = b6_stream_kernel[(NT * B * HV,)](q, k, v, v_new, g, beta, A, h, do, dh, dv, dq, dk, dv2, dg, db, dA, T, B * HV,
-                                     H=H, HV=HV, K=K, V=V, BT=64, BV=BV, NS=num_stages, RS=16, num_warps=num_warps, num_stages=num_stages)
+                                     H=H, HV=HV, K=K, V=V, BT=64, BV=BV, NS=num_stages, RS=16, HEADS_FAST=heads_fast,
+                                     num_warps=num_warps, num_stages=num_stages)
     outs = (dq, dk, dv2, dg, db, dA)
     return (outs, kernel) if with_kernel else outs
 
@@ -166,14 +178,14 @@ def run(shape: str, configs=CONFIGS, reps: int = 10, rounds: int = 6) -> list[di
     fns, checks, compiled = {}, {}, {}
     # the formula checked on the first sequence (the same binary: T and NBH are not specialized)
     one = {n: (t[:1] if isinstance(t, torch.Tensor) else t) for n, t in inputs.items()}
-    for BV, nw, ns in configs:
-        tag = f"BV={BV} {nw}w/{ns}s"
-        out, kern = launch(one, BV, nw, ns, with_kernel=True)
+    for BV, nw, ns, hf in configs:
+        tag = f"BV={BV} {nw}w/{ns}s" + ("" if hf else " chunks fastest")
+        out, kern = launch(one, BV, nw, ns, hf, with_kernel=True)
         want = reference_outputs(one, BV)
         checks[tag] = {n: ref_mod.rel_rms(a, b) for n, a, b in zip(names, out, want)}
         del out, want
         compiled[tag] = dict(registers=kern.n_regs, spills=kern.n_spills, shared=kern.metadata.shared)
-        fns[tag] = (lambda BV=BV, nw=nw, ns=ns: launch(inputs, BV, nw, ns))
+        fns[tag] = (lambda BV=BV, nw=nw, ns=ns, hf=hf: launch(inputs, BV, nw, ns, hf))
     fns["fullk (shipped)"] = lambda: wy_bwd.wy_dqkg_bwd(**inputs, design="fullk")
     torch.cuda.empty_cache()
     times = {t: [] for t in fns}
@@ -216,7 +228,8 @@ def main(argv=None) -> int:
             results.append(Path(args.out), row)
     for r in rows:
         print(json.dumps({k: r[k] for k in ("variant", "ms", "spread_ms", "TBps", "compiled", "moves_bytes_exactly")}))
-    print("\n".join(f"{r['shape']:14s} {r['variant']:28s} {r['ms']:.3f} ms  {r['TBps']:.2f} TB/s" for r in rows))
+    print("\n".join(f"{r['shape']:14s} {r['variant']:42s} {r['ms']:.3f} ms  {r['TBps']:.2f} TB/s  {r['compiled'] or ''}"
+                    for r in rows))
     if bad:
         print("outputs off the formula:", bad)
     return 1 if bad else 0
