@@ -15,6 +15,13 @@ fullk (one program per SM), at two stages and smaller tiles several programs sha
 The outputs are a fixed formula of the inputs (``reference_outputs``), checked in the
 interpreter and on the GPU, so a run that drops a load or a store does not pass. This is an
 instrument, not the stage: nothing dispatches to it.
+
+Measured on the H200 (2026-11-30, torch 2.11, triton 3.6; rows in
+``bench/results/b6_ablation.jsonl`` runs 43-45, reading in docs/b6-wy-backward.md,
+thirteenth round), prod8192_gate (15.85 GB): at fullk's tiles and residency (BV=64,
+8 warps, 3 stages, one program per SM) 4.95-5.04 ms, slower than fullk itself (4.75-4.81 in
+the same processes); two or three programs per SM 4.10-4.26; 16 warps, one program per SM,
+3.96 (BV=128) and 3.80 (BV=256, 4.17 TB/s); BV=32 5.09-5.47 at any residency.
 """
 
 from __future__ import annotations
