@@ -35,16 +35,43 @@ import torch
 import triton
 import triton.language as tl
 
-from kernel_fun.kda.wy_bwd import _to
+from kernel_fun.kda.wy_bwd import _prefetch_rows, _to
 
-# (BV, num_warps, num_stages, b*hv fastest): fullk's tiles and residency (BV=64 at three
-# stages, 144 KB of shared memory: one program per SM) first, then configs that let several
+# (BV, num_warps, num_stages) and, where not the default, ``heads_fast`` (launch order),
+# ``rows`` (the epilogue's strip height) and ``prefetch_at`` (fullk's L2 prefetch of k, q,
+# g, that many V tiles before the end). fullk's tiles and residency (BV=64 at three stages,
+# 144 KB of shared memory: one program per SM) first, then configs that let several
 # programs share an SM, wider V tiles (longer runs of each token row per request), and
 # fla's launch order (chunks fastest).
-CONFIGS = [(64, 8, 3, True), (64, 8, 2, True), (64, 4, 2, True), (32, 4, 2, True), (32, 4, 3, True),
-           (32, 8, 2, True), (64, 4, 1, True), (32, 4, 1, True),
-           (128, 8, 2, True), (128, 8, 1, True), (128, 16, 2, True), (256, 8, 1, True), (256, 16, 1, True),
-           (64, 8, 1, True), (64, 8, 2, False), (64, 4, 1, False), (128, 8, 1, False)]
+CONFIGS = [dict(BV=64, num_warps=8, num_stages=3), dict(BV=64, num_warps=8, num_stages=2),
+           dict(BV=64, num_warps=4, num_stages=2), dict(BV=32, num_warps=4, num_stages=2),
+           dict(BV=32, num_warps=4, num_stages=3), dict(BV=32, num_warps=8, num_stages=2),
+           dict(BV=64, num_warps=4, num_stages=1), dict(BV=32, num_warps=4, num_stages=1),
+           dict(BV=128, num_warps=8, num_stages=2), dict(BV=128, num_warps=8, num_stages=1),
+           dict(BV=128, num_warps=16, num_stages=2), dict(BV=256, num_warps=8, num_stages=1),
+           dict(BV=256, num_warps=16, num_stages=1), dict(BV=64, num_warps=8, num_stages=1),
+           dict(BV=64, num_warps=8, num_stages=2, heads_fast=False),
+           dict(BV=64, num_warps=4, num_stages=1, heads_fast=False),
+           dict(BV=128, num_warps=8, num_stages=1, heads_fast=False)]
+# fullk's structure with its epilogue's shape and prefetch (the whole [64, K] tiles at once;
+# k, q, g asked of L2 two V tiles before the end, as fullk does), and at 16 warps.
+FULLK_LIKE = [dict(BV=64, num_warps=8, num_stages=3), dict(BV=64, num_warps=8, num_stages=3, rows=64),
+              dict(BV=64, num_warps=8, num_stages=3, prefetch_at=2),
+              dict(BV=64, num_warps=8, num_stages=3, rows=64, prefetch_at=2),
+              dict(BV=64, num_warps=16, num_stages=3), dict(BV=64, num_warps=16, num_stages=3, prefetch_at=2),
+              dict(BV=64, num_warps=8, num_stages=2), dict(BV=128, num_warps=16, num_stages=2)]
+SETS = {"all": CONFIGS, "fullk-like": FULLK_LIKE}
+
+
+def config_tag(cfg: dict) -> str:
+    tag = f"BV={cfg['BV']} {cfg['num_warps']}w/{cfg['num_stages']}s"
+    if not cfg.get("heads_fast", True):
+        tag += " chunks fastest"
+    if cfg.get("rows", 16) != 16:
+        tag += f" rows={cfg['rows']}"
+    if cfg.get("prefetch_at") is not None:
+        tag += f" prefetch at -{cfg['prefetch_at']}"
+    return tag
 
 
 @triton.jit(do_not_specialize=["T", "NBH"])
@@ -52,7 +79,7 @@ def b6_stream_kernel(q, k, v, v_new, g, beta, A, h, do, dh, dv,
                      dq, dk, dv2, dg, db, dA, T, NBH,
                      H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                      BT: tl.constexpr, BV: tl.constexpr, NS: tl.constexpr, RS: tl.constexpr,
-                     HEADS_FAST: tl.constexpr):
+                     HEADS_FAST: tl.constexpr, PF_ITER: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     if HEADS_FAST:
         i_t, i_bh = pid // NBH, pid % NBH
@@ -101,6 +128,11 @@ def b6_stream_kernel(q, k, v, v_new, g, beta, A, h, do, dh, dv,
         p_vk = o_v[:, None] + o_k[None, :] * V
         b_s += tl.sum(tl.load(h + p_vk).to(tl.float32) * tl.load(dh + p_vk).to(tl.float32), axis=0)
         b_a += tl.load(A + p_tt, mask=m_t[:, None], other=0).to(tl.float32)
+        if PF_ITER >= 0:
+            if i_v == PF_ITER:  # as fullk: the epilogue's k, q, g into L2 while the last tiles stream
+                _prefetch_rows(k, o_t, H * K, m_t, K)
+                _prefetch_rows(q, o_t, H * K, m_t, K)
+                _prefetch_rows(g, o_t, HV * K, m_t, K)
         b_y = (b_do + b_vn + b_dvn) * b_beta[:, None]
         tl.store(dv2 + p_tv, _to(b_y, dv2.dtype.element_ty), mask=m_t[:, None])
         b_x += tl.sum(b_y * b_v, axis=1)
@@ -125,7 +157,7 @@ def b6_stream_kernel(q, k, v, v_new, g, beta, A, h, do, dh, dv,
 
 
 def launch(inputs: dict, BV: int, num_warps: int, num_stages: int, heads_fast: bool = True,
-           with_kernel: bool = False):
+           rows: int = 16, prefetch_at: int | None = None, with_kernel: bool = False):
     """Moves B6's bytes for ``inputs`` (stage_b6.make_inputs's dict, fixed-length sequences)
     and returns (dq, dk, dv2, dg, db, dA), and with ``with_kernel`` the compiled kernel too."""
     q, k, v, v_new, g, beta, A, h, do, dh, dv = (inputs[n] for n in
@@ -136,6 +168,8 @@ def launch(inputs: dict, BV: int, num_warps: int, num_stages: int, heads_fast: b
         raise ValueError("b6_stream takes fixed-length sequences only")
     if K not in (64, 128) or V % BV or inputs.get("chunk_size", 64) != 64:
         raise ValueError(f"b6_stream takes K in (64, 128), V a multiple of BV and chunk size 64, got K={K}, V={V}, BV={BV}")
+    if rows not in (16, 32, 64):
+        raise ValueError(f"b6_stream's epilogue strips are 16, 32 or 64 rows, got {rows}")
     f32 = dict(dtype=torch.float32, device=q.device)
     dq, dk, dg = (torch.empty(B, T, HV, K, **f32) for _ in range(3))
     dv2 = torch.empty_like(v)
@@ -143,7 +177,8 @@ def launch(inputs: dict, BV: int, num_warps: int, num_stages: int, heads_fast: b
     dA = torch.empty(B, T, HV, 64, **f32)
     NT = triton.cdiv(T, 64)
     kernel = b6_stream_kernel[(NT * B * HV,)](q, k, v, v_new, g, beta, A, h, do, dh, dv, dq, dk, dv2, dg, db, dA, T, B * HV,
-                                     H=H, HV=HV, K=K, V=V, BT=64, BV=BV, NS=num_stages, RS=16, HEADS_FAST=heads_fast,
+                                     H=H, HV=HV, K=K, V=V, BT=64, BV=BV, NS=num_stages, RS=rows, HEADS_FAST=heads_fast,
+                                     PF_ITER=max(V // BV - prefetch_at, 0) if prefetch_at else -1,
                                      num_warps=num_warps, num_stages=num_stages)
     outs = (dq, dk, dv2, dg, db, dA)
     return (outs, kernel) if with_kernel else outs
@@ -185,16 +220,16 @@ def run(shape: str, configs=CONFIGS, reps: int = 10, rounds: int = 6) -> list[di
     fns, checks, compiled = {}, {}, {}
     # the formula checked on the first sequence (the same binary: T and NBH are not specialized)
     one = {n: (t[:1] if isinstance(t, torch.Tensor) else t) for n, t in inputs.items()}
-    for BV, nw, ns, hf in configs:
-        if p.V % BV:
+    for cfg in configs:
+        if p.V % cfg["BV"]:
             continue
-        tag = f"BV={BV} {nw}w/{ns}s" + ("" if hf else " chunks fastest")
-        out, kern = launch(one, BV, nw, ns, hf, with_kernel=True)
-        want = reference_outputs(one, BV)
+        tag = config_tag(cfg)
+        out, kern = launch(one, **cfg, with_kernel=True)
+        want = reference_outputs(one, cfg["BV"])
         checks[tag] = {n: ref_mod.rel_rms(a, b) for n, a, b in zip(names, out, want)}
         del out, want
         compiled[tag] = dict(registers=kern.n_regs, spills=kern.n_spills, shared=kern.metadata.shared)
-        fns[tag] = (lambda BV=BV, nw=nw, ns=ns, hf=hf: launch(inputs, BV, nw, ns, hf))
+        fns[tag] = (lambda cfg=cfg: launch(inputs, **cfg))
     fns["fullk (shipped)"] = lambda: wy_bwd.wy_dqkg_bwd(**inputs, design="fullk")
     torch.cuda.empty_cache()
     times = {t: [] for t in fns}
@@ -226,9 +261,10 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="prod8192_gate")
     parser.add_argument("--out", default=None, help="a jsonl file to append the rows to")
+    parser.add_argument("--configs", default="all", choices=sorted(SETS))
     args = parser.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)
-    rows = run(args.shape)
+    rows = run(args.shape, SETS[args.configs])
     bad = [r["variant"] for r in rows if r["moves_bytes_exactly"] and max(r["moves_bytes_exactly"].values()) > 1e-5]
     if args.out:
         from kernel_fun.bench import results
