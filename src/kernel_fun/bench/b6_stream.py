@@ -16,12 +16,14 @@ The outputs are a fixed formula of the inputs (``reference_outputs``), checked i
 interpreter and on the GPU, so a run that drops a load or a store does not pass. This is an
 instrument, not the stage: nothing dispatches to it.
 
-Measured on the H200 (2026-11-30, torch 2.11, triton 3.6; rows in
-``bench/results/b6_ablation.jsonl`` runs 43-45, reading in docs/b6-wy-backward.md,
+Measured on the H200 (2026-11-30 / 12-01, torch 2.11, triton 3.6; rows in
+``bench/results/b6_ablation.jsonl`` runs 43-46, reading in docs/b6-wy-backward.md,
 thirteenth round), prod8192_gate (15.85 GB): at fullk's tiles and residency (BV=64,
-8 warps, 3 stages, one program per SM) 4.95-5.04 ms, slower than fullk itself (4.75-4.81 in
-the same processes); two or three programs per SM 4.10-4.26; 16 warps, one program per SM,
-3.96 (BV=128) and 3.80 (BV=256, 4.17 TB/s); BV=32 5.09-5.47 at any residency.
+8 warps, 3 stages, one program per SM) with fullk's whole-tile epilogue and L2 prefetch
+(``rows=64, prefetch_at=2``) 4.27 ms against fullk's 4.89 in the same process (b8 2.12 /
+2.44); with 16-row strips and no prefetch 4.95-5.09, the strips' serial waits; two or three
+programs per SM 4.10-4.30; 16 warps, one program per SM, 3.80 (BV=256, 4.17 TB/s) to 4.28;
+BV=32 5.09-5.47 at any residency.
 """
 
 from __future__ import annotations

@@ -183,13 +183,13 @@ Measured on the H200 (2026-11-30, torch 2.11, triton 3.6; rows in
 - the 4.5 ms target is not met yet (4.80 ms, ~6% short): one 8-warp program per SM (255
   registers), whose V loop and once-per-chunk-head epilogue each take ~10 us and
   never overlap within the SM; 4.5 ms needs ~18 us per program against ~19.5 now.
-  Moving the stage's bytes alone in this kernel's tiles and residency, with no dots
-  (``kernel_fun.bench.b6_stream``, 2026-11-30), takes 4.95-5.04 ms against this kernel's
-  4.75-4.81 in the same processes (kimi 3.89 / 3.73, b8 2.57 / 2.42): the kernel runs
-  below the data-movement cost of its own structure. The byte mover gets under 4.5 ms
-  only with a second or third program per SM (4.10-4.26) or 16 warps (3.80-3.96), and
-  this kernel's 128 KB of accumulators allow neither without spills (16 warps: 128-140 B,
-  6.59 ms). Tried and measured without a gain: K split across
+  Moving the stage's bytes alone in this kernel's tiles, residency, epilogue shape and
+  prefetch, with no dots (``kernel_fun.bench.b6_stream``, 2026-12-01), takes 4.27 ms
+  against this kernel's 4.89 in the same process (b8 2.12 / 2.44); this kernel's V loop
+  with a light epilogue 4.70 against 4.92: ~0.4 ms of the 0.6 over the bytes is the V
+  loop's arithmetic, about its five dots' tensor-core time (~0.5 us a tile), which adds to
+  the tile stream rather than hiding under it, ~0.2 the epilogue's. Asking L2 for tile i+2 before tile i's dots: 4.95-5.03
+  against 4.92 (bitwise the same outputs). Tried and measured without a gain: K split across
   a pair of 4-warp programs (7.72 ms), an L1 carveout for the spills, accumulators as two
   K halves (spills 296 -> 120 B, same time), TMA-descriptor loads (7.28 against 6.93 ms),
   and a persistent grid with TMA loads (9.38 ms); its flattened form, which would overlap
