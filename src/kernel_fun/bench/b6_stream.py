@@ -66,17 +66,6 @@ FULLK_LIKE = [dict(BV=64, num_warps=8, num_stages=3), dict(BV=64, num_warps=8, n
 SETS = {"all": CONFIGS, "fullk-like": FULLK_LIKE}
 
 
-def config_tag(cfg: dict) -> str:
-    tag = f"BV={cfg['BV']} {cfg['num_warps']}w/{cfg['num_stages']}s"
-    if not cfg.get("heads_fast", True):
-        tag += " chunks fastest"
-    if cfg.get("rows", 16) != 16:
-        tag += f" rows={cfg['rows']}"
-    if cfg.get("prefetch_at") is not None:
-        tag += f" prefetch at -{cfg['prefetch_at']}"
-    return tag
-
-
 @triton.jit(do_not_specialize=["T", "NBH"])
 def b6_stream_kernel(q, k, v, v_new, g, beta, A, h, do, dh, dv,
                      dq, dk, dv2, dg, db, dA, T, NBH,
@@ -213,7 +202,7 @@ def run(shape: str, configs=CONFIGS, reps: int = 10, rounds: int = 6) -> list[di
     from kernel_fun import versions
     from kernel_fun.bench import results
     from kernel_fun.bench.kda import cuda_times, summary
-    from kernel_fun.bench.stage_b6 import b6_bytes, make_inputs, problem
+    from kernel_fun.bench.stage_b6 import b6_bytes, config_label, make_inputs, problem
     from kernel_fun.kda import reference as ref_mod
     from kernel_fun.kda import wy_bwd
 
@@ -226,7 +215,7 @@ def run(shape: str, configs=CONFIGS, reps: int = 10, rounds: int = 6) -> list[di
     for cfg in configs:
         if p.V % cfg["BV"]:
             continue
-        tag = config_tag(cfg)
+        tag = config_label("b6_stream", cfg)
         out, kern = launch(one, **cfg, with_kernel=True)
         want = reference_outputs(one, cfg["BV"])
         checks[tag] = {n: ref_mod.rel_rms(a, b) for n, a, b in zip(names, out, want)}
@@ -247,7 +236,7 @@ def run(shape: str, configs=CONFIGS, reps: int = 10, rounds: int = 6) -> list[di
         s = summary(times[t])
         rows.append({
             "kind": "ablation", "stage": "B6", "shape": shape, "problem": p.describe(),
-            "variant": "b6_stream " + t if t in checks else t, "ms": round(s["median"], 4),
+            "variant": t, "ms": round(s["median"], 4),
             "spread_ms": [round(s["p10"], 4), round(s["p90"], 4)], "TBps": round(n_bytes / s["median"] / 1e9, 3),
             "bytes": n_bytes, "compiled": compiled.get(t), "moves_bytes_exactly": checks.get(t),
             "computes_b6": t not in checks,
@@ -277,7 +266,7 @@ def main(argv=None) -> int:
                 results.append(Path(args.out), row)
     for r in rows:
         print(json.dumps({k: r[k] for k in ("variant", "ms", "spread_ms", "TBps", "compiled", "moves_bytes_exactly")}))
-    print("\n".join(f"{r['shape']:14s} {r['variant']:42s} {r['ms']:.3f} ms  {r['TBps']:.2f} TB/s  {r['compiled'] or ''}"
+    print("\n".join(f"{r['shape']:14s} {r['variant']:64s} {r['ms']:.3f} ms  {r['TBps']:.2f} TB/s  {r['compiled'] or ''}"
                     for r in rows))
     if bad:
         print("outputs off the formula:", bad)

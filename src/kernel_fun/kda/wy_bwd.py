@@ -188,8 +188,9 @@ Measured on the H200 (2026-11-30, torch 2.11, triton 3.6; rows in
   against this kernel's 4.89 in the same process (b8 2.12 / 2.44); this kernel's V loop
   with a light epilogue 4.70 against 4.92: ~0.4 ms of the 0.6 over the bytes is the V
   loop's arithmetic (about its five dots' tensor-core time, ~0.5 us a tile, though letting
-  the dots run on into the next tile bought nothing), ~0.2 the epilogue's. Asking L2 for tile i+2 before tile i's dots: 4.95-5.03
-  against 4.92 (bitwise the same outputs). Tried and measured without a gain: K split across
+  the dots run on into the next tile bought nothing), ~0.2 the epilogue's. Asking L2 for
+  tile i+2 before tile i's dots: 4.95-5.03 against 4.92 (bitwise the same outputs).
+  Tried and measured without a gain: K split across
   a pair of 4-warp programs (7.72 ms), an L1 carveout for the spills, accumulators as two
   K halves (spills 296 -> 120 B, same time), TMA-descriptor loads (7.28 against 6.93 ms),
   and a persistent grid with TMA loads (9.38 ms); its flattened form, which would overlap
