@@ -190,6 +190,14 @@ Measured on the H200 (2026-11-30, torch 2.11, triton 3.6; rows in
   loop's arithmetic (about its five dots' tensor-core time, ~0.5 us a tile, though letting
   the dots run on into the next tile bought nothing), ~0.2 the epilogue's. Asking L2 for
   tile i+2 before tile i's dots: 4.95-5.03 against 4.92 (bitwise the same outputs).
+  Of the loop's part, sum_V h*dh is 0.07-0.10 ms (skipped with the buffers unchanged:
+  4.73 against 4.80; with the light epilogue as well 4.48); on the tensor cores, as the
+  diagonals of [16, 16] blocks of h dh^T (mma.sync, 322-343 loop instructions against
+  468, 132-140 B of epilogue spills), 5.05-5.10 against 4.79 (kimi 4.03-4.05 / 3.72).
+  What would hide the rest is the next chunk-head's loads during the epilogue, by
+  producer warps with few registers (warp specialization with register reallocation),
+  which the Triton language here cannot ask for and Gluon, which can, does not run in
+  the interpreter (docs/b6-wy-backward.md, fourteenth round and "What it would take").
   Tried and measured without a gain: K split across
   a pair of 4-warp programs (7.72 ms), an L1 carveout for the spills, accumulators as two
   K halves (spills 296 -> 120 B, same time), TMA-descriptor loads (7.28 against 6.93 ms),
