@@ -64,6 +64,9 @@ FULLK_LIKE = [dict(BV=64, num_warps=8, num_stages=3), dict(BV=64, num_warps=8, n
               dict(BV=64, num_warps=16, num_stages=3), dict(BV=64, num_warps=16, num_stages=3, prefetch_at=2),
               dict(BV=64, num_warps=8, num_stages=2), dict(BV=128, num_warps=16, num_stages=2)]
 SETS = {"all": CONFIGS, "fullk-like": FULLK_LIKE}
+# How far (relative RMS) an output may sit from ``reference_outputs``: fp32 sums in another
+# order (at most 1.2e-7 in the H200 runs 43-48). Farther means other bytes were moved.
+FORMULA_RTOL = 1e-6
 
 
 @triton.jit(do_not_specialize=["T", "NBH"])
@@ -257,7 +260,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)
     rows = run(args.shape, SETS[args.configs])
-    bad = [r["variant"] for r in rows if r["moves_bytes_exactly"] and max(r["moves_bytes_exactly"].values()) > 1e-5]
+    bad = [r["variant"] for r in rows if r["moves_bytes_exactly"] and max(r["moves_bytes_exactly"].values()) > FORMULA_RTOL]
     if args.out:  # a variant off its formula moved other bytes than the stage's: no row for it
         from kernel_fun.bench import results
 
