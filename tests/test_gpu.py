@@ -33,6 +33,16 @@ SMALL = [
                         cu_seqlens=(0, 1, 200, 700)),
     dataclasses.replace(PROD, name="pregated", B=1, T=300, gate_in_kernel=False, l2norm_in_kernel=False),
 ]
+# The flags the chain now carries to fla's stages, at the same small shapes: fla's own
+# layer's (V-first states, beta's sigmoid in the op), safe_gate, disable_recompute.
+FLAGGED = [
+    dataclasses.replace(SMALL[0], name="T500-h0-layer", state_v_first=True, beta_sigmoid_in_kernel=True),
+    dataclasses.replace(SMALL[1], name="varlen-h0-layer-safe", state_v_first=True, beta_sigmoid_in_kernel=True,
+                        safe_gate=True, lower_bound=-5.0),
+    dataclasses.replace(SMALL[0], name="T500-h0-no-recompute", disable_recompute=True),
+    dataclasses.replace(SMALL[1], name="varlen-h0-no-recompute-v-first", disable_recompute=True,
+                        state_v_first=True),
+]
 
 
 def _fla():
@@ -52,7 +62,7 @@ def assert_bitwise(ours: dict, theirs: dict):
         assert torch.equal(got, want), f"{name} differs: max |diff| {(got.float() - want.float()).abs().max()}"
 
 
-@pytest.mark.parametrize("p", SMALL + [PROD], ids=lambda p: p.name)
+@pytest.mark.parametrize("p", SMALL + FLAGGED + [PROD], ids=lambda p: p.name)
 def test_all_fla_chain_is_bitwise_fla(p: Problem):
     kwargs = make_inputs(p, device="cuda", seed=3)
     theirs = run_fwd_bwd(_fla(), kwargs, grid=p.dtype)
@@ -62,7 +72,25 @@ def test_all_fla_chain_is_bitwise_fla(p: Problem):
     assert record.engaged
     assert set(record.forward.values()) == {"fla"} and set(record.backward.values()) == {"fla"}
     assert "B6" in record.backward and "F3-F6" in record.forward
+    assert ("B3" in record.backward) == (not p.disable_recompute)
     assert_bitwise(ours, theirs)
+
+
+@pytest.mark.parametrize("p", FLAGGED, ids=lambda p: p.name)
+def test_flagged_chain_with_our_b6_tracks_fla(p: Problem):
+    """The chain with kernel-fun's B6 on every flag it carries: the record shows B6 ours,
+    the forward is fla's stages (bitwise o), every gradient within fla's budgets of fla's."""
+    from kernel_fun.kda import reference as ref
+
+    kwargs = make_inputs(p, device="cuda", seed=6)
+    theirs = run_fwd_bwd(_fla(), kwargs, grid=p.dtype)
+    ours = run_fwd_bwd(chunk_kda, kwargs, grid=p.dtype)
+    record = last_record()
+    assert record.engaged and record.backward["B6"] == "ours", record
+    errors = {n: ref.rel_rms(ours[n], theirs[n]) for n in theirs if theirs[n] is not None}
+    print(p.name, "vs fla", errors)
+    assert errors["o"] == 0.0 and errors["final_state"] == 0.0
+    assert all(e <= ref.BUDGETS[n] for n, e in errors.items()), errors
 
 
 # Every stage output a reference must reproduce, relative RMS against fla's stage on the
@@ -103,17 +131,19 @@ def test_gate_engages_on_hopper():
 # --------------------------------------------------------------------------------------
 # B6: kernel-fun's WY backward against fla's stage on the GPU
 # --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("v_first", [False, True], ids=["kv", "v-first"])
 @pytest.mark.parametrize("shape,design", [(shape, design) for shape in ("grid64", "grid1024", "b8")
                                           for design in ("fullk", "transposed")]
                          + [("k64", "fullk"), ("v64", "fullk"), ("v32", "fullk")])
-def test_b6_matches_fla_stage(shape, design):
+def test_b6_matches_fla_stage(shape, design, v_first):
     """Both sides of any CTA floor (64 and 1,024 chunk-heads), a production grid, K=64, and
-    V=64 and 32 (where the V tile rule halves the pinned BV)."""
+    V=64 and 32 (where the V tile rule halves the pinned BV); h and dh in fla's [K, V]
+    layout and in the [V, K] one of fla's layer (fla's stage given the same layout)."""
     from kernel_fun.bench import stage_b6
     from kernel_fun.kda import reference as ref
     from kernel_fun.kda.chain import _fla_wy_dqkg
 
-    p = stage_b6.problem(shape)
+    p = dataclasses.replace(stage_b6.problem(shape), state_v_first=v_first)
     inputs = stage_b6.make_inputs(p, "cuda", seed=2)
     theirs = _fla_wy_dqkg(**inputs)
     ours = wy_bwd.wy_dqkg_bwd(**inputs, design=design)
@@ -244,3 +274,65 @@ def test_b6_on_packed_sequences_matches_fla_stage():
     vs_fla = stage_errors("B6", ours, theirs, cu_seqlens=inputs["cu_seqlens"])
     print("packed B6 vs fla", vs_fla)
     assert all(vs_fla[n] <= B6_VS_FLA[n] for n in vs_fla), vs_fla
+
+
+# --------------------------------------------------------------------------------------
+# fla's own KimiDeltaAttention layer through patch_fla()
+# --------------------------------------------------------------------------------------
+# The parameters whose gradients carry a gate or beta term get those gradients' budget.
+_GATE_PARAMS = ("A_log", "dt_bias", "f_proj", "b_proj")
+
+
+def _layer(seed=0, **kw):
+    from fla.layers.kda import KimiDeltaAttention
+
+    torch.manual_seed(seed)
+    return KimiDeltaAttention(hidden_size=2048, head_dim=128, num_heads=16, **kw).cuda().to(torch.bfloat16)
+
+
+def _layer_fwd_bwd(layer, x, mask, w):
+    layer.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_()
+    o = layer(x, attention_mask=mask)[0]
+    (o.float() * w).sum().backward()
+    grads = {n: p.grad.detach().clone() for n, p in layer.named_parameters()}
+    return o.detach(), x.grad.detach(), grads
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+@pytest.mark.parametrize("flags", [{}, {"safe_gate": True, "lower_bound": -5.0}], ids=["default", "safe_gate"])
+def test_fla_layer_through_patch_fla(flags, packed):
+    """fla's KimiDeltaAttention (fla's defaults: hidden 2048, 16 heads, head dims 128, short
+    convolutions) at B2 T4096, fwd+bwd with kernel_fun.patch_fla() against the same layer
+    unpatched: the chain engaged with B6 ours; the output, the input's gradient and every
+    parameter's gradient within fla's budgets of fla's own. Packed: an attention mask with
+    padding, which the layer turns into cu_seqlens."""
+    import copy
+
+    import kernel_fun
+    from kernel_fun.kda import reference as ref
+
+    layer = _layer(**flags)
+    ours_layer = copy.deepcopy(layer)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(2, 4096, 2048, device="cuda", generator=gen).bfloat16()
+    w = torch.randn(2, 4096, 2048, device="cuda", generator=gen)
+    mask = None
+    if packed:
+        mask = torch.ones(2, 4096, dtype=torch.int32, device="cuda")
+        mask[0, 3000:] = 0
+        mask[1, 1777:] = 0
+    o_fla, dx_fla, g_fla = _layer_fwd_bwd(layer, x, mask, w)
+    kernel_fun.patch_fla()
+    try:
+        o, dx, g = _layer_fwd_bwd(ours_layer, x, mask, w)
+        record = last_record()
+    finally:
+        kernel_fun.unpatch_fla()
+    assert record.engaged and record.backward["B6"] == "ours", record
+    assert (record.forward.get("F1b"), "B3" in record.backward) == ("fla", True)
+    errors = {"o": ref.rel_rms(o, o_fla), "dx": ref.rel_rms(dx, dx_fla)}
+    errors.update({n: ref.rel_rms(g[n], g_fla[n]) for n in g_fla})
+    print(flags, "packed" if packed else "dense", errors)
+    bars = {n: (0.005 if n == "o" else 0.02 if any(k in n for k in _GATE_PARAMS) else 0.008) for n in errors}
+    assert all(errors[n] <= bars[n] for n in errors), {n: (errors[n], bars[n]) for n in errors if errors[n] > bars[n]}

@@ -2,14 +2,30 @@
 
 Change one import -- ``from kernel_fun.kda import chunk_kda`` -- and the call runs through
 kernel-fun's stage chain where it is supported, and through fla's own ``chunk_kda``
-(verbatim, with one log line saying why) where it is not.
+(verbatim, with one log line saying why) where it is not. A user of fla's own layers
+(``fla.layers.KimiDeltaAttention``) calls ``kernel_fun.patch_fla()`` once instead.
 """
 
 from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "versions"]
+__all__ = ["__version__", "versions", "patch_fla", "unpatch_fla"]
+
+
+def patch_fla() -> list[str]:
+    """Route every fla binding of ``chunk_kda`` (fla's layers included) to kernel-fun's;
+    idempotent, logged, undone by ``unpatch_fla``. See ``kernel_fun.patch``."""
+    from kernel_fun.patch import patch_fla as _patch
+
+    return _patch()
+
+
+def unpatch_fla() -> list[str]:
+    """Put back fla's own ``chunk_kda`` wherever ``patch_fla`` rebound it."""
+    from kernel_fun.patch import unpatch_fla as _unpatch
+
+    return _unpatch()
 
 
 def versions() -> dict[str, str]:

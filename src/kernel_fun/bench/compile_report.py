@@ -102,7 +102,7 @@ def b6_report(design: str, K: int, V: int, H: int, HV: int, BV: int, num_warps: 
     if design == "fullk":
         # the pinned prefetch tile for this K and V (not a fixed tile: at V=128 it is the first)
         pf_iter = wy_bwd.prefetch_iter(V, BV, wy_bwd.CONFIGS.get(("fullk", K), {}).get("PF_AT"))
-        switches = {**dict(PF_ITER=pf_iter, HEADS_FAST=True, TIMELINE=False), **(extra or {})}
+        switches = {**dict(PF_ITER=pf_iter, HEADS_FAST=True, TIMELINE=False, STATE_V_FIRST=False), **(extra or {})}
         if switches["TIMELINE"]:
             types["stamps"] = "*i64"
         else:
@@ -110,7 +110,8 @@ def b6_report(design: str, K: int, V: int, H: int, HV: int, BV: int, num_warps: 
         return compile_sm90(wy_bwd.wy_dqkg_fullk_kernel, types, dict(common, H=H, **switches), num_warps, num_stages,
                             maxnreg)
     if design == "transposed":
-        return compile_sm90(wy_bwd.wy_dqkg_transposed_main_kernel, types, dict(common, H=H, KS=KS),
+        return compile_sm90(wy_bwd.wy_dqkg_transposed_main_kernel, types,
+                            dict(common, H=H, KS=KS, STATE_V_FIRST=bool((extra or {}).get("STATE_V_FIRST"))),
                             num_warps, num_stages)
     if design == "side":
         return compile_sm90(wy_bwd.wy_dqkg_transposed_side_kernel, types, common, num_warps, num_stages)

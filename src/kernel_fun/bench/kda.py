@@ -31,6 +31,9 @@ FLOORS_MS = {
     "prod8192_gate": {"fla_chain_fwd": 6.23, "fla_chain_fwdbwd": 20.59, "fused_fwdbwd": 9.0},
     "kimi": {"fla_chain_fwd": 4.84, "fla_chain_fwdbwd": 16.29, "fused_fwdbwd": 6.36},
 }
+# fla's layer flags move the same bytes (the V-first states are the same tensors transposed;
+# beta's sigmoid adds 2 x 67 MB at prod8192): prod8192_gate's floors.
+FLOORS_MS["prod8192_layer"] = FLOORS_MS["prod8192_layer_safe"] = FLOORS_MS["prod8192_gate"]
 ORACLE_T = 512
 
 

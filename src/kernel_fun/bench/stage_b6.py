@@ -90,11 +90,13 @@ def make_inputs(p, device, seed: int = 0) -> dict:
     r = torch.arange(64, device=device)
     A = torch.where(r[:, None] > r[None, :], randn(B, NT, HV, 64, 64, scale=0.1, dtype=torch.float32), 0.0)
     A = (A + torch.eye(64, device=device)).permute(0, 1, 3, 2, 4).reshape(B, NT * 64, HV, 64)[:, :T]
+    state = (V, K) if p.state_v_first else (K, V)  # the V-first layout of fla's layer
     return dict(
         q=q, k=k, v=randn(B, T, HV, V), v_new=randn(B, T, HV, V, scale=0.5), gc=gc.contiguous(),
         beta=torch.sigmoid(randn(B, T, HV, dtype=torch.float32)).bfloat16(), A=A.bfloat16().contiguous(),
-        h=randn(B, NT, HV, K, V, scale=0.1), do=randn(B, T, HV, V), dh=randn(B, NT, HV, K, V, scale=0.1),
+        h=randn(B, NT, HV, *state, scale=0.1), do=randn(B, T, HV, V), dh=randn(B, NT, HV, *state, scale=0.1),
         dv=randn(B, T, HV, V), scale=K ** -0.5, chunk_size=64, cu_seqlens=None, chunk_indices=None,
+        state_v_first=p.state_v_first,
     )
 
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -77,32 +77,34 @@ def _fla_gate(g, use_gate_in_kernel, A_log, dt_bias, lower_bound, chunk_size, cu
     )
 
 
-def _fla_intra(q, k, v, gc, beta, scale, chunk_size, cu_seqlens, chunk_indices):
+def _fla_intra(q, k, v, gc, beta, scale, chunk_size, cu_seqlens, chunk_indices, safe_gate=False,
+               disable_recompute=False):
     from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
 
-    w, u, _, kg, Aqk, Akk = chunk_kda_fwd_intra(
+    w, u, qg, kg, Aqk, Akk = chunk_kda_fwd_intra(
         q=q, k=k, v=v, gk=gc, beta=beta, scale=scale, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
-        chunk_indices=chunk_indices, safe_gate=False, disable_recompute=False,
+        chunk_indices=chunk_indices, safe_gate=safe_gate, disable_recompute=disable_recompute,
     )
-    return w, u, kg, Aqk, Akk
+    return w, u, kg, Aqk, Akk, qg
 
 
-def _fla_h(kg, w, u, gc, initial_state, output_final_state, chunk_size, cu_seqlens, cu_seqlens_cpu, chunk_indices):
+def _fla_h(kg, w, u, gc, initial_state, output_final_state, chunk_size, cu_seqlens, cu_seqlens_cpu, chunk_indices,
+           state_v_first=False):
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
 
     return chunk_gated_delta_rule_fwd_h(
         k=kg, w=w, u=u, gk=gc, initial_state=initial_state, output_final_state=output_final_state,
         cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices, chunk_size=chunk_size,
-        state_v_first=False,
+        state_v_first=state_v_first,
     )
 
 
-def _fla_o(q, v_new, gc, Aqk, h, scale, chunk_size, cu_seqlens, chunk_indices):
+def _fla_o(q, v_new, gc, Aqk, h, scale, chunk_size, cu_seqlens, chunk_indices, state_v_first=False):
     from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
 
     return chunk_gla_fwd_o_gk(
         q=q, v=v_new, g=gc, A=Aqk, h=h, scale=scale, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
-        chunk_indices=chunk_indices, state_v_first=False,
+        chunk_indices=chunk_indices, state_v_first=state_v_first,
     )
 
 
@@ -123,30 +125,32 @@ def _fla_dav(q, k, v_new, do, Aqk, scale, chunk_size, cu_seqlens, chunk_indices)
     )
 
 
-def _fla_dhu(qg, kg, w, gc, h0, dht, do, dv, scale, chunk_size, cu_seqlens, chunk_indices):
+def _fla_dhu(qg, kg, w, gc, h0, dht, do, dv, scale, chunk_size, cu_seqlens, chunk_indices, state_v_first=False):
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu
 
     return chunk_gated_delta_rule_bwd_dhu(
         q=qg, k=kg, w=w, gk=gc, h0=h0, dht=dht, do=do, dv=dv, scale=scale, cu_seqlens=cu_seqlens,
-        chunk_size=chunk_size, chunk_indices=chunk_indices, state_v_first=False,
+        chunk_size=chunk_size, chunk_indices=chunk_indices, state_v_first=state_v_first,
     )
 
 
-def _fla_wy_dqkg(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, cu_seqlens, chunk_indices):
+def _fla_wy_dqkg(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, cu_seqlens, chunk_indices,
+                 state_v_first=False):
     from fla.ops.kda.chunk_bwd import chunk_kda_bwd_wy_dqkg_fused
 
     return chunk_kda_bwd_wy_dqkg_fused(
         q=q, k=k, v=v, v_new=v_new, g=gc, beta=beta, A=A, h=h, do=do, dh=dh, dv=dv, scale=scale,
-        cu_seqlens=cu_seqlens, chunk_size=chunk_size, chunk_indices=chunk_indices, state_v_first=False,
+        cu_seqlens=cu_seqlens, chunk_size=chunk_size, chunk_indices=chunk_indices, state_v_first=state_v_first,
     )
 
 
-def _fla_intra_bwd(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens, chunk_indices):
+def _fla_intra_bwd(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens, chunk_indices,
+                   safe_gate=False):
     from fla.ops.kda.chunk_intra import chunk_kda_bwd_intra
 
     return chunk_kda_bwd_intra(
         q=q, k=k, g=gc, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db, dg=dg, cu_seqlens=cu_seqlens,
-        chunk_indices=chunk_indices, chunk_size=chunk_size, safe_gate=False,
+        chunk_indices=chunk_indices, chunk_size=chunk_size, safe_gate=safe_gate,
     )
 
 
@@ -187,18 +191,22 @@ def _ref_gate(g, use_gate_in_kernel, A_log, dt_bias, lower_bound, chunk_size, cu
     return ref.gate_cumsum(g, use_gate_in_kernel, A_log, dt_bias, lower_bound, chunk_size, cu_seqlens)
 
 
-def _ref_intra(q, k, v, gc, beta, scale, chunk_size, cu_seqlens, chunk_indices):
+def _ref_intra(q, k, v, gc, beta, scale, chunk_size, cu_seqlens, chunk_indices, safe_gate=False,
+               disable_recompute=False):
+    # safe_gate changes how fla's kernels form the diagonal blocks (an anchored tensor-core
+    # product, valid for a bounded gate), not their values: the reference stays pairwise.
     Aqk, Akk = ref.intra_scores(q, k, gc, beta, scale, chunk_size, cu_seqlens)
-    w, u, _, kg = ref.wy_fwd(k, v, beta, Akk, gc, None, chunk_size, cu_seqlens)
-    return w, u, kg, Aqk, Akk
+    w, u, qg, kg = ref.wy_fwd(k, v, beta, Akk, gc, q if disable_recompute else None, chunk_size, cu_seqlens)
+    return w, u, kg, Aqk, Akk, qg
 
 
-def _ref_h(kg, w, u, gc, initial_state, output_final_state, chunk_size, cu_seqlens, cu_seqlens_cpu, chunk_indices):
-    return ref.h_fwd(kg, w, u, gc, initial_state, output_final_state, chunk_size, cu_seqlens)
+def _ref_h(kg, w, u, gc, initial_state, output_final_state, chunk_size, cu_seqlens, cu_seqlens_cpu, chunk_indices,
+           state_v_first=False):
+    return ref.h_fwd(kg, w, u, gc, initial_state, output_final_state, chunk_size, cu_seqlens, state_v_first)
 
 
-def _ref_o(q, v_new, gc, Aqk, h, scale, chunk_size, cu_seqlens, chunk_indices):
-    return ref.o_fwd(q, v_new, gc, Aqk, h, scale, chunk_size, cu_seqlens)
+def _ref_o(q, v_new, gc, Aqk, h, scale, chunk_size, cu_seqlens, chunk_indices, state_v_first=False):
+    return ref.o_fwd(q, v_new, gc, Aqk, h, scale, chunk_size, cu_seqlens, state_v_first)
 
 
 def _ref_wy(q, k, v, beta, A, gc, chunk_size, cu_seqlens, chunk_indices):
@@ -209,15 +217,18 @@ def _ref_dav(q, k, v_new, do, Aqk, scale, chunk_size, cu_seqlens, chunk_indices)
     return ref.dav_bwd(v_new, do, Aqk, scale, chunk_size, cu_seqlens)
 
 
-def _ref_dhu(qg, kg, w, gc, h0, dht, do, dv, scale, chunk_size, cu_seqlens, chunk_indices):
-    return ref.dhu_bwd(qg, kg, w, gc, h0, dht, do, dv, scale, chunk_size, cu_seqlens)
+def _ref_dhu(qg, kg, w, gc, h0, dht, do, dv, scale, chunk_size, cu_seqlens, chunk_indices, state_v_first=False):
+    return ref.dhu_bwd(qg, kg, w, gc, h0, dht, do, dv, scale, chunk_size, cu_seqlens, state_v_first)
 
 
-def _ref_wy_dqkg(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, cu_seqlens, chunk_indices):
-    return ref.wy_dqkg_bwd(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, cu_seqlens)
+def _ref_wy_dqkg(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, cu_seqlens, chunk_indices,
+                 state_v_first=False):
+    return ref.wy_dqkg_bwd(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, cu_seqlens,
+                           state_v_first=state_v_first)
 
 
-def _ref_intra_bwd(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens, chunk_indices):
+def _ref_intra_bwd(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens, chunk_indices,
+                   safe_gate=False):
     return ref.intra_bwd(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens)
 
 
@@ -237,7 +248,7 @@ def _stage(name, covers, title, outputs, fla, reference):
 _stage("F1", ("F1",), "l2norm fwd (q, k)", ("q", "q_rstd", "k", "k_rstd"), _fla_l2norm_fwd, _ref_l2norm_fwd)
 _stage("F1b", ("F1b",), "beta sigmoid", ("beta",), _fla_beta_sigmoid, ref.beta_sigmoid_fwd)
 _stage("F2", ("F2",), "gate + chunk cumsum", ("gc",), _fla_gate, _ref_gate)
-_stage("F3-F6", ("F3", "F4", "F5", "F6"), "intra scores, solve, w/u/kg", ("w", "u", "kg", "Aqk", "Akk"),
+_stage("F3-F6", ("F3", "F4", "F5", "F6"), "intra scores, solve, w/u/kg", ("w", "u", "kg", "Aqk", "Akk", "qg"),
        _fla_intra, _ref_intra)
 _stage("F7", ("F7",), "state scan", ("h", "v_new", "final_state"), _fla_h, _ref_h)
 _stage("F8", ("F8",), "output", ("o",), _fla_o, _ref_o)
@@ -278,6 +289,14 @@ class Options:
     forced: Mapping[str, str] | None
     tap: list | None = None
     timer: list | None = None
+    state_v_first: bool = False
+    safe_gate: bool = False
+    disable_recompute: bool = False
+    return_intermediate_states: bool = False
+    # Called with the record once the call's last phase has run (the backward, or the
+    # forward of a call no backward will follow): the "which stages ran what" log line.
+    report: Callable[[CallRecord], None] | None = None
+    expects_backward: bool = True
 
     @property
     def beta_scale(self) -> float:
@@ -298,11 +317,30 @@ def _chunk_indices(opts: Options):
     return prepare_chunk_indices(opts.cu_seqlens, opts.chunk_size, cu_seqlens_cpu=opts.cu_seqlens_cpu)
 
 
+@dataclasses.dataclass
+class ForwardResult:
+    """What the forward chain produced: the outputs, and what the backward needs."""
+
+    o: torch.Tensor
+    final_state: torch.Tensor | None
+    h: torch.Tensor | None  # kept for return_intermediate_states and disable_recompute
+    saved: dict
+
+
+# The tensors the Function saves, in order; None where a call's flags make one unneeded.
+_SAVED = ("q", "q_rstd", "k", "k_rstd", "v", "gc", "g", "beta_raw", "beta", "A_log", "dt_bias", "Aqk", "Akk",
+          "initial_state", "cu_seqlens", "chunk_indices", "w", "u", "qg", "kg", "v_new", "h")
+
+
 class ChunkKDAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, opts: Options, record: CallRecord):
         with _device_scope(q):
-            return _forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, opts, record)
+            res = run_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, opts, record)
+        ctx.save_for_backward(*(res.saved.get(n) for n in _SAVED))
+        ctx.opts = opts
+        ctx.record = record
+        return res.o, res.final_state
 
     @staticmethod
     def backward(ctx, do, dht):
@@ -310,9 +348,12 @@ class ChunkKDAFunction(torch.autograd.Function):
             return _backward(ctx, do, dht)
 
 
-def _forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, opts: Options, record: CallRecord):
+def run_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, opts: Options, record: CallRecord) -> ForwardResult:
+    """The forward chain F1-F8. Saves what fla saves: with ``disable_recompute`` also gc, w,
+    u, qg, kg, v_new and h, so the backward skips B1-B3 as fla's does."""
     run = Dispatcher(q.device, record, opts.forced, opts.tap, opts.timer)
     common = dict(chunk_size=opts.chunk_size, cu_seqlens=opts.cu_seqlens)
+    layout = dict(state_v_first=opts.state_v_first)
     q_rstd = k_rstd = None
     if opts.use_qk_l2norm_in_kernel:
         q, q_rstd, k, k_rstd = run.run("F1", "forward", q=q, k=k)
@@ -325,60 +366,79 @@ def _forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, opts: Options
         "F2", "forward", g=g, use_gate_in_kernel=opts.use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
         lower_bound=opts.lower_bound, **common,
     )
-    w, u, kg, Aqk, Akk = run.run("F3-F6", "forward", q=q, k=k, v=v, gc=gc, beta=beta, scale=opts.scale, **common)
+    w, u, kg, Aqk, Akk, qg = run.run(
+        "F3-F6", "forward", q=q, k=k, v=v, gc=gc, beta=beta, scale=opts.scale, safe_gate=opts.safe_gate,
+        disable_recompute=opts.disable_recompute, **common,
+    )
     h, v_new, final_state = run.run(
         "F7", "forward", kg=kg, w=w, u=u, gc=gc, initial_state=initial_state,
-        output_final_state=opts.output_final_state, cu_seqlens_cpu=opts.cu_seqlens_cpu, **common,
+        output_final_state=opts.output_final_state, cu_seqlens_cpu=opts.cu_seqlens_cpu, **common, **layout,
     )
-    del w, u, kg
-    o = run.run("F8", "forward", q=q, v_new=v_new, gc=gc, Aqk=Aqk, h=h, scale=opts.scale, **common)
-    del v_new, h
-    g_cumsum = None if opts.use_gate_in_kernel else gc
-    ctx.save_for_backward(
-        q, q_rstd, k, k_rstd, v, g_cumsum, g, beta_raw, beta, A_log, dt_bias, Aqk, Akk, initial_state,
-        opts.cu_seqlens, chunk_indices,
+    keep = opts.disable_recompute
+    if not keep:
+        del w, u, kg, qg
+        w = u = kg = qg = None
+    o = run.run("F8", "forward", q=q, v_new=v_new, gc=gc, Aqk=Aqk, h=h, scale=opts.scale, **common, **layout)
+    if not keep:
+        v_new = None
+        if not opts.return_intermediate_states:
+            h = None
+    saved = dict(
+        q=q, q_rstd=q_rstd, k=k, k_rstd=k_rstd, v=v, g=g, beta_raw=beta_raw, beta=beta, A_log=A_log, dt_bias=dt_bias,
+        Aqk=Aqk, Akk=Akk, initial_state=initial_state, cu_seqlens=opts.cu_seqlens, chunk_indices=chunk_indices,
+        # fla keeps a pre-computed gate's cumsum, and with disable_recompute every gate's
+        gc=gc if (keep or not opts.use_gate_in_kernel) else None,
+        w=w, u=u, qg=qg, kg=kg, v_new=v_new, h=h if keep else None,
     )
-    ctx.opts = opts
-    ctx.record = record
     set_last_record(record)
-    return o.type_as(q), final_state
+    if opts.report is not None and not opts.expects_backward:
+        opts.report(record)
+    return ForwardResult(o=o.type_as(q), final_state=final_state, h=h, saved=saved)
 
 
 def _backward(ctx, do, dht):
-    (q, q_rstd, k, k_rstd, v, gc, g_input, beta_raw, beta, A_log, dt_bias, Aqk, Akk, initial_state,
-     cu_seqlens, chunk_indices) = ctx.saved_tensors
+    s = dict(zip(_SAVED, ctx.saved_tensors))
+    q, q_rstd, k, k_rstd, v, gc = s["q"], s["q_rstd"], s["k"], s["k_rstd"], s["v"], s["gc"]
+    g_input, beta_raw, beta, A_log, dt_bias = s["g"], s["beta_raw"], s["beta"], s["A_log"], s["dt_bias"]
+    Aqk, Akk, initial_state, cu_seqlens, chunk_indices = (
+        s["Aqk"], s["Akk"], s["initial_state"], s["cu_seqlens"], s["chunk_indices"])
     opts: Options = ctx.opts
     record: CallRecord = ctx.record
     run = Dispatcher(do.device, record, opts.forced, opts.tap, opts.timer)
     do = do.contiguous()
     dht = dht.contiguous() if dht is not None else None
     common = dict(chunk_size=opts.chunk_size, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
+    layout = dict(state_v_first=opts.state_v_first)
     H, HV = q.shape[2], v.shape[2]
 
-    if opts.use_gate_in_kernel:
-        gc = run.run(
-            "B1", "backward", g=g_input, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
-            lower_bound=opts.lower_bound, **common,
+    if opts.disable_recompute:  # fla's mode: the forward kept them, B1-B3 do not run
+        w, qg, kg, v_new, h = s["w"], s["qg"], s["kg"], s["v_new"], s["h"]
+    else:
+        if opts.use_gate_in_kernel:
+            gc = run.run(
+                "B1", "backward", g=g_input, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+                lower_bound=opts.lower_bound, **common,
+            )
+        w, u, qg, kg = run.run("B2", "backward", q=q, k=k, v=v, beta=beta, A=Akk, gc=gc, **common)
+        h, v_new, _ = run.run(
+            "B3", "backward", kg=kg, w=w, u=u, gc=gc, initial_state=initial_state, output_final_state=False,
+            cu_seqlens_cpu=None, **common, **layout,
         )
-    w, u, qg, kg = run.run("B2", "backward", q=q, k=k, v=v, beta=beta, A=Akk, gc=gc, **common)
-    h, v_new, _ = run.run(
-        "B3", "backward", kg=kg, w=w, u=u, gc=gc, initial_state=initial_state, output_final_state=False,
-        cu_seqlens_cpu=None, **common,
-    )
-    del u
+        del u
     dAqk, dv = run.run("B4", "backward", q=q, k=k, v_new=v_new, do=do, Aqk=Aqk, scale=opts.scale, **common)
     dh, dh0, dv = run.run(
         "B5", "backward", qg=qg, kg=kg, w=w, gc=gc, h0=initial_state, dht=dht, do=do, dv=dv,
-        scale=opts.scale, **common,
+        scale=opts.scale, **common, **layout,
     )
     del qg, kg, w
     dq, dk, dv, db, dg, dAkk = run.run(
         "B6", "backward", q=q, k=k, v=v, v_new=v_new, gc=gc, beta=beta, A=Akk, h=h, do=do, dh=dh, dv=dv,
-        scale=opts.scale, **common,
+        scale=opts.scale, **common, **layout,
     )
     del h, dh, v_new
     dq, dk, db, dg = run.run(
-        "B7", "backward", q=q, k=k, gc=gc, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db, dg=dg, **common,
+        "B7", "backward", q=q, k=k, gc=gc, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db, dg=dg,
+        safe_gate=opts.safe_gate, **common,
     )
     del dAqk, dAkk
     if HV > H:  # GVA: dq, dk come at value heads; each qk head sums its group
@@ -395,4 +455,6 @@ def _backward(ctx, do, dht):
     if opts.use_beta_sigmoid_in_kernel:
         db = run.run("B10b", "backward", beta=beta_raw, db=db, scale=opts.beta_scale)
     set_last_record(record)
+    if opts.report is not None:
+        opts.report(record)
     return (dq.to(q), dk.to(k), dv.to(v), dg.to(g_input), db.to(beta_raw), dA_log, ddt_bias, dh0, None, None)

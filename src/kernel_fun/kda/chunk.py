@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from kernel_fun._runtime import env_flag, env_int, log_once
-from kernel_fun.kda.chain import ChunkKDAFunction, Options
+from kernel_fun.kda.chain import ChunkKDAFunction, Options, run_forward
 from kernel_fun.kda.stages import CallRecord, current_forced, current_tap, current_timer, set_last_record
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -73,10 +73,10 @@ PARAMETERS = {
     "lower_bound": "handled", "cu_seqlens": "handled", "cu_seqlens_cpu": "handled",
     "A_log": "handled", "dt_bias": "handled",
     "chunk_size": "handled when 64; 32 falls back",
-    "safe_gate": "falls back when True",
-    "disable_recompute": "falls back when True",
-    "return_intermediate_states": "falls back when True",
-    "state_v_first": "falls back when True",
+    "safe_gate": "handled (fla's intra forward and B7 take it)",
+    "disable_recompute": "handled (the forward saves what fla saves; B1-B3 skipped)",
+    "return_intermediate_states": "handled (inference mode; returns h as fla does)",
+    "state_v_first": "handled (every state-shaped tensor in [V, K])",
     "transpose_state_layout": "falls back whenever given (deprecated alias of state_v_first)",
     "cp_context": "falls back when set",
     "use_graph": "falls back when True (fla 0.6)",
@@ -128,6 +128,17 @@ def _validate(c: _Call) -> None:
         raise ValueError(f"q must have shape [B, T, H, K], got {list(q.shape)}.")
     if v.dim() != 4:
         raise ValueError(f"v must have shape [B, T, HV, V], got {list(v.shape)}.")
+    for name in ("cu_seqlens", "cu_seqlens_cpu"):
+        t = c.args[name]
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(
+                f"`{name}` must be a 1-D int32/int64 torch.Tensor of N+1 offsets, got {type(t).__name__}"
+                f" (fla takes a tensor: torch.tensor(offsets, dtype=torch.int32, device=q.device))."
+            )
+    for name in ("initial_state",):
+        t = c.args[name]
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"`{name}` must be a torch.Tensor or None, got {type(t).__name__}.")
     cu_seqlens = c.cu_seqlens
     if cu_seqlens is not None:
         if q.shape[0] != 1:
@@ -157,6 +168,9 @@ def _validate(c: _Call) -> None:
             raise ValueError(f"`lower_bound` must be in the safe range [-5, 0), got {c.lower_bound}.")
     if c.allow_neg_eigval and not c.use_beta_sigmoid_in_kernel:
         raise ValueError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`.")
+    if c.return_intermediate_states:  # fla asserts these once its forward has run; here before
+        assert torch.is_inference_mode_enabled(), "return_intermediate_states is only allowed in inference mode"
+        assert c.disable_recompute is False, "return_intermediate_states must be used with disable_recompute=False"
     B, T, H, K = q.shape
     HV = v.shape[2]
     assert q.shape == k.shape, f"q and k must have the same shape, got q={q.shape} vs k={k.shape}"
@@ -185,9 +199,12 @@ def _validate(c: _Call) -> None:
     if len(set(devices.values())) > 1:
         raise ValueError(f"all tensors must be on one device, got {devices}.")
     N = B if cu_seqlens is None else len(cu_seqlens) - 1
-    if c.initial_state is not None and tuple(c.initial_state.shape) != (N, HV, K, v.shape[3]):
+    V = v.shape[3]
+    state_shape, state_dims = ((N, HV, V, K), "[N, HV, V, K] (state_v_first)") if c.state_v_first else \
+        ((N, HV, K, V), "[N, HV, K, V]")
+    if c.initial_state is not None and tuple(c.initial_state.shape) != state_shape:
         raise ValueError(
-            f"initial_state must have shape [N, HV, K, V]={[N, HV, K, v.shape[3]]}, got {list(c.initial_state.shape)}."
+            f"initial_state must have shape {state_dims}={list(state_shape)}, got {list(c.initial_state.shape)}."
         )
     if c.use_gate_in_kernel:
         A_log, dt_bias = kw.get("A_log"), kw.get("dt_bias")
@@ -226,10 +243,6 @@ def _gate(c: _Call) -> str | None:
     if c.cp_context is not None:
         return f"cp_context={type(c.cp_context).__name__} (context parallel) is not supported"
     flags = {
-        "return_intermediate_states": "inference path",
-        "disable_recompute": "not supported yet",
-        "state_v_first": "V-first state layout not supported yet",
-        "safe_gate": "not supported yet",
         "use_graph": "fla 0.6 graph-capture buffers",
     }
     for name, why in flags.items():
@@ -268,12 +281,32 @@ def _gate(c: _Call) -> str | None:
 
 
 def _fla_entry():
-    from fla.ops.kda import chunk_kda as fla_chunk_kda
+    from kernel_fun import patch
 
-    return fla_chunk_kda
+    return patch.fla_chunk_kda()
+
+
+def _first_tensor(args, kwargs) -> torch.Tensor | None:
+    for t in (*args, *kwargs.values()):
+        if isinstance(t, torch.Tensor):
+            return t
+    return None
+
+
+def _require_cuda(reason: str, args, kwargs) -> None:
+    """A call that goes to fla with its tensors off CUDA gets this error, not a crash deep in
+    Triton's launcher ("0 active drivers") from fla's first kernel."""
+    t = _first_tensor(args, kwargs)
+    if t is not None and t.device.type != "cuda":
+        raise RuntimeError(
+            f"chunk_kda: this call goes to fla ({reason}), and fla's kernels need a CUDA device; "
+            f"the inputs are on {t.device}. kernel-fun runs every other call on the CPU with its "
+            f"torch references."
+        )
 
 
 def _fallback(reason: str, args, kwargs):
+    _require_cuda(reason, args, kwargs)
     log_once(logging.WARNING, f"falling back to fla — {reason}")
     set_last_record(CallRecord(engaged=False, reason=reason))
     return _fla_entry()(*args, **kwargs)
@@ -301,19 +334,70 @@ def is_supported(*args, **kwargs) -> tuple[bool, str | None]:
     return reason is None, reason
 
 
+def _call_key(c: _Call, phases: str) -> str:
+    """The shape and flags of a call, as the log names it."""
+    q, v = c.q, c.v
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    flags = [name for name in ("use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel",
+                               "allow_neg_eigval", "safe_gate", "disable_recompute", "state_v_first",
+                               "output_final_state", "return_intermediate_states") if c.args[name]]
+    if c.lower_bound is not None:
+        flags.append(f"lower_bound={c.lower_bound}")
+    if c.initial_state is not None:
+        flags.append("initial_state")
+    if c.cu_seqlens is not None:
+        flags.append(f"varlen({len(c.cu_seqlens) - 1} seqs)")
+    return (f"B={B} T={T} H={H} HV={HV} K={K} V={V} {str(q.dtype).replace('torch.', '')} on {q.device.type}"
+            f"{', ' + ', '.join(flags) if flags else ''}; {phases}")
+
+
+def describe_impls(record: CallRecord) -> str:
+    """Which implementation ran each stage, runs of stages collapsed in chain order:
+    ``"forward F1-F8 fla; backward B1-B5 fla, B6 ours, B7-B10b fla"``."""
+    parts = []
+    for phase, stages_ in (("forward", record.forward), ("backward", record.backward)):
+        if not stages_:
+            continue
+        runs: list[list] = []
+        for name, impl in stages_.items():
+            if runs and runs[-1][2] == impl:
+                runs[-1][1] = name
+            else:
+                runs.append([name, name, impl])
+        parts.append(phase + " " + ", ".join(f"{a}-{b} {impl}" if a != b else f"{a} {impl}" for a, b, impl in runs))
+    return "; ".join(parts)
+
+
+def _reporter(key: str):
+    def report(record: CallRecord) -> None:
+        log_once(logging.INFO, f"engaged ({key}): {describe_impls(record)}")
+    return report
+
+
+_TENSOR_ARGS = ("q", "k", "v", "g", "beta", "initial_state")
+
+
 @torch.compiler.disable
 def chunk_kda(*args, **kwargs):
     c, reason = _decide(args, kwargs)
     if reason is not None:
         return _fallback(reason, args, kwargs)
-    q, v = c.q, c.v
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    log_once(
-        logging.INFO,
-        f"engaged (B={B} T={T} H={H} HV={HV} K={K} V={V} {str(q.dtype).replace('torch.', '')} on {q.device.type}"
-        f"{', varlen' if c.cu_seqlens is not None else ''})",
-    )
+    # Inputs as fla takes them: any strides (a split of a fused projection is a strided
+    # view). The chain's stages index dense tensors, so each input is made contiguous once,
+    # here, as fla's input_guard does; a dense input passes through untouched.
+    t = {n: (c.args[n].contiguous() if c.args[n] is not None else None) for n in _TENSOR_ARGS}
+    q, v = t["q"], t["v"]
+    K = q.shape[3]
+    A_log = dt_bias = None
+    if c.use_gate_in_kernel:
+        A_log, dt_bias = c.kwargs.get("A_log"), c.kwargs.get("dt_bias")
+        A_log = A_log.contiguous()
+        dt_bias = dt_bias.contiguous() if dt_bias is not None else None
+    cu_seqlens = c.cu_seqlens.contiguous() if c.cu_seqlens is not None else None
+    differentiable = [x for x in (*t.values(), A_log, dt_bias) if x is not None]
+    expects_backward = (not c.return_intermediate_states and torch.is_grad_enabled()
+                        and any(x.requires_grad for x in differentiable))
     opts = Options(
         scale=K ** -0.5 if c.scale is None else c.scale,
         output_final_state=bool(c.output_final_state),
@@ -323,18 +407,24 @@ def chunk_kda(*args, **kwargs):
         allow_neg_eigval=bool(c.allow_neg_eigval),
         lower_bound=c.lower_bound,
         chunk_size=64,
-        cu_seqlens=c.cu_seqlens,
+        cu_seqlens=cu_seqlens,
         cu_seqlens_cpu=c.cu_seqlens_cpu,
         forced=current_forced(),
         tap=current_tap(),
         timer=current_timer(),
+        state_v_first=bool(c.state_v_first),
+        safe_gate=bool(c.safe_gate),
+        disable_recompute=bool(c.disable_recompute),
+        return_intermediate_states=bool(c.return_intermediate_states),
+        report=_reporter(_call_key(c, "fwd+bwd" if expects_backward else "fwd")),
+        expects_backward=expects_backward,
     )
-    A_log = dt_bias = None
-    if opts.use_gate_in_kernel:
-        A_log, dt_bias = c.kwargs.get("A_log"), c.kwargs.get("dt_bias")
     record = CallRecord(engaged=True)
     set_last_record(record)
-    return ChunkKDAFunction.apply(q, c.k, v, c.g, c.beta, A_log, dt_bias, c.initial_state, opts, record)
+    if opts.return_intermediate_states:  # inference mode (validated): no autograd, h returned
+        res = run_forward(q, t["k"], v, t["g"], t["beta"], A_log, dt_bias, t["initial_state"], opts, record)
+        return res.o, res.final_state, res.h
+    return ChunkKDAFunction.apply(q, t["k"], v, t["g"], t["beta"], A_log, dt_bias, t["initial_state"], opts, record)
 
 
 chunk_kda.__signature__ = _SIG

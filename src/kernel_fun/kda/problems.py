@@ -35,6 +35,9 @@ class Problem:
     output_final_state: bool = False
     cu_seqlens: tuple[int, ...] | None = None
     dtype: torch.dtype = torch.bfloat16
+    state_v_first: bool = False
+    safe_gate: bool = False
+    disable_recompute: bool = False
 
     @property
     def chunk_heads(self) -> int:
@@ -55,6 +58,9 @@ class Problem:
             flags.append("h0")
         if self.cu_seqlens is not None:
             flags.append(f"varlen{len(self.cu_seqlens) - 1}")
+        for name in ("state_v_first", "safe_gate", "disable_recompute"):
+            if getattr(self, name):
+                flags.append(name)
         return (f"B{self.B} T{self.T} H{self.H} HV{self.HV} K{self.K} V{self.V} "
                 f"{str(self.dtype).replace('torch.', '')} {'+'.join(flags) or 'pre-gated'}")
 
@@ -66,6 +72,13 @@ SHAPES = {
     "kimi": Problem("kimi", 8, 8192, 32, 32, 128, 128),
     "b8": Problem("b8", 8, 8192, 16, 16, 128, 256),
     "small": Problem("small", 4, 8192, 8, 8, 128, 256),
+    # prod8192_gate with the flags fla's own KimiDeltaAttention layer passes on every call
+    # (the V-first state layout, beta's sigmoid in the op), and once more built with
+    # safe_gate=True, lower_bound=-5
+    "prod8192_layer": Problem("prod8192_layer", 16, 8192, 16, 16, 128, 256, beta_sigmoid_in_kernel=True,
+                              state_v_first=True),
+    "prod8192_layer_safe": Problem("prod8192_layer_safe", 16, 8192, 16, 16, 128, 256, beta_sigmoid_in_kernel=True,
+                                   state_v_first=True, safe_gate=True, lower_bound=-5.0),
 }
 
 
@@ -100,7 +113,8 @@ def make_inputs(p: Problem, device="cpu", seed: int = 0, requires_grad: bool = T
         kwargs["beta"] = torch.sigmoid(torch.randn(B, T, HV, generator=gen)).to(device=device, dtype=p.dtype)
     N = B if p.cu_seqlens is None else len(p.cu_seqlens) - 1
     if p.initial_state:
-        kwargs["initial_state"] = randn(N, HV, K, V, dtype=torch.float32) * 0.1
+        state = (N, HV, V, K) if p.state_v_first else (N, HV, K, V)
+        kwargs["initial_state"] = randn(*state, dtype=torch.float32) * 0.1
     if requires_grad:
         for name, t in kwargs.items():
             t.requires_grad_(True)
@@ -113,6 +127,9 @@ def make_inputs(p: Problem, device="cpu", seed: int = 0, requires_grad: bool = T
     )
     if p.lower_bound is not None:
         kwargs["lower_bound"] = p.lower_bound
+    for name in ("state_v_first", "safe_gate", "disable_recompute"):
+        if getattr(p, name):
+            kwargs[name] = True
     if p.cu_seqlens is not None:
         kwargs["cu_seqlens"] = torch.tensor(p.cu_seqlens, dtype=torch.int64, device=device)
     return kwargs

@@ -121,12 +121,17 @@ def recurrent_kda(
     dt_bias: torch.Tensor | None = None,
     lower_bound: float | None = None,
     cu_seqlens: torch.Tensor | None = None,
+    state_v_first: bool = False,
+    safe_gate: bool = False,
+    disable_recompute: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The KDA recurrence token by token, in float64: ``(o [B,T,HV,V], final_state [N,HV,K,V])``.
 
     Per value head, with S in R^{K x V}: ``S <- Diag(exp(a_t)) S``, then
     ``S <- S + beta_t k_t (v_t - S^T k_t)^T``, then ``o_t = scale * S^T q_t``. Takes the same
-    flags as ``chunk_kda``; differentiable in every tensor argument.
+    flags as ``chunk_kda``; differentiable in every tensor argument. ``state_v_first``: the
+    initial and final states are ``[N, HV, V, K]``. ``safe_gate`` and ``disable_recompute``
+    change how fla's kernels compute, not what: the recurrence ignores them.
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -145,6 +150,8 @@ def recurrent_kda(
     k = k.repeat_interleave(G, dim=2)
 
     outputs, finals = [], []
+    if initial_state is not None and state_v_first:
+        initial_state = initial_state.transpose(-1, -2)
     for i_n, (b, bos, eos) in enumerate(_sequence_bounds(B, T, cu_seqlens)):
         if initial_state is not None:
             S = initial_state[i_n].to(f64)
@@ -164,6 +171,8 @@ def recurrent_kda(
     else:
         o = torch.cat(outputs, 0).unsqueeze(0)
     final_state = torch.stack(finals, 0) if output_final_state else None
+    if final_state is not None and state_v_first:
+        final_state = final_state.transpose(-1, -2)
     return o, final_state
 
 
@@ -203,6 +212,13 @@ def _last_rows(x: torch.Tensor, T: int, BT: int) -> torch.Tensor:
     last = torch.clamp(torch.arange(NT, device=x.device) * BT + BT, max=T) - 1 - torch.arange(NT, device=x.device) * BT
     index = last.view(1, 1, NT, 1, *([1] * (x.dim() - 4))).expand(*x.shape[:3], 1, *x.shape[4:])
     return x.gather(3, index).squeeze(3)
+
+
+def swap_state(x: torch.Tensor | None) -> torch.Tensor | None:
+    """A state-shaped tensor between fla's two layouts, ``[..., K, V]`` <-> ``[..., V, K]``
+    (``state_v_first``), dense. The stage references compute in ``[K, V]`` and take or give
+    the other layout through this."""
+    return None if x is None else x.transpose(-1, -2).contiguous()
 
 
 def _expand_heads(x: torch.Tensor, HV: int) -> torch.Tensor:
@@ -474,9 +490,14 @@ def h_fwd(
     output_final_state: bool = False,
     chunk_size: int = CHUNK,
     cu_seqlens: torch.Tensor | None = None,
+    state_v_first: bool = False,
 ):
     """F7/B3: per chunk, ``h[c] = S`` (bf16), ``v_new = u - w h[c]``,
-    ``S <- exp2(gc_last) S + kg^T v_new``. Returns (h [B,NT,HV,K,V], v_new, final state fp32)."""
+    ``S <- exp2(gc_last) S + kg^T v_new``. Returns (h [B,NT,HV,K,V], v_new, final state fp32);
+    with ``state_v_first`` the states (h, the initial and the final) are ``[..., V, K]``."""
+    if state_v_first:
+        h, v_new, final = h_fwd(kg, w, u, gc, swap_state(initial_state), output_final_state, chunk_size, cu_seqlens)
+        return swap_state(h), v_new, swap_state(final)
     if cu_seqlens is not None:
         return per_sequence(
             _h_dense, cu_seqlens,
@@ -510,8 +531,12 @@ def o_fwd(
     scale: float,
     chunk_size: int = CHUNK,
     cu_seqlens: torch.Tensor | None = None,
+    state_v_first: bool = False,
 ) -> torch.Tensor:
-    """F8: ``o = scale (q exp2 gc) h[c] + tril(Aqk) v_new``, in v_new.dtype."""
+    """F8: ``o = scale (q exp2 gc) h[c] + tril(Aqk) v_new``, in v_new.dtype (h ``[..., V, K]``
+    with ``state_v_first``)."""
+    if state_v_first:
+        h = swap_state(h)
     if cu_seqlens is not None:
         return per_sequence(
             _o_dense, cu_seqlens, dict(q=q, v_new=v_new, gc=gc, Aqk=Aqk, h=h, scale=scale, BT=chunk_size),
@@ -584,10 +609,15 @@ def dhu_bwd(
     scale: float,
     chunk_size: int = CHUNK,
     cu_seqlens: torch.Tensor | None = None,
+    state_v_first: bool = False,
 ):
     """B5: reverse scan from dht. Per chunk c (last first): ``dh[c] = dS`` (the gradient of the
     state leaving c), ``dv2 = dv + kg dS``, ``dS <- exp2(gc_last) dS + scale qg^T do - w^T dv2``.
-    Returns (dh [B,NT,HV,K,V], dh0 fp32 when h0 is given, dv2)."""
+    Returns (dh [B,NT,HV,K,V], dh0 fp32 when h0 is given, dv2); with ``state_v_first`` the
+    states (h0, dht, dh, dh0) are ``[..., V, K]``."""
+    if state_v_first:
+        dh, dh0, dv2 = dhu_bwd(qg, kg, w, gc, swap_state(h0), swap_state(dht), do, dv, scale, chunk_size, cu_seqlens)
+        return swap_state(dh), swap_state(dh0), dv2
     if cu_seqlens is not None:
         return per_sequence(
             _dhu_dense, cu_seqlens,
@@ -660,6 +690,7 @@ def wy_dqkg_bwd(
     chunk_size: int = CHUNK,
     cu_seqlens: torch.Tensor | None = None,
     exact: bool = False,
+    state_v_first: bool = False,
 ):
     """B6, with S = h[c], dS = dh[c], dvn = dv (B5's dv2), A = Akk_inv:
 
@@ -672,8 +703,10 @@ def wy_dqkg_bwd(
 
     Returns dq, dk (fp32, HV heads), dv2 (v.dtype), db, dg, dA (fp32). ``exact=True``
     computes in float64 without fla's intermediate bf16 roundings and returns float64: the
-    stage's oracle.
+    stage's oracle. ``state_v_first``: h and dh are ``[..., V, K]``.
     """
+    if state_v_first:
+        h, dh = swap_state(h), swap_state(dh)
     if cu_seqlens is not None:
         return per_sequence(
             _wy_dqkg_dense, cu_seqlens,

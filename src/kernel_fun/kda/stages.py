@@ -18,11 +18,14 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import logging
 import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
 
 import torch
+
+from kernel_fun._runtime import log_once
 
 IMPLS = ("ours", "fla", "reference")
 
@@ -164,8 +167,14 @@ def set_last_record(record: CallRecord) -> None:
     _LAST.record = record
 
 
+# Triton decides at a kernel's definition whether it runs through the interpreter, so what
+# counts is TRITON_INTERPRET as it was when kernel-fun's kernels were defined (imported).
+_INTERPRETING_AT_IMPORT = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """Whether kernel-fun's Triton kernels were defined for the interpreter."""
+    return _INTERPRETING_AT_IMPORT
 
 
 class Dispatcher:
@@ -190,14 +199,18 @@ class Dispatcher:
             if explicit is not None or forced == "fla":
                 raise RuntimeError(f"stage {name} cannot run {forced!r}: {reason}")
             # "*" naming an implementation this stage lacks: the default choice below.
+        fallback = "fla" if self.device.type == "cuda" and "fla" in stage.impls else "reference"
         if "ours" in stage.impls and (self.device.type == "cuda" or interpreting()):
             reason = self._cannot_run(stage, "ours", inputs)
             if reason is None:
                 return "ours"
             self.record.notes[name] = reason
-        if self.device.type == "cuda" and "fla" in stage.impls:
-            return "fla"
-        return "reference"
+            log_once(logging.INFO, f"{name}: kernel-fun's kernel declined ({reason}); this stage runs {fallback}")
+        elif "ours" in stage.impls:
+            log_once(logging.INFO, "on the CPU without TRITON_INTERPRET=1 kernel-fun's Triton kernels are skipped "
+                                   "and their stages run the torch references; set TRITON_INTERPRET=1 before "
+                                   "importing kernel_fun to run them through the Triton interpreter")
+        return fallback
 
     def _cannot_run(self, stage: Stage, impl: str, inputs: dict) -> str | None:
         if impl not in stage.impls:

@@ -432,6 +432,7 @@ def wy_dqkg_fullk_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
     PF_ITER: tl.constexpr, HEADS_FAST: tl.constexpr, TIMELINE: tl.constexpr,
+    STATE_V_FIRST: tl.constexpr = False,
 ):
     if TIMELINE:  # the timeline instrument (kernel_fun.bench.b6_timeline): program start
         t_start = _clock(tl.arange(0, BT))
@@ -503,8 +504,12 @@ def wy_dqkg_fullk_kernel(
         b_vn = tl.load(v_new + p_tv, mask=m_tv, other=0)
         b_dvn = tl.load(dv + p_tv, mask=m_tv, other=0)
         b_v = tl.load(v + p_tv, mask=m_tv, other=0)
-        # [BV, BK] views of the [K, V] state and its gradient
-        p_vk = o_v[:, None] + o_k[None, :] * V
+        # [BV, BK] tiles of the state and its gradient: a transposed view of fla's [K, V]
+        # layout, or the [V, K] layout itself (state_v_first)
+        if STATE_V_FIRST:
+            p_vk = o_v[:, None] * K + o_k[None, :]
+        else:
+            p_vk = o_v[:, None] + o_k[None, :] * V
         m_vk = m_v[:, None] & m_k[None, :]
         b_hT = tl.load(h + p_vk, mask=m_vk, other=0)
         b_dhT = tl.load(dh + p_vk, mask=m_vk, other=0)
@@ -598,6 +603,7 @@ def wy_dqkg_transposed_main_kernel(
     cu_seqlens, chunk_indices, scale, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, KS: tl.constexpr, IS_VARLEN: tl.constexpr,
+    STATE_V_FIRST: tl.constexpr = False,
 ):
     i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     i_hv = i_bh % HV
@@ -630,7 +636,8 @@ def wy_dqkg_transposed_main_kernel(
     kg_park += (bos * HV + i_hv) * K
     dgk_buf += (i_tg * HV + i_hv) * K
 
-    # Main phase: M = K dots on the natural [K, BV] layout of h and dh.
+    # Main phase: M = K dots on [K, BV] tiles of h and dh (fla's layout, or a transposed
+    # view of the [V, K] one with state_v_first).
     b_dqT = tl.zeros([BK, BT], dtype=tl.float32)
     b_dwT = tl.zeros([BK, BT], dtype=tl.float32)
     b_dkT = tl.zeros([BK, BT], dtype=tl.float32)
@@ -638,7 +645,10 @@ def wy_dqkg_transposed_main_kernel(
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
-        p_kv = o_k[:, None] * V + o_v[None, :]
+        if STATE_V_FIRST:
+            p_kv = o_k[:, None] + o_v[None, :] * K
+        else:
+            p_kv = o_k[:, None] * V + o_v[None, :]
         m_kv = m_k[:, None] & m_v[None, :]
         b_h = tl.load(h + p_kv, mask=m_kv, other=0)
         b_dh = tl.load(dh + p_kv, mask=m_kv, other=0)
@@ -843,8 +853,9 @@ _SMALLEST_BV = 32
 
 
 def wy_dqkg_bwd(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, cu_seqlens, chunk_indices,
-                design: str | None = None, config: dict | None = None):
-    """B6 with fla's contract: returns (dq, dk, dv2, db, dg, dA); dq/dk/dg/db/dA fp32."""
+                state_v_first: bool = False, design: str | None = None, config: dict | None = None):
+    """B6 with fla's contract: returns (dq, dk, dv2, db, dg, dA); dq/dk/dg/db/dA fp32. h and
+    dh are ``[B, NT, HV, K, V]``, or ``[B, NT, HV, V, K]`` with ``state_v_first``."""
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     BT = chunk_size
@@ -871,7 +882,7 @@ def wy_dqkg_bwd(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, c
             stamps=cfg.get("timeline"),
             H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=cfg["BV"],
             PF_ITER=prefetch_iter(V, cfg["BV"], cfg.get("PF_AT")),
-            HEADS_FAST=bool(cfg["HEADS_FAST"]),
+            HEADS_FAST=bool(cfg["HEADS_FAST"]), STATE_V_FIRST=bool(state_v_first),
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
             **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
         )
@@ -883,7 +894,7 @@ def wy_dqkg_bwd(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, c
             q=q, k=k, g=gc, beta=beta, A=A, h=h, do=do, dh=dh, dv=dv, v_new=v_new,
             dq=dq, dk=dk, dg=dg, db=db, dw_park=dw_park, kg_park=kg_park, dgk_buf=dgk_buf,
             cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, scale=scale, T=T,
-            H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=cfg["BV"], KS=cfg["KS"],
+            H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=cfg["BV"], KS=cfg["KS"], STATE_V_FIRST=bool(state_v_first),
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
         wy_dqkg_transposed_side_kernel[grid](
@@ -896,7 +907,8 @@ def wy_dqkg_bwd(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, c
     return dq, dk, dv2, db, dg, dA
 
 
-def supports(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, cu_seqlens, chunk_indices):
+def supports(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, cu_seqlens, chunk_indices,
+             state_v_first=False):
     """None when ``wy_dqkg_bwd`` takes the call, else why the stage stays on fla."""
     K, V, HV = k.shape[-1], v.shape[-1], v.shape[2]
     if chunk_size != 64:
@@ -907,8 +919,9 @@ def supports(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, cu_s
         return f"V={V} is not a multiple of {_SMALLEST_BV}"
     if k.dtype not in (torch.bfloat16, torch.float16) or h.dtype != k.dtype or v.dtype != k.dtype:
         return f"dtype {str(k.dtype).replace('torch.', '')} (B6 kernels take bf16/fp16)"
-    if tuple(h.shape[-2:]) != (K, V):
-        return "state layout is not [K, V]"
+    layout = (V, K) if state_v_first else (K, V)
+    if tuple(h.shape[-2:]) != layout or tuple(dh.shape[-2:]) != layout:
+        return f"h/dh are {list(h.shape[-2:])}/{list(dh.shape[-2:])}, not the {'[V, K]' if state_v_first else '[K, V]'} layout"
     n_chunks = triton.cdiv(k.shape[1], chunk_size) * k.shape[0] if cu_seqlens is None else len(chunk_indices)
     if n_chunks * HV < MIN_CTAS:
         return f"{n_chunks * HV} chunk-heads < the B6 floor of {MIN_CTAS}"

@@ -1,0 +1,121 @@
+"""Bench of fla's own ``KimiDeltaAttention`` layer, fwd+bwd, with and without ``kernel_fun.patch_fla()``.
+
+``python -m kernel_fun.bench.layer --B 2 --T 8192``
+
+The layer at fla's defaults (hidden 2048, 16 heads, head dims 128, short convolutions;
+``--safe-gate`` builds it with ``safe_gate=True, lower_bound=-5``), bf16. One process,
+the same weights and inputs: parity first (the output, the input's gradient and every
+parameter's gradient of the patched layer within fla's budgets of the unpatched one, and
+the record showing kernel-fun's chain engaged), then the median of CUDA-event timings of
+fwd+bwd (``backward`` of a random projection of the output), the two interleaved round by
+round. Rows go to ``bench/results/layer.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+from pathlib import Path
+
+import torch
+
+
+def _fwd_bwd(layer, x, w):
+    o = layer(x)[0]
+    (o.float() * w).sum().backward()
+    return o
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kernel_fun.bench.layer", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--B", type=int, default=2)
+    parser.add_argument("--T", type=int, default=8192)
+    parser.add_argument("--safe-gate", action="store_true")
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from kernel_fun.bench import fla_configs, results
+
+    fla_configs.use_stored_configs(torch.cuda.get_device_name())
+    import kernel_fun
+    from fla.layers.kda import KimiDeltaAttention
+
+    from kernel_fun import versions
+    from kernel_fun.bench.kda import cuda_times, summary
+    from kernel_fun.kda import last_record
+    from kernel_fun.kda import reference as ref
+
+    flags = dict(safe_gate=True, lower_bound=-5.0) if args.safe_gate else {}
+    torch.manual_seed(0)
+    fla_layer = KimiDeltaAttention(hidden_size=2048, head_dim=128, num_heads=16, **flags).cuda().to(torch.bfloat16)
+    ours_layer = copy.deepcopy(fla_layer)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(args.B, args.T, 2048, device="cuda", generator=gen).bfloat16().requires_grad_()
+    w = torch.randn(args.B, args.T, 2048, device="cuda", generator=gen)
+
+    def run(layer, patched):
+        if patched:
+            kernel_fun.patch_fla()
+        try:
+            return _fwd_bwd(layer, x, w)
+        finally:
+            if patched:
+                kernel_fun.unpatch_fla()
+
+    grads = {}
+    for name, layer, patched in (("fla", fla_layer, False), ("ours", ours_layer, True)):
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        o = run(layer, patched)
+        grads[name] = {"o": o.detach(), "dx": x.grad.detach().clone(),
+                       **{n: p.grad.detach().clone() for n, p in layer.named_parameters()}}
+    record = last_record()
+    errors = {n: ref.rel_rms(grads["ours"][n], grads["fla"][n]) for n in grads["fla"]}
+    gate_params = ("A_log", "dt_bias", "f_proj", "b_proj")
+    bars = {n: 0.005 if n == "o" else 0.02 if any(k in n for k in gate_params) else 0.008 for n in errors}
+    ok = bool(record.engaged and record.backward.get("B6") == "ours" and all(errors[n] <= bars[n] for n in errors))
+    del grads
+    print(f"parity: {'ok' if ok else 'RED'} {errors}", flush=True)
+
+    times = {"fla": [], "ours": []}
+    layers = {"fla": (fla_layer, False), "ours": (ours_layer, True)}
+    for name, (layer, patched) in layers.items():  # warm-up
+        for _ in range(3):
+            run(layer, patched)
+    if ok:
+        for _ in range(args.rounds):
+            for name, (layer, patched) in layers.items():
+                times[name] += cuda_times(lambda: run(layer, patched), args.reps)
+    info = versions()
+    out = args.out or results.RESULTS / "layer.jsonl"
+    shape = f"kda_layer_B{args.B}_T{args.T}" + ("_safe" if args.safe_gate else "")
+    rows = []
+    for name in ("fla", "ours"):
+        s = summary(times[name]) if times[name] else None
+        row = {
+            "kind": "layer", "shape": shape, "impl": name,
+            "problem": f"fla KimiDeltaAttention hidden 2048, 16 heads, head dims 128, short conv, bf16, "
+                       f"B{args.B} T{args.T}" + (", safe_gate, lower_bound=-5" if args.safe_gate else ""),
+            "fwdbwd_ms": s["median"] if s else None, "fwdbwd_spread_ms": [s["p10"], s["p90"]] if s else None,
+            "reps": s["n"] if s else 0,
+            "parity": {"ok": ok, "vs_fla": errors, "impls": {**record.forward, **record.backward}},
+            "gpu": torch.cuda.get_device_name(), "versions": info,
+            "commit": results.commit(), "date": results.now(),
+        }
+        results.append(out, row)
+        rows.append(row)
+    fla_ms = rows[0]["fwdbwd_ms"]
+    for r in rows:
+        ms = r["fwdbwd_ms"]
+        print(f"{shape} {r['impl']:<5} {ms:.2f} ms  {fla_ms / ms:.3f}x" if ms else f"{shape} {r['impl']} RED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
