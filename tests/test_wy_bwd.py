@@ -84,16 +84,23 @@ def test_kernel_matches_reference_stage(p: Problem, design: str):
 @pytest.mark.parametrize("p", [SHAPES[0], SHAPES[3], SHAPES[6], SHAPES[8]], ids=lambda p: p.name)
 def test_state_v_first_reads_the_same_states(p: Problem, design: str):
     """h and dh in the [V, K] layout (fla's layer passes state_v_first=True): the kernel
-    compiled for it, given the same states transposed, computes bit for bit what it computes
-    from the [K, V] layout, and matches the reference stage taking that layout."""
+    compiled for it, given the same states transposed, computes what it computes from the
+    [K, V] layout -- bit for bit under the interpreter; on the GPU within 1e-5 relative,
+    since sum_V h*dh reduces over the tile's other axis there (an fp32 reassociation,
+    ~1e-7; a misread tile is O(1)) -- and matches the reference stage taking that layout."""
     inputs, want = stage_inputs(p)
     v_first = dict(inputs, h=ref.swap_state(inputs["h"]), dh=ref.swap_state(inputs["dh"]), state_v_first=True)
     assert wy_bwd.supports(**v_first) is None
     if p.K != p.V:  # a layout the flag does not name is refused, not misread
         assert "layout" in wy_bwd.supports(**dict(v_first, state_v_first=False))
     got = wy_bwd.wy_dqkg_bwd(**v_first, design=design)
-    for a, b in zip(got, wy_bwd.wy_dqkg_bwd(**inputs, design=design)):
-        assert torch.equal(a, b)
+    k_first = wy_bwd.wy_dqkg_bwd(**inputs, design=design)
+    if INTERPRETING:
+        for a, b in zip(got, k_first):
+            assert torch.equal(a, b)
+    else:
+        errors = stage_errors("B6", got, k_first)
+        assert all(e <= 1e-5 for e in errors.values()), errors
     want_v_first = ref.wy_dqkg_bwd(**{n: t for n, t in v_first.items() if n != "chunk_indices"})
     for a, b in zip(want_v_first, want):
         assert torch.equal(a, b)

@@ -208,8 +208,36 @@ def stage_table(rows: list[dict], best_only: bool = True, designs: set[str] | No
     return "\n".join(lines)
 
 
+def layer_table(rows: list[dict]) -> str:
+    """fla's own KimiDeltaAttention layer, fwd+bwd, unpatched (fla) and through
+    ``kernel_fun.patch_fla()`` (ours), the two timed in one process."""
+    every = [r for r in rows if r.get("kind") == "layer"]
+    if not every:
+        return ""
+    rows = latest(every, "shape", "impl")
+    same_run = {(r["shape"], r["commit"]): r for r in latest(every, "shape", "impl", "commit") if r["impl"] == "fla"}
+    lines = [
+        "| layer | implementation | fwd+bwd ms (p10–p90) | vs fla | parity | GPU, date, commit |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in sorted(rows, key=lambda r: (r["shape"], r["impl"] != "fla")):
+        base = same_run.get((r["shape"], r["commit"]))
+        ratio = base["fwdbwd_ms"] / r["fwdbwd_ms"] if base and base.get("fwdbwd_ms") and r.get("fwdbwd_ms") else None
+        ms = "—" if not r.get("fwdbwd_ms") else \
+            f"{r['fwdbwd_ms']:.2f} ({r['fwdbwd_spread_ms'][0]:.2f}–{r['fwdbwd_spread_ms'][1]:.2f})"
+        note = "*" if "fuzzy" in (r.get("fla_cache_mode") or "") else ""
+        name = "fla's layer" if r["impl"] == "fla" else "fla's layer, `kernel_fun.patch_fla()`"
+        lines.append(f"| {r['problem']}{note} | {name} | {ms} | {'—' if ratio is None else f'{ratio:.3f}x'} | "
+                     f"{'ok' if r.get('parity', {}).get('ok') else 'RED'} | {r['gpu']}, {r['date'][:10]}, `{r['commit']}` |")
+    if any("fuzzy" in (r.get("fla_cache_mode") or "") for r in rows):
+        lines.append("")
+        lines.append("\\* fla's kernels ran the configs its autotuner chose at prod8192_gate and its layer-flag "
+                     "variants (`FLA_CACHE_MODE=fuzzy`), not re-autotuned for the layer's V=128.")
+    return "\n".join(lines)
+
+
 def render(rows: list[dict]) -> str:
-    """The README's numbers: the whole-op table, then the stage-alone table."""
+    """The README's numbers: the whole-op table, fla's layer, then the stage-alone table."""
     from kernel_fun.bench.stage_b6 import problem
     from kernel_fun.kda.wy_bwd import CONFIGS, launch_config
 
@@ -229,7 +257,8 @@ def render(rows: list[dict]) -> str:
         return config == picked
 
     stages = stage_table(rows, designs={design for design, _ in CONFIGS}, ships=ships)
-    return op_table(rows) + ("\n\n" + stages if stages else "")
+    layer = layer_table(rows)
+    return op_table(rows) + ("\n\n" + layer if layer else "") + ("\n\n" + stages if stages else "")
 
 
 SWEEP_DOC = REPO / "docs" / "b6-wy-backward.md"

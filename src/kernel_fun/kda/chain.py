@@ -6,7 +6,11 @@ with fla's arguments: its results equal fla's ``chunk_kda`` bit for bit, and the
 row of that configuration measures what the wrapper alone costs. The Function saves what
 fla saves (the normalized q/k with their rstd, v, the raw gate input, the raw and used
 beta, A_log, dt_bias, Aqk, Akk_inv, the initial state and -- for a pre-computed gate --
-its chunk cumsum), and recomputes the rest in the backward as fla does.
+its chunk cumsum), and recomputes the rest in the backward as fla does; with
+``disable_recompute`` it also saves gc, w, u, qg, kg, v_new and h and skips B1-B3, as
+fla's does. The call's flags reach the stages fla passes them to: ``state_v_first`` the
+scans, the output and B6 (every state-shaped tensor in [V, K]), ``safe_gate`` the intra
+forward and B7, ``lower_bound`` the gate stages.
 
 Stage units and the fla functions they stand for:
 

@@ -3,10 +3,16 @@
 A call is validated exactly as fla-core 0.5.2 validates it (same exceptions, same
 messages), plus a few clearer checks where fla would fail inside a kernel or silently
 compute on malformed input. Then a whitelist gate decides: a call it knows is supported
-runs kernel-fun's staged chain (``kernel_fun.kda.chain``); anything else -- an argument it
-does not know, a flag not implemented, a shape, dtype or device outside the box, a switch
--- goes to fla's ``chunk_kda`` with the caller's arguments untouched, so the fallback is
-bitwise fla. Each distinct decision is logged once on the ``kernel_fun`` logger.
+runs kernel-fun's staged chain (``kernel_fun.kda.chain``) with every flag the chain
+carries (``state_v_first``, ``safe_gate``, ``disable_recompute``,
+``return_intermediate_states`` included: a stage that cannot take one falls back alone);
+anything else -- an argument it does not know, ``chunk_size=32``, context parallel, a
+dtype or device outside the box, a switch -- goes to fla's ``chunk_kda`` with the caller's
+arguments untouched, so the fallback is bitwise fla (on a CPU, where fla's kernels cannot
+run, a clear error instead). Inputs of any strides are made dense once, at the entry, as
+fla's ``input_guard`` does. Each distinct decision is logged once on the ``kernel_fun``
+logger, and once per distinct shape and flags one line names the implementation of every
+stage the call ran.
 
 Switches (environment variables, read on every call; a malformed value warns and keeps
 the default):
@@ -443,12 +449,20 @@ Args:
     beta: ``[B, T, HV]`` (raw logits with ``use_beta_sigmoid_in_kernel``; doubled range
         with ``allow_neg_eigval``).
     scale: defaults to ``K ** -0.5``.
-    initial_state: float32 ``[N, HV, K, V]`` (N = B, or the number of packed sequences).
-    output_final_state: also return the final state ``[N, HV, K, V]`` (float32).
+    initial_state: float32 ``[N, HV, K, V]`` (N = B, or the number of packed sequences);
+        ``[N, HV, V, K]`` with ``state_v_first``.
+    output_final_state: also return the final state (float32, the initial state's layout).
+    safe_gate: fla's tensor-core form of the diagonal blocks, valid for a gate bounded by
+        ``lower_bound`` (required with ``use_gate_in_kernel``, in [-5, 0)).
+    disable_recompute: save the forward's intermediates instead of recomputing them.
+    return_intermediate_states: in ``torch.inference_mode()`` only; also returns h
+        ``[B, NT, HV, K, V]`` (``[..., V, K]`` with ``state_v_first``).
+    state_v_first: every state-shaped tensor in the V-first ``[V, K]`` layout.
     use_qk_l2norm_in_kernel: l2-normalize q and k rows inside the op.
     cu_seqlens / cu_seqlens_cpu: ``[N + 1]`` offsets of packed sequences (B must be 1).
     chunk_size (keyword): 64 (32 goes to fla).
 
 Returns:
-    ``(o [B, T, HV, V] in q.dtype, final_state or None)``.
+    ``(o [B, T, HV, V] in q.dtype, final_state or None)``; with
+    ``return_intermediate_states``, ``(o, final_state, h)``.
 """

@@ -63,8 +63,18 @@ dots, dA before each of its two chain dots, dv2 at the store); no exp2 is factor
 differently.
 
 Not handled here (the stage goes to fla's kernel; ``supports`` says why): K not 64 or
-128, V not a multiple of 32, fp32 inputs, chunk size other than 64, the V-first state
-layout, grids below ``MIN_CTAS``.
+128, V not a multiple of 32, fp32 inputs, chunk size other than 64, grids below
+``MIN_CTAS``.
+
+State layouts: h and dh come in fla's [K, V] layout or, with ``state_v_first`` (what fla's
+own KimiDeltaAttention layer passes), in [V, K]; a constexpr (STATE_V_FIRST) changes only
+the tiles' addressing, so the values and every sum's order are the same. The [V, K] tile
+is [BV, BK] with K contiguous, which puts sum_V h*dh across threads rather than within
+them: at K=128, V=256 the kernel spills 284 B against 28 (sm_90a) and takes 6.96 ms
+against 4.66 in the whole op's stage times at prod8192_layer / prod8192_gate (2026-12-01,
+``bench/results/chunk_kda.jsonl``). Not tuned yet: the reduction as diagonals of a
+batched tensor-core product compiles to 156 B there and measured 5.04 against 4.75 ms in
+the [K, V] layout (docs/b6-wy-backward.md, "The [V, K] state layout").
 
 Measured on the H200 (2026-11-30, torch 2.11, triton 3.6; rows in
 ``bench/results/stages.jsonl``, the sweeps, ablations and their reading in
