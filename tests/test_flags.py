@@ -22,12 +22,12 @@ import pytest
 import torch
 
 import kernel_fun
-from kernel_fun.kda import chunk_kda, is_supported, last_record, reference as ref, use_impls
+from kernel_fun.kda import chunk_kda, is_supported, last_record, reference as ref
 from kernel_fun.kda import chunk as chunk_mod
 from kernel_fun.kda.problems import Problem, as_oracle_inputs, make_inputs, run_fwd_bwd
 from kernel_fun.kda.stages import capture_stages
 
-from test_reference import FP32_BOUND, check_against_oracle
+from test_reference import check_against_oracle
 
 FLAGS = {
     "state_v_first": dict(state_v_first=True),
