@@ -258,6 +258,15 @@ def test_log_names_every_stage_once_per_shape_and_flags(caplog):
     assert "disable_recompute" in engaged[1] and "backward B4-B5 reference, B6 ours" in engaged[1]
 
 
+def test_packed_batches_of_other_lengths_log_one_line(caplog):
+    caplog.set_level(logging.INFO, logger="kernel_fun")
+    for bounds in ((0, 1, 137, 200), (0, 50, 200), (0, 64, 129)):
+        p = dataclasses.replace(SHAPES[2], T=bounds[-1], cu_seqlens=bounds)
+        run_fwd_bwd(chunk_kda, make_inputs(p, seed=16))
+    engaged = [m for m in _messages(caplog) if m.startswith("engaged (")]
+    assert len(engaged) == 1 and engaged[0].startswith("engaged (packed H=2 HV=4 K=64 V=32"), engaged
+
+
 def test_a_stage_that_declines_ours_says_why_once(caplog):
     caplog.set_level(logging.INFO, logger="kernel_fun")
     kwargs = make_inputs(dataclasses.replace(B6_SHAPES[0], dtype=torch.float32), seed=13)

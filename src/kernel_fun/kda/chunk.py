@@ -341,10 +341,13 @@ def is_supported(*args, **kwargs) -> tuple[bool, str | None]:
 
 
 def _call_key(c: _Call, phases: str) -> str:
-    """The shape and flags of a call, as the log names it."""
+    """The shape and flags of a call, as the log names it. A packed batch is named without
+    its token and sequence counts, which change from step to step of packed training: one
+    line per head layout, not one per batch."""
     q, v = c.q, c.v
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
+    shape = f"B={B} T={T}" if c.cu_seqlens is None else "packed"
     flags = [name for name in ("use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel",
                                "allow_neg_eigval", "safe_gate", "disable_recompute", "state_v_first",
                                "output_final_state", "return_intermediate_states") if c.args[name]]
@@ -352,9 +355,7 @@ def _call_key(c: _Call, phases: str) -> str:
         flags.append(f"lower_bound={c.lower_bound}")
     if c.initial_state is not None:
         flags.append("initial_state")
-    if c.cu_seqlens is not None:
-        flags.append(f"varlen({len(c.cu_seqlens) - 1} seqs)")
-    return (f"B={B} T={T} H={H} HV={HV} K={K} V={V} {str(q.dtype).replace('torch.', '')} on {q.device.type}"
+    return (f"{shape} H={H} HV={HV} K={K} V={V} {str(q.dtype).replace('torch.', '')} on {q.device.type}"
             f"{', ' + ', '.join(flags) if flags else ''}; {phases}")
 
 
