@@ -53,9 +53,26 @@ def assemble_sm90(jit, sig: dict, constexprs: dict, num_warps: int, num_stages: 
         path = os.path.join(tmp, "k.ptx")
         with open(path, "w") as f:
             f.write(compiled.asm["ptx"])
-        log = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", path, "-o", os.path.join(tmp, "k.cubin")],
+        cubin = os.path.join(tmp, "k.cubin")
+        log = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", path, "-o", cubin],
                              capture_output=True, text=True, check=True).stderr
+        compiled.sass_sha = sass_sha(cubin)
     return compiled, log
+
+
+def sass_sha(cubin: str) -> str:
+    """A fingerprint of the machine code alone: nvdisasm's listing of the cubin without line
+    information or the kernel's name, so a kernel moved to another file or renamed keeps
+    its fingerprint and any changed instruction changes it."""
+    import hashlib
+
+    import triton
+
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    listing = subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True, check=True).stdout
+    code = [line.split("/*", 2)[2] if line.strip().startswith("/*") and line.count("/*") >= 2 else line
+            for line in listing.splitlines() if "/*" in line and ";" in line]
+    return hashlib.sha256("\n".join(code).encode()).hexdigest()[:16]
 
 
 def ptxas_numbers(log: str) -> dict:
@@ -84,6 +101,7 @@ def compile_sm90(kernel, pointer_types: dict[str, str], constexprs: dict, num_wa
         **ptxas_numbers(log),
         "shared": compiled.metadata.shared,
         "wgmma": compiled.asm["ptx"].count("wgmma.mma_async"),
+        "sass_sha": compiled.sass_sha,
         "num_warps": num_warps,
         "num_stages": num_stages,
         "maxnreg": maxnreg,
