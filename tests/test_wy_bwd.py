@@ -158,7 +158,7 @@ def test_timeline_stamps_every_program_and_change_no_value(heads_fast):
     if INTERPRETING:
         assert (stamps == 0).all()
     else:
-        from kernel_fun.bench.b6_timeline import stamps_complete
+        from tools.b6_timeline import stamps_complete
 
         n_sm = torch.cuda.get_device_properties(stamps.device).multi_processor_count
         assert stamps_complete(stamps.cpu().numpy(), n_sm), stamps
@@ -325,11 +325,12 @@ def _compiled(K, V, HV, heads_fast):
 
     cfg = wy_bwd.CONFIGS[("fullk", K)]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [sys.executable, "-m", "kernel_fun.bench.compile_report", "--design", "fullk", "--K", str(K),
+    cmd = [sys.executable, "-m", "tools.compile_report", "--design", "fullk", "--K", str(K),
            "--V", str(V), "--H", str(HV), "--HV", str(HV), "--BV", str(wy_bwd.fullk_bv(V, cfg["BV"])),
            "--warps", str(cfg["num_warps"]), "--stages", str(cfg["num_stages"]),
            "--extra", json.dumps({"HEADS_FAST": heads_fast})]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tools/ is not installed
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=root)
     row = json.loads(out.stdout.strip().splitlines()[-1])
     assert "error" not in row, row
     assert row["registers"] <= 255 and row["wgmma"] > 0, row

@@ -14,7 +14,9 @@ import os
 import sys
 from pathlib import Path
 
-CONFIG_ROOT = Path(__file__).resolve().parents[3] / "bench" / "fla_configs"
+from kernel_fun.bench.paths import fla_configs_dir
+
+CONFIG_ROOT = fla_configs_dir()
 
 
 def gpu_dir(gpu_name: str) -> Path:

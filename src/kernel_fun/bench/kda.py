@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+from kernel_fun.bench.timing import cuda_times, summary
 
 # Memory floors from docs/kda-roofline.md (fla's stage chain at 4.25 TB/s; the fused design).
 FLOORS_MS = {
@@ -35,31 +36,6 @@ FLOORS_MS = {
 # beta's sigmoid adds 2 x 67 MB at prod8192): prod8192_gate's floors.
 FLOORS_MS["prod8192_layer"] = FLOORS_MS["prod8192_layer_safe"] = FLOORS_MS["prod8192_gate"]
 ORACLE_T = 512
-
-
-def percentile(values: list[float], q: float) -> float:
-    s = sorted(values)
-    i = (len(s) - 1) * q
-    lo, hi = int(i), min(int(i) + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (i - lo)
-
-
-def cuda_times(fn, reps: int) -> list[float]:
-    """Milliseconds of ``reps`` calls, each between its own pair of CUDA events."""
-    out = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        out.append(start.elapsed_time(end))
-    return out
-
-
-def summary(times: list[float]) -> dict:
-    return {"median": statistics.median(times), "p10": percentile(times, 0.1),
-            "p90": percentile(times, 0.9), "n": len(times)}
 
 
 class Variant:

@@ -69,7 +69,7 @@ def main(argv=None) -> int:
     import kernel_fun
 
     from kernel_fun import versions
-    from kernel_fun.bench.kda import cuda_times, summary
+    from kernel_fun.bench.timing import cuda_times, summary
     from kernel_fun.kda import last_record
     from kernel_fun.kda import reference as ref
 

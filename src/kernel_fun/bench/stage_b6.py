@@ -22,21 +22,11 @@ from pathlib import Path
 
 import torch
 
-# Stage shapes for the CTA floor: B6's grid is (chunks, B*HV) for fla's kernel and ours.
-FLOOR_SHAPES = {
-    "grid1024": dict(B=1, T=4096, H=16, HV=16, K=128, V=256),
-    "grid256": dict(B=1, T=1024, H=16, HV=16, K=128, V=256),
-    "grid64": dict(B=1, T=256, H=16, HV=16, K=128, V=256),
-}
-# K=64 (the other head size the B6 kernels take), at b8's token count; and V=64 and V=32,
-# where V fits one tile of fullk's pinned BV (docs/b6-wy-backward.md, tenth round).
-OTHER_SHAPES = {"k64": dict(B=8, T=8192, H=16, HV=16, K=64, V=128),
-                "v64": dict(B=8, T=8192, H=16, HV=16, K=128, V=64),
-                "v32": dict(B=8, T=8192, H=16, HV=16, K=128, V=32),
-                "k64v64": dict(B=8, T=8192, H=16, HV=16, K=64, V=64)}
+from kernel_fun.kda.problems import problem
+
 BANDWIDTH = 4.25e12  # measured H200 copy rate (anchors.md)
 
-# The configs worth timing, chosen from the sm_90a compile report (kernel_fun.bench.compile_report,
+# The configs worth timing, chosen from the sm_90a compile report (tools.compile_report,
 # docs/b6-wy-backward.md): fullk spills at every width (least at 8 warps), the transposed
 # main kernel is spill-free at 8 warps.
 _SIDE = dict(side_BV=32, side_warps=8, side_stages=2)  # 124 registers: two side programs per SM
@@ -52,14 +42,6 @@ SWEEP = {
                    dict(BV=32, KS=64, num_warps=8, num_stages=2, **_SIDE),
                    dict(BV=32, KS=32, num_warps=8, num_stages=2, side_BV=64, side_warps=8, side_stages=1)],
 }
-
-
-def problem(name: str):
-    from kernel_fun.kda.problems import SHAPES, Problem
-
-    if name in SHAPES:
-        return SHAPES[name]
-    return Problem(name, **{**FLOOR_SHAPES, **OTHER_SHAPES}[name])
 
 
 def b6_bytes(p) -> int:
@@ -134,7 +116,7 @@ def config_label(design: str, config: dict) -> str:
 def bench_shape(name, candidates, reps, rounds, out_path):
     from kernel_fun import versions
     from kernel_fun.bench import results
-    from kernel_fun.bench.kda import cuda_times, summary
+    from kernel_fun.bench.timing import cuda_times, summary
     from kernel_fun.kda import reference as ref
     from kernel_fun.kda import wy_bwd
     from kernel_fun.kda.chain import _fla_wy_dqkg

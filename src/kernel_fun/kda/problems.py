@@ -82,6 +82,30 @@ SHAPES = {
 }
 
 
+# Stage shapes, for a stage timed alone: B1 at T 4096, 1024 and 256 with the production
+# heads (1,024, 256 and 64 chunk-heads: a stage's grid on few programs, B6's being
+# (chunks, B*HV) for fla's kernel and ours) ...
+FLOOR_SHAPES = {
+    "grid1024": dict(B=1, T=4096, H=16, HV=16, K=128, V=256),
+    "grid256": dict(B=1, T=1024, H=16, HV=16, K=128, V=256),
+    "grid64": dict(B=1, T=256, H=16, HV=16, K=128, V=256),
+}
+# ... and K=64 (the other head size the B6 kernels take) at b8's token count, and V=64 and
+# V=32, where V fits one tile of fullk's pinned BV (docs/b6-wy-backward.md, tenth round).
+OTHER_SHAPES = {"k64": dict(B=8, T=8192, H=16, HV=16, K=64, V=128),
+                "v64": dict(B=8, T=8192, H=16, HV=16, K=128, V=64),
+                "v32": dict(B=8, T=8192, H=16, HV=16, K=128, V=32),
+                "k64v64": dict(B=8, T=8192, H=16, HV=16, K=64, V=64)}
+STAGE_SHAPES = {name: Problem(name, **dims) for name, dims in {**FLOOR_SHAPES, **OTHER_SHAPES}.items()}
+
+
+def problem(name: str) -> Problem:
+    """The named problem: a bench shape (``SHAPES``) or a stage shape (``STAGE_SHAPES``)."""
+    if name in SHAPES:
+        return SHAPES[name]
+    return STAGE_SHAPES[name]
+
+
 def make_inputs(p: Problem, device="cpu", seed: int = 0, requires_grad: bool = True) -> dict:
     """The keyword arguments of a ``chunk_kda`` call for problem ``p`` (leaf tensors)."""
     gen = torch.Generator(device="cpu").manual_seed(seed)

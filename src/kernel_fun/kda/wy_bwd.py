@@ -44,7 +44,7 @@ Two designs, same contract and outputs as fla's function:
    in flight share a chunk index across sequences and heads; otherwise fla's order (2D
    grid, chunks fastest). Both orders compute bitwise the same outputs. Launched with a
    ``timeline`` buffer in its config, it also stores per program its SM and three
-   ``%globaltimer`` readings (``kernel_fun.bench.b6_timeline``); without one that code is
+   ``%globaltimer`` readings (``tools.b6_timeline``); without one that code is
    not compiled (same PTX).
 2. ``transposed`` -- two kernels. The main kernel accumulates the transposes
    dq^T = S do^T, dw^T = S dvn^T, dk^T = dS v_new^T, so every dot has M = K and h, dh load
@@ -194,7 +194,7 @@ Measured on the H200 (2026-11-30, torch 2.11, triton 3.6; rows in
   registers), whose V loop and once-per-chunk-head epilogue each take ~10 us and
   never overlap within the SM; 4.5 ms needs ~18 us per program against ~19.5 now.
   Moving the stage's bytes alone in this kernel's tiles, residency, epilogue shape and
-  prefetch, with no dots (``kernel_fun.bench.b6_stream``, 2026-12-01), takes 4.27 ms
+  prefetch, with no dots (``tools.b6_stream``, 2026-12-01), takes 4.27 ms
   against this kernel's 4.89 in the same process (b8 2.12 / 2.44); this kernel's V loop
   with a light epilogue 4.70 against 4.92: ~0.4 ms of the 0.6 over the bytes is the V
   loop's arithmetic (about its five dots' tensor-core time, ~0.5 us a tile, though letting
@@ -222,7 +222,7 @@ Measured on the H200 (2026-11-30, torch 2.11, triton 3.6; rows in
   bytes in flight as BV=64 at 3, 76 B of spills, 147-229 KB): 5.95-6.04 against 4.77
   (kimi 4.25-4.52 / 3.71, b8 3.02-3.06 / 2.43), flat in the depth: the per-tile costs
   double with the tile count. Triton 3.6's automatic warp specialization (4 warps, operands by
-  tensor descriptor; ``kernel_fun.bench.ws_probe``) on this V loop: never compiles with
+  tensor descriptor; ``tools.ws_probe``) on this V loop: never compiles with
   the epilogue's (-dw) kg^T dot, compiles the rest in 1-4 of 16 attempts with 1.4-1.9 KB
   of spills, and that rest took 8.57-9.61 ms against 4.99 for the same source
   unspecialized and 4.89 for this kernel (bitwise the same dq, dk, dv2, dA).
@@ -444,7 +444,7 @@ def wy_dqkg_fullk_kernel(
     PF_ITER: tl.constexpr, HEADS_FAST: tl.constexpr, TIMELINE: tl.constexpr,
     STATE_V_FIRST: tl.constexpr = False,
 ):
-    if TIMELINE:  # the timeline instrument (kernel_fun.bench.b6_timeline): program start
+    if TIMELINE:  # the timeline instrument (tools.b6_timeline): program start
         t_start = _clock(tl.arange(0, BT))
     if HEADS_FAST:
         # 1D grid, b*hv (NBH of them) fastest: the programs in flight work on one chunk

@@ -1,4 +1,4 @@
-"""The B6 bytes instrument (kernel_fun.bench.b6_stream) moves what it says: every output is
+"""The B6 bytes instrument (tools.b6_stream) moves what it says: every output is
 the fixed formula of the inputs it documents, so a dropped load or store, or a tile read at
 the wrong offset, shows here (T not a multiple of 64, GVA, both tile widths)."""
 
@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from kernel_fun.bench.b6_stream import FORMULA_RTOL, launch, reference_outputs
+from tools.b6_stream import FORMULA_RTOL, launch, reference_outputs
 from kernel_fun.bench.stage_b6 import make_inputs
 from kernel_fun.kda.problems import Problem
 from kernel_fun.kda.reference import rel_rms

@@ -1,7 +1,7 @@
 """What B6's bytes alone cost on this GPU: a kernel that moves exactly the stage's data and
 computes next to nothing.
 
-``python -m kernel_fun.bench.b6_stream --shape prod8192_gate --out bench/results/b6_ablation.jsonl``
+``python -m tools.b6_stream --shape prod8192_gate --out bench/results/b6_ablation.jsonl``
 
 ``b6_stream_kernel`` has fullk's grid and launch order (one program per chunk-head, b*hv
 fastest), reads every input of the stage once (A and beta once more in the epilogue, as
@@ -204,8 +204,9 @@ def reference_outputs(inputs: dict, BV: int):
 def run(shape: str, configs=CONFIGS, reps: int = 10, rounds: int = 6) -> list[dict]:
     from kernel_fun import versions
     from kernel_fun.bench import results
-    from kernel_fun.bench.kda import cuda_times, summary
-    from kernel_fun.bench.stage_b6 import b6_bytes, config_label, make_inputs, problem
+    from kernel_fun.bench.timing import cuda_times, summary
+    from kernel_fun.bench.stage_b6 import b6_bytes, config_label, make_inputs
+    from kernel_fun.kda.problems import problem
     from kernel_fun.kda import reference as ref_mod
     from kernel_fun.kda import wy_bwd
 
@@ -243,7 +244,7 @@ def run(shape: str, configs=CONFIGS, reps: int = 10, rounds: int = 6) -> list[di
             "spread_ms": [round(s["p10"], 4), round(s["p90"], 4)], "TBps": round(n_bytes / s["median"] / 1e9, 3),
             "bytes": n_bytes, "compiled": compiled.get(t), "moves_bytes_exactly": checks.get(t),
             "computes_b6": t not in checks,
-            "method": "kernel_fun.bench.b6_stream: median of CUDA-event timings, interleaved rounds "
+            "method": "tools.b6_stream: median of CUDA-event timings, interleaved rounds "
                       f"({rounds} of {reps}, order reversed every other round), one process, with the shipped fullk",
             "gpu": torch.cuda.get_device_name(), "versions": versions(), "commit": results.commit(),
             "date": results.now(),
@@ -252,7 +253,7 @@ def run(shape: str, configs=CONFIGS, reps: int = 10, rounds: int = 6) -> list[di
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kernel_fun.bench.b6_stream", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m tools.b6_stream", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="prod8192_gate")
     parser.add_argument("--out", default=None, help="a jsonl file to append the rows to")

@@ -1,4 +1,4 @@
-"""The warp-specialization probe's B6 kernel (kernel_fun.bench.ws_probe) computes what its
+"""The warp-specialization probe's B6 kernel (tools.ws_probe) computes what its
 docstring says, so the compile rows it produces describe a kernel that does the stage's
 V-loop work. Under the interpreter warp_specialize is a hint that changes nothing; on a
 Hopper GPU the matmul probe's descriptor cases compile specialized, so there the test
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kernel_fun.bench.stage_b6 import make_inputs
-from kernel_fun.bench.ws_probe import run_b6_probe
+from tools.ws_probe import run_b6_probe
 from kernel_fun.kda.problems import Problem
 from kernel_fun.kda.reference import rel_rms
 
@@ -65,7 +65,7 @@ def test_ws_b6_probe_matches_float64(BV, kg_dot, H, HV):
 def test_ws_mm_probe_matches_float64(desc, epi, ws):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from kernel_fun.bench.ws_probe import ws_mm_probe
+    from tools.ws_probe import ws_mm_probe
 
     BM, BN, BK, K = 64, 128, 64, 128
     gen = torch.Generator().manual_seed(5)

@@ -20,7 +20,7 @@ runs a Hopper pass for it (``nvidia.passes.hopper.add_hopper_warpspec``) on loop
 
 Each row: whether the pass specialized the kernel (``setmaxnreg`` in the PTX, warps
 launched), registers, spills and shared memory, or the compiler's error; the B6 rows
-compile each config ``--repeat`` times. ``python -m kernel_fun.bench.ws_probe``.
+compile each config ``--repeat`` times. ``python -m tools.ws_probe``.
 
 What it found (2026-11-30, Triton 3.6, ptxas 12.8; rows in
 ``bench/results/b6_compile_sm90.jsonl``, design ``ws-probe``, timings run 42 of
@@ -177,7 +177,7 @@ def run_b6_probe(inputs: dict, BV: int, kg_dot: bool = False, warp_specialize: b
 
 
 def _compile(fn, sig: dict, constexprs: dict, num_warps: int, num_stages: int) -> dict:
-    from kernel_fun.bench.compile_report import assemble_sm90, ptxas_numbers
+    from tools.compile_report import assemble_sm90, ptxas_numbers
 
     full = {**sig, **{n: "constexpr" for n in constexprs}}
     row = {"num_warps": num_warps, "num_stages": num_stages}

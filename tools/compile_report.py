@@ -3,7 +3,7 @@ the compiler made of them: registers, spill bytes, stack, shared memory, wgmma c
 
 Triton lowers to PTX on any machine; its bundled ptxas assembles for sm_90a. This costs
 no GPU time, so register pressure is read here first and only the configs worth timing
-go to the H200. ``python -m kernel_fun.bench.compile_report [--design fullk] ...``
+go to the H200. ``python -m tools.compile_report [--design fullk] ...``
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Where a B6 program's time goes: one launch of fullk with per-program stamps.
 
-``python -m kernel_fun.bench.b6_timeline --shape prod8192_gate --out bench/results/b6_ablation.jsonl``
+``python -m tools.b6_timeline --shape prod8192_gate --out bench/results/b6_ablation.jsonl``
 
 The kernel, launched with ``config={"timeline": buffer}``, stores per program (in launch
 order) the SM it ran on and three ``%globaltimer`` readings: at its start, when the V
@@ -81,8 +81,9 @@ def run(shape: str, reps: int = 10, rounds: int = 5) -> dict:
 
     from kernel_fun import versions
     from kernel_fun.bench import results
-    from kernel_fun.bench.kda import cuda_times, summary
-    from kernel_fun.bench.stage_b6 import make_inputs, problem
+    from kernel_fun.bench.timing import cuda_times, summary
+    from kernel_fun.bench.stage_b6 import make_inputs
+    from kernel_fun.kda.problems import problem
     from kernel_fun.kda import wy_bwd
 
     p = problem(shape)
@@ -111,7 +112,7 @@ def run(shape: str, reps: int = 10, rounds: int = 5) -> dict:
         "ms_plain": round(summary(times["plain"])["median"], 4),
         "ms_stamped": round(summary(times["stamped"])["median"], 4),
         **(timeline_stats(a) if complete else {}),
-        "method": "kernel_fun.bench.b6_timeline: %globaltimer per program at start, after the V loop's last "
+        "method": "tools.b6_timeline: %globaltimer per program at start, after the V loop's last "
                   "result, after the last store; p10/p50/p90 in us; concurrency on a 0.5 us grid",
         "gpu": torch.cuda.get_device_name(), "versions": versions(), "commit": results.commit(),
         "date": results.now(),
@@ -119,7 +120,7 @@ def run(shape: str, reps: int = 10, rounds: int = 5) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kernel_fun.bench.b6_timeline", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m tools.b6_timeline", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="prod8192_gate")
     parser.add_argument("--out", default=None, help="a jsonl file to append the row to")

@@ -1,6 +1,6 @@
 """Run B6 designs a few times on one shape, for a profiler to attach to (Nsight Compute):
 
-    ncu --clock-control none --kernel-name regex:wy_dqkg python -m kernel_fun.bench.profile_b6 \\
+    ncu --clock-control none --kernel-name regex:wy_dqkg python -m tools.profile_b6 \\
         --shape b8 --configs '[["fullk", {}], ["fullk", {"num_stages": 2}]]'
 """
 
@@ -13,7 +13,8 @@ import torch
 
 
 def main(argv=None) -> None:
-    from kernel_fun.bench.stage_b6 import make_inputs, problem
+    from kernel_fun.bench.stage_b6 import make_inputs
+    from kernel_fun.kda.problems import problem
     from kernel_fun.kda import wy_bwd
 
     parser = argparse.ArgumentParser()

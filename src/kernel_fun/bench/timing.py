@@ -1,0 +1,34 @@
+"""Timing helpers every bench shares: CUDA-event timings and their summary. A leaf module
+(torch and the standard library only), so the demo and the benches import it without
+importing each other."""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+
+def percentile(values: list[float], q: float) -> float:
+    s = sorted(values)
+    i = (len(s) - 1) * q
+    lo, hi = int(i), min(int(i) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (i - lo)
+
+
+def cuda_times(fn, reps: int) -> list[float]:
+    """Milliseconds of ``reps`` calls, each between its own pair of CUDA events."""
+    out = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        out.append(start.elapsed_time(end))
+    return out
+
+
+def summary(times: list[float]) -> dict:
+    return {"median": statistics.median(times), "p10": percentile(times, 0.1),
+            "p90": percentile(times, 0.9), "n": len(times)}
