@@ -69,20 +69,18 @@ SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("design", ["fullk", "transposed"])
 @pytest.mark.parametrize("p", SHAPES, ids=lambda p: p.name)
-def test_kernel_matches_reference_stage(p: Problem, design: str):
+def test_kernel_matches_reference_stage(p: Problem):
     inputs, want = stage_inputs(p)
     assert wy_bwd.supports(**inputs) is None
-    got = wy_bwd.wy_dqkg_bwd(**inputs, design=design)
+    got = wy_bwd.wy_dqkg_bwd(**inputs, design="fullk")
     for a, b in zip(got, want):
         assert a.dtype == b.dtype and a.shape == b.shape
     assert_matches(got, want, inputs)
 
 
-@pytest.mark.parametrize("design", ["fullk", "transposed"])
 @pytest.mark.parametrize("p", [SHAPES[0], SHAPES[3], SHAPES[6], SHAPES[8]], ids=lambda p: p.name)
-def test_state_v_first_reads_the_same_states(p: Problem, design: str):
+def test_state_v_first_reads_the_same_states(p: Problem):
     """h and dh in the [V, K] layout (fla's layer passes state_v_first=True): the kernel
     compiled for it, given the same states transposed, computes what it computes from the
     [K, V] layout -- bit for bit under the interpreter; on the GPU within 1e-5 relative,
@@ -93,8 +91,8 @@ def test_state_v_first_reads_the_same_states(p: Problem, design: str):
     assert wy_bwd.supports(**v_first) is None
     if p.K != p.V:  # a layout the flag does not name is refused, not misread
         assert "layout" in wy_bwd.supports(**dict(v_first, state_v_first=False))
-    got = wy_bwd.wy_dqkg_bwd(**v_first, design=design)
-    k_first = wy_bwd.wy_dqkg_bwd(**inputs, design=design)
+    got = wy_bwd.wy_dqkg_bwd(**v_first, design="fullk")
+    k_first = wy_bwd.wy_dqkg_bwd(**inputs, design="fullk")
     if INTERPRETING:
         for a, b in zip(got, k_first):
             assert torch.equal(a, b)
@@ -107,15 +105,14 @@ def test_state_v_first_reads_the_same_states(p: Problem, design: str):
     assert_matches(got, want, inputs)
 
 
-@pytest.mark.parametrize("design", ["fullk", "transposed"])
-def test_pinned_configs_and_other_blockings_agree(design):
+def test_pinned_configs_and_other_blockings_agree():
     """Other V tiles and strip widths reassociate the same fp32 sums (warps and pipeline
     stages do not exist under the interpreter; the GPU tests cover those). fullk's BV=128
     runs at two stages: at three it needs 352 KB of shared memory, more than an SM has."""
     inputs, want = stage_inputs(SHAPES[5])
-    configs = [{"BV": 32}, {"BV": 128, "num_stages": 2}] + ([{"KS": 32}, {"KS": 128}] if design == "transposed" else [])
+    configs = [{"BV": 32}, {"BV": 128, "num_stages": 2}]
     for config in configs:
-        got = wy_bwd.wy_dqkg_bwd(**inputs, design=design, config=config)
+        got = wy_bwd.wy_dqkg_bwd(**inputs, design="fullk", config=config)
         assert_matches(got, want, inputs, config)
 
 
@@ -169,9 +166,11 @@ def test_unknown_config_keys_are_refused():
     not silently ignored: the persistent grid's keys were retired after it measured slower.
     So is a design that does not exist."""
     inputs, _ = stage_inputs(SHAPES[0])
-    for design, key in [("fullk", "PERSISTENT"), ("fullk", "KS"), ("transposed", "HEADS_FAST"), ("fullk", "bv")]:
+    for key in ("PERSISTENT", "KS", "bv"):
         with pytest.raises(ValueError, match=key):
-            wy_bwd.wy_dqkg_bwd(**inputs, design=design, config={key: 1})
+            wy_bwd.wy_dqkg_bwd(**inputs, design="fullk", config={key: 1})
+    with pytest.raises(ValueError, match="unknown B6 design 'transposed'"):  # retired
+        wy_bwd.wy_dqkg_bwd(**inputs, design="transposed")
     with pytest.raises(ValueError, match="unknown B6 design 'fulk'"):
         wy_bwd.wy_dqkg_bwd(**inputs, design="fulk")
 
@@ -185,16 +184,14 @@ def test_out_of_box_calls_stay_on_fla():
     assert "float32" in wy_bwd.supports(**inputs)
 
 
-@pytest.mark.parametrize("design", ["fullk", "transposed"])
 @pytest.mark.parametrize("p", [
     Problem("chain-K64-gva-h0", 2, 100, 2, 4, 64, 64, initial_state=True, output_final_state=True,
             dtype=torch.float16),
     Problem("chain-K128-varlen", 1, 150, 1, 1, 128, 64, cu_seqlens=(0, 80, 150), dtype=torch.float16),
 ], ids=lambda p: p.name)
-def test_chain_with_our_b6_against_the_oracle(p, design, monkeypatch):
+def test_chain_with_our_b6_against_the_oracle(p, monkeypatch):
     """The launch witness and the whole op: B6 runs ours (other stages their default), and
     every output and gradient stays within fla's budgets of the float64 recurrence."""
-    monkeypatch.setattr(wy_bwd, "DEFAULT_DESIGN", design)
     kwargs = make_inputs(p, device=DEVICE, seed=11)
     result = run_fwd_bwd(chunk_kda, kwargs, grid=p.dtype)
     record = last_record()
@@ -219,14 +216,13 @@ def test_non_dense_inputs_are_refused():
         wy_bwd.wy_dqkg_bwd(**inputs)
 
 
-@pytest.mark.parametrize("design", ["fullk", "transposed"])
-def test_error_against_the_exact_stage_is_no_worse_than_the_rounding_reference(design):
+def test_error_against_the_exact_stage_is_no_worse_than_the_rounding_reference():
     """Against the float64 stage without intermediate roundings: our kernel's error stays
     within fla's budgets and within 10% of the error of the reference that rounds where fla
     rounds (fla's own stage numerics)."""
     inputs, mirrored = stage_inputs(SHAPES[3], seed=4)
     exact = ref.wy_dqkg_bwd(**{n: t for n, t in inputs.items() if n != "chunk_indices"}, exact=True)
-    ours = wy_bwd.wy_dqkg_bwd(**inputs, design=design)
+    ours = wy_bwd.wy_dqkg_bwd(**inputs, design="fullk")
     misses = b6_misses(stage_errors("B6", ours, exact), stage_errors("B6", mirrored, exact))
     assert not misses, misses
 
@@ -294,7 +290,6 @@ def test_v_tile_rule_keeps_two_tiles():
     assert wy_bwd.launch_config("fullk", 128, 64, 1)["BV"] == 32
     assert wy_bwd.launch_config("fullk", 128, 256, 1)["BV"] == 64
     assert wy_bwd.launch_config("fullk", 128, 64, 1, {"BV": 64})["BV"] == 64
-    assert wy_bwd.launch_config("transposed", 128, 64, 1)["BV"] == wy_bwd.CONFIGS[("transposed", 128)]["BV"]
 
 
 def test_prefetch_tile_counts_from_the_end():

@@ -18,7 +18,7 @@ interpreter and on the GPU, so a run that drops a load or a store does not pass.
 instrument, not the stage: nothing dispatches to it.
 
 Measured on the H200 (2026-11-30 / 12-01, torch 2.11, triton 3.6; rows in
-``bench/results/b6_ablation.jsonl`` runs 43-46, reading in docs/b6-wy-backward.md,
+``bench/results/b6_ablation.jsonl`` runs 43-46, reading in docs/log/b6.md,
 thirteenth round), prod8192_gate (15.85 GB): at fullk's tiles and residency (BV=64,
 8 warps, 3 stages, one program per SM) with fullk's whole-tile epilogue and L2 prefetch
 (``rows=64, prefetch_at=2``) 4.27 ms against fullk's 4.89 in the same process (b8 2.12 /

@@ -109,13 +109,12 @@ def compile_sm90(kernel, pointer_types: dict[str, str], constexprs: dict, num_wa
 
 
 def b6_report(design: str, K: int, V: int, H: int, HV: int, BV: int, num_warps: int, num_stages: int,
-              KS: int = 32, dtype: str = "bf16", maxnreg: int | None = None, extra: dict | None = None) -> dict:
+              dtype: str = "bf16", maxnreg: int | None = None, extra: dict | None = None) -> dict:
     from kernel_fun.kda import wy_bwd
 
     common = dict(cu_seqlens=None, chunk_indices=None, HV=HV, K=K, V=V, BT=64, BK=K, BV=BV, IS_VARLEN=False)
-    act = {n: _PTR[dtype] for n in ("q", "k", "v", "v_new", "beta", "A", "h", "do", "dh", "dv", "dv2",
-                                     "dw_park", "kg_park")}
-    f32 = {n: "*fp32" for n in ("g", "dq", "dk", "dg", "db", "dA", "dgk_buf")}
+    act = {n: _PTR[dtype] for n in ("q", "k", "v", "v_new", "beta", "A", "h", "do", "dh", "dv", "dv2")}
+    f32 = {n: "*fp32" for n in ("g", "dq", "dk", "dg", "db", "dA")}
     types = {**act, **f32}
     if design == "fullk":
         # the pinned prefetch tile for this K and V (not a fixed tile: at V=128 it is the first)
@@ -127,18 +126,12 @@ def b6_report(design: str, K: int, V: int, H: int, HV: int, BV: int, num_warps: 
             switches["stamps"] = None
         return compile_sm90(wy_bwd.wy_dqkg_fullk_kernel, types, dict(common, H=H, **switches), num_warps, num_stages,
                             maxnreg)
-    if design == "transposed":
-        return compile_sm90(wy_bwd.wy_dqkg_transposed_main_kernel, types,
-                            dict(common, H=H, KS=KS, STATE_V_FIRST=bool((extra or {}).get("STATE_V_FIRST"))),
-                            num_warps, num_stages)
-    if design == "side":
-        return compile_sm90(wy_bwd.wy_dqkg_transposed_side_kernel, types, common, num_warps, num_stages)
     raise ValueError(design)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--design", default="fullk,transposed,side")
+    parser.add_argument("--design", default="fullk")
     parser.add_argument("--K", type=int, default=128)
     parser.add_argument("--V", type=int, default=256)
     parser.add_argument("--H", type=int, default=16)
@@ -146,19 +139,18 @@ def main(argv=None):
     parser.add_argument("--BV", default="32,64,128")
     parser.add_argument("--warps", default="4,8")
     parser.add_argument("--stages", default="1,2,3")
-    parser.add_argument("--KS", default="32")
     parser.add_argument("--maxnreg", type=int, default=None)
     parser.add_argument("--extra", default="{}", help="JSON of fullk switches, e.g. '{\"PF_ITER\": -1}'")
     args = parser.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     for design in args.design.split(","):
-        for BV, warps, stages, KS in itertools.product(ints(args.BV), ints(args.warps), ints(args.stages), ints(args.KS)):
+        for BV, warps, stages in itertools.product(ints(args.BV), ints(args.warps), ints(args.stages)):
             row = dict(design=design, K=args.K, V=args.V, **({"H": args.H, "HV": args.HV} if (args.H, args.HV) != (16, 16) else {}),
-                       BV=BV, KS=KS if design == "transposed" else None,
+                       BV=BV,
                        **({"switches": json.loads(args.extra)} if args.extra != "{}" else {}))
             try:
-                row.update(b6_report(design, args.K, args.V, args.H, args.HV, BV, warps, stages, KS, maxnreg=args.maxnreg,
+                row.update(b6_report(design, args.K, args.V, args.H, args.HV, BV, warps, stages, maxnreg=args.maxnreg,
                                      extra=json.loads(args.extra)))
             except Exception as err:  # a config that does not compile is a row too
                 row.update(error=str(err).splitlines()[0][:160], num_warps=warps, num_stages=stages)

@@ -1,7 +1,7 @@
 """Can Triton 3.6 warp-specialize B6 on Hopper? Compile probes for sm_90a (no GPU needed).
 
 fullk's V loop and epilogue take ~10 us each per chunk-head and never overlap within an SM
-(docs/b6-wy-backward.md): the overlap would have to come from warp specialization, a
+(docs/log/b6.md): the overlap would have to come from warp specialization, a
 producer warpgroup streaming the next tiles while consumer warpgroups compute. Triton 3.6
 runs a Hopper pass for it (``nvidia.passes.hopper.add_hopper_warpspec``) on loops marked
 ``tl.range(..., warp_specialize=True)``. These probes find out what the pass takes:

@@ -26,21 +26,13 @@ from kernel_fun.kda.problems import problem
 
 BANDWIDTH = 4.25e12  # measured H200 copy rate (anchors.md)
 
-# The configs worth timing, chosen from the sm_90a compile report (tools.compile_report,
-# docs/b6-wy-backward.md): fullk spills at every width (least at 8 warps), the transposed
-# main kernel is spill-free at 8 warps.
-_SIDE = dict(side_BV=32, side_warps=8, side_stages=2)  # 124 registers: two side programs per SM
+# The configs worth timing, chosen from the sm_90a compile report (tools/compile_report.py,
+# docs/log/b6.md): fullk spills at every width, least at 8 warps.
 SWEEP = {
     "fullk": [dict(BV=64, num_warps=8, num_stages=3),
               dict(BV=32, num_warps=8, num_stages=2), dict(BV=64, num_warps=8, num_stages=1),
               dict(BV=64, num_warps=8, num_stages=2), dict(BV=64, num_warps=16, num_stages=2),
               dict(BV=128, num_warps=8, num_stages=1), dict(BV=32, num_warps=16, num_stages=2)],
-    "transposed": [dict(BV=32, KS=32, num_warps=8, num_stages=2, **_SIDE),
-                   dict(BV=32, KS=32, num_warps=8, num_stages=3, **_SIDE),
-                   dict(BV=64, KS=32, num_warps=8, num_stages=2, **_SIDE),
-                   dict(BV=64, KS=16, num_warps=8, num_stages=1, **_SIDE),
-                   dict(BV=32, KS=64, num_warps=8, num_stages=2, **_SIDE),
-                   dict(BV=32, KS=32, num_warps=8, num_stages=2, side_BV=64, side_warps=8, side_stages=1)],
 }
 
 
@@ -198,7 +190,7 @@ def main(argv=None) -> int:
     if args.configs == "sweep":
         candidates = [(d, c) for d, cs in SWEEP.items() for c in cs]
     elif args.configs == "pinned":
-        candidates = [(d, {}) for d in ("fullk", "transposed")]
+        candidates = [("fullk", {})]
     else:
         candidates = [tuple(x) for x in json.loads(args.configs)]
     shapes = args.shapes.split(",")

@@ -1,238 +1,49 @@
 """B6, the WY backward of KDA (fla's ``chunk_kda_bwd_wy_dqkg_fused``), for Hopper.
 
-What it computes, per chunk c of 64 tokens and value head (S = h[c], dS = dh[c],
-dvn = the dv that B5 produces, A = Akk_inv):
+Per chunk of 64 tokens and value head (S = h[c], dS = dh[c], dvn = B5's dv, A = Akk_inv,
+kg = k exp2 gc): ``dq = scale (do S^T) exp2 gc``; ``dk_h = (v_new dS^T) exp2(gc_last - gc)``;
+``dw = -dvn S^T``; ``dv2 = beta (A^T dvn)``; ``dk = dk_h + beta exp2(gc) (A^T dw)``;
+``db = rowsum(A^T dvn v) + rowsum(A^T dw kg)``;
+``dA = -A^T strict_lower([dvn v^T + dw kg^T] Diag(beta)) A^T``;
+``dg = q dq - k dk_h + beta kg (A^T dw)``, plus ``exp2(gc_last) sum_V S dS + sum_rows k dk_h``
+on the chunk's last row.
 
-- ``dq = scale (do S^T) exp2 gc``; ``dk_h = (v_new dS^T) exp2(gc_last - gc)``; ``dw = -dvn S^T``;
-- ``dv2 = beta (A^T dvn)``; ``dk = dk_h + beta exp2(gc) (A^T dw)``;
-- ``db = rowsum(A^T dvn * v) + rowsum(A^T dw * kg)`` with ``kg = k exp2 gc``;
-- ``dA = -A^T strict_lower([dvn v^T + dw kg^T] Diag(beta)) A^T``;
-- ``dg = q dq - k dk_h + beta kg (A^T dw)`` (+ ``exp2(gc_last) sum_V S dS + sum_rows k dk_h``
-  on the chunk's last row).
+Where fla's kernel loses time (12.5 ms at prod8192_gate, 3.4x its 3.73 ms memory floor):
+it loops over K slabs of 32 or 64 and, inside, over V tiles, so v_new, do and dv are read
+once per slab; every dot is [64, BV] @ [BV, 32|64], latency-bound; a ``debug_barrier``
+every inner iteration defeats software pipelining; the epilogue runs once per slab.
 
-Where fla's kernel loses time (12.4 ms at prod8192_gate on the H200, 3.3x its 3.73 ms
-memory floor): its program loops over K slabs of 32 or 64 and, inside, over V tiles, so
-v_new, do and dv are read once per K slab; every dot is [64, BV] @ [BV, 32|64] -- a tiny N,
-three dots chained on the same operands -- so it is latency-bound; a ``debug_barrier`` runs
-every inner iteration (the ``i_k == 0`` block reuses the loop's shared memory), which
-defeats software pipelining; and the exp2/dg/dA epilogue runs once per slab.
-
-Two designs, same contract and outputs as fla's function:
-
-1. ``fullk`` -- one program per (chunk, b*hv) with no K-slab loop: h and dh load as
-   [BV, K] tiles, the V-shaped tiles are read once, the three dots widen to
-   [64, BV] @ [BV, K], the barrier disappears and the epilogue runs once. Accumulators
-   dq, dk, dw [64, K] and dA [64, 64] in fp32 registers. One program fills an SM, so
-   nothing hides its waits: A^T and beta come with every V tile rather than before the
-   loop (beta's load first in the loop body, issued ahead of the tile wait), the
-   epilogue issues all its loads in one batch, and two V tiles before the end
-   the program asks L2 for the epilogue's k, q and g (``prefetch.global.L2``, a hint that
-   changes no value and is skipped under the interpreter), g is pinned to the
-   accumulators' layout where it is loaded, so the epilogue converts it once rather than
-   three values derived from it, and dq is stored straight from that layout (8-byte pair
-   stores, ``_store_pairs``) rather than through shared memory, and beta is pinned to db's
-   row layout so the dA chain's column copy of it is one conversion rather than 16
-   loads per thread. db's v-side is accumulated element by element over the V tiles and
-   summed over its columns once after the loop (a row sum per tile was three of the
-   loop's five CTA barriers), and dA too is stored by pair stores, which take one base
-   pointer and int32 element offsets (with a 64-bit pointer per element the compiler kept
-   the addresses live and spilled: 196 B at HV=32), while dq's are addressed by a pointer
-   per element (faster there). The V tile is the pinned BV halved until V spans two tiles
-   (``fullk_bv``): a single tile peels the V loop and spilled ~3 KB per thread, slower than
-   fla's kernel. Launch order: at K=128 with at
-   least ``HEADS_FAST_MIN_BHV`` (b, hv) pairs a 1D grid with b*hv fastest, so the programs
-   in flight share a chunk index across sequences and heads; otherwise fla's order (2D
-   grid, chunks fastest). Both orders compute bitwise the same outputs. Launched with a
-   ``timeline`` buffer in its config, it also stores per program its SM and three
-   ``%globaltimer`` readings (``tools.b6_timeline``); without one that code is
-   not compiled (same PTX).
-2. ``transposed`` -- two kernels. The main kernel accumulates the transposes
-   dq^T = S do^T, dw^T = S dvn^T, dk^T = dS v_new^T, so every dot has M = K and h, dh load
-   in their natural [K, BV] layout; it parks the raw dq and dk in their fp32 outputs, -dw
-   (bf16) and sum_V S dS in scratch, and runs the elementwise epilogue over K strips
-   re-read from L2, so the epilogue's live set is a strip, not [64, K]. A side kernel does
-   the v-side -- dv2, its part of db -- and dA = chain(dvn v^T + dw kg^T), accumulated in
-   that order into one accumulator as in design 1. The side kernel finishes db in place on
-   the main kernel's partial: the one read-modify-write output, which is why neither
-   kernel is ever autotuned.
+This design (``fullk``): one program per (chunk, b*hv), no K-slab loop. h and dh load as
+[BV, K] tiles, the V-shaped tiles are read once, the dots widen to [64, BV] @ [BV, K],
+the barrier goes and the epilogue runs once; dq, dk, dw [64, K] and dA [64, 64] accumulate
+in fp32 registers, so one 8-warp program fills an SM (255 registers) and nothing hides
+its waits. Hence: A^T and beta come with every V tile (beta's load first in the body);
+db's v-side accumulates element by element and is summed once after the loop; two V
+tiles before the end the program asks L2 for the epilogue's k, q and g
+(``_prefetch_rows``, a hint); the epilogue issues its loads in one batch, pins g and beta
+to the layouts their uses need (``_opaque_zeros_like``), and stores dq and dA from the
+accumulators' layout by 8-byte pair stores (``_store_pairs``). The V tile is the pinned
+BV halved until V spans two tiles (``fullk_bv``); at K=128 with enough (b, hv) pairs the
+grid runs b*hv fastest (``heads_fast_order``). h and dh may come in fla's [K, V] layout or,
+with ``state_v_first`` (fla's own layer), in [V, K] (the STATE_V_FIRST constexpr changes
+only the tiles' addresses). A ``timeline`` buffer in the config compiles in per-program
+%globaltimer stamps (``tools/b6_timeline.py``); without one that code is not compiled.
 
 Numerics: the V accumulation keeps fla's order (V tiles ascending, fp32 accumulators);
-what moves is the reduction blocking inside each dot (fp32 reassociations of the same
-terms). Every bf16 rounding fla makes is made at the same point (dw and kg before their
-dots, dA before each of its two chain dots, dv2 at the store); no exp2 is factored
-differently.
+only the blocking inside each dot reassociates fp32 sums. Every bf16 rounding fla makes
+is made at the same point (dw and kg before their dots, dA before each chain dot, dv2 at
+the store); no exp2 is factored differently. Both launch orders and both state layouts
+compute the same values (bitwise under the interpreter; the layouts' sum_V S dS
+reassociates on the GPU).
 
-Not handled here (the stage goes to fla's kernel; ``supports`` says why): K not 64 or
-128, V not a multiple of 32, fp32 inputs, chunk size other than 64, grids below
-``MIN_CTAS``.
+Falls back to fla's stage (``supports`` says why): K not 64 or 128, V not a multiple of
+32, fp32 inputs, chunk size other than 64, an h/dh layout the flag does not name.
 
-State layouts: h and dh come in fla's [K, V] layout or, with ``state_v_first`` (what fla's
-own KimiDeltaAttention layer passes), in [V, K]; a constexpr (STATE_V_FIRST) changes only
-the tiles' addressing, so the values and every sum's order are the same. The [V, K] tile
-is [BV, BK] with K contiguous, which puts sum_V h*dh across threads rather than within
-them: at K=128, V=256 the kernel spills 284 B against 28 (sm_90a) and takes 6.96 ms
-against 4.66 in the whole op's stage times at prod8192_layer / prod8192_gate (2026-12-01,
-``bench/results/chunk_kda.jsonl``). Not tuned yet: the reduction as diagonals of a
-batched tensor-core product compiles to 156 B there and measured 5.04 against 4.75 ms in
-the [K, V] layout (docs/b6-wy-backward.md, "The [V, K] state layout").
-
-Measured on the H200 (2026-11-30, torch 2.11, triton 3.6; rows in
-``bench/results/stages.jsonl``, the sweeps, ablations and their reading in
-``docs/b6-wy-backward.md``):
-
-- prod8192_gate (B16 T8192 H=HV=16 K128 V256): fullk 4.80 ms against fla's 12.52 in the
-  same run at 0abd794, 2.61x fla, 1.29x the 3.73 ms floor (4.74-4.96 in the side by
-  sides of eleven machine starts); kimi 3.88 against 10.53 (2.72x), b8 2.45 (2.56x), small 0.704
-  (2.37x), k64 1.37 (1.93x), V=64 1.93 (2.38x), V=32 2.05 (2.23x). dq's pair stores by
-  pointers, side by side with offsets: 5.00 -> 4.89 ms, kimi 3.81 -> 3.75 (bitwise the
-  same outputs; 28 B of spills against 24). The V tile rule, same run against fla's
-  4.67 / 4.56 ms (B8 T8192 H=HV=16 K128): V=64 at BV 64 / 32 / 16 9.20 / 1.88 / 2.31 ms,
-  V=32 at BV 64 / 32 / 16 8.45 / 5.49 / 1.96; K=64, V=64 at BV 64 / 32 1.53 / 1.22. Not
-  better (same process): the epilogue's k, q, g loaded by TMA into shared memory and
-  read in the accumulators' layout 5.81 against 4.96 (g alone 5.42; each TMA load waits
-  alone, 152-204 B of spills); dk and dg stored by TMA from shared memory 5.25 against
-  4.85 (4 B of spills, the fewest yet), with dv2 by TMA in the loop too 5.47; A^T dvn issued first so the four accumulating dots run on
-  into the next V tile, made safe by a second load of h and dh for sum_V S dS (a third
-  buffer, 216 KB) 5.24 against 4.91 -- the second loads alone 5.33, and without them
-  (an ablation without sum_V S dS) 4.834 run on against 4.836 not: the loop does not
-  wait on its dots. Before: 4.90 ms against fla's 12.34 at 9d25a16, 2.52x fla, 1.31x the
-  floor (4.87 against 12.62 at eadc09a, the
-  pair stores' 64-bit pointers; BV=64, 8 warps, 3 stages, A and beta
-  loaded with every V tile, beta's load first in the loop body, the epilogue's k, q and
-  g prefetched into L2 two V tiles before the end, g converted once into the
-  accumulators' layout, dq and dA stored from it, the epilogue's beta pinned to db's
-  layout, db's v-side summed once after the loop, b*hv-fastest launch order; 188 KB
-  shared, 255 registers, 24 B of spills per thread; 28 B at 0abd794). Pair stores by int32 offsets, side
-  by side with eadc09a: prod8192_gate 4.85 -> 4.96 ms (+2.3%), kimi (H=HV=32, V=128)
-  4.19 -> 3.78 (-9.8%; eadc09a had made kimi 6% slower than the kernel before it, 196 B
-  of spills at HV=32 against 20 B now); shipped for kimi and for robustness across HV
-  (offline, nine (HV, V) pairs, HV 4-64, V 128-512: 16-40 B against up to 208). db's v-side accumulated element by
-  element with dA's pair stores, side by side with the kernel before it: 5.02 -> 4.77 ms,
-  b8 2.58 -> 2.46, small 0.776 -> 0.712 (db moves by 1.2e-7 relative, the rest bitwise;
-  spills 48 -> 36 B, the V loop 502 -> 468 SASS instructions and 5 -> 2 CTA barriers per
-  tile); either alone 4.96 and 4.91. Not better on top of it (same process): the
-  prefetch one V tile before the end 4.90 against 4.93 (b8 2.52 against 2.53, noise),
-  three before 5.09, the loop's beta loaded at the first tile only 5.01 (b8 2.66 against
-  2.53), dk or dg by pair stores 5.00 / 5.03 (68 / 72 B), dk, dg and dv2 stored
-  evict-first 4.897 against 4.903. The epilogue's beta pinned, side by side with the
-  kernel before it: 5.29 -> 5.12 ms, b8 2.76 -> 2.66 (bitwise the same outputs; 104 ->
-  48 B of spills). Beta's load first, side by side with the
-  kernel before it: 5.25 -> 5.16 ms, b8 2.67 -> 2.64, small 0.762 -> 0.746, k64 1.47 ->
-  1.42 (bitwise the same outputs). Not better on top of it (same process, prod8192_gate):
-  dk stored by pair stores as well 5.30 against 5.23 (112 B of spills), dA by pair
-  stores 5.20-5.24 against 5.23 (within noise, sign changes by shape), dv2 stored in the
-  loop as packed bf16 pairs 5.41 (152 B), db's k-side dot issued before the epilogue's
-  loads 5.44 (144 B).
-  dq stored from the accumulators' layout, side by side with the kernel before it:
-  5.53 -> 5.38 ms, b8 2.90 -> 2.82, small 0.80 -> 0.76, k64 1.59 -> 1.60 (spills 164 ->
-  104 B; dk and dg stored the same way compile to 212-296 B, so they are not). g converted once,
-  side by side with the kernel before it: 6.03 -> 5.41 and 6.04 -> 5.41 ms (two machine
-  starts), b8 3.21 -> 2.89, small 0.87 -> 0.79, k64 1.55 -> 1.46-1.47, 1,024 chunk-heads
-  0.277 -> 0.260 (spills 288 -> 164 B; dg moves by 1.7e-8, the rest bitwise). Not better
-  on top of it: beta loaded once before the V loop (5.75), dA accumulated transposed so
-  beta scales rows (5.44), db's v-side from the dA accumulator after the loop (5.73),
-  q and k pinned too (5.60 against 5.57), BV=128 at 2 stages (6.25) and BV=32 at 4
-  (6.59, against 5.39). The launch order, side by side with fla's order in one process
-  (outputs bitwise equal): 6.31 -> 6.09, 6.37 -> 6.18 and 6.17 -> 5.96 ms on three machine
-  starts; kimi 5.36 -> 4.99, b8 3.24 -> 3.14; worse where it is not used: small (8 heads,
-  B=4) 0.94 -> 0.99, k64 1.59-1.61 -> 1.62; no change at 1,024 and 64 chunk-heads.
-  Before the launch order: 6.26-6.45 ms (1.99-2.02x fla); side by side, 6.26 ms against
-  6.47 with A and beta in the loop but no prefetch and 6.83 for the kernel before both
-  (A^T and beta loaded once before the loop, where their store to shared memory held the
-  first V tile requests behind one DRAM round trip). Prefetching at the start of the
-  program instead took 6.93 ms, at the first V tile 6.95; prefetching the next program's
-  first tiles (launch order + one wave) 6.80; evict-first stores 6.16 against 6.26 in one
-  run, not shipped on one measurement. Before the epilogue issued its loads in one batch
-  (each load waited out its own DRAM round trip behind a layout-conversion barrier) the
-  kernel took 6.74-6.82 ms; at 2 stages and int64 in-tile offsets, 7.68 ms. transposed:
-  9.94 ms at its best (BV=32, KS=64; main kernel 213 registers and no spills, side kernel
-  124). fullk won at every shape and grid measured (1.58-2.74x fla: kimi 3.74 ms and b8
-  2.44 (eadc09a) in the b*hv-fastest order; small 0.692, k64 1.43 (eadc09a), 1,024
-  chunk-heads 0.242 and 64
-  chunk-heads 0.087 in fla's order, which they keep; at the two small grids fla ran the
-  config tuned at prod8192_gate, and autotuned there on another machine start it took
-  0.565 and 0.206 against our 0.301 and 0.123), so it is the default and there is no
-  CTA floor.
-- K=64 (k64: B8 T8192 H=HV=16 K64 V128): 1.37 ms against fla's 2.64 (1.93x, 1.60x the
-  0.85 ms floor) at 0abd794, at the K=128 config (217 registers, no spills); 1.43
-  against 2.71 at eadc09a (222 registers); 1.52 against 2.78 with
-  the epilogue's beta pinned, 1.40 against 2.60 before it on another machine start (not
-  timed side by side); before g was converted
-  once 1.60 ms against 2.72 (1.55 -> 1.46 side by side); 1.75 ms without the
-  prefetch; 4-warp programs (two per SM) 1.67-1.76 ms, 8 warps capped at 128 registers
-  2.35 ms.
-- where a program's time goes (per-program %globaltimer stamps, prod8192_gate, one
-  launch, at the current kernel): V loop 9.95 us and epilogue 10.46 us (medians) of a
-  20.5 us program, an upper bound (the stamped kernel took 5.45 ms against 4.87); before
-  g was converted once: V loop 11.8 us and epilogue 11.8 us (medians) of a
-  ~24 us program, one program per SM (after: 11.1 and 11.7 of ~23 us, an upper bound,
-  as the stamped kernel compiles to a slower epilogue, 6.12 against 5.55 ms); at any moment about half the SMs are in each phase (56-68 streaming), a V loop
-  takes 11.6 us in the quarter of programs with the fewest other SMs streaming and 11.9
-  in the busiest quarter, and DRAM moves 15.85 GB in 6.2 ms (~2.6 TB/s, ~60% of the copy
-  rate). So the V loop is not limited by DRAM bytes, nor by too few requests in flight:
-  more made it slower -- the later V tiles prefetched into L2 at the start
-  7.02-7.35 ms against 6.27 (b8 3.61-3.71 against 3.15), BV=32 with 4-5 stages 7.35-8.00;
-  so did staggering the first wave (6.31 against 6.17) and the two ways tried of taking all the
-  epilogue's layout conversions out, each of which raised spills to 456-760 B:
-  loads and stores through inline PTX in the accumulator layout 7.43-10.35 ms, the
-  epilogue inside a one-iteration loop so its loads are staged in shared memory and read
-  in the accumulator layout 7.95-8.48 ms. Evict-first stores: 6.12 against 6.17 (second
-  run under the 2% bar). What does limit the loop (L2 or fabric contention, DRAM
-  efficiency of the access pattern -- the launch order moves it -- or stalls inside the
-  program) is not settled: Nsight Compute's stall samples (one launch, 6.99 ms at the
-  profiler's locked clocks) put 40% in the V loop and 55% in the epilogue, 25.6% of issue
-  slots busy with 2 warps per scheduler, DRAM at 54% of peak; the loop's largest waits
-  were its per-tile beta load (8.4% of samples) and its tile wait (6.1%), and hoisting
-  the beta load made the kernel slower. In the current kernel's profile (5.58 ms at the
-  profiler's clocks, 31% of issue slots busy, DRAM 60%) 45% of samples are in the V
-  loop (its dots 16%, the h and dh tiles' first use 7%, dv2's store 5%) and 49% in the
-  epilogue (spread: stores 9%, sums 4%, the dA chain's beta 3%, g's load 3%); sum_V h*dh
-  as thread-local partial sums (no shuffles in the loop) took 4.98 against 4.86 ms, dv2
-  as packed bf16 pairs 5.11, and the pair stores without their checks 4.89; 16 warps
-  (128 registers, 140 B of spills) 6.59 against 4.83.
-- the 4.5 ms target is not met yet (4.80 ms, ~6% short): one 8-warp program per SM (255
-  registers), whose V loop and once-per-chunk-head epilogue each take ~10 us and
-  never overlap within the SM; 4.5 ms needs ~18 us per program against ~19.5 now.
-  Moving the stage's bytes alone in this kernel's tiles, residency, epilogue shape and
-  prefetch, with no dots (``tools.b6_stream``, 2026-12-01), takes 4.27 ms
-  against this kernel's 4.89 in the same process (b8 2.12 / 2.44); this kernel's V loop
-  with a light epilogue 4.70 against 4.92: ~0.4 ms of the 0.6 over the bytes is the V
-  loop's arithmetic (about its five dots' tensor-core time, ~0.5 us a tile, though letting
-  the dots run on into the next tile bought nothing), ~0.2 the epilogue's. Asking L2 for
-  tile i+2 before tile i's dots: 4.95-5.03 against 4.92 (bitwise the same outputs).
-  Of the loop's part, sum_V h*dh is 0.07-0.10 ms (skipped with the buffers unchanged:
-  4.73 against 4.80; with the light epilogue as well 4.48); on the tensor cores, as the
-  diagonals of [16, 16] blocks of h dh^T (mma.sync, 322-343 loop instructions against
-  468, 132-140 B of epilogue spills), 5.05-5.10 against 4.79 (kimi 4.03-4.05 / 3.72).
-  What would hide the rest is the next chunk-head's loads during the epilogue, by
-  producer warps with few registers (warp specialization with register reallocation),
-  which the Triton language here cannot ask for and Gluon, which can, does not run in
-  the interpreter (docs/b6-wy-backward.md, fourteenth round and "What it would take").
-  Tried and measured without a gain: K split across
-  a pair of 4-warp programs (7.72 ms), an L1 carveout for the spills, accumulators as two
-  K halves (spills 296 -> 120 B, same time), TMA-descriptor loads (7.28 against 6.93 ms),
-  and a persistent grid with TMA loads (9.38 ms); its flattened form, which would overlap
-  the epilogue with the next chunk-head's loads, failed parity on the H200 (everything that
-  uses the A^T and beta carried from the chunk-head's prologue) while passing in the
-  interpreter; with A and beta loaded inside the V loop it held parity and took 10.27 ms.
-  A persistent grid calling the chunk-head function (inlined, its loop spills 364-520 B),
-  side by side with the shipped launch at 6f13156: 5.05 ms against 4.75 (kimi 3.97 /
-  3.74, b8 2.57 / 2.42, small 0.840 / 0.759), and 5.75 with the next chunk-head's first
-  tiles prefetched into L2 during each epilogue; removed. BV=32 at 4-6 stages (same
-  bytes in flight as BV=64 at 3, 76 B of spills, 147-229 KB): 5.95-6.04 against 4.77
-  (kimi 4.25-4.52 / 3.71, b8 3.02-3.06 / 2.43), flat in the depth: the per-tile costs
-  double with the tile count. Triton 3.6's automatic warp specialization (4 warps, operands by
-  tensor descriptor; ``tools.ws_probe``) on this V loop: never compiles with
-  the epilogue's (-dw) kg^T dot, compiles the rest in 1-4 of 16 attempts with 1.4-1.9 KB
-  of spills, and that rest took 8.57-9.61 ms against 4.99 for the same source
-  unspecialized and 4.89 for this kernel (bitwise the same dq, dk, dv2, dA).
-- the transposed main kernel at three pipeline stages failed parity at >= 1,024
-  chunk-heads (a grid-dependent error, which points at a race between the parked
-  accumulators and the pipelined strip loads; not chased further); its pinned config uses
-  two stages, which held parity everywhere.
-- whole op at prod8192_gate with this stage ours and every other on fla: fwd+bwd 39.61 ms
-  against fla's 47.02 ms (1.187x) at 0abd794; 39.71 against 47.06 (1.185x) at eadc09a;
-  40.11 against 47.21 (1.177x) before the epilogue's beta was pinned.
+Measured on the H200 (``bench/results/stages.jsonl``; the rounds in docs/log/b6.md):
+4.75 ms against fla's 12.51 at prod8192_gate (2.63x, 1.27x the floor; the whole op 39.81
+against 47.16). In the [V, K] layout the kernel spills 284 B against 28 and takes 6.96 ms
+in the whole op at prod8192_layer: not tuned yet (docs/log/b6.md, "The [V, K] state
+layout"). The retired ``transposed`` design lost at every shape (1.12-1.35x fla).
 """
 
 from __future__ import annotations
@@ -280,7 +91,7 @@ def _prefetch_rows(base, rows, row_stride, m_rows, ROW_ELEMS: tl.constexpr):
     ROW_ELEMS elements long. A hint: it returns nothing, faults on nothing (masked lanes are
     predicated off) and is skipped under the interpreter, where it would mean nothing. Its
     addresses still matter: prefetches outside the tensors measured 5x slower on the H200
-    (docs/b6-wy-backward.md, fourth round), which no value shows."""
+    (docs/log/b6.md, fourth round), which no value shows."""
     if not _INTERPRETING:
         ROW_BYTES: tl.constexpr = ROW_ELEMS * base.dtype.element_ty.primitive_bitwidth // 8
         NL: tl.constexpr = (ROW_BYTES + 127) // 128
@@ -603,196 +414,25 @@ def wy_dqkg_fullk_kernel(
 
 
 # --------------------------------------------------------------------------------------
-# Design 2: transposed main kernel + v-side kernel
-# --------------------------------------------------------------------------------------
-@triton.heuristics({"IS_VARLEN": lambda args: args["cu_seqlens"] is not None})
-@triton.jit(do_not_specialize=["T"])
-def wy_dqkg_transposed_main_kernel(
-    q, k, g, beta, A, h, do, dh, dv, v_new,
-    dq, dk, dg, db, dw_park, kg_park, dgk_buf,
-    cu_seqlens, chunk_indices, scale, T,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, KS: tl.constexpr, IS_VARLEN: tl.constexpr,
-    STATE_V_FIRST: tl.constexpr = False,
-):
-    i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
-    i_hv = i_bh % HV
-    i_h = i_hv // (HV // H)
-    i_c, i_tg, bos, T = _chunk_coords(i_t, i_bh, cu_seqlens, chunk_indices, T, HV, BT, IS_VARLEN)
-
-    o_t = i_c * BT + tl.arange(0, BT)
-    m_t = o_t < T
-    o_i = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    i_last = tl.minimum(T, i_c * BT + BT) - 1
-    m_last = o_t == i_last
-
-    q += (bos * H + i_h) * K
-    k += (bos * H + i_h) * K
-    g += (bos * HV + i_hv) * K
-    beta += bos * HV + i_hv
-    A += (bos * HV + i_hv) * BT
-    h += (i_tg * HV + i_hv) * K * V
-    dh += (i_tg * HV + i_hv) * K * V
-    do += (bos * HV + i_hv) * V
-    dv += (bos * HV + i_hv) * V
-    v_new += (bos * HV + i_hv) * V
-    dq += (bos * HV + i_hv) * K
-    dk += (bos * HV + i_hv) * K
-    dg += (bos * HV + i_hv) * K
-    db += bos * HV + i_hv
-    dw_park += (bos * HV + i_hv) * K
-    kg_park += (bos * HV + i_hv) * K
-    dgk_buf += (i_tg * HV + i_hv) * K
-
-    # Main phase: M = K dots on [K, BV] tiles of h and dh (fla's layout, or a transposed
-    # view of the [V, K] one with state_v_first).
-    b_dqT = tl.zeros([BK, BT], dtype=tl.float32)
-    b_dwT = tl.zeros([BK, BT], dtype=tl.float32)
-    b_dkT = tl.zeros([BK, BT], dtype=tl.float32)
-    b_dgk = tl.zeros([BK], dtype=tl.float32)
-    for i_v in range(tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_v = o_v < V
-        if STATE_V_FIRST:
-            p_kv = o_k[:, None] + o_v[None, :] * K
-        else:
-            p_kv = o_k[:, None] * V + o_v[None, :]
-        m_kv = m_k[:, None] & m_v[None, :]
-        b_h = tl.load(h + p_kv, mask=m_kv, other=0)
-        b_dh = tl.load(dh + p_kv, mask=m_kv, other=0)
-        # [BV, BT] views of the token-major do, dv, v_new
-        p_vt = o_v[:, None] + o_t[None, :] * (HV * V)
-        m_vt = m_v[:, None] & m_t[None, :]
-        b_doT = tl.load(do + p_vt, mask=m_vt, other=0)
-        b_dvT = tl.load(dv + p_vt, mask=m_vt, other=0)
-        b_vnT = tl.load(v_new + p_vt, mask=m_vt, other=0)
-        b_dgk += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
-        b_dqT += _dot(b_h, b_doT)
-        b_dwT += _dot(b_h, b_dvT)
-        b_dkT += _dot(b_dh, b_vnT)
-
-    # Park: raw dq and dk in their outputs, -dw in bf16 (what every consumer of dw reads),
-    # sum_V S dS in scratch; stored through transposed pointers, never a register transpose.
-    p_kt = o_k[:, None] + o_t[None, :] * (HV * K)
-    m_kt = m_k[:, None] & m_t[None, :]
-    tl.store(dq + p_kt, b_dqT, mask=m_kt)
-    tl.store(dk + p_kt, b_dkT, mask=m_kt)
-    tl.store(dw_park + p_kt, _to(-b_dwT, dw_park.dtype.element_ty), mask=m_kt)
-    tl.store(dgk_buf + o_k, b_dgk, mask=m_k)
-    tl.debug_barrier()  # the strips below re-read what other threads of this program parked
-
-    b_beta = tl.load(beta + o_t * HV, mask=m_t, other=0).to(tl.float32)
-    b_At = tl.load(A + o_t[None, :] * (HV * BT) + o_i[:, None], mask=m_t[None, :], other=0)
-    b_db = tl.zeros([BT], dtype=tl.float32)
-    for i_s in range(tl.cdiv(K, KS)):
-        o_s = i_s * KS + tl.arange(0, KS)
-        m_s = o_s < K
-        m_ts = m_t[:, None] & m_s[None, :]
-        p_ts = o_t[:, None] * (HV * K) + o_s[None, :]
-        p_qk = o_t[:, None] * (H * K) + o_s[None, :]
-        b_g = tl.load(g + p_ts, mask=m_ts, other=0).to(tl.float32)
-        b_gn = tl.load(g + i_last * (HV * K) + o_s, mask=m_s, other=0).to(tl.float32)
-        b_gexp = tl.exp2(b_g)
-
-        b_dq = tl.load(dq + p_ts, mask=m_ts, other=0) * b_gexp * scale
-        b_dg = tl.load(q + p_qk, mask=m_ts, other=0).to(tl.float32) * b_dq
-        tl.store(dq + p_ts, b_dq, mask=m_ts)
-
-        b_dk = tl.load(dk + p_ts, mask=m_ts, other=0) * tl.where(m_t[:, None], tl.exp2(b_gn[None, :] - b_g), 0)
-        b_k = tl.load(k + p_qk, mask=m_ts, other=0)
-        b_kdk = b_k.to(tl.float32) * b_dk
-        b_dg -= b_kdk
-        b_dgk_s = tl.load(dgk_buf + o_s, mask=m_s, other=0) * tl.exp2(b_gn) + tl.sum(b_kdk, axis=0)
-
-        b_dwb = tl.load(dw_park + p_ts, mask=m_ts, other=0)
-        b_kg = b_k * b_gexp
-        tl.store(kg_park + p_ts, _to(b_kg, kg_park.dtype.element_ty), mask=m_ts)
-        b_dg, b_dk, b_db = _k_side_terms(b_At, b_dwb, b_kg, b_gexp, b_beta, b_dgk_s, m_last, b_dg, b_dk, b_db)
-        tl.store(dk + p_ts, b_dk, mask=m_ts)
-        tl.store(dg + p_ts, b_dg, mask=m_ts)
-    tl.store(db + o_t * HV, b_db, mask=m_t)
-
-
-@triton.heuristics({"IS_VARLEN": lambda args: args["cu_seqlens"] is not None})
-@triton.jit(do_not_specialize=["T"])
-def wy_dqkg_transposed_side_kernel(
-    v, beta, A, dv, dw_park, kg_park,
-    dv2, db, dA,
-    cu_seqlens, chunk_indices, T,
-    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
-):
-    i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
-    i_hv = i_bh % HV
-    i_c, i_tg, bos, T = _chunk_coords(i_t, i_bh, cu_seqlens, chunk_indices, T, HV, BT, IS_VARLEN)
-
-    o_t = i_c * BT + tl.arange(0, BT)
-    m_t = o_t < T
-    o_i = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-
-    v += (bos * HV + i_hv) * V
-    dv += (bos * HV + i_hv) * V
-    dv2 += (bos * HV + i_hv) * V
-    beta += bos * HV + i_hv
-    A += (bos * HV + i_hv) * BT
-    dw_park += (bos * HV + i_hv) * K
-    kg_park += (bos * HV + i_hv) * K
-    db += bos * HV + i_hv
-    dA += (bos * HV + i_hv) * BT
-
-    b_beta = tl.load(beta + o_t * HV, mask=m_t, other=0).to(tl.float32)
-    b_At = tl.load(A + o_t[None, :] * (HV * BT) + o_i[:, None], mask=m_t[None, :], other=0)
-    b_dA = tl.zeros([BT, BT], dtype=tl.float32)
-    b_db = tl.zeros([BT], dtype=tl.float32)
-    for i_v in range(tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_tv = m_t[:, None] & (o_v[None, :] < V)
-        p_tv = o_t[:, None] * (HV * V) + o_v[None, :]
-        b_dvn = tl.load(dv + p_tv, mask=m_tv, other=0)
-        b_v = tl.load(v + p_tv, mask=m_tv, other=0)
-        b_dA += _dot(b_dvn, tl.trans(b_v))
-        b_dvb = _dot(b_At, b_dvn)
-        tl.store(dv2 + p_tv, _to(b_dvb * b_beta[:, None], dv2.dtype.element_ty), mask=m_tv)
-        b_db += tl.sum(b_dvb * b_v.to(tl.float32), axis=1)
-    p_tk = o_t[:, None] * (HV * K) + o_k[None, :]
-    m_tk = m_t[:, None] & m_k[None, :]
-    b_dwb = tl.load(dw_park + p_tk, mask=m_tk, other=0)
-    b_kg = tl.load(kg_park + p_tk, mask=m_tk, other=0)
-    b_dA += _dot(b_dwb, tl.trans(b_kg))
-
-    m_strict = (o_t[:, None] > o_t[None, :]) & m_t[:, None] & m_t[None, :]
-    b_dA = _da_chain(b_dA, b_At, b_beta, m_strict)
-    tl.store(dA + o_t[:, None] * (HV * BT) + o_i[None, :], b_dA, mask=m_t[:, None])
-    # The one read-modify-write: the main kernel's sum_K part of db, plus the sum_V part.
-    p_db = db + o_t * HV
-    tl.store(p_db, tl.load(p_db, mask=m_t, other=0) + b_db, mask=m_t)
-
-
-# --------------------------------------------------------------------------------------
 # Configs (pinned; never autotuned -- see the module docstring) and the launcher
 # --------------------------------------------------------------------------------------
 # (design, K) -> launch config, pinned from the H200 sweeps of 2026-11-30 (rows in
-# bench/results/stages.jsonl, summary in docs/b6-wy-backward.md). At K=128, V=256:
+# bench/results/stages.jsonl, summary in docs/log/b6.md). At K=128, V=256:
 # fullk BV=64/8 warps/3 stages (172 KB of shared memory) 6.74 ms at prod8192_gate against
 # 7.37 ms at 2 stages in the same run (7.93 ms at BV=32/3 stages, 9.28-14.76 ms for the
 # other configs of the first sweep), 6.50 ms since its epilogue loads go in one batch,
-# 6.26-6.45 ms (188 KB) with A and beta loaded with the V tiles and the prefetch below;
-# transposed BV=32/KS=64 9.88 ms, the best of its six (its 3-stage main kernel failed
-# parity, see the doc). PF_AT: the V tile, counted from the end, during which the
+# 6.26-6.45 ms (188 KB) with A and beta loaded with the V tiles and the prefetch below.
+# PF_AT: the V tile, counted from the end, during which the
 # epilogue's k, q, g are prefetched into L2: 2 measured 6.26-6.45 ms, 1 6.34-6.44, 3 6.51,
 # 4 (the first tile) 6.95, none 6.47-6.50. K=64 (k64 shape): the same config 1.60 ms, the
 # best measured (4-warp programs 1.67-1.76, BV=32 1.88, BV=128 1.88, 2 stages 1.85).
 CONFIGS = {
     ("fullk", 64): dict(BV=64, num_warps=8, num_stages=3, PF_AT=2),
     ("fullk", 128): dict(BV=64, num_warps=8, num_stages=3, PF_AT=2),
-    ("transposed", 64): dict(BV=32, KS=64, num_warps=8, num_stages=2, side_BV=32, side_warps=8, side_stages=2),
-    ("transposed", 128): dict(BV=32, KS=64, num_warps=8, num_stages=2, side_BV=32, side_warps=8, side_stages=2),
 }
-# fullk beat transposed at every shape measured (prod8192_gate, b8, 1024/256/64 chunk-heads).
+# The one design: a second, "transposed" (two kernels, M = K dots on h and dh in their
+# [K, V] layout), lost to fullk at every shape measured (1.12-1.35x fla against
+# 1.75-2.72x) and was retired; its record is in docs/log/b6.md.
 DEFAULT_DESIGN = "fullk"
 # Launch order of fullk (HEADS_FAST): a 1D grid with b*hv fastest when K = 128 and there are at
 # least this many (b, hv) pairs, else fla's order (a 2D grid, chunks fastest). Side by side on
@@ -825,7 +465,6 @@ def fullk_bv(V: int, pinned: int) -> int:
 # What ``config`` may set, per design (``timeline`` is the timeline instrument's buffer).
 _CONFIG_KEYS = {
     "fullk": {"BV", "num_warps", "num_stages", "PF_AT", "HEADS_FAST", "maxnreg", "timeline"},
-    "transposed": {"BV", "KS", "num_warps", "num_stages", "side_BV", "side_warps", "side_stages"},
 }
 
 
@@ -834,7 +473,7 @@ def launch_config(design: str, K: int, V: int, n_bhv: int, config: dict | None =
     and for fullk the V tile (``fullk_bv``) and the launch order (HEADS_FAST) the rules pick
     unless ``config`` sets them."""
     if design not in _CONFIG_KEYS:
-        raise ValueError(f"unknown B6 design {design!r}; expected 'fullk' or 'transposed'")
+        raise ValueError(f"unknown B6 design {design!r}; expected 'fullk'")
     unknown = set(config or {}) - _CONFIG_KEYS[design]
     if unknown:  # a misspelt or retired knob would otherwise be ignored without a word
         raise ValueError(f"B6 {design} takes no config key {sorted(unknown)}; known: {sorted(_CONFIG_KEYS[design])}")
@@ -882,10 +521,9 @@ def wy_dqkg_bwd(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, c
     dv2 = torch.empty_like(v)
     db = torch.empty(B, T, HV, device=k.device, dtype=torch.float32)
     dA = torch.empty(B, T, HV, BT, device=k.device, dtype=torch.float32)
-    grid = (NT, B * HV)
-    if design == "fullk":
-        fullk_grid = (NT * B * HV,) if cfg["HEADS_FAST"] else grid
-        wy_dqkg_fullk_kernel[fullk_grid](
+    grid = (NT * B * HV,) if cfg["HEADS_FAST"] else (NT, B * HV)
+    if design == "fullk":  # (launch_config refuses any other design)
+        wy_dqkg_fullk_kernel[grid](
             q=q, k=k, v=v, v_new=v_new, g=gc, beta=beta, A=A, h=h, do=do, dh=dh, dv=dv,
             dq=dq, dk=dk, dv2=dv2, dg=dg, db=db, dA=dA,
             cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, scale=scale, T=T, NBH=B * HV,
@@ -895,24 +533,6 @@ def wy_dqkg_bwd(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, c
             HEADS_FAST=bool(cfg["HEADS_FAST"]), STATE_V_FIRST=bool(state_v_first),
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
             **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
-        )
-    else:  # transposed (launch_config refuses any other design)
-        dw_park = torch.empty(B, T, HV, K, device=k.device, dtype=k.dtype)
-        kg_park = torch.empty_like(dw_park)
-        dgk_buf = torch.empty(B * NT * HV, K, device=k.device, dtype=torch.float32)
-        wy_dqkg_transposed_main_kernel[grid](
-            q=q, k=k, g=gc, beta=beta, A=A, h=h, do=do, dh=dh, dv=dv, v_new=v_new,
-            dq=dq, dk=dk, dg=dg, db=db, dw_park=dw_park, kg_park=kg_park, dgk_buf=dgk_buf,
-            cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, scale=scale, T=T,
-            H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=cfg["BV"], KS=cfg["KS"], STATE_V_FIRST=bool(state_v_first),
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        )
-        wy_dqkg_transposed_side_kernel[grid](
-            v=v, beta=beta, A=A, dv=dv, dw_park=dw_park, kg_park=kg_park,
-            dv2=dv2, db=db, dA=dA,
-            cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, T=T,
-            HV=HV, K=K, V=V, BT=BT, BK=BK, BV=cfg["side_BV"],
-            num_warps=cfg["side_warps"], num_stages=cfg["side_stages"],
         )
     return dq, dk, dv2, db, dg, dA
 
