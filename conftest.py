@@ -85,7 +85,7 @@ def pytest_collection_modifyitems(config, items):
 def fullk_launches(monkeypatch):
     """The launch witness for fullk: every launch of ``wy_bwd.wy_dqkg_fullk_kernel`` during
     the test, as (grid, keyword arguments), the kernel still running as it would."""
-    from kernel_fun.kda import wy_bwd
+    from kernel_fun.kda.kernels import wy_bwd
 
     launches, real = [], wy_bwd.wy_dqkg_fullk_kernel
 

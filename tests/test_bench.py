@@ -71,7 +71,7 @@ def test_red_rows_say_so():
 
 
 def test_readme_stage_table_lists_shipped_designs_only():
-    from kernel_fun.kda.wy_bwd import CONFIGS
+    from kernel_fun.kda.kernels.wy_bwd import CONFIGS
 
     pinned = dict(CONFIGS[("fullk", 128)], HEADS_FAST=True)  # b8: K=128, 128 (b, hv) pairs
     stage = dict(kind="stage", stage="B6", shape="b8", ms=1.0, spread_ms=[0.9, 1.1], floor_ms=0.5, gpu="H200",
@@ -98,7 +98,7 @@ def test_readme_stage_rows_follow_the_launch_order_rule():
     """A fullk row counts as shipped only in the launch order the rule picks at its shape:
     b8 (K=128, 128 (b, hv) pairs) ships b*hv fastest, small (32 pairs) and k64 (K=64) fla's
     order; rows without the key ran fla's order."""
-    from kernel_fun.kda.wy_bwd import CONFIGS
+    from kernel_fun.kda.kernels.wy_bwd import CONFIGS
 
     def row(shape, ms, heads_fast=None, K=128):
         config = dict(CONFIGS[("fullk", K)])
@@ -118,7 +118,7 @@ def test_readme_stage_rows_follow_the_launch_order_rule():
 def test_readme_stage_rows_follow_the_v_tile_rule():
     """Where V fits one tile of the pinned BV (v64: K=128, V=64), the shipped fullk row is
     the one at the halved BV the launcher picks, not a faster or slower row at the pinned BV."""
-    from kernel_fun.kda.wy_bwd import CONFIGS
+    from kernel_fun.kda.kernels.wy_bwd import CONFIGS
 
     def row(ms, BV):
         config = dict(CONFIGS[("fullk", 128)], BV=BV, HEADS_FAST=True)

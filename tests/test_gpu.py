@@ -19,7 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernel_fun.kda import chunk_kda, last_record, use_impls, wy_bwd
+from kernel_fun.kda import chunk_kda, last_record, use_impls
+from kernel_fun._triton import store_pairs
+from kernel_fun.kda.kernels import wy_bwd
 from kernel_fun.kda.parity import B6_VS_FLA, b6_misses, stage_errors
 from kernel_fun.kda.problems import SHAPES, Problem, make_inputs, problem, run_fwd_bwd
 from kernel_fun.kda.stages import capture_stages, stages
@@ -189,15 +191,15 @@ def _pair_store_probe(a, b, out, n_rows, PAIRS: tl.constexpr):
     off = o_m[:, None] * 128 + o_n[None, :]
     mask = (o_m < n_rows)[:, None] & (o_n < 128)[None, :]
     if PAIRS == 1:
-        wy_bwd._store_pairs(out, off, x, mask)
+        store_pairs(out, off, x, mask)
     elif PAIRS == 2:
-        wy_bwd._store_pairs(out + off, None, x, mask)
+        store_pairs(out + off, None, x, mask)
     else:
         tl.store(out + off, x, mask=mask)
 
 
 def test_b6_pair_stores_equal_plain_stores():
-    """wy_bwd._store_pairs (8-byte stores of element pairs from the accumulators' layout,
+    """kernel_fun._triton.store_pairs (8-byte stores of element pairs from the accumulators' layout,
     inline PTX), addressed by int32 offsets or by a pointer per element, writes exactly what
     tl.store writes: on a dot result with a partial row mask, at an 8-byte-aligned base
     (pairs stored whole) and a base 4 bytes off (every pair falls back to single stores),

@@ -1,4 +1,4 @@
-"""B6 kernels (kernel_fun.kda.wy_bwd) through the Triton interpreter, against the torch
+"""B6 kernels (kernel_fun.kda.kernels.wy_bwd) through the Triton interpreter, against the torch
 reference stage on the inputs a real chain gives that stage."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import triton
 import torch
 
 from kernel_fun.kda import chunk_kda, last_record, reference as ref, use_impls
-from kernel_fun.kda import wy_bwd
+from kernel_fun.kda.kernels import wy_bwd
 from kernel_fun.kda.parity import b6_misses, stage_errors
 from kernel_fun.kda.problems import Problem, as_oracle_inputs, make_inputs, run_fwd_bwd
 from kernel_fun.kda.stages import capture_stages
@@ -242,12 +242,12 @@ _PAIR_STORE_PROBE = """
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernel_fun.kda import wy_bwd
+from kernel_fun._triton import store_pairs
 
 @triton.jit
 def probe(out):
     o = tl.arange(0, 256)
-    wy_bwd._store_pairs(ADDR, tl.zeros([256], dtype=tl.DTYPE), o < 256)
+    store_pairs(ADDR, tl.zeros([256], dtype=tl.DTYPE), o < 256)
 
 try:
     triton.compile(ASTSource(fn=probe, signature={"out": "*PTR"}, constexprs={}), target=GPUTarget("cuda", 90, 32))
@@ -261,15 +261,15 @@ _BY_OFFSETS, _BY_POINTERS = "out, o.to(tl.int32)", "out + o, None"
 
 
 @pytest.mark.parametrize("dtype,ptr,addr,want", [
-    ("bfloat16", "bf16", _BY_OFFSETS, "_store_pairs stores fp32 values"),
-    ("float32", "bf16", _BY_OFFSETS, "_store_pairs stores to fp32 pointers"),
-    ("float32", "fp32", "out, o.to(tl.int64)", "_store_pairs takes int32 element offsets"),
+    ("bfloat16", "bf16", _BY_OFFSETS, "store_pairs stores fp32 values"),
+    ("float32", "bf16", _BY_OFFSETS, "store_pairs stores to fp32 pointers"),
+    ("float32", "fp32", "out, o.to(tl.int64)", "store_pairs takes int32 element offsets"),
     ("float32", "fp32", _BY_OFFSETS, "compiled"),
-    ("bfloat16", "fp32", _BY_POINTERS, "_store_pairs stores fp32 values"),
-    ("float32", "bf16", _BY_POINTERS, "_store_pairs stores to fp32 pointers"),
+    ("bfloat16", "fp32", _BY_POINTERS, "store_pairs stores fp32 values"),
+    ("float32", "bf16", _BY_POINTERS, "store_pairs stores to fp32 pointers"),
     ("float32", "fp32", _BY_POINTERS, "compiled")])
 def test_pair_stores_compile_for_fp32_only(dtype, ptr, addr, want, tmp_path):
-    """_store_pairs writes fp32 pairs in inline PTX, addressed by int32 element offsets from
+    """store_pairs writes fp32 pairs in inline PTX, addressed by int32 element offsets from
     one pointer or by a pointer per element: compiled for sm_90a (in a process without the
     interpreter), fp32 either way compiles and anything else is refused at compile time (an
     int64 offset would be truncated)."""

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernel_fun.kda.wy_bwd import _prefetch_rows, _to
+from kernel_fun._triton import prefetch_rows as _prefetch_rows, to as _to
 
 # (BV, num_warps, num_stages) and, where not the default, ``heads_fast`` (launch order),
 # ``rows`` (the epilogue's strip height) and ``prefetch_at`` (fullk's L2 prefetch of k, q,
@@ -208,7 +208,7 @@ def run(shape: str, configs=CONFIGS, reps: int = 10, rounds: int = 6) -> list[di
     from kernel_fun.bench.stage_b6 import b6_bytes, config_label, make_inputs
     from kernel_fun.kda.problems import problem
     from kernel_fun.kda import reference as ref_mod
-    from kernel_fun.kda import wy_bwd
+    from kernel_fun.kda.kernels import wy_bwd
 
     p = problem(shape)
     inputs = make_inputs(p, "cuda")

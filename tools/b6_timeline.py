@@ -84,7 +84,7 @@ def run(shape: str, reps: int = 10, rounds: int = 5) -> dict:
     from kernel_fun.bench.timing import cuda_times, summary
     from kernel_fun.bench.stage_b6 import make_inputs
     from kernel_fun.kda.problems import problem
-    from kernel_fun.kda import wy_bwd
+    from kernel_fun.kda.kernels import wy_bwd
 
     p = problem(shape)
     inputs = make_inputs(p, "cuda")

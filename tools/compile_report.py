@@ -110,7 +110,7 @@ def compile_sm90(kernel, pointer_types: dict[str, str], constexprs: dict, num_wa
 
 def b6_report(design: str, K: int, V: int, H: int, HV: int, BV: int, num_warps: int, num_stages: int,
               dtype: str = "bf16", maxnreg: int | None = None, extra: dict | None = None) -> dict:
-    from kernel_fun.kda import wy_bwd
+    from kernel_fun.kda.kernels import wy_bwd
 
     common = dict(cu_seqlens=None, chunk_indices=None, HV=HV, K=K, V=V, BT=64, BK=K, BV=BV, IS_VARLEN=False)
     act = {n: _PTR[dtype] for n in ("q", "k", "v", "v_new", "beta", "A", "h", "do", "dh", "dv", "dv2")}

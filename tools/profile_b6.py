@@ -15,7 +15,7 @@ import torch
 def main(argv=None) -> None:
     from kernel_fun.bench.stage_b6 import make_inputs
     from kernel_fun.kda.problems import problem
-    from kernel_fun.kda import wy_bwd
+    from kernel_fun.kda.kernels import wy_bwd
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", default="b8")

@@ -52,7 +52,7 @@ import re
 import triton
 import triton.language as tl
 
-from kernel_fun.kda.wy_bwd import _dot, _to
+from kernel_fun._triton import dot as _dot, to as _to
 
 # The most shared memory one program may take on an H100/H200 (227 KB).
 SM90_SHARED_BYTES = 232448

@@ -245,7 +245,7 @@ def layer_table(rows: list[dict]) -> str:
 def render(rows: list[dict]) -> str:
     """The README's numbers: the whole-op table, fla's layer, then the stage-alone table."""
     from kernel_fun.kda.problems import problem
-    from kernel_fun.kda.wy_bwd import CONFIGS, launch_config
+    from kernel_fun.kda.kernels.wy_bwd import CONFIGS, launch_config
 
     def ships(row) -> bool:
         """The row ran the config the launcher picks at its shape (``launch_config``: the

@@ -80,7 +80,7 @@ def _precompile(job):
     full-size launch uses)."""
     name, design, config = job
     os.environ.pop("TRITON_INTERPRET", None)
-    from kernel_fun.kda import wy_bwd
+    from kernel_fun.kda.kernels import wy_bwd
 
     p = dataclasses.replace(problem(name), B=1, T=64)
     try:
@@ -110,7 +110,7 @@ def bench_shape(name, candidates, reps, rounds, out_path):
     from kernel_fun.bench import results
     from kernel_fun.bench.timing import cuda_times, summary
     from kernel_fun.kda import reference as ref
-    from kernel_fun.kda import wy_bwd
+    from kernel_fun.kda.kernels import wy_bwd
     from kernel_fun.kda.chain import _fla_wy_dqkg
     from kernel_fun.kda.parity import b6_misses, stage_errors
 

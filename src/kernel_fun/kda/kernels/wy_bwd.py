@@ -20,9 +20,9 @@ in fp32 registers, so one 8-warp program fills an SM (255 registers) and nothing
 its waits. Hence: A^T and beta come with every V tile (beta's load first in the body);
 db's v-side accumulates element by element and is summed once after the loop; two V
 tiles before the end the program asks L2 for the epilogue's k, q and g
-(``_prefetch_rows``, a hint); the epilogue issues its loads in one batch, pins g and beta
-to the layouts their uses need (``_opaque_zeros_like``), and stores dq and dA from the
-accumulators' layout by 8-byte pair stores (``_store_pairs``). The V tile is the pinned
+(``prefetch_rows``, a hint); the epilogue issues its loads in one batch, pins g and beta
+to the layouts their uses need (``opaque_zeros_like``), and stores dq and dA from the
+accumulators' layout by 8-byte pair stores (``store_pairs``). The V tile is the pinned
 BV halved until V spans two tiles (``fullk_bv``); at K=128 with enough (b, hv) pairs the
 grid runs b*hv fastest (``heads_fast_order``). h and dh may come in fla's [K, V] layout or,
 with ``state_v_first`` (fla's own layer), in [V, K] (the STATE_V_FIRST constexpr changes
@@ -48,183 +48,23 @@ layout"). The retired ``transposed`` design lost at every shape (1.12-1.35x fla)
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from kernel_fun._triton import chunk_coords, clock, dot, opaque_zeros_like, prefetch_rows, smid, store_pairs, to
 from kernel_fun.kda.stages import add_impl
 
 
 # --------------------------------------------------------------------------------------
-# Shared pieces
+# B6's epilogue pieces
 # --------------------------------------------------------------------------------------
-# Two faults of Triton 3.6's interpreter with bf16, which it stores as uint16: tl.dot
-# multiplies that storage (a [16,16] bf16 dot comes out ~1e10 off; fp16 and fp32 are
-# right), and fp32 -> bf16 casts truncate instead of rounding to nearest even. Under the
-# interpreter the dots take fp32 copies of their operands (exact for bf16 values) and the
-# casts round to nearest even by hand; compiled for the GPU both helpers are the plain op.
-_INTERPRETING = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
-
-
-@triton.jit
-def _dot(a, b):
-    if _INTERPRETING:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32))
-    return tl.dot(a, b)
-
-
-@triton.jit
-def _to(x, dtype: tl.constexpr):
-    if _INTERPRETING:
-        if dtype == tl.bfloat16:
-            bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
-            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-            x = bits.to(tl.float32, bitcast=True)
-    return x.to(dtype)
-
-
-@triton.jit
-def _prefetch_rows(base, rows, row_stride, m_rows, ROW_ELEMS: tl.constexpr):
-    """Asks L2 for the 128-byte lines of rows ``base + rows * row_stride`` (elements), each
-    ROW_ELEMS elements long. A hint: it returns nothing, faults on nothing (masked lanes are
-    predicated off) and is skipped under the interpreter, where it would mean nothing. Its
-    addresses still matter: prefetches outside the tensors measured 5x slower on the H200
-    (docs/log/b6.md, fourth round), which no value shows."""
-    if not _INTERPRETING:
-        ROW_BYTES: tl.constexpr = ROW_ELEMS * base.dtype.element_ty.primitive_bitwidth // 8
-        NL: tl.constexpr = (ROW_BYTES + 127) // 128
-        o_l = tl.arange(0, NL)
-        ptrs = (base + rows[:, None] * row_stride).to(tl.pointer_type(tl.int8)) + o_l[None, :] * 128
-        on = tl.broadcast_to(m_rows[:, None], (rows.shape[0], NL)).to(tl.int32)  # a row's lines share its mask
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
-            "=r,l,r", [ptrs, on], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _chunk_coords(i_t, i_bh, cu_seqlens, chunk_indices, T, HV: tl.constexpr, BT: tl.constexpr,
-                  IS_VARLEN: tl.constexpr):
-    """(chunk index within its sequence, global chunk index, first token row, sequence length)."""
-    i_b = i_bh // HV
-    if IS_VARLEN:
-        i_tg = i_t.to(tl.int64)
-        i_n = tl.load(chunk_indices + i_t * 2).to(tl.int64)
-        i_c = tl.load(chunk_indices + i_t * 2 + 1).to(tl.int64)
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-        T_seq = (eos - bos).to(tl.int32)
-    else:
-        NT = tl.cdiv(T, BT)
-        i_c = i_t.to(tl.int64)
-        i_tg = i_b.to(tl.int64) * NT + i_t
-        bos = i_b.to(tl.int64) * T
-        T_seq = T
-    return i_c, i_tg, bos, T_seq
-
-
-@triton.jit
-def _clock(dep):
-    """%globaltimer (ns), read once the [N] vector ``dep`` is ready (0 under the interpreter,
-    where there is no clock to read). Only the timeline instrument (TIMELINE) uses it."""
-    if _INTERPRETING:
-        return tl.max(dep.to(tl.float32) * 0, axis=0).to(tl.int64)
-    else:
-        t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer; // $1", "=l,r", [dep.to(tl.float32)],
-                                      dtype=tl.int64, is_pure=False, pack=1)
-        return tl.max(t, axis=0)
-
-
-@triton.jit
-def _smid(dep):
-    """The SM this program runs on (0 under the interpreter)."""
-    if _INTERPRETING:
-        return tl.max(dep.to(tl.float32) * 0, axis=0).to(tl.int64)
-    else:
-        s = tl.inline_asm_elementwise("mov.u32 $0, %smid; // $1", "=r,r", [dep.to(tl.float32)],
-                                      dtype=tl.int32, is_pure=False, pack=1)
-        return tl.max(s, axis=0).to(tl.int64)
-
-
-@triton.jit
-def _opaque_zeros_like(x):
-    """fp32 zeros in x's layout that the compiler cannot fold: adding them to a loaded tile
-    pins that tile to x's layout at one point (a layout conversion of the load), where it
-    would otherwise convert each value derived from the tile separately. Exact: v + 0.0 is
-    v for every v but -0.0, which becomes +0.0; here it feeds exp2 (g) or products that
-    are summed with other terms or masked (beta), so no output value changes. Plain zeros
-    under the interpreter, which has no inline assembly."""
-    if _INTERPRETING:
-        return tl.zeros_like(x)
-    else:
-        return tl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
-
-
-def _pair_store_asm(addresses: str, x0: str, x1: str, m0: str, m1: str) -> str:
-    """PTX of one pair of ``_store_pairs``: ``addresses`` sets a0, a1 (the two addresses) and
-    adj (whether they are adjacent); the rest is shared by both ways of addressing."""
-    return ("{ .reg .pred m0, m1, adj, al, v, f0, f1; .reg .b64 a0, a1, d, lo; .reg .b32 e;"
-            f" setp.ne.b32 m0, {m0}, 0; setp.ne.b32 m1, {m1}, 0; {addresses}"
-            " and.b64 lo, a0, 7; setp.eq.s64 al, lo, 0;"
-            " and.pred v, adj, al; and.pred v, v, m0; and.pred v, v, m1;"
-            f" @v st.global.v2.f32 [a0], {{{x0}, {x1}}};"
-            " not.pred v, v; and.pred f0, v, m0; and.pred f1, v, m1;"
-            f" @f0 st.global.f32 [a0], {x0}; @f1 st.global.f32 [a1], {x1};"
-            " mov.b32 $0, 0; mov.b32 $1, 0; }")
-
-
-# operands: $2, $3 two pointers, $4, $5 values, $6, $7 masks
-_PAIRS_BY_POINTERS = tl.constexpr(_pair_store_asm(
-    "mov.b64 a0, $2; mov.b64 a1, $3; sub.s64 d, a1, a0; setp.eq.s64 adj, d, 4;", "$4", "$5", "$6", "$7"))
-# operands: $2, $3 the base pointer, $4, $5 int32 element offsets, $6, $7 values, $8, $9 masks
-_PAIRS_BY_OFFSETS = tl.constexpr(_pair_store_asm(
-    "sub.s32 e, $5, $4; setp.eq.s32 adj, e, 1; mad.wide.s32 a0, $4, 4, $2; mad.wide.s32 a1, $5, 4, $3;",
-    "$6", "$7", "$8", "$9"))
-
-
-@triton.jit
-def _store_pairs(base, off, x, mask):
-    """tl.store(base + off, x, mask) for fp32, written by each thread as 8-byte stores of
-    consecutive element pairs in x's own layout, so a tile in the accumulators' layout is
-    stored without first moving through shared memory into a blocked layout. In that
-    layout a thread's elements come in pairs of adjacent columns; each pair is checked at
-    run time (second address = first + 4 bytes, first 8-byte aligned, both unmasked) and
-    stored element by element otherwise, so any layout stores the same values.
-
-    Two ways to address, which compile differently and neither is best everywhere:
-    ``off`` int32 element offsets from the one pointer ``base`` (the addresses are formed
-    inside the store), or ``off=None`` with ``base`` a pointer per element. Given a 64-bit
-    pointer per element the compiler may keep up to 32 of them live for a [64, 64] tile:
-    dA's store that way spilled 196 B at HV=32 (20 B by offsets). dq's [64, K] store is
-    faster by pointers (prod8192_gate 5.00 -> 4.89 ms, kimi 3.81 -> 3.75, side by side;
-    28 B of spills against 24 at prod8192_gate)."""
-    tl.static_assert(x.dtype == tl.float32, "_store_pairs stores fp32 values")
-    tl.static_assert(base.dtype.element_ty == tl.float32, "_store_pairs stores to fp32 pointers")
-    if off is not None:
-        tl.static_assert(off.dtype == tl.int32, "_store_pairs takes int32 element offsets")
-    if _INTERPRETING:
-        if off is None:
-            tl.store(base, x, mask=mask)
-        else:
-            tl.store(base + off, x, mask=mask)
-    elif off is None:
-        tl.inline_asm_elementwise(_PAIRS_BY_POINTERS, "=r,=r,l,l,r,r,r,r",
-                                  [base.to(tl.int64, bitcast=True), x, mask.to(tl.int32)],
-                                  dtype=tl.int32, is_pure=False, pack=2)
-    else:
-        tl.inline_asm_elementwise(_PAIRS_BY_OFFSETS, "=r,=r,l,l,r,r,r,r,r,r",
-                                  [tl.broadcast_to(base.to(tl.int64, bitcast=True), x.shape), off, x,
-                                   mask.to(tl.int32)],
-                                  dtype=tl.int32, is_pure=False, pack=2)
-
-
 @triton.jit
 def _k_side_terms(b_At, b_dwb, b_kg, b_gexp, b_beta, b_dgk, m_last, b_dg, b_dk, b_db):
     """The terms through kg = k exp2(g) and -dw (bf16), shared by both designs' epilogues:
     dkgb = A^T (-dw), then db += rowsum(dkgb kg), dg += kg dkgb beta (+ dgk on the chunk's
     last row), dk += dkgb exp2(g) beta."""
-    b_dkgb = _dot(b_At, b_dwb)
+    b_dkgb = dot(b_At, b_dwb)
     b_db += tl.sum(b_dkgb * b_kg, axis=1)
     b_dg += b_kg * b_dkgb * b_beta[:, None] + tl.where(m_last[:, None], b_dgk[None, :], 0)
     b_dk += b_dkgb * b_gexp * b_beta[:, None]
@@ -235,8 +75,8 @@ def _k_side_terms(b_At, b_dwb, b_kg, b_gexp, b_beta, b_dgk, m_last, b_dg, b_dk, 
 def _da_chain(b_dA, b_At, b_beta, m_strict):
     """dA = -A^T strict_lower(X Diag(beta)) A^T, rounding to A's dtype before each dot as fla does."""
     b_dA = tl.where(m_strict, b_dA * b_beta[None, :], 0)
-    b_dA = _dot(_to(b_dA, b_At.dtype), b_At)
-    b_dA = _dot(b_At, _to(b_dA, b_At.dtype))
+    b_dA = dot(to(b_dA, b_At.dtype), b_At)
+    b_dA = dot(b_At, to(b_dA, b_At.dtype))
     return tl.where(m_strict, -b_dA, 0)
 
 
@@ -256,7 +96,7 @@ def wy_dqkg_fullk_kernel(
     STATE_V_FIRST: tl.constexpr = False,
 ):
     if TIMELINE:  # the timeline instrument (tools.b6_timeline): program start
-        t_start = _clock(tl.arange(0, BT))
+        t_start = clock(tl.arange(0, BT))
     if HEADS_FAST:
         # 1D grid, b*hv (NBH of them) fastest: the programs in flight work on one chunk
         # index of every sequence and head rather than on consecutive chunks of one head
@@ -266,7 +106,7 @@ def wy_dqkg_fullk_kernel(
         i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     i_hv = i_bh % HV
     i_h = i_hv // (HV // H)
-    i_c, i_tg, bos, T = _chunk_coords(i_t, i_bh, cu_seqlens, chunk_indices, T, HV, BT, IS_VARLEN)
+    i_c, i_tg, bos, T = chunk_coords(i_t, i_bh, cu_seqlens, chunk_indices, T, HV, BT, IS_VARLEN)
 
     # Every pointer starts at this chunk's first row, so the offsets inside the tile are
     # int32 (an int64 offset tensor costs twice the registers).
@@ -338,22 +178,22 @@ def wy_dqkg_fullk_kernel(
         b_At = tl.trans(tl.load(A + o_t[:, None] * (HV * BT) + o_t[None, :], mask=m_t[:, None], other=0))
         if PF_ITER >= 0:
             if i_v == PF_ITER:  # the epilogue's k, q, g into L2 while the last tiles stream
-                _prefetch_rows(k, o_t, H * K, m_t, K)
-                _prefetch_rows(q, o_t, H * K, m_t, K)
-                _prefetch_rows(g, o_t, HV * K, m_t, K)
+                prefetch_rows(k, o_t, H * K, m_t, K)
+                prefetch_rows(q, o_t, H * K, m_t, K)
+                prefetch_rows(g, o_t, HV * K, m_t, K)
 
         b_dgk += tl.sum(b_hT.to(tl.float32) * b_dhT.to(tl.float32), axis=0)
-        b_dq += _dot(b_do, b_hT)
-        b_dk += _dot(b_vn, b_dhT)
-        b_dw += _dot(b_dvn, b_hT)
-        b_dA += _dot(b_dvn, tl.trans(b_v))
-        b_dvb = _dot(b_At, b_dvn)
-        tl.store(dv2 + p_tv, _to(b_dvb * b_beta[:, None], dv2.dtype.element_ty), mask=m_tv)
+        b_dq += dot(b_do, b_hT)
+        b_dk += dot(b_vn, b_dhT)
+        b_dw += dot(b_dvn, b_hT)
+        b_dA += dot(b_dvn, tl.trans(b_v))
+        b_dvb = dot(b_At, b_dvn)
+        tl.store(dv2 + p_tv, to(b_dvb * b_beta[:, None], dv2.dtype.element_ty), mask=m_tv)
         b_dbv += b_dvb * b_v.to(tl.float32)
 
     b_db += tl.sum(b_dbv, axis=1)
     if TIMELINE:  # the V loop's last result is in
-        t_loop = _clock(b_db)
+        t_loop = clock(b_db)
     # Every epilogue load (A^T and beta again, g's last row, k, q, g) is issued here, in one
     # batch, g last. Each use of a loaded tile starts with a layout conversion, which is a
     # CTA barrier that the compiler places right after the load, so a load written next to
@@ -366,7 +206,7 @@ def wy_dqkg_fullk_kernel(
     # loads that copy straight in the chain's layout, 16 two-byte loads per thread whose
     # addresses and values it spills (104 -> 48 B of spills, 125 -> 109 global loads;
     # 5.29 -> 5.12 ms side by side at prod8192_gate, b8 2.76 -> 2.66).
-    b_beta = tl.load(beta + o_t * HV, mask=m_t, other=0).to(tl.float32) + _opaque_zeros_like(b_db)
+    b_beta = tl.load(beta + o_t * HV, mask=m_t, other=0).to(tl.float32) + opaque_zeros_like(b_db)
     b_At = tl.load(A + o_t[None, :] * (HV * BT) + o_t[:, None], mask=m_t[None, :], other=0)
     b_gn = tl.load(g + i_last * (HV * K) + o_k, mask=m_k, other=0).to(tl.float32)
     b_k = tl.load(k + p_qk, mask=m_tk, other=0)
@@ -376,7 +216,7 @@ def wy_dqkg_fullk_kernel(
     # exp2(g), exp2(gn - g) and k exp2(g) in the load's layout and converts each of them
     # (exp2(g) twice), which took three fp32 [64, K] round trips through shared memory and
     # 124 B more spills per thread (5.41 against 6.03 ms at prod8192_gate).
-    b_g = b_g + _opaque_zeros_like(b_dq)
+    b_g = b_g + opaque_zeros_like(b_dq)
     b_gexp = tl.exp2(b_g)
 
     b_dq = b_dq * b_gexp * scale
@@ -384,16 +224,16 @@ def wy_dqkg_fullk_kernel(
     # stored from the accumulators' layout: 104 B of spills per thread instead of 164 (5.38
     # against 5.53 ms at prod8192_gate); by a pointer per element, not offsets (5.00 ->
     # 4.89 ms at prod8192_gate, 3.81 -> 3.75 at kimi, side by side)
-    _store_pairs(dq + p_tk, None, b_dq, m_tk)
+    store_pairs(dq + p_tk, None, b_dq, m_tk)
 
     b_dk = b_dk * tl.where(m_t[:, None], tl.exp2(b_gn[None, :] - b_g), 0)
     b_kdk = b_k.to(tl.float32) * b_dk
     b_dg -= b_kdk
     b_dgk = b_dgk * tl.exp2(b_gn) + tl.sum(b_kdk, axis=0)
 
-    b_dwb = _to(-b_dw, b_k.dtype)
+    b_dwb = to(-b_dw, b_k.dtype)
     b_kg = b_k * b_gexp
-    b_dA += _dot(b_dwb, tl.trans(_to(b_kg, b_k.dtype)))
+    b_dA += dot(b_dwb, tl.trans(to(b_kg, b_k.dtype)))
     b_dg, b_dk, b_db = _k_side_terms(b_At, b_dwb, b_kg, b_gexp, b_beta, b_dgk, m_last, b_dg, b_dk, b_db)
     tl.store(dk + p_tk, b_dk, mask=m_tk)
     tl.store(dg + p_tk, b_dg, mask=m_tk)
@@ -403,14 +243,14 @@ def wy_dqkg_fullk_kernel(
     # from the accumulators' layout too (one fp32 [64, 64] conversion fewer): with db's
     # v-side summed after the loop, 72 -> 36 B of spills and 4.96 -> 4.77 ms side by side;
     # alone, on the kernel before, 5.12 -> 5.02 and within noise before that
-    _store_pairs(dA, o_t[:, None] * (HV * BT) + o_t[None, :], b_dA, tl.broadcast_to(m_t[:, None], (BT, BT)))
+    store_pairs(dA, o_t[:, None] * (HV * BT) + o_t[None, :], b_dA, tl.broadcast_to(m_t[:, None], (BT, BT)))
     tl.store(db + o_t * HV, b_db, mask=m_t)
     if TIMELINE:  # every store issued; one row per program, in launch order
         row = stamps + (tl.program_id(0) + tl.program_id(1) * tl.num_programs(0)).to(tl.int64) * 4
-        tl.store(row + 0, _smid(b_db))
+        tl.store(row + 0, smid(b_db))
         tl.store(row + 1, t_start)
         tl.store(row + 2, t_loop)
-        tl.store(row + 3, _clock(b_db))
+        tl.store(row + 3, clock(b_db))
 
 
 # --------------------------------------------------------------------------------------
