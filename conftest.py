@@ -23,6 +23,10 @@ import pytest  # noqa: E402
 import triton.runtime.autotuner as _autotuner  # noqa: E402
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# Where kernel-fun's Triton kernels can run in this session, and the device their tests use.
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+needs_triton = pytest.mark.skipif(not (INTERPRETING or HAS_CUDA),
+                                  reason="Triton kernels need the interpreter or a CUDA device")
 
 if INTERPRETING:
     _init = _autotuner.Autotuner.__init__

@@ -3,12 +3,13 @@ autotuned kernel runs with one config (so a multi-config kernel costs one run, n
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 import triton
 import triton.language as tl
+
+from conftest import INTERPRETING
 
 
 def test_fresh_allocations_are_nan():
@@ -29,7 +30,7 @@ def _scale_kernel(x, y, n, BLOCK: tl.constexpr):
     tl.store(y + offs, tl.load(x + offs, mask=mask) * 2.0, mask=mask)
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="interpreter only")
+@pytest.mark.skipif(not INTERPRETING, reason="interpreter only")
 def test_autotuner_takes_one_config_under_the_interpreter():
     assert len(_scale_kernel.configs) == 1
     x = torch.arange(50, dtype=torch.float32)

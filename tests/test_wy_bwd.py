@@ -15,17 +15,14 @@ from kernel_fun.kda.parity import b6_misses, stage_errors
 from kernel_fun.kda.problems import Problem, as_oracle_inputs, make_inputs, run_fwd_bwd
 from kernel_fun.kda.stages import capture_stages
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
-    reason="Triton kernels need a GPU or the interpreter",
-)
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from conftest import DEVICE, INTERPRETING, needs_triton
+
+pytestmark = needs_triton
 
 # The kernels round where the reference rounds (exactly, to nearest even, also under the
 # interpreter), so what is left is fp32 accumulation order: measured ~1e-7 under the
 # interpreter, whose dots sum in the order torch does on the CPU.
 BOUND = 1e-4
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def assert_matches(got, want, inputs, what=None):

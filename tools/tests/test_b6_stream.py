@@ -4,7 +4,6 @@ the wrong offset, shows here (T not a multiple of 64, GVA, both tile widths)."""
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -14,11 +13,9 @@ from kernel_fun.bench.stage_b6 import make_inputs
 from kernel_fun.kda.problems import Problem
 from kernel_fun.kda.reference import rel_rms
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
-    reason="Triton kernels need the interpreter or a CUDA device",
-)
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from conftest import DEVICE, needs_triton
+
+pytestmark = needs_triton
 
 
 @pytest.mark.parametrize("T, H, HV, K, V, BV, num_stages, heads_fast, rows, prefetch_at", [

@@ -6,7 +6,6 @@ checks the specialized code's values too."""
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -16,11 +15,9 @@ from tools.ws_probe import run_b6_probe
 from kernel_fun.kda.problems import Problem
 from kernel_fun.kda.reference import rel_rms
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
-    reason="Triton kernels need the interpreter or a CUDA device",
-)
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from conftest import DEVICE, needs_triton
+
+pytestmark = needs_triton
 
 
 @pytest.mark.parametrize("BV, kg_dot, H, HV", [(64, False, 2, 2), (32, True, 1, 2)])
