@@ -126,3 +126,23 @@ def test_stage_errors_ignore_the_unwritten_upper_triangle_per_sequence():
     assert stage_errors("F3-F6", out, (w, w, w, Aqk, Akk), cu_seqlens=cu)["Aqk"] == 0.0
     garbage[0, 15, :, 3] += 1.0  # row 5 of the second sequence, column 3: compared
     assert stage_errors("F3-F6", out, (w, w, w, Aqk, Akk), cu_seqlens=cu)["Aqk"] > 0.0
+
+
+def test_every_stage_declares_the_inputs_its_implementations_take():
+    """A stage's inputs are its contract: every implementation (and support predicate)
+    registered for it takes exactly those keywords, and one that does not is refused at
+    registration, before any call could pass it the wrong thing."""
+    import inspect
+
+    import pytest
+
+    from kernel_fun.kda import stages
+    from kernel_fun.kda.stages import add_impl
+
+    for stage in stages().values():
+        assert stage.inputs, stage.name
+        for fn in (*stage.impls.values(), *stage.supports.values()):
+            inspect.signature(fn).bind(**dict.fromkeys(stage.inputs))
+    with pytest.raises(TypeError, match="stage B8: ours does not take"):
+        add_impl("B8", "ours", lambda dg, chunk_size: dg)
+    assert "ours" not in stages()["B8"].impls

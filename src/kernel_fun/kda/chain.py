@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 import torch
 
@@ -244,30 +244,38 @@ def _ref_l2norm_bwd(q, q_rstd, dq, k, k_rstd, dk):
     return ref.l2norm_bwd(q, q_rstd, dq), ref.l2norm_bwd(k, k_rstd, dk)
 
 
-def _stage(name, covers, title, outputs, fla, reference):
-    register(Stage(name=name, covers=covers, title=title, outputs=outputs,
+def _stage(name, covers, title, inputs, outputs, fla, reference):
+    register(Stage(name=name, covers=covers, title=title, inputs=tuple(inputs.split()), outputs=outputs,
                    impls={"fla": fla, "reference": reference}))
 
 
-_stage("F1", ("F1",), "l2norm fwd (q, k)", ("q", "q_rstd", "k", "k_rstd"), _fla_l2norm_fwd, _ref_l2norm_fwd)
-_stage("F1b", ("F1b",), "beta sigmoid", ("beta",), _fla_beta_sigmoid, ref.beta_sigmoid_fwd)
-_stage("F2", ("F2",), "gate + chunk cumsum", ("gc",), _fla_gate, _ref_gate)
-_stage("F3-F6", ("F3", "F4", "F5", "F6"), "intra scores, solve, w/u/kg", ("w", "u", "kg", "Aqk", "Akk", "qg"),
+_C = "chunk_size cu_seqlens chunk_indices"  # every chunked stage's packing inputs
+_stage("F1", ("F1",), "l2norm fwd (q, k)", "q k", ("q", "q_rstd", "k", "k_rstd"), _fla_l2norm_fwd, _ref_l2norm_fwd)
+_stage("F1b", ("F1b",), "beta sigmoid", "beta scale", ("beta",), _fla_beta_sigmoid, ref.beta_sigmoid_fwd)
+_GATE_IN = f"g use_gate_in_kernel A_log dt_bias lower_bound {_C}"
+_stage("F2", ("F2",), "gate + chunk cumsum", _GATE_IN, ("gc",), _fla_gate, _ref_gate)
+_stage("F3-F6", ("F3", "F4", "F5", "F6"), "intra scores, solve, w/u/kg",
+       f"q k v gc beta scale safe_gate disable_recompute {_C}", ("w", "u", "kg", "Aqk", "Akk", "qg"),
        _fla_intra, _ref_intra)
-_stage("F7", ("F7",), "state scan", ("h", "v_new", "final_state"), _fla_h, _ref_h)
-_stage("F8", ("F8",), "output", ("o",), _fla_o, _ref_o)
-_stage("B1", ("B1",), "gate + chunk cumsum (recompute)", ("gc",), _fla_gate, _ref_gate)
-_stage("B2", ("B2",), "w/u/qg/kg (recompute)", ("w", "u", "qg", "kg"), _fla_wy, _ref_wy)
-_stage("B3", ("B3",), "state scan (recompute)", ("h", "v_new", "final_state"), _fla_h, _ref_h)
-_stage("B4", ("B4",), "dAqk, dv through Aqk", ("dAqk", "dv"), _fla_dav, _ref_dav)
-_stage("B5", ("B5",), "reverse state scan", ("dh", "dh0", "dv2"), _fla_dhu, _ref_dhu)
-_stage("B6", ("B6",), "WY backward dq/dk/dv/db/dg/dA", ("dq", "dk", "dv", "db", "dg", "dA"),
-       _fla_wy_dqkg, _ref_wy_dqkg)
-_stage("B7", ("B7",), "intra backward", ("dq", "dk", "db", "dg"), _fla_intra_bwd, _ref_intra_bwd)
-_stage("B8", ("B8",), "reverse chunk cumsum of dg", ("dg",), _fla_reverse_cumsum, _ref_reverse_cumsum)
-_stage("B9", ("B9",), "gate backward", ("dg", "dA_log", "ddt_bias"), _fla_gate_bwd, ref.gate_bwd)
-_stage("B10", ("B10",), "l2norm bwd (q, k)", ("dq", "dk"), _fla_l2norm_bwd, _ref_l2norm_bwd)
-_stage("B10b", ("B10b",), "beta sigmoid bwd", ("dbeta",), _fla_beta_sigmoid_bwd, ref.beta_sigmoid_bwd)
+_SCAN_IN = f"kg w u gc initial_state output_final_state cu_seqlens_cpu state_v_first {_C}"
+_stage("F7", ("F7",), "state scan", _SCAN_IN, ("h", "v_new", "final_state"), _fla_h, _ref_h)
+_stage("F8", ("F8",), "output", f"q v_new gc Aqk h scale state_v_first {_C}", ("o",), _fla_o, _ref_o)
+_stage("B1", ("B1",), "gate + chunk cumsum (recompute)", _GATE_IN, ("gc",), _fla_gate, _ref_gate)
+_stage("B2", ("B2",), "w/u/qg/kg (recompute)", f"q k v beta A gc {_C}", ("w", "u", "qg", "kg"), _fla_wy, _ref_wy)
+_stage("B3", ("B3",), "state scan (recompute)", _SCAN_IN, ("h", "v_new", "final_state"), _fla_h, _ref_h)
+_stage("B4", ("B4",), "dAqk, dv through Aqk", f"q k v_new do Aqk scale {_C}", ("dAqk", "dv"), _fla_dav, _ref_dav)
+_stage("B5", ("B5",), "reverse state scan", f"qg kg w gc h0 dht do dv scale state_v_first {_C}",
+       ("dh", "dh0", "dv2"), _fla_dhu, _ref_dhu)
+_stage("B6", ("B6",), "WY backward dq/dk/dv/db/dg/dA", f"q k v v_new gc beta A h do dh dv scale state_v_first {_C}",
+       ("dq", "dk", "dv", "db", "dg", "dA"), _fla_wy_dqkg, _ref_wy_dqkg)
+_stage("B7", ("B7",), "intra backward", f"q k gc beta dAqk dAkk dq dk db dg safe_gate {_C}",
+       ("dq", "dk", "db", "dg"), _fla_intra_bwd, _ref_intra_bwd)
+_stage("B8", ("B8",), "reverse chunk cumsum of dg", f"dg {_C}", ("dg",), _fla_reverse_cumsum, _ref_reverse_cumsum)
+_stage("B9", ("B9",), "gate backward", "g A_log dt_bias dyg lower_bound", ("dg", "dA_log", "ddt_bias"),
+       _fla_gate_bwd, ref.gate_bwd)
+_stage("B10", ("B10",), "l2norm bwd (q, k)", "q q_rstd dq k k_rstd dk", ("dq", "dk"), _fla_l2norm_bwd,
+       _ref_l2norm_bwd)
+_stage("B10b", ("B10b",), "beta sigmoid bwd", "beta db scale", ("dbeta",), _fla_beta_sigmoid_bwd, ref.beta_sigmoid_bwd)
 
 FORWARD_STAGES = ("F1", "F1b", "F2", "F3-F6", "F7", "F8")
 BACKWARD_STAGES = ("B1", "B2", "B3", "B4", "B5", "B6", "B7", "B8", "B9", "B10", "B10b")
@@ -290,9 +298,6 @@ class Options:
     chunk_size: int
     cu_seqlens: torch.Tensor | None
     cu_seqlens_cpu: torch.Tensor | None
-    forced: Mapping[str, str] | None
-    tap: list | None = None
-    timer: list | None = None
     state_v_first: bool = False
     safe_gate: bool = False
     disable_recompute: bool = False
@@ -329,6 +334,7 @@ class ForwardResult:
     final_state: torch.Tensor | None
     h: torch.Tensor | None  # kept for return_intermediate_states and disable_recompute
     saved: dict
+    run: Dispatcher  # the dispatcher the backward continues with
 
 
 # The tensors the Function saves, in order; None where a call's flags make one unneeded.
@@ -343,7 +349,7 @@ class ChunkKDAFunction(torch.autograd.Function):
             res = run_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, opts, record)
         ctx.save_for_backward(*(res.saved.get(n) for n in _SAVED))
         ctx.opts = opts
-        ctx.record = record
+        ctx.run = res.run
         return res.o, res.final_state
 
     @staticmethod
@@ -355,7 +361,7 @@ class ChunkKDAFunction(torch.autograd.Function):
 def run_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, opts: Options, record: CallRecord) -> ForwardResult:
     """The forward chain F1-F8. Saves what fla saves: with ``disable_recompute`` also gc, w,
     u, qg, kg, v_new and h, so the backward skips B1-B3 as fla's does."""
-    run = Dispatcher(q.device, record, opts.forced, opts.tap, opts.timer)
+    run = Dispatcher.for_call(q.device, record)
     common = dict(chunk_size=opts.chunk_size, cu_seqlens=opts.cu_seqlens)
     layout = dict(state_v_first=opts.state_v_first)
     q_rstd = k_rstd = None
@@ -397,7 +403,7 @@ def run_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, opts: Options, 
     set_last_record(record)
     if opts.report is not None and not opts.expects_backward:
         opts.report(record)
-    return ForwardResult(o=o.type_as(q), final_state=final_state, h=h, saved=saved)
+    return ForwardResult(o=o.type_as(q), final_state=final_state, h=h, saved=saved, run=run)
 
 
 def _backward(ctx, do, dht):
@@ -407,8 +413,8 @@ def _backward(ctx, do, dht):
     Aqk, Akk, initial_state, cu_seqlens, chunk_indices = (
         s["Aqk"], s["Akk"], s["initial_state"], s["cu_seqlens"], s["chunk_indices"])
     opts: Options = ctx.opts
-    record: CallRecord = ctx.record
-    run = Dispatcher(do.device, record, opts.forced, opts.tap, opts.timer)
+    run: Dispatcher = ctx.run
+    record = run.record
     do = do.contiguous()
     dht = dht.contiguous() if dht is not None else None
     common = dict(chunk_size=opts.chunk_size, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)

@@ -34,7 +34,7 @@ import torch
 
 from kernel_fun._runtime import env_flag, env_int, log_once
 from kernel_fun.kda.chain import ChunkKDAFunction, Options, run_forward
-from kernel_fun.kda.stages import CallRecord, current_forced, current_tap, current_timer, set_last_record
+from kernel_fun.kda.stages import CallRecord, set_last_record
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _KNOWN_KWARGS = ("A_log", "dt_bias", "chunk_size")
@@ -416,9 +416,6 @@ def chunk_kda(*args, **kwargs):
         chunk_size=64,
         cu_seqlens=cu_seqlens,
         cu_seqlens_cpu=c.cu_seqlens_cpu,
-        forced=current_forced(),
-        tap=current_tap(),
-        timer=current_timer(),
         state_v_first=bool(c.state_v_first),
         safe_gate=bool(c.safe_gate),
         disable_recompute=bool(c.disable_recompute),

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import inspect
 import logging
 import os
 import threading
@@ -34,15 +35,18 @@ IMPLS = ("ours", "fla", "reference")
 class Stage:
     """One unit of the chain.
 
-    ``covers`` names the stages of fla's chain it replaces; ``impls`` maps an
-    implementation name to a callable taking the stage's inputs as keywords; ``supports``
-    maps an implementation name to a predicate returning ``None`` (supported) or a reason.
+    ``covers`` names the stages of fla's chain it replaces; ``inputs`` are the keywords
+    the chain passes every implementation (the stage's contract, with ``outputs`` in
+    order); ``impls`` maps an implementation name to a callable taking exactly those
+    keywords (others only with defaults); ``supports`` maps an implementation name to a
+    predicate taking the same keywords and returning ``None`` (supported) or a reason.
     """
 
     name: str
     covers: tuple[str, ...]
     title: str
     impls: Mapping[str, Callable]
+    inputs: tuple[str, ...] = ()
     outputs: tuple[str, ...] = ()
     supports: Mapping[str, Callable[..., str | None]] = dataclasses.field(default_factory=dict)
 
@@ -69,7 +73,17 @@ _TIMER: contextvars.ContextVar[list | None] = contextvars.ContextVar("kernel_fun
 _LAST = threading.local()
 
 
+def _check_takes_inputs(stage: Stage, what: str, fn: Callable) -> None:
+    """``fn`` must accept every input of ``stage`` as a keyword and need nothing else."""
+    try:
+        inspect.signature(fn).bind(**dict.fromkeys(stage.inputs))
+    except TypeError as err:
+        raise TypeError(f"stage {stage.name}: {what} does not take the stage's inputs {stage.inputs}: {err}") from None
+
+
 def register(stage: Stage) -> Stage:
+    for impl, fn in stage.impls.items():
+        _check_takes_inputs(stage, impl, fn)
     _REGISTRY[stage.name] = stage
     return stage
 
@@ -79,6 +93,9 @@ def add_impl(stage: str, impl: str, fn: Callable, supports: Callable[..., str | 
     if impl not in IMPLS:
         raise ValueError(f"unknown implementation {impl!r}; expected one of {IMPLS}")
     old = _REGISTRY[stage]
+    _check_takes_inputs(old, impl, fn)
+    if supports is not None:
+        _check_takes_inputs(old, f"{impl}'s supports", supports)
     impls = dict(old.impls)
     impls[impl] = fn
     sup = dict(old.supports)
@@ -178,15 +195,23 @@ def interpreting() -> bool:
 
 
 class Dispatcher:
-    """Runs stages for one call, choosing and recording an implementation for each."""
+    """Runs stages for one call, choosing and recording an implementation for each.
 
-    def __init__(self, device: torch.device, record: CallRecord, forced: Mapping[str, str] | None,
+    ``Dispatcher.for_call`` takes the forced choices (``use_impls``), the capture tap and
+    the stage timer from the context the call's forward runs in; the same dispatcher then
+    runs the call's backward, which follows the forward's context wherever it runs."""
+
+    def __init__(self, device: torch.device, record: CallRecord, forced: Mapping[str, str] | None = None,
                  tap: list | None = None, timer: list | None = None):
         self.device = device
         self.record = record
         self.forced = forced or {}
         self.tap = tap
         self.timer = timer if device.type == "cuda" else None
+
+    @classmethod
+    def for_call(cls, device: torch.device, record: CallRecord) -> Dispatcher:
+        return cls(device, record, current_forced(), current_tap(), current_timer())
 
     def choose(self, name: str, **inputs) -> str:
         stage = _REGISTRY[name]
@@ -223,6 +248,9 @@ class Dispatcher:
         return check(**inputs) if check is not None else None
 
     def run(self, name: str, phase: str, **inputs):
+        declared = _REGISTRY[name].inputs
+        if set(inputs) != set(declared):  # the chain and the stage's contract disagree
+            raise TypeError(f"stage {name} takes {sorted(declared)}; the chain passed {sorted(inputs)}")
         impl = self.choose(name, **inputs)
         (self.record.forward if phase == "forward" else self.record.backward)[name] = impl
         fn = _REGISTRY[name].impls[impl]
