@@ -4,6 +4,7 @@ the README's numbers are exactly what the committed result rows generate."""
 from __future__ import annotations
 
 import json
+import os
 
 import triton
 
@@ -146,3 +147,21 @@ def test_bench_paths_are_the_checkout_s_or_the_environment_s(tmp_path, monkeypat
     monkeypatch.setattr(paths, "checkout", lambda: None)
     monkeypatch.chdir(tmp_path)
     assert paths.results_dir() == tmp_path / "kernel_fun_results"
+
+
+def test_every_bench_entry_point_imports_and_parses_its_arguments():
+    """The GPU-only entry points at least import and take --help here, so a broken name
+    at module level surfaces in CI rather than on the H200."""
+    import importlib
+    import subprocess
+    import sys
+
+    for name in ("kernel_fun.bench.kda", "kernel_fun.bench.stage_b6", "kernel_fun.bench.layer",
+                 "kernel_fun.bench.readme", "kernel_fun.bench.timing", "kernel_fun.demo",
+                 "tools.b6_stream", "tools.b6_timeline", "tools.profile_b6", "tools.compile_report", "tools.ws_probe"):
+        importlib.import_module(name)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for module in ("kernel_fun.bench", "kernel_fun.bench.stage_b6", "kernel_fun.bench.layer"):
+        out = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, cwd=root,
+                             timeout=120)
+        assert out.returncode == 0 and "usage:" in out.stdout, (module, out.stderr[-2000:])
