@@ -165,3 +165,49 @@ def test_every_bench_entry_point_imports_and_parses_its_arguments():
         out = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, cwd=root,
                              timeout=120)
         assert out.returncode == 0 and "usage:" in out.stdout, (module, out.stderr[-2000:])
+
+
+def test_stage_bench_runs_end_to_end_on_the_cpu(tmp_path, monkeypatch):
+    """The stage bench's whole path (inputs, parity against fla's stage and the float64
+    stage, timings, rows) for B6 under the interpreter, with the rounding reference standing
+    in for fla's stage and a stopwatch for CUDA events; a config that fails parity gets a
+    RED row and no time."""
+    import dataclasses
+    import time
+
+    import pytest
+
+    from kernel_fun.bench import stage
+    from kernel_fun.kda import reference as ref
+    from kernel_fun.kda.problems import Problem
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs the kernel through the interpreter")
+    tiny = Problem("tiny", 1, 70, 1, 2, 64, 64)
+    monkeypatch.setattr(stage, "problem", lambda name: tiny)
+
+    def stopwatch(fn, reps):
+        out = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - t0) * 1e3)
+        return out
+
+    def broken(inputs, design, config):  # a kernel that gets dq wrong
+        out = stage.entries()["B6"].ours(inputs, design, config)
+        return (out[0] * 1.01,) + tuple(out[1:])
+
+    bench = dataclasses.replace(
+        stage.entries()["B6"],
+        fla=lambda **inputs: ref.wy_dqkg_bwd(**{n: t for n, t in inputs.items() if n != "chunk_indices"}))
+    out = tmp_path / "stages.jsonl"
+    rows = stage.bench_shape(bench, "tiny", [("fullk", {})], reps=1, rounds=1, out_path=out, device="cpu",
+                             timer=stopwatch)
+    assert [r["impl"] for r in rows][0] == "fla" and rows[1]["design"] == "fullk"
+    assert all(r["parity"]["ok"] and r["ms"] > 0 for r in rows), [r["parity"] for r in rows]
+    assert rows[1]["config"] == bench.launch_config(tiny, "fullk", None) and bench.ships(dict(rows[1], shape="tiny"))
+    red = stage.bench_shape(dataclasses.replace(bench, ours=broken), "tiny", [("fullk", {})], reps=1, rounds=1,
+                            out_path=out, device="cpu", timer=stopwatch)
+    assert not red[1]["parity"]["ok"] and red[1]["ms"] is None
+    assert len(out.read_text().splitlines()) == 4

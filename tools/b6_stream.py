@@ -205,7 +205,8 @@ def run(shape: str, configs=CONFIGS, reps: int = 10, rounds: int = 6) -> list[di
     from kernel_fun import versions
     from kernel_fun.bench import results
     from kernel_fun.bench.timing import cuda_times, summary
-    from kernel_fun.bench.stage_b6 import b6_bytes, config_label, make_inputs
+    from kernel_fun.bench.stage import config_label
+    from kernel_fun.bench.stage_b6 import b6_bytes, make_inputs
     from kernel_fun.kda.problems import problem
     from kernel_fun.kda import reference as ref_mod
     from kernel_fun.kda.kernels import wy_bwd

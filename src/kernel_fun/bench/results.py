@@ -244,25 +244,15 @@ def layer_table(rows: list[dict]) -> str:
 
 def render(rows: list[dict]) -> str:
     """The README's numbers: the whole-op table, fla's layer, then the stage-alone table."""
-    from kernel_fun.kda.problems import problem
-    from kernel_fun.kda.kernels.wy_bwd import CONFIGS, launch_config
+    from kernel_fun.bench.stage import entries
+
+    benches = entries()
 
     def ships(row) -> bool:
-        """The row ran the config the launcher picks at its shape (``launch_config``: the
-        pinned one and, for fullk, the V tile and launch order its rules pick; rows from
-        before the order switch carry no HEADS_FAST: fla's order)."""
-        design = row.get("design")
-        try:
-            p = problem(row["shape"])
-            picked = launch_config(design, p.K, p.V, p.B * p.HV)
-        except (KeyError, ValueError):  # a shape or design the launcher does not know
-            return False
-        config = dict(row.get("config") or {})
-        if design == "fullk":
-            config.setdefault("HEADS_FAST", False)
-        return config == picked
+        bench = benches.get(row.get("stage"))
+        return bench is not None and bench.ships(row)
 
-    stages = stage_table(rows, designs={design for design, _ in CONFIGS}, ships=ships)
+    stages = stage_table(rows, designs={d for b in benches.values() for d in b.designs}, ships=ships)
     layer = layer_table(rows)
     return op_table(rows) + ("\n\n" + layer if layer else "") + ("\n\n" + stages if stages else "")
 

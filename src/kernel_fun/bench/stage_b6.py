@@ -1,30 +1,23 @@
-"""Stage-alone bench of B6 (the WY backward): fla's kernel against kernel-fun's designs.
+"""B6's entry in the stage bench (``kernel_fun.bench.stage``): its inputs, its bytes, the
+configs worth timing, and its parity bars.
 
-``python -m kernel_fun.bench.stage_b6 --shapes prod8192_gate,kimi --configs sweep``
+``python -m kernel_fun.bench.stage_b6 --shapes prod8192_gate,kimi --configs sweep`` (the same
+as ``python -m kernel_fun.bench.stage --stage B6 ...``)
 
-For each shape: B6's inputs (random, of the magnitudes a real chain gives: unit q/k rows,
-a Kimi-style gate cumsum, a unit-lower-triangular Akk_inv), fla's stage on them, and each
-(design, config): parity first -- against fla's stage (dq, dk, dv2 within 1e-4 relative
-RMS; db, dg, dA within fla's budgets) and against the float64 stage without intermediate
-roundings (within the budgets and within 10% of fla's own error) -- then the median of
-CUDA-event timings, interleaved with fla's. Configs compile in parallel worker processes
-first, so the sweep pays the compiler once per config across all CPU cores.
+B6's inputs are random, of the magnitudes a real chain gives: unit q/k rows, a Kimi-style
+gate cumsum, a unit-lower-triangular Akk_inv; h and dh in the shape's state layout. Parity
+(``kda.parity.b6_misses``): against fla's stage dq, dk, dv2 within 1e-4 relative RMS, db,
+dg, dA within fla's budgets; against the float64 stage without intermediate roundings
+within the budgets and within 10% of fla's own error.
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import json
-import os
 import sys
-from pathlib import Path
 
 import torch
 
-from kernel_fun.kda.problems import problem
-
-BANDWIDTH = 4.25e12  # measured H200 copy rate (anchors.md)
+from kernel_fun.bench.stage import StageBench, main as _stage_main
 
 # The configs worth timing, chosen from the sm_90a compile report (tools/compile_report.py,
 # docs/log/b6.md): fullk spills at every width, least at 8 warps.
@@ -74,148 +67,42 @@ def make_inputs(p, device, seed: int = 0) -> dict:
     )
 
 
-def _precompile(job):
-    """Worker: compile one (shape, design, config) by launching it on a one-chunk problem
-    with the same head counts and dims (T is not specialized, so the binary is the one the
-    full-size launch uses)."""
-    name, design, config = job
-    os.environ.pop("TRITON_INTERPRET", None)
-    from kernel_fun.kda.kernels import wy_bwd
-
-    p = dataclasses.replace(problem(name), B=1, T=64)
-    try:
-        wy_bwd.wy_dqkg_bwd(**make_inputs(p, "cuda"), design=design, config=config)
-        torch.cuda.synchronize()
-    except Exception as err:  # reported again, as a row, when the config is benched
-        print(f"compile failed: {design} {config}: {str(err).splitlines()[0][:200]}", flush=True)
-    return job
-
-
-def precompile(jobs, workers: int) -> None:
-    import concurrent.futures
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-        for job in pool.map(_precompile, jobs):
-            pass
-
-
-def config_label(design: str, config: dict) -> str:
-    return design + "[" + ",".join(f"{k}={v}" for k, v in sorted(config.items())) + "]"
-
-
-def bench_shape(name, candidates, reps, rounds, out_path):
-    from kernel_fun import versions
-    from kernel_fun.bench import results
-    from kernel_fun.bench.timing import cuda_times, summary
-    from kernel_fun.kda import reference as ref
-    from kernel_fun.kda.kernels import wy_bwd
+def _fla(**inputs):
     from kernel_fun.kda.chain import _fla_wy_dqkg
-    from kernel_fun.kda.parity import b6_misses, stage_errors
 
-    p = problem(name)
-    inputs = make_inputs(p, "cuda")
-    floor_ms = b6_bytes(p) / BANDWIDTH * 1e3
-    fla_out = _fla_wy_dqkg(**inputs)
-    nb = min(p.B, 2)
-    sub = {n: (t[:nb] if isinstance(t, torch.Tensor) else t) for n, t in inputs.items()}
-    exact = ref.wy_dqkg_bwd(**{n: t for n, t in sub.items() if n != "chunk_indices"}, exact=True)
-    fla_exact = stage_errors("B6", tuple(t[:nb] for t in fla_out), exact)
-    torch.cuda.synchronize()
+    return _fla_wy_dqkg(**inputs)
 
-    impls = {"fla": (lambda: _fla_wy_dqkg(**inputs), None)}
-    checks = {"fla": {"ok": True, "vs_exact": fla_exact}}
-    for design, overrides in candidates:
-        config = wy_bwd.launch_config(design, p.K, p.V, p.B * p.HV, overrides)
-        label = config_label(design, config)
-        impls[label] = (None, (design, config))
-        try:
-            out = wy_bwd.wy_dqkg_bwd(**inputs, design=design, config=config)
-        except Exception as err:  # a config that cannot launch is a row too
-            checks[label] = {"ok": False, "error": str(err).splitlines()[0][:300]}
-            continue
-        vs_fla = stage_errors("B6", out, fla_out)
-        vs_exact = stage_errors("B6", tuple(t[:nb] for t in out), exact)
-        ok = not b6_misses(vs_exact, fla_exact, vs_fla)
-        checks[label] = {"ok": ok, "vs_fla": vs_fla, "vs_exact": vs_exact}
-        impls[label] = (lambda design=design, config=config: wy_bwd.wy_dqkg_bwd(**inputs, design=design,
-                                                                                 config=config), (design, config))
-        del out
-    del fla_out, exact
-    torch.cuda.empty_cache()
 
-    times = {label: [] for label in impls}
-    for label, (fn, _) in impls.items():
-        if checks[label]["ok"]:
-            fn()
-    for _ in range(rounds):
-        for label, (fn, _) in impls.items():
-            if checks[label]["ok"]:
-                times[label] += cuda_times(fn, reps)
-    rows = []
-    info = versions()
-    for label, (fn, dc) in impls.items():
-        s = summary(times[label]) if times[label] else None
-        row = {
-            "kind": "stage", "stage": "B6", "shape": name, "problem": p.describe(), "impl": label,
-            "design": dc[0] if dc else "fla", "config": dc[1] if dc else None,
-            "ms": s["median"] if s else None, "spread_ms": [s["p10"], s["p90"]] if s else None,
-            "reps": s["n"] if s else 0, "floor_ms": floor_ms, "bytes": b6_bytes(p),
-            "parity": checks[label], "gpu": torch.cuda.get_device_name(), "versions": info,
-            "fla_cache_mode": os.environ.get("FLA_CACHE_MODE", "disabled"),
-            "commit": results.commit(), "date": results.now(),
-        }
-        results.append(out_path, row)
-        rows.append(row)
-    return rows
+def _exact(**inputs):
+    from kernel_fun.kda import reference as ref
+
+    return ref.wy_dqkg_bwd(**{n: t for n, t in inputs.items() if n != "chunk_indices"}, exact=True)
+
+
+def _ours(inputs, design, config):
+    from kernel_fun.kda.kernels import wy_bwd
+
+    return wy_bwd.wy_dqkg_bwd(**inputs, design=design, config=config)
+
+
+def _launch_config(p, design, overrides):
+    from kernel_fun.kda.kernels import wy_bwd
+
+    return wy_bwd.launch_config(design, p.K, p.V, p.B * p.HV, overrides)
+
+
+def _misses(vs_exact, fla_exact, vs_fla):
+    from kernel_fun.kda.parity import b6_misses
+
+    return b6_misses(vs_exact, fla_exact, vs_fla)
+
+
+BENCH = StageBench(stage="B6", make_inputs=make_inputs, bytes=b6_bytes, fla=_fla, exact=_exact, ours=_ours,
+                   launch_config=_launch_config, misses=_misses, sweep=SWEEP, designs=("fullk",))
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kernel_fun.bench.stage_b6", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", default="prod8192_gate")
-    parser.add_argument("--configs", default="sweep", help="'sweep', 'pinned', or a JSON list of [design, config]")
-    parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--workers", type=int, default=12)
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
-        return 2
-    from kernel_fun.bench import fla_configs, results
-
-    fla_configs.use_stored_configs(torch.cuda.get_device_name())
-    if args.configs == "sweep":
-        candidates = [(d, c) for d, cs in SWEEP.items() for c in cs]
-    elif args.configs == "pinned":
-        candidates = [("fullk", {})]
-    else:
-        candidates = [tuple(x) for x in json.loads(args.configs)]
-    shapes = args.shapes.split(",")
-    jobs, families = [], set()
-    for s in shapes:  # one compile per binary: shapes that share head counts and dims share it
-        p = problem(s)
-        for d, c in candidates:
-            key = (p.H, p.HV, p.K, p.V, d, json.dumps(c, sort_keys=True))
-            if key not in families:
-                families.add(key)
-                jobs.append((s, d, c))
-    precompile(jobs, args.workers)
-    print(f"compiled {len(jobs)} kernel configs", flush=True)
-    out = args.out or results.RESULTS / "stages.jsonl"
-    rows = []
-    for name in shapes:
-        rows += bench_shape(name, candidates, args.reps, args.rounds, out)
-        torch.cuda.empty_cache()
-    print()
-    for r in rows:
-        ms = f"{r['ms']:.3f}" if r["ms"] else "  RED"
-        fla = next(x for x in rows if x["shape"] == r["shape"] and x["impl"] == "fla")
-        speed = f"{fla['ms'] / r['ms']:.2f}x" if r["ms"] else ""
-        print(f"{r['shape']:<14} {r['impl']:<80} {ms:>8} ms {speed:>6} floor {r['floor_ms']:.2f}")
-    return 0
+    return _stage_main(argv, stage="B6")
 
 
 if __name__ == "__main__":

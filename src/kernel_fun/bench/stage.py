@@ -1,0 +1,223 @@
+"""Stage-alone bench: one stage's kernel-fun kernel against fla's stage, for any stage that
+has a bench entry.
+
+``python -m kernel_fun.bench.stage --stage B6 --shapes prod8192_gate,kimi --configs sweep``
+
+For each shape: the stage's inputs (its entry's ``make_inputs``: random, of the magnitudes a
+real chain gives), fla's stage on them, and each (design, config): parity first -- against
+fla's stage and against the float64 stage, with the entry's bars (``misses``) -- then the
+median of CUDA-event timings, interleaved with fla's. Configs compile in parallel worker
+processes first, so a sweep pays the compiler once per config across all CPU cores. Rows
+(``kind: stage``) go to ``bench/results/stages.jsonl``; the README's stage table is
+generated from them, each row's "ships" verdict from its entry's ``launch_config``.
+
+A stage's entry is a ``StageBench`` in its own bench module (``bench/stage_b6.py`` for B6),
+listed in ``entries()``: adding a kernel adds one module and one line there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from kernel_fun.kda.problems import Problem, problem
+
+BANDWIDTH = 4.25e12  # measured H200 copy rate (anchors.md)
+
+
+@dataclasses.dataclass(frozen=True)
+class StageBench:
+    """What the stage bench needs of one stage's kernel."""
+
+    stage: str
+    make_inputs: Callable[..., dict]  # (problem, device, seed) -> the stage's keyword inputs
+    bytes: Callable[[Problem], int]  # the fewest bytes the stage moves
+    fla: Callable[..., tuple]  # fla's stage, on the inputs
+    exact: Callable[..., tuple]  # the float64 stage, on the inputs of the first sequences
+    ours: Callable[..., tuple]  # (inputs, design, config) -> kernel-fun's outputs
+    launch_config: Callable[..., dict]  # (problem, design, overrides) -> the config that runs
+    misses: Callable[..., dict]  # (vs_exact, fla_vs_exact, vs_fla) -> the outputs over their bars
+    sweep: dict[str, list[dict]]  # design -> configs worth timing
+    designs: tuple[str, ...]  # what ships ("pinned": each with its pinned config)
+
+    def ships(self, row: dict) -> bool:
+        """The row ran the config the launcher picks at its shape (rows from before fullk's
+        launch-order switch carry no HEADS_FAST: fla's order)."""
+        design = row.get("design")
+        if design not in self.designs:
+            return False
+        try:
+            picked = self.launch_config(problem(row["shape"]), design, None)
+        except (KeyError, ValueError):  # a shape or design the launcher does not know
+            return False
+        config = dict(row.get("config") or {})
+        if "HEADS_FAST" in picked:
+            config.setdefault("HEADS_FAST", False)
+        return config == picked
+
+
+def entries() -> dict[str, StageBench]:
+    """Every stage with a bench entry, by stage name."""
+    from kernel_fun.bench import stage_b6
+
+    return {"B6": stage_b6.BENCH}
+
+
+def config_label(design: str, config: dict) -> str:
+    return design + "[" + ",".join(f"{k}={v}" for k, v in sorted(config.items())) + "]"
+
+
+def _precompile(job):
+    """Worker: compile one (stage, shape, design, config) by launching it on a one-chunk
+    problem with the same head counts and dims (T is not specialized, so the binary is the
+    one the full-size launch uses)."""
+    stage, name, design, config = job
+    os.environ.pop("TRITON_INTERPRET", None)
+    bench = entries()[stage]
+    p = dataclasses.replace(problem(name), B=1, T=64)
+    try:
+        bench.ours(bench.make_inputs(p, "cuda"), design, config)
+        torch.cuda.synchronize()
+    except Exception as err:  # reported again, as a row, when the config is benched
+        print(f"compile failed: {design} {config}: {str(err).splitlines()[0][:200]}", flush=True)
+    return job
+
+
+def precompile(jobs, workers: int) -> None:
+    import concurrent.futures
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+        for _ in pool.map(_precompile, jobs):
+            pass
+
+
+def bench_shape(bench: StageBench, name: str, candidates, reps: int, rounds: int, out_path: Path,
+                device="cuda", timer=None) -> list[dict]:
+    """Parity, then timings, of every candidate (design, overrides) at shape ``name``; one
+    row each and one for fla's stage, appended to ``out_path``. ``timer(fn, reps)`` returns
+    milliseconds (CUDA events by default)."""
+    from kernel_fun import versions
+    from kernel_fun.bench import results
+    from kernel_fun.bench.timing import cuda_times, summary
+    from kernel_fun.kda.parity import stage_errors
+
+    timer = timer or cuda_times
+    p = problem(name)
+    inputs = bench.make_inputs(p, device)
+    floor_ms = bench.bytes(p) / BANDWIDTH * 1e3
+    fla_out = bench.fla(**inputs)
+    nb = min(p.B, 2)  # the float64 stage on the first sequences
+    sub = {n: (t[:nb] if isinstance(t, torch.Tensor) else t) for n, t in inputs.items()}
+    exact = bench.exact(**sub)
+    first = lambda out: tuple(t[:nb] for t in out)  # noqa: E731
+    fla_exact = stage_errors(bench.stage, first(fla_out), exact)
+
+    impls = {"fla": (lambda: bench.fla(**inputs), None)}
+    checks = {"fla": {"ok": True, "vs_exact": fla_exact}}
+    for design, overrides in candidates:
+        config = bench.launch_config(p, design, overrides)
+        label = config_label(design, config)
+        impls[label] = (None, (design, config))
+        try:
+            out = bench.ours(inputs, design, config)
+        except Exception as err:  # a config that cannot launch is a row too
+            checks[label] = {"ok": False, "error": str(err).splitlines()[0][:300]}
+            continue
+        vs_fla = stage_errors(bench.stage, out, fla_out)
+        vs_exact = stage_errors(bench.stage, first(out), exact)
+        checks[label] = {"ok": not bench.misses(vs_exact, fla_exact, vs_fla), "vs_fla": vs_fla, "vs_exact": vs_exact}
+        impls[label] = (lambda design=design, config=config: bench.ours(inputs, design, config), (design, config))
+        del out
+    del fla_out, exact
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+    times = {label: [] for label in impls}
+    for label, (fn, _) in impls.items():  # warm-up
+        if checks[label]["ok"]:
+            fn()
+    for _ in range(rounds):
+        for label, (fn, _) in impls.items():
+            if checks[label]["ok"]:
+                times[label] += timer(fn, reps)
+    rows = []
+    info = versions()
+    gpu = torch.cuda.get_device_name() if device == "cuda" else str(device)
+    for label, (_, dc) in impls.items():
+        s = summary(times[label]) if times[label] else None
+        row = {
+            "kind": "stage", "stage": bench.stage, "shape": name, "problem": p.describe(), "impl": label,
+            "design": dc[0] if dc else "fla", "config": dc[1] if dc else None,
+            "ms": s["median"] if s else None, "spread_ms": [s["p10"], s["p90"]] if s else None,
+            "reps": s["n"] if s else 0, "floor_ms": floor_ms, "bytes": bench.bytes(p),
+            "parity": checks[label], "gpu": gpu, "versions": info,
+            "fla_cache_mode": os.environ.get("FLA_CACHE_MODE", "disabled"),
+            "commit": results.commit(), "date": results.now(),
+        }
+        results.append(out_path, row)
+        rows.append(row)
+    return rows
+
+
+def main(argv=None, stage: str | None = None) -> int:
+    known = entries()
+    parser = argparse.ArgumentParser(prog="python -m kernel_fun.bench.stage", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    if stage is None:
+        parser.add_argument("--stage", required=True, choices=sorted(known))
+    parser.add_argument("--shapes", default="prod8192_gate")
+    parser.add_argument("--configs", default="sweep", help="'sweep', 'pinned', or a JSON list of [design, config]")
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--workers", type=int, default=12)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    bench = known[stage or args.stage]
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from kernel_fun.bench import fla_configs, results
+
+    fla_configs.use_stored_configs(torch.cuda.get_device_name())
+    if args.configs == "sweep":
+        candidates = [(d, c) for d, cs in bench.sweep.items() for c in cs]
+    elif args.configs == "pinned":
+        candidates = [(d, {}) for d in bench.designs]
+    else:
+        candidates = [tuple(x) for x in json.loads(args.configs)]
+    shapes = args.shapes.split(",")
+    jobs, families = [], set()
+    for s in shapes:  # one compile per binary: shapes that share head counts, dims and layout share it
+        p = problem(s)
+        for d, c in candidates:
+            key = (p.H, p.HV, p.K, p.V, p.state_v_first, d, json.dumps(c, sort_keys=True))
+            if key not in families:
+                families.add(key)
+                jobs.append((bench.stage, s, d, c))
+    precompile(jobs, args.workers)
+    print(f"compiled {len(jobs)} kernel configs", flush=True)
+    out = args.out or results.RESULTS / "stages.jsonl"
+    rows = []
+    for name in shapes:
+        rows += bench_shape(bench, name, candidates, args.reps, args.rounds, out)
+        torch.cuda.empty_cache()
+    print()
+    for r in rows:
+        ms = f"{r['ms']:.3f}" if r["ms"] else "  RED"
+        fla = next(x for x in rows if x["shape"] == r["shape"] and x["impl"] == "fla")
+        speed = f"{fla['ms'] / r['ms']:.2f}x" if r["ms"] else ""
+        print(f"{r['shape']:<14} {r['impl']:<80} {ms:>8} ms {speed:>6} floor {r['floor_ms']:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
