@@ -146,3 +146,18 @@ def test_every_stage_declares_the_inputs_its_implementations_take():
     with pytest.raises(TypeError, match="stage B8: ours does not take"):
         add_impl("B8", "ours", lambda dg, chunk_size: dg)
     assert "ours" not in stages()["B8"].impls
+
+
+def test_the_oracle_takes_every_flag_the_chain_handles():
+    """The float64 oracle keeps its own explicit signature (the flags the math depends on,
+    named), so a flag the chain starts to carry must be added to it too: this fails until
+    it is. Only the chain's bookkeeping stays out: the host copy of cu_seqlens, the chunk
+    size, and returning F7's h."""
+    import inspect
+
+    from kernel_fun.kda import PARAMETERS
+
+    oracle = set(inspect.signature(ref.recurrent_kda).parameters)
+    bookkeeping = {"cu_seqlens_cpu", "chunk_size", "return_intermediate_states"}
+    handled = {n for n, what in PARAMETERS.items() if what.startswith("handled")}
+    assert handled - bookkeeping <= oracle, sorted(handled - bookkeeping - oracle)
