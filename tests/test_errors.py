@@ -81,6 +81,13 @@ CLEARER = {
     "cu_seqlens-not-ending-at-T": (dict(cu_seqlens=torch.tensor([0, 30, 60])), ValueError, "rise from 0 to T"),
     "cu_seqlens-float": (dict(cu_seqlens=torch.tensor([0.0, 70.0])), ValueError, "int32/int64"),
     "integer-g": (dict(g=torch.zeros(2, 70, 4, 32, dtype=torch.int32)), TypeError, "floating-point"),
+    "h0-k-first-with-state_v_first": (dict(initial_state=torch.zeros(2, 4, 32, 16), state_v_first=True), ValueError,
+                                      r"initial_state must have shape \[N, HV, V, K\] \(state_v_first\)"),
+    "cu_seqlens-as-a-list": (dict(cu_seqlens=[0, 70]), TypeError, "cu_seqlens` must be a 1-D int32/int64 torch.Tensor"),
+    "cu_seqlens_cpu-as-a-list": (dict(cu_seqlens=torch.tensor([0, 70]), cu_seqlens_cpu=[0, 70]), TypeError,
+                                 "cu_seqlens_cpu` must be a 1-D int32/int64 torch.Tensor"),
+    "cu_seqlens-2d": (dict(cu_seqlens=torch.tensor([[0, 70]])), ValueError, "1-D int32/int64"),
+    "cu_seqlens-falling": (dict(cu_seqlens=torch.tensor([0, 50, 40, 70])), ValueError, "rise from 0 to T"),
 }
 
 
