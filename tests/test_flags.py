@@ -79,6 +79,8 @@ B6_SHAPES = [
             dtype=torch.float16),
     Problem("fp16-varlen", 1, 140, 2, 2, 64, 32, initial_state=True, output_final_state=True,
             cu_seqlens=(0, 64, 65, 140), dtype=torch.float16),
+    Problem("fp16-varlen-empty-seqs", 1, 70, 1, 2, 64, 32, initial_state=True, output_final_state=True,
+            cu_seqlens=(0, 0, 64, 64, 70), dtype=torch.float16),
 ]
 
 

@@ -29,6 +29,9 @@ CASES = [
     Problem("varlen-3seq-h0", 1, 200, 2, 4, 60, 32, initial_state=True, output_final_state=True,
             cu_seqlens=(0, 1, 137, 200)),
     Problem("varlen-4seq", 1, 260, 2, 2, 64, 64, cu_seqlens=(0, 64, 65, 128, 260)),
+    # empty sequences in a packed batch: no chunk, the state leaves as it came (fla accepts them)
+    Problem("varlen-empty-seqs-h0", 1, 70, 1, 2, 64, 32, initial_state=True, output_final_state=True,
+            cu_seqlens=(0, 0, 64, 64, 70)),
 ]
 
 

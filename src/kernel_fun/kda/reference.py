@@ -477,7 +477,8 @@ def _h_dense(kg, w, u, gc, initial_state, output_final_state, BT):
         vn = (uc[:, :, c] - wc[:, :, c] @ Sb.float()).to(u.dtype)
         v_new.append(vn)
         S = S * torch.exp2(g_last[:, :, c])[..., None] + kgc[:, :, c].transpose(-1, -2) @ vn.float()
-    v_new = from_chunks(torch.stack(v_new, 2), T)
+    # (an empty sequence of a packed batch has no chunk: no v_new, and S leaves as it came)
+    v_new = from_chunks(torch.stack(v_new, 2), T) if v_new else u.new_empty(B, 0, HV, V)
     return h, v_new, (S if output_final_state else None)
 
 
@@ -593,7 +594,7 @@ def _dhu_dense(qg, kg, w, gc, h0, dht, do, dv, scale, BT):
         dS = (dS * torch.exp2(g_last[:, :, c])[..., None]
               + scale * (qgc[:, :, c].transpose(-1, -2) @ doc[:, :, c])
               - wc[:, :, c].transpose(-1, -2) @ dvn.float())
-    dv2 = from_chunks(torch.stack(dv2, 2), T)
+    dv2 = from_chunks(torch.stack(dv2, 2), T) if dv2 else dv.new_empty(B, 0, HV, V)
     return dh, (dS if h0 is not None else None), dv2
 
 
