@@ -149,16 +149,22 @@ def test_safe_gate_reaches_the_stages_it_changes():
 
 
 def test_return_intermediate_states_returns_h_in_inference_mode():
-    p = dataclasses.replace(SHAPES[0], state_v_first=True)
+    """h is the state entering each chunk, in the call's layout: chunk 0's is the initial
+    state (in k's dtype), and the V-first h is the default layout's transposed; o and the
+    final state are the training call's."""
+    p = dataclasses.replace(SHAPES[0], T=130, state_v_first=True)  # three chunks
     kwargs = make_inputs(p, seed=10, requires_grad=False)
     o_ref, ht_ref = chunk_kda(**kwargs)
-    with torch.inference_mode(), capture_stages() as log:
+    with torch.inference_mode():
         o, ht, h = chunk_kda(**kwargs, return_intermediate_states=True)
-    assert last_record().engaged
-    (h_f7,) = [out[0] for name, _, _, out in log if name == "F7"]
-    assert torch.equal(h, h_f7) and torch.equal(o, o_ref) and torch.equal(ht, ht_ref)
+        assert last_record().engaged
+        k_first = dict(kwargs, state_v_first=False, initial_state=ref.swap_state(kwargs["initial_state"]))
+        _, _, h_kv = chunk_kda(**k_first, return_intermediate_states=True)
+    assert torch.equal(o, o_ref) and torch.equal(ht, ht_ref)
     B, T, HV, K, V = p.B, p.T, p.HV, p.K, p.V
     assert h.shape == (B, -(-T // 64), HV, V, K) and h.dtype == kwargs["k"].dtype
+    assert torch.equal(h[:, 0], kwargs["initial_state"].to(h.dtype))
+    assert torch.equal(h, ref.swap_state(h_kv)) and not torch.equal(h[:, 1], h[:, 0])
 
 
 @pytest.mark.parametrize("extra,message", [
@@ -338,6 +344,9 @@ def test_patch_fla_routes_every_binding_and_unpatch_restores_it(unpatched, caplo
     assert sorted(kernel_fun.unpatch_fla()) == sorted(changed)
     assert layers.chunk_kda is original and fla.ops.kda.chunk_kda is original and fla.ops.chunk_kda is original
     assert kernel_fun.unpatch_fla() == []
+    with patch.fla_patched():  # the same for a block
+        assert layers.chunk_kda is chunk_kda
+    assert layers.chunk_kda is original
 
 
 def test_patch_fla_picks_up_a_module_imported_later(unpatched, monkeypatch):

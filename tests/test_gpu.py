@@ -267,15 +267,6 @@ def test_b6_on_packed_sequences_matches_fla_stage():
 # --------------------------------------------------------------------------------------
 # fla's own KimiDeltaAttention layer through patch_fla()
 # --------------------------------------------------------------------------------------
-def _layer_fwd_bwd(layer, x, mask, w):
-    layer.zero_grad(set_to_none=True)
-    x = x.detach().requires_grad_()
-    o = layer(x, attention_mask=mask)[0]
-    (o.float() * w).sum().backward()
-    grads = {n: p.grad.detach().clone() for n, p in layer.named_parameters()}
-    return o.detach(), x.grad.detach(), grads
-
-
 @pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
 @pytest.mark.parametrize("flags", [{}, {"safe_gate": True, "lower_bound": -5.0}], ids=["default", "safe_gate"])
 def test_fla_layer_through_patch_fla(flags, packed):
@@ -286,10 +277,8 @@ def test_fla_layer_through_patch_fla(flags, packed):
     padding, which the layer turns into cu_seqlens."""
     import copy
 
-    import kernel_fun
-    from kernel_fun.kda import reference as ref
-
-    from kernel_fun.bench.layer import fla_layer
+    from kernel_fun.bench.layer import fla_layer, layer_grads, parity_misses
+    from kernel_fun.patch import fla_patched
 
     layer = fla_layer(**flags)
     ours_layer = copy.deepcopy(layer)
@@ -301,19 +290,12 @@ def test_fla_layer_through_patch_fla(flags, packed):
         mask = torch.ones(2, 4096, dtype=torch.int32, device="cuda")
         mask[0, 3000:] = 0
         mask[1, 1777:] = 0
-    o_fla, dx_fla, g_fla = _layer_fwd_bwd(layer, x, mask, w)
-    kernel_fun.patch_fla()
-    try:
-        o, dx, g = _layer_fwd_bwd(ours_layer, x, mask, w)
+    theirs = layer_grads(layer, x, w, mask)
+    with fla_patched():
+        ours = layer_grads(ours_layer, x, w, mask)
         record = last_record()
-    finally:
-        kernel_fun.unpatch_fla()
     assert record.engaged and record.backward["B6"] == "ours", record
     assert (record.forward.get("F1b"), "B3" in record.backward) == ("fla", True)
-    errors = {"o": ref.rel_rms(o, o_fla), "dx": ref.rel_rms(dx, dx_fla)}
-    errors.update({n: ref.rel_rms(g[n], g_fla[n]) for n in g_fla})
+    errors, misses = parity_misses(ours, theirs)
     print(flags, "packed" if packed else "dense", errors)
-    from kernel_fun.bench.layer import parity_bar
-
-    misses = {n: (e, parity_bar(n)) for n, e in errors.items() if not e <= parity_bar(n)}
     assert not misses, misses

@@ -16,8 +16,8 @@ binding changes, so a patched process never calls itself.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
-import logging
 import sys
 import threading
 
@@ -76,7 +76,7 @@ def patch_fla() -> list[str]:
     if changed:
         logger.info("patch_fla: fla's chunk_kda now runs kernel-fun's at %s", ", ".join(sorted(changed)))
     else:
-        logger.log(logging.INFO, "patch_fla: already patched (%s)", ", ".join(routed) or "no binding found")
+        logger.info("patch_fla: already patched (%s)", ", ".join(routed) or "no binding found")
     return sorted(changed)
 
 
@@ -97,7 +97,11 @@ def unpatch_fla() -> list[str]:
     return sorted(restored)
 
 
-def patched() -> list[str]:
-    """The ``module.attribute`` bindings currently routed to kernel-fun."""
-    with _lock:
-        return sorted(f"{n}.{a}" for n, a in _patched)
+@contextlib.contextmanager
+def fla_patched():
+    """``patch_fla()`` for the duration of a block, undone on the way out (tests, benches)."""
+    patch_fla()
+    try:
+        yield
+    finally:
+        unpatch_fla()

@@ -14,6 +14,7 @@ round. Rows go to ``bench/results/layer.jsonl``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 import sys
@@ -44,10 +45,28 @@ def fla_layer(seed: int = 0, **flags):
     return KimiDeltaAttention(hidden_size=2048, head_dim=128, num_heads=16, **flags).cuda().to(torch.bfloat16)
 
 
-def _fwd_bwd(layer, x, w):
-    o = layer(x)[0]
+def _fwd_bwd(layer, x, w, attention_mask=None):
+    o = layer(x, attention_mask=attention_mask)[0]
     (o.float() * w).sum().backward()
     return o
+
+
+def layer_grads(layer, x, w, attention_mask=None) -> dict:
+    """One fwd+bwd of ``(o * w).sum()`` from fresh gradients: the output (``o``), the
+    input's gradient (``dx``) and every parameter's gradient, by parameter name."""
+    layer.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_()
+    o = _fwd_bwd(layer, x, w, attention_mask)
+    return {"o": o.detach(), "dx": x.grad, **{n: p.grad.detach().clone() for n, p in layer.named_parameters()}}
+
+
+def parity_misses(ours: dict, fla: dict) -> tuple[dict, dict]:
+    """(relative RMS error of every entry of ``layer_grads`` against fla's layer, those over
+    their ``parity_bar``)."""
+    from kernel_fun.kda import reference as ref
+
+    errors = {n: ref.rel_rms(ours[n], fla[n]) for n in fla}
+    return errors, {n: (e, parity_bar(n)) for n, e in errors.items() if not e <= parity_bar(n)}
 
 
 def main(argv=None) -> int:
@@ -66,12 +85,10 @@ def main(argv=None) -> int:
     from kernel_fun.bench import fla_configs, results
 
     fla_configs.use_stored_configs(torch.cuda.get_device_name())
-    import kernel_fun
-
     from kernel_fun import versions
     from kernel_fun.bench.timing import cuda_times, summary
     from kernel_fun.kda import last_record
-    from kernel_fun.kda import reference as ref
+    from kernel_fun.patch import fla_patched
 
     flags = dict(safe_gate=True, lower_bound=-5.0) if args.safe_gate else {}
     fla_side = fla_layer(**flags)
@@ -79,46 +96,29 @@ def main(argv=None) -> int:
     gen = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randn(args.B, args.T, 2048, device="cuda", generator=gen).bfloat16().requires_grad_()
     w = torch.randn(args.B, args.T, 2048, device="cuda", generator=gen)
+    # Each side in its own context, entered once per round: patch_fla() walks every loaded
+    # fla module, host time that is no part of a training step's.
+    layers = {"fla": (fla_side, contextlib.nullcontext), "ours": (ours_layer, fla_patched)}
 
-    def run(layer, patched):
-        if patched:
-            kernel_fun.patch_fla()
-        try:
-            return _fwd_bwd(layer, x, w)
-        finally:
-            if patched:
-                kernel_fun.unpatch_fla()
-
-    grads = {}
-    for name, layer, patched in (("fla", fla_side, False), ("ours", ours_layer, True)):
-        layer.zero_grad(set_to_none=True)
-        x.grad = None
-        o = run(layer, patched)
-        grads[name] = {"o": o.detach(), "dx": x.grad.detach().clone(),
-                       **{n: p.grad.detach().clone() for n, p in layer.named_parameters()}}
-    record = last_record()
-    errors = {n: ref.rel_rms(grads["ours"][n], grads["fla"][n]) for n in grads["fla"]}
-    ok = bool(record.engaged and record.backward.get("B6") == "ours" and all(e <= parity_bar(n) for n, e in errors.items()))
-    del grads
+    fla_grads = layer_grads(fla_side, x, w)
+    with fla_patched():
+        ours_grads = layer_grads(ours_layer, x, w)
+        record = last_record()
+    errors, misses = parity_misses(ours_grads, fla_grads)
+    ok = bool(record.engaged and record.backward.get("B6") == "ours" and not misses)
+    del fla_grads, ours_grads
     print(f"parity: {'ok' if ok else 'RED'} {errors}", flush=True)
 
     times = {"fla": [], "ours": []}
-    layers = {"fla": (fla_side, False), "ours": (ours_layer, True)}
-    for name, (layer, patched) in layers.items():  # warm-up
-        for _ in range(3):
-            run(layer, patched)
+    for name, (layer, context) in layers.items():  # warm-up
+        with context():
+            for _ in range(3):
+                _fwd_bwd(layer, x, w)
     if ok:
         for _ in range(args.rounds):
-            for name, (layer, patched) in layers.items():
-                # patched once per round: patch_fla() walks every loaded fla module, host
-                # time that is no part of a training step's
-                if patched:
-                    kernel_fun.patch_fla()
-                try:
+            for name, (layer, context) in layers.items():
+                with context():
                     times[name] += cuda_times(lambda: _fwd_bwd(layer, x, w), args.reps)
-                finally:
-                    if patched:
-                        kernel_fun.unpatch_fla()
     info = versions()
     out = args.out or results.RESULTS / "layer.jsonl"
     shape = f"kda_layer_B{args.B}_T{args.T}" + ("_safe" if args.safe_gate else "")

@@ -149,17 +149,14 @@ def _config_text(row) -> str:
     return ", ".join(parts)
 
 
-def stage_table(rows: list[dict], best_only: bool = True, designs: set[str] | None = None,
-                ships=None) -> str:
+def stage_table(rows: list[dict], best_only: bool = True, ships=None) -> str:
     """Stage-alone rows (``kind == "stage"``) against fla's kernel and the stage's memory
     floor: per (stage, shape) fla and, with ``best_only``, each design's fastest config
-    that passed parity (else every config, red ones included); with ``designs``, only those
-    designs (a measured design that no longer ships stays in the sweep record only); with
-    ``ships`` (row -> bool), only rows of the launch config that ships at the row's shape,
-    so the table shows what ships rather than a faster number from a kernel since replaced."""
+    that passed parity (else every config, red ones included); with ``ships`` (row ->
+    bool), only rows of the launch config that ships at the row's shape, so the table shows
+    what ships rather than a faster number from a kernel or design since replaced (those
+    stay in the sweep record)."""
     every = [r for r in rows if r.get("kind") == "stage"]
-    if designs is not None:
-        every = [r for r in every if r["impl"] == "fla" or r.get("design") in designs]
     if ships is not None:
         every = [r for r in every if r["impl"] == "fla" or ships(r)]
     rows = latest(every, "stage", "shape", "impl")
@@ -252,7 +249,7 @@ def render(rows: list[dict]) -> str:
         bench = benches.get(row.get("stage"))
         return bench is not None and bench.ships(row)
 
-    stages = stage_table(rows, designs={d for b in benches.values() for d in b.designs}, ships=ships)
+    stages = stage_table(rows, ships=ships)
     layer = layer_table(rows)
     return op_table(rows) + ("\n\n" + layer if layer else "") + ("\n\n" + stages if stages else "")
 

@@ -81,8 +81,8 @@ def _fla_gate(g, use_gate_in_kernel, A_log, dt_bias, lower_bound, chunk_size, cu
     )
 
 
-def _fla_intra(q, k, v, gc, beta, scale, chunk_size, cu_seqlens, chunk_indices, safe_gate=False,
-               disable_recompute=False):
+def _fla_intra(q, k, v, gc, beta, scale, chunk_size, cu_seqlens, chunk_indices, safe_gate,
+               disable_recompute):
     from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
 
     w, u, qg, kg, Aqk, Akk = chunk_kda_fwd_intra(
@@ -93,7 +93,7 @@ def _fla_intra(q, k, v, gc, beta, scale, chunk_size, cu_seqlens, chunk_indices, 
 
 
 def _fla_h(kg, w, u, gc, initial_state, output_final_state, chunk_size, cu_seqlens, cu_seqlens_cpu, chunk_indices,
-           state_v_first=False):
+           state_v_first):
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
 
     return chunk_gated_delta_rule_fwd_h(
@@ -103,7 +103,7 @@ def _fla_h(kg, w, u, gc, initial_state, output_final_state, chunk_size, cu_seqle
     )
 
 
-def _fla_o(q, v_new, gc, Aqk, h, scale, chunk_size, cu_seqlens, chunk_indices, state_v_first=False):
+def _fla_o(q, v_new, gc, Aqk, h, scale, chunk_size, cu_seqlens, chunk_indices, state_v_first):
     from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
 
     return chunk_gla_fwd_o_gk(
@@ -129,7 +129,7 @@ def _fla_dav(q, k, v_new, do, Aqk, scale, chunk_size, cu_seqlens, chunk_indices)
     )
 
 
-def _fla_dhu(qg, kg, w, gc, h0, dht, do, dv, scale, chunk_size, cu_seqlens, chunk_indices, state_v_first=False):
+def _fla_dhu(qg, kg, w, gc, h0, dht, do, dv, scale, chunk_size, cu_seqlens, chunk_indices, state_v_first):
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu
 
     return chunk_gated_delta_rule_bwd_dhu(
@@ -139,7 +139,7 @@ def _fla_dhu(qg, kg, w, gc, h0, dht, do, dv, scale, chunk_size, cu_seqlens, chun
 
 
 def _fla_wy_dqkg(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, cu_seqlens, chunk_indices,
-                 state_v_first=False):
+                 state_v_first):
     from fla.ops.kda.chunk_bwd import chunk_kda_bwd_wy_dqkg_fused
 
     return chunk_kda_bwd_wy_dqkg_fused(
@@ -149,7 +149,7 @@ def _fla_wy_dqkg(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, 
 
 
 def _fla_intra_bwd(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens, chunk_indices,
-                   safe_gate=False):
+                   safe_gate):
     from fla.ops.kda.chunk_intra import chunk_kda_bwd_intra
 
     return chunk_kda_bwd_intra(
@@ -195,8 +195,8 @@ def _ref_gate(g, use_gate_in_kernel, A_log, dt_bias, lower_bound, chunk_size, cu
     return ref.gate_cumsum(g, use_gate_in_kernel, A_log, dt_bias, lower_bound, chunk_size, cu_seqlens)
 
 
-def _ref_intra(q, k, v, gc, beta, scale, chunk_size, cu_seqlens, chunk_indices, safe_gate=False,
-               disable_recompute=False):
+def _ref_intra(q, k, v, gc, beta, scale, chunk_size, cu_seqlens, chunk_indices, safe_gate,
+               disable_recompute):
     # safe_gate changes how fla's kernels form the diagonal blocks (an anchored tensor-core
     # product, valid for a bounded gate), not their values: the reference stays pairwise.
     Aqk, Akk = ref.intra_scores(q, k, gc, beta, scale, chunk_size, cu_seqlens)
@@ -205,11 +205,11 @@ def _ref_intra(q, k, v, gc, beta, scale, chunk_size, cu_seqlens, chunk_indices, 
 
 
 def _ref_h(kg, w, u, gc, initial_state, output_final_state, chunk_size, cu_seqlens, cu_seqlens_cpu, chunk_indices,
-           state_v_first=False):
+           state_v_first):
     return ref.h_fwd(kg, w, u, gc, initial_state, output_final_state, chunk_size, cu_seqlens, state_v_first)
 
 
-def _ref_o(q, v_new, gc, Aqk, h, scale, chunk_size, cu_seqlens, chunk_indices, state_v_first=False):
+def _ref_o(q, v_new, gc, Aqk, h, scale, chunk_size, cu_seqlens, chunk_indices, state_v_first):
     return ref.o_fwd(q, v_new, gc, Aqk, h, scale, chunk_size, cu_seqlens, state_v_first)
 
 
@@ -221,18 +221,18 @@ def _ref_dav(q, k, v_new, do, Aqk, scale, chunk_size, cu_seqlens, chunk_indices)
     return ref.dav_bwd(v_new, do, Aqk, scale, chunk_size, cu_seqlens)
 
 
-def _ref_dhu(qg, kg, w, gc, h0, dht, do, dv, scale, chunk_size, cu_seqlens, chunk_indices, state_v_first=False):
+def _ref_dhu(qg, kg, w, gc, h0, dht, do, dv, scale, chunk_size, cu_seqlens, chunk_indices, state_v_first):
     return ref.dhu_bwd(qg, kg, w, gc, h0, dht, do, dv, scale, chunk_size, cu_seqlens, state_v_first)
 
 
 def _ref_wy_dqkg(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, cu_seqlens, chunk_indices,
-                 state_v_first=False):
+                 state_v_first):
     return ref.wy_dqkg_bwd(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, cu_seqlens,
                            state_v_first=state_v_first)
 
 
 def _ref_intra_bwd(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens, chunk_indices,
-                   safe_gate=False):
+                   safe_gate):
     return ref.intra_bwd(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens)
 
 
@@ -276,9 +276,6 @@ _stage("B9", ("B9",), "gate backward", "g A_log dt_bias dyg lower_bound", ("dg",
 _stage("B10", ("B10",), "l2norm bwd (q, k)", "q q_rstd dq k k_rstd dk", ("dq", "dk"), _fla_l2norm_bwd,
        _ref_l2norm_bwd)
 _stage("B10b", ("B10b",), "beta sigmoid bwd", "beta db scale", ("dbeta",), _fla_beta_sigmoid_bwd, ref.beta_sigmoid_bwd)
-
-FORWARD_STAGES = ("F1", "F1b", "F2", "F3-F6", "F7", "F8")
-BACKWARD_STAGES = ("B1", "B2", "B3", "B4", "B5", "B6", "B7", "B8", "B9", "B10", "B10b")
 
 
 # --------------------------------------------------------------------------------------
@@ -332,7 +329,7 @@ class ForwardResult:
 
     o: torch.Tensor
     final_state: torch.Tensor | None
-    h: torch.Tensor | None  # kept for return_intermediate_states and disable_recompute
+    h: torch.Tensor | None  # F7's h when return_intermediate_states or disable_recompute keeps it
     saved: dict
     run: Dispatcher  # the dispatcher the backward continues with
 
@@ -385,8 +382,7 @@ def run_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, opts: Options, 
         output_final_state=opts.output_final_state, cu_seqlens_cpu=opts.cu_seqlens_cpu, **common, **layout,
     )
     keep = opts.disable_recompute
-    if not keep:
-        del w, u, kg, qg
+    if not keep:  # freed before F8; fla keeps them only with disable_recompute
         w = u = kg = qg = None
     o = run.run("F8", "forward", q=q, v_new=v_new, gc=gc, Aqk=Aqk, h=h, scale=opts.scale, **common, **layout)
     if not keep:

@@ -20,13 +20,13 @@ import contextvars
 import dataclasses
 import inspect
 import logging
-import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
 from kernel_fun._runtime import log_once
+from kernel_fun._triton import INTERPRETING
 
 IMPLS = ("ours", "fla", "reference")
 
@@ -185,8 +185,9 @@ def set_last_record(record: CallRecord) -> None:
 
 
 # Triton decides at a kernel's definition whether it runs through the interpreter, so what
-# counts is TRITON_INTERPRET as it was when kernel-fun's kernels were defined (imported).
-_INTERPRETING_AT_IMPORT = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# counts is TRITON_INTERPRET as it was when kernel-fun's kernels were defined: the value
+# kernel_fun._triton read at import.
+_INTERPRETING_AT_IMPORT = bool(INTERPRETING.value)
 
 
 def interpreting() -> bool:

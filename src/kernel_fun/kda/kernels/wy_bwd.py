@@ -61,7 +61,7 @@ from kernel_fun.kda.stages import add_impl
 # --------------------------------------------------------------------------------------
 @triton.jit
 def _k_side_terms(b_At, b_dwb, b_kg, b_gexp, b_beta, b_dgk, m_last, b_dg, b_dk, b_db):
-    """The terms through kg = k exp2(g) and -dw (bf16), shared by both designs' epilogues:
+    """The epilogue's terms through kg = k exp2(g) and -dw (bf16):
     dkgb = A^T (-dw), then db += rowsum(dkgb kg), dg += kg dkgb beta (+ dgk on the chunk's
     last row), dk += dkgb exp2(g) beta."""
     b_dkgb = dot(b_At, b_dwb)
@@ -81,7 +81,7 @@ def _da_chain(b_dA, b_At, b_beta, m_strict):
 
 
 # --------------------------------------------------------------------------------------
-# Design 1: full K, one kernel
+# fullk: full K, one kernel
 # --------------------------------------------------------------------------------------
 @triton.heuristics({"IS_VARLEN": lambda args: args["cu_seqlens"] is not None,
                     "TIMELINE": lambda args: args["stamps"] is not None})
