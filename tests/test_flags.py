@@ -5,7 +5,8 @@ takes them, the CPU path's errors, the log, and ``patch_fla``.
   kernel-fun's chain (never the whole call to fla) and match the float64 recurrence on
   awkward shapes: in fp32 within 1e-4, in fp16 within fla's budgets, also at K=64 where
   kernel-fun's B6 kernel runs in the interpreter (its launch witnessed).
-- ``state_v_first`` gives the default layout's results, transposed, bit for bit;
+- ``state_v_first`` gives the default layout's results, transposed, bit for bit (the chain
+  keeps [K, V] inside and transposes the boundary states);
   ``disable_recompute`` gives the recomputing chain's, bit for bit, without B1-B3;
   ``return_intermediate_states`` returns F7's h in inference mode.
 - Strided views of every tensor input give the contiguous call's outputs and gradients.
@@ -92,7 +93,7 @@ def test_flag_with_our_b6_matches_the_recurrence(flag, p, fullk_launches):
     result = run_fwd_bwd(chunk_kda, kwargs, grid=p.dtype)
     assert last_record().backward["B6"] == "ours" and len(fullk_launches) == 1
     (_, launch), = fullk_launches
-    assert launch["STATE_V_FIRST"] == (flag == "state_v_first")
+    assert launch["STATE_V_FIRST"] is False  # a [V, K] caller's states are transposed at the boundary
     check_against_oracle(result, oracle_of(kwargs, p.dtype), p.dtype)
 
 
@@ -125,6 +126,23 @@ def test_state_v_first_is_the_default_layout_transposed(p):
         if name in ("final_state", "dh0"):
             got = got.transpose(-1, -2)
         assert torch.equal(got, want), name
+
+
+def test_state_v_first_keeps_the_chain_in_k_first():
+    """A [V, K] caller's states are transposed once at the boundary: every stage inside
+    runs in [K, V] (B6's fast layout), F7 starts from the transposed h0 and B5 ends at dh0
+    in [K, V], which reaches the caller transposed back."""
+    p = flagged(B6_SHAPES[1], "state_v_first")
+    kwargs = make_inputs(p, seed=12)
+    with capture_stages() as log:
+        result = run_fwd_bwd(chunk_kda, kwargs, grid=p.dtype)
+    inputs = {name: stage_inputs for name, _, stage_inputs, _ in log}
+    outputs = {name: out for name, _, _, out in log}
+    assert {n for n, x in inputs.items() if "state_v_first" in x} == {"F7", "F8", "B3", "B5", "B6"}
+    assert not any(x.get("state_v_first") for x in inputs.values())
+    assert torch.equal(inputs["F7"]["initial_state"], ref.swap_state(kwargs["initial_state"].detach()))
+    assert torch.equal(result["final_state"], ref.swap_state(outputs["F7"][2]))
+    assert torch.equal(result["dh0"], ref.swap_state(outputs["B5"][1]))
 
 
 @pytest.mark.parametrize("p", [SHAPES[2], B6_SHAPES[0]], ids=lambda p: p.name)

@@ -8,9 +8,13 @@ fla saves (the normalized q/k with their rstd, v, the raw gate input, the raw an
 beta, A_log, dt_bias, Aqk, Akk_inv, the initial state and -- for a pre-computed gate --
 its chunk cumsum), and recomputes the rest in the backward as fla does; with
 ``disable_recompute`` it also saves gc, w, u, qg, kg, v_new and h and skips B1-B3, as
-fla's does. The call's flags reach the stages fla passes them to: ``state_v_first`` the
-scans, the output and B6 (every state-shaped tensor in [V, K]), ``safe_gate`` the intra
-forward and B7, ``lower_bound`` the gate stages.
+fla's does. The call's flags reach the stages fla passes them to: ``safe_gate`` the intra
+forward and B7, ``lower_bound`` the gate stages. ``state_v_first`` is the caller's layout
+of the states that cross the boundary (h0, the final state, dht, dh0, a returned h):
+inside, h and dh stay in [K, V], the layout kernel-fun's B6 reads fastest (4.66 ms against
+6.96 in [V, K] at prod8192_layer) and fla's scans a little faster too, and each boundary
+state is transposed once. A chain forced onto fla alone (``use_impls("fla")``) keeps the
+caller's layout throughout, so it is fla's call exactly.
 
 Stage units and the fla functions they stand for:
 
@@ -355,12 +359,21 @@ class ChunkKDAFunction(torch.autograd.Function):
             return _backward(ctx, do, dht)
 
 
+def _swaps_states(opts: Options, run: Dispatcher) -> bool:
+    """Whether the call's states cross the boundary transposed: a [V, K] caller whose chain
+    keeps [K, V] inside (every chain but the one forced onto fla alone)."""
+    return opts.state_v_first and not run.fla_only
+
+
 def run_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, opts: Options, record: CallRecord) -> ForwardResult:
     """The forward chain F1-F8. Saves what fla saves: with ``disable_recompute`` also gc, w,
     u, qg, kg, v_new and h, so the backward skips B1-B3 as fla's does."""
     run = Dispatcher.for_call(q.device, record)
     common = dict(chunk_size=opts.chunk_size, cu_seqlens=opts.cu_seqlens)
-    layout = dict(state_v_first=opts.state_v_first)
+    swap = _swaps_states(opts, run)
+    layout = dict(state_v_first=opts.state_v_first and not swap)
+    if swap:
+        initial_state = ref.swap_state(initial_state)
     q_rstd = k_rstd = None
     if opts.use_qk_l2norm_in_kernel:
         q, q_rstd, k, k_rstd = run.run("F1", "forward", q=q, k=k)
@@ -396,10 +409,15 @@ def run_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, opts: Options, 
         gc=gc if (keep or not opts.use_gate_in_kernel) else None,
         w=w, u=u, qg=qg, kg=kg, v_new=v_new, h=h if keep else None,
     )
+    if swap:
+        final_state = ref.swap_state(final_state)
+        h_out = ref.swap_state(h) if opts.return_intermediate_states else h
+    else:
+        h_out = h
     set_last_record(record)
     if opts.report is not None and not opts.expects_backward:
         opts.report(record)
-    return ForwardResult(o=o.type_as(q), final_state=final_state, h=h, saved=saved, run=run)
+    return ForwardResult(o=o.type_as(q), final_state=final_state, h=h_out, saved=saved, run=run)
 
 
 def _backward(ctx, do, dht):
@@ -412,9 +430,10 @@ def _backward(ctx, do, dht):
     run: Dispatcher = ctx.run
     record = run.record
     do = do.contiguous()
-    dht = dht.contiguous() if dht is not None else None
+    swap = _swaps_states(opts, run)  # the saved initial state is already in the chain's layout
+    dht = (ref.swap_state(dht) if swap else dht.contiguous()) if dht is not None else None
     common = dict(chunk_size=opts.chunk_size, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
-    layout = dict(state_v_first=opts.state_v_first)
+    layout = dict(state_v_first=opts.state_v_first and not swap)
     H, HV = q.shape[2], v.shape[2]
 
     if opts.disable_recompute:  # fla's mode: the forward kept them, B1-B3 do not run
@@ -437,6 +456,8 @@ def _backward(ctx, do, dht):
         scale=opts.scale, **common, **layout,
     )
     del qg, kg, w
+    if swap:
+        dh0 = ref.swap_state(dh0)
     dq, dk, dv, db, dg, dAkk = run.run(
         "B6", "backward", q=q, k=k, v=v, v_new=v_new, gc=gc, beta=beta, A=Akk, h=h, do=do, dh=dh, dv=dv,
         scale=opts.scale, **common, **layout,

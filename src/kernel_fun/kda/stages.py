@@ -214,6 +214,11 @@ class Dispatcher:
     def for_call(cls, device: torch.device, record: CallRecord) -> Dispatcher:
         return cls(device, record, current_forced(), current_tap(), current_timer())
 
+    @property
+    def fla_only(self) -> bool:
+        """Every stage forced onto fla (``use_impls("fla")``): the control chain."""
+        return self.forced.get("*") == "fla" and set(self.forced.values()) == {"fla"}
+
     def choose(self, name: str, **inputs) -> str:
         stage = _REGISTRY[name]
         explicit = self.forced.get(name)
