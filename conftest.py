@@ -27,6 +27,10 @@ INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 needs_triton = pytest.mark.skipif(not (INTERPRETING or HAS_CUDA),
                                   reason="Triton kernels need the interpreter or a CUDA device")
+# CPU-path tests that expect kernel-fun's kernels to run on CPU tensors; on a GPU machine
+# the same kernels are held to fla's stages on CUDA tensors by tests/test_gpu.py.
+needs_interpreter = pytest.mark.skipif(not INTERPRETING,
+                                       reason="runs kernel-fun's Triton kernels on CPU tensors: needs TRITON_INTERPRET=1")
 
 if INTERPRETING:
     _init = _autotuner.Autotuner.__init__

@@ -28,6 +28,7 @@ from kernel_fun.kda import chunk as chunk_mod
 from kernel_fun.kda.problems import Problem, as_oracle_inputs, make_inputs, run_fwd_bwd
 from kernel_fun.kda.stages import capture_stages
 
+from conftest import needs_interpreter
 from test_reference import check_against_oracle
 
 FLAGS = {
@@ -85,6 +86,7 @@ B6_SHAPES = [
 ]
 
 
+@needs_interpreter
 @pytest.mark.parametrize("p", B6_SHAPES, ids=lambda p: p.name)
 @pytest.mark.parametrize("flag", list(FLAGS))
 def test_flag_with_our_b6_matches_the_recurrence(flag, p, fullk_launches):
@@ -215,6 +217,7 @@ def _strided(t: torch.Tensor) -> torch.Tensor:
     return s.requires_grad_(True)
 
 
+@needs_interpreter
 @pytest.mark.parametrize("p", [B6_SHAPES[0], dataclasses.replace(B6_SHAPES[0], name="v-first", state_v_first=True)],
                          ids=lambda p: p.name)
 def test_strided_inputs_give_the_contiguous_gradients(p):
@@ -271,6 +274,7 @@ def _messages(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == "kernel_fun"]
 
 
+@needs_interpreter
 def test_log_names_every_stage_once_per_shape_and_flags(caplog):
     caplog.set_level(logging.INFO, logger="kernel_fun")
     kwargs = make_inputs(B6_SHAPES[0], seed=12)
@@ -293,6 +297,7 @@ def test_packed_batches_of_other_lengths_log_one_line(caplog):
     assert len(engaged) == 1 and engaged[0].startswith("engaged (packed H=2 HV=4 K=64 V=32"), engaged
 
 
+@needs_interpreter
 def test_a_stage_that_declines_ours_says_why_once(caplog):
     caplog.set_level(logging.INFO, logger="kernel_fun")
     kwargs = make_inputs(dataclasses.replace(B6_SHAPES[0], dtype=torch.float32), seed=13)
