@@ -81,7 +81,9 @@ def test_all_fla_chain_is_bitwise_fla(p: Problem):
 @pytest.mark.parametrize("p", FLAGGED, ids=lambda p: p.name)
 def test_flagged_chain_with_our_b6_tracks_fla(p: Problem):
     """The chain with kernel-fun's B6 on every flag it carries: the record shows B6 ours,
-    the forward is fla's stages (bitwise o), every gradient within fla's budgets of fla's."""
+    the forward is fla's stages (o bitwise fla's; with ``state_v_first`` bitwise fla's
+    [K, V] call, whose layout the chain keeps inside), every gradient within fla's budgets
+    of fla's call with the caller's flags."""
     from kernel_fun.kda import reference as ref
 
     kwargs = make_inputs(p, device="cuda", seed=6)
@@ -91,8 +93,13 @@ def test_flagged_chain_with_our_b6_tracks_fla(p: Problem):
     assert record.engaged and record.backward["B6"] == "ours", record
     errors = {n: ref.rel_rms(ours[n], theirs[n]) for n in theirs if theirs[n] is not None}
     print(p.name, "vs fla", errors)
-    assert errors["o"] == 0.0 and errors["final_state"] == 0.0
     assert all(e <= ref.BUDGETS[n] for n, e in errors.items()), errors
+    if p.state_v_first:
+        with torch.no_grad():
+            o_kv, ht_kv = _fla()(**dict(kwargs, state_v_first=False, initial_state=ref.swap_state(kwargs["initial_state"])))
+        assert torch.equal(ours["o"], o_kv) and torch.equal(ours["final_state"], ref.swap_state(ht_kv))
+    else:
+        assert errors["o"] == 0.0 and errors["final_state"] == 0.0
 
 
 # Every stage output a reference must reproduce, relative RMS against fla's stage on the
