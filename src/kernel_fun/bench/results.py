@@ -149,6 +149,15 @@ def _config_text(row) -> str:
     return ", ".join(parts)
 
 
+# The shape fla's stored autotune choices (bench/fla_configs) were made at.
+CONFIGS_SHAPE = "prod8192_gate"
+
+
+def _borrowed_configs(row: dict) -> bool:
+    """fla's stage ran configs its autotuner chose at another shape (fuzzy cache lookup)."""
+    return "fuzzy" in (row.get("fla_cache_mode") or "") and row["shape"] != CONFIGS_SHAPE
+
+
 def stage_table(rows: list[dict], best_only: bool = True, ships=None) -> str:
     """Stage-alone rows (``kind == "stage"``) against fla's kernel and the stage's memory
     floor: per (stage, shape) fla and, with ``best_only``, each design's fastest config
@@ -197,14 +206,14 @@ def stage_table(rows: list[dict], best_only: bool = True, ships=None) -> str:
         ms = "—" if not r.get("ms") else f"{r['ms']:.3f} ({r['spread_ms'][0]:.3f}–{r['spread_ms'][1]:.3f})"
         floor = r.get("floor_ms")
         times_floor = f"{r['ms'] / floor:.2f}" if r.get("ms") and floor else "—"
-        note = "*" if "fuzzy" in (r.get("fla_cache_mode") or "") else ""
+        note = "*" if _borrowed_configs(r) else ""
         lines.append(
             f"| {r['stage']} | {r['shape']}{note} | {'fla' if r['impl'] == 'fla' else r['design']} | "
             f"{_config_text(r) if r['impl'] != 'fla' else 'autotuned'} | {ms} | "
             f"{'—' if ratio is None else f'{ratio:.2f}x'} | {_fmt(floor, 2)} | {times_floor} | "
             f"{'ok' if r.get('parity', {}).get('ok') else 'RED'} | {r['gpu']}, {r['date'][:10]}, `{r['commit']}` |"
         )
-    if any("fuzzy" in (r.get("fla_cache_mode") or "") for r in rows):
+    if any(_borrowed_configs(r) for r in rows):
         lines.append("")
         lines.append("\\* fla's kernel ran with the config its autotuner chose at prod8192_gate "
                      "(`FLA_CACHE_MODE=fuzzy`), not re-autotuned for this shape family.")

@@ -82,7 +82,7 @@ PARAMETERS = {
     "safe_gate": "handled (fla's intra forward and B7 take it)",
     "disable_recompute": "handled (the forward saves what fla saves; B1-B3 skipped)",
     "return_intermediate_states": "handled (inference mode; returns h as fla does)",
-    "state_v_first": "handled (every state-shaped tensor in [V, K])",
+    "state_v_first": "handled (h0, final state, dh0 and a returned h in [V, K]; [K, V] inside the chain)",
     "transpose_state_layout": "falls back whenever given (deprecated alias of state_v_first)",
     "cp_context": "falls back when set",
     "use_graph": "falls back when True (fla 0.6)",

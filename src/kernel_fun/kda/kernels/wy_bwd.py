@@ -24,9 +24,10 @@ tiles before the end the program asks L2 for the epilogue's k, q and g
 to the layouts their uses need (``opaque_zeros_like``), and stores dq and dA from the
 accumulators' layout by 8-byte pair stores (``store_pairs``). The V tile is the pinned
 BV halved until V spans two tiles (``fullk_bv``); at K=128 with enough (b, hv) pairs the
-grid runs b*hv fastest (``heads_fast_order``). h and dh may come in fla's [K, V] layout or,
-with ``state_v_first`` (fla's own layer), in [V, K] (the STATE_V_FIRST constexpr changes
-only the tiles' addresses). A ``timeline`` buffer in the config compiles in per-program
+grid runs b*hv fastest (``heads_fast_order``). h and dh may come in fla's [K, V] layout or
+in the [V, K] one of ``state_v_first`` (the STATE_V_FIRST constexpr changes only the tiles'
+addresses), as fla's stage takes them; the chain always passes [K, V], transposing a [V, K]
+caller's boundary states instead. A ``timeline`` buffer in the config compiles in per-program
 %globaltimer stamps (``tools/b6_timeline.py``); without one that code is not compiled.
 
 Numerics: the V accumulation keeps fla's order (V tiles ascending, fp32 accumulators);
@@ -40,10 +41,11 @@ Falls back to fla's stage (``supports`` says why): K not 64 or 128, V not a mult
 32, fp32 inputs, chunk size other than 64, an h/dh layout the flag does not name.
 
 Measured on the H200 (``bench/results/stages.jsonl``; the rounds in docs/log/b6.md):
-4.75 ms against fla's 12.51 at prod8192_gate (2.63x, 1.27x the floor; the whole op 39.81
-against 47.16). In the [V, K] layout the kernel spills 284 B against 28 and takes 6.96 ms
-in the whole op at prod8192_layer: not tuned yet (docs/log/b6.md, "The [V, K] state
-layout"). The retired ``transposed`` design lost at every shape (1.12-1.35x fla).
+4.88 ms against fla's 12.59 at prod8192_gate (2.58x, 1.31x the floor; the whole op 39.60
+against 46.99). In the [V, K] layout the kernel spills 284 B against 28 and took 6.96 ms
+in the whole op at prod8192_layer, which is why the chain does not use it (docs/log/b6.md,
+"The [V, K] state layout"). The retired ``transposed`` design lost at every shape
+(1.12-1.35x fla).
 """
 
 from __future__ import annotations
