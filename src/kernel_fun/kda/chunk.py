@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import warnings
 from typing import Any
 
 import torch
@@ -123,6 +124,9 @@ def _describe(t) -> str:
 # --------------------------------------------------------------------------------------
 def _validate(c: _Call) -> None:
     kw = c.kwargs
+    if kw.get("head_first"):  # fla's chunk_kda would take it as an unknown keyword and compute on [B, H, T, K]
+        raise ValueError("head_first=True is not supported: chunk_kda takes inputs as [B, T, H, ...] "
+                         "(fla removed head_first; its chunk_kda ignores the flag).")
     if "transpose_state_layout" in kw and c.state_v_first:
         raise ValueError("Cannot pass both `state_v_first` and the deprecated `transpose_state_layout`.")
     q, k, v, g, beta = c.q, c.k, c.v, c.g, c.beta
@@ -194,6 +198,9 @@ def _validate(c: _Call) -> None:
         raise ValueError(f"v must have shape [B, T, HV, V] with B={B}, T={T}, got {list(v.shape)}.")
     if T == 0 or K == 0 or v.shape[3] == 0:
         raise ValueError(f"chunk_kda needs T, K and V >= 1, got q {list(q.shape)}, v {list(v.shape)}.")
+    if cu_seqlens is None and T < H:  # as fla's other chunked ops warn; its chunk_kda does not
+        warnings.warn(f"chunk_kda: q has T={T} < H={H}; inputs look head-first ([B, H, T, K]), and chunk_kda "
+                      f"takes [B, T, H, K]", stacklevel=4)
     for name in ("q", "k", "v", "g", "beta"):
         if not c.args[name].is_floating_point():
             raise TypeError(f"`{name}` must be a floating-point tensor, got {c.args[name].dtype}.")
