@@ -21,8 +21,8 @@ import triton.language as tl
 
 from kernel_fun.kda import chunk_kda, last_record, use_impls
 from kernel_fun._triton import store_pairs
-from kernel_fun.kda.kernels import wy_bwd
-from kernel_fun.kda.parity import B6_VS_FLA, b6_misses, stage_errors
+from kernel_fun.kda.kernels import intra_bwd, wy_bwd
+from kernel_fun.kda.parity import B6_VS_FLA, b6_misses, b7_misses, stage_errors
 from kernel_fun.kda.problems import SHAPES, Problem, make_inputs, problem, run_fwd_bwd
 from kernel_fun.kda.stages import capture_stages, stages
 
@@ -269,6 +269,59 @@ def test_b6_on_packed_sequences_matches_fla_stage():
     vs_fla = stage_errors("B6", ours, theirs, cu_seqlens=inputs["cu_seqlens"])
     print("packed B6 vs fla", vs_fla)
     assert all(vs_fla[n] <= B6_VS_FLA[n] for n in vs_fla), vs_fla
+
+
+# --------------------------------------------------------------------------------------
+# B7: kernel-fun's intra-chunk backward against fla's stage (not dispatched yet)
+# --------------------------------------------------------------------------------------
+def _b7_verdict(inputs: dict, label: str) -> dict:
+    """B7's misses against fla's stage and the float64 stage (on the first sequence of a
+    dense batch, on all of a packed one)."""
+    from kernel_fun.kda import reference as ref
+    from kernel_fun.kda.chain import _fla_intra_bwd
+
+    theirs = _fla_intra_bwd(**inputs)
+    ours = intra_bwd.intra_bwd(**inputs)
+    vs_fla = stage_errors("B7", ours, theirs, cu_seqlens=inputs["cu_seqlens"])
+    if inputs["cu_seqlens"] is None:
+        sub = {n: (t[:1] if isinstance(t, torch.Tensor) else t) for n, t in inputs.items()}
+    else:
+        sub = inputs
+    exact = ref.intra_bwd(**{n: t for n, t in sub.items() if n not in ("chunk_indices", "safe_gate")}, exact=True)
+    n = 1 if inputs["cu_seqlens"] is None else None
+    first = (lambda out: tuple(t[:n] for t in out)) if n else (lambda out: out)  # noqa: E731
+    fla_err, our_err = stage_errors("B7", first(theirs), exact), stage_errors("B7", first(ours), exact)
+    print(label, "vs fla", vs_fla, "vs exact", our_err, "fla vs exact", fla_err)
+    misses = b7_misses(our_err, fla_err, vs_fla)
+    assert all(torch.isfinite(t).all() for t in ours)
+    return misses
+
+
+@pytest.mark.parametrize("shape", ["grid64", "grid1024", "b8", "k64", "v32"])
+def test_b7_matches_fla_stage(shape):
+    """Both sides of any CTA floor, a production grid, K=64."""
+    from kernel_fun.bench import stage_b7
+
+    inputs = stage_b7.make_inputs(problem(shape), "cuda", seed=2)
+    misses = _b7_verdict(inputs, shape)
+    assert not misses, misses
+
+
+@pytest.mark.parametrize("p", SMALL[:2] + [FLAGGED[1]], ids=lambda p: p.name)
+@pytest.mark.parametrize("gates", ["kimi", "strong"])
+def test_b7_on_the_chain_s_inputs_matches_fla_stage(p, gates):
+    """B7's inputs as fla's chain makes them (T=500 with h0, packed sequences, safe_gate),
+    and with gates strong enough that exp2 differences inside a 16-row block pass 100."""
+    kwargs = make_inputs(p, device="cuda", seed=5)
+    if gates == "strong":
+        if p.safe_gate:
+            pytest.skip("safe_gate bounds the gate")
+        kwargs["g"] = (kwargs["g"].detach() * 8 + 12).requires_grad_(True)
+    with capture_stages() as log:
+        run_fwd_bwd(chunk_kda, kwargs, grid=p.dtype)
+    (inputs,) = [x for name, _, x, _ in log if name == "B7"]
+    misses = _b7_verdict(inputs, f"{p.name}-{gates}")
+    assert not misses, misses
 
 
 # --------------------------------------------------------------------------------------

@@ -129,9 +129,20 @@ def b6_report(design: str, K: int, V: int, H: int, HV: int, BV: int, num_warps: 
     raise ValueError(design)
 
 
+def b7_report(K: int, H: int, HV: int, BK: int, num_warps: int, num_stages: int, dtype: str = "bf16") -> dict:
+    """B7's pairwise kernel (kda/kernels/intra_bwd.py), dense sequences."""
+    from kernel_fun.kda.kernels import intra_bwd
+
+    types = {"q": _PTR[dtype], "k": _PTR[dtype], "beta": _PTR[dtype],
+             **{n: "*fp32" for n in ("g", "dAqk", "dAkk", "dq", "dk", "db", "dg", "dq2", "dk2", "db2", "dg2")}}
+    constexprs = dict(cu_seqlens=None, chunk_indices=None, H=H, HV=HV, K=K, BT=64, BC=intra_bwd.BC, BK=BK,
+                      IS_VARLEN=False)
+    return compile_sm90(intra_bwd.intra_bwd_kernel, types, constexprs, num_warps, num_stages)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--design", default="fullk")
+    parser.add_argument("--design", default="fullk", help="fullk (B6) or pairwise (B7, --BV its K slice)")
     parser.add_argument("--K", type=int, default=128)
     parser.add_argument("--V", type=int, default=256)
     parser.add_argument("--H", type=int, default=16)
@@ -150,8 +161,11 @@ def main(argv=None):
                        BV=BV,
                        **({"switches": json.loads(args.extra)} if args.extra != "{}" else {}))
             try:
-                row.update(b6_report(design, args.K, args.V, args.H, args.HV, BV, warps, stages, maxnreg=args.maxnreg,
-                                     extra=json.loads(args.extra)))
+                if design == "pairwise":  # B7: --BV is its K slice
+                    row.update(b7_report(args.K, args.H, args.HV, BV, warps, stages))
+                else:
+                    row.update(b6_report(design, args.K, args.V, args.H, args.HV, BV, warps, stages,
+                                         maxnreg=args.maxnreg, extra=json.loads(args.extra)))
             except Exception as err:  # a config that does not compile is a row too
                 row.update(error=str(err).splitlines()[0][:160], num_warps=warps, num_stages=stages)
             print(json.dumps(row), flush=True)

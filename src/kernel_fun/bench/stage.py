@@ -65,9 +65,9 @@ class StageBench:
 
 def entries() -> dict[str, StageBench]:
     """Every stage with a bench entry, by stage name."""
-    from kernel_fun.bench import stage_b6
+    from kernel_fun.bench import stage_b6, stage_b7
 
-    return {"B6": stage_b6.BENCH}
+    return {"B6": stage_b6.BENCH, "B7": stage_b7.BENCH}
 
 
 def config_label(design: str, config: dict) -> str:

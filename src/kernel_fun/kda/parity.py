@@ -51,17 +51,34 @@ B6_BUDGETS = {"dq": ref.BUDGETS["dq"], "dk": ref.BUDGETS["dk"], "dv": ref.BUDGET
               "db": ref.BUDGETS["dbeta"], "dg": ref.BUDGETS["dg"], "dA": ref.BUDGETS["dg"]}
 
 
-def b6_misses(vs_exact: dict, baseline_exact: dict, vs_fla: dict | None = None) -> dict[str, tuple]:
-    """The B6 outputs that miss their bar, with (error, bar): against fla's stage (when
-    ``vs_fla`` is given) within ``B6_VS_FLA``; against the float64 stage within
-    ``B6_BUDGETS`` and no more than 10% worse than ``baseline_exact`` (fla's own error, or
-    that of the reference which rounds where fla rounds)."""
+def bar_misses(vs_exact: dict, baseline_exact: dict, vs_fla: dict | None, fla_bars: dict,
+               exact_bars: dict) -> dict[str, tuple]:
+    """A stage's outputs that miss their bar, with (error, bar): against fla's stage (when
+    ``vs_fla`` is given) within ``fla_bars``; against the float64 stage within ``exact_bars``
+    and no more than 10% worse than ``baseline_exact`` (fla's own error, or that of the
+    reference which rounds where fla rounds)."""
     misses = {}
     for name, err in (vs_fla or {}).items():
-        if not err <= B6_VS_FLA[name]:
-            misses[f"{name} vs fla"] = (err, B6_VS_FLA[name])
+        if not err <= fla_bars[name]:
+            misses[f"{name} vs fla"] = (err, fla_bars[name])
     for name, err in vs_exact.items():
-        bar = min(B6_BUDGETS[name], 1.1 * baseline_exact[name] + 1e-7)
+        bar = min(exact_bars[name], 1.1 * baseline_exact[name] + 1e-7)
         if not err <= bar:
             misses[f"{name} vs exact"] = (err, bar)
     return misses
+
+
+def b6_misses(vs_exact: dict, baseline_exact: dict, vs_fla: dict | None = None) -> dict[str, tuple]:
+    """B6's misses (``bar_misses``): ``B6_VS_FLA`` against fla's stage, ``B6_BUDGETS``
+    against the float64 stage."""
+    return bar_misses(vs_exact, baseline_exact, vs_fla, B6_VS_FLA, B6_BUDGETS)
+
+
+# B7 (the intra-chunk backward): fla's budgets for the gradients these outputs are (db feeds
+# dbeta, dg the gate's), against fla's stage and the float64 stage alike.
+B7_BARS = {"dq": ref.BUDGETS["dq"], "dk": ref.BUDGETS["dk"], "db": ref.BUDGETS["dbeta"], "dg": ref.BUDGETS["dg"]}
+
+
+def b7_misses(vs_exact: dict, baseline_exact: dict, vs_fla: dict | None = None) -> dict[str, tuple]:
+    """B7's misses (``bar_misses``), ``B7_BARS`` on both sides."""
+    return bar_misses(vs_exact, baseline_exact, vs_fla, B7_BARS, B7_BARS)

@@ -721,14 +721,15 @@ def wy_dqkg_bwd(
 
 
 # B7: gradients through the intra-chunk scores -------------------------------------------------
-def _intra_bwd_dense(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, BT):
+def _intra_bwd_dense(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, BT, exact=False):
     B, T, H, K = q.shape
     HV = gc.shape[2]
-    qc = to_chunks(_expand_heads(q, HV).float(), BT)
-    kc = to_chunks(_expand_heads(k, HV).float(), BT)
-    Gc = to_chunks(gc.float(), BT) * LN2  # natural-log cumsum: the gradients are d/dGamma
-    bc = to_chunks(beta.float(), BT)
-    dAqk_c, dAkk_c = to_chunks(dAqk.float(), BT), to_chunks(dAkk.float(), BT)
+    f = (lambda x: x.double()) if exact else (lambda x: x.float())
+    qc = to_chunks(f(_expand_heads(q, HV)), BT)
+    kc = to_chunks(f(_expand_heads(k, HV)), BT)
+    Gc = to_chunks(f(gc), BT) * LN2  # natural-log cumsum: the gradients are d/dGamma
+    bc = to_chunks(f(beta), BT)
+    dAqk_c, dAkk_c = to_chunks(f(dAqk), BT), to_chunks(f(dAkk), BT)
     NT = qc.shape[2]
     m_incl = _mask_pairs(T, BT, q.device, strict=False)
     m_strict = _mask_pairs(T, BT, q.device, strict=True)
@@ -746,7 +747,7 @@ def _intra_bwd_dense(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, BT):
             for acc, grad in zip(grads, torch.autograd.grad(loss, leaves)):
                 acc[:, :, sl] = grad
     dq_i, dk_i, dg_i, db_i = (from_chunks(x, T) for x in grads)
-    return dq.float() + dq_i, dk.float() + dk_i, db.float() + db_i, dg.float() + dg_i
+    return f(dq) + dq_i, f(dk) + dk_i, f(db) + db_i, f(dg) + dg_i
 
 
 def intra_bwd(
@@ -762,18 +763,22 @@ def intra_bwd(
     dg: torch.Tensor,
     chunk_size: int = CHUNK,
     cu_seqlens: torch.Tensor | None = None,
+    exact: bool = False,
 ):
     """B7: adds to dq, dk, db, dg (fp32, HV heads) the vector-Jacobian product of
     ``(Aqk_raw, Akk)`` with ``(dAqk, dAkk)``, where ``Aqk_raw[r,s] = sum_i q_ri k_si e^{G_ri - G_si}``
-    (s <= r) and ``Akk[r,s] = beta_r sum_i k_ri k_si e^{G_ri - G_si}`` (s < r)."""
+    (s <= r) and ``Akk[r,s] = beta_r sum_i k_ri k_si e^{G_ri - G_si}`` (s < r). ``exact=True``
+    computes in float64 (from the same inputs): with strong gates the fp32 cumsum's
+    conversion to natural-log units alone moves the fp32 result by ~1e-4."""
     if cu_seqlens is not None:
         return per_sequence(
             _intra_bwd_dense, cu_seqlens,
-            dict(q=q, k=k, gc=gc, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db, dg=dg, BT=chunk_size),
+            dict(q=q, k=k, gc=gc, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db, dg=dg, BT=chunk_size,
+                 exact=exact),
             {name: "token" for name in ("q", "k", "gc", "beta", "dAqk", "dAkk", "dq", "dk", "db", "dg")},
             ("token",) * 4, chunk_size,
         )
-    return _intra_bwd_dense(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size)
+    return _intra_bwd_dense(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, exact)
 
 
 # B9: the gate's backward ------------------------------------------------------------------

@@ -1,0 +1,98 @@
+"""B7's entry in the stage bench (``kernel_fun.bench.stage``): its inputs, its bytes, the
+configs worth timing, and its parity bars.
+
+``python -m kernel_fun.bench.stage --stage B7 --shapes prod8192_gate --configs sweep``
+
+B7's inputs are random, of the magnitudes a real chain gives: unit q/k rows, a Kimi-style
+gate cumsum, beta in (0, 1), fp32 dAqk/dAkk and the dq, dk, db, dg B6 hands on. Parity
+(``kda.parity.b7_misses``): against fla's stage within fla's budgets (dq, dk 0.008; db,
+dg 0.02); against the float64 stage within the same and within 10% of fla's own error.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from kernel_fun.bench.stage import StageBench, main as _stage_main
+
+# The configs worth timing, from the sm_90a compile report (intra_bwd.DEFAULT_CONFIG's note).
+SWEEP = {"pairwise": [dict(BK=32, num_warps=8, num_stages=1), dict(BK=32, num_warps=8, num_stages=2),
+                      dict(BK=64, num_warps=8, num_stages=1), dict(BK=32, num_warps=4, num_stages=1),
+                      dict(BK=32, num_warps=16, num_stages=1)]}
+
+
+def b7_bytes(p) -> int:
+    """The fewest bytes B7 moves: q, k, gc, beta, dAqk, dAkk and the incoming dq, dk, db, dg
+    read once; dq, dk, db, dg written once."""
+    tok_h, tok_hv = p.B * p.T * p.H, p.B * p.T * p.HV
+    reads = 2 * tok_h * p.K * 2 + tok_hv * p.K * 4 + tok_hv * 2 + 2 * tok_hv * 64 * 4 + 3 * tok_hv * p.K * 4 + tok_hv * 4
+    writes = 3 * tok_hv * p.K * 4 + tok_hv * 4
+    return reads + writes
+
+
+def make_inputs(p, device, seed: int = 0) -> dict:
+    from kernel_fun.kda import reference as ref
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*shape, scale=1.0, dtype=torch.float32):
+        return (torch.randn(*shape, generator=gen, device=device) * scale).to(dtype)
+
+    B, T, H, HV, K = p.B, p.T, p.H, p.HV, p.K
+    q = torch.nn.functional.normalize(randn(B, T, H, K), dim=-1).bfloat16()
+    k = torch.nn.functional.normalize(randn(B, T, H, K), dim=-1).bfloat16()
+    A_log = torch.log(torch.empty(HV, device=device).uniform_(1, 16, generator=gen))
+    dt = torch.exp(torch.empty(HV * K, device=device).uniform_(-6.9, -2.3, generator=gen))
+    gc = ref.gate_cumsum(randn(B, T, HV, K, dtype=torch.bfloat16), True, A_log, dt + torch.log(-torch.expm1(-dt)))
+    return dict(
+        q=q, k=k, gc=gc.contiguous(), beta=torch.sigmoid(randn(B, T, HV)).bfloat16(),
+        dAqk=randn(B, T, HV, 64, scale=0.1), dAkk=randn(B, T, HV, 64, scale=0.1),
+        dq=randn(B, T, HV, K), dk=randn(B, T, HV, K), db=randn(B, T, HV), dg=randn(B, T, HV, K),
+        chunk_size=64, cu_seqlens=None, chunk_indices=None, safe_gate=p.safe_gate,
+    )
+
+
+def _fla(**inputs):
+    from kernel_fun.kda.chain import _fla_intra_bwd
+
+    return _fla_intra_bwd(**inputs)
+
+
+def _exact(**inputs):
+    from kernel_fun.kda import reference as ref
+
+    return ref.intra_bwd(**{n: t for n, t in inputs.items() if n not in ("chunk_indices", "safe_gate")}, exact=True)
+
+
+def _ours(inputs, design, config):
+    from kernel_fun.kda.kernels import intra_bwd
+
+    return intra_bwd.intra_bwd(**inputs, **(config or intra_bwd.DEFAULT_CONFIG))
+
+
+def _launch_config(p, design, overrides):
+    from kernel_fun.kda.kernels import intra_bwd
+
+    if design != "pairwise":
+        raise ValueError(f"unknown B7 design {design!r}")
+    return {**intra_bwd.DEFAULT_CONFIG, **(overrides or {})}
+
+
+def _misses(vs_exact, fla_exact, vs_fla):
+    from kernel_fun.kda.parity import b7_misses
+
+    return b7_misses(vs_exact, fla_exact, vs_fla)
+
+
+BENCH = StageBench(stage="B7", make_inputs=make_inputs, bytes=b7_bytes, fla=_fla, exact=_exact, ours=_ours,
+                   launch_config=_launch_config, misses=_misses, sweep=SWEEP, designs=("pairwise",))
+
+
+def main(argv=None) -> int:
+    return _stage_main(argv, stage="B7")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

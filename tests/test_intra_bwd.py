@@ -1,0 +1,129 @@
+"""B7 (kda/kernels/intra_bwd.py) through the interpreter against the stage reference, on the
+inputs the chain gives the stage: K 64, 128 and 100, T not a multiple of 64, GVA, packed
+sequences, weak, very strong and lower-bounded gates."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from conftest import DEVICE, needs_triton
+from kernel_fun.kda import chunk_kda
+from kernel_fun.kda import reference as ref
+from kernel_fun.kda.kernels import intra_bwd
+from kernel_fun.kda.problems import Problem, make_inputs, run_fwd_bwd
+from kernel_fun.kda.stages import capture_stages, stages, use_impls
+
+pytestmark = needs_triton
+
+SHAPES = [
+    Problem("T63-K64", 2, 63, 2, 2, 64, 32),
+    Problem("T130-K128-gva-h0", 1, 130, 1, 2, 128, 32, initial_state=True),
+    Problem("T70-K100", 1, 70, 2, 2, 100, 16),
+    Problem("varlen-K64", 1, 150, 2, 2, 64, 16, cu_seqlens=(0, 1, 65, 150)),
+    Problem("T100-K64-safe", 1, 100, 2, 2, 64, 16, lower_bound=-5.0, safe_gate=True),
+]
+
+
+def stage_inputs(p: Problem, gate_scale: float = 1.0, gate_shift: float = 0.0) -> dict:
+    """B7's inputs as the reference chain gives them, the raw gate scaled and shifted first
+    (softplus of 8x + 12 makes per-token log-decays of 4-28 nats, times exp(A_log))."""
+    kw = make_inputs(p, device=DEVICE, seed=4)
+    kw["g"] = (kw["g"].detach() * gate_scale + gate_shift).requires_grad_(True)
+    with use_impls("reference"), capture_stages() as log:
+        run_fwd_bwd(chunk_kda, kw, grid=p.dtype)
+    (inputs,) = [x for name, _, x, _ in log if name == "B7"]
+    return inputs
+
+
+def exact(inputs: dict) -> tuple:
+    """The reference stage in float64 on the same inputs."""
+    return ref.intra_bwd(**{n: t for n, t in inputs.items() if n not in ("chunk_indices", "safe_gate")}, exact=True)
+
+
+def check(inputs: dict, bound: float = 1e-5) -> dict:
+    want = exact(inputs)
+    got = intra_bwd.intra_bwd(**inputs)
+    errors = {n: ref.rel_rms(a, b) for n, a, b in zip(("dq", "dk", "db", "dg"), got, want)}
+    assert all(torch.isfinite(t).all() for t in got), errors
+    assert all(e <= bound for e in errors.values()), errors
+    return errors
+
+
+@pytest.mark.parametrize("p", SHAPES, ids=lambda p: p.name)
+def test_kernel_matches_reference_stage(p):
+    check(stage_inputs(p))
+
+
+def test_very_strong_gates_stay_exact():
+    """Gates strong enough that exp2 differences inside one 16-row block span hundreds:
+    where a factor through an anchor would overflow."""
+    p = SHAPES[0]
+    inputs = stage_inputs(p, gate_scale=8.0, gate_shift=12.0)
+    gc = inputs["gc"]
+    span = (gc[:, 0:16] - gc[:, 15:16]).abs().max()
+    assert span > 100, span
+    check(inputs)
+
+
+def test_weak_gates():
+    check(stage_inputs(SHAPES[1], gate_scale=1.0, gate_shift=-8.0))
+
+
+def test_outputs_are_fresh_and_inputs_untouched():
+    inputs = stage_inputs(SHAPES[0])
+    before = {n: t.clone() for n, t in inputs.items() if isinstance(t, torch.Tensor)}
+    out = intra_bwd.intra_bwd(**inputs)
+    again = intra_bwd.intra_bwd(**inputs)
+    for n, t in before.items():
+        assert torch.equal(inputs[n], t), n
+    for a, b in zip(out, again):
+        assert torch.equal(a, b)
+        assert all(a.data_ptr() != t.data_ptr() for t in before.values())
+
+
+def test_supports():
+    inputs = stage_inputs(SHAPES[0])
+    assert intra_bwd.supports(**inputs) is None
+    assert "chunk_size" in intra_bwd.supports(**dict(inputs, chunk_size=32))
+
+
+def test_kernel_is_not_dispatched_yet():
+    assert "ours" not in stages()["B7"].impls
+
+
+def test_bench_entry_inputs_run_and_count_bytes():
+    from kernel_fun.bench import stage_b7
+    from kernel_fun.kda.problems import problem
+
+    p = Problem("entry", 1, 100, 2, 4, 64, 16)
+    inputs = stage_b7.make_inputs(p, DEVICE, seed=1)
+    got = stage_b7.BENCH.ours(inputs, "pairwise", stage_b7.BENCH.launch_config(p, "pairwise", None))
+    want = stage_b7.BENCH.exact(**inputs)
+    errors = {n: ref.rel_rms(a, b) for n, a, b in zip(("dq", "dk", "db", "dg"), got, want)}
+    assert all(e <= 1e-5 for e in errors.values()), errors
+    assert not stage_b7.BENCH.misses(errors, errors, None)
+    assert abs(stage_b7.b7_bytes(problem("prod8192_gate")) / 1e9 - 9.7) < 0.1  # the roofline's 9.7 GB
+
+
+@pytest.mark.skipif(__import__("triton").__version__ != "3.6.0", reason="spill figures recorded with Triton 3.6.0's ptxas")
+@pytest.mark.parametrize("K,spills", [(128, 12), (64, 44)])
+def test_default_config_compiles_within_its_recorded_spills(K, spills):
+    """The default config as ptxas assembles it for sm_90a (intra_bwd.DEFAULT_CONFIG's note),
+    compiled in a process without the interpreter: a change that adds spills fails here."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    cfg = intra_bwd.DEFAULT_CONFIG
+    env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-m", "tools.compile_report", "--design", "pairwise", "--K", str(K), "--BV", str(cfg["BK"]),
+           "--warps", str(cfg["num_warps"]), "--stages", str(cfg["num_stages"])]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=root)
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "error" not in row and row["wgmma"] > 0, row
+    assert row["spill_stores"] <= spills and row["spill_loads"] <= spills, row
