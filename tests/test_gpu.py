@@ -274,14 +274,14 @@ def test_b6_on_packed_sequences_matches_fla_stage():
 # --------------------------------------------------------------------------------------
 # B7: kernel-fun's intra-chunk backward against fla's stage (not dispatched yet)
 # --------------------------------------------------------------------------------------
-def _b7_verdict(inputs: dict, label: str) -> dict:
+def _b7_verdict(inputs: dict, label: str, diagonal: str = "pairwise") -> dict:
     """B7's misses against fla's stage and the float64 stage (on the first sequence of a
     dense batch, on all of a packed one)."""
     from kernel_fun.kda import reference as ref
     from kernel_fun.kda.chain import _fla_intra_bwd
 
     theirs = _fla_intra_bwd(**inputs)
-    ours = intra_bwd.intra_bwd(**inputs)
+    ours = intra_bwd.intra_bwd(**inputs, diagonal=diagonal)
     vs_fla = stage_errors("B7", ours, theirs, cu_seqlens=inputs["cu_seqlens"])
     if inputs["cu_seqlens"] is None:
         sub = {n: (t[:1] if isinstance(t, torch.Tensor) else t) for n, t in inputs.items()}
@@ -291,7 +291,7 @@ def _b7_verdict(inputs: dict, label: str) -> dict:
     n = 1 if inputs["cu_seqlens"] is None else None
     first = (lambda out: tuple(t[:n] for t in out)) if n else (lambda out: out)  # noqa: E731
     fla_err, our_err = stage_errors("B7", first(theirs), exact), stage_errors("B7", first(ours), exact)
-    print(label, "vs fla", vs_fla, "vs exact", our_err, "fla vs exact", fla_err)
+    print(label, diagonal, "vs fla", vs_fla, "vs exact", our_err, "fla vs exact", fla_err)
     misses = b7_misses(our_err, fla_err, vs_fla)
     assert all(torch.isfinite(t).all() for t in ours)
     return misses
@@ -307,6 +307,18 @@ def test_b7_matches_fla_stage(shape):
     assert not misses, misses
 
 
+@pytest.mark.parametrize("shape", ["grid1024", "b8"])
+def test_b7_anchored_matches_fla_stage_with_safe_gate(shape):
+    """The anchored diagonal, at a gate bounded by lower_bound=-5 (fla's safe_gate form)."""
+    from kernel_fun.bench import stage_b7
+
+    p = dataclasses.replace(problem(shape), safe_gate=True, lower_bound=-5.0)
+    inputs = stage_b7.make_inputs(p, "cuda", seed=2)
+    for diagonal in ("pairwise", "anchored"):
+        misses = _b7_verdict(inputs, shape + "-safe", diagonal)
+        assert not misses, (diagonal, misses)
+
+
 @pytest.mark.parametrize("p", SMALL[:2] + [FLAGGED[1]], ids=lambda p: p.name)
 @pytest.mark.parametrize("gates", ["kimi", "strong"])
 def test_b7_on_the_chain_s_inputs_matches_fla_stage(p, gates):
@@ -320,8 +332,9 @@ def test_b7_on_the_chain_s_inputs_matches_fla_stage(p, gates):
     with capture_stages() as log:
         run_fwd_bwd(chunk_kda, kwargs, grid=p.dtype)
     (inputs,) = [x for name, _, x, _ in log if name == "B7"]
-    misses = _b7_verdict(inputs, f"{p.name}-{gates}")
-    assert not misses, misses
+    for diagonal in ("pairwise", "anchored") if p.safe_gate else ("pairwise",):
+        misses = _b7_verdict(inputs, f"{p.name}-{gates}", diagonal)
+        assert not misses, (diagonal, misses)
 
 
 # --------------------------------------------------------------------------------------

@@ -57,6 +57,34 @@ def test_kernel_matches_reference_stage(p):
     check(stage_inputs(p))
 
 
+def check_anchored(inputs: dict, bound: float = 1e-5) -> dict:
+    want = exact(inputs)
+    got = intra_bwd.intra_bwd(**inputs, diagonal="anchored")
+    errors = {n: ref.rel_rms(a, b) for n, a, b in zip(("dq", "dk", "db", "dg"), got, want)}
+    assert all(e <= bound for e in errors.values()), errors
+    return errors
+
+
+@pytest.mark.parametrize("p", [SHAPES[4], dataclasses.replace(SHAPES[3], name="varlen-K64-safe", lower_bound=-5.0,
+                                                               safe_gate=True)], ids=lambda p: p.name)
+def test_anchored_diagonal_with_a_bounded_gate(p):
+    """The tensor-core diagonal through each block's middle row, at the steepest gate
+    safe_gate allows (every token at the lower bound, -5)."""
+    inputs = stage_inputs(p, gate_scale=0.0, gate_shift=30.0)  # sigmoid saturates: every gate at -5
+    # dg's intra part cancels (q dq + k dk_row - k dk_col) most at a saturated gate: both
+    # diagonal forms land near 1e-5 there in fp32 (pairwise 9.4e-6, anchored 1.2e-5), 1e-7
+    # elsewhere.
+    check_anchored(inputs, bound=3e-5)
+    check(inputs, bound=3e-5)
+    check_anchored(stage_inputs(p))
+
+
+def test_anchored_diagonal_needs_safe_gate():
+    inputs = stage_inputs(SHAPES[0])
+    with pytest.raises(ValueError, match="needs safe_gate=True"):
+        intra_bwd.intra_bwd(**inputs, diagonal="anchored")
+
+
 def test_very_strong_gates_stay_exact():
     """Gates strong enough that exp2 differences inside one 16-row block span hundreds:
     where a factor through an anchor would overflow."""
@@ -109,8 +137,8 @@ def test_bench_entry_inputs_run_and_count_bytes():
 
 
 @pytest.mark.skipif(__import__("triton").__version__ != "3.6.0", reason="spill figures recorded with Triton 3.6.0's ptxas")
-@pytest.mark.parametrize("K,spills", [(128, 12), (64, 44)])
-def test_default_config_compiles_within_its_recorded_spills(K, spills):
+@pytest.mark.parametrize("design,K,spills", [("pairwise", 128, 8), ("pairwise", 64, 44), ("anchored", 128, 16)])
+def test_default_config_compiles_within_its_recorded_spills(design, K, spills):
     """The default config as ptxas assembles it for sm_90a (intra_bwd.DEFAULT_CONFIG's note),
     compiled in a process without the interpreter: a change that adds spills fails here."""
     import json
@@ -121,7 +149,7 @@ def test_default_config_compiles_within_its_recorded_spills(K, spills):
     cfg = intra_bwd.DEFAULT_CONFIG
     env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cmd = [sys.executable, "-m", "tools.compile_report", "--design", "pairwise", "--K", str(K), "--BV", str(cfg["BK"]),
+    cmd = [sys.executable, "-m", "tools.compile_report", "--design", design, "--K", str(K), "--BV", str(cfg["BK"]),
            "--warps", str(cfg["num_warps"]), "--stages", str(cfg["num_stages"])]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=root)
     row = json.loads(out.stdout.strip().splitlines()[-1])

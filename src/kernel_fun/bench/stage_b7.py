@@ -1,7 +1,8 @@
 """B7's entry in the stage bench (``kernel_fun.bench.stage``): its inputs, its bytes, the
 configs worth timing, and its parity bars.
 
-``python -m kernel_fun.bench.stage --stage B7 --shapes prod8192_gate --configs sweep``
+``python -m kernel_fun.bench.stage --stage B7 --shapes prod8192_gate,prod8192_layer_safe --configs sweep``
+(the anchored diagonal runs at safe_gate shapes only)
 
 B7's inputs are random, of the magnitudes a real chain gives: unit q/k rows, a Kimi-style
 gate cumsum, beta in (0, 1), fp32 dAqk/dAkk and the dq, dk, db, dg B6 hands on. Parity
@@ -20,7 +21,8 @@ from kernel_fun.bench.stage import StageBench, main as _stage_main
 # The configs worth timing, from the sm_90a compile report (intra_bwd.DEFAULT_CONFIG's note).
 SWEEP = {"pairwise": [dict(BK=32, num_warps=8, num_stages=1), dict(BK=32, num_warps=8, num_stages=2),
                       dict(BK=64, num_warps=8, num_stages=1), dict(BK=32, num_warps=4, num_stages=1),
-                      dict(BK=32, num_warps=16, num_stages=1)]}
+                      dict(BK=32, num_warps=16, num_stages=1)],
+         "anchored": [dict(BK=32, num_warps=8, num_stages=1), dict(BK=64, num_warps=8, num_stages=1)]}
 
 
 def b7_bytes(p) -> int:
@@ -45,7 +47,8 @@ def make_inputs(p, device, seed: int = 0) -> dict:
     k = torch.nn.functional.normalize(randn(B, T, H, K), dim=-1).bfloat16()
     A_log = torch.log(torch.empty(HV, device=device).uniform_(1, 16, generator=gen))
     dt = torch.exp(torch.empty(HV * K, device=device).uniform_(-6.9, -2.3, generator=gen))
-    gc = ref.gate_cumsum(randn(B, T, HV, K, dtype=torch.bfloat16), True, A_log, dt + torch.log(-torch.expm1(-dt)))
+    gc = ref.gate_cumsum(randn(B, T, HV, K, dtype=torch.bfloat16), True, A_log, dt + torch.log(-torch.expm1(-dt)),
+                         lower_bound=p.lower_bound)
     return dict(
         q=q, k=k, gc=gc.contiguous(), beta=torch.sigmoid(randn(B, T, HV)).bfloat16(),
         dAqk=randn(B, T, HV, 64, scale=0.1), dAkk=randn(B, T, HV, 64, scale=0.1),
@@ -69,14 +72,16 @@ def _exact(**inputs):
 def _ours(inputs, design, config):
     from kernel_fun.kda.kernels import intra_bwd
 
-    return intra_bwd.intra_bwd(**inputs, **(config or intra_bwd.DEFAULT_CONFIG))
+    return intra_bwd.intra_bwd(**inputs, **(config or intra_bwd.DEFAULT_CONFIG), diagonal=design)
 
 
 def _launch_config(p, design, overrides):
     from kernel_fun.kda.kernels import intra_bwd
 
-    if design != "pairwise":
+    if design not in ("pairwise", "anchored"):
         raise ValueError(f"unknown B7 design {design!r}")
+    if design == "anchored" and not p.safe_gate:
+        raise ValueError("the anchored diagonal needs a safe_gate shape")
     return {**intra_bwd.DEFAULT_CONFIG, **(overrides or {})}
 
 
@@ -87,7 +92,7 @@ def _misses(vs_exact, fla_exact, vs_fla):
 
 
 BENCH = StageBench(stage="B7", make_inputs=make_inputs, bytes=b7_bytes, fla=_fla, exact=_exact, ours=_ours,
-                   launch_config=_launch_config, misses=_misses, sweep=SWEEP, designs=("pairwise",))
+                   launch_config=_launch_config, misses=_misses, sweep=SWEEP, designs=("pairwise", "anchored"))
 
 
 def main(argv=None) -> int:

@@ -18,7 +18,10 @@ cumsum (log2 units, non-increasing along the chunk):
   against later rows through its last row;
 - inside each 16-row diagonal block, pairwise on CUDA cores: 16 steps, each a gathered
   [64, BK] row tile, one exp2 per (row, column, channel) of the exponent g_r - g_s with
-  r >= s, never through an anchor, so it cannot overflow for any gate.
+  r >= s, never through an anchor, so it cannot overflow for any gate;
+- or, with ``safe_gate`` only (``diagonal="anchored"``), inside the same sub-chunk dots
+  through the same anchors: safe_gate's lower bound (-5 nats a token) keeps a block's
+  factors within 2^(+-110), inside fp32's range, and the diagonal needs no exp2 loop.
 
 Numerics: fp32 throughout (the dots in tf32, as fla's off-diagonal dots); the one-sided
 law above holds for any gate, so ``safe_gate`` changes nothing here. Outputs are fresh
@@ -27,8 +30,8 @@ idempotent.
 
 Falls back (``supports``): chunk size other than 64.
 
-Resources (sm_90a, offline, K=128): 255 registers, 12 B of spills at BK=32 and 8 warps,
-so one program per SM. Prediction for prod8192_gate: 9.7 GB of traffic (2.28 ms at the
+Resources (sm_90a, offline, K=128): 255 registers, 8 B of spills at BK=32 and 8 warps
+(anchored 16 B), so one program per SM. Prediction for prod8192_gate: 9.7 GB of traffic (2.28 ms at the
 copy rate) and ~8.6e9 exp2 in the diagonal blocks (~2 ms of the SFUs, both roles of each
 pair computed), overlapping: 3-4 ms against fla's 14.6.
 
@@ -54,7 +57,7 @@ def intra_bwd_kernel(
     dq2, dk2, db2, dg2,
     cu_seqlens, chunk_indices, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    BK: tl.constexpr, IS_VARLEN: tl.constexpr,
+    BK: tl.constexpr, IS_VARLEN: tl.constexpr, ANCHORED: tl.constexpr,
 ):
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_hv = i_bh % HV
@@ -101,58 +104,66 @@ def intra_bwd_kernel(
         b_dkr = tl.zeros([BT, BK], dtype=tl.float32)  # sum_s dAkk[r, s] k_s e(r, s)  (k_r's row role, before beta)
         b_dkc = tl.zeros([BT, BK], dtype=tl.float32)  # sum_r (dAqk[r, s] q_r + dAkk[r, s] beta_r k_r) e(r, s)
 
-        # Across sub-chunks, by dots through the sub-chunk boundaries (every factor <= 1).
-        for i in range(1, NC):
+        # By dots through the sub-chunk boundaries. Rows of sub-chunk i against earlier
+        # columns through its first row a_i, columns of sub-chunk i against later rows
+        # through its last row e_i: every factor <= 1. With ANCHORED (a bounded gate) the
+        # same dots take the sub-chunk's own diagonal block too, whose factors through the
+        # same anchors stay within 2^(+-15 * 7.3) (safe_gate's -5 nats a token, in log2).
+        p_A = o_t[:, None] * (HV * BT) + o_t[None, :]
+        causal = o_t[None, :] <= o_t[:, None]
+        strict = o_t[None, :] < o_t[:, None]
+        for i in range(0 if ANCHORED else 1, NC):
             if i * BC < n_t:
                 a_i = tl.load(g + (i * BC) * (HV * K) + o_k, mask=m_k, other=0).to(tl.float32)
-                rows_i = sc == i
-                cols_before = o_t < i * BC
-                m_A = (rows_i & m_t)[:, None] & cols_before[None, :]
-                p_A = o_t[:, None] * (HV * BT) + o_t[None, :]
-                b_Aq = tl.load(dAqk + p_A, mask=m_A, other=0).to(tl.float32)
-                b_Ak = tl.load(dAkk + p_A, mask=m_A, other=0).to(tl.float32)
-                b_kx = b_k.to(tl.float32) * tl.exp2(tl.where(cols_before[:, None] & m_tk, a_i[None, :] - b_g, float("-inf")))
-                f_i = tl.exp2(tl.where(rows_i[:, None] & m_tk, b_g - a_i[None, :], float("-inf")))
+                rows_i = (sc == i) & m_t
+                cols = o_t < (i + 1) * BC if ANCHORED else o_t < i * BC
+                m_Aq = rows_i[:, None] & (causal if ANCHORED else cols[None, :])
+                m_Ak = rows_i[:, None] & (strict if ANCHORED else cols[None, :])
+                b_Aq = tl.load(dAqk + p_A, mask=m_Aq, other=0).to(tl.float32)
+                b_Ak = tl.load(dAkk + p_A, mask=m_Ak, other=0).to(tl.float32)
+                b_kx = b_k.to(tl.float32) * tl.exp2(tl.where(cols[:, None] & m_tk, a_i[None, :] - b_g, float("-inf")))
+                f_i = tl.exp2(tl.where(rows_i[:, None] & m_k[None, :], b_g - a_i[None, :], float("-inf")))
                 b_dq += dot(b_Aq, b_kx) * f_i
                 b_dkr += dot(b_Ak, b_kx) * f_i
-        for i in range(0, NC - 1):
-            if (i + 1) * BC < n_t:
-                e_i = tl.load(g + ((i + 1) * BC - 1) * (HV * K) + o_k, mask=m_k, other=0).to(tl.float32)
-                cols_i = sc == i
-                rows_after = (o_t >= (i + 1) * BC) & m_t
-                m_A = rows_after[:, None] & cols_i[None, :]
-                p_A = o_t[:, None] * (HV * BT) + o_t[None, :]
-                b_Aq = tl.load(dAqk + p_A, mask=m_A, other=0).to(tl.float32)
-                b_Ak = tl.load(dAkk + p_A, mask=m_A, other=0).to(tl.float32)
-                f_r = tl.exp2(tl.where(rows_after[:, None] & m_k[None, :], b_g - e_i[None, :], float("-inf")))
-                f_s = tl.exp2(tl.where(cols_i[:, None] & m_tk, e_i[None, :] - b_g, float("-inf")))
+        for i in range(0, NC if ANCHORED else NC - 1):
+            if (i * BC < n_t) if ANCHORED else ((i + 1) * BC < n_t):
+                e_i = tl.load(g + (tl.minimum((i + 1) * BC, n_t) - 1) * (HV * K) + o_k, mask=m_k, other=0).to(tl.float32)
+                cols_i = (sc == i) & m_t
+                rows = (o_t >= i * BC if ANCHORED else o_t >= (i + 1) * BC) & m_t
+                m_Aq = cols_i[None, :] & (causal & rows[:, None] if ANCHORED else rows[:, None])
+                m_Ak = cols_i[None, :] & (strict & rows[:, None] if ANCHORED else rows[:, None])
+                b_Aq = tl.load(dAqk + p_A, mask=m_Aq, other=0).to(tl.float32)
+                b_Ak = tl.load(dAkk + p_A, mask=m_Ak, other=0).to(tl.float32)
+                f_r = tl.exp2(tl.where(rows[:, None] & m_k[None, :], b_g - e_i[None, :], float("-inf")))
+                f_s = tl.exp2(tl.where(cols_i[:, None] & m_k[None, :], e_i[None, :] - b_g, float("-inf")))
                 b_dkc += (dot(tl.trans(b_Aq), b_q.to(tl.float32) * f_r)
                           + dot(tl.trans(b_Ak), b_k.to(tl.float32) * (b_beta[:, None] * f_r))) * f_s
 
-        # Inside each 16-row diagonal block, pairwise: step j pairs row r with column
-        # st(r) + j (row role) and column s with row st(s) + j (column role); the exponent
-        # is always g_later - g_earlier <= 0.
-        for j in range(0, BC):
-            o_j = st + j
-            m_j = o_j < n_t
-            m_jk = m_j[:, None] & m_k[None, :]
-            b_kj = tl.load(k + o_j[:, None] * (H * K) + o_k[None, :], mask=m_jk, other=0).to(tl.float32)
-            b_qj = tl.load(q + o_j[:, None] * (H * K) + o_k[None, :], mask=m_jk, other=0).to(tl.float32)
-            b_gj = tl.load(g + o_j[:, None] * (HV * K) + o_k[None, :], mask=m_jk, other=0).to(tl.float32)
-            b_bj = tl.load(beta + o_j * HV, mask=m_j, other=0).to(tl.float32)
-            # row role: column o_j at or before row o_t
-            row_ok = m_t & m_j & (j <= pos)
-            a_q = tl.load(dAqk + o_t * (HV * BT) + o_j, mask=row_ok, other=0).to(tl.float32)
-            a_k = tl.load(dAkk + o_t * (HV * BT) + o_j, mask=row_ok & (j < pos), other=0).to(tl.float32)
-            e_r = tl.exp2(tl.where(row_ok[:, None] & m_k[None, :], b_g - b_gj, float("-inf")))
-            b_dq += a_q[:, None] * b_kj * e_r
-            b_dkr += a_k[:, None] * b_kj * e_r
-            # column role: row o_j at or after column o_t
-            col_ok = m_t & m_j & (j >= pos)
-            c_q = tl.load(dAqk + o_j * (HV * BT) + o_t, mask=col_ok, other=0).to(tl.float32)
-            c_k = tl.load(dAkk + o_j * (HV * BT) + o_t, mask=col_ok & (j > pos), other=0).to(tl.float32)
-            e_c = tl.exp2(tl.where(col_ok[:, None] & m_k[None, :], b_gj - b_g, float("-inf")))
-            b_dkc += (c_q[:, None] * b_qj + (c_k * b_bj)[:, None] * b_kj) * e_c
+        if not ANCHORED:
+            # Inside each 16-row diagonal block, pairwise: step j pairs row r with column
+            # st(r) + j (row role) and column s with row st(s) + j (column role); the exponent
+            # is always g_later - g_earlier <= 0.
+            for j in range(0, BC):
+                o_j = st + j
+                m_j = o_j < n_t
+                m_jk = m_j[:, None] & m_k[None, :]
+                b_kj = tl.load(k + o_j[:, None] * (H * K) + o_k[None, :], mask=m_jk, other=0).to(tl.float32)
+                b_qj = tl.load(q + o_j[:, None] * (H * K) + o_k[None, :], mask=m_jk, other=0).to(tl.float32)
+                b_gj = tl.load(g + o_j[:, None] * (HV * K) + o_k[None, :], mask=m_jk, other=0).to(tl.float32)
+                b_bj = tl.load(beta + o_j * HV, mask=m_j, other=0).to(tl.float32)
+                # row role: column o_j at or before row o_t
+                row_ok = m_t & m_j & (j <= pos)
+                a_q = tl.load(dAqk + o_t * (HV * BT) + o_j, mask=row_ok, other=0).to(tl.float32)
+                a_k = tl.load(dAkk + o_t * (HV * BT) + o_j, mask=row_ok & (j < pos), other=0).to(tl.float32)
+                e_r = tl.exp2(tl.where(row_ok[:, None] & m_k[None, :], b_g - b_gj, float("-inf")))
+                b_dq += a_q[:, None] * b_kj * e_r
+                b_dkr += a_k[:, None] * b_kj * e_r
+                # column role: row o_j at or after column o_t
+                col_ok = m_t & m_j & (j >= pos)
+                c_q = tl.load(dAqk + o_j * (HV * BT) + o_t, mask=col_ok, other=0).to(tl.float32)
+                c_k = tl.load(dAkk + o_j * (HV * BT) + o_t, mask=col_ok & (j > pos), other=0).to(tl.float32)
+                e_c = tl.exp2(tl.where(col_ok[:, None] & m_k[None, :], b_gj - b_g, float("-inf")))
+                b_dkc += (c_q[:, None] * b_qj + (c_k * b_bj)[:, None] * b_kj) * e_c
 
         b_kf = b_k.to(tl.float32)
         b_db += tl.sum(b_dkr * b_kf, axis=1)
@@ -164,19 +175,26 @@ def intra_bwd_kernel(
     tl.store(db2 + o_t * HV, tl.load(db + o_t * HV, mask=m_t, other=0) + b_db, mask=m_t)
 
 
-# Compiled for sm_90a offline (tools/compile_report.py's compile_sm90, K=128, H=HV=16): every
-# config takes 255 registers; BK=32 at 8 warps spills 12 B, BK=64 at 8 warps 196 B, BK=64 at
-# 4 warps 1,192 B; 16 warps cap the registers at 128 and spill 348-520 B. Unrolling the
-# 16-step diagonal loop spilled 1-10 KB at any width, so it stays a loop.
+# Compiled for sm_90a offline (``python -m tools.compile_report --design pairwise``, K=128,
+# H=HV=16): every config takes 255 registers; BK=32 at 8 warps spills 8 B (anchored 16 B;
+# K=64 44 B), BK=64 at 8 warps 152 B, BK=64 at 4 warps ~1.2 KB; 16 warps cap the registers
+# at 128 and spill 348-520 B. Unrolled, the 16-step diagonal loop spilled 1-10 KB at any
+# width, and the sub-chunk loops ~0.2 KB more: all stay loops.
 DEFAULT_CONFIG = dict(BK=32, num_warps=8, num_stages=1)
 
 
 def intra_bwd(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens, chunk_indices, safe_gate,
               BK: int | None = None, num_warps: int = DEFAULT_CONFIG["num_warps"],
-              num_stages: int = DEFAULT_CONFIG["num_stages"]):
+              num_stages: int = DEFAULT_CONFIG["num_stages"], diagonal: str = "pairwise"):
     """B7 with fla's contract: returns (dq, dk, db, dg), fp32, at value heads: the inputs
-    plus the vector-Jacobian product of Aqk and Akk with dAqk and dAkk. ``safe_gate``
-    changes nothing (the pairwise diagonal is exact for any gate)."""
+    plus the vector-Jacobian product of Aqk and Akk with dAqk and dAkk. The diagonal
+    blocks are ``pairwise`` (exact for any gate) or ``anchored`` (tensor cores through each
+    block's middle row; only with ``safe_gate``, whose lower bound keeps a block's
+    exponents within fp32's range)."""
+    if diagonal not in ("pairwise", "anchored"):
+        raise ValueError(f"unknown diagonal form {diagonal!r}")
+    if diagonal == "anchored" and not safe_gate:
+        raise ValueError("the anchored diagonal needs safe_gate=True: an unbounded gate can overflow its factors")
     B, T, H, K = k.shape
     HV = gc.shape[2]
     BT = chunk_size
@@ -191,7 +209,7 @@ def intra_bwd(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens
     intra_bwd_kernel[(NT, B * HV)](
         q=q, k=k, g=gc, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db, dg=dg,
         dq2=dq2, dk2=dk2, db2=db2, dg2=dg2, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, T=T,
-        H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BK, IS_VARLEN=cu_seqlens is not None,
+        H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BK, IS_VARLEN=cu_seqlens is not None, ANCHORED=diagonal == "anchored",
         num_warps=num_warps, num_stages=num_stages,
     )
     return dq2, dk2, db2, dg2
