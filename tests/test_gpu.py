@@ -303,8 +303,9 @@ def test_b7_matches_fla_stage(shape):
     from kernel_fun.bench import stage_b7
 
     inputs = stage_b7.make_inputs(problem(shape), "cuda", seed=2)
-    misses = _b7_verdict(inputs, shape)
-    assert not misses, misses
+    for diagonal in ("pairwise", "pairwise-shared"):
+        misses = _b7_verdict(inputs, shape, diagonal)
+        assert not misses, (diagonal, misses)
 
 
 @pytest.mark.parametrize("shape", ["grid1024", "b8"])
@@ -314,7 +315,7 @@ def test_b7_anchored_matches_fla_stage_with_safe_gate(shape):
 
     p = dataclasses.replace(problem(shape), safe_gate=True, lower_bound=-5.0)
     inputs = stage_b7.make_inputs(p, "cuda", seed=2)
-    for diagonal in ("pairwise", "anchored"):
+    for diagonal in intra_bwd.DIAGONALS:
         misses = _b7_verdict(inputs, shape + "-safe", diagonal)
         assert not misses, (diagonal, misses)
 
@@ -332,7 +333,7 @@ def test_b7_on_the_chain_s_inputs_matches_fla_stage(p, gates):
     with capture_stages() as log:
         run_fwd_bwd(chunk_kda, kwargs, grid=p.dtype)
     (inputs,) = [x for name, _, x, _ in log if name == "B7"]
-    for diagonal in ("pairwise", "anchored") if p.safe_gate else ("pairwise",):
+    for diagonal in intra_bwd.DIAGONALS if p.safe_gate else ("pairwise", "pairwise-shared"):
         misses = _b7_verdict(inputs, f"{p.name}-{gates}", diagonal)
         assert not misses, (diagonal, misses)
 

@@ -44,11 +44,13 @@ def exact(inputs: dict) -> tuple:
 
 
 def check(inputs: dict, bound: float = 1e-5) -> dict:
+    """Both pairwise forms against the float64 stage."""
     want = exact(inputs)
-    got = intra_bwd.intra_bwd(**inputs)
-    errors = {n: ref.rel_rms(a, b) for n, a, b in zip(("dq", "dk", "db", "dg"), got, want)}
-    assert all(torch.isfinite(t).all() for t in got), errors
-    assert all(e <= bound for e in errors.values()), errors
+    for diagonal in ("pairwise", "pairwise-shared"):
+        got = intra_bwd.intra_bwd(**inputs, diagonal=diagonal)
+        errors = {n: ref.rel_rms(a, b) for n, a, b in zip(("dq", "dk", "db", "dg"), got, want)}
+        assert all(torch.isfinite(t).all() for t in got), (diagonal, errors)
+        assert all(e <= bound for e in errors.values()), (diagonal, errors)
     return errors
 
 
@@ -137,7 +139,8 @@ def test_bench_entry_inputs_run_and_count_bytes():
 
 
 @pytest.mark.skipif(__import__("triton").__version__ != "3.6.0", reason="spill figures recorded with Triton 3.6.0's ptxas")
-@pytest.mark.parametrize("design,K,spills", [("pairwise", 128, 8), ("pairwise", 64, 44), ("anchored", 128, 16)])
+@pytest.mark.parametrize("design,K,spills", [("pairwise", 128, 8), ("pairwise", 64, 44),
+                                                  ("pairwise-shared", 128, 8), ("anchored", 128, 16)])
 def test_default_config_compiles_within_its_recorded_spills(design, K, spills):
     """The default config as ptxas assembles it for sm_90a (intra_bwd.DEFAULT_CONFIG's note),
     compiled in a process without the interpreter: a change that adds spills fails here."""

@@ -130,20 +130,22 @@ def b6_report(design: str, K: int, V: int, H: int, HV: int, BV: int, num_warps: 
 
 
 def b7_report(K: int, H: int, HV: int, BK: int, num_warps: int, num_stages: int, dtype: str = "bf16",
-              anchored: bool = False) -> dict:
-    """B7's kernel (kda/kernels/intra_bwd.py), dense sequences, pairwise or anchored diagonal."""
+              diagonal: str = "pairwise") -> dict:
+    """B7's kernel (kda/kernels/intra_bwd.py), dense sequences, with one of its diagonal
+    forms (``intra_bwd.DIAGONALS``)."""
     from kernel_fun.kda.kernels import intra_bwd
 
     types = {"q": _PTR[dtype], "k": _PTR[dtype], "beta": _PTR[dtype],
              **{n: "*fp32" for n in ("g", "dAqk", "dAkk", "dq", "dk", "db", "dg", "dq2", "dk2", "db2", "dg2")}}
     constexprs = dict(cu_seqlens=None, chunk_indices=None, H=H, HV=HV, K=K, BT=64, BC=intra_bwd.BC, BK=BK,
-                      IS_VARLEN=False, ANCHORED=anchored)
+                      IS_VARLEN=False, ANCHORED=diagonal == "anchored",
+                      SHARED_EXP=diagonal == "pairwise-shared")
     return compile_sm90(intra_bwd.intra_bwd_kernel, types, constexprs, num_warps, num_stages)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--design", default="fullk", help="fullk (B6), or pairwise / anchored (B7, --BV its K slice)")
+    parser.add_argument("--design", default="fullk", help="fullk (B6), or pairwise / pairwise-shared / anchored (B7, --BV its K slice)")
     parser.add_argument("--K", type=int, default=128)
     parser.add_argument("--V", type=int, default=256)
     parser.add_argument("--H", type=int, default=16)
@@ -162,8 +164,8 @@ def main(argv=None):
                        BV=BV,
                        **({"switches": json.loads(args.extra)} if args.extra != "{}" else {}))
             try:
-                if design in ("pairwise", "anchored"):  # B7: --BV is its K slice
-                    row.update(b7_report(args.K, args.H, args.HV, BV, warps, stages, anchored=design == "anchored"))
+                if design in ("pairwise", "pairwise-shared", "anchored"):  # B7: --BV is its K slice
+                    row.update(b7_report(args.K, args.H, args.HV, BV, warps, stages, diagonal=design))
                 else:
                     row.update(b6_report(design, args.K, args.V, args.H, args.HV, BV, warps, stages,
                                          maxnreg=args.maxnreg, extra=json.loads(args.extra)))

@@ -22,6 +22,7 @@ from kernel_fun.bench.stage import StageBench, main as _stage_main
 SWEEP = {"pairwise": [dict(BK=32, num_warps=8, num_stages=1), dict(BK=32, num_warps=8, num_stages=2),
                       dict(BK=64, num_warps=8, num_stages=1), dict(BK=32, num_warps=4, num_stages=1),
                       dict(BK=32, num_warps=16, num_stages=1)],
+         "pairwise-shared": [dict(BK=32, num_warps=8, num_stages=1), dict(BK=64, num_warps=8, num_stages=1)],
          "anchored": [dict(BK=32, num_warps=8, num_stages=1), dict(BK=64, num_warps=8, num_stages=1)]}
 
 
@@ -78,7 +79,7 @@ def _ours(inputs, design, config):
 def _launch_config(p, design, overrides):
     from kernel_fun.kda.kernels import intra_bwd
 
-    if design not in ("pairwise", "anchored"):
+    if design not in intra_bwd.DIAGONALS:
         raise ValueError(f"unknown B7 design {design!r}")
     if design == "anchored" and not p.safe_gate:
         raise ValueError("the anchored diagonal needs a safe_gate shape")
@@ -92,7 +93,7 @@ def _misses(vs_exact, fla_exact, vs_fla):
 
 
 BENCH = StageBench(stage="B7", make_inputs=make_inputs, bytes=b7_bytes, fla=_fla, exact=_exact, ours=_ours,
-                   launch_config=_launch_config, misses=_misses, sweep=SWEEP, designs=("pairwise", "anchored"))
+                   launch_config=_launch_config, misses=_misses, sweep=SWEEP, designs=("pairwise", "pairwise-shared", "anchored"))
 
 
 def main(argv=None) -> int:

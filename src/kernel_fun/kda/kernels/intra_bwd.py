@@ -18,7 +18,10 @@ cumsum (log2 units, non-increasing along the chunk):
   against later rows through its last row;
 - inside each 16-row diagonal block, pairwise on CUDA cores: 16 steps, each a gathered
   [64, BK] row tile, one exp2 per (row, column, channel) of the exponent g_r - g_s with
-  r >= s, never through an anchor, so it cannot overflow for any gate;
+  r >= s, never through an anchor, so it cannot overflow for any gate. ``pairwise``
+  computes each pair's factor twice, once per role; ``pairwise-shared`` once, the column
+  role summed per block from the row role's terms (in step j every row of a block pairs
+  with the same column);
 - or, with ``safe_gate`` only (``diagonal="anchored"``), inside the same sub-chunk dots
   through the same anchors: safe_gate's lower bound (-5 nats a token) keeps a block's
   factors within 2^(+-110), inside fp32's range, and the diagonal needs no exp2 loop.
@@ -33,7 +36,7 @@ Falls back (``supports``): chunk size other than 64.
 Resources (sm_90a, offline, K=128): 255 registers, 8 B of spills at BK=32 and 8 warps
 (anchored 16 B), so one program per SM. Prediction for prod8192_gate: 9.7 GB of traffic (2.28 ms at the
 copy rate) and ~8.6e9 exp2 in the diagonal blocks (~2 ms of the SFUs, both roles of each
-pair computed), overlapping: 3-4 ms against fla's 14.6.
+pair computed; half with pairwise-shared), overlapping: 3-4 ms against fla's 14.6.
 
 Not dispatched yet: the chain keeps fla's B7 until this kernel's parity and time are
 measured on the H200 (the interpreter proves its math against the float64 stage, strong
@@ -57,7 +60,7 @@ def intra_bwd_kernel(
     dq2, dk2, db2, dg2,
     cu_seqlens, chunk_indices, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    BK: tl.constexpr, IS_VARLEN: tl.constexpr, ANCHORED: tl.constexpr,
+    BK: tl.constexpr, IS_VARLEN: tl.constexpr, ANCHORED: tl.constexpr, SHARED_EXP: tl.constexpr,
 ):
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_hv = i_bh % HV
@@ -148,9 +151,7 @@ def intra_bwd_kernel(
                 m_j = o_j < n_t
                 m_jk = m_j[:, None] & m_k[None, :]
                 b_kj = tl.load(k + o_j[:, None] * (H * K) + o_k[None, :], mask=m_jk, other=0).to(tl.float32)
-                b_qj = tl.load(q + o_j[:, None] * (H * K) + o_k[None, :], mask=m_jk, other=0).to(tl.float32)
                 b_gj = tl.load(g + o_j[:, None] * (HV * K) + o_k[None, :], mask=m_jk, other=0).to(tl.float32)
-                b_bj = tl.load(beta + o_j * HV, mask=m_j, other=0).to(tl.float32)
                 # row role: column o_j at or before row o_t
                 row_ok = m_t & m_j & (j <= pos)
                 a_q = tl.load(dAqk + o_t * (HV * BT) + o_j, mask=row_ok, other=0).to(tl.float32)
@@ -158,12 +159,23 @@ def intra_bwd_kernel(
                 e_r = tl.exp2(tl.where(row_ok[:, None] & m_k[None, :], b_g - b_gj, float("-inf")))
                 b_dq += a_q[:, None] * b_kj * e_r
                 b_dkr += a_k[:, None] * b_kj * e_r
-                # column role: row o_j at or after column o_t
-                col_ok = m_t & m_j & (j >= pos)
-                c_q = tl.load(dAqk + o_j * (HV * BT) + o_t, mask=col_ok, other=0).to(tl.float32)
-                c_k = tl.load(dAkk + o_j * (HV * BT) + o_t, mask=col_ok & (j > pos), other=0).to(tl.float32)
-                e_c = tl.exp2(tl.where(col_ok[:, None] & m_k[None, :], b_gj - b_g, float("-inf")))
-                b_dkc += (c_q[:, None] * b_qj + (c_k * b_bj)[:, None] * b_kj) * e_c
+                if SHARED_EXP:
+                    # column role from the same factors: in step j every row of a block
+                    # pairs with the block's column st + j, so that column's sum is the
+                    # block's sum of these rows' terms, placed back at row st + j.
+                    x = (a_q[:, None] * b_q.to(tl.float32) + (a_k * b_beta)[:, None] * b_k.to(tl.float32)) * e_r
+                    blk = tl.sum(tl.reshape(x, (NC, BC, BK)), axis=1)
+                    b_dkc += tl.where((pos == j)[:, None], tl.reshape(tl.broadcast_to(blk[:, None, :], (NC, BC, BK)),
+                                                                      (BT, BK)), 0.0)
+                else:
+                    # column role: row o_j at or after column o_t, its own factors
+                    b_qj = tl.load(q + o_j[:, None] * (H * K) + o_k[None, :], mask=m_jk, other=0).to(tl.float32)
+                    b_bj = tl.load(beta + o_j * HV, mask=m_j, other=0).to(tl.float32)
+                    col_ok = m_t & m_j & (j >= pos)
+                    c_q = tl.load(dAqk + o_j * (HV * BT) + o_t, mask=col_ok, other=0).to(tl.float32)
+                    c_k = tl.load(dAkk + o_j * (HV * BT) + o_t, mask=col_ok & (j > pos), other=0).to(tl.float32)
+                    e_c = tl.exp2(tl.where(col_ok[:, None] & m_k[None, :], b_gj - b_g, float("-inf")))
+                    b_dkc += (c_q[:, None] * b_qj + (c_k * b_bj)[:, None] * b_kj) * e_c
 
         b_kf = b_k.to(tl.float32)
         b_db += tl.sum(b_dkr * b_kf, axis=1)
@@ -181,17 +193,20 @@ def intra_bwd_kernel(
 # at 128 and spill 348-520 B. Unrolled, the 16-step diagonal loop spilled 1-10 KB at any
 # width, and the sub-chunk loops ~0.2 KB more: all stay loops.
 DEFAULT_CONFIG = dict(BK=32, num_warps=8, num_stages=1)
+# The diagonal blocks' forms: both roles of a pair with their own exp2 (``pairwise``), one
+# exp2 per pair with the column role summed per block (``pairwise-shared``), or through
+# the sub-chunk anchors (``anchored``, safe_gate only).
+DIAGONALS = ("pairwise", "pairwise-shared", "anchored")
 
 
 def intra_bwd(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens, chunk_indices, safe_gate,
               BK: int | None = None, num_warps: int = DEFAULT_CONFIG["num_warps"],
               num_stages: int = DEFAULT_CONFIG["num_stages"], diagonal: str = "pairwise"):
     """B7 with fla's contract: returns (dq, dk, db, dg), fp32, at value heads: the inputs
-    plus the vector-Jacobian product of Aqk and Akk with dAqk and dAkk. The diagonal
-    blocks are ``pairwise`` (exact for any gate) or ``anchored`` (tensor cores through each
-    block's middle row; only with ``safe_gate``, whose lower bound keeps a block's
-    exponents within fp32's range)."""
-    if diagonal not in ("pairwise", "anchored"):
+    plus the vector-Jacobian product of Aqk and Akk with dAqk and dAkk. ``diagonal`` is one
+    of ``DIAGONALS``: the pairwise forms are exact for any gate; ``anchored`` needs
+    ``safe_gate``, whose lower bound keeps a block's factors within fp32's range."""
+    if diagonal not in DIAGONALS:
         raise ValueError(f"unknown diagonal form {diagonal!r}")
     if diagonal == "anchored" and not safe_gate:
         raise ValueError("the anchored diagonal needs safe_gate=True: an unbounded gate can overflow its factors")
@@ -210,6 +225,7 @@ def intra_bwd(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens
         q=q, k=k, g=gc, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db, dg=dg,
         dq2=dq2, dk2=dk2, db2=db2, dg2=dg2, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, T=T,
         H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BK, IS_VARLEN=cu_seqlens is not None, ANCHORED=diagonal == "anchored",
+        SHARED_EXP=diagonal == "pairwise-shared",
         num_warps=num_warps, num_stages=num_stages,
     )
     return dq2, dk2, db2, dg2
