@@ -158,3 +158,38 @@ def test_default_config_compiles_within_its_recorded_spills(design, K, spills):
     row = json.loads(out.stdout.strip().splitlines()[-1])
     assert "error" not in row and row["wgmma"] > 0, row
     assert row["spill_stores"] <= spills and row["spill_loads"] <= spills, row
+
+
+@pytest.fixture
+def b7_registered(monkeypatch):
+    """B7's kernel registered for the test alone (the chain's registry restored after)."""
+    import sys
+
+    stages_mod = sys.modules["kernel_fun.kda.stages"]
+    monkeypatch.setitem(stages_mod._REGISTRY, "B7", stages_mod._REGISTRY["B7"])
+    stages_mod.add_impl("B7", "ours", intra_bwd.intra_bwd, intra_bwd.supports)
+
+
+@pytest.mark.parametrize("p", [
+    Problem("chain-K64-gva-h0", 2, 100, 2, 4, 64, 32, initial_state=True, output_final_state=True,
+            dtype=torch.float16),
+    Problem("chain-K128-varlen-safe", 1, 150, 1, 1, 128, 32, cu_seqlens=(0, 80, 150), dtype=torch.float16,
+            lower_bound=-5.0, safe_gate=True),
+], ids=lambda p: p.name)
+def test_chain_with_our_b7_against_the_oracle(p, b7_registered):
+    """B7's launcher takes the chain's stage contract as registered: with it in the chain
+    (B6 ours too, where it takes the shape), every output and gradient stays within fla's
+    budgets of the float64 recurrence."""
+    from kernel_fun.kda import last_record
+    from kernel_fun.kda.problems import as_oracle_inputs
+
+    kwargs = make_inputs(p, device=DEVICE, seed=11)
+    result = run_fwd_bwd(chunk_kda, kwargs, grid=p.dtype)
+    assert last_record().backward["B7"] == "ours" and last_record().backward["B6"] == "ours"
+    oracle = run_fwd_bwd(ref.recurrent_kda, as_oracle_inputs(kwargs), grid=p.dtype)
+    errors = {n: ref.rel_rms(result[n], oracle[n]) for n in oracle if oracle[n] is not None}
+    assert all(errors[n] <= ref.BUDGETS[n] for n in errors), errors
+
+
+def test_registry_is_restored_after_the_fixture():
+    assert "ours" not in stages()["B7"].impls
