@@ -320,6 +320,36 @@ def test_b7_anchored_matches_fla_stage_with_safe_gate(shape):
         assert not misses, (diagonal, misses)
 
 
+@pytest.mark.parametrize("diagonal", ["pairwise", "pairwise-shared"])
+def test_b7_launch_witness_at_prod8192_gate(diagonal, monkeypatch):
+    """The whole op at prod8192_gate with B7's kernel registered for the test: B6 and B7 ran
+    kernel-fun's kernels and not fla's, and the result tracks fla's chunk_kda."""
+    import functools
+    import sys
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from kernel_fun.kda import reference as ref
+
+    stages_mod = sys.modules["kernel_fun.kda.stages"]
+    monkeypatch.setitem(stages_mod._REGISTRY, "B7", stages_mod._REGISTRY["B7"])
+    stages_mod.add_impl("B7", "ours", functools.partial(intra_bwd.intra_bwd, diagonal=diagonal), intra_bwd.supports)
+    kwargs = make_inputs(PROD, device="cuda", seed=9)
+    theirs = run_fwd_bwd(_fla(), kwargs, grid=PROD.dtype)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        ours = run_fwd_bwd(chunk_kda, kwargs, grid=PROD.dtype)
+        torch.cuda.synchronize()
+    record = last_record()
+    assert record.backward["B6"] == "ours" and record.backward["B7"] == "ours"
+    kernels = {evt.name for evt in prof.events() if evt.device_type == torch.autograd.DeviceType.CUDA}
+    assert {"wy_dqkg_fullk_kernel", "intra_bwd_kernel"} <= kernels, sorted(kernels)
+    assert "chunk_kda_bwd_kernel_intra" not in kernels
+    errors = {n: ref.rel_rms(ours[n], theirs[n]) for n in theirs if theirs[n] is not None}
+    print("whole op with B6, B7 ours vs fla", diagonal, errors)
+    assert errors["o"] == 0.0
+    assert all(e <= ref.BUDGETS[n] for n, e in errors.items()), errors
+
+
 @pytest.mark.parametrize("p", SMALL[:2] + [FLAGGED[1]], ids=lambda p: p.name)
 @pytest.mark.parametrize("gates", ["kimi", "strong"])
 def test_b7_on_the_chain_s_inputs_matches_fla_stage(p, gates):
