@@ -106,3 +106,13 @@ def fullk_launches(monkeypatch):
 
     monkeypatch.setattr(wy_bwd, "wy_dqkg_fullk_kernel", Spy())
     return launches
+
+
+def register_for_test(monkeypatch, stage: str, fn, supports=None) -> None:
+    """Register ``fn`` as ``stage``'s ``ours`` for one test: a kernel measured nowhere yet
+    runs in the chain there, and the chain's registry is restored after the test."""
+    import sys
+
+    registry = sys.modules["kernel_fun.kda.stages"]
+    monkeypatch.setitem(registry._REGISTRY, stage, registry._REGISTRY[stage])
+    registry.add_impl(stage, "ours", fn, supports)

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from conftest import register_for_test
 from kernel_fun.kda import chunk_kda, last_record, use_impls
 from kernel_fun._triton import store_pairs
 from kernel_fun.kda.kernels import intra_bwd, wy_bwd
@@ -227,9 +228,9 @@ def test_b6_pair_stores_equal_plain_stores():
             assert (got[offset + 41 * 128:] == -7.0).all() and (got[offset:offset + 41 * 128] != -7.0).all()
 
 
-def test_b6_launch_witness_at_prod8192_gate():
-    """The whole op at prod8192_gate: B6 ran kernel-fun's kernel and not fla's, every other
-    stage ran fla's, and the result tracks fla's chunk_kda."""
+def _whole_op_at_prod():
+    """fla's chunk_kda and ours at prod8192_gate on the same inputs: (ours, fla's, our
+    call's record, the names of the CUDA kernels our call launched)."""
     from torch.profiler import ProfilerActivity, profile
 
     kwargs = make_inputs(PROD, device="cuda", seed=9)
@@ -237,10 +238,16 @@ def test_b6_launch_witness_at_prod8192_gate():
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         ours = run_fwd_bwd(chunk_kda, kwargs, grid=PROD.dtype)
         torch.cuda.synchronize()
-    record = last_record()
+    kernels = {evt.name for evt in prof.events() if evt.device_type == torch.autograd.DeviceType.CUDA}
+    return ours, theirs, last_record(), kernels
+
+
+def test_b6_launch_witness_at_prod8192_gate():
+    """The whole op at prod8192_gate: B6 ran kernel-fun's kernel and not fla's, every other
+    stage ran fla's, and the result tracks fla's chunk_kda."""
+    ours, theirs, record, kernels = _whole_op_at_prod()
     assert record.engaged and record.backward["B6"] == "ours"
     assert {impl for name, impl in {**record.forward, **record.backward}.items() if name != "B6"} == {"fla"}
-    kernels = {evt.name for evt in prof.events() if evt.device_type == torch.autograd.DeviceType.CUDA}
     mine = {"wy_dqkg_fullk_kernel"}
     assert mine <= kernels, sorted(kernels)
     assert "chunk_kda_bwd_kernel_wy_dqkg_fused" not in kernels
@@ -325,23 +332,12 @@ def test_b7_launch_witness_at_prod8192_gate(diagonal, monkeypatch):
     """The whole op at prod8192_gate with B7's kernel registered for the test: B6 and B7 ran
     kernel-fun's kernels and not fla's, and the result tracks fla's chunk_kda."""
     import functools
-    import sys
-
-    from torch.profiler import ProfilerActivity, profile
 
     from kernel_fun.kda import reference as ref
 
-    stages_mod = sys.modules["kernel_fun.kda.stages"]
-    monkeypatch.setitem(stages_mod._REGISTRY, "B7", stages_mod._REGISTRY["B7"])
-    stages_mod.add_impl("B7", "ours", functools.partial(intra_bwd.intra_bwd, diagonal=diagonal), intra_bwd.supports)
-    kwargs = make_inputs(PROD, device="cuda", seed=9)
-    theirs = run_fwd_bwd(_fla(), kwargs, grid=PROD.dtype)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        ours = run_fwd_bwd(chunk_kda, kwargs, grid=PROD.dtype)
-        torch.cuda.synchronize()
-    record = last_record()
+    register_for_test(monkeypatch, "B7", functools.partial(intra_bwd.intra_bwd, diagonal=diagonal), intra_bwd.supports)
+    ours, theirs, record, kernels = _whole_op_at_prod()
     assert record.backward["B6"] == "ours" and record.backward["B7"] == "ours"
-    kernels = {evt.name for evt in prof.events() if evt.device_type == torch.autograd.DeviceType.CUDA}
     assert {"wy_dqkg_fullk_kernel", "intra_bwd_kernel"} <= kernels, sorted(kernels)
     assert "chunk_kda_bwd_kernel_intra" not in kernels
     errors = {n: ref.rel_rms(ours[n], theirs[n]) for n in theirs if theirs[n] is not None}

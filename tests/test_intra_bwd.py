@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from conftest import DEVICE, needs_triton
+from conftest import DEVICE, needs_triton, register_for_test
 from kernel_fun.kda import chunk_kda
 from kernel_fun.kda import reference as ref
 from kernel_fun.kda.kernels import intra_bwd
@@ -162,12 +162,7 @@ def test_default_config_compiles_within_its_recorded_spills(design, K, spills):
 
 @pytest.fixture
 def b7_registered(monkeypatch):
-    """B7's kernel registered for the test alone (the chain's registry restored after)."""
-    import sys
-
-    stages_mod = sys.modules["kernel_fun.kda.stages"]
-    monkeypatch.setitem(stages_mod._REGISTRY, "B7", stages_mod._REGISTRY["B7"])
-    stages_mod.add_impl("B7", "ours", intra_bwd.intra_bwd, intra_bwd.supports)
+    register_for_test(monkeypatch, "B7", intra_bwd.intra_bwd, intra_bwd.supports)
 
 
 @pytest.mark.parametrize("p", [
