@@ -31,7 +31,21 @@ def test_fla_config_dump_is_read_back_by_fla(tmp_path, monkeypatch):
     assert loaded == {"kwargs": {"BK": 64, "BV": 128}, "num_warps": 4, "num_stages": 3, "num_ctas": 1, "maxnreg": None}
     other = cache.AutotuneKey(autotune_key=(64, 32, False, "torch.bfloat16", "torch.float32"))
     assert cache.load_cached_config(tuner.kernel_name, other) is None  # strict: exact keys only
+    # a packed call's key (two more dtypes) matches no entry, even fuzzily; FULL runs the default
+    packed = cache.AutotuneKey(autotune_key=key + ("torch.int64", "torch.int64"))
+    monkeypatch.setattr(cache, "FLA_CACHE_MODE", cache.FlaCacheMode.FUZZY)
     cache.load_config_file.cache_clear()
+    assert cache.load_cached_config(tuner.kernel_name, packed) is None
+    monkeypatch.setattr(cache, "FLA_CACHE_MODE", cache.FlaCacheMode.FULL)
+    cache.load_config_file.cache_clear()
+    assert cache.load_cached_config(tuner.kernel_name, packed) == loaded
+    cache.load_config_file.cache_clear()
+
+
+def test_stored_fla_configs_carry_a_default():
+    for path in sorted((fla_configs.CONFIG_ROOT / "NVIDIA_H200").glob("*.json")):
+        data = json.loads(path.read_text())
+        assert data["default_config"] is not None, path.name
 
 
 def _row(**kw):

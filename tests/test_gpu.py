@@ -7,7 +7,10 @@
   stages).
 
 The small shapes share prod8192_gate's head counts and dims, so fla compiles one kernel
-family for the whole file (a new family costs minutes of compiling and autotuning).
+family for the whole file (a new family costs minutes of compiling and autotuning). Run
+with fla's stored configs and their defaults, so packed batches (whose autotune keys no
+stored entry matches) do not autotune either:
+``FLA_CONFIG_DIR=$PWD/bench/fla_configs/NVIDIA_H200 FLA_CACHE_MODE=full``.
 """
 
 from __future__ import annotations
