@@ -24,6 +24,8 @@ SHAPES = [
     Problem("T70-K100", 1, 70, 2, 2, 100, 16),
     Problem("varlen-K64", 1, 150, 2, 2, 64, 16, cu_seqlens=(0, 1, 65, 150)),
     Problem("T100-K64-safe", 1, 100, 2, 2, 64, 16, lower_bound=-5.0, safe_gate=True),
+    # ragged chunks of 1, 16, 17 and 33 rows (a sub-chunk boundary on each side), GVA 4
+    Problem("varlen-ragged-gva4", 1, 67, 1, 4, 64, 16, cu_seqlens=(0, 1, 17, 34, 67)),
 ]
 
 
