@@ -368,6 +368,33 @@ def test_b7_on_the_chain_s_inputs_matches_fla_stage(p, gates):
 
 
 # --------------------------------------------------------------------------------------
+# F7 + F8 in one kernel against fla's two stages (not dispatched yet)
+# --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("p", SMALL + [PROD], ids=lambda p: p.name)
+def test_scan_with_output_matches_fla_f7_f8(p):
+    """On the inputs fla's chain gives F7 and F8: o, the final state, and with
+    save_states h and v_new, against fla's stages' outputs."""
+    from kernel_fun.kda import reference as ref
+    from kernel_fun.kda.kernels import scan_fwd
+
+    kwargs = make_inputs(p, device="cuda", seed=7)
+    with torch.no_grad(), capture_stages() as log:
+        chunk_kda(**{n: (t.detach() if isinstance(t, torch.Tensor) else t) for n, t in kwargs.items()})
+    (f7, (h, v_new, ht)), = [(x, out) for name, _, x, out in log if name == "F7"]
+    (f8, o), = [(x, out) for name, _, x, out in log if name == "F8"]
+    got_o, got_ht, got_h, got_vn = scan_fwd.scan_fwd(
+        q=f8["q"], kg=f7["kg"], w=f7["w"], u=f7["u"], gc=f7["gc"], Aqk=f8["Aqk"], scale=f8["scale"],
+        initial_state=f7["initial_state"], output_final_state=f7["output_final_state"],
+        chunk_size=64, cu_seqlens=f7["cu_seqlens"], save_states=True)
+    errors = {"o": ref.rel_rms(got_o, o), "h": ref.rel_rms(got_h, h), "v_new": ref.rel_rms(got_vn, v_new)}
+    if ht is not None:
+        errors["ht"] = ref.rel_rms(got_ht, ht)
+    print(p.name, "scan vs fla F7+F8", errors)
+    assert all(torch.isfinite(t).all() for t in (got_o, got_h, got_vn))
+    assert all(e <= 2e-3 for e in errors.values()), errors
+
+
+# --------------------------------------------------------------------------------------
 # fla's own KimiDeltaAttention layer through patch_fla()
 # --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])

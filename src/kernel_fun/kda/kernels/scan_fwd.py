@@ -1,0 +1,155 @@
+"""F7 + F8, the forward's state scan with its output: one kernel that computes o from the
+state it holds instead of writing h and v_new for a separate output pass.
+
+Replaces fla's ``chunk_gated_delta_rule_fwd_h`` (F7, 1.77 ms at prod8192_gate on the H200)
+and ``chunk_gla_fwd_o_gk`` (F8, 1.93 ms): F7 writes every chunk's state h (bf16, 2.1 GB at
+prod8192_gate) and v_new for F8 to read back. Here one program per (sequence, value head,
+V slice) carries the state S [K, BV] in fp32 through the sequence's chunks and per chunk:
+
+    h_c = bf16(S);  v_new = bf16(u - w h_c)
+    o   = scale (bf16(q * exp2(g)) h_c) + bf16(tril(Aqk)) v_new
+    S   = exp2(g_last) * S + kg^T v_new
+
+with the roundings where fla's two kernels make them (h, v_new, q*exp2(g) and Aqk in the
+input dtype before their dots; fp32 accumulation). ``save_states`` also writes h and
+v_new (the backward's B3 recompute, and ``disable_recompute``'s saved tensors).
+
+Numerics: the chunk loop is the sequential recurrence, in fla's order; only the blocking
+inside each dot reassociates fp32 sums.
+
+Falls back (``supports``): chunk size other than 64, K > 256.
+
+Prediction for prod8192_gate (not yet measured): 1,024 programs (4 V slices x 256
+sequence-heads), each 128 dependent chunk steps; ~5.4 GB from DRAM if the V slices of one
+head meet in L2 (their programs are adjacent), 1.3 ms at the copy rate, against F7 + F8's
+3.7 ms. Whether the step chain's latency or the bytes bound it is the first measurement.
+
+Not dispatched yet: a chain unit F7-F8 needs its H200 parity and time first (the
+interpreter proves its math against the stage references: tests/test_scan_fwd.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernel_fun._triton import dot, to
+
+
+@triton.jit
+def scan_fwd_kernel(
+    q, kg, w, u, g, Aqk, h0, o, ht, h, v_new, cu_seqlens, chunk_offsets, scale, T,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr,
+    STORE_HT: tl.constexpr, SAVE_STATES: tl.constexpr,
+):
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    i_h = i_hv // (HV // H)
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T_seq = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
+        boh = tl.load(chunk_offsets + i_n).to(tl.int64)
+    else:
+        bos = i_n.to(tl.int64) * T
+        T_seq = T
+        boh = i_n.to(tl.int64) * tl.cdiv(T, BT)
+    NT = tl.cdiv(T_seq, BT)
+
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    p_kv = o_k[:, None] * V + o_v[None, :]
+
+    b_S = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_H0:
+        b_S += tl.load(h0 + i_nh.to(tl.int64) * K * V + p_kv, mask=m_kv, other=0).to(tl.float32)
+
+    for i_c in range(0, NT):
+        row0 = bos + i_c * BT
+        n_t = T_seq - i_c * BT
+        m_t = o_t < n_t
+        m_tk = m_t[:, None] & m_k[None, :]
+        m_tv = m_t[:, None] & m_v[None, :]
+        p_hk = (row0 + o_t)[:, None] * (HV * K) + i_hv * K + o_k[None, :]
+        p_hv = (row0 + o_t)[:, None] * (HV * V) + i_hv * V + o_v[None, :]
+
+        b_Sb = to(b_S, kg.dtype.element_ty)
+        if SAVE_STATES:
+            tl.store(h + ((boh + i_c) * HV + i_hv) * K * V + p_kv, b_Sb, mask=m_kv)
+        b_w = tl.load(w + p_hk, mask=m_tk, other=0)
+        b_u = tl.load(u + p_hv, mask=m_tv, other=0).to(tl.float32)
+        b_vn = to(b_u - dot(b_w, b_Sb), u.dtype.element_ty)
+        if SAVE_STATES:
+            tl.store(v_new + p_hv, b_vn, mask=m_tv)
+
+        b_q = tl.load(q + (row0 + o_t)[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_tk, other=0)
+        b_g = tl.load(g + p_hk, mask=m_tk, other=0).to(tl.float32)
+        b_qg = to(b_q.to(tl.float32) * tl.exp2(b_g), q.dtype.element_ty)
+        m_A = m_t[:, None] & (o_t[None, :] <= o_t[:, None])
+        b_A = to(tl.load(Aqk + (row0 + o_t)[:, None] * (HV * BT) + i_hv * BT + o_t[None, :], mask=m_A, other=0),
+                 u.dtype.element_ty)
+        b_o = scale * dot(b_qg, b_Sb) + dot(b_A, b_vn)
+        tl.store(o + p_hv, to(b_o, o.dtype.element_ty), mask=m_tv)
+
+        i_last = tl.minimum(n_t, BT) - 1
+        b_gl = tl.load(g + (row0 + i_last) * (HV * K) + i_hv * K + o_k, mask=m_k, other=0).to(tl.float32)
+        b_kg = tl.load(kg + p_hk, mask=m_tk, other=0)
+        b_S = b_S * tl.exp2(b_gl)[:, None] + dot(tl.trans(b_kg), b_vn)
+
+    if STORE_HT:
+        tl.store(ht + i_nh.to(tl.int64) * K * V + p_kv, b_S, mask=m_kv)
+
+
+# Compiled for sm_90a offline (K=128, V=256, H=HV=16, num_stages 2): BV=64 at 8 warps 254
+# registers and no spills; at 4 warps 255 and 4 B; BV=32 at 4 warps 249 and none (two
+# programs per SM); BV=128 at 8 warps 52 B. K=64: 188 registers at BV=64, 4 warps.
+DEFAULT_CONFIG = dict(BV=64, num_warps=8, num_stages=2)
+
+
+def scan_fwd(q, kg, w, u, gc, Aqk, scale, initial_state, output_final_state, chunk_size, cu_seqlens,
+             save_states: bool = False, BV: int = DEFAULT_CONFIG["BV"], num_warps: int = DEFAULT_CONFIG["num_warps"],
+             num_stages: int = DEFAULT_CONFIG["num_stages"]):
+    """F7 + F8 with fla's contracts: returns (o in u's dtype, the final state fp32 or None,
+    h [B, NT, HV, K, V] and v_new when ``save_states``, else None, None). States in [K, V]."""
+    B, T, H, K = q.shape
+    HV, V = u.shape[2], u.shape[3]
+    BT = chunk_size
+    for name, t in dict(q=q, kg=kg, w=w, u=u, gc=gc, Aqk=Aqk).items():
+        if not t.is_contiguous():
+            raise ValueError(f"the scan kernel indexes {name} as a dense tensor; got strides {t.stride()}")
+    if cu_seqlens is None:
+        N, NT_total, chunk_offsets = B, B * triton.cdiv(T, BT), None
+    else:
+        lens = cu_seqlens[1:] - cu_seqlens[:-1]
+        counts = (lens + BT - 1) // BT
+        chunk_offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+        N, NT_total = len(cu_seqlens) - 1, int(chunk_offsets[-1])
+    o = torch.empty_like(u)
+    ht = torch.empty(N, HV, K, V, device=u.device, dtype=torch.float32) if output_final_state else None
+    h = v_new = None
+    if save_states:
+        h = torch.empty(B, NT_total // B, HV, K, V, device=u.device, dtype=kg.dtype)  # B = 1 when packed
+        v_new = torch.empty_like(u)
+    BV = min(BV, triton.next_power_of_2(V))
+    scan_fwd_kernel[(triton.cdiv(V, BV), N * HV)](
+        q=q, kg=kg, w=w, u=u, g=gc, Aqk=Aqk, h0=initial_state, o=o, ht=ht, h=h, v_new=v_new,
+        cu_seqlens=cu_seqlens, chunk_offsets=chunk_offsets, scale=scale, T=T,
+        H=H, HV=HV, K=K, V=V, BT=BT, BK=triton.next_power_of_2(K), BV=BV, IS_VARLEN=cu_seqlens is not None,
+        HAS_H0=initial_state is not None, STORE_HT=output_final_state, SAVE_STATES=save_states,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return o, ht, h, v_new
+
+
+def supports(q, chunk_size, **_) -> str | None:
+    """None when ``scan_fwd`` takes the call, else why F7 and F8 stay on fla."""
+    if chunk_size != 64:
+        return f"chunk_size={chunk_size} (the scan kernel is built for 64)"
+    if q.shape[-1] > 256:
+        return f"K={q.shape[-1]} > 256"
+    return None
