@@ -26,17 +26,18 @@ cumsum (log2 units, non-increasing along the chunk):
   through the same anchors: safe_gate's lower bound (-5 nats a token) keeps a block's
   factors within 2^(+-110), inside fp32's range, and the diagonal needs no exp2 loop.
 
-Numerics: fp32 throughout (the dots in tf32, as fla's off-diagonal dots); the one-sided
-law above holds for any gate, so ``safe_gate`` changes nothing here. Outputs are fresh
-tensors (dq + its intra part, and so on): no output is read back, so relaunching is
-idempotent.
+Numerics: fp32 throughout (the dots in tf32, as fla's off-diagonal dots). The pairwise
+forms keep the one-sided law for any gate; the anchored one rests on safe_gate's bound,
+and the launcher refuses it without safe_gate. Outputs are fresh tensors (dq + its intra
+part, and so on): no output is read back, so relaunching is idempotent.
 
 Falls back (``supports``): chunk size other than 64.
 
 Resources (sm_90a, offline, K=128): 255 registers, 8 B of spills at BK=32 and 8 warps
-(anchored 16 B), so one program per SM. Prediction for prod8192_gate: 9.7 GB of traffic (2.28 ms at the
-copy rate) and ~8.6e9 exp2 in the diagonal blocks (~2 ms of the SFUs, both roles of each
-pair computed; half with pairwise-shared), overlapping: 3-4 ms against fla's 14.6.
+(anchored 16 B), so one program per SM. Prediction for prod8192_gate: 9.7 GB of traffic
+(2.28 ms at the copy rate) and ~8.6e9 exp2 in the diagonal blocks (~2 ms of the SFUs,
+both roles of each pair computed; half with pairwise-shared), overlapping: 3-4 ms against
+fla's 14.6 (docs/log/b7.md).
 
 Not dispatched yet: the chain keeps fla's B7 until this kernel's parity and time are
 measured on the H200 (the interpreter proves its math against the float64 stage, strong
