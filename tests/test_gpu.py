@@ -26,7 +26,7 @@ from conftest import register_for_test
 from kernel_fun.kda import chunk_kda, last_record, use_impls
 from kernel_fun._triton import store_pairs
 from kernel_fun.kda.kernels import intra_bwd, wy_bwd
-from kernel_fun.kda.parity import B6_VS_FLA, b6_misses, b7_misses, stage_errors
+from kernel_fun.kda.parity import B6_VS_FLA, stage_errors
 from kernel_fun.kda.problems import SHAPES, Problem, make_inputs, problem, run_fwd_bwd
 from kernel_fun.kda.stages import capture_stages, stages
 
@@ -144,27 +144,15 @@ def test_gate_engages_on_hopper():
 # --------------------------------------------------------------------------------------
 # B6: kernel-fun's WY backward against fla's stage on the GPU
 # --------------------------------------------------------------------------------------
-@pytest.mark.parametrize("v_first", [False, True], ids=["kv", "v-first"])
 @pytest.mark.parametrize("shape", ["grid64", "grid1024", "b8", "k64", "v64", "v32"])
-def test_b6_matches_fla_stage(shape, v_first):
+def test_b6_matches_fla_stage(shape):
     """Both sides of any CTA floor (64 and 1,024 chunk-heads), a production grid, K=64, and
-    V=64 and 32 (where the V tile rule halves the pinned BV); h and dh in fla's [K, V]
-    layout and in the [V, K] one of fla's layer (fla's stage given the same layout)."""
+    V=64 and 32 (where the V tile rule halves the pinned BV)."""
     from kernel_fun.bench import stage_b6
-    from kernel_fun.kda import reference as ref
-    from kernel_fun.kda.chain import _fla_wy_dqkg
 
-    p = dataclasses.replace(problem(shape), state_v_first=v_first)
-    inputs = stage_b6.make_inputs(p, "cuda", seed=2)
-    theirs = _fla_wy_dqkg(**inputs)
-    ours = wy_bwd.wy_dqkg_bwd(**inputs, design="fullk")
-    vs_fla = stage_errors("B6", ours, theirs)
-    sub = {n: (t[:1] if isinstance(t, torch.Tensor) else t) for n, t in inputs.items()}
-    exact = ref.wy_dqkg_bwd(**{n: t for n, t in sub.items() if n != "chunk_indices"}, exact=True)
-    fla_err = stage_errors("B6", tuple(t[:1] for t in theirs), exact)
-    our_err = stage_errors("B6", tuple(t[:1] for t in ours), exact)
-    print(shape, "v-first" if v_first else "kv", "vs fla", vs_fla, "vs exact", our_err, "fla vs exact", fla_err)
-    assert not b6_misses(our_err, fla_err, vs_fla), b6_misses(our_err, fla_err, vs_fla)
+    inputs = stage_b6.make_inputs(problem(shape), "cuda", seed=2)
+    misses = _stage_verdict(stage_b6.BENCH, inputs, wy_bwd.wy_dqkg_bwd(**inputs, design="fullk"), shape)
+    assert not misses, misses
 
 
 @pytest.mark.parametrize("shape", ["grid1024", "b8"])
@@ -284,27 +272,27 @@ def test_b6_on_packed_sequences_matches_fla_stage():
 # --------------------------------------------------------------------------------------
 # B7: kernel-fun's intra-chunk backward against fla's stage (not dispatched yet)
 # --------------------------------------------------------------------------------------
-def _b7_verdict(inputs: dict, label: str, diagonal: str = "pairwise") -> dict:
-    """B7's misses against fla's stage and the float64 stage (on the first sequence of a
-    dense batch, on all of a packed one)."""
-    from kernel_fun.kda import reference as ref
-    from kernel_fun.kda.chain import _fla_intra_bwd
-
-    theirs = _fla_intra_bwd(**inputs)
-    ours = intra_bwd.intra_bwd(**inputs, diagonal=diagonal)
-    vs_fla = stage_errors("B7", ours, theirs, cu_seqlens=inputs["cu_seqlens"])
-    if inputs["cu_seqlens"] is None:
-        sub = {n: (t[:1] if isinstance(t, torch.Tensor) else t) for n, t in inputs.items()}
-    else:
-        sub = inputs
-    exact = ref.intra_bwd(**{n: t for n, t in sub.items() if n not in ("chunk_indices", "safe_gate")}, exact=True)
-    n = 1 if inputs["cu_seqlens"] is None else None
-    first = (lambda out: tuple(t[:n] for t in out)) if n else (lambda out: out)  # noqa: E731
-    fla_err, our_err = stage_errors("B7", first(theirs), exact), stage_errors("B7", first(ours), exact)
-    print(label, diagonal, "vs fla", vs_fla, "vs exact", our_err, "fla vs exact", fla_err)
-    misses = b7_misses(our_err, fla_err, vs_fla)
+def _stage_verdict(bench, inputs: dict, ours: tuple, label: str) -> dict:
+    """A stage kernel's outputs against fla's stage and the float64 stage (on the first
+    sequence of a dense batch, on all of a packed one), through its bench entry's fla,
+    exact and misses: what the stage bench checks before it times."""
+    theirs = bench.fla(**inputs)
+    vs_fla = stage_errors(bench.stage, ours, theirs, cu_seqlens=inputs["cu_seqlens"])
+    dense = inputs["cu_seqlens"] is None
+    sub = {n: (t[:1] if dense and isinstance(t, torch.Tensor) else t) for n, t in inputs.items()}
+    first = (lambda out: tuple(t[:1] for t in out)) if dense else (lambda out: tuple(out))  # noqa: E731
+    exact = bench.exact(**sub)
+    fla_err, our_err = stage_errors(bench.stage, first(theirs), exact), stage_errors(bench.stage, first(ours), exact)
+    print(label, "vs fla", vs_fla, "vs exact", our_err, "fla vs exact", fla_err)
     assert all(torch.isfinite(t).all() for t in ours)
-    return misses
+    return bench.misses(our_err, fla_err, vs_fla)
+
+
+def _b7_verdict(inputs: dict, label: str, diagonal: str = "pairwise") -> dict:
+    from kernel_fun.bench import stage_b7
+
+    return _stage_verdict(stage_b7.BENCH, inputs, intra_bwd.intra_bwd(**inputs, diagonal=diagonal),
+                          f"{label} {diagonal}")
 
 
 @pytest.mark.parametrize("shape", ["grid64", "grid1024", "b8", "k64", "v32"])

@@ -119,7 +119,7 @@ def b6_report(design: str, K: int, V: int, H: int, HV: int, BV: int, num_warps: 
     if design == "fullk":
         # the pinned prefetch tile for this K and V (not a fixed tile: at V=128 it is the first)
         pf_iter = wy_bwd.prefetch_iter(V, BV, wy_bwd.CONFIGS.get(("fullk", K), {}).get("PF_AT"))
-        switches = {**dict(PF_ITER=pf_iter, HEADS_FAST=True, TIMELINE=False, STATE_V_FIRST=False), **(extra or {})}
+        switches = {**dict(PF_ITER=pf_iter, HEADS_FAST=True, TIMELINE=False), **(extra or {})}
         if switches["TIMELINE"]:
             types["stamps"] = "*i64"
         else:

@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
-import json
 import os
 import re
 import shutil
@@ -52,7 +51,7 @@ from pathlib import Path
 
 import torch
 
-from kernel_fun.kda.problems import GRAD_NAMES, Problem, as_oracle_inputs, make_inputs, problem, run_fwd_bwd
+from kernel_fun.kda.problems import Problem, as_oracle_inputs, make_inputs, problem, run_fwd_bwd
 
 TOOLS = ("memcheck", "racecheck", "initcheck", "synccheck")
 

@@ -104,14 +104,3 @@ def with_default(data: dict) -> dict:
     data.setdefault("default_config", None)
     return data
 
-
-def fill_defaults(directory: Path) -> int:
-    """``with_default`` on every stored file of ``directory``; returns how many changed."""
-    changed = 0
-    for path in sorted(directory.glob("*.json")):
-        data = json.loads(path.read_text())
-        new = with_default(data)
-        if new != data:
-            path.write_text(json.dumps(new, indent=1, sort_keys=True) + "\n")
-            changed += 1
-    return changed

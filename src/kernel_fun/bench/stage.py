@@ -63,6 +63,29 @@ class StageBench:
         return config == picked
 
 
+def qk_and_gate(p: Problem, device, seed: int):
+    """What every stage entry's inputs start from, of the magnitudes a real chain gives:
+    ``(randn, q, k, gc)`` with ``randn(*shape, scale=1.0, dtype=bf16)`` drawing on the device
+    (GB-sized draws stay there), unit q/k rows in bf16, and the chunk cumsum (fp32) of a
+    Kimi-style gate (A_log, dt_bias initialised as Kimi-Linear does; ``p.lower_bound``'s form
+    where the problem has one)."""
+    from kernel_fun.kda import reference as ref
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*shape, scale=1.0, dtype=torch.bfloat16):
+        return (torch.randn(*shape, generator=gen, device=device) * scale).to(dtype)
+
+    B, T, H, HV, K = p.B, p.T, p.H, p.HV, p.K
+    q = torch.nn.functional.normalize(randn(B, T, H, K, dtype=torch.float32), dim=-1).bfloat16()
+    k = torch.nn.functional.normalize(randn(B, T, H, K, dtype=torch.float32), dim=-1).bfloat16()
+    A_log = torch.log(torch.empty(HV, device=device).uniform_(1, 16, generator=gen))
+    dt = torch.exp(torch.empty(HV * K, device=device).uniform_(-6.9, -2.3, generator=gen))
+    dt_bias = dt + torch.log(-torch.expm1(-dt))
+    gc = ref.gate_cumsum(randn(B, T, HV, K), True, A_log, dt_bias, lower_bound=p.lower_bound)
+    return randn, q, k, gc.contiguous()
+
+
 def entries() -> dict[str, StageBench]:
     """Every stage with a bench entry, by stage name."""
     from kernel_fun.bench import stage_b6, stage_b7
@@ -203,7 +226,7 @@ def main(argv=None, stage: str | None = None) -> int:
     for s in shapes:  # one compile per binary: shapes that share head counts, dims and layout share it
         p = problem(s)
         for d, c in candidates:
-            key = (p.H, p.HV, p.K, p.V, p.state_v_first, d, json.dumps(c, sort_keys=True))
+            key = (p.H, p.HV, p.K, p.V, d, json.dumps(c, sort_keys=True))
             if key not in families:
                 families.add(key)
                 jobs.append((bench.stage, s, d, c))

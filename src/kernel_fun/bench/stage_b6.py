@@ -5,7 +5,7 @@ configs worth timing, and its parity bars.
 as ``python -m kernel_fun.bench.stage --stage B6 ...``)
 
 B6's inputs are random, of the magnitudes a real chain gives: unit q/k rows, a Kimi-style
-gate cumsum, a unit-lower-triangular Akk_inv; h and dh in the shape's state layout. Parity
+gate cumsum (``bench.stage.qk_and_gate``), a unit-lower-triangular Akk_inv; h and dh in [K, V]. Parity
 (``kda.parity.b6_misses``): against fla's stage dq, dk, dv2 within 1e-4 relative RMS, db,
 dg, dA within fla's budgets; against the float64 stage without intermediate roundings
 within the budgets and within 10% of fla's own error.
@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from kernel_fun.bench.stage import StageBench, main as _stage_main
+from kernel_fun.bench.stage import StageBench, main as _stage_main, qk_and_gate
 
 # The configs worth timing, chosen from the sm_90a compile report (tools/compile_report.py,
 # docs/log/b6.md): fullk spills at every width, least at 8 warps.
@@ -39,31 +39,18 @@ def b6_bytes(p) -> int:
 
 
 def make_inputs(p, device, seed: int = 0) -> dict:
-    from kernel_fun.kda import reference as ref
-
-    gen = torch.Generator(device=device).manual_seed(seed)  # GB-sized draws stay on the device
-
-    def randn(*shape, scale=1.0, dtype=torch.bfloat16):
-        return (torch.randn(*shape, generator=gen, device=device) * scale).to(dtype)
-
-    B, T, H, HV, K, V = p.B, p.T, p.H, p.HV, p.K, p.V
+    randn, q, k, gc = qk_and_gate(p, device, seed)
+    B, T, HV, K, V = p.B, p.T, p.HV, p.K, p.V
     NT = -(-T // 64)
-    q = torch.nn.functional.normalize(randn(B, T, H, K, dtype=torch.float32), dim=-1).bfloat16()
-    k = torch.nn.functional.normalize(randn(B, T, H, K, dtype=torch.float32), dim=-1).bfloat16()
-    A_log = torch.log(torch.empty(HV, device=device).uniform_(1, 16, generator=gen))
-    dt = torch.exp(torch.empty(HV * K, device=device).uniform_(-6.9, -2.3, generator=gen))
-    dt_bias = dt + torch.log(-torch.expm1(-dt))
-    gc = ref.gate_cumsum(randn(B, T, HV, K), True, A_log, dt_bias)
     r = torch.arange(64, device=device)
     A = torch.where(r[:, None] > r[None, :], randn(B, NT, HV, 64, 64, scale=0.1, dtype=torch.float32), 0.0)
     A = (A + torch.eye(64, device=device)).permute(0, 1, 3, 2, 4).reshape(B, NT * 64, HV, 64)[:, :T]
-    state = (V, K) if p.state_v_first else (K, V)  # the V-first layout of fla's layer
     return dict(
-        q=q, k=k, v=randn(B, T, HV, V), v_new=randn(B, T, HV, V, scale=0.5), gc=gc.contiguous(),
+        q=q, k=k, v=randn(B, T, HV, V), v_new=randn(B, T, HV, V, scale=0.5), gc=gc,
         beta=torch.sigmoid(randn(B, T, HV, dtype=torch.float32)).bfloat16(), A=A.bfloat16().contiguous(),
-        h=randn(B, NT, HV, *state, scale=0.1), do=randn(B, T, HV, V), dh=randn(B, NT, HV, *state, scale=0.1),
+        h=randn(B, NT, HV, K, V, scale=0.1), do=randn(B, T, HV, V), dh=randn(B, NT, HV, K, V, scale=0.1),
         dv=randn(B, T, HV, V), scale=K ** -0.5, chunk_size=64, cu_seqlens=None, chunk_indices=None,
-        state_v_first=p.state_v_first,
+        state_v_first=False,
     )
 
 

@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from kernel_fun.bench.stage import StageBench, main as _stage_main
+from kernel_fun.bench.stage import StageBench, main as _stage_main, qk_and_gate
 
 # The configs worth timing, from the sm_90a compile report (intra_bwd.DEFAULT_CONFIG's note).
 SWEEP = {"pairwise": [dict(BK=32, num_warps=8, num_stages=1), dict(BK=32, num_warps=8, num_stages=2),
@@ -36,24 +36,14 @@ def b7_bytes(p) -> int:
 
 
 def make_inputs(p, device, seed: int = 0) -> dict:
-    from kernel_fun.kda import reference as ref
-
-    gen = torch.Generator(device=device).manual_seed(seed)
-
-    def randn(*shape, scale=1.0, dtype=torch.float32):
-        return (torch.randn(*shape, generator=gen, device=device) * scale).to(dtype)
-
-    B, T, H, HV, K = p.B, p.T, p.H, p.HV, p.K
-    q = torch.nn.functional.normalize(randn(B, T, H, K), dim=-1).bfloat16()
-    k = torch.nn.functional.normalize(randn(B, T, H, K), dim=-1).bfloat16()
-    A_log = torch.log(torch.empty(HV, device=device).uniform_(1, 16, generator=gen))
-    dt = torch.exp(torch.empty(HV * K, device=device).uniform_(-6.9, -2.3, generator=gen))
-    gc = ref.gate_cumsum(randn(B, T, HV, K, dtype=torch.bfloat16), True, A_log, dt + torch.log(-torch.expm1(-dt)),
-                         lower_bound=p.lower_bound)
+    randn, q, k, gc = qk_and_gate(p, device, seed)
+    B, T, HV, K = p.B, p.T, p.HV, p.K
+    f32 = torch.float32
     return dict(
-        q=q, k=k, gc=gc.contiguous(), beta=torch.sigmoid(randn(B, T, HV)).bfloat16(),
-        dAqk=randn(B, T, HV, 64, scale=0.1), dAkk=randn(B, T, HV, 64, scale=0.1),
-        dq=randn(B, T, HV, K), dk=randn(B, T, HV, K), db=randn(B, T, HV), dg=randn(B, T, HV, K),
+        q=q, k=k, gc=gc, beta=torch.sigmoid(randn(B, T, HV, dtype=f32)).bfloat16(),
+        dAqk=randn(B, T, HV, 64, scale=0.1, dtype=f32), dAkk=randn(B, T, HV, 64, scale=0.1, dtype=f32),
+        dq=randn(B, T, HV, K, dtype=f32), dk=randn(B, T, HV, K, dtype=f32), db=randn(B, T, HV, dtype=f32),
+        dg=randn(B, T, HV, K, dtype=f32),
         chunk_size=64, cu_seqlens=None, chunk_indices=None, safe_gate=p.safe_gate,
     )
 

@@ -24,10 +24,10 @@ tiles before the end the program asks L2 for the epilogue's k, q and g
 to the layouts their uses need (``opaque_zeros_like``), and stores dq and dA from the
 accumulators' layout by 8-byte pair stores (``store_pairs``). The V tile is the pinned
 BV halved until V spans two tiles (``fullk_bv``); at K=128 with enough (b, hv) pairs the
-grid runs b*hv fastest (``heads_fast_order``). h and dh may come in fla's [K, V] layout or
-in the [V, K] one of ``state_v_first`` (the STATE_V_FIRST constexpr changes only the tiles'
-addresses), as fla's stage takes them; the chain always passes [K, V], transposing a [V, K]
-caller's boundary states instead. A ``timeline`` buffer in the config compiles in per-program
+grid runs b*hv fastest (``heads_fast_order``). h and dh come in fla's [K, V] layout, which
+the chain keeps for either caller layout (it transposes a ``state_v_first`` caller's
+boundary states instead; read in [V, K] the kernel spilled 284 B and took 6.96 ms against
+4.66, docs/log/b6.md). A ``timeline`` buffer in the config compiles in per-program
 %globaltimer stamps (``tools/b6_timeline.py``); without one that code is not compiled.
 
 Numerics: the V accumulation keeps fla's order (V tiles ascending, fp32 accumulators);
@@ -95,7 +95,6 @@ def wy_dqkg_fullk_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
     PF_ITER: tl.constexpr, HEADS_FAST: tl.constexpr, TIMELINE: tl.constexpr,
-    STATE_V_FIRST: tl.constexpr = False,
 ):
     if TIMELINE:  # the timeline instrument (tools.b6_timeline): program start
         t_start = clock(tl.arange(0, BT))
@@ -168,11 +167,7 @@ def wy_dqkg_fullk_kernel(
         b_dvn = tl.load(dv + p_tv, mask=m_tv, other=0)
         b_v = tl.load(v + p_tv, mask=m_tv, other=0)
         # [BV, BK] tiles of the state and its gradient: a transposed view of fla's [K, V]
-        # layout, or the [V, K] layout itself (state_v_first)
-        if STATE_V_FIRST:
-            p_vk = o_v[:, None] * K + o_k[None, :]
-        else:
-            p_vk = o_v[:, None] + o_k[None, :] * V
+        p_vk = o_v[:, None] + o_k[None, :] * V
         m_vk = m_v[:, None] & m_k[None, :]
         b_hT = tl.load(h + p_vk, mask=m_vk, other=0)
         b_dhT = tl.load(dh + p_vk, mask=m_vk, other=0)
@@ -346,7 +341,9 @@ _SMALLEST_BV = 32
 def wy_dqkg_bwd(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, cu_seqlens, chunk_indices,
                 state_v_first: bool = False, design: str | None = None, config: dict | None = None):
     """B6 with fla's contract: returns (dq, dk, dv2, db, dg, dA); dq/dk/dg/db/dA fp32. h and
-    dh are ``[B, NT, HV, K, V]``, or ``[B, NT, HV, V, K]`` with ``state_v_first``."""
+    dh are ``[B, NT, HV, K, V]`` (``state_v_first`` is refused: ``supports``)."""
+    if state_v_first:
+        raise ValueError("B6's kernel reads h and dh in [K, V]; the chain passes that layout for either caller layout")
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     BT = chunk_size
@@ -372,7 +369,7 @@ def wy_dqkg_bwd(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, c
             stamps=cfg.get("timeline"),
             H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=cfg["BV"],
             PF_ITER=prefetch_iter(V, cfg["BV"], cfg.get("PF_AT")),
-            HEADS_FAST=bool(cfg["HEADS_FAST"]), STATE_V_FIRST=bool(state_v_first),
+            HEADS_FAST=bool(cfg["HEADS_FAST"]),
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
             **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
         )
@@ -391,9 +388,10 @@ def supports(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, cu_s
         return f"V={V} is not a multiple of {_SMALLEST_BV}"
     if k.dtype not in (torch.bfloat16, torch.float16) or h.dtype != k.dtype or v.dtype != k.dtype:
         return f"dtype {str(k.dtype).replace('torch.', '')} (B6 kernels take bf16/fp16)"
-    layout = (V, K) if state_v_first else (K, V)
-    if tuple(h.shape[-2:]) != layout or tuple(dh.shape[-2:]) != layout:
-        return f"h/dh are {list(h.shape[-2:])}/{list(dh.shape[-2:])}, not the {'[V, K]' if state_v_first else '[K, V]'} layout"
+    if state_v_first:
+        return "state_v_first=True (B6's kernel reads [K, V] states, which the chain passes for either caller layout)"
+    if tuple(h.shape[-2:]) != (K, V) or tuple(dh.shape[-2:]) != (K, V):
+        return f"h/dh are {list(h.shape[-2:])}/{list(dh.shape[-2:])}, not the [K, V] layout"
     n_chunks = triton.cdiv(k.shape[1], chunk_size) * k.shape[0] if cu_seqlens is None else len(chunk_indices)
     if n_chunks * HV < MIN_CTAS:
         return f"{n_chunks * HV} chunk-heads < the B6 floor of {MIN_CTAS}"
