@@ -337,6 +337,15 @@ def test_b7_launch_witness_at_prod8192_gate(diagonal, monkeypatch):
     assert all(e <= ref.BUDGETS[n] for n, e in errors.items()), errors
 
 
+def _chunk_positions(cu_seqlens, T: int, device) -> torch.Tensor:
+    """Each token's row inside its 64-token chunk (chunks restart at every sequence)."""
+    t = torch.arange(T, device=device)
+    if cu_seqlens is None:
+        return t % 64
+    starts = cu_seqlens[torch.searchsorted(cu_seqlens, t, right=True) - 1]
+    return (t - starts) % 64
+
+
 @pytest.mark.parametrize("p", SMALL[:2] + [FLAGGED[1]], ids=lambda p: p.name)
 @pytest.mark.parametrize("gates", ["kimi", "strong"])
 def test_b7_on_the_chain_s_inputs_matches_fla_stage(p, gates):
@@ -350,6 +359,13 @@ def test_b7_on_the_chain_s_inputs_matches_fla_stage(p, gates):
     with capture_stages() as log:
         run_fwd_bwd(chunk_kda, kwargs, grid=p.dtype)
     (inputs,) = [x for name, _, x, _ in log if name == "B7"]
+    # B6 writes dAkk zero on and above the diagonal and dAqk above it: fla's B7 reads dAkk's
+    # diagonal and relies on the zero, ours reads only s < r (stage_b7.make_inputs draws the same).
+    pos = _chunk_positions(inputs["cu_seqlens"], inputs["dAkk"].shape[1], inputs["dAkk"].device)
+    col = torch.arange(64, device=pos.device)
+    above = (col[None, :] > pos[:, None]).view(1, -1, 1, 64)
+    assert not (inputs["dAkk"] * (above | (col == pos[:, None]).view(1, -1, 1, 64))).any()
+    assert not (inputs["dAqk"] * above).any()
     for diagonal in intra_bwd.DIAGONALS if p.safe_gate else ("pairwise", "pairwise-shared"):
         misses = _b7_verdict(inputs, f"{p.name}-{gates}", diagonal)
         assert not misses, (diagonal, misses)

@@ -5,7 +5,8 @@ configs worth timing, and its parity bars.
 (the anchored diagonal runs at safe_gate shapes only)
 
 B7's inputs are random, of the magnitudes a real chain gives: unit q/k rows, a Kimi-style
-gate cumsum, beta in (0, 1), fp32 dAqk/dAkk and the dq, dk, db, dg B6 hands on. Parity
+gate cumsum, beta in (0, 1), fp32 dAqk/dAkk with B6's zeros (dAqk above the diagonal, dAkk
+on and above it) and the dq, dk, db, dg B6 hands on. Parity
 (``kda.parity.b7_misses``): against fla's stage within fla's budgets (dq, dk 0.008; db,
 dg 0.02); against the float64 stage within the same and within 10% of fla's own error.
 """
@@ -39,9 +40,16 @@ def make_inputs(p, device, seed: int = 0) -> dict:
     randn, q, k, gc = qk_and_gate(p, device, seed)
     B, T, HV, K = p.B, p.T, p.HV, p.K
     f32 = torch.float32
+    # dA as B6 writes it: zero above the diagonal, and dAkk on it too (Akk is strictly lower).
+    # fla's B7 reads dAkk's diagonal and relies on that zero; ours reads only s < r.
+    pos = torch.arange(T, device=device) % 64
+    col = torch.arange(64, device=device)
+    lower = (col[None, :] <= pos[:, None]).view(1, T, 1, 64)
+    strict = (col[None, :] < pos[:, None]).view(1, T, 1, 64)
     return dict(
         q=q, k=k, gc=gc, beta=torch.sigmoid(randn(B, T, HV, dtype=f32)).bfloat16(),
-        dAqk=randn(B, T, HV, 64, scale=0.1, dtype=f32), dAkk=randn(B, T, HV, 64, scale=0.1, dtype=f32),
+        dAqk=randn(B, T, HV, 64, scale=0.1, dtype=f32) * lower,
+        dAkk=randn(B, T, HV, 64, scale=0.1, dtype=f32) * strict,
         dq=randn(B, T, HV, K, dtype=f32), dk=randn(B, T, HV, K, dtype=f32), db=randn(B, T, HV, dtype=f32),
         dg=randn(B, T, HV, K, dtype=f32),
         chunk_size=64, cu_seqlens=None, chunk_indices=None, safe_gate=p.safe_gate,
