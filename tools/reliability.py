@@ -51,7 +51,7 @@ from pathlib import Path
 
 import torch
 
-from kernel_fun.kda.problems import Problem, as_oracle_inputs, make_inputs, problem, run_fwd_bwd
+from kernel_fun.kda.problems import Problem, as_oracle_inputs, fwd_bwd_step, make_inputs, problem, run_fwd_bwd
 
 TOOLS = ("memcheck", "racecheck", "initcheck", "synccheck")
 
@@ -399,13 +399,24 @@ def sanitizer() -> str | None:
 
 
 def parse_summary(text: str) -> int | None:
-    """The error count of compute-sanitizer's ``ERROR SUMMARY: N error(s)`` line."""
+    """The error count of compute-sanitizer's summary: ``ERROR SUMMARY: N error(s)``
+    (memcheck, initcheck, synccheck) or racecheck's ``RACECHECK SUMMARY: N hazard(s)
+    displayed (E errors, W warnings)``, whose every hazard counts."""
     found = re.findall(r"ERROR SUMMARY:\s+(\d+)\s+error", text)
+    if found:
+        return int(found[-1])
+    found = re.findall(r"RACECHECK SUMMARY:\s+(\d+)\s+hazard", text)
     return int(found[-1]) if found else None
 
 
+MEMCHECK_PADDING = 1 << 20  # bytes after every allocation: more than any chunk's rows at these shapes
+
+
 def sanitize(tool: str, captured_path: Path, planted: bool, timeout: float) -> dict:
-    cmd = [sanitizer(), "--tool", tool, "--print-limit", "20", sys.executable, "-m", "tools.reliability",
+    # memcheck's padding: small cudaMalloc blocks sit back to back, so without it a store a
+    # chunk past one tensor's end lands inside the next tensor and counts as valid.
+    padding = ["--padding", str(MEMCHECK_PADDING)] if tool == "memcheck" else []
+    cmd = [sanitizer(), "--tool", tool, *padding, "--print-limit", "20", sys.executable, "-m", "tools.reliability",
            "--child", str(captured_path)] + (["--planted"] if planted else [])
     env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1")
     start = time.perf_counter()
@@ -531,9 +542,7 @@ def main(argv=None) -> int:
     p = problem(args.shape)
     if "determinism" in parts or "soak" in parts:
         kw = make_inputs(p, device=device, seed=0)
-
-        def op():
-            return run_fwd_bwd(chunk_kda, kw, grid=p.dtype)
+        op = fwd_bwd_step(chunk_kda, kw, grid=p.dtype)  # cotangents drawn once
     if "determinism" in parts:
         report = determinism(op, device)
         emit("determinism", f"whole op {args.shape}", {"differs": report, "ok": not any(report.values())})

@@ -34,6 +34,9 @@ def test_parse_summary():
     assert rel.parse_summary("========= Invalid __global__ write\n========= ERROR SUMMARY: 12 errors\n") == 12
     assert rel.parse_summary("========= ERROR SUMMARY: 1 error\n") == 1
     assert rel.parse_summary("Traceback (most recent call last):\n") is None  # a child that died says nothing
+    racecheck = "========= RACECHECK SUMMARY: {} hazards displayed ({} errors, {} warnings)\n"
+    assert rel.parse_summary(racecheck.format(0, 0, 0)) == 0
+    assert rel.parse_summary(racecheck.format(3, 1, 2)) == 3
 
 
 def test_planted_copy_moves_one_store(tmp_path):

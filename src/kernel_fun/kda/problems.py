@@ -185,18 +185,30 @@ def cotangents(o: torch.Tensor, final_state: torch.Tensor | None, seed: int = 1,
 def run_fwd_bwd(fn, kwargs: dict, seed: int = 1, grid: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Call ``fn(**kwargs)`` and backpropagate random cotangents; returns o, final_state and
     every gradient, keyed ``o``, ``final_state``, ``dq``, ``dk``, ..."""
-    o, final_state = fn(**kwargs)
-    do, dht = cotangents(o, final_state, seed, grid)
-    outs, grads_in = [o], [do]
-    if final_state is not None:
-        outs.append(final_state)
-        grads_in.append(dht)
+    return fwd_bwd_step(fn, kwargs, seed, grid)()
+
+
+def fwd_bwd_step(fn, kwargs: dict, seed: int = 1, grid: torch.dtype | None = None):
+    """``run_fwd_bwd`` as a step to repeat: the cotangents are drawn at the first call and
+    kept (they are drawn on the CPU: at prod8192_gate a fresh draw costs seconds a step)."""
     named = leaves(kwargs)
-    grads = torch.autograd.grad(outs, list(named.values()), grads_in, allow_unused=True)
-    result = {"o": o.detach(), "final_state": final_state.detach() if final_state is not None else None}
-    for name, grad in zip(named, grads):
-        result[GRAD_NAMES[name]] = grad
-    return result
+    drawn = []
+
+    def step() -> dict[str, torch.Tensor]:
+        o, final_state = fn(**kwargs)
+        if not drawn:
+            drawn.extend(cotangents(o, final_state, seed, grid))
+        outs, grads_in = [o], [drawn[0]]
+        if final_state is not None:
+            outs.append(final_state)
+            grads_in.append(drawn[1])
+        grads = torch.autograd.grad(outs, list(named.values()), grads_in, allow_unused=True)
+        result = {"o": o.detach(), "final_state": final_state.detach() if final_state is not None else None}
+        for name, grad in zip(named, grads):
+            result[GRAD_NAMES[name]] = grad
+        return result
+
+    return step
 
 
 def as_oracle_inputs(kwargs: dict) -> dict:
