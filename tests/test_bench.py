@@ -62,21 +62,23 @@ def test_readme_table_is_generated_from_rows(tmp_path):
     results.append(tmp_path / "a.jsonl", _row(impl="chain_fla", fwdbwd_ms=50.0, date="2026-11-29T10:00:00+00:00"))
     readme = tmp_path / "README.md"
     readme.write_text(f"intro\n{results.TABLE_BEGIN}\nstale\n{results.TABLE_END}\noutro\n")
-    assert results.update_readme(readme, tmp_path, sweep_doc=None)
+    assert results.update_readme(readme, tmp_path, sweep_docs={})
     text = readme.read_text()
     assert "stale" not in text and text.startswith("intro\n") and text.endswith("outro\n")
     assert "| prod8192_gate | kernel-fun, every stage on fla (control) | 9.00 | 46.46 | 0.990x |" in text
     assert "50.00" not in text  # the newer row wins
-    assert not results.update_readme(readme, tmp_path, sweep_doc=None)
+    assert not results.update_readme(readme, tmp_path, sweep_docs={})
 
 
 def test_repository_readme_and_sweep_doc_are_current(tmp_path):
     import shutil
 
-    readme, doc = tmp_path / "README.md", tmp_path / "sweep.md"
+    readme = tmp_path / "README.md"
     shutil.copy(results.README, readme)
-    shutil.copy(results.SWEEP_DOC, doc)
-    assert not results.update_readme(readme, results.RESULTS, doc), "run `python -m kernel_fun.bench.readme`"
+    docs = {stage: tmp_path / doc.name for stage, doc in results.SWEEP_DOCS.items()}
+    for stage, doc in results.SWEEP_DOCS.items():
+        shutil.copy(doc, docs[stage])
+    assert not results.update_readme(readme, results.RESULTS, docs), "run `python -m kernel_fun.bench.readme`"
 
 
 def test_red_rows_say_so():

@@ -48,10 +48,13 @@ class StageBench:
     designs: tuple[str, ...]  # what ships ("pinned": each with its pinned config)
 
     def ships(self, row: dict) -> bool:
-        """The row ran the config the launcher picks at its shape (rows from before fullk's
-        launch-order switch carry no HEADS_FAST: fla's order)."""
+        """The stage's kernel is registered and the row ran the config the launcher picks
+        at its shape (rows from before fullk's launch-order switch carry no HEADS_FAST:
+        fla's order)."""
+        from kernel_fun.kda.stages import stages
+
         design = row.get("design")
-        if design not in self.designs:
+        if design not in self.designs or "ours" not in stages()[self.stage].impls:
             return False
         try:
             picked = self.launch_config(problem(row["shape"]), design, None)

@@ -33,15 +33,16 @@ part, and so on): no output is read back, so relaunching is idempotent.
 
 Falls back (``supports``): chunk size other than 64.
 
-Resources (sm_90a, offline, K=128): 255 registers, 8 B of spills at BK=32 and 8 warps
-(anchored 16 B), so one program per SM. Prediction for prod8192_gate: 9.7 GB of traffic
-(2.28 ms at the copy rate) and ~8.6e9 exp2 in the diagonal blocks (~2 ms of the SFUs,
-both roles of each pair computed; half with pairwise-shared), overlapping: 3-4 ms against
-fla's 14.6 (docs/log/b7.md).
+Resources (sm_90a, K=128): 255 registers, 8 B of spills at BK=32 and 8 warps (anchored
+16 B), so one program per SM (two at 4 warps).
 
-Not dispatched yet: the chain keeps fla's B7 until this kernel's parity and time are
-measured on the H200 (the interpreter proves its math against the float64 stage, strong
-gates included: tests/test_intra_bwd.py; tests/test_gpu.py holds it to fla's stage).
+Measured on the H200 (bench/results/stages.jsonl, a7cdba7; docs/log/b7.md): parity
+everywhere, but slower than fla's stage at every config: prod8192_gate 20.1 ms at 4 warps,
+25.4 at 8 (fla 15.1); prod8192_layer_safe anchored 16.0 (fla 7.9). The sub-chunk dots,
+not the diagonal, take the time (~20 ms): each iteration reloads its dA tiles and waits on
+them with no other program on the SM to hide the wait. Not registered: the chain keeps
+fla's B7 (tests/test_gpu.py holds this kernel to fla's stage; tests/test_intra_bwd.py to
+the float64 stage in the interpreter).
 """
 
 from __future__ import annotations
