@@ -288,11 +288,13 @@ def _stage_verdict(bench, inputs: dict, ours: tuple, label: str) -> dict:
     return bench.misses(our_err, fla_err, vs_fla)
 
 
-def _b7_verdict(inputs: dict, label: str, diagonal: str = "pairwise") -> dict:
+def _b7_verdict(inputs: dict, label: str, design: str = "pairwise") -> dict:
     from kernel_fun.bench import stage_b7
 
-    return _stage_verdict(stage_b7.BENCH, inputs, intra_bwd.intra_bwd(**inputs, diagonal=diagonal),
-                          f"{label} {diagonal}")
+    return _stage_verdict(stage_b7.BENCH, inputs, intra_bwd.intra_bwd(**inputs, design=design), f"{label} {design}")
+
+
+B7_EXACT = tuple(d for d in intra_bwd.DESIGNS if d not in intra_bwd.ANCHORED)  # any gate
 
 
 @pytest.mark.parametrize("shape", ["grid64", "grid1024", "b8", "k64", "v32"])
@@ -301,9 +303,9 @@ def test_b7_matches_fla_stage(shape):
     from kernel_fun.bench import stage_b7
 
     inputs = stage_b7.make_inputs(problem(shape), "cuda", seed=2)
-    for diagonal in ("pairwise", "pairwise-shared"):
-        misses = _b7_verdict(inputs, shape, diagonal)
-        assert not misses, (diagonal, misses)
+    for design in B7_EXACT:
+        misses = _b7_verdict(inputs, shape, design)
+        assert not misses, (design, misses)
 
 
 @pytest.mark.parametrize("shape", ["grid1024", "b8"])
@@ -313,26 +315,27 @@ def test_b7_anchored_matches_fla_stage_with_safe_gate(shape):
 
     p = dataclasses.replace(problem(shape), safe_gate=True, lower_bound=-5.0)
     inputs = stage_b7.make_inputs(p, "cuda", seed=2)
-    for diagonal in intra_bwd.DIAGONALS:
-        misses = _b7_verdict(inputs, shape + "-safe", diagonal)
-        assert not misses, (diagonal, misses)
+    for design in intra_bwd.DESIGNS:
+        misses = _b7_verdict(inputs, shape + "-safe", design)
+        assert not misses, (design, misses)
 
 
-@pytest.mark.parametrize("diagonal", ["pairwise", "pairwise-shared"])
-def test_b7_launch_witness_at_prod8192_gate(diagonal, monkeypatch):
+@pytest.mark.parametrize("design", ["pairwise", "blocks-guarded"])
+def test_b7_launch_witness_at_prod8192_gate(design, monkeypatch):
     """The whole op at prod8192_gate with B7's kernel registered for the test: B6 and B7 ran
     kernel-fun's kernels and not fla's, and the result tracks fla's chunk_kda."""
     import functools
 
     from kernel_fun.kda import reference as ref
 
-    register_for_test(monkeypatch, "B7", functools.partial(intra_bwd.intra_bwd, diagonal=diagonal), intra_bwd.supports)
+    register_for_test(monkeypatch, "B7", functools.partial(intra_bwd.intra_bwd, design=design), intra_bwd.supports)
+    kernel = "intra_bwd_blocks_kernel" if design.startswith("blocks") else "intra_bwd_kernel"
     ours, theirs, record, kernels = _whole_op_at_prod()
     assert record.backward["B6"] == "ours" and record.backward["B7"] == "ours"
-    assert {"wy_dqkg_fullk_kernel", "intra_bwd_kernel"} <= kernels, sorted(kernels)
+    assert {"wy_dqkg_fullk_kernel", kernel} <= kernels, sorted(kernels)
     assert "chunk_kda_bwd_kernel_intra" not in kernels
     errors = {n: ref.rel_rms(ours[n], theirs[n]) for n in theirs if theirs[n] is not None}
-    print("whole op with B6, B7 ours vs fla", diagonal, errors)
+    print("whole op with B6, B7 ours vs fla", design, errors)
     assert errors["o"] == 0.0
     assert all(e <= ref.BUDGETS[n] for n, e in errors.items()), errors
 
@@ -366,9 +369,9 @@ def test_b7_on_the_chain_s_inputs_matches_fla_stage(p, gates):
     above = (col[None, :] > pos[:, None]).view(1, -1, 1, 64)
     assert not (inputs["dAkk"] * (above | (col == pos[:, None]).view(1, -1, 1, 64))).any()
     assert not (inputs["dAqk"] * above).any()
-    for diagonal in intra_bwd.DIAGONALS if p.safe_gate else ("pairwise", "pairwise-shared"):
-        misses = _b7_verdict(inputs, f"{p.name}-{gates}", diagonal)
-        assert not misses, (diagonal, misses)
+    for design in intra_bwd.DESIGNS if p.safe_gate else B7_EXACT:
+        misses = _b7_verdict(inputs, f"{p.name}-{gates}", design)
+        assert not misses, (design, misses)
 
 
 # --------------------------------------------------------------------------------------

@@ -45,14 +45,17 @@ def exact(inputs: dict) -> tuple:
     return ref.intra_bwd(**{n: t for n, t in inputs.items() if n not in ("chunk_indices", "safe_gate")}, exact=True)
 
 
-def check(inputs: dict, bound: float = 1e-5, diagonals=("pairwise", "pairwise-shared")) -> dict:
-    """The diagonal forms against the float64 stage (the pairwise ones by default)."""
+EXACT_DESIGNS = tuple(d for d in intra_bwd.DESIGNS if d not in intra_bwd.ANCHORED)
+
+
+def check(inputs: dict, bound: float = 1e-5, designs=EXACT_DESIGNS) -> dict:
+    """The designs against the float64 stage (by default those exact for any gate)."""
     want = exact(inputs)
-    for diagonal in diagonals:
-        got = intra_bwd.intra_bwd(**inputs, diagonal=diagonal)
+    for design in designs:
+        got = intra_bwd.intra_bwd(**inputs, design=design)
         errors = {n: ref.rel_rms(a, b) for n, a, b in zip(("dq", "dk", "db", "dg"), got, want)}
-        assert all(torch.isfinite(t).all() for t in got), (diagonal, errors)
-        assert all(e <= bound for e in errors.values()), (diagonal, errors)
+        assert all(torch.isfinite(t).all() for t in got), (design, errors)
+        assert all(e <= bound for e in errors.values()), (design, errors)
     return errors
 
 
@@ -70,14 +73,15 @@ def test_anchored_diagonal_with_a_bounded_gate(p):
     # dg's intra part cancels (q dq + k dk_row - k dk_col) most at a saturated gate: both
     # diagonal forms land near 1e-5 there in fp32 (pairwise 9.4e-6, anchored 1.2e-5), 1e-7
     # elsewhere.
-    check(inputs, bound=3e-5, diagonals=intra_bwd.DIAGONALS)
-    check(stage_inputs(p), diagonals=("anchored",))
+    check(inputs, bound=3e-5, designs=intra_bwd.DESIGNS)
+    check(stage_inputs(p), designs=intra_bwd.ANCHORED)
 
 
-def test_anchored_diagonal_needs_safe_gate():
+@pytest.mark.parametrize("design", intra_bwd.ANCHORED)
+def test_anchored_designs_need_safe_gate(design):
     inputs = stage_inputs(SHAPES[0])
     with pytest.raises(ValueError, match="needs safe_gate=True"):
-        intra_bwd.intra_bwd(**inputs, diagonal="anchored")
+        intra_bwd.intra_bwd(**inputs, design=design)
 
 
 def test_very_strong_gates_stay_exact():
@@ -95,11 +99,12 @@ def test_weak_gates():
     check(stage_inputs(SHAPES[1], gate_scale=1.0, gate_shift=-8.0))
 
 
-def test_outputs_are_fresh_and_inputs_untouched():
+@pytest.mark.parametrize("design", ["pairwise", "blocks"])
+def test_outputs_are_fresh_and_inputs_untouched(design):
     inputs = stage_inputs(SHAPES[0])
     before = {n: t.clone() for n, t in inputs.items() if isinstance(t, torch.Tensor)}
-    out = intra_bwd.intra_bwd(**inputs)
-    again = intra_bwd.intra_bwd(**inputs)
+    out = intra_bwd.intra_bwd(**inputs, design=design)
+    again = intra_bwd.intra_bwd(**inputs, design=design)
     for n, t in before.items():
         assert torch.equal(inputs[n], t), n
     for a, b in zip(out, again):
@@ -132,23 +137,26 @@ def test_bench_entry_inputs_run_and_count_bytes():
 
 @pytest.mark.skipif(__import__("triton").__version__ != "3.6.0", reason="spill figures recorded with Triton 3.6.0's ptxas")
 @pytest.mark.parametrize("design,K,spills", [("pairwise", 128, 8), ("pairwise", 64, 44),
-                                                  ("pairwise-shared", 128, 8), ("anchored", 128, 16)])
+                                                  ("pairwise-shared", 128, 8), ("anchored", 128, 16),
+                                                  ("blocks", 128, 28), ("blocks-guarded", 128, 84)])
 def test_default_config_compiles_within_its_recorded_spills(design, K, spills):
-    """The default config as ptxas assembles it for sm_90a (intra_bwd.DEFAULT_CONFIG's note),
-    compiled in a process without the interpreter: a change that adds spills fails here."""
+    """A design's default config as ptxas assembles it for sm_90a (the notes at
+    intra_bwd.DEFAULT_CONFIG and BLOCKS_CONFIG), compiled in a process without the
+    interpreter: a change that adds spills fails here. The chunk form's dots are wgmma,
+    the block form's 16-row dots mma.sync."""
     import json
     import os
     import subprocess
     import sys
 
-    cfg = intra_bwd.DEFAULT_CONFIG
+    cfg = intra_bwd.default_config(design)
     env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = [sys.executable, "-m", "tools.compile_report", "--design", design, "--K", str(K), "--BV", str(cfg["BK"]),
            "--warps", str(cfg["num_warps"]), "--stages", str(cfg["num_stages"])]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=root)
     row = json.loads(out.stdout.strip().splitlines()[-1])
-    assert "error" not in row and row["wgmma"] > 0, row
+    assert "error" not in row and (row["wgmma"] > 0) == (not design.startswith("blocks")), row
     assert row["spill_stores"] <= spills and row["spill_loads"] <= spills, row
 
 
@@ -176,3 +184,18 @@ def test_chain_with_our_b7_against_the_oracle(p, b7_registered):
     oracle = run_fwd_bwd(ref.recurrent_kda, as_oracle_inputs(kwargs), grid=p.dtype)
     errors = {n: ref.rel_rms(result[n], oracle[n]) for n in oracle if oracle[n] is not None}
     assert all(errors[n] <= ref.BUDGETS[n] for n in errors), errors
+
+
+def test_guarded_design_takes_each_path_where_it_should():
+    """blocks-guarded: through the anchors where every block's gate span is small (its
+    result then differs in the last bits from the pairwise blocks'), pairwise where a span
+    passes GUARD_SPAN (bit for bit the pairwise blocks' result, and exact)."""
+    inputs = stage_inputs(SHAPES[0])
+    guarded = intra_bwd.intra_bwd(**inputs, design="blocks-guarded")
+    pairwise = intra_bwd.intra_bwd(**inputs, design="blocks")
+    assert not all(torch.equal(a, b) for a, b in zip(guarded, pairwise))
+    strong = stage_inputs(SHAPES[0], gate_scale=8.0, gate_shift=12.0)
+    assert (strong["gc"][:, 0:16] - strong["gc"][:, 15:16]).amax() > float(intra_bwd.GUARD_SPAN.value)
+    guarded = intra_bwd.intra_bwd(**strong, design="blocks-guarded")
+    pairwise = intra_bwd.intra_bwd(**strong, design="blocks")
+    assert all(torch.equal(a, b) for a, b in zip(guarded, pairwise))

@@ -130,22 +130,30 @@ def b6_report(design: str, K: int, V: int, H: int, HV: int, BV: int, num_warps: 
 
 
 def b7_report(K: int, H: int, HV: int, BK: int, num_warps: int, num_stages: int, dtype: str = "bf16",
-              diagonal: str = "pairwise") -> dict:
-    """B7's kernel (kda/kernels/intra_bwd.py), dense sequences, with one of its diagonal
-    forms (``intra_bwd.DIAGONALS``)."""
+              design: str = "pairwise", maxnreg: int | None = None) -> dict:
+    """B7's kernel (kda/kernels/intra_bwd.py), dense sequences, in one of its designs
+    (``intra_bwd.DESIGNS``: the chunk form's or the block form's)."""
     from kernel_fun.kda.kernels import intra_bwd
 
+    blocks = design.startswith("blocks")
+    outputs = ("dq2", "dk2", "dg2", "db_part") if blocks else ("db", "dq2", "dk2", "db2", "dg2")
     types = {"q": _PTR[dtype], "k": _PTR[dtype], "beta": _PTR[dtype],
-             **{n: "*fp32" for n in ("g", "dAqk", "dAkk", "dq", "dk", "db", "dg", "dq2", "dk2", "db2", "dg2")}}
+             **{n: "*fp32" for n in ("g", "dAqk", "dAkk", "dq", "dk", "dg") + outputs}}
+    if blocks:
+        types["NT_ROWS"] = "i32"
+        constexprs_extra = dict(GUARDED=design == "blocks-guarded")
+    else:
+        constexprs_extra = {}
     constexprs = dict(cu_seqlens=None, chunk_indices=None, H=H, HV=HV, K=K, BT=64, BC=intra_bwd.BC, BK=BK,
-                      IS_VARLEN=False, ANCHORED=diagonal == "anchored",
-                      SHARED_EXP=diagonal == "pairwise-shared")
-    return compile_sm90(intra_bwd.intra_bwd_kernel, types, constexprs, num_warps, num_stages)
+                      IS_VARLEN=False, ANCHORED=design in intra_bwd.ANCHORED,
+                      SHARED_EXP=design in ("pairwise-shared", "blocks-shared"), **constexprs_extra)
+    kernel = intra_bwd.intra_bwd_blocks_kernel if blocks else intra_bwd.intra_bwd_kernel
+    return compile_sm90(kernel, types, constexprs, num_warps, num_stages, maxnreg)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--design", default="fullk", help="fullk (B6), or pairwise / pairwise-shared / anchored (B7, --BV its K slice)")
+    parser.add_argument("--design", default="fullk", help="fullk (B6), or one of B7's designs (--BV its K slice)")
     parser.add_argument("--K", type=int, default=128)
     parser.add_argument("--V", type=int, default=256)
     parser.add_argument("--H", type=int, default=16)
@@ -157,6 +165,7 @@ def main(argv=None):
     parser.add_argument("--extra", default="{}", help="JSON of fullk switches, e.g. '{\"PF_ITER\": -1}'")
     args = parser.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)
+    from kernel_fun.kda.kernels import intra_bwd
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     for design in args.design.split(","):
         for BV, warps, stages in itertools.product(ints(args.BV), ints(args.warps), ints(args.stages)):
@@ -164,8 +173,8 @@ def main(argv=None):
                        BV=BV,
                        **({"switches": json.loads(args.extra)} if args.extra != "{}" else {}))
             try:
-                if design in ("pairwise", "pairwise-shared", "anchored"):  # B7: --BV is its K slice
-                    row.update(b7_report(args.K, args.H, args.HV, BV, warps, stages, diagonal=design))
+                if design in intra_bwd.DESIGNS:  # B7: --BV is its K slice
+                    row.update(b7_report(args.K, args.H, args.HV, BV, warps, stages, design=design, maxnreg=args.maxnreg))
                 else:
                     row.update(b6_report(design, args.K, args.V, args.H, args.HV, BV, warps, stages,
                                          maxnreg=args.maxnreg, extra=json.loads(args.extra)))

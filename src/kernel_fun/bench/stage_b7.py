@@ -2,7 +2,7 @@
 configs worth timing, and its parity bars.
 
 ``python -m kernel_fun.bench.stage --stage B7 --shapes prod8192_gate,prod8192_layer_safe --configs sweep``
-(the anchored diagonal runs at safe_gate shapes only)
+(the anchored designs run at safe_gate shapes only)
 
 B7's inputs are random, of the magnitudes a real chain gives: unit q/k rows, a Kimi-style
 gate cumsum, beta in (0, 1), fp32 dAqk/dAkk with B6's zeros (dAqk above the diagonal, dAkk
@@ -19,12 +19,17 @@ import torch
 
 from kernel_fun.bench.stage import StageBench, main as _stage_main, qk_and_gate
 
-# The configs worth timing, from the sm_90a compile report (intra_bwd.DEFAULT_CONFIG's note).
-SWEEP = {"pairwise": [dict(BK=32, num_warps=8, num_stages=1), dict(BK=32, num_warps=8, num_stages=2),
-                      dict(BK=64, num_warps=8, num_stages=1), dict(BK=32, num_warps=4, num_stages=1),
-                      dict(BK=32, num_warps=16, num_stages=1)],
-         "pairwise-shared": [dict(BK=32, num_warps=8, num_stages=1), dict(BK=64, num_warps=8, num_stages=1)],
-         "anchored": [dict(BK=32, num_warps=8, num_stages=1), dict(BK=64, num_warps=8, num_stages=1)]}
+# The configs worth timing, from the sm_90a compile report (the notes at
+# intra_bwd.DEFAULT_CONFIG and BLOCKS_CONFIG): the chunk form's best measured (4 warps) as
+# the baseline; the block form at 4 warps with registers capped for 3 and 4 programs an SM
+# (168: 52 B of spills, 128: 248 B), and its loops pipelined.
+_B = dict(BK=32, num_warps=4, num_stages=1)
+SWEEP = {"pairwise": [dict(BK=32, num_warps=4, num_stages=1)],
+         "blocks": [_B, dict(_B, num_stages=2), dict(_B, maxnreg=168), dict(_B, maxnreg=128),
+                    dict(_B, num_warps=2), dict(_B, BK=16)],
+         "blocks-shared": [_B, dict(_B, maxnreg=168)],
+         "blocks-guarded": [_B, dict(_B, num_stages=2), dict(_B, maxnreg=168), dict(_B, maxnreg=128)],
+         "blocks-anchored": [_B, dict(_B, maxnreg=168)]}
 
 
 def b7_bytes(p) -> int:
@@ -71,17 +76,17 @@ def _exact(**inputs):
 def _ours(inputs, design, config):
     from kernel_fun.kda.kernels import intra_bwd
 
-    return intra_bwd.intra_bwd(**inputs, **(config or intra_bwd.DEFAULT_CONFIG), diagonal=design)
+    return intra_bwd.intra_bwd(**inputs, **(config or intra_bwd.default_config(design)), design=design)
 
 
 def _launch_config(p, design, overrides):
     from kernel_fun.kda.kernels import intra_bwd
 
-    if design not in intra_bwd.DIAGONALS:
+    if design not in intra_bwd.DESIGNS:
         raise ValueError(f"unknown B7 design {design!r}")
-    if design == "anchored" and not p.safe_gate:
-        raise ValueError("the anchored diagonal needs a safe_gate shape")
-    return {**intra_bwd.DEFAULT_CONFIG, **(overrides or {})}
+    if design in intra_bwd.ANCHORED and not p.safe_gate:
+        raise ValueError(f"the {design} design needs a safe_gate shape")
+    return {**intra_bwd.default_config(design), **(overrides or {})}
 
 
 def _misses(vs_exact, fla_exact, vs_fla):
@@ -90,8 +95,14 @@ def _misses(vs_exact, fla_exact, vs_fla):
     return b7_misses(vs_exact, fla_exact, vs_fla)
 
 
+def _designs() -> tuple[str, ...]:
+    from kernel_fun.kda.kernels import intra_bwd
+
+    return intra_bwd.DESIGNS
+
+
 BENCH = StageBench(stage="B7", make_inputs=make_inputs, bytes=b7_bytes, fla=_fla, exact=_exact, ours=_ours,
-                   launch_config=_launch_config, misses=_misses, sweep=SWEEP, designs=("pairwise", "pairwise-shared", "anchored"))
+                   launch_config=_launch_config, misses=_misses, sweep=SWEEP, designs=_designs())
 
 
 def main(argv=None) -> int:

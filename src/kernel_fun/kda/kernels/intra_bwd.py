@@ -1,48 +1,53 @@
 """B7, the intra-chunk backward: gradients through Aqk and Akk into dq, dk, db and dg.
 
-Replaces fla's ``chunk_kda_bwd_kernel_intra`` (14.6 ms at prod8192_gate on the H200, 37%
-of kernel-fun's fwd+bwd, 6.4x its 2.28 ms memory floor). fla runs one program per
-(16-row sub-chunk, 32-channel K slice, chunk, head): 524,288 programs at prod8192_gate,
-each reloading its neighbours' q, k, g and dA tiles, row-wise and transposed, and the
-diagonal 16x16 blocks run two 16-step loops on CUDA cores with an exp2 per element over
-the whole square.
+Replaces fla's ``chunk_kda_bwd_kernel_intra`` (15.1 ms at prod8192_gate on the H200, 37%
+of kernel-fun's fwd+bwd, 6.6x its 2.28 ms memory floor; 7.9 ms with safe_gate). fla runs
+one program per (16-row sub-chunk, 32-channel K slice, chunk, head): 524,288 programs at
+prod8192_gate, each reloading its neighbours' q, k, g and dA tiles, and the diagonal 16x16
+blocks run two 16-step loops on CUDA cores over the whole square.
 
-This design: one program per chunk-head owns the chunk (64 rows) and walks K in BK-wide
-slices, so q, k, g and the dA tiles are read once per slice by one program. For a row r
-and an earlier column s the factor is e^(G_r - G_s) = exp2(g_r - g_s), with g the chunk
-cumsum (log2 units, non-increasing along the chunk):
+For a row r and an earlier column s the factor is e^(G_r - G_s) = exp2(g_r - g_s), with g
+the chunk cumsum (log2 units, non-increasing along the chunk). Across 16-row blocks it is
+taken through the block boundaries, where every factor is one-sided: block i's rows
+against earlier columns through i's first row a_i (exp2(g_r - a_i) * exp2(a_i - g_s), both
+<= 1), block j's columns against later rows through j's last row e_j. Two forms:
 
-- across 16-row sub-chunks, as tensor-core dots through the sub-chunk boundaries, where
-  every factor is one-sided: rows of sub-chunk i against earlier columns through the
-  first row of i (exp2(g_r - a_i) * exp2(a_i - g_s), both <= 1), columns of sub-chunk i
-  against later rows through its last row;
-- inside each 16-row diagonal block, pairwise on CUDA cores: 16 steps, each a gathered
-  [64, BK] row tile, one exp2 per (row, column, channel) of the exponent g_r - g_s with
-  r >= s, never through an anchor, so it cannot overflow for any gate. ``pairwise``
-  computes each pair's factor twice, once per role; ``pairwise-shared`` once, the column
-  role summed per block from the row role's terms (in step j every row of a block pairs
-  with the same column);
-- or, with ``safe_gate`` only (``diagonal="anchored"``), inside the same sub-chunk dots
-  through the same anchors: safe_gate's lower bound (-5 nats a token) keeps a block's
-  factors within 2^(+-110), inside fp32's range, and the diagonal needs no exp2 loop.
+- the chunk form (``intra_bwd_kernel``; designs pairwise, pairwise-shared, anchored): one
+  program per chunk-head walks K in BK-wide slices with [64, 64] x [64, BK] dots masked to
+  one block at a time. Measured (bench/results/stages.jsonl at a7cdba7; docs/log/b7.md):
+  slower than fla's at every config, 20.1 ms at prod8192_gate at best, 16.0 anchored at
+  prod8192_layer_safe: every block iteration reloads its dA tiles and waits on them, one
+  program per SM (255 registers) with nothing to hide the wait. Kept as the measured
+  baseline until the block form is measured, then removed.
+- the block form (``intra_bwd_blocks_kernel``; designs blocks, blocks-shared,
+  blocks-anchored, blocks-guarded): one program per (K slice, chunk-head), 4 warps; the
+  chunk's four 16-row blocks as separate [16, BK] tiles and all 20 [16, 16] dA blocks
+  loaded at the start, each block pair (i, j < i) one [16, 16] x [16, BK] dot per role
+  (mma.sync), no global load between dots. The diagonal blocks: pairwise on CUDA cores,
+  the four blocks' 16 steps interleaved, one exp2 per (r >= s, channel) and role
+  (``blocks``) or one per pair with the column role summed over the block
+  (``blocks-shared``); through the anchors with safe_gate (``blocks-anchored``, tf32
+  dots, as fla's safe_gate form); or ``blocks-guarded``: through the anchors, in tf32x3,
+  where every block's gate span in the slice is at most GUARD_SPAN (2^96: fp32 holds every
+  factor), pairwise otherwise, so any gate is exact. db is summed over the K slices'
+  partials in slice order (no atomics).
 
-Numerics: fp32 throughout (the dots in tf32, as fla's off-diagonal dots). The pairwise
-forms keep the one-sided law for any gate; the anchored one rests on safe_gate's bound,
-and the launcher refuses it without safe_gate. Outputs are fresh tensors (dq + its intra
-part, and so on): no output is read back, so relaunching is idempotent.
+Numerics: fp32 throughout; the off-diagonal dots in tf32 as fla's. The pairwise and
+guarded designs keep the one-sided law for any gate; the anchored ones rest on safe_gate's
+bound and the launcher refuses them without it. Outputs are fresh tensors (input + intra
+part): no output is read back, so relaunching is idempotent.
 
 Falls back (``supports``): chunk size other than 64.
 
-Resources (sm_90a, K=128): 255 registers, 8 B of spills at BK=32 and 8 warps (anchored
-16 B), so one program per SM (two at 4 warps).
+Resources (sm_90a, K=128, BK=32): the chunk form 255 registers, 8 B of spills at 8 warps.
+The block form at 4 warps: 255 registers, blocks 28 B of spills, blocks-shared 16,
+blocks-guarded 84, blocks-anchored 264; capped at 168 registers (3 programs an SM) 52 B,
+at 128 (4) 248 B. Predicted (docs/log/b7.md): blocks 4-6 ms, blocks-guarded 2.5-3.5 at
+prod8192_gate; not yet measured.
 
-Measured on the H200 (bench/results/stages.jsonl, a7cdba7; docs/log/b7.md): parity
-everywhere, but slower than fla's stage at every config: prod8192_gate 20.1 ms at 4 warps,
-25.4 at 8 (fla 15.1); prod8192_layer_safe anchored 16.0 (fla 7.9). The sub-chunk dots,
-not the diagonal, take the time (~20 ms): each iteration reloads its dA tiles and waits on
-them with no other program on the SM to hide the wait. Not registered: the chain keeps
-fla's B7 (tests/test_gpu.py holds this kernel to fla's stage; tests/test_intra_bwd.py to
-the float64 stage in the interpreter).
+Not registered: the chain keeps fla's B7 until a design beats it on the H200
+(tests/test_gpu.py holds every design to fla's stage; tests/test_intra_bwd.py to the
+float64 stage in the interpreter).
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ import triton.language as tl
 from kernel_fun._triton import chunk_coords, dot
 
 BC = 16  # the diagonal block
+GUARD_SPAN = tl.constexpr(96.0)  # blocks-guarded: the largest in-block gate span (log2) taken through anchors
 
 
 @triton.jit
@@ -189,29 +195,268 @@ def intra_bwd_kernel(
     tl.store(db2 + o_t * HV, tl.load(db + o_t * HV, mask=m_t, other=0) + b_db, mask=m_t)
 
 
+# --------------------------------------------------------------------------------------
+# The block form: one program per (K slice, chunk, head), the chunk as four 16-row tiles
+# --------------------------------------------------------------------------------------
+@triton.jit
+def _tile(ptr, st, stride, n_t, o_k, m_k, BC: tl.constexpr):
+    """Rows st .. st + BC - 1 of the chunk (zeros past its end), channels o_k, in the input's
+    dtype (q and k stay bf16 in registers: half the registers of fp32)."""
+    rows = st + tl.arange(0, BC)
+    return tl.load(ptr + rows[:, None] * stride + o_k[None, :], mask=(rows < n_t)[:, None] & m_k[None, :], other=0)
+
+
+@triton.jit
+def _row(ptr, r, stride, ok, o_k, m_k):
+    return tl.load(ptr + r * stride + o_k, mask=m_k & ok, other=0).to(tl.float32)
+
+
+@triton.jit
+def _dot(a, b, PRECISE: tl.constexpr):
+    """fp32 x fp32 on the tensor cores: tf32 (as fla's off-diagonal dots), or with PRECISE
+    three tf32 products (tf32x3: fp32-level accuracy, as fla's CUDA-core diagonal)."""
+    if PRECISE:
+        return tl.dot(a, b, input_precision="tf32x3")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _pair(dAqk, dAkk, st_i, st_j, n_t, k_j, g_j, q_i, k_i, g_i, beta_i, a_i, e_j, acc_q, acc_kr, acc_c,
+          HV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, SAME: tl.constexpr, PRECISE: tl.constexpr = False):
+    """Block i's rows against block j's columns (j < i; or j == i, SAME, anchored form only):
+    the row role through a_i (block i's first row: exp2(g_r - a_i) * exp2(a_i - g_s)), the
+    column role through e_j (block j's last row: exp2(g_r - e_j) * exp2(e_j - g_s)). For
+    j < i every factor is <= 1; the scales exp2(g_r - a_i) and exp2(e_j - g_s) are applied
+    once per block afterwards."""
+    pos = tl.arange(0, BC)
+    rows, cols = st_i + pos, st_j + pos
+    m_r, m_c = rows < n_t, cols < n_t
+    m_q = m_r[:, None] & m_c[None, :]
+    m_kk = m_q
+    if SAME:
+        m_q = m_q & (pos[:, None] >= pos[None, :])
+        m_kk = m_q & (pos[:, None] > pos[None, :])
+    p_A = rows[:, None] * (HV * BT) + cols[None, :]
+    b_Aq = tl.load(dAqk + p_A, mask=m_q, other=0).to(tl.float32)
+    b_Ak = tl.load(dAkk + p_A, mask=m_kk, other=0).to(tl.float32)
+    kx = k_j.to(tl.float32) * tl.exp2(tl.where(m_c[:, None] & (st_i < n_t), a_i[None, :] - g_j, float("-inf")))
+    acc_q += _dot(b_Aq, kx, PRECISE)
+    acc_kr += _dot(b_Ak, kx, PRECISE)
+    f = tl.exp2(tl.where(m_r[:, None], g_i - e_j[None, :], float("-inf")))
+    acc_c += (_dot(tl.trans(b_Aq), q_i.to(tl.float32) * f, PRECISE)
+              + _dot(tl.trans(b_Ak), (beta_i[:, None] * k_i.to(tl.float32)) * f, PRECISE))
+    return acc_q, acc_kr, acc_c
+
+
+@triton.jit
+def _diag_step(jj, q, k, g, beta, dAqk, dAkk, st, n_t, q_i, k_i, g_i, beta_i, o_k, m_k, dq_i, dkr_i, dkc_i,
+               H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+               SHARED_EXP: tl.constexpr):
+    """Step jj of block i's own pairs (r >= s, both in the block), pairwise: s = st + jj
+    against every row r >= s with the one-sided factor exp2(g_r - g_s) <= 1 for any gate.
+    The row role adds to rows r; the column role of s either sums those same terms over r
+    (SHARED_EXP: one exp2 tile a step) or takes row s's own pairs (r = s, columns s' <= s:
+    their own exp2 tile, no reduction)."""
+    pos = tl.arange(0, BC)
+    m_i = st + pos < n_t
+    s = st + jj
+    m_s = s < n_t
+    k_s = _row(k, s, H * K, m_s, o_k, m_k)
+    g_s = _row(g, s, HV * K, m_s, o_k, m_k)
+    on = m_i & (pos >= jj) & m_s
+    a_q = tl.load(dAqk + (st + pos) * (HV * BT) + s, mask=on, other=0).to(tl.float32)
+    a_k = tl.load(dAkk + (st + pos) * (HV * BT) + s, mask=on & (pos > jj), other=0).to(tl.float32)
+    e = tl.exp2(tl.where(on[:, None] & m_k[None, :], g_i - g_s[None, :], float("-inf")))
+    dq_i += a_q[:, None] * k_s[None, :] * e
+    dkr_i += a_k[:, None] * k_s[None, :] * e
+    if SHARED_EXP:
+        col = tl.sum((a_q[:, None] * q_i.to(tl.float32) + (a_k * beta_i)[:, None] * k_i.to(tl.float32)) * e, axis=0)
+        dkc_i += tl.where((pos == jj)[:, None], col[None, :], 0.0)
+    else:
+        q_s = _row(q, s, H * K, m_s, o_k, m_k)
+        b_s = tl.load(beta + s * HV, mask=m_s, other=0).to(tl.float32)
+        on_c = m_i & (pos <= jj) & m_s
+        c_q = tl.load(dAqk + s * (HV * BT) + st + pos, mask=on_c, other=0).to(tl.float32)  # dA's row s, contiguous
+        c_k = tl.load(dAkk + s * (HV * BT) + st + pos, mask=on_c & (pos < jj), other=0).to(tl.float32)
+        e_c = tl.exp2(tl.where(on_c[:, None] & m_k[None, :], g_s[None, :] - g_i, float("-inf")))
+        dkc_i += (c_q[:, None] * q_s[None, :] + (c_k * b_s)[:, None] * k_s[None, :]) * e_c
+    return dq_i, dkr_i, dkc_i
+
+
+@triton.jit
+def _scale(st, n_t, g_i, a_i, e_i, acc_q, acc_kr, acc_c, m_k, BC: tl.constexpr):
+    """Block i's anchored sums at their true scale: the row role's times exp2(g_r - a_i) <= 1,
+    the column role's times exp2(e_i - g_s) <= 1."""
+    m_rk = ((st + tl.arange(0, BC)) < n_t)[:, None] & m_k[None, :]
+    f = tl.exp2(tl.where(m_rk, g_i - a_i[None, :], float("-inf")))
+    h = tl.exp2(tl.where(m_rk, e_i[None, :] - g_i, float("-inf")))
+    return acc_q * f, acc_kr * f, acc_c * h
+
+
+@triton.jit
+def _finish(st, n_t, row0, i_k, q_i, k_i, beta_i, b_dq, b_dkr, b_dkc,
+            dq, dk, dg, dq2, dk2, dg2, db_part, o_k, m_k, NT_ROWS,
+            HV: tl.constexpr, K: tl.constexpr, BC: tl.constexpr):
+    """Block i's outputs: db's partial for this K slice, dq, dk, dg (input + intra part)."""
+    rows = st + tl.arange(0, BC)
+    m_r = rows < n_t
+    m_rk = m_r[:, None] & m_k[None, :]
+    q_i = q_i.to(tl.float32)
+    k_i = k_i.to(tl.float32)
+    tl.store(db_part + i_k * NT_ROWS + (row0 + rows) * HV, tl.sum(b_dkr * k_i, axis=1), mask=m_r)
+    b_dkr *= beta_i[:, None]
+    p = rows[:, None] * (HV * K) + o_k[None, :]
+    tl.store(dq2 + p, tl.load(dq + p, mask=m_rk, other=0) + b_dq, mask=m_rk)
+    tl.store(dk2 + p, tl.load(dk + p, mask=m_rk, other=0) + b_dkr + b_dkc, mask=m_rk)
+    tl.store(dg2 + p, tl.load(dg + p, mask=m_rk, other=0) + q_i * b_dq + k_i * (b_dkr - b_dkc), mask=m_rk)
+
+
+@triton.jit
+def intra_bwd_blocks_kernel(
+    q, k, g, beta, dAqk, dAkk, dq, dk, dg,
+    dq2, dk2, dg2, db_part,
+    cu_seqlens, chunk_indices, T, NT_ROWS,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    BK: tl.constexpr, IS_VARLEN: tl.constexpr, ANCHORED: tl.constexpr, SHARED_EXP: tl.constexpr,
+    GUARDED: tl.constexpr,
+):
+    i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_hv = i_bh % HV
+    i_h = i_hv // (HV // H)
+    i_c, i_tg, bos, T = chunk_coords(i_t, i_bh, cu_seqlens, chunk_indices, T, HV, BT, IS_VARLEN)
+    row0 = bos + i_c * BT
+    n_t = tl.minimum(T - i_c * BT, BT).to(tl.int32)
+    tl.static_assert(BT == 4 * BC, "the block form is written for four blocks a chunk")
+
+    q += (row0 * H + i_h) * K
+    k += (row0 * H + i_h) * K
+    g += (row0 * HV + i_hv) * K
+    beta += row0 * HV + i_hv
+    dAqk += (row0 * HV + i_hv) * BT
+    dAkk += (row0 * HV + i_hv) * BT
+    off = (row0 * HV + i_hv) * K
+    db_part += i_hv
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_k = o_k < K
+    pos = tl.arange(0, BC)
+    SQ: tl.constexpr = H * K
+    SG: tl.constexpr = HV * K
+
+    q0, k0, g0 = _tile(q, 0, SQ, n_t, o_k, m_k, BC), _tile(k, 0, SQ, n_t, o_k, m_k, BC), _tile(g, 0, SG, n_t, o_k, m_k, BC)
+    q1, k1, g1 = _tile(q, BC, SQ, n_t, o_k, m_k, BC), _tile(k, BC, SQ, n_t, o_k, m_k, BC), _tile(g, BC, SG, n_t, o_k, m_k, BC)
+    q2, k2, g2 = (_tile(q, 2 * BC, SQ, n_t, o_k, m_k, BC), _tile(k, 2 * BC, SQ, n_t, o_k, m_k, BC),
+                  _tile(g, 2 * BC, SG, n_t, o_k, m_k, BC))
+    q3, k3, g3 = (_tile(q, 3 * BC, SQ, n_t, o_k, m_k, BC), _tile(k, 3 * BC, SQ, n_t, o_k, m_k, BC),
+                  _tile(g, 3 * BC, SG, n_t, o_k, m_k, BC))
+    b0 = tl.load(beta + pos * HV, mask=pos < n_t, other=0).to(tl.float32)
+    b1 = tl.load(beta + (BC + pos) * HV, mask=BC + pos < n_t, other=0).to(tl.float32)
+    b2 = tl.load(beta + (2 * BC + pos) * HV, mask=2 * BC + pos < n_t, other=0).to(tl.float32)
+    b3 = tl.load(beta + (3 * BC + pos) * HV, mask=3 * BC + pos < n_t, other=0).to(tl.float32)
+    # each block's first row (a_i) and last row inside the chunk (e_i)
+    a0, e0 = _row(g, 0, SG, 0 < n_t, o_k, m_k), _row(g, tl.minimum(BC, n_t) - 1, SG, 0 < n_t, o_k, m_k)
+    a1, e1 = _row(g, BC, SG, BC < n_t, o_k, m_k), _row(g, tl.minimum(2 * BC, n_t) - 1, SG, BC < n_t, o_k, m_k)
+    a2, e2 = _row(g, 2 * BC, SG, 2 * BC < n_t, o_k, m_k), _row(g, tl.minimum(3 * BC, n_t) - 1, SG, 2 * BC < n_t, o_k, m_k)
+    a3, e3 = _row(g, 3 * BC, SG, 3 * BC < n_t, o_k, m_k), _row(g, tl.minimum(4 * BC, n_t) - 1, SG, 3 * BC < n_t, o_k, m_k)
+
+    z = tl.zeros([BC, BK], dtype=tl.float32)
+    aq0, ar0, ac0 = z, z, z
+    aq1, ar1, ac1 = z, z, z
+    aq2, ar2, ac2 = z, z, z
+    aq3, ar3, ac3 = z, z, z
+    if ANCHORED:  # safe_gate: the diagonal blocks through the same anchors
+        aq0, ar0, ac0 = _pair(dAqk, dAkk, 0, 0, n_t, k0, g0, q0, k0, g0, b0, a0, e0, aq0, ar0, ac0, HV, BT, BC, True)
+        aq1, ar1, ac1 = _pair(dAqk, dAkk, BC, BC, n_t, k1, g1, q1, k1, g1, b1, a1, e1, aq1, ar1, ac1, HV, BT, BC, True)
+        aq2, ar2, ac2 = _pair(dAqk, dAkk, 2 * BC, 2 * BC, n_t, k2, g2, q2, k2, g2, b2, a2, e2, aq2, ar2, ac2,
+                              HV, BT, BC, True)
+        aq3, ar3, ac3 = _pair(dAqk, dAkk, 3 * BC, 3 * BC, n_t, k3, g3, q3, k3, g3, b3, a3, e3, aq3, ar3, ac3,
+                              HV, BT, BC, True)
+    # (i, j): row accumulators of i, column accumulator of j
+    aq1, ar1, ac0 = _pair(dAqk, dAkk, BC, 0, n_t, k0, g0, q1, k1, g1, b1, a1, e0, aq1, ar1, ac0, HV, BT, BC, False)
+    aq2, ar2, ac0 = _pair(dAqk, dAkk, 2 * BC, 0, n_t, k0, g0, q2, k2, g2, b2, a2, e0, aq2, ar2, ac0, HV, BT, BC, False)
+    aq2, ar2, ac1 = _pair(dAqk, dAkk, 2 * BC, BC, n_t, k1, g1, q2, k2, g2, b2, a2, e1, aq2, ar2, ac1, HV, BT, BC, False)
+    aq3, ar3, ac0 = _pair(dAqk, dAkk, 3 * BC, 0, n_t, k0, g0, q3, k3, g3, b3, a3, e0, aq3, ar3, ac0, HV, BT, BC, False)
+    aq3, ar3, ac1 = _pair(dAqk, dAkk, 3 * BC, BC, n_t, k1, g1, q3, k3, g3, b3, a3, e1, aq3, ar3, ac1, HV, BT, BC, False)
+    aq3, ar3, ac2 = _pair(dAqk, dAkk, 3 * BC, 2 * BC, n_t, k2, g2, q3, k3, g3, b3, a3, e2, aq3, ar3, ac2,
+                          HV, BT, BC, False)
+
+    span = 0.0
+    if GUARDED:
+        # The diagonal blocks through the anchors where every block's gate spans at most
+        # GUARD_SPAN (log2) over its rows in this K slice: its factors then stay inside
+        # 2^(+-GUARD_SPAN), far inside fp32; the dots in tf32x3. Else pairwise, below.
+        span = tl.maximum(tl.maximum(tl.max(a0 - e0, axis=0), tl.max(a1 - e1, axis=0)),
+                          tl.maximum(tl.max(a2 - e2, axis=0), tl.max(a3 - e3, axis=0)))
+        if span <= GUARD_SPAN:
+            aq0, ar0, ac0 = _pair(dAqk, dAkk, 0, 0, n_t, k0, g0, q0, k0, g0, b0, a0, e0, aq0, ar0, ac0,
+                                  HV, BT, BC, True, True)
+            aq1, ar1, ac1 = _pair(dAqk, dAkk, BC, BC, n_t, k1, g1, q1, k1, g1, b1, a1, e1, aq1, ar1, ac1,
+                                  HV, BT, BC, True, True)
+            aq2, ar2, ac2 = _pair(dAqk, dAkk, 2 * BC, 2 * BC, n_t, k2, g2, q2, k2, g2, b2, a2, e2, aq2, ar2, ac2,
+                                  HV, BT, BC, True, True)
+            aq3, ar3, ac3 = _pair(dAqk, dAkk, 3 * BC, 3 * BC, n_t, k3, g3, q3, k3, g3, b3, a3, e3, aq3, ar3, ac3,
+                                  HV, BT, BC, True, True)
+    aq0, ar0, ac0 = _scale(0, n_t, g0, a0, e0, aq0, ar0, ac0, m_k, BC)
+    aq1, ar1, ac1 = _scale(BC, n_t, g1, a1, e1, aq1, ar1, ac1, m_k, BC)
+    aq2, ar2, ac2 = _scale(2 * BC, n_t, g2, a2, e2, aq2, ar2, ac2, m_k, BC)
+    aq3, ar3, ac3 = _scale(3 * BC, n_t, g3, a3, e3, aq3, ar3, ac3, m_k, BC)
+    if (not ANCHORED) and ((not GUARDED) or span > GUARD_SPAN):
+        # the four diagonal blocks pairwise, one step of each per iteration (independent work)
+        for jj in range(0, BC):
+            aq0, ar0, ac0 = _diag_step(jj, q, k, g, beta, dAqk, dAkk, 0, n_t, q0, k0, g0, b0, o_k, m_k,
+                                       aq0, ar0, ac0, H, HV, K, BT, BC, SHARED_EXP)
+            aq1, ar1, ac1 = _diag_step(jj, q, k, g, beta, dAqk, dAkk, BC, n_t, q1, k1, g1, b1, o_k, m_k,
+                                       aq1, ar1, ac1, H, HV, K, BT, BC, SHARED_EXP)
+            aq2, ar2, ac2 = _diag_step(jj, q, k, g, beta, dAqk, dAkk, 2 * BC, n_t, q2, k2, g2, b2, o_k, m_k,
+                                       aq2, ar2, ac2, H, HV, K, BT, BC, SHARED_EXP)
+            aq3, ar3, ac3 = _diag_step(jj, q, k, g, beta, dAqk, dAkk, 3 * BC, n_t, q3, k3, g3, b3, o_k, m_k,
+                                       aq3, ar3, ac3, H, HV, K, BT, BC, SHARED_EXP)
+
+    dq += off
+    dk += off
+    dg += off
+    dq2 += off
+    dk2 += off
+    dg2 += off
+    _finish(0, n_t, row0, i_k, q0, k0, b0, aq0, ar0, ac0, dq, dk, dg, dq2, dk2, dg2, db_part, o_k, m_k, NT_ROWS,
+            HV, K, BC)
+    _finish(BC, n_t, row0, i_k, q1, k1, b1, aq1, ar1, ac1, dq, dk, dg, dq2, dk2, dg2, db_part, o_k, m_k, NT_ROWS,
+            HV, K, BC)
+    _finish(2 * BC, n_t, row0, i_k, q2, k2, b2, aq2, ar2, ac2, dq, dk, dg, dq2, dk2, dg2, db_part, o_k, m_k,
+            NT_ROWS, HV, K, BC)
+    _finish(3 * BC, n_t, row0, i_k, q3, k3, b3, aq3, ar3, ac3, dq, dk, dg, dq2, dk2, dg2, db_part, o_k, m_k,
+            NT_ROWS, HV, K, BC)
+
+
 # Compiled for sm_90a offline (``python -m tools.compile_report --design pairwise``, K=128,
-# H=HV=16): every config takes 255 registers; BK=32 at 8 warps spills 8 B (anchored 16 B;
-# K=64 44 B), BK=64 at 8 warps 152 B, BK=64 at 4 warps ~1.2 KB; 16 warps cap the registers
-# at 128 and spill 348-520 B. Unrolled, the 16-step diagonal loop spilled 1-10 KB at any
-# width, and the sub-chunk loops ~0.2 KB more: all stay loops.
+# H=HV=16): every config of the chunk form takes 255 registers; BK=32 at 8 warps spills 8 B
+# (anchored 16 B; K=64 44 B), BK=64 at 8 warps 152 B, BK=64 at 4 warps ~1.2 KB; 16 warps
+# cap the registers at 128 and spill 348-520 B. Unrolled, its 16-step diagonal loop
+# spilled 1-10 KB at any width, and the sub-chunk loops ~0.2 KB more: all stay loops.
 DEFAULT_CONFIG = dict(BK=32, num_warps=8, num_stages=1)
-# The diagonal blocks' forms: both roles of a pair with their own exp2 (``pairwise``), one
-# exp2 per pair with the column role summed per block (``pairwise-shared``), or through
-# the sub-chunk anchors (``anchored``, safe_gate only).
-DIAGONALS = ("pairwise", "pairwise-shared", "anchored")
+BLOCKS_CONFIG = dict(BK=32, num_warps=4, num_stages=1)
+# The designs: the chunk form (one program per chunk-head, K walked inside) with its
+# diagonal blocks pairwise (both roles of a pair with their own exp2), pairwise-shared (one
+# exp2 per pair, the column role summed per block) or anchored (safe_gate only); the block
+# form (one program per K slice and chunk-head, four 16-row tiles) with the same three.
+DESIGNS = ("pairwise", "pairwise-shared", "anchored", "blocks", "blocks-shared", "blocks-anchored", "blocks-guarded")
+ANCHORED = ("anchored", "blocks-anchored")
+
+
+def default_config(design: str) -> dict:
+    return dict(BLOCKS_CONFIG if design.startswith("blocks") else DEFAULT_CONFIG)
 
 
 def intra_bwd(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens, chunk_indices, safe_gate,
-              BK: int | None = None, num_warps: int = DEFAULT_CONFIG["num_warps"],
-              num_stages: int = DEFAULT_CONFIG["num_stages"], diagonal: str = "pairwise"):
+              BK: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+              maxnreg: int | None = None, design: str = "pairwise"):
     """B7 with fla's contract: returns (dq, dk, db, dg), fp32, at value heads: the inputs
-    plus the vector-Jacobian product of Aqk and Akk with dAqk and dAkk. ``diagonal`` is one
-    of ``DIAGONALS``: the pairwise forms are exact for any gate; ``anchored`` needs
+    plus the vector-Jacobian product of Aqk and Akk with dAqk and dAkk. ``design`` is one
+    of ``DESIGNS``: the pairwise ones are exact for any gate; the anchored ones need
     ``safe_gate``, whose lower bound keeps a block's factors within fp32's range."""
-    if diagonal not in DIAGONALS:
-        raise ValueError(f"unknown diagonal form {diagonal!r}")
-    if diagonal == "anchored" and not safe_gate:
-        raise ValueError("the anchored diagonal needs safe_gate=True: an unbounded gate can overflow its factors")
+    if design not in DESIGNS:
+        raise ValueError(f"unknown B7 design {design!r}")
+    if design in ANCHORED and not safe_gate:
+        raise ValueError(f"the {design} design needs safe_gate=True: an unbounded gate can overflow its factors")
     B, T, H, K = k.shape
     HV = gc.shape[2]
     BT = chunk_size
@@ -219,17 +464,27 @@ def intra_bwd(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens
         if not t.is_contiguous():
             raise ValueError(f"B7 kernels index {name} as a dense tensor; got strides {t.stride()}")
     NT = triton.cdiv(T, BT) if cu_seqlens is None else len(chunk_indices)
-    BK = BK or min(DEFAULT_CONFIG["BK"], triton.next_power_of_2(K))
+    cfg = default_config(design)
+    BK = BK or min(cfg["BK"], triton.next_power_of_2(K))
+    num_warps = num_warps or cfg["num_warps"]
+    num_stages = num_stages or cfg["num_stages"]
     dq2 = torch.empty(B, T, HV, K, device=k.device, dtype=torch.float32)
     dk2, dg2 = torch.empty_like(dq2), torch.empty_like(dq2)
-    db2 = torch.empty(B, T, HV, device=k.device, dtype=torch.float32)
-    intra_bwd_kernel[(NT, B * HV)](
-        q=q, k=k, g=gc, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db, dg=dg,
-        dq2=dq2, dk2=dk2, db2=db2, dg2=dg2, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, T=T,
-        H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BK, IS_VARLEN=cu_seqlens is not None, ANCHORED=diagonal == "anchored",
-        SHARED_EXP=diagonal == "pairwise-shared",
-        num_warps=num_warps, num_stages=num_stages,
-    )
+    common = dict(q=q, k=k, g=gc, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, dg=dg, dq2=dq2, dk2=dk2, dg2=dg2,
+                  cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, T=T, H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BK,
+                  IS_VARLEN=cu_seqlens is not None, ANCHORED=design in ANCHORED,
+                  SHARED_EXP=design in ("pairwise-shared", "blocks-shared"), num_warps=num_warps, num_stages=num_stages,
+                  **({"maxnreg": maxnreg} if maxnreg else {}))
+    if design.startswith("blocks"):
+        NK = triton.cdiv(K, BK)
+        # db's per-slice partials, summed in slice order below: deterministic, no atomics
+        db_part = torch.empty(NK, B, T, HV, device=k.device, dtype=torch.float32)
+        intra_bwd_blocks_kernel[(NK, NT, B * HV)](**common, db_part=db_part, NT_ROWS=B * T * HV,
+                                                  GUARDED=design == "blocks-guarded")
+        db2 = db.float() + (db_part[0] if NK == 1 else db_part.sum(0))
+    else:
+        db2 = torch.empty(B, T, HV, device=k.device, dtype=torch.float32)
+        intra_bwd_kernel[(NT, B * HV)](**common, db=db, db2=db2)
     return dq2, dk2, db2, dg2
 
 
