@@ -374,6 +374,40 @@ def test_b7_on_the_chain_s_inputs_matches_fla_stage(p, gates):
         assert not misses, (design, misses)
 
 
+@pytest.mark.parametrize("p", SMALL[:2] + [FLAGGED[1]], ids=lambda p: p.name)
+def test_b7_tail_matches_fla_b7_b8_b9(p):
+    """B7 + B8 + B9 in one pass of the block form (intra_bwd_tail) on the chain's inputs:
+    against fla's three stages within fla's budgets, and against the float64 stages no
+    worse than 10% past fla's own error (dg, dA_log and dt_bias's gradient at 0.02)."""
+    from kernel_fun.kda import reference as ref
+    from kernel_fun.kda.chain import _fla_gate_bwd, _fla_intra_bwd, _fla_reverse_cumsum
+    from kernel_fun.kda.parity import bar_misses
+
+    kwargs = make_inputs(p, device="cuda", seed=5)
+    with capture_stages() as log:
+        run_fwd_bwd(chunk_kda, kwargs, grid=p.dtype)
+    (b7,) = [x for name, _, x, _ in log if name == "B7"]
+    (b9,) = [x for name, _, x, _ in log if name == "B9"]
+    gate = {n: b9[n] for n in ("g", "A_log", "dt_bias", "lower_bound")}
+    dq, dk, db, dg = _fla_intra_bwd(**b7)
+    dy = _fla_reverse_cumsum(dg, b7["chunk_size"], b7["cu_seqlens"], b7["chunk_indices"])
+    theirs = (dq, dk, db) + tuple(_fla_gate_bwd(**gate, dyg=dy))
+    exact = ref.intra_bwd_tail(**{n: t for n, t in b7.items() if n not in ("chunk_indices", "safe_gate")}, **gate,
+                               exact=True)
+    names = ("dq", "dk", "db", "dg", "dA_log", "ddt_bias")
+    bars = {"dq": ref.BUDGETS["dq"], "dk": ref.BUDGETS["dk"], "db": ref.BUDGETS["dbeta"], "dg": ref.BUDGETS["dg"],
+            "dA_log": ref.BUDGETS["dA_log"], "ddt_bias": ref.BUDGETS["ddt_bias"]}
+    fla_exact = {n: ref.rel_rms(a, b) for n, a, b in zip(names, theirs, exact) if b is not None}
+    for design in ("blocks", "blocks-guarded") + (("blocks-anchored",) if p.safe_gate else ()):
+        ours = intra_bwd.intra_bwd_tail(**b7, **gate, design=design)
+        vs_fla = {n: ref.rel_rms(a, b) for n, a, b in zip(names, ours, theirs) if b is not None}
+        vs_exact = {n: ref.rel_rms(a, b) for n, a, b in zip(names, ours, exact) if b is not None}
+        print(p.name, design, "vs fla", vs_fla, "vs exact", vs_exact, "fla vs exact", fla_exact)
+        assert all(torch.isfinite(t).all() for t in ours if t is not None)
+        misses = bar_misses(vs_exact, fla_exact, vs_fla, bars, bars)
+        assert not misses, (design, misses)
+
+
 # --------------------------------------------------------------------------------------
 # F7 + F8 in one kernel against fla's two stages (not dispatched yet)
 # --------------------------------------------------------------------------------------

@@ -199,3 +199,86 @@ def test_guarded_design_takes_each_path_where_it_should():
     guarded = intra_bwd.intra_bwd(**strong, design="blocks-guarded")
     pairwise = intra_bwd.intra_bwd(**strong, design="blocks")
     assert all(torch.equal(a, b) for a, b in zip(guarded, pairwise))
+
+
+# --------------------------------------------------------------------------------------
+# The tail in the same pass: B8 (reverse chunk cumsum of dg) and B9 (the gate's backward)
+# --------------------------------------------------------------------------------------
+def tail_inputs(p: Problem) -> tuple[dict, dict | None]:
+    """B7's inputs and B9's (None for a pre-computed gate) from one reference chain run."""
+    kw = make_inputs(p, device=DEVICE, seed=4)
+    with use_impls("reference"), capture_stages() as log:
+        run_fwd_bwd(chunk_kda, kw, grid=p.dtype)
+    (b7,) = [x for name, _, x, _ in log if name == "B7"]
+    b9 = [x for name, _, x, _ in log if name == "B9"]
+    return b7, (b9[0] if b9 else None)
+
+
+def exact_tail(b7: dict, b9: dict | None) -> dict:
+    """B7 in float64, B8 and B9 from it in float64."""
+    gate = {} if b9 is None else {n: b9[n] for n in ("g", "A_log", "dt_bias", "lower_bound")}
+    out = ref.intra_bwd_tail(**{n: t for n, t in b7.items() if n not in ("chunk_indices", "safe_gate")}, **gate,
+                             exact=True)
+    return dict(zip(("dg", "dA_log", "ddt_bias"), out[3:])) if b9 is not None else {"dg": out[3]}
+
+
+TAIL_SHAPES = [
+    dataclasses.replace(SHAPES[0], name="T63-K64-fp32", dtype=torch.float32),
+    dataclasses.replace(SHAPES[1], name="T130-K128-gva-h0-pregated", gate_in_kernel=False),
+    SHAPES[3],  # packed, bf16
+    SHAPES[4],  # lower_bound, safe_gate
+    dataclasses.replace(SHAPES[5], name="varlen-ragged-gva4-fp32", dtype=torch.float32),
+]
+
+
+@pytest.mark.parametrize("p", TAIL_SHAPES, ids=lambda p: p.name)
+def test_tail_matches_the_float64_stages(p):
+    """intra_bwd_tail = B9(B8(B7)) of the float64 stages: dg within 1e-5 in fp32 (bf16:
+    the rounding of the written gradient, 3e-3), dA_log and dt_bias's gradients within 1e-5
+    (bf16: 2e-3); B7's own outputs as intra_bwd's, bit for bit."""
+    b7, b9 = tail_inputs(p)
+    want = exact_tail(b7, b9)
+    gate = {} if b9 is None else {n: b9[n] for n in ("g", "A_log", "dt_bias", "lower_bound")}
+    designs = ("blocks", "blocks-guarded") + (("blocks-anchored",) if p.safe_gate else ())
+    for design in designs:
+        dq, dk, db, dg, dA_log, ddt_bias = intra_bwd.intra_bwd_tail(**b7, **gate, design=design)
+        alone = intra_bwd.intra_bwd(**b7, design=design)
+        assert all(torch.equal(a, b) for a, b in zip((dq, dk, db), alone[:3])), design
+        got = {"dg": dg, "dA_log": dA_log, "ddt_bias": ddt_bias}
+        rounded = b9 is not None and b9["g"].dtype != torch.float32
+        for name, w in want.items():
+            assert got[name] is not None and got[name].dtype == (b9["g"].dtype if name == "dg" and b9 else
+                                                                 got[name].dtype), (design, name)
+            err = ref.rel_rms(got[name], w)
+            bound = (3e-3 if name == "dg" else 2e-3) if rounded else 1e-5
+            assert err <= bound, (design, name, err)
+        if b9 is None:
+            assert dA_log is None and ddt_bias is None and dg.dtype == torch.float32
+
+
+@pytest.mark.parametrize("p", [
+    Problem("chain-K64-gva-h0-gate", 2, 100, 2, 4, 64, 32, initial_state=True, output_final_state=True,
+            dtype=torch.float16),
+    Problem("chain-K128-varlen-safe", 1, 150, 1, 1, 128, 32, cu_seqlens=(0, 80, 150), dtype=torch.float16,
+            lower_bound=-5.0, safe_gate=True),
+    Problem("chain-K64-pregated", 1, 70, 2, 2, 64, 16, gate_in_kernel=False, dtype=torch.float16),
+], ids=lambda p: p.name)
+def test_chain_with_the_fused_tail_against_the_oracle(p, monkeypatch):
+    """The chain runs B7-B9 in one pass when its kernel is registered: the record shows the
+    unit in place of B7, B8 and B9, and every output and gradient (dA_log and dt_bias's
+    too) stays within fla's budgets of the float64 recurrence."""
+    import functools
+
+    from kernel_fun.kda import last_record
+    from kernel_fun.kda.problems import as_oracle_inputs
+
+    register_for_test(monkeypatch, "B7-B9", functools.partial(intra_bwd.intra_bwd_tail, design="blocks-guarded"),
+                      intra_bwd.supports_tail)
+    kwargs = make_inputs(p, device=DEVICE, seed=11)
+    result = run_fwd_bwd(chunk_kda, kwargs, grid=p.dtype)
+    record = last_record().backward
+    assert record["B7-B9"] == "ours" and not {"B7", "B8", "B9"} & set(record), record
+    oracle = run_fwd_bwd(ref.recurrent_kda, as_oracle_inputs(kwargs), grid=p.dtype)
+    errors = {n: ref.rel_rms(result[n], oracle[n]) for n in oracle if oracle[n] is not None}
+    assert all(errors[n] <= ref.BUDGETS[n] for n in errors), errors
+    assert ("dA_log" in errors) == p.gate_in_kernel

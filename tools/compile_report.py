@@ -130,7 +130,7 @@ def b6_report(design: str, K: int, V: int, H: int, HV: int, BV: int, num_warps: 
 
 
 def b7_report(K: int, H: int, HV: int, BK: int, num_warps: int, num_stages: int, dtype: str = "bf16",
-              design: str = "pairwise", maxnreg: int | None = None) -> dict:
+              design: str = "pairwise", maxnreg: int | None = None, tail: int = 0) -> dict:
     """B7's kernel (kda/kernels/intra_bwd.py), dense sequences, in one of its designs
     (``intra_bwd.DESIGNS``: the chunk form's or the block form's)."""
     from kernel_fun.kda.kernels import intra_bwd
@@ -139,9 +139,13 @@ def b7_report(K: int, H: int, HV: int, BK: int, num_warps: int, num_stages: int,
     outputs = ("dq2", "dk2", "dg2", "db_part") if blocks else ("db", "dq2", "dk2", "db2", "dg2")
     types = {"q": _PTR[dtype], "k": _PTR[dtype], "beta": _PTR[dtype],
              **{n: "*fp32" for n in ("g", "dAqk", "dAkk", "dq", "dk", "dg") + outputs}}
-    if blocks:
-        types["NT_ROWS"] = "i32"
-        constexprs_extra = dict(GUARDED=design == "blocks-guarded")
+    if blocks:  # the tail (1: B8, 2: B8 + B9 with dt_bias, softplus form) in the same kernel
+        types.update(NT_ROWS="i32", NT_ALL="i32", lower_bound="fp32")
+        gate = dict(g_raw=_PTR[dtype], A_log="*fp32", dt_bias="*fp32", dA_part="*fp32", dbias_part="*fp32")
+        if tail == 2:
+            types.update(gate, dg2=_PTR[dtype])
+        constexprs_extra = dict(GUARDED=design == "blocks-guarded", TAIL=tail, HAS_BIAS=tail == 2,
+                                USE_LOWER_BOUND=False, **({} if tail == 2 else {n: None for n in gate}))
     else:
         constexprs_extra = {}
     constexprs = dict(cu_seqlens=None, chunk_indices=None, H=H, HV=HV, K=K, BT=64, BC=intra_bwd.BC, BK=BK,
@@ -162,6 +166,7 @@ def main(argv=None):
     parser.add_argument("--warps", default="4,8")
     parser.add_argument("--stages", default="1,2,3")
     parser.add_argument("--maxnreg", type=int, default=None)
+    parser.add_argument("--tail", type=int, default=0, help="B7's block form: 1 with B8, 2 with B8 and B9")
     parser.add_argument("--extra", default="{}", help="JSON of fullk switches, e.g. '{\"PF_ITER\": -1}'")
     args = parser.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)
@@ -174,7 +179,8 @@ def main(argv=None):
                        **({"switches": json.loads(args.extra)} if args.extra != "{}" else {}))
             try:
                 if design in intra_bwd.DESIGNS:  # B7: --BV is its K slice
-                    row.update(b7_report(args.K, args.H, args.HV, BV, warps, stages, design=design, maxnreg=args.maxnreg))
+                    row.update(b7_report(args.K, args.H, args.HV, BV, warps, stages, design=design, maxnreg=args.maxnreg,
+                                         tail=args.tail))
                 else:
                     row.update(b6_report(design, args.K, args.V, args.H, args.HV, BV, warps, stages,
                                          maxnreg=args.maxnreg, extra=json.loads(args.extra)))

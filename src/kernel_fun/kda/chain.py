@@ -34,6 +34,7 @@ B6          the WY backward (``chunk_kda_bwd_wy_dqkg_fused``)
 B7          gradients through Aqk/Akk (``chunk_kda_bwd_intra``)
 B8          reverse chunk cumsum of dg (``chunk_local_cumsum``)
 B9          the gate's backward (``kda_gate_bwd``)
+B7-B9       B7, B8 and B9 as one unit, run in their place when kernel-fun's kernel takes it
 B10         l2norm backward of dq and dk (``l2norm_bwd``)
 B10b        beta sigmoid backward (``fused_beta_sigmoid_bwd``)
 ==========  ============================================================================
@@ -174,6 +175,16 @@ def _fla_gate_bwd(g, A_log, dt_bias, dyg, lower_bound):
     return kda_gate_bwd(g=g, A_log=A_log, dt_bias=dt_bias, dyg=dyg, lower_bound=lower_bound)
 
 
+def _fla_intra_tail(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log, dt_bias, lower_bound,
+                    chunk_size, cu_seqlens, chunk_indices):
+    dq, dk, db, dg = _fla_intra_bwd(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens,
+                                    chunk_indices, safe_gate)
+    dg = _fla_reverse_cumsum(dg, chunk_size, cu_seqlens, chunk_indices)
+    if A_log is None:
+        return dq, dk, db, dg, None, None
+    return (dq, dk, db) + tuple(_fla_gate_bwd(g, A_log, dt_bias, dg, lower_bound))
+
+
 def _fla_l2norm_bwd(q, q_rstd, dq, k, k_rstd, dk):
     from fla.modules.l2norm import l2norm_bwd
 
@@ -244,6 +255,12 @@ def _ref_reverse_cumsum(dg, chunk_size, cu_seqlens, chunk_indices):
     return ref.chunk_cumsum(dg, reverse=True, chunk_size=chunk_size, cu_seqlens=cu_seqlens)
 
 
+def _ref_intra_tail(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log, dt_bias, lower_bound,
+                    chunk_size, cu_seqlens, chunk_indices):
+    return ref.intra_bwd_tail(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens, g=g, A_log=A_log,
+                              dt_bias=dt_bias, lower_bound=lower_bound)
+
+
 def _ref_l2norm_bwd(q, q_rstd, dq, k, k_rstd, dk):
     return ref.l2norm_bwd(q, q_rstd, dq), ref.l2norm_bwd(k, k_rstd, dk)
 
@@ -277,6 +294,12 @@ _stage("B7", ("B7",), "intra backward", f"q k gc beta dAqk dAkk dq dk db dg safe
 _stage("B8", ("B8",), "reverse chunk cumsum of dg", f"dg {_C}", ("dg",), _fla_reverse_cumsum, _ref_reverse_cumsum)
 _stage("B9", ("B9",), "gate backward", "g A_log dt_bias dyg lower_bound", ("dg", "dA_log", "ddt_bias"),
        _fla_gate_bwd, ref.gate_bwd)
+# B7, B8 and (with the gate in the op) B9 as one unit: the chain runs it in their place only
+# when kernel-fun's kernel for it takes the call (Dispatcher.takes_ours); fla's side is
+# fla's three stages in turn.
+_stage("B7-B9", ("B7", "B8", "B9"), "intra backward, dg cumsum, gate backward (one pass)",
+       f"q k gc beta dAqk dAkk dq dk db dg safe_gate g A_log dt_bias lower_bound {_C}",
+       ("dq", "dk", "db", "dg", "dA_log", "ddt_bias"), _fla_intra_tail, _ref_intra_tail)
 _stage("B10", ("B10",), "l2norm bwd (q, k)", "q q_rstd dq k k_rstd dk", ("dq", "dk"), _fla_l2norm_bwd,
        _ref_l2norm_bwd)
 _stage("B10b", ("B10b",), "beta sigmoid bwd", "beta db scale", ("dbeta",), _fla_beta_sigmoid_bwd, ref.beta_sigmoid_bwd)
@@ -463,20 +486,23 @@ def _backward(ctx, do, dht):
         scale=opts.scale, **common, **layout,
     )
     del h, dh, v_new
-    dq, dk, db, dg = run.run(
-        "B7", "backward", q=q, k=k, gc=gc, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db, dg=dg,
-        safe_gate=opts.safe_gate, **common,
-    )
-    del dAqk, dAkk
+    intra = dict(q=q, k=k, gc=gc, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db, dg=dg,
+                 safe_gate=opts.safe_gate, **common)
+    gate = (dict(g=g_input, A_log=A_log, dt_bias=dt_bias, lower_bound=opts.lower_bound) if opts.use_gate_in_kernel
+            else dict(g=None, A_log=None, dt_bias=None, lower_bound=None))
+    dA_log = ddt_bias = None
+    if run.takes_ours("B7-B9", **intra, **gate):
+        dq, dk, db, dg, dA_log, ddt_bias = run.run("B7-B9", "backward", **intra, **gate)
+        del intra, dAqk, dAkk
+    else:
+        dq, dk, db, dg = run.run("B7", "backward", **intra)
+        del intra, dAqk, dAkk
+        dg = run.run("B8", "backward", dg=dg, **common)
+        if opts.use_gate_in_kernel:
+            dg, dA_log, ddt_bias = run.run("B9", "backward", dyg=dg, **gate)
     if HV > H:  # GVA: dq, dk come at value heads; each qk head sums its group
         dq = dq.view(*dq.shape[:2], H, HV // H, dq.shape[-1]).sum(dim=3)
         dk = dk.view(*dk.shape[:2], H, HV // H, dk.shape[-1]).sum(dim=3)
-    dg = run.run("B8", "backward", dg=dg, **common)
-    dA_log = ddt_bias = None
-    if opts.use_gate_in_kernel:
-        dg, dA_log, ddt_bias = run.run(
-            "B9", "backward", g=g_input, A_log=A_log, dt_bias=dt_bias, dyg=dg, lower_bound=opts.lower_bound,
-        )
     if opts.use_qk_l2norm_in_kernel:
         dq, dk = run.run("B10", "backward", q=q, q_rstd=q_rstd, dq=dq, k=k, k_rstd=k_rstd, dk=dk)
     if opts.use_beta_sigmoid_in_kernel:

@@ -781,6 +781,23 @@ def intra_bwd(
     return _intra_bwd_dense(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, exact)
 
 
+def intra_bwd_tail(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size: int = CHUNK,
+                   cu_seqlens: torch.Tensor | None = None, g=None, A_log=None, dt_bias=None, lower_bound=None,
+                   exact: bool = False):
+    """B7, then B8 on its dg, then (with ``A_log``: the gate in the op) B9: (dq, dk, db, dg,
+    dA_log, ddt_bias), the last two None without the gate. ``exact=True``: every part in
+    float64 (B9's outputs too, unrounded)."""
+    dq, dk, db, dg = intra_bwd(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens, exact=exact)
+    dy = chunk_cumsum(dg.double() if exact else dg, reverse=True, chunk_size=chunk_size, cu_seqlens=cu_seqlens)
+    if A_log is None:
+        return dq, dk, db, dy, None, None
+    if exact:
+        dy = dy.double()
+        g, A_log = g.double(), A_log.double()
+        dt_bias = dt_bias.double() if dt_bias is not None else None
+    return (dq, dk, db) + gate_bwd(g, A_log, dt_bias, dy, lower_bound)
+
+
 # B9: the gate's backward ------------------------------------------------------------------
 def gate_bwd(
     g: torch.Tensor,

@@ -243,6 +243,12 @@ class Dispatcher:
                                    "importing kernel_fun to run them through the Triton interpreter")
         return fallback
 
+    def takes_ours(self, name: str, **inputs) -> bool:
+        """Whether ``name`` would run kernel-fun's kernel on these inputs: how the chain
+        decides to run a fused unit in place of the stages it covers (which then keep
+        their own choices, fla's control chain included)."""
+        return "ours" in _REGISTRY[name].impls and self.choose(name, **inputs) == "ours"
+
     def _cannot_run(self, stage: Stage, impl: str, inputs: dict) -> str | None:
         if impl not in stage.impls:
             return "not implemented"

@@ -56,7 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernel_fun._triton import chunk_coords, dot
+from kernel_fun._triton import chunk_coords, dot, to
 
 BC = 16  # the diagonal block
 GUARD_SPAN = tl.constexpr(96.0)  # blocks-guarded: the largest in-block gate span (log2) taken through anchors
@@ -296,8 +296,9 @@ def _scale(st, n_t, g_i, a_i, e_i, acc_q, acc_kr, acc_c, m_k, BC: tl.constexpr):
 @triton.jit
 def _finish(st, n_t, row0, i_k, q_i, k_i, beta_i, b_dq, b_dkr, b_dkc,
             dq, dk, dg, dq2, dk2, dg2, db_part, o_k, m_k, NT_ROWS,
-            HV: tl.constexpr, K: tl.constexpr, BC: tl.constexpr):
-    """Block i's outputs: db's partial for this K slice, dq, dk, dg (input + intra part)."""
+            HV: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, TAIL: tl.constexpr):
+    """Block i's outputs: db's partial for this K slice, dq and dk (input + intra part)
+    written; dg (input + intra part) written, or returned for the tail (TAIL > 0)."""
     rows = st + tl.arange(0, BC)
     m_r = rows < n_t
     m_rk = m_r[:, None] & m_k[None, :]
@@ -308,18 +309,52 @@ def _finish(st, n_t, row0, i_k, q_i, k_i, beta_i, b_dq, b_dkr, b_dkc,
     p = rows[:, None] * (HV * K) + o_k[None, :]
     tl.store(dq2 + p, tl.load(dq + p, mask=m_rk, other=0) + b_dq, mask=m_rk)
     tl.store(dk2 + p, tl.load(dk + p, mask=m_rk, other=0) + b_dkr + b_dkc, mask=m_rk)
-    tl.store(dg2 + p, tl.load(dg + p, mask=m_rk, other=0) + q_i * b_dq + k_i * (b_dkr - b_dkc), mask=m_rk)
+    b_dg = tl.load(dg + p, mask=m_rk, other=0) + q_i * b_dq + k_i * (b_dkr - b_dkc)
+    if TAIL == 0:
+        tl.store(dg2 + p, b_dg, mask=m_rk)
+    return tl.where(m_rk, b_dg, 0.0)
+
+
+@triton.jit
+def _gate_bwd(st, n_t, dy, g_raw, dt_bias, dg_out, A, lower_bound, o_k, m_k,
+              HV: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr,
+              USE_LOWER_BOUND: tl.constexpr):
+    """B9 on block i: dy (d loss / d log-decay, fp32) to the raw gate's gradient, written in
+    the raw gate's dtype; returns this block's dA_log sum and its [BK] sum of the written
+    (rounded) gradient, dt_bias's."""
+    rows = st + tl.arange(0, BC)
+    m_rk = (rows < n_t)[:, None] & m_k[None, :]
+    p = rows[:, None] * (HV * K) + o_k[None, :]
+    x = tl.load(g_raw + p, mask=m_rk, other=0).to(tl.float32)
+    if HAS_BIAS:
+        x += tl.load(dt_bias + o_k, mask=m_k, other=0).to(tl.float32)[None, :]
+    if USE_LOWER_BOUND:
+        sg = tl.sigmoid(A * x)
+        dx = dy * (lower_bound * sg * (1.0 - sg)) * A
+        da = tl.sum(tl.sum(tl.where(m_rk, dx * x, 0.0), axis=1), axis=0)
+    else:
+        softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+        dx = -A * (dy * tl.sigmoid(x))
+        da = tl.sum(tl.sum(tl.where(m_rk, dy * (-A * softplus), 0.0), axis=1), axis=0)
+    dx_out = to(dx, dg_out.dtype.element_ty)
+    tl.store(dg_out + p, dx_out, mask=m_rk)
+    return da, tl.sum(tl.where(m_rk, dx_out.to(tl.float32), 0.0), axis=0)
 
 
 @triton.jit
 def intra_bwd_blocks_kernel(
     q, k, g, beta, dAqk, dAkk, dq, dk, dg,
     dq2, dk2, dg2, db_part,
-    cu_seqlens, chunk_indices, T, NT_ROWS,
+    g_raw, A_log, dt_bias, dA_part, dbias_part, lower_bound,
+    cu_seqlens, chunk_indices, T, NT_ROWS, NT_ALL,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BK: tl.constexpr, IS_VARLEN: tl.constexpr, ANCHORED: tl.constexpr, SHARED_EXP: tl.constexpr,
-    GUARDED: tl.constexpr,
+    GUARDED: tl.constexpr, TAIL: tl.constexpr, HAS_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
 ):
+    """B7 on one (K slice, chunk, head); with TAIL 1 also B8 (dg reverse-cumsummed within the
+    chunk, fp32, into dg2), with TAIL 2 also B9 (the raw gate's gradient into dg2 in its
+    dtype; dA_log's and dt_bias's per-chunk partials into dA_part [NK, NT_ALL, HV] and
+    dbias_part [NT_ALL, HV, K])."""
     i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_hv = i_bh % HV
     i_h = i_hv // (HV // H)
@@ -417,14 +452,45 @@ def intra_bwd_blocks_kernel(
     dq2 += off
     dk2 += off
     dg2 += off
-    _finish(0, n_t, row0, i_k, q0, k0, b0, aq0, ar0, ac0, dq, dk, dg, dq2, dk2, dg2, db_part, o_k, m_k, NT_ROWS,
-            HV, K, BC)
-    _finish(BC, n_t, row0, i_k, q1, k1, b1, aq1, ar1, ac1, dq, dk, dg, dq2, dk2, dg2, db_part, o_k, m_k, NT_ROWS,
-            HV, K, BC)
-    _finish(2 * BC, n_t, row0, i_k, q2, k2, b2, aq2, ar2, ac2, dq, dk, dg, dq2, dk2, dg2, db_part, o_k, m_k,
-            NT_ROWS, HV, K, BC)
-    _finish(3 * BC, n_t, row0, i_k, q3, k3, b3, aq3, ar3, ac3, dq, dk, dg, dq2, dk2, dg2, db_part, o_k, m_k,
-            NT_ROWS, HV, K, BC)
+    t0 = _finish(0, n_t, row0, i_k, q0, k0, b0, aq0, ar0, ac0, dq, dk, dg, dq2, dk2, dg2, db_part, o_k, m_k,
+                 NT_ROWS, HV, K, BC, TAIL)
+    t1 = _finish(BC, n_t, row0, i_k, q1, k1, b1, aq1, ar1, ac1, dq, dk, dg, dq2, dk2, dg2, db_part, o_k, m_k,
+                 NT_ROWS, HV, K, BC, TAIL)
+    t2 = _finish(2 * BC, n_t, row0, i_k, q2, k2, b2, aq2, ar2, ac2, dq, dk, dg, dq2, dk2, dg2, db_part, o_k, m_k,
+                 NT_ROWS, HV, K, BC, TAIL)
+    t3 = _finish(3 * BC, n_t, row0, i_k, q3, k3, b3, aq3, ar3, ac3, dq, dk, dg, dq2, dk2, dg2, db_part, o_k, m_k,
+                 NT_ROWS, HV, K, BC, TAIL)
+    if TAIL > 0:
+        # B8: each row's dg summed with every later row's of the chunk (rows past the end are 0)
+        s3 = tl.sum(t3, axis=0)
+        s2 = s3 + tl.sum(t2, axis=0)
+        s1 = s2 + tl.sum(t1, axis=0)
+        t3 = tl.cumsum(t3, axis=0, reverse=True)
+        t2 = tl.cumsum(t2, axis=0, reverse=True) + s3[None, :]
+        t1 = tl.cumsum(t1, axis=0, reverse=True) + s2[None, :]
+        t0 = tl.cumsum(t0, axis=0, reverse=True) + s1[None, :]
+        if TAIL == 1:
+            p = pos[:, None] * (HV * K) + o_k[None, :]
+            tl.store(dg2 + p, t0, mask=(pos < n_t)[:, None] & m_k[None, :])
+            tl.store(dg2 + BC * (HV * K) + p, t1, mask=(BC + pos < n_t)[:, None] & m_k[None, :])
+            tl.store(dg2 + 2 * BC * (HV * K) + p, t2, mask=(2 * BC + pos < n_t)[:, None] & m_k[None, :])
+            tl.store(dg2 + 3 * BC * (HV * K) + p, t3, mask=(3 * BC + pos < n_t)[:, None] & m_k[None, :])
+        else:
+            # B9 (dg2 has the raw gate's dtype here), its parameter sums per chunk
+            g_raw += off
+            A = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+            if HAS_BIAS:
+                dt_bias += i_hv * K
+            da0, db0 = _gate_bwd(0, n_t, t0, g_raw, dt_bias, dg2, A, lower_bound, o_k, m_k, HV, K, BC, HAS_BIAS,
+                                 USE_LOWER_BOUND)
+            da1, db1 = _gate_bwd(BC, n_t, t1, g_raw, dt_bias, dg2, A, lower_bound, o_k, m_k, HV, K, BC, HAS_BIAS,
+                                 USE_LOWER_BOUND)
+            da2, db2 = _gate_bwd(2 * BC, n_t, t2, g_raw, dt_bias, dg2, A, lower_bound, o_k, m_k, HV, K, BC,
+                                 HAS_BIAS, USE_LOWER_BOUND)
+            da3, db3 = _gate_bwd(3 * BC, n_t, t3, g_raw, dt_bias, dg2, A, lower_bound, o_k, m_k, HV, K, BC,
+                                 HAS_BIAS, USE_LOWER_BOUND)
+            tl.store(dA_part + (i_k * NT_ALL + i_tg) * HV + i_hv, (da0 + da1) + (da2 + da3))
+            tl.store(dbias_part + (i_tg * HV + i_hv) * K + o_k, (db0 + db1) + (db2 + db3), mask=m_k)
 
 
 # Compiled for sm_90a offline (``python -m tools.compile_report --design pairwise``, K=128,
@@ -446,46 +512,100 @@ def default_config(design: str) -> dict:
     return dict(BLOCKS_CONFIG if design.startswith("blocks") else DEFAULT_CONFIG)
 
 
+def _launch_args(design, safe_gate, tensors: dict, chunk_size, cu_seqlens, chunk_indices, BK, num_warps, num_stages,
+                 maxnreg) -> dict:
+    """The checks and the keyword arguments both forms' kernels share."""
+    if design not in DESIGNS:
+        raise ValueError(f"unknown B7 design {design!r}")
+    if design in ANCHORED and not safe_gate:
+        raise ValueError(f"the {design} design needs safe_gate=True: an unbounded gate can overflow its factors")
+    for name, t in tensors.items():
+        if t is not None and not t.is_contiguous():
+            raise ValueError(f"B7 kernels index {name} as a dense tensor; got strides {t.stride()}")
+    q, k, gc = tensors["q"], tensors["k"], tensors["gc"]
+    B, T, H, K = k.shape
+    HV = gc.shape[2]
+    cfg = default_config(design)
+    dq2 = torch.empty(B, T, HV, K, device=k.device, dtype=torch.float32)
+    return dict(
+        q=q, k=k, g=gc, beta=tensors["beta"], dAqk=tensors["dAqk"], dAkk=tensors["dAkk"], dq=tensors["dq"],
+        dk=tensors["dk"], dg=tensors["dg"], dq2=dq2, dk2=torch.empty_like(dq2), dg2=torch.empty_like(dq2),
+        cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, T=T, H=H, HV=HV, K=K, BT=chunk_size, BC=BC,
+        BK=BK or min(cfg["BK"], triton.next_power_of_2(K)), IS_VARLEN=cu_seqlens is not None,
+        ANCHORED=design in ANCHORED, SHARED_EXP=design in ("pairwise-shared", "blocks-shared"),
+        num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"],
+        **({"maxnreg": maxnreg} if maxnreg else {}))
+
+
+def _n_chunks(args: dict) -> int:
+    return triton.cdiv(args["T"], args["BT"]) if args["cu_seqlens"] is None else len(args["chunk_indices"])
+
+
 def intra_bwd(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens, chunk_indices, safe_gate,
               BK: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
               maxnreg: int | None = None, design: str = "pairwise"):
     """B7 with fla's contract: returns (dq, dk, db, dg), fp32, at value heads: the inputs
     plus the vector-Jacobian product of Aqk and Akk with dAqk and dAkk. ``design`` is one
-    of ``DESIGNS``: the pairwise ones are exact for any gate; the anchored ones need
-    ``safe_gate``, whose lower bound keeps a block's factors within fp32's range."""
-    if design not in DESIGNS:
-        raise ValueError(f"unknown B7 design {design!r}")
-    if design in ANCHORED and not safe_gate:
-        raise ValueError(f"the {design} design needs safe_gate=True: an unbounded gate can overflow its factors")
-    B, T, H, K = k.shape
-    HV = gc.shape[2]
-    BT = chunk_size
-    for name, t in dict(q=q, k=k, gc=gc, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db, dg=dg).items():
-        if not t.is_contiguous():
-            raise ValueError(f"B7 kernels index {name} as a dense tensor; got strides {t.stride()}")
-    NT = triton.cdiv(T, BT) if cu_seqlens is None else len(chunk_indices)
-    cfg = default_config(design)
-    BK = BK or min(cfg["BK"], triton.next_power_of_2(K))
-    num_warps = num_warps or cfg["num_warps"]
-    num_stages = num_stages or cfg["num_stages"]
-    dq2 = torch.empty(B, T, HV, K, device=k.device, dtype=torch.float32)
-    dk2, dg2 = torch.empty_like(dq2), torch.empty_like(dq2)
-    common = dict(q=q, k=k, g=gc, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, dg=dg, dq2=dq2, dk2=dk2, dg2=dg2,
-                  cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, T=T, H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BK,
-                  IS_VARLEN=cu_seqlens is not None, ANCHORED=design in ANCHORED,
-                  SHARED_EXP=design in ("pairwise-shared", "blocks-shared"), num_warps=num_warps, num_stages=num_stages,
-                  **({"maxnreg": maxnreg} if maxnreg else {}))
+    of ``DESIGNS``: the pairwise and guarded ones are exact for any gate; the anchored ones
+    need ``safe_gate``, whose lower bound keeps a block's factors within fp32's range."""
+    tensors = dict(q=q, k=k, gc=gc, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db, dg=dg)
+    args = _launch_args(design, safe_gate, tensors, chunk_size, cu_seqlens, chunk_indices, BK, num_warps,
+                        num_stages, maxnreg)
     if design.startswith("blocks"):
-        NK = triton.cdiv(K, BK)
-        # db's per-slice partials, summed in slice order below: deterministic, no atomics
-        db_part = torch.empty(NK, B, T, HV, device=k.device, dtype=torch.float32)
-        intra_bwd_blocks_kernel[(NK, NT, B * HV)](**common, db_part=db_part, NT_ROWS=B * T * HV,
-                                                  GUARDED=design == "blocks-guarded")
-        db2 = db.float() + (db_part[0] if NK == 1 else db_part.sum(0))
-    else:
-        db2 = torch.empty(B, T, HV, device=k.device, dtype=torch.float32)
-        intra_bwd_kernel[(NT, B * HV)](**common, db=db, db2=db2)
-    return dq2, dk2, db2, dg2
+        return _blocks(args, db, design)[:4]
+    B, T, HV = dq.shape[0], dq.shape[1], args["HV"]
+    db2 = torch.empty(B, T, HV, device=k.device, dtype=torch.float32)
+    intra_bwd_kernel[(_n_chunks(args), B * HV)](**args, db=db, db2=db2)
+    return args["dq2"], args["dk2"], db2, args["dg2"]
+
+
+def intra_bwd_tail(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens, chunk_indices, safe_gate,
+                   g=None, A_log=None, dt_bias=None, lower_bound=None, BK: int | None = None,
+                   num_warps: int | None = None, num_stages: int | None = None, maxnreg: int | None = None,
+                   design: str = "blocks-guarded"):
+    """B7 + B8 (+ B9) in one pass of the block form: (dq, dk, db, dg, dA_log, ddt_bias).
+    Without ``A_log`` dg is B8's (the intra-chunk reverse cumsum of B7's dg, fp32) and the
+    last two are None; with it (the gate in the op: ``g`` the raw gate, ``dt_bias`` or None,
+    ``lower_bound`` or None) dg is B9's, in g's dtype, with dA_log's and dt_bias's gradients."""
+    if not design.startswith("blocks"):
+        raise ValueError(f"the tail runs in the block form's designs, not {design!r}")
+    tensors = dict(q=q, k=k, gc=gc, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db, dg=dg, g=g,
+                   A_log=A_log, dt_bias=dt_bias)
+    args = _launch_args(design, safe_gate, tensors, chunk_size, cu_seqlens, chunk_indices, BK, num_warps,
+                        num_stages, maxnreg)
+    gate = dict(g=g, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound) if A_log is not None else None
+    return _blocks(args, db, design, tail=2 if gate else 1, gate=gate)
+
+
+def _blocks(args: dict, db, design, tail: int = 0, gate: dict | None = None):
+    """Launch the block form; (dq, dk, db, dg, dA_log, ddt_bias), the last two None unless
+    the tail includes the gate's backward."""
+    B, T, HV, K, BK = db.shape[0], db.shape[1], args["HV"], args["K"], args["BK"]
+    NK, NT = triton.cdiv(K, BK), _n_chunks(args)
+    dev = db.device
+    # db's per-slice partials and the gate parameters' per-chunk partials, summed in a fixed
+    # order below: deterministic, no atomics
+    db_part = torch.empty(NK, B, T, HV, device=dev, dtype=torch.float32)
+    gate = gate or {}
+    g_raw, A_log, dt_bias, lower_bound = (gate.get(n) for n in ("g", "A_log", "dt_bias", "lower_bound"))
+    NT_ALL = NT * (B if args["cu_seqlens"] is None else 1)
+    dA_part = dbias_part = None
+    if tail == 2:
+        args["dg2"] = torch.empty(B, T, HV, K, device=dev, dtype=g_raw.dtype)
+        dA_part = torch.empty(NK, NT_ALL, HV, device=dev, dtype=torch.float32)
+        dbias_part = torch.empty(NT_ALL, HV, K, device=dev, dtype=torch.float32) if dt_bias is not None else None
+    intra_bwd_blocks_kernel[(NK, NT, B * HV)](
+        **args, db_part=db_part, NT_ROWS=B * T * HV, NT_ALL=NT_ALL, GUARDED=design == "blocks-guarded",
+        g_raw=g_raw, A_log=A_log, dt_bias=dt_bias, dA_part=dA_part, dbias_part=dbias_part,
+        lower_bound=0.0 if lower_bound is None else float(lower_bound), TAIL=tail, HAS_BIAS=dt_bias is not None,
+        USE_LOWER_BOUND=lower_bound is not None)
+    db2 = db.float() + (db_part[0] if NK == 1 else db_part.sum(0))
+    dA_log = ddt_bias = None
+    if tail == 2:
+        dA_log = dA_part.sum((0, 1)).view_as(A_log).to(A_log.dtype)
+        if dt_bias is not None:
+            ddt_bias = dbias_part.sum(0).view_as(dt_bias).to(dt_bias.dtype)
+    return args["dq2"], args["dk2"], db2, args["dg2"], dA_log, ddt_bias
 
 
 def supports(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens, chunk_indices, safe_gate):
@@ -493,3 +613,10 @@ def supports(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens,
     if chunk_size != 64:
         return f"chunk_size={chunk_size} (B7's kernel is built for 64)"
     return None
+
+
+def supports_tail(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens, chunk_indices, safe_gate,
+                  g, A_log, dt_bias, lower_bound):
+    """None when ``intra_bwd_tail`` takes the B7-B9 unit, else why the three stages run
+    separately."""
+    return supports(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens, chunk_indices, safe_gate)
