@@ -227,3 +227,22 @@ def test_stage_bench_runs_end_to_end_on_the_cpu(tmp_path, monkeypatch):
                             out_path=out, device="cpu", timer=stopwatch)
     assert not red[1]["parity"]["ok"] and red[1]["ms"] is None
     assert len(out.read_text().splitlines()) == 4
+
+
+def test_candidate_designs_register_for_the_run_and_stay_out_of_the_readme(monkeypatch):
+    import importlib
+
+    import pytest
+
+    from kernel_fun.bench import kda
+
+    registry = importlib.import_module("kernel_fun.kda.stages")
+    for stage in kda.CANDIDATES:
+        monkeypatch.setitem(registry._REGISTRY, stage, registry._REGISTRY[stage])
+    assert kda.register_candidates(["B7-B9=blocks-guarded", "B7=blocks"]) == {"B7-B9": "blocks-guarded", "B7": "blocks"}
+    assert "ours" in registry._REGISTRY["B7-B9"].impls and "ours" in registry._REGISTRY["B7"].impls
+    for bad in ("B6=fullk", "B7", "B7=no-such-design"):
+        with pytest.raises((SystemExit, ValueError)):
+            kda.register_candidates([bad])
+    candidate = _row(impl="ours", fwdbwd_ms=30.0, candidate={"B7-B9": "blocks-guarded"})
+    assert "30.00" not in results.render([_row(), candidate]) and "30.00" in results.op_table([_row(), candidate])

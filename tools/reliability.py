@@ -413,12 +413,13 @@ def parse_summary(text: str) -> int | None:
 MEMCHECK_PADDING = 1 << 20  # bytes after every allocation: more than any chunk's rows at these shapes
 
 
-def sanitize(tool: str, captured_path: Path, planted: bool, timeout: float) -> dict:
+def sanitize(tool: str, captured_path: Path, planted: bool, timeout: float, candidates: list[str] = ()) -> dict:
     # memcheck's padding: small cudaMalloc blocks sit back to back, so without it a store a
     # chunk past one tensor's end lands inside the next tensor and counts as valid.
     padding = ["--padding", str(MEMCHECK_PADDING)] if tool == "memcheck" else []
     cmd = [sanitizer(), "--tool", tool, *padding, "--print-limit", "20", sys.executable, "-m", "tools.reliability",
            "--child", str(captured_path)] + (["--planted"] if planted else [])
+    cmd += [f"--candidate={c}" for c in candidates]
     env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1")
     start = time.perf_counter()
     try:
@@ -490,9 +491,15 @@ def main(argv=None) -> int:
     parser.add_argument("--soak-seconds", type=float, default=300)
     parser.add_argument("--sanitizer-timeout", type=float, default=100, help="seconds per sanitizer run")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--candidate", action="append", default=[], metavar="STAGE=DESIGN",
+                        help="a design not yet registered, as the stage's ours for this run (as the bench's)")
     parser.add_argument("--child", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--planted", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.candidate:
+        from kernel_fun.bench.kda import register_candidates
+
+        register_candidates(args.candidate)
     if args.child is not None:
         run_captured(args.child, args.planted)
         return 0
@@ -511,7 +518,8 @@ def main(argv=None) -> int:
     out = args.out or results.RESULTS / "reliability.jsonl"
     parts = args.parts.split(",")
     device = torch.device("cuda")
-    common = {"kind": "reliability", "gpu": gpu, "versions": versions(), "commit": results.commit()}
+    common = {"kind": "reliability", "gpu": gpu, "versions": versions(), "commit": results.commit(),
+              **({"candidate": args.candidate} if args.candidate else {})}
     rows = []
 
     def emit(part, check, row):
@@ -534,11 +542,11 @@ def main(argv=None) -> int:
                 torch.save(captured, path)
                 shapes = sorted({c["shape"] for c in captured})
                 for t in TOOLS:
-                    res = sanitize(t, path, False, args.sanitizer_timeout)
+                    res = sanitize(t, path, False, args.sanitizer_timeout, args.candidate)
                     res["ok"] = res["errors"] == 0 and res["kernels_ran"] == len(captured)
                     emit("sanitize", f"{t} ({len(captured)} launches, {len(shapes)} shapes)",
                          {**res, "shapes": shapes, "stages": sorted({c["stage"] for c in captured})})
-                res = sanitize("memcheck", path, True, args.sanitizer_timeout)
+                res = sanitize("memcheck", path, True, args.sanitizer_timeout, args.candidate)
                 # The fault must be seen, in the planted copy (memcheck names its file and line;
                 # the launch then fails, so the child never reports the kernel as done).
                 res["ok"] = bool(res["errors"]) and any(PLANTED_FILE in line for line in res["summary"])

@@ -143,7 +143,30 @@ def profile_stages(variant: Variant, kwargs: dict, do: torch.Tensor) -> tuple[di
     return stages, kernels
 
 
-def bench_shape(name: str, names: list[str], reps: int, rounds: int, out_path: Path, seed: int = 0) -> list[dict]:
+CANDIDATES = {"B7": "kernel_fun.kda.kernels.intra_bwd", "B7-B9": "kernel_fun.kda.kernels.intra_bwd"}
+
+
+def register_candidates(specs: list[str]) -> dict[str, str]:
+    """``STAGE=DESIGN`` each: that design's kernel registered as the stage's ``ours`` for
+    this run only (the module's ``candidate``), so a design is measured in the whole op
+    before it is registered for users. Rows carry ``candidate``; the README skips them."""
+    import importlib
+
+    from kernel_fun.kda.stages import add_impl
+
+    chosen = {}
+    for spec in specs:
+        stage, _, design = spec.partition("=")
+        if stage not in CANDIDATES or not design:
+            raise SystemExit(f"--candidate takes STAGE=DESIGN with STAGE one of {sorted(CANDIDATES)}; got {spec!r}")
+        fn, supports = importlib.import_module(CANDIDATES[stage]).candidate(stage, design)
+        add_impl(stage, "ours", fn, supports)
+        chosen[stage] = design
+    return chosen
+
+
+def bench_shape(name: str, names: list[str], reps: int, rounds: int, out_path: Path, seed: int = 0,
+                candidate: dict | None = None) -> list[dict]:
     from kernel_fun import versions
     from kernel_fun.bench import results
     from kernel_fun.kda.problems import SHAPES, cotangents, make_inputs
@@ -216,6 +239,7 @@ def bench_shape(name: str, names: list[str], reps: int, rounds: int, out_path: P
             "peak_gib": peaks[v.name],
             "parity": checks[v.name],
             "floors_ms": FLOORS_MS.get(name),
+            **({"candidate": candidate} if candidate and v.name == "ours" else {}),
             "gpu": torch.cuda.get_device_name(),
             "versions": info,
             "commit": results.commit(),
@@ -236,6 +260,8 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=10, help="timed calls per round")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
     parser.add_argument("--out", type=Path, default=None, help="JSONL file to append rows to")
+    parser.add_argument("--candidate", action="append", default=[], metavar="STAGE=DESIGN",
+                        help=f"measure a design not yet registered as the stage's ours (stages: {sorted(CANDIDATES)})")
     parser.add_argument("--fla-configs", type=Path, default=None,
                         help="where to store fla's autotune choices (default: bench/fla_configs/<gpu>)")
     args = parser.parse_args(argv)
@@ -252,13 +278,15 @@ def main(argv=None) -> int:
     impls = args.impls.split(",")
     from kernel_fun.kda import stages
 
+    candidate = register_candidates(args.candidate)
+
     if "ours" in impls and not any("ours" in s.impls for s in stages().values()):
         impls.remove("ours")  # no kernel-fun kernel yet: "ours" would be the control again
         print("no stage has a kernel-fun kernel yet; benching fla and the all-fla control", flush=True)
     out = args.out or results.RESULTS / "chunk_kda.jsonl"
     all_rows = []
     for name in shapes:
-        all_rows += bench_shape(name, impls, args.reps, args.rounds, out)
+        all_rows += bench_shape(name, impls, args.reps, args.rounds, out, candidate=candidate)
         torch.cuda.empty_cache()
     n = fla_configs.dump(args.fla_configs or fla_configs.gpu_dir(gpu))
     print(f"stored {n} fla autotune entries", flush=True)

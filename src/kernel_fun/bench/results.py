@@ -262,7 +262,8 @@ def render(rows: list[dict]) -> str:
 
     stages = stage_table(rows, ships=ships)
     layer = layer_table(rows)
-    return op_table(rows) + ("\n\n" + layer if layer else "") + ("\n\n" + stages if stages else "")
+    shipped = [r for r in rows if not r.get("candidate")]  # a design measured before registration is not what ships
+    return op_table(shipped) + ("\n\n" + layer if layer else "") + ("\n\n" + stages if stages else "")
 
 
 # Each stage's sweep record: every config timed, in that stage's log.

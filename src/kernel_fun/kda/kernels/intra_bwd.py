@@ -620,3 +620,18 @@ def supports_tail(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seq
     """None when ``intra_bwd_tail`` takes the B7-B9 unit, else why the three stages run
     separately."""
     return supports(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens, chunk_indices, safe_gate)
+
+
+def candidate(stage: str, design: str):
+    """(implementation, supports) of ``design`` as the ``ours`` of ``stage`` ("B7" or the
+    "B7-B9" unit), for a bench run that measures a design before it is registered
+    (``python -m kernel_fun.bench --candidate B7-B9=blocks-guarded``)."""
+    import functools
+
+    if design not in DESIGNS:
+        raise ValueError(f"unknown B7 design {design!r}")
+    units = {"B7": (intra_bwd, supports), "B7-B9": (intra_bwd_tail, supports_tail)}
+    if stage not in units:
+        raise ValueError(f"intra_bwd has candidates for {sorted(units)}, not {stage!r}")
+    fn, sup = units[stage]
+    return functools.partial(fn, design=design), sup
