@@ -130,29 +130,22 @@ def b6_report(design: str, K: int, V: int, H: int, HV: int, BV: int, num_warps: 
 
 
 def b7_report(K: int, H: int, HV: int, BK: int, num_warps: int, num_stages: int, dtype: str = "bf16",
-              design: str = "pairwise", maxnreg: int | None = None, tail: int = 0) -> dict:
+              design: str = "blocks-guarded", maxnreg: int | None = None, tail: int = 0) -> dict:
     """B7's kernel (kda/kernels/intra_bwd.py), dense sequences, in one of its designs
-    (``intra_bwd.DESIGNS``: the chunk form's or the block form's)."""
+    (``intra_bwd.DESIGNS``); ``tail`` 1 with B8, 2 with B8 and B9 (dt_bias, softplus form)."""
     from kernel_fun.kda.kernels import intra_bwd
 
-    blocks = design.startswith("blocks")
-    outputs = ("dq2", "dk2", "dg2", "db_part") if blocks else ("db", "dq2", "dk2", "db2", "dg2")
-    types = {"q": _PTR[dtype], "k": _PTR[dtype], "beta": _PTR[dtype],
-             **{n: "*fp32" for n in ("g", "dAqk", "dAkk", "dq", "dk", "dg") + outputs}}
-    if blocks:  # the tail (1: B8, 2: B8 + B9 with dt_bias, softplus form) in the same kernel
-        types.update(NT_ROWS="i32", NT_ALL="i32", lower_bound="fp32")
-        gate = dict(g_raw=_PTR[dtype], A_log="*fp32", dt_bias="*fp32", dA_part="*fp32", dbias_part="*fp32")
-        if tail == 2:
-            types.update(gate, dg2=_PTR[dtype])
-        constexprs_extra = dict(GUARDED=design == "blocks-guarded", TAIL=tail, HAS_BIAS=tail == 2,
-                                USE_LOWER_BOUND=False, **({} if tail == 2 else {n: None for n in gate}))
-    else:
-        constexprs_extra = {}
+    types = {"q": _PTR[dtype], "k": _PTR[dtype], "beta": _PTR[dtype], "NT_ROWS": "i32", "NT_ALL": "i32",
+             "lower_bound": "fp32", **{n: "*fp32" for n in ("g", "dAqk", "dAkk", "dq", "dk", "dg", "dq2", "dk2",
+                                                             "dg2", "db_part")}}
+    gate = dict(g_raw=_PTR[dtype], A_log="*fp32", dt_bias="*fp32", dA_part="*fp32", dbias_part="*fp32")
+    if tail == 2:
+        types.update(gate, dg2=_PTR[dtype])
     constexprs = dict(cu_seqlens=None, chunk_indices=None, H=H, HV=HV, K=K, BT=64, BC=intra_bwd.BC, BK=BK,
-                      IS_VARLEN=False, ANCHORED=design in intra_bwd.ANCHORED,
-                      SHARED_EXP=design in ("pairwise-shared", "blocks-shared"), **constexprs_extra)
-    kernel = intra_bwd.intra_bwd_blocks_kernel if blocks else intra_bwd.intra_bwd_kernel
-    return compile_sm90(kernel, types, constexprs, num_warps, num_stages, maxnreg)
+                      IS_VARLEN=False, ANCHORED=design in intra_bwd.ANCHORED, SHARED_EXP=design == "blocks-shared",
+                      GUARDED=design == "blocks-guarded", TAIL=tail, HAS_BIAS=tail == 2, USE_LOWER_BOUND=False,
+                      **({} if tail == 2 else dict.fromkeys(gate)))
+    return compile_sm90(intra_bwd.intra_bwd_blocks_kernel, types, constexprs, num_warps, num_stages, maxnreg)
 
 
 def main(argv=None):

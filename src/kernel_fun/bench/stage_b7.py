@@ -19,13 +19,11 @@ import torch
 
 from kernel_fun.bench.stage import StageBench, main as _stage_main, qk_and_gate
 
-# The configs worth timing, from the sm_90a compile report (the notes at
-# intra_bwd.DEFAULT_CONFIG and BLOCKS_CONFIG): the chunk form's best measured (4 warps) as
-# the baseline; the block form at 4 warps with registers capped for 3 and 4 programs an SM
-# (168: 52 B of spills, 128: 248 B), and its loops pipelined.
+# The configs worth timing, from the sm_90a compile report (the note at
+# intra_bwd.DEFAULT_CONFIG): 4 warps, with registers capped for 3 and 4 programs an SM
+# (168: 72 B of spills, 128: 472 B), the loops pipelined, 2 warps, BK=16.
 _B = dict(BK=32, num_warps=4, num_stages=1)
-SWEEP = {"pairwise": [dict(BK=32, num_warps=4, num_stages=1)],
-         "blocks": [_B, dict(_B, num_stages=2), dict(_B, maxnreg=168), dict(_B, maxnreg=128),
+SWEEP = {"blocks": [_B, dict(_B, num_stages=2), dict(_B, maxnreg=168), dict(_B, maxnreg=128),
                     dict(_B, num_warps=2), dict(_B, BK=16)],
          "blocks-shared": [_B, dict(_B, maxnreg=168)],
          "blocks-guarded": [_B, dict(_B, num_stages=2), dict(_B, maxnreg=168), dict(_B, maxnreg=128)],
@@ -76,7 +74,7 @@ def _exact(**inputs):
 def _ours(inputs, design, config):
     from kernel_fun.kda.kernels import intra_bwd
 
-    return intra_bwd.intra_bwd(**inputs, **(config or intra_bwd.default_config(design)), design=design)
+    return intra_bwd.intra_bwd(**inputs, **(config or intra_bwd.DEFAULT_CONFIG), design=design)
 
 
 def _launch_config(p, design, overrides):
@@ -86,7 +84,7 @@ def _launch_config(p, design, overrides):
         raise ValueError(f"unknown B7 design {design!r}")
     if design in intra_bwd.ANCHORED and not p.safe_gate:
         raise ValueError(f"the {design} design needs a safe_gate shape")
-    return {**intra_bwd.default_config(design), **(overrides or {})}
+    return {**intra_bwd.DEFAULT_CONFIG, **(overrides or {})}
 
 
 def _misses(vs_exact, fla_exact, vs_fla):

@@ -10,40 +10,37 @@ For a row r and an earlier column s the factor is e^(G_r - G_s) = exp2(g_r - g_s
 the chunk cumsum (log2 units, non-increasing along the chunk). Across 16-row blocks it is
 taken through the block boundaries, where every factor is one-sided: block i's rows
 against earlier columns through i's first row a_i (exp2(g_r - a_i) * exp2(a_i - g_s), both
-<= 1), block j's columns against later rows through j's last row e_j. Two forms:
+<= 1), block j's columns against later rows through j's last row e_j.
 
-- the chunk form (``intra_bwd_kernel``; designs pairwise, pairwise-shared, anchored): one
-  program per chunk-head walks K in BK-wide slices with [64, 64] x [64, BK] dots masked to
-  one block at a time. Measured (bench/results/stages.jsonl at a7cdba7; docs/log/b7.md):
-  slower than fla's at every config, 20.1 ms at prod8192_gate at best, 16.0 anchored at
-  prod8192_layer_safe: every block iteration reloads its dA tiles and waits on them, one
-  program per SM (255 registers) with nothing to hide the wait. Kept as the measured
-  baseline until the block form is measured, then removed.
-- the block form (``intra_bwd_blocks_kernel``; designs blocks, blocks-shared,
-  blocks-anchored, blocks-guarded): one program per (K slice, chunk-head), 4 warps; the
-  chunk's four 16-row blocks as separate [16, BK] tiles and all 20 [16, 16] dA blocks
-  loaded at the start, each block pair (i, j < i) one [16, 16] x [16, BK] dot per role
-  (mma.sync), no global load between dots. The diagonal blocks: pairwise on CUDA cores,
-  the four blocks' 16 steps interleaved, one exp2 per (r >= s, channel) and role
-  (``blocks``) or one per pair with the column role summed over the block
-  (``blocks-shared``); through the anchors with safe_gate (``blocks-anchored``, tf32
-  dots, as fla's safe_gate form); or ``blocks-guarded``: through the anchors, in tf32x3,
-  where every block's gate span in the slice is at most GUARD_SPAN (2^96: fp32 holds every
-  factor), pairwise otherwise, so any gate is exact. db is summed over the K slices'
-  partials in slice order (no atomics).
+This design (the block form): one program per (K slice, chunk-head), 4 warps; the chunk's
+four 16-row blocks as separate [16, BK] tiles and all 20 [16, 16] dA blocks of the lower
+triangle loaded at the start, each block pair (i, j < i) one [16, 16] x [16, BK] dot per
+role (mma.sync), no global load between dots. The diagonal blocks: pairwise on CUDA cores,
+the four blocks' 16 steps interleaved, one exp2 per (r >= s, channel) and role
+(``blocks``) or one per pair with the column role summed over the block
+(``blocks-shared``); through the anchors with safe_gate (``blocks-anchored``, tf32 dots,
+as fla's safe_gate form); or ``blocks-guarded``: through the anchors, in tf32x3, where
+every block's gate span in the slice is at most GUARD_SPAN (2^96: fp32 holds every
+factor), pairwise otherwise, so any gate is exact. db is summed over the K slices'
+partials in slice order (no atomics). ``intra_bwd_tail`` adds B8 and B9 in the same pass
+(the chain's B7-B9 unit).
+
+Where the first form lost (bench/results/stages.jsonl at a7cdba7; docs/log/b7.md, which
+keeps its record): one program per chunk-head walking K with [64, 64] x [64, BK] dots
+masked to one block at a time measured 20.1 ms at best at prod8192_gate (fla 15.1) and
+16.0 anchored with safe_gate (fla 7.9): every block iteration reloaded its dA tiles and
+waited on them, one 255-register program per SM with nothing to hide the wait.
 
 Numerics: fp32 throughout; the off-diagonal dots in tf32 as fla's. The pairwise and
-guarded designs keep the one-sided law for any gate; the anchored ones rest on safe_gate's
-bound and the launcher refuses them without it. Outputs are fresh tensors (input + intra
+guarded designs keep the one-sided law for any gate; the anchored one rests on safe_gate's
+bound and the launcher refuses it without it. Outputs are fresh tensors (input + intra
 part): no output is read back, so relaunching is idempotent.
 
 Falls back (``supports``): chunk size other than 64.
 
-Resources (sm_90a, K=128, BK=32): the chunk form 255 registers, 8 B of spills at 8 warps.
-The block form at 4 warps: 255 registers, blocks 28 B of spills, blocks-shared 16,
-blocks-guarded 84, blocks-anchored 264; capped at 168 registers (3 programs an SM) 52 B,
-at 128 (4) 248 B. Predicted (docs/log/b7.md): blocks 4-6 ms, blocks-guarded 2.5-3.5 at
-prod8192_gate; not yet measured.
+Resources (sm_90a, K=128, BK=32, 4 warps): 255 registers, 16-84 B of spills (anchored
+264), two programs an SM. Predicted (docs/log/b7.md): blocks 4-6 ms, blocks-guarded
+2.5-3.5 at prod8192_gate; not yet measured.
 
 Not registered: the chain keeps fla's B7 until a design beats it on the H200
 (tests/test_gpu.py holds every design to fla's stage; tests/test_intra_bwd.py to the
@@ -60,139 +57,6 @@ from kernel_fun._triton import chunk_coords, dot, to
 
 BC = 16  # the diagonal block
 GUARD_SPAN = tl.constexpr(96.0)  # blocks-guarded: the largest in-block gate span (log2) taken through anchors
-
-
-@triton.jit
-def intra_bwd_kernel(
-    q, k, g, beta, dAqk, dAkk, dq, dk, db, dg,
-    dq2, dk2, db2, dg2,
-    cu_seqlens, chunk_indices, T,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    BK: tl.constexpr, IS_VARLEN: tl.constexpr, ANCHORED: tl.constexpr, SHARED_EXP: tl.constexpr,
-):
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_hv = i_bh % HV
-    i_h = i_hv // (HV // H)
-    i_c, i_tg, bos, T = chunk_coords(i_t, i_bh, cu_seqlens, chunk_indices, T, HV, BT, IS_VARLEN)
-    row0 = bos + i_c * BT
-    n_t = (T - i_c * BT).to(tl.int32)  # rows of this chunk inside its sequence (may exceed BT)
-    NC: tl.constexpr = BT // BC
-
-    q += (row0 * H + i_h) * K
-    k += (row0 * H + i_h) * K
-    g += (row0 * HV + i_hv) * K
-    beta += row0 * HV + i_hv
-    dAqk += (row0 * HV + i_hv) * BT
-    dAkk += (row0 * HV + i_hv) * BT
-    dq += (row0 * HV + i_hv) * K
-    dk += (row0 * HV + i_hv) * K
-    dg += (row0 * HV + i_hv) * K
-    db += row0 * HV + i_hv
-    dq2 += (row0 * HV + i_hv) * K
-    dk2 += (row0 * HV + i_hv) * K
-    dg2 += (row0 * HV + i_hv) * K
-    db2 += row0 * HV + i_hv
-
-    o_t = tl.arange(0, BT)
-    m_t = o_t < n_t
-    sc = o_t // BC  # each row's sub-chunk
-    st = sc * BC  # and its first row
-    pos = o_t - st
-    b_beta = tl.load(beta + o_t * HV, mask=m_t, other=0).to(tl.float32)
-    b_db = tl.zeros([BT], dtype=tl.float32)
-
-    for i_k in range(0, tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        m_k = o_k < K
-        m_tk = m_t[:, None] & m_k[None, :]
-        p_qk = o_t[:, None] * (H * K) + o_k[None, :]
-        p_tk = o_t[:, None] * (HV * K) + o_k[None, :]
-        b_q = tl.load(q + p_qk, mask=m_tk, other=0)  # in the input dtype: half the registers of fp32
-        b_k = tl.load(k + p_qk, mask=m_tk, other=0)
-        b_g = tl.load(g + p_tk, mask=m_tk, other=0).to(tl.float32)
-
-        b_dq = tl.zeros([BT, BK], dtype=tl.float32)  # sum_s dAqk[r, s] k_s e(r, s)
-        b_dkr = tl.zeros([BT, BK], dtype=tl.float32)  # sum_s dAkk[r, s] k_s e(r, s)  (k_r's row role, before beta)
-        b_dkc = tl.zeros([BT, BK], dtype=tl.float32)  # sum_r (dAqk[r, s] q_r + dAkk[r, s] beta_r k_r) e(r, s)
-
-        # By dots through the sub-chunk boundaries. Rows of sub-chunk i against earlier
-        # columns through its first row a_i, columns of sub-chunk i against later rows
-        # through its last row e_i: every factor <= 1. With ANCHORED (a bounded gate) the
-        # same dots take the sub-chunk's own diagonal block too, whose factors through the
-        # same anchors stay within 2^(+-15 * 7.3) (safe_gate's -5 nats a token, in log2).
-        p_A = o_t[:, None] * (HV * BT) + o_t[None, :]
-        causal = o_t[None, :] <= o_t[:, None]
-        strict = o_t[None, :] < o_t[:, None]
-        for i in range(0 if ANCHORED else 1, NC):
-            if i * BC < n_t:
-                a_i = tl.load(g + (i * BC) * (HV * K) + o_k, mask=m_k, other=0).to(tl.float32)
-                rows_i = (sc == i) & m_t
-                cols = o_t < (i + 1) * BC if ANCHORED else o_t < i * BC
-                m_Aq = rows_i[:, None] & (causal if ANCHORED else cols[None, :])
-                m_Ak = rows_i[:, None] & (strict if ANCHORED else cols[None, :])
-                b_Aq = tl.load(dAqk + p_A, mask=m_Aq, other=0).to(tl.float32)
-                b_Ak = tl.load(dAkk + p_A, mask=m_Ak, other=0).to(tl.float32)
-                b_kx = b_k.to(tl.float32) * tl.exp2(tl.where(cols[:, None] & m_tk, a_i[None, :] - b_g, float("-inf")))
-                f_i = tl.exp2(tl.where(rows_i[:, None] & m_k[None, :], b_g - a_i[None, :], float("-inf")))
-                b_dq += dot(b_Aq, b_kx) * f_i
-                b_dkr += dot(b_Ak, b_kx) * f_i
-        for i in range(0, NC if ANCHORED else NC - 1):
-            if (i * BC < n_t) if ANCHORED else ((i + 1) * BC < n_t):
-                e_i = tl.load(g + (tl.minimum((i + 1) * BC, n_t) - 1) * (HV * K) + o_k, mask=m_k, other=0).to(tl.float32)
-                cols_i = (sc == i) & m_t
-                rows = (o_t >= i * BC if ANCHORED else o_t >= (i + 1) * BC) & m_t
-                m_Aq = cols_i[None, :] & (causal & rows[:, None] if ANCHORED else rows[:, None])
-                m_Ak = cols_i[None, :] & (strict & rows[:, None] if ANCHORED else rows[:, None])
-                b_Aq = tl.load(dAqk + p_A, mask=m_Aq, other=0).to(tl.float32)
-                b_Ak = tl.load(dAkk + p_A, mask=m_Ak, other=0).to(tl.float32)
-                f_r = tl.exp2(tl.where(rows[:, None] & m_k[None, :], b_g - e_i[None, :], float("-inf")))
-                f_s = tl.exp2(tl.where(cols_i[:, None] & m_k[None, :], e_i[None, :] - b_g, float("-inf")))
-                b_dkc += (dot(tl.trans(b_Aq), b_q.to(tl.float32) * f_r)
-                          + dot(tl.trans(b_Ak), b_k.to(tl.float32) * (b_beta[:, None] * f_r))) * f_s
-
-        if not ANCHORED:
-            # Inside each 16-row diagonal block, pairwise: step j pairs row r with column
-            # st(r) + j (row role) and column s with row st(s) + j (column role); the exponent
-            # is always g_later - g_earlier <= 0.
-            for j in range(0, BC):
-                o_j = st + j
-                m_j = o_j < n_t
-                m_jk = m_j[:, None] & m_k[None, :]
-                b_kj = tl.load(k + o_j[:, None] * (H * K) + o_k[None, :], mask=m_jk, other=0).to(tl.float32)
-                b_gj = tl.load(g + o_j[:, None] * (HV * K) + o_k[None, :], mask=m_jk, other=0).to(tl.float32)
-                # row role: column o_j at or before row o_t
-                row_ok = m_t & m_j & (j <= pos)
-                a_q = tl.load(dAqk + o_t * (HV * BT) + o_j, mask=row_ok, other=0).to(tl.float32)
-                a_k = tl.load(dAkk + o_t * (HV * BT) + o_j, mask=row_ok & (j < pos), other=0).to(tl.float32)
-                e_r = tl.exp2(tl.where(row_ok[:, None] & m_k[None, :], b_g - b_gj, float("-inf")))
-                b_dq += a_q[:, None] * b_kj * e_r
-                b_dkr += a_k[:, None] * b_kj * e_r
-                if SHARED_EXP:
-                    # column role from the same factors: in step j every row of a block
-                    # pairs with the block's column st + j, so that column's sum is the
-                    # block's sum of these rows' terms, placed back at row st + j.
-                    x = (a_q[:, None] * b_q.to(tl.float32) + (a_k * b_beta)[:, None] * b_k.to(tl.float32)) * e_r
-                    blk = tl.sum(tl.reshape(x, (NC, BC, BK)), axis=1)
-                    b_dkc += tl.where((pos == j)[:, None], tl.reshape(tl.broadcast_to(blk[:, None, :], (NC, BC, BK)),
-                                                                      (BT, BK)), 0.0)
-                else:
-                    # column role: row o_j at or after column o_t, its own factors
-                    b_qj = tl.load(q + o_j[:, None] * (H * K) + o_k[None, :], mask=m_jk, other=0).to(tl.float32)
-                    b_bj = tl.load(beta + o_j * HV, mask=m_j, other=0).to(tl.float32)
-                    col_ok = m_t & m_j & (j >= pos)
-                    c_q = tl.load(dAqk + o_j * (HV * BT) + o_t, mask=col_ok, other=0).to(tl.float32)
-                    c_k = tl.load(dAkk + o_j * (HV * BT) + o_t, mask=col_ok & (j > pos), other=0).to(tl.float32)
-                    e_c = tl.exp2(tl.where(col_ok[:, None] & m_k[None, :], b_gj - b_g, float("-inf")))
-                    b_dkc += (c_q[:, None] * b_qj + (c_k * b_bj)[:, None] * b_kj) * e_c
-
-        b_kf = b_k.to(tl.float32)
-        b_db += tl.sum(b_dkr * b_kf, axis=1)
-        b_dkr *= b_beta[:, None]
-        b_dgi = b_q.to(tl.float32) * b_dq + b_kf * (b_dkr - b_dkc)
-        tl.store(dq2 + p_tk, tl.load(dq + p_tk, mask=m_tk, other=0) + b_dq, mask=m_tk)
-        tl.store(dk2 + p_tk, tl.load(dk + p_tk, mask=m_tk, other=0) + b_dkr + b_dkc, mask=m_tk)
-        tl.store(dg2 + p_tk, tl.load(dg + p_tk, mask=m_tk, other=0) + b_dgi, mask=m_tk)
-    tl.store(db2 + o_t * HV, tl.load(db + o_t * HV, mask=m_t, other=0) + b_db, mask=m_t)
 
 
 # --------------------------------------------------------------------------------------
@@ -493,23 +357,18 @@ def intra_bwd_blocks_kernel(
             tl.store(dbias_part + (i_tg * HV + i_hv) * K + o_k, (db0 + db1) + (db2 + db3), mask=m_k)
 
 
-# Compiled for sm_90a offline (``python -m tools.compile_report --design pairwise``, K=128,
-# H=HV=16): every config of the chunk form takes 255 registers; BK=32 at 8 warps spills 8 B
-# (anchored 16 B; K=64 44 B), BK=64 at 8 warps 152 B, BK=64 at 4 warps ~1.2 KB; 16 warps
-# cap the registers at 128 and spill 348-520 B. Unrolled, its 16-step diagonal loop
-# spilled 1-10 KB at any width, and the sub-chunk loops ~0.2 KB more: all stay loops.
-DEFAULT_CONFIG = dict(BK=32, num_warps=8, num_stages=1)
-BLOCKS_CONFIG = dict(BK=32, num_warps=4, num_stages=1)
-# The designs: the chunk form (one program per chunk-head, K walked inside) with its
-# diagonal blocks pairwise (both roles of a pair with their own exp2), pairwise-shared (one
-# exp2 per pair, the column role summed per block) or anchored (safe_gate only); the block
-# form (one program per K slice and chunk-head, four 16-row tiles) with the same three.
-DESIGNS = ("pairwise", "pairwise-shared", "anchored", "blocks", "blocks-shared", "blocks-anchored", "blocks-guarded")
-ANCHORED = ("anchored", "blocks-anchored")
-
-
-def default_config(design: str) -> dict:
-    return dict(BLOCKS_CONFIG if design.startswith("blocks") else DEFAULT_CONFIG)
+# Compiled for sm_90a offline (``python -m tools.compile_report --design blocks --BV 32
+# --warps 4 --stages 1``, K=128, H=HV=16): 255 registers at 4 warps, blocks 28 B of spills,
+# blocks-shared 16, blocks-guarded 84, blocks-anchored 264; 2 warps 284-1,192 B; BK=16
+# 36-108 B; capped at 168 registers (3 programs an SM) blocks 72 B, at 128 (4) 472 B.
+DEFAULT_CONFIG = dict(BK=32, num_warps=4, num_stages=1)
+# The diagonal blocks: pairwise with an exp2 per role (``blocks``), one exp2 per pair with
+# the column role summed over the block (``blocks-shared``), through the anchors with
+# safe_gate (``blocks-anchored``), or through the anchors where the gate span allows and
+# pairwise elsewhere (``blocks-guarded``). The names keep the prefix of the measured rows:
+# the first form's rows (pairwise, pairwise-shared, anchored) stay in the record.
+DESIGNS = ("blocks", "blocks-shared", "blocks-anchored", "blocks-guarded")
+ANCHORED = ("blocks-anchored",)
 
 
 def _launch_args(design, safe_gate, tensors: dict, chunk_size, cu_seqlens, chunk_indices, BK, num_warps, num_stages,
@@ -525,14 +384,14 @@ def _launch_args(design, safe_gate, tensors: dict, chunk_size, cu_seqlens, chunk
     q, k, gc = tensors["q"], tensors["k"], tensors["gc"]
     B, T, H, K = k.shape
     HV = gc.shape[2]
-    cfg = default_config(design)
+    cfg = DEFAULT_CONFIG
     dq2 = torch.empty(B, T, HV, K, device=k.device, dtype=torch.float32)
     return dict(
         q=q, k=k, g=gc, beta=tensors["beta"], dAqk=tensors["dAqk"], dAkk=tensors["dAkk"], dq=tensors["dq"],
         dk=tensors["dk"], dg=tensors["dg"], dq2=dq2, dk2=torch.empty_like(dq2), dg2=torch.empty_like(dq2),
         cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, T=T, H=H, HV=HV, K=K, BT=chunk_size, BC=BC,
         BK=BK or min(cfg["BK"], triton.next_power_of_2(K)), IS_VARLEN=cu_seqlens is not None,
-        ANCHORED=design in ANCHORED, SHARED_EXP=design in ("pairwise-shared", "blocks-shared"),
+        ANCHORED=design in ANCHORED, SHARED_EXP=design == "blocks-shared",
         num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"],
         **({"maxnreg": maxnreg} if maxnreg else {}))
 
@@ -543,20 +402,15 @@ def _n_chunks(args: dict) -> int:
 
 def intra_bwd(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens, chunk_indices, safe_gate,
               BK: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-              maxnreg: int | None = None, design: str = "pairwise"):
+              maxnreg: int | None = None, design: str = "blocks-guarded"):
     """B7 with fla's contract: returns (dq, dk, db, dg), fp32, at value heads: the inputs
     plus the vector-Jacobian product of Aqk and Akk with dAqk and dAkk. ``design`` is one
-    of ``DESIGNS``: the pairwise and guarded ones are exact for any gate; the anchored ones
-    need ``safe_gate``, whose lower bound keeps a block's factors within fp32's range."""
+    of ``DESIGNS``: all but blocks-anchored are exact for any gate; blocks-anchored needs
+    ``safe_gate``, whose lower bound keeps a block's factors within fp32's range."""
     tensors = dict(q=q, k=k, gc=gc, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db, dg=dg)
     args = _launch_args(design, safe_gate, tensors, chunk_size, cu_seqlens, chunk_indices, BK, num_warps,
                         num_stages, maxnreg)
-    if design.startswith("blocks"):
-        return _blocks(args, db, design)[:4]
-    B, T, HV = dq.shape[0], dq.shape[1], args["HV"]
-    db2 = torch.empty(B, T, HV, device=k.device, dtype=torch.float32)
-    intra_bwd_kernel[(_n_chunks(args), B * HV)](**args, db=db, db2=db2)
-    return args["dq2"], args["dk2"], db2, args["dg2"]
+    return _blocks(args, db, design)[:4]
 
 
 def intra_bwd_tail(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens, chunk_indices, safe_gate,
@@ -567,8 +421,6 @@ def intra_bwd_tail(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_se
     Without ``A_log`` dg is B8's (the intra-chunk reverse cumsum of B7's dg, fp32) and the
     last two are None; with it (the gate in the op: ``g`` the raw gate, ``dt_bias`` or None,
     ``lower_bound`` or None) dg is B9's, in g's dtype, with dA_log's and dt_bias's gradients."""
-    if not design.startswith("blocks"):
-        raise ValueError(f"the tail runs in the block form's designs, not {design!r}")
     tensors = dict(q=q, k=k, gc=gc, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db, dg=dg, g=g,
                    A_log=A_log, dt_bias=dt_bias)
     args = _launch_args(design, safe_gate, tensors, chunk_size, cu_seqlens, chunk_indices, BK, num_warps,
