@@ -23,12 +23,10 @@ from kernel_fun.bench.stage import StageBench, main as _stage_main, qk_and_gate
 # intra_bwd.DEFAULT_CONFIG): 4 warps, with registers capped for 3 and 4 programs an SM
 # (168: 72 B of spills, 128: 472 B), the loops pipelined, 2 warps, BK=16.
 _B = dict(BK=32, num_warps=4, num_stages=1)
-SWEEP = {"blocks": [_B, dict(_B, num_stages=2), dict(_B, maxnreg=168), dict(_B, maxnreg=128),
-                    dict(_B, num_warps=2), dict(_B, BK=16)],
-         "blocks-shared": [_B, dict(_B, maxnreg=168)],
-         "blocks-guarded": [_B, dict(_B, num_stages=2), dict(_B, maxnreg=168), dict(_B, maxnreg=128)],
-         "blocks-anchored": [_B, dict(_B, maxnreg=168)]}
-
+SWEEP = {"blocks-guarded": [_B],
+         "blocks-anchored": [_B],
+         "wide": [_B, dict(_B, BK=16), dict(_B, num_warps=8)],
+         "wide-tf32": [_B, dict(_B, BK=16), dict(_B, BK=64, num_warps=8), dict(_B, maxnreg=168)]}
 
 def b7_bytes(p) -> int:
     """The fewest bytes B7 moves: q, k, gc, beta, dAqk, dAkk and the incoming dq, dk, db, dg

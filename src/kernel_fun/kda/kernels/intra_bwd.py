@@ -56,7 +56,7 @@ import triton.language as tl
 from kernel_fun._triton import chunk_coords, dot, to
 
 BC = 16  # the diagonal block
-GUARD_SPAN = tl.constexpr(96.0)  # blocks-guarded: the largest in-block gate span (log2) taken through anchors
+GUARD_SPAN = tl.constexpr(64.0)  # blocks-guarded: the largest in-block gate span (log2) taken through anchors
 
 
 # --------------------------------------------------------------------------------------
@@ -357,6 +357,204 @@ def intra_bwd_blocks_kernel(
             tl.store(dbias_part + (i_tg * HV + i_hv) * K + o_k, (db0 + db1) + (db2 + db3), mask=m_k)
 
 
+# --------------------------------------------------------------------------------------
+# The wide form: one program per (K slice, chunk, head), every dot over the whole chunk
+# --------------------------------------------------------------------------------------
+@triton.jit
+def _wide_rows(dAqk, dAkk, k, g, st, lo, n_t, o_k, m_k, g_c, acc_q, acc_kr,
+               HV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, SK: tl.constexpr, SG: tl.constexpr,
+               PRECISE: tl.constexpr):
+    """The row role of column block j (columns st .. st + BC - 1) for every row r >= lo,
+    through the block's last row e_j: sum_s dA[r, s] k_s exp2(e_j - g_s) (every factor <= 1)
+    as one [BT, BC] x [BC, BK] dot, times exp2(g_r - e_j) (<= 1 past the block; within it
+    at most 2^GUARD_SPAN, which is why lo is the block's own first row only when its span
+    passed the guard)."""
+    rows = tl.arange(0, BT)
+    pos = tl.arange(0, BC)
+    cols = st + pos
+    m_c = cols < n_t
+    e = _row(g, tl.minimum(st + BC, n_t) - 1, SG, st < n_t, o_k, m_k)
+    k_j = tl.load(k + cols[:, None] * SK + o_k[None, :], mask=m_c[:, None] & m_k[None, :], other=0).to(tl.float32)
+    g_j = tl.load(g + cols[:, None] * SG + o_k[None, :], mask=m_c[:, None] & m_k[None, :], other=0)
+    kx = k_j * tl.exp2(tl.where(m_c[:, None] & m_k[None, :], e[None, :] - g_j, float("-inf")))
+    m_r = (rows < n_t) & (rows >= lo)
+    m_q = m_r[:, None] & m_c[None, :] & (rows[:, None] >= cols[None, :])
+    p_A = rows[:, None] * (HV * BT) + cols[None, :]
+    a_q = tl.load(dAqk + p_A, mask=m_q, other=0)
+    a_k = tl.load(dAkk + p_A, mask=m_q & (rows[:, None] > cols[None, :]), other=0)
+    f = tl.exp2(tl.where(m_r[:, None] & m_k[None, :], g_c - e[None, :], float("-inf")))
+    acc_q += f * _dot(a_q, kx, PRECISE)
+    acc_kr += f * _dot(a_k, kx, PRECISE)
+    return acc_q, acc_kr
+
+
+@triton.jit
+def _wide_cols(dAqk, dAkk, q, k, g, beta, st, hi, n_t, o_k, m_k, g_c, acc_c,
+               HV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, SK: tl.constexpr, SG: tl.constexpr,
+               PRECISE: tl.constexpr):
+    """The column role of row block i (rows st .. st + BC - 1) for every column s < hi,
+    through the block's first row a_i: sum_r dA[r, s] (q_r, beta_r k_r) exp2(g_r - a_i)
+    (every factor <= 1) as [BT, BC] x [BC, BK] dots of dA's transposed rows, times
+    exp2(a_i - g_s) (<= 1 before the block, at most 2^GUARD_SPAN within it)."""
+    cols = tl.arange(0, BT)
+    pos = tl.arange(0, BC)
+    rows = st + pos
+    m_r = rows < n_t
+    a = _row(g, st, SG, st < n_t, o_k, m_k)
+    m_rk = m_r[:, None] & m_k[None, :]
+    q_i = tl.load(q + rows[:, None] * SK + o_k[None, :], mask=m_rk, other=0).to(tl.float32)
+    k_i = tl.load(k + rows[:, None] * SK + o_k[None, :], mask=m_rk, other=0).to(tl.float32)
+    g_i = tl.load(g + rows[:, None] * SG + o_k[None, :], mask=m_rk, other=0)
+    b_i = tl.load(beta + rows * HV, mask=m_r, other=0).to(tl.float32)
+    f = tl.exp2(tl.where(m_rk, g_i - a[None, :], float("-inf")))
+    m_s = (cols < n_t) & (cols < hi) & (st < n_t)  # (a is 0 for a block past the end)
+    m_q = m_s[:, None] & m_r[None, :] & (rows[None, :] >= cols[:, None])
+    p_At = rows[None, :] * (HV * BT) + cols[:, None]  # [s, r]: dA's rows of block i, transposed
+    at_q = tl.load(dAqk + p_At, mask=m_q, other=0)
+    at_k = tl.load(dAkk + p_At, mask=m_q & (rows[None, :] > cols[:, None]), other=0)
+    h = tl.exp2(tl.where(m_s[:, None] & m_k[None, :], a[None, :] - g_c, float("-inf")))
+    acc_c += h * (_dot(at_q, q_i * f, PRECISE) + _dot(at_k, (b_i[:, None] * k_i) * f, PRECISE))
+    return acc_c
+
+
+@triton.jit
+def _wide_diag_step(jj, q, k, g, beta, dAqk, dAkk, n_t, g_c, pair, o_k, m_k, acc_q, acc_kr, acc_c,
+                    HV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, SK: tl.constexpr, SG: tl.constexpr):
+    """Step jj of the pairwise diagonal, for the blocks whose span failed the guard (``pair``
+    per row): every row r against s = (r's block start) + jj with exp2(g_r - g_s) <= 1 (row
+    role), every column s against r = (s's block start) + jj with exp2(g_r - g_s) (column
+    role); rows and columns gathered (L1), one exp2 tile per role."""
+    t = tl.arange(0, BT)
+    o = (t // BC) * BC + jj  # the partner row of each row
+    m_o = (o < n_t) & (t < n_t) & pair
+    m_ok = m_o[:, None] & m_k[None, :]
+    k_o = tl.load(k + o[:, None] * SK + o_k[None, :], mask=m_ok, other=0).to(tl.float32)
+    g_o = tl.load(g + o[:, None] * SG + o_k[None, :], mask=m_ok, other=0)
+    # row role: r = t against s = o (o <= t)
+    on = m_o & (o <= t)
+    a_q = tl.load(dAqk + t * (HV * BT) + o, mask=on, other=0)
+    a_k = tl.load(dAkk + t * (HV * BT) + o, mask=on & (o < t), other=0)
+    e = tl.exp2(tl.where(on[:, None] & m_k[None, :], g_c - g_o, float("-inf")))
+    acc_q += a_q[:, None] * k_o * e
+    acc_kr += a_k[:, None] * k_o * e
+    # column role: s = t against r = o (o >= t)
+    on_c = m_o & (o >= t)
+    q_o = tl.load(q + o[:, None] * SK + o_k[None, :], mask=m_ok, other=0).to(tl.float32)
+    b_o = tl.load(beta + o * HV, mask=m_o, other=0).to(tl.float32)
+    c_q = tl.load(dAqk + o * (HV * BT) + t, mask=on_c, other=0)
+    c_k = tl.load(dAkk + o * (HV * BT) + t, mask=on_c & (o > t), other=0)
+    e_c = tl.exp2(tl.where(on_c[:, None] & m_k[None, :], g_o - g_c, float("-inf")))
+    acc_c += (c_q[:, None] * q_o + (c_k * b_o)[:, None] * k_o) * e_c
+    return acc_q, acc_kr, acc_c
+
+
+@triton.jit
+def intra_bwd_wide_kernel(
+    q, k, g, beta, dAqk, dAkk, dq, dk, dg,
+    dq2, dk2, dg2, db_part,
+    g_raw, A_log, dt_bias, dA_part, dbias_part, lower_bound,
+    cu_seqlens, chunk_indices, T, NT_ROWS, NT_ALL,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    BK: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISE: tl.constexpr,
+    TAIL: tl.constexpr, HAS_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
+):
+    """B7 on one (K slice, chunk, head), the chunk as one [BT, BK] tile per output; with
+    TAIL 1 also B8 (dg reverse-cumsummed within the chunk, fp32, into dg2), with TAIL 2 also
+    B9 (the raw gate's gradient into dg2 in its dtype; dA_log's and dt_bias's per-chunk
+    partials into dA_part [NK, NT_ALL, HV] and dbias_part [NT_ALL, HV, K])."""
+    i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_hv = i_bh % HV
+    i_h = i_hv // (HV // H)
+    i_c, i_tg, bos, T = chunk_coords(i_t, i_bh, cu_seqlens, chunk_indices, T, HV, BT, IS_VARLEN)
+    row0 = bos + i_c * BT
+    n_t = tl.minimum(T - i_c * BT, BT).to(tl.int32)
+    tl.static_assert(BT == 4 * BC, "the wide form is written for four blocks a chunk")
+    SK: tl.constexpr = H * K
+    SG: tl.constexpr = HV * K
+
+    q += (row0 * H + i_h) * K
+    k += (row0 * H + i_h) * K
+    g += (row0 * HV + i_hv) * K
+    beta += row0 * HV + i_hv
+    dAqk += (row0 * HV + i_hv) * BT
+    dAkk += (row0 * HV + i_hv) * BT
+    off = (row0 * HV + i_hv) * K
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_k = o_k < K
+    t = tl.arange(0, BT)
+    m_t = t < n_t
+    m_tk = m_t[:, None] & m_k[None, :]
+    g_c = tl.load(g + t[:, None] * SG + o_k[None, :], mask=m_tk, other=0)
+
+    # Each block's gate span in this K slice (first row minus last): within GUARD_SPAN the
+    # block's diagonal goes through the anchors with the rest (factors inside 2^+-GUARD_SPAN,
+    # far inside fp32's normal range), past it pairwise (below).
+    s0 = tl.max(_row(g, 0, SG, 0 < n_t, o_k, m_k) - _row(g, tl.minimum(BC, n_t) - 1, SG, 0 < n_t, o_k, m_k), axis=0)
+    s1 = tl.max(_row(g, BC, SG, BC < n_t, o_k, m_k) - _row(g, tl.minimum(2 * BC, n_t) - 1, SG, BC < n_t, o_k, m_k),
+                axis=0)
+    s2 = tl.max(_row(g, 2 * BC, SG, 2 * BC < n_t, o_k, m_k)
+                - _row(g, tl.minimum(3 * BC, n_t) - 1, SG, 2 * BC < n_t, o_k, m_k), axis=0)
+    s3 = tl.max(_row(g, 3 * BC, SG, 3 * BC < n_t, o_k, m_k)
+                - _row(g, tl.minimum(4 * BC, n_t) - 1, SG, 3 * BC < n_t, o_k, m_k), axis=0)
+    d0, d1, d2, d3 = s0 <= GUARD_SPAN, s1 <= GUARD_SPAN, s2 <= GUARD_SPAN, s3 <= GUARD_SPAN
+
+    acc_q = tl.zeros([BT, BK], dtype=tl.float32)
+    acc_kr = tl.zeros([BT, BK], dtype=tl.float32)
+    acc_c = tl.zeros([BT, BK], dtype=tl.float32)
+    # row role: column block j's columns for rows from j's own block (guard passed) or the next
+    acc_q, acc_kr = _wide_rows(dAqk, dAkk, k, g, 0, tl.where(d0, 0, BC), n_t, o_k, m_k, g_c, acc_q, acc_kr,
+                               HV, BT, BC, SK, SG, PRECISE)
+    acc_q, acc_kr = _wide_rows(dAqk, dAkk, k, g, BC, tl.where(d1, BC, 2 * BC), n_t, o_k, m_k, g_c, acc_q, acc_kr,
+                               HV, BT, BC, SK, SG, PRECISE)
+    acc_q, acc_kr = _wide_rows(dAqk, dAkk, k, g, 2 * BC, tl.where(d2, 2 * BC, 3 * BC), n_t, o_k, m_k, g_c, acc_q,
+                               acc_kr, HV, BT, BC, SK, SG, PRECISE)
+    if d3:
+        acc_q, acc_kr = _wide_rows(dAqk, dAkk, k, g, 3 * BC, 3 * BC, n_t, o_k, m_k, g_c, acc_q, acc_kr,
+                                   HV, BT, BC, SK, SG, PRECISE)
+    # column role: row block i's rows for columns up to i's own block (guard passed) or before it
+    acc_c = _wide_cols(dAqk, dAkk, q, k, g, beta, BC, tl.where(d1, 2 * BC, BC), n_t, o_k, m_k, g_c, acc_c,
+                       HV, BT, BC, SK, SG, PRECISE)
+    acc_c = _wide_cols(dAqk, dAkk, q, k, g, beta, 2 * BC, tl.where(d2, 3 * BC, 2 * BC), n_t, o_k, m_k, g_c, acc_c,
+                       HV, BT, BC, SK, SG, PRECISE)
+    acc_c = _wide_cols(dAqk, dAkk, q, k, g, beta, 3 * BC, tl.where(d3, 4 * BC, 3 * BC), n_t, o_k, m_k, g_c, acc_c,
+                       HV, BT, BC, SK, SG, PRECISE)
+    if d0:
+        acc_c = _wide_cols(dAqk, dAkk, q, k, g, beta, 0, BC, n_t, o_k, m_k, g_c, acc_c, HV, BT, BC, SK, SG, PRECISE)
+    if tl.maximum(tl.maximum(s0, s1), tl.maximum(s2, s3)) > GUARD_SPAN:
+        blk = t // BC
+        pair = tl.where(blk == 0, s0, tl.where(blk == 1, s1, tl.where(blk == 2, s2, s3))) > GUARD_SPAN
+        for jj in range(0, BC):
+            acc_q, acc_kr, acc_c = _wide_diag_step(jj, q, k, g, beta, dAqk, dAkk, n_t, g_c, pair, o_k, m_k,
+                                                   acc_q, acc_kr, acc_c, HV, BT, BC, SK, SG)
+
+    # outputs: db's partial for this K slice; dq, dk, dg (input + intra part)
+    p = off + t[:, None] * SG + o_k[None, :]
+    q_c = tl.load(q + t[:, None] * SK + o_k[None, :], mask=m_tk, other=0).to(tl.float32)
+    k_c = tl.load(k + t[:, None] * SK + o_k[None, :], mask=m_tk, other=0).to(tl.float32)
+    b_c = tl.load(beta + t * HV, mask=m_t, other=0).to(tl.float32)
+    tl.store(db_part + i_k * NT_ROWS + (row0 + t) * HV + i_hv, tl.sum(acc_kr * k_c, axis=1), mask=m_t)
+    acc_kr *= b_c[:, None]
+    tl.store(dq2 + p, tl.load(dq + p, mask=m_tk, other=0) + acc_q, mask=m_tk)
+    tl.store(dk2 + p, tl.load(dk + p, mask=m_tk, other=0) + acc_kr + acc_c, mask=m_tk)
+    b_dg = tl.load(dg + p, mask=m_tk, other=0) + q_c * acc_q + k_c * (acc_kr - acc_c)
+    if TAIL == 0:
+        tl.store(dg2 + p, b_dg, mask=m_tk)
+    else:
+        # B8: each row's dg summed with every later row's of the chunk (rows past the end are 0)
+        b_dg = tl.cumsum(tl.where(m_tk, b_dg, 0.0), axis=0, reverse=True)
+        if TAIL == 1:
+            tl.store(dg2 + p, b_dg, mask=m_tk)
+        else:
+            # B9 (dg2 has the raw gate's dtype here), its parameter sums per chunk
+            A = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+            if HAS_BIAS:
+                dt_bias += i_hv * K
+            da, dbias = _gate_bwd(0, n_t, b_dg, g_raw + off, dt_bias, dg2 + off, A, lower_bound, o_k, m_k, HV, K, BT,
+                                  HAS_BIAS, USE_LOWER_BOUND)
+            tl.store(dA_part + (i_k * NT_ALL + i_tg) * HV + i_hv, da)
+            tl.store(dbias_part + (i_tg * HV + i_hv) * K + o_k, dbias, mask=m_k)
+
+
 # Compiled for sm_90a offline (``python -m tools.compile_report --design blocks --BV 32
 # --warps 4 --stages 1``, K=128, H=HV=16): 255 registers at 4 warps, blocks 28 B of spills,
 # blocks-shared 16, blocks-guarded 84, blocks-anchored 264; 2 warps 284-1,192 B; BK=16
@@ -367,7 +565,8 @@ DEFAULT_CONFIG = dict(BK=32, num_warps=4, num_stages=1)
 # safe_gate (``blocks-anchored``), or through the anchors where the gate span allows and
 # pairwise elsewhere (``blocks-guarded``). The names keep the prefix of the measured rows:
 # the first form's rows (pairwise, pairwise-shared, anchored) stay in the record.
-DESIGNS = ("blocks", "blocks-shared", "blocks-anchored", "blocks-guarded")
+DESIGNS = ("blocks", "blocks-shared", "blocks-anchored", "blocks-guarded", "wide", "wide-tf32")
+WIDE = ("wide", "wide-tf32")
 ANCHORED = ("blocks-anchored",)
 
 
@@ -391,7 +590,6 @@ def _launch_args(design, safe_gate, tensors: dict, chunk_size, cu_seqlens, chunk
         dk=tensors["dk"], dg=tensors["dg"], dq2=dq2, dk2=torch.empty_like(dq2), dg2=torch.empty_like(dq2),
         cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, T=T, H=H, HV=HV, K=K, BT=chunk_size, BC=BC,
         BK=BK or min(cfg["BK"], triton.next_power_of_2(K)), IS_VARLEN=cu_seqlens is not None,
-        ANCHORED=design in ANCHORED, SHARED_EXP=design == "blocks-shared",
         num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"],
         **({"maxnreg": maxnreg} if maxnreg else {}))
 
@@ -446,8 +644,13 @@ def _blocks(args: dict, db, design, tail: int = 0, gate: dict | None = None):
         args["dg2"] = torch.empty(B, T, HV, K, device=dev, dtype=g_raw.dtype)
         dA_part = torch.empty(NK, NT_ALL, HV, device=dev, dtype=torch.float32)
         dbias_part = torch.empty(NT_ALL, HV, K, device=dev, dtype=torch.float32) if dt_bias is not None else None
-    intra_bwd_blocks_kernel[(NK, NT, B * HV)](
-        **args, db_part=db_part, NT_ROWS=B * T * HV, NT_ALL=NT_ALL, GUARDED=design == "blocks-guarded",
+    if design in WIDE:
+        kernel, form = intra_bwd_wide_kernel, dict(PRECISE=design == "wide")
+    else:
+        kernel, form = intra_bwd_blocks_kernel, dict(ANCHORED=design in ANCHORED, SHARED_EXP=design == "blocks-shared",
+                                                      GUARDED=design == "blocks-guarded")
+    kernel[(NK, NT, B * HV)](
+        **args, **form, db_part=db_part, NT_ROWS=B * T * HV, NT_ALL=NT_ALL,
         g_raw=g_raw, A_log=A_log, dt_bias=dt_bias, dA_part=dA_part, dbias_part=dbias_part,
         lower_bound=0.0 if lower_bound is None else float(lower_bound), TAIL=tail, HAS_BIAS=dt_bias is not None,
         USE_LOWER_BOUND=lower_bound is not None)
