@@ -239,10 +239,11 @@ def test_candidate_designs_register_for_the_run_and_stay_out_of_the_readme(monke
     registry = importlib.import_module("kernel_fun.kda.stages")
     for stage in kda.CANDIDATES:
         monkeypatch.setitem(registry._REGISTRY, stage, registry._REGISTRY[stage])
-    assert kda.register_candidates(["B7-B9=blocks-guarded", "B7=blocks"]) == {"B7-B9": "blocks-guarded", "B7": "blocks"}
+    assert kda.register_candidates(["B7-B9=wide-pairwise", "B7=wide-pairwise"]) == {"B7-B9": "wide-pairwise",
+                                                                                       "B7": "wide-pairwise"}
     assert "ours" in registry._REGISTRY["B7-B9"].impls and "ours" in registry._REGISTRY["B7"].impls
     for bad in ("B6=fullk", "B7", "B7=no-such-design"):
         with pytest.raises((SystemExit, ValueError)):
             kda.register_candidates([bad])
-    candidate = _row(impl="ours", fwdbwd_ms=30.0, candidate={"B7-B9": "blocks-guarded"})
+    candidate = _row(impl="ours", fwdbwd_ms=30.0, candidate={"B7-B9": "wide-pairwise"})
     assert "30.00" not in results.render([_row(), candidate]) and "30.00" in results.op_table([_row(), candidate])

@@ -138,7 +138,7 @@ def test_a_candidate_design_is_captured_and_run_by_the_child(tmp_path, capsys, m
     from conftest import register_for_test
     from kernel_fun.kda.kernels import intra_bwd
 
-    register_for_test(monkeypatch, "B7-B9", *intra_bwd.candidate("B7-B9", "blocks-guarded"))
+    register_for_test(monkeypatch, "B7-B9", *intra_bwd.candidate("B7-B9", "wide-pairwise"))
     shapes = rel.SANITIZE_SHAPES[:1]
     captured = rel.capture_inputs(shapes, device="cpu")
     assert [c["stage"] for c in captured] == ["B6", "B7-B9"]

@@ -152,7 +152,7 @@ def bench_shape(bench: StageBench, name: str, candidates, reps: int, rounds: int
     for design, overrides in candidates:
         try:
             config = bench.launch_config(p, design, overrides)
-        except ValueError as err:  # a design this shape does not take (B7's anchored diagonal off safe_gate)
+        except ValueError as err:  # a design this shape does not take
             print(f"{name}: {design} skipped ({err})", flush=True)
             continue
         label = config_label(design, config)

@@ -2,7 +2,7 @@
 configs worth timing, and its parity bars.
 
 ``python -m kernel_fun.bench.stage --stage B7 --shapes prod8192_gate,prod8192_layer_safe --configs sweep``
-(the anchored designs run at safe_gate shapes only)
+(at safe_gate shapes the chain keeps fla's B7, faster there)
 
 B7's inputs are random, of the magnitudes a real chain gives: unit q/k rows, a Kimi-style
 gate cumsum, beta in (0, 1), fp32 dAqk/dAkk with B6's zeros (dAqk above the diagonal, dAkk
@@ -19,14 +19,11 @@ import torch
 
 from kernel_fun.bench.stage import StageBench, main as _stage_main, qk_and_gate
 
-# The configs worth timing, from the sm_90a compile report (the note at
-# intra_bwd.DEFAULT_CONFIG): 4 warps, with registers capped for 3 and 4 programs an SM
-# (168: 72 B of spills, 128: 472 B), the loops pipelined, 2 warps, BK=16.
+# The configs worth timing (the note at intra_bwd.DEFAULT_CONFIG): the default, and the
+# pairwise diagonal everywhere (the guard's other path: what a saturated gate costs).
 _B = dict(BK=32, num_warps=4, num_stages=1)
-SWEEP = {"blocks-guarded": [_B],
-         "blocks-anchored": [_B],
-         "wide": [_B, dict(_B, BK=16), dict(_B, num_warps=8)],
-         "wide-tf32": [_B, dict(_B, BK=16), dict(_B, BK=64, num_warps=8), dict(_B, maxnreg=168)]}
+SWEEP = {"wide": [_B], "wide-pairwise": [_B]}
+
 
 def b7_bytes(p) -> int:
     """The fewest bytes B7 moves: q, k, gc, beta, dAqk, dAkk and the incoming dq, dk, db, dg
@@ -80,8 +77,6 @@ def _launch_config(p, design, overrides):
 
     if design not in intra_bwd.DESIGNS:
         raise ValueError(f"unknown B7 design {design!r}")
-    if design in intra_bwd.ANCHORED and not p.safe_gate:
-        raise ValueError(f"the {design} design needs a safe_gate shape")
     return {**intra_bwd.DEFAULT_CONFIG, **(overrides or {})}
 
 
