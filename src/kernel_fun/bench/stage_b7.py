@@ -86,14 +86,13 @@ def _misses(vs_exact, fla_exact, vs_fla):
     return b7_misses(vs_exact, fla_exact, vs_fla)
 
 
-def _designs() -> tuple[str, ...]:
-    from kernel_fun.kda.kernels import intra_bwd
-
-    return intra_bwd.DESIGNS
+def _declines(p) -> str | None:
+    """Why the chain keeps fla's B7 at this shape (the registered supports' rule)."""
+    return "safe_gate" if p.safe_gate else None
 
 
 BENCH = StageBench(stage="B7", make_inputs=make_inputs, bytes=b7_bytes, fla=_fla, exact=_exact, ours=_ours,
-                   launch_config=_launch_config, misses=_misses, sweep=SWEEP, designs=_designs())
+                   launch_config=_launch_config, misses=_misses, sweep=SWEEP, designs=("wide",), declines=_declines)
 
 
 def main(argv=None) -> int:
