@@ -368,7 +368,7 @@ def _call_key(c: _Call, phases: str) -> str:
 
 def describe_impls(record: CallRecord) -> str:
     """Which implementation ran each stage, runs of stages collapsed in chain order:
-    ``"forward F1-F8 fla; backward B1-B5 fla, B6 ours, B7-B10b fla"``."""
+    ``"forward F1-F8 fla; backward B1-B5 fla, B6-B9 ours, B10-B10b fla"``."""
     parts = []
     for phase, stages_ in (("forward", record.forward), ("backward", record.backward)):
         if not stages_:
@@ -379,7 +379,9 @@ def describe_impls(record: CallRecord) -> str:
                 runs[-1][1] = name
             else:
                 runs.append([name, name, impl])
-        parts.append(phase + " " + ", ".join(f"{a}-{b} {impl}" if a != b else f"{a} {impl}" for a, b, impl in runs))
+        # a run from a unit's start to another's end (B6 then the B7-B9 unit: "B6-B9")
+        parts.append(phase + " " + ", ".join(f"{a.split('-')[0]}-{b.split('-')[-1]} {impl}" if a != b else f"{a} {impl}"
+                                             for a, b, impl in runs))
     return "; ".join(parts)
 
 

@@ -36,7 +36,9 @@ Falls back (``supports``): chunk size other than 64; safe_gate, where fla's B7 (
 anchored diagonal) measured 7.94 ms against this kernel's 10.89.
 
 Measured (H200, bench/results/stages.jsonl; docs/log/b7.md has every round): 11.22 ms at
-prod8192_gate against fla's 14.89 (1.33x), 4.9x the memory floor. What the time is
+prod8192_gate against fla's 14.89 (1.33x), 4.9x the memory floor; as the B7-B9 unit in the
+whole op 13.25 ms against fla's three stages' 16.4 (chunk_kda.jsonl at 1a50450: the tail
+adds 31% to the instruction stream). What the time is
 (Nsight Compute): 2 programs an SM (255 registers), L1 the busiest unit (56%), 7.2 cycles
 between a warp's instructions, ~40% of them waiting on loads, DRAM at 15%: every dot's
 operands pass through shared memory and each K slice reads the chunk's dA tiles again.
