@@ -75,9 +75,9 @@ def _dot(a, b):
 def _gate_bwd(st, n_t, dy, g_raw, dt_bias, dg_out, A, lower_bound, o_k, m_k,
               HV: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr,
               USE_LOWER_BOUND: tl.constexpr):
-    """B9 on block i: dy (d loss / d log-decay, fp32) to the raw gate's gradient, written in
-    the raw gate's dtype; returns this block's dA_log sum and its [BK] sum of the written
-    (rounded) gradient, dt_bias's."""
+    """B9 on rows st .. st + BC - 1 (the kernel passes the whole chunk): dy (d loss / d
+    log-decay, fp32) to the raw gate's gradient, written in the raw gate's dtype; returns
+    these rows' dA_log sum and their [BK] sum of the written (rounded) gradient, dt_bias's."""
     rows = st + tl.arange(0, BC)
     m_rk = (rows < n_t)[:, None] & m_k[None, :]
     p = rows[:, None] * (HV * K) + o_k[None, :]
