@@ -177,7 +177,8 @@ def test_chain_with_our_b7_against_the_oracle(p, monkeypatch):
 def test_guard_takes_each_path_where_it_should():
     """wide: a block's diagonal through its anchor where its gate span is small (the result
     then differs in the last bits from wide-pairwise's), pairwise where the span passes
-    GUARD_SPAN in every block (bit for bit wide-pairwise's result)."""
+    GUARD_SPAN in every block (bit for bit wide-pairwise's result); wide-chunk likewise
+    against wide."""
     inputs = stage_inputs(SHAPES[0])
     assert (inputs["gc"][:, 0:16] - inputs["gc"][:, 15:16]).amax() < float(intra_bwd.GUARD_SPAN.value)
     anchored = intra_bwd.intra_bwd(**inputs, design="wide")
@@ -189,6 +190,11 @@ def test_guard_takes_each_path_where_it_should():
     anchored = intra_bwd.intra_bwd(**saturated, design="wide")
     pairwise = intra_bwd.intra_bwd(**saturated, design="wide-pairwise")
     assert all(torch.equal(a, b) for a, b in zip(anchored, pairwise))
+    # wide-chunk: the whole chunk through its middle row at the weak gate, the wide form where
+    # a chunk's factors pass the guard (the saturated gate: bit for bit wide's result)
+    assert not all(torch.equal(a, b) for a, b in zip(intra_bwd.intra_bwd(**inputs, design="wide-chunk"),
+                                                      intra_bwd.intra_bwd(**inputs, design="wide")))
+    assert all(torch.equal(a, b) for a, b in zip(intra_bwd.intra_bwd(**saturated, design="wide-chunk"), anchored))
 
 
 # --------------------------------------------------------------------------------------

@@ -19,10 +19,11 @@ import torch
 
 from kernel_fun.bench.stage import StageBench, main as _stage_main, qk_and_gate
 
-# The configs worth timing (the note at intra_bwd.DEFAULT_CONFIG): the default, and the
-# pairwise diagonal everywhere (the guard's other path: what a saturated gate costs).
+# The configs worth timing (the note at intra_bwd.DEFAULT_CONFIG): the default, the
+# pairwise diagonal everywhere (the guard's other path: what a saturated gate costs), and
+# the whole-chunk anchor (not yet measured).
 _B = dict(BK=32, num_warps=4, num_stages=1)
-SWEEP = {"wide": [_B], "wide-pairwise": [_B]}
+SWEEP = {"wide": [_B], "wide-pairwise": [_B], "wide-chunk": [_B, dict(_B, maxnreg=168)]}
 
 
 def b7_bytes(p) -> int:

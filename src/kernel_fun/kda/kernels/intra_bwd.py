@@ -184,6 +184,34 @@ def _wide_diag_step(jj, q, k, g, beta, dAqk, dAkk, n_t, g_c, pair, o_k, m_k, acc
 
 
 @triton.jit
+def _chunk_sums(q, k, g, beta, dAqk, dAkk, n_t, t, g_c, gm, o_k, m_k,
+                HV: tl.constexpr, BT: tl.constexpr, SK: tl.constexpr, SG: tl.constexpr):
+    """B7's three sums through one anchor for the whole chunk, its middle row gm (the caller
+    checked every factor exp2(+-(g - gm)) within 2^GUARD_SPAN): each role one [BT, BT] x
+    [BT, BK] dot per dA, the factor's other half applied once after."""
+    m_t = t < n_t
+    m_tk = m_t[:, None] & m_k[None, :]
+    up = tl.exp2(tl.where(m_tk, gm[None, :] - g_c, float("-inf")))  # exp2(gm - g): <= 1 before the middle row
+    down = tl.exp2(tl.where(m_tk, g_c - gm[None, :], float("-inf")))
+    k_c = tl.load(k + t[:, None] * SK + o_k[None, :], mask=m_tk, other=0).to(tl.float32)
+    q_c = tl.load(q + t[:, None] * SK + o_k[None, :], mask=m_tk, other=0).to(tl.float32)
+    b_c = tl.load(beta + t * HV, mask=m_t, other=0).to(tl.float32)
+    m_2 = m_t[:, None] & m_t[None, :]
+    lower = m_2 & (t[:, None] >= t[None, :])
+    strict = m_2 & (t[:, None] > t[None, :])
+    p_A = t[:, None] * (HV * BT) + t[None, :]
+    kx = k_c * up
+    acc_q = down * _dot(tl.load(dAqk + p_A, mask=lower, other=0), kx)
+    acc_kr = down * _dot(tl.load(dAkk + p_A, mask=strict, other=0), kx)
+    p_At = t[None, :] * (HV * BT) + t[:, None]  # [s, r]
+    lower_t = m_2 & (t[None, :] >= t[:, None])
+    strict_t = m_2 & (t[None, :] > t[:, None])
+    acc_c = up * (_dot(tl.load(dAqk + p_At, mask=lower_t, other=0), q_c * down)
+                  + _dot(tl.load(dAkk + p_At, mask=strict_t, other=0), (b_c[:, None] * k_c) * down))
+    return acc_q, acc_kr, acc_c
+
+
+@triton.jit
 def _span(g, st, n_t, o_k, m_k, SG: tl.constexpr, BC: tl.constexpr, PAIRWISE: tl.constexpr):
     """Block st's gate span in this K slice: its first row minus its last, the largest over
     the channels (log2 units; inf with PAIRWISE, which sends every block pairwise)."""
@@ -201,7 +229,7 @@ def intra_bwd_wide_kernel(
     g_raw, A_log, dt_bias, dA_part, dbias_part, lower_bound,
     cu_seqlens, chunk_indices, T, NT_ROWS, NT_ALL,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    BK: tl.constexpr, IS_VARLEN: tl.constexpr, PAIRWISE: tl.constexpr,
+    BK: tl.constexpr, IS_VARLEN: tl.constexpr, PAIRWISE: tl.constexpr, CHUNK_ANCHOR: tl.constexpr,
     TAIL: tl.constexpr, HAS_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
 ):
     """B7 on one (K slice, chunk, head), the chunk as one [BT, BK] tile per output; with
@@ -241,34 +269,45 @@ def intra_bwd_wide_kernel(
     s3 = _span(g, 3 * BC, n_t, o_k, m_k, SG, BC, PAIRWISE)
     d0, d1, d2, d3 = s0 <= GUARD_SPAN, s1 <= GUARD_SPAN, s2 <= GUARD_SPAN, s3 <= GUARD_SPAN
 
-    acc_q = tl.zeros([BT, BK], dtype=tl.float32)
-    acc_kr = tl.zeros([BT, BK], dtype=tl.float32)
-    acc_c = tl.zeros([BT, BK], dtype=tl.float32)
-    # row role: column block j's columns for rows from j's own block (guard passed) or the next
-    acc_q, acc_kr = _wide_rows(dAqk, dAkk, k, g, 0, tl.where(d0, 0, BC), n_t, o_k, m_k, g_c, acc_q, acc_kr,
-                               HV, BT, BC, SK, SG)
-    acc_q, acc_kr = _wide_rows(dAqk, dAkk, k, g, BC, tl.where(d1, BC, 2 * BC), n_t, o_k, m_k, g_c, acc_q, acc_kr,
-                               HV, BT, BC, SK, SG)
-    acc_q, acc_kr = _wide_rows(dAqk, dAkk, k, g, 2 * BC, tl.where(d2, 2 * BC, 3 * BC), n_t, o_k, m_k, g_c, acc_q,
-                               acc_kr, HV, BT, BC, SK, SG)
-    if d3:
-        acc_q, acc_kr = _wide_rows(dAqk, dAkk, k, g, 3 * BC, 3 * BC, n_t, o_k, m_k, g_c, acc_q, acc_kr,
+    if CHUNK_ANCHOR:
+        # one anchor for the whole chunk (its middle row) where every factor of the slice
+        # stays within 2^GUARD_SPAN; the per-block sums below otherwise
+        gm = _row(g, tl.minimum(BT // 2, n_t) - 1, SG, 0 < n_t, o_k, m_k)
+        whole = tl.maximum(tl.max(_row(g, 0, SG, 0 < n_t, o_k, m_k) - gm, axis=0),
+                           tl.max(gm - _row(g, n_t - 1, SG, 0 < n_t, o_k, m_k), axis=0)) <= GUARD_SPAN
+    else:
+        whole: tl.constexpr = False
+    if whole:
+        acc_q, acc_kr, acc_c = _chunk_sums(q, k, g, beta, dAqk, dAkk, n_t, t, g_c, gm, o_k, m_k, HV, BT, SK, SG)
+    else:
+        acc_q = tl.zeros([BT, BK], dtype=tl.float32)
+        acc_kr = tl.zeros([BT, BK], dtype=tl.float32)
+        acc_c = tl.zeros([BT, BK], dtype=tl.float32)
+        # row role: column block j's columns for rows from j's own block (guard passed) or the next
+        acc_q, acc_kr = _wide_rows(dAqk, dAkk, k, g, 0, tl.where(d0, 0, BC), n_t, o_k, m_k, g_c, acc_q, acc_kr,
                                    HV, BT, BC, SK, SG)
-    # column role: row block i's rows for columns up to i's own block (guard passed) or before it
-    acc_c = _wide_cols(dAqk, dAkk, q, k, g, beta, BC, tl.where(d1, 2 * BC, BC), n_t, o_k, m_k, g_c, acc_c,
-                       HV, BT, BC, SK, SG)
-    acc_c = _wide_cols(dAqk, dAkk, q, k, g, beta, 2 * BC, tl.where(d2, 3 * BC, 2 * BC), n_t, o_k, m_k, g_c, acc_c,
-                       HV, BT, BC, SK, SG)
-    acc_c = _wide_cols(dAqk, dAkk, q, k, g, beta, 3 * BC, tl.where(d3, 4 * BC, 3 * BC), n_t, o_k, m_k, g_c, acc_c,
-                       HV, BT, BC, SK, SG)
-    if d0:
-        acc_c = _wide_cols(dAqk, dAkk, q, k, g, beta, 0, BC, n_t, o_k, m_k, g_c, acc_c, HV, BT, BC, SK, SG)
-    if tl.maximum(tl.maximum(s0, s1), tl.maximum(s2, s3)) > GUARD_SPAN:
-        blk = t // BC
-        pair = tl.where(blk == 0, s0, tl.where(blk == 1, s1, tl.where(blk == 2, s2, s3))) > GUARD_SPAN
-        for jj in range(0, BC):
-            acc_q, acc_kr, acc_c = _wide_diag_step(jj, q, k, g, beta, dAqk, dAkk, n_t, g_c, pair, o_k, m_k,
-                                                   acc_q, acc_kr, acc_c, HV, BT, BC, SK, SG)
+        acc_q, acc_kr = _wide_rows(dAqk, dAkk, k, g, BC, tl.where(d1, BC, 2 * BC), n_t, o_k, m_k, g_c, acc_q, acc_kr,
+                                   HV, BT, BC, SK, SG)
+        acc_q, acc_kr = _wide_rows(dAqk, dAkk, k, g, 2 * BC, tl.where(d2, 2 * BC, 3 * BC), n_t, o_k, m_k, g_c, acc_q,
+                                   acc_kr, HV, BT, BC, SK, SG)
+        if d3:
+            acc_q, acc_kr = _wide_rows(dAqk, dAkk, k, g, 3 * BC, 3 * BC, n_t, o_k, m_k, g_c, acc_q, acc_kr,
+                                       HV, BT, BC, SK, SG)
+        # column role: row block i's rows for columns up to i's own block (guard passed) or before it
+        acc_c = _wide_cols(dAqk, dAkk, q, k, g, beta, BC, tl.where(d1, 2 * BC, BC), n_t, o_k, m_k, g_c, acc_c,
+                           HV, BT, BC, SK, SG)
+        acc_c = _wide_cols(dAqk, dAkk, q, k, g, beta, 2 * BC, tl.where(d2, 3 * BC, 2 * BC), n_t, o_k, m_k, g_c, acc_c,
+                           HV, BT, BC, SK, SG)
+        acc_c = _wide_cols(dAqk, dAkk, q, k, g, beta, 3 * BC, tl.where(d3, 4 * BC, 3 * BC), n_t, o_k, m_k, g_c, acc_c,
+                           HV, BT, BC, SK, SG)
+        if d0:
+            acc_c = _wide_cols(dAqk, dAkk, q, k, g, beta, 0, BC, n_t, o_k, m_k, g_c, acc_c, HV, BT, BC, SK, SG)
+        if tl.maximum(tl.maximum(s0, s1), tl.maximum(s2, s3)) > GUARD_SPAN:
+            blk = t // BC
+            pair = tl.where(blk == 0, s0, tl.where(blk == 1, s1, tl.where(blk == 2, s2, s3))) > GUARD_SPAN
+            for jj in range(0, BC):
+                acc_q, acc_kr, acc_c = _wide_diag_step(jj, q, k, g, beta, dAqk, dAkk, n_t, g_c, pair, o_k, m_k,
+                                                       acc_q, acc_kr, acc_c, HV, BT, BC, SK, SG)
 
     # outputs: db's partial for this K slice; dq, dk, dg (input + intra part)
     p = off + t[:, None] * SG + o_k[None, :]
@@ -302,8 +341,10 @@ def intra_bwd_wide_kernel(
 # prod8192_gate: BK=16 17.6 ms, 8 warps 21.3, against 11.2 here.
 DEFAULT_CONFIG = dict(BK=32, num_warps=4, num_stages=1)
 # ``wide`` takes each block's diagonal through its anchor where the guard allows it;
-# ``wide-pairwise`` takes every diagonal pairwise (the guard's other path, for tests).
-DESIGNS = ("wide", "wide-pairwise")
+# ``wide-pairwise`` takes every diagonal pairwise (the guard's other path, for tests);
+# ``wide-chunk`` takes a K slice of the chunk through its middle row where the gate allows
+# (one dot per role and dA), the wide form elsewhere: built, not yet measured.
+DESIGNS = ("wide", "wide-pairwise", "wide-chunk")
 
 
 def _launch_args(design, tensors: dict, chunk_size, cu_seqlens, chunk_indices, BK, num_warps, num_stages,
@@ -324,7 +365,7 @@ def _launch_args(design, tensors: dict, chunk_size, cu_seqlens, chunk_indices, B
         dk=tensors["dk"], dg=tensors["dg"], dq2=dq2, dk2=torch.empty_like(dq2), dg2=torch.empty_like(dq2),
         cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, T=T, H=H, HV=HV, K=K, BT=chunk_size, BC=BC,
         BK=BK or min(cfg["BK"], triton.next_power_of_2(K)), IS_VARLEN=cu_seqlens is not None,
-        PAIRWISE=design == "wide-pairwise",
+        PAIRWISE=design == "wide-pairwise", CHUNK_ANCHOR=design == "wide-chunk",
         num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"],
         **({"maxnreg": maxnreg} if maxnreg else {}))
 
