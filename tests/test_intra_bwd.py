@@ -235,8 +235,7 @@ def test_tail_matches_the_float64_stages(p):
     b7, b9 = tail_inputs(p)
     want = exact_tail(b7, b9)
     gate = {} if b9 is None else {n: b9[n] for n in ("g", "A_log", "dt_bias", "lower_bound")}
-    designs = intra_bwd.DESIGNS
-    for design in designs:
+    for design in intra_bwd.DESIGNS:
         dq, dk, db, dg, dA_log, ddt_bias = intra_bwd.intra_bwd_tail(**b7, **gate, design=design)
         alone = intra_bwd.intra_bwd(**b7, design=design)
         assert all(torch.equal(a, b) for a, b in zip((dq, dk, db), alone[:3])), design

@@ -131,20 +131,3 @@ def test_cli_needs_a_gpu(capsys):
     if torch.cuda.is_available():
         pytest.skip("the harness runs for real on a GPU")
     assert rel.main(["--parts", "extreme"]) == 2
-
-
-@needs_interpreter
-def test_a_candidate_design_is_captured_and_run_by_the_child(tmp_path, capsys, monkeypatch):
-    """--candidate B7-B9=...: the unit runs in the chain, its inputs are captured and the
-    child (which registers the same candidate) runs it."""
-    from conftest import register_for_test
-    from kernel_fun.kda.kernels import intra_bwd
-
-    register_for_test(monkeypatch, "B7-B9", *intra_bwd.candidate("B7-B9", "wide-pairwise"))
-    shapes = rel.SANITIZE_SHAPES[:1]
-    captured = rel.capture_inputs(shapes, device="cpu")
-    assert [c["stage"] for c in captured] == ["B6", "B7-B9"]
-    path = tmp_path / "captured.pt"
-    torch.save(captured, path)
-    rel.run_captured(path, planted=False, device="cpu")
-    assert "ran B7-B9 " in capsys.readouterr().out

@@ -341,7 +341,7 @@ def beta_sigmoid_bwd(beta: torch.Tensor, db: torch.Tensor, scale: float) -> torc
 # F2 / B1 / B8: chunk-local cumulative sums --------------------------------------------------
 def _chunk_cumsum_dense(x: torch.Tensor, reverse: bool, BT: int) -> torch.Tensor:
     T = x.shape[1]
-    c = to_chunks(x.float(), BT)
+    c = to_chunks(x if x.dtype == torch.float64 else x.float(), BT)  # float64 stays float64 (the exact stages)
     c = c.flip(3).cumsum(3).flip(3) if reverse else c.cumsum(3)
     return from_chunks(c, T)
 
@@ -352,7 +352,8 @@ def chunk_cumsum(
     chunk_size: int = CHUNK,
     cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Inclusive cumsum within each chunk (reversed: from the chunk's end), float32."""
+    """Inclusive cumsum within each chunk (reversed: from the chunk's end), float32 (float64
+    for a float64 input)."""
     if cu_seqlens is not None:
         return per_sequence(
             _chunk_cumsum_dense, cu_seqlens, dict(x=x, reverse=reverse, BT=chunk_size),
@@ -792,7 +793,6 @@ def intra_bwd_tail(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size: int =
     if A_log is None:
         return dq, dk, db, dy, None, None
     if exact:
-        dy = dy.double()
         g, A_log = g.double(), A_log.double()
         dt_bias = dt_bias.double() if dt_bias is not None else None
     return (dq, dk, db) + gate_bwd(g, A_log, dt_bias, dy, lower_bound)
