@@ -195,6 +195,13 @@ def test_guard_takes_each_path_where_it_should():
     assert not all(torch.equal(a, b) for a, b in zip(intra_bwd.intra_bwd(**inputs, design="wide-chunk"),
                                                       intra_bwd.intra_bwd(**inputs, design="wide")))
     assert all(torch.equal(a, b) for a, b in zip(intra_bwd.intra_bwd(**saturated, design="wide-chunk"), anchored))
+    # wide-split: the same programs' sums in two launches (chunk-anchored, then the rest), so
+    # bit for bit wide-chunk's, here with one head of each kind (head 1's weak gate: the
+    # chunk anchor)
+    mixed = dict(inputs, gc=torch.cat([saturated["gc"][:, :, :1], inputs["gc"][:, :, 1:]], dim=2))
+    split = intra_bwd.intra_bwd(**mixed, design="wide-split")
+    assert all(torch.equal(a, b) for a, b in zip(split, intra_bwd.intra_bwd(**mixed, design="wide-chunk")))
+    assert not all(torch.equal(a, b) for a, b in zip(split, intra_bwd.intra_bwd(**mixed, design="wide")))
 
 
 # --------------------------------------------------------------------------------------

@@ -19,11 +19,11 @@ import torch
 
 from kernel_fun.bench.stage import StageBench, main as _stage_main, qk_and_gate
 
-# The configs worth timing (the note at intra_bwd.DEFAULT_CONFIG): the default, the
-# pairwise diagonal everywhere (the guard's other path: what a saturated gate costs), and
-# the whole-chunk anchor (not yet measured).
+# The configs worth timing (the note at intra_bwd.DEFAULT_CONFIG): the per-block anchors,
+# the pairwise diagonal everywhere (the guard's other path: what a saturated gate costs),
+# the whole-chunk anchor, and the same in two launches.
 _B = dict(BK=32, num_warps=4, num_stages=1)
-SWEEP = {"wide": [_B], "wide-pairwise": [_B], "wide-chunk": [_B, dict(_B, maxnreg=168)]}
+SWEEP = {"wide": [_B], "wide-pairwise": [_B], "wide-chunk": [_B], "wide-split": [_B]}
 
 
 def b7_bytes(p) -> int:

@@ -230,7 +230,7 @@ def intra_bwd_wide_kernel(
     cu_seqlens, chunk_indices, T, NT_ROWS, NT_ALL,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BK: tl.constexpr, IS_VARLEN: tl.constexpr, PAIRWISE: tl.constexpr, CHUNK_ANCHOR: tl.constexpr,
-    TAIL: tl.constexpr, HAS_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
+    TAIL: tl.constexpr, HAS_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr, SPLIT: tl.constexpr = 0,
 ):
     """B7 on one (K slice, chunk, head), the chunk as one [BT, BK] tile per output; with
     TAIL 1 also B8 (dg reverse-cumsummed within the chunk, fp32, into dg2), with TAIL 2 also
@@ -275,9 +275,18 @@ def intra_bwd_wide_kernel(
         gm = _row(g, tl.minimum(BT // 2, n_t) - 1, SG, 0 < n_t, o_k, m_k)
         whole = tl.maximum(tl.max(_row(g, 0, SG, 0 < n_t, o_k, m_k) - gm, axis=0),
                            tl.max(gm - _row(g, n_t - 1, SG, 0 < n_t, o_k, m_k), axis=0)) <= GUARD_SPAN
+        # SPLIT 1: this launch takes only the programs the chunk anchor reaches, SPLIT 2 the others
+        if SPLIT == 1:
+            if not whole:
+                return
+        if SPLIT == 2:
+            if whole:
+                return
     else:
         whole: tl.constexpr = False
-    if whole:
+    if SPLIT == 1:
+        acc_q, acc_kr, acc_c = _chunk_sums(q, k, g, beta, dAqk, dAkk, n_t, t, g_c, gm, o_k, m_k, HV, BT, SK, SG)
+    elif whole and SPLIT == 0:
         acc_q, acc_kr, acc_c = _chunk_sums(q, k, g, beta, dAqk, dAkk, n_t, t, g_c, gm, o_k, m_k, HV, BT, SK, SG)
     else:
         acc_q = tl.zeros([BT, BK], dtype=tl.float32)
@@ -344,7 +353,7 @@ DEFAULT_CONFIG = dict(BK=32, num_warps=4, num_stages=1)
 # ``wide-pairwise`` takes every diagonal pairwise (the guard's other path, for tests);
 # ``wide-chunk`` takes a K slice of the chunk through its middle row where the gate allows
 # (one dot per role and dA), the wide form elsewhere: built, not yet measured.
-DESIGNS = ("wide", "wide-pairwise", "wide-chunk")
+DESIGNS = ("wide", "wide-pairwise", "wide-chunk", "wide-split")
 
 
 def _launch_args(design, tensors: dict, chunk_size, cu_seqlens, chunk_indices, BK, num_warps, num_stages,
@@ -365,7 +374,8 @@ def _launch_args(design, tensors: dict, chunk_size, cu_seqlens, chunk_indices, B
         dk=tensors["dk"], dg=tensors["dg"], dq2=dq2, dk2=torch.empty_like(dq2), dg2=torch.empty_like(dq2),
         cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, T=T, H=H, HV=HV, K=K, BT=chunk_size, BC=BC,
         BK=BK or min(cfg["BK"], triton.next_power_of_2(K)), IS_VARLEN=cu_seqlens is not None,
-        PAIRWISE=design == "wide-pairwise", CHUNK_ANCHOR=design == "wide-chunk",
+        PAIRWISE=design == "wide-pairwise", CHUNK_ANCHOR=design in ("wide-chunk", "wide-split"),
+        SPLIT=-1 if design == "wide-split" else 0,
         num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"],
         **({"maxnreg": maxnreg} if maxnreg else {}))
 
@@ -418,11 +428,13 @@ def _launch(args: dict, db, tail: int = 0, gate: dict | None = None):
         args["dg2"] = torch.empty(B, T, HV, K, device=dev, dtype=g_raw.dtype)
         dA_part = torch.empty(NK, NT_ALL, HV, device=dev, dtype=torch.float32)
         dbias_part = torch.empty(NT_ALL, HV, K, device=dev, dtype=torch.float32) if dt_bias is not None else None
-    intra_bwd_wide_kernel[(NK, NT, B * HV)](
-        **args, db_part=db_part, NT_ROWS=B * T * HV, NT_ALL=NT_ALL,
-        g_raw=g_raw, A_log=A_log, dt_bias=dt_bias, dA_part=dA_part, dbias_part=dbias_part,
-        lower_bound=0.0 if lower_bound is None else float(lower_bound), TAIL=tail, HAS_BIAS=dt_bias is not None,
-        USE_LOWER_BOUND=lower_bound is not None)
+    split = args.pop("SPLIT")
+    for part in (1, 2) if split < 0 else (split,):  # wide-split: the chunk-anchored programs, then the others
+        intra_bwd_wide_kernel[(NK, NT, B * HV)](
+            **args, SPLIT=part, db_part=db_part, NT_ROWS=B * T * HV, NT_ALL=NT_ALL,
+            g_raw=g_raw, A_log=A_log, dt_bias=dt_bias, dA_part=dA_part, dbias_part=dbias_part,
+            lower_bound=0.0 if lower_bound is None else float(lower_bound), TAIL=tail, HAS_BIAS=dt_bias is not None,
+            USE_LOWER_BOUND=lower_bound is not None)
     db2 = db.float() + (db_part[0] if NK == 1 else db_part.sum(0))
     dA_log = ddt_bias = None
     if tail == 2:
