@@ -142,7 +142,7 @@ def b7_report(K: int, H: int, HV: int, BK: int, num_warps: int, num_stages: int,
     if tail == 2:
         types.update(gate, dg2=_PTR[dtype])
     constexprs = dict(cu_seqlens=None, chunk_indices=None, H=H, HV=HV, K=K, BT=64, BC=intra_bwd.BC, BK=BK,
-                      IS_VARLEN=False, PAIRWISE=design == "wide-pairwise", CHUNK_ANCHOR=design.startswith("wide-chunk") or design.startswith("wide-split"), SPLIT={"wide-split1": 1, "wide-split2": 2}.get(design, 0), TAIL=tail, HAS_BIAS=tail == 2, USE_LOWER_BOUND=False,
+                      IS_VARLEN=False, PAIRWISE=design == "wide-pairwise", CHUNK_ANCHOR=design == "wide-chunk", TAIL=tail, HAS_BIAS=tail == 2, USE_LOWER_BOUND=False,
                       **({} if tail == 2 else dict.fromkeys(gate)))
     return compile_sm90(intra_bwd.intra_bwd_wide_kernel, types, constexprs, num_warps, num_stages, maxnreg)
 
@@ -170,7 +170,7 @@ def main(argv=None):
                        BV=BV,
                        **({"switches": json.loads(args.extra)} if args.extra != "{}" else {}))
             try:
-                if design in intra_bwd.DESIGNS or design.startswith("wide-split"):  # B7: --BV is its K slice
+                if design in intra_bwd.DESIGNS:  # B7: --BV is its K slice
                     row.update(b7_report(args.K, args.H, args.HV, BV, warps, stages, design=design, maxnreg=args.maxnreg,
                                          tail=args.tail))
                 else:

@@ -2,7 +2,6 @@
 configs worth timing, and its parity bars.
 
 ``python -m kernel_fun.bench.stage --stage B7 --shapes prod8192_gate,prod8192_layer_safe --configs sweep``
-(at safe_gate shapes the chain keeps fla's B7, faster there)
 
 B7's inputs are random, of the magnitudes a real chain gives: unit q/k rows, a Kimi-style
 gate cumsum, beta in (0, 1), fp32 dAqk/dAkk with B6's zeros (dAqk above the diagonal, dAkk
@@ -19,11 +18,11 @@ import torch
 
 from kernel_fun.bench.stage import StageBench, main as _stage_main, qk_and_gate
 
-# The configs worth timing (the note at intra_bwd.DEFAULT_CONFIG): the per-block anchors,
-# the pairwise diagonal everywhere (the guard's other path: what a saturated gate costs),
-# the whole-chunk anchor, and the same in two launches.
+# The configs worth timing (the note at intra_bwd.DEFAULT_CONFIG): the default (the
+# whole-chunk anchor where the gate allows), the per-block anchors only, and the pairwise
+# diagonal everywhere (the guard's other path: what a saturated gate costs).
 _B = dict(BK=32, num_warps=4, num_stages=1)
-SWEEP = {"wide": [_B], "wide-pairwise": [_B], "wide-chunk": [_B], "wide-split": [_B]}
+SWEEP = {"wide-chunk": [_B], "wide": [_B], "wide-pairwise": [_B]}
 
 
 def b7_bytes(p) -> int:
@@ -87,13 +86,8 @@ def _misses(vs_exact, fla_exact, vs_fla):
     return b7_misses(vs_exact, fla_exact, vs_fla)
 
 
-def _declines(p) -> str | None:
-    """Why the chain keeps fla's B7 at this shape (the registered supports' rule)."""
-    return "safe_gate" if p.safe_gate else None
-
-
 BENCH = StageBench(stage="B7", make_inputs=make_inputs, bytes=b7_bytes, fla=_fla, exact=_exact, ours=_ours,
-                   launch_config=_launch_config, misses=_misses, sweep=SWEEP, designs=("wide",), declines=_declines)
+                   launch_config=_launch_config, misses=_misses, sweep=SWEEP, designs=("wide-chunk",))
 
 
 def main(argv=None) -> int:

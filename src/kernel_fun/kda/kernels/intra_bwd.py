@@ -15,34 +15,38 @@ j's last row e_j (exp2(g_r - e_j) <= 1 for later rows, exp2(e_j - g_s) <= 1), th
 role of row block i through i's first row a_i. Inside a block the same anchor gives factors
 up to 2^span (span: the block's first row minus its last, per channel).
 
-This design (the wide form): one program per (K slice of 32 channels, chunk, head), 4
-warps, the chunk as one [64, 32] tile per output. Each role is four [64, 16] x [16, 32]
-dots (wgmma), one per 16-row block: dA's 16 columns of block j (row role) or 16 rows of
-block i, transposed (column role), against that block's k (or q and beta k) times its
-anchor factor, then times the other half of the factor over the whole chunk. A block whose
-span in the slice is within GUARD_SPAN (2^64: every factor far inside fp32's normal range)
-takes its own diagonal in the same dots; one past it takes its diagonal pairwise on CUDA
-cores (16 steps, one exp2(g_r - g_s) <= 1 per pair and role), so any gate is exact. The
-dots are tf32x3. db is summed over the K slices' partials in slice order; with the tail,
-dg's reverse cumsum runs over the chunk tile in registers and B9 writes the raw gate's
-gradient, with dA_log's and dt_bias's per-chunk partials summed in order (no atomics).
+This design (wide-chunk): one program per (K slice of 32 channels, chunk, head), 4 warps,
+the chunk as one [64, 32] tile per output. Where every factor of the slice taken through
+the chunk's middle row m stays within 2^GUARD_SPAN (2^64: far inside fp32's normal
+range), each role is one [64, 64] x [64, 32] dot (wgmma) per dA: dA (or its transpose)
+against k (or q and beta k) times exp2(g_m - g_s), then times exp2(g_r - g_m) once. Where
+the gate is steeper, the wide form: each role four [64, 16] x [16, 32] dots, one per
+16-row block through the block's last row (row role) or first row (column role), both
+halves one-sided; a block whose own span passes the guard takes its diagonal pairwise on
+CUDA cores (16 steps, one exp2(g_r - g_s) <= 1 per pair and role). So any gate is exact.
+The dots are tf32x3. db is summed over the K slices' partials in slice order; with the
+tail, dg's reverse cumsum runs over the chunk tile in registers and B9 writes the raw
+gate's gradient, with dA_log's and dt_bias's per-chunk partials summed in order (no
+atomics). The chunk anchor reaches 52% of the programs at the bench's Kimi-style gate
+(prod8192_gate), 100% at a lower-bounded one (safe_gate).
 
 Numerics: fp32 throughout, the dots in tf32x3: 2.6e-8 relative RMS of the float64 stage
 at prod8192_gate, where fla's (tf32 off the diagonal) is 1.3e-5; the same dots in tf32
 measured 35% further from float64 than fla's there. Outputs are fresh tensors (input +
 intra part): no output is read back, so relaunching is idempotent.
 
-Falls back (``supports``): chunk size other than 64; safe_gate, where fla's B7 (its tf32
-anchored diagonal) measured 7.94 ms against this kernel's 10.89.
+Falls back (``supports``): chunk size other than 64. No CTA floor: it measured faster than
+fla's B7 down to grid64 (B1 T256 H16: 0.135 ms against 0.212).
 
-Measured (H200, bench/results/stages.jsonl; docs/log/b7.md has every round): 11.22 ms at
-prod8192_gate against fla's 14.89 (1.33x), 4.9x the memory floor; as the B7-B9 unit in the
-whole op 13.25 ms against fla's three stages' 16.4 (chunk_kda.jsonl at 1a50450: the tail
-adds 31% to the instruction stream). What the time is
-(Nsight Compute): 2 programs an SM (255 registers), L1 the busiest unit (56%), 7.2 cycles
-between a warp's instructions, ~40% of them waiting on loads, DRAM at 15%: every dot's
-operands pass through shared memory and each K slice reads the chunk's dA tiles again.
-Resources (sm_90a, K=128): 255 registers, 28 B of spills.
+Measured (H200, bench/results/stages.jsonl at 7dd7650; docs/log/b7.md has every round):
+8.69 ms at prod8192_gate against fla's 15.11 (1.74x; the per-block form alone 11.17),
+7.29 at prod8192_layer_safe against 8.12, kimi 10.11/15.30, b8 4.77/7.74, small
+1.49/2.21, grid1024 0.41/0.73. As the B7-B9 unit in the whole op 11.80 ms against fla's
+three stages' 16.38 (chunk_kda.jsonl at 155bba4). What the time is (Nsight Compute at
+prod8192_layer_safe, every program on the chunk anchor): 2 programs an SM (255 registers:
+12.5% occupancy), 3,400 instructions a warp issued every 6.8 cycles, 37% of that waiting
+on L1; L1 66% busy, DRAM 23%. Resources (sm_90a, K=128): 255 registers, 104 B of spills
+(K=64: 96).
 """
 
 from __future__ import annotations
@@ -230,7 +234,7 @@ def intra_bwd_wide_kernel(
     cu_seqlens, chunk_indices, T, NT_ROWS, NT_ALL,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BK: tl.constexpr, IS_VARLEN: tl.constexpr, PAIRWISE: tl.constexpr, CHUNK_ANCHOR: tl.constexpr,
-    TAIL: tl.constexpr, HAS_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr, SPLIT: tl.constexpr = 0,
+    TAIL: tl.constexpr, HAS_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
 ):
     """B7 on one (K slice, chunk, head), the chunk as one [BT, BK] tile per output; with
     TAIL 1 also B8 (dg reverse-cumsummed within the chunk, fp32, into dg2), with TAIL 2 also
@@ -275,18 +279,9 @@ def intra_bwd_wide_kernel(
         gm = _row(g, tl.minimum(BT // 2, n_t) - 1, SG, 0 < n_t, o_k, m_k)
         whole = tl.maximum(tl.max(_row(g, 0, SG, 0 < n_t, o_k, m_k) - gm, axis=0),
                            tl.max(gm - _row(g, n_t - 1, SG, 0 < n_t, o_k, m_k), axis=0)) <= GUARD_SPAN
-        # SPLIT 1: this launch takes only the programs the chunk anchor reaches, SPLIT 2 the others
-        if SPLIT == 1:
-            if not whole:
-                return
-        if SPLIT == 2:
-            if whole:
-                return
     else:
         whole: tl.constexpr = False
-    if SPLIT == 1:
-        acc_q, acc_kr, acc_c = _chunk_sums(q, k, g, beta, dAqk, dAkk, n_t, t, g_c, gm, o_k, m_k, HV, BT, SK, SG)
-    elif whole and SPLIT == 0:
+    if whole:
         acc_q, acc_kr, acc_c = _chunk_sums(q, k, g, beta, dAqk, dAkk, n_t, t, g_c, gm, o_k, m_k, HV, BT, SK, SG)
     else:
         acc_q = tl.zeros([BT, BK], dtype=tl.float32)
@@ -345,15 +340,15 @@ def intra_bwd_wide_kernel(
             tl.store(dA_part + (i_k * NT_ALL + i_tg) * HV + i_hv, da)
             tl.store(dbias_part + (i_tg * HV + i_hv) * K + o_k, dbias, mask=m_k)
 
-# Compiled for sm_90a offline (``python -m tools.compile_report --design wide --BV 32
-# --warps 4 --stages 1``, K=128, H=HV=16): 255 registers, 28 B of spills. Measured at
-# prod8192_gate: BK=16 17.6 ms, 8 warps 21.3, against 11.2 here.
+# Compiled for sm_90a offline (``python -m tools.compile_report --design wide-chunk --BV 32
+# --warps 4 --stages 1``, K=128, H=HV=16): 255 registers, 104 B of spills. Measured at
+# prod8192_gate: the wide form at BK=16 17.6 ms, at 8 warps 21.3, against 11.2 at this
+# config; wide-chunk under maxnreg=168 8.89 against 8.55.
 DEFAULT_CONFIG = dict(BK=32, num_warps=4, num_stages=1)
-# ``wide`` takes each block's diagonal through its anchor where the guard allows it;
-# ``wide-pairwise`` takes every diagonal pairwise (the guard's other path, for tests);
-# ``wide-chunk`` takes a K slice of the chunk through its middle row where the gate allows
-# (one dot per role and dA), the wide form elsewhere: built, not yet measured.
-DESIGNS = ("wide", "wide-pairwise", "wide-chunk", "wide-split")
+# ``wide-chunk`` (the default) takes a K slice of the chunk through its middle row where the
+# gate allows, the per-block anchors elsewhere; ``wide`` only the per-block anchors;
+# ``wide-pairwise`` takes every diagonal pairwise (the guard's other path, for tests).
+DESIGNS = ("wide", "wide-pairwise", "wide-chunk")
 
 
 def _launch_args(design, tensors: dict, chunk_size, cu_seqlens, chunk_indices, BK, num_warps, num_stages,
@@ -374,8 +369,7 @@ def _launch_args(design, tensors: dict, chunk_size, cu_seqlens, chunk_indices, B
         dk=tensors["dk"], dg=tensors["dg"], dq2=dq2, dk2=torch.empty_like(dq2), dg2=torch.empty_like(dq2),
         cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, T=T, H=H, HV=HV, K=K, BT=chunk_size, BC=BC,
         BK=BK or min(cfg["BK"], triton.next_power_of_2(K)), IS_VARLEN=cu_seqlens is not None,
-        PAIRWISE=design == "wide-pairwise", CHUNK_ANCHOR=design in ("wide-chunk", "wide-split"),
-        SPLIT=-1 if design == "wide-split" else 0,
+        PAIRWISE=design == "wide-pairwise", CHUNK_ANCHOR=design == "wide-chunk",
         num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"],
         **({"maxnreg": maxnreg} if maxnreg else {}))
 
@@ -386,11 +380,10 @@ def _n_chunks(args: dict) -> int:
 
 def intra_bwd(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens, chunk_indices, safe_gate,
               BK: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-              maxnreg: int | None = None, design: str = "wide"):
+              maxnreg: int | None = None, design: str = "wide-chunk"):
     """B7 with fla's contract: returns (dq, dk, db, dg), fp32, at value heads: the inputs
     plus the vector-Jacobian product of Aqk and Akk with dAqk and dAkk. Exact for any gate
-    (``safe_gate`` changes nothing here; ``supports`` leaves safe_gate calls to fla, which
-    is faster there)."""
+    (``safe_gate`` changes nothing here)."""
     tensors = dict(q=q, k=k, gc=gc, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db, dg=dg)
     args = _launch_args(design, tensors, chunk_size, cu_seqlens, chunk_indices, BK, num_warps, num_stages, maxnreg)
     return _launch(args, db)[:4]
@@ -399,7 +392,7 @@ def intra_bwd(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens
 def intra_bwd_tail(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens, chunk_indices, safe_gate,
                    g=None, A_log=None, dt_bias=None, lower_bound=None, BK: int | None = None,
                    num_warps: int | None = None, num_stages: int | None = None, maxnreg: int | None = None,
-                   design: str = "wide"):
+                   design: str = "wide-chunk"):
     """B7 + B8 (+ B9) in one pass: (dq, dk, db, dg, dA_log, ddt_bias). Without ``A_log`` dg
     is B8's (the intra-chunk reverse cumsum of B7's dg, fp32) and the last two are None;
     with it (the gate in the op: ``g`` the raw gate, ``dt_bias`` or None, ``lower_bound``
@@ -428,13 +421,11 @@ def _launch(args: dict, db, tail: int = 0, gate: dict | None = None):
         args["dg2"] = torch.empty(B, T, HV, K, device=dev, dtype=g_raw.dtype)
         dA_part = torch.empty(NK, NT_ALL, HV, device=dev, dtype=torch.float32)
         dbias_part = torch.empty(NT_ALL, HV, K, device=dev, dtype=torch.float32) if dt_bias is not None else None
-    split = args.pop("SPLIT")
-    for part in (1, 2) if split < 0 else (split,):  # wide-split: the chunk-anchored programs, then the others
-        intra_bwd_wide_kernel[(NK, NT, B * HV)](
-            **args, SPLIT=part, db_part=db_part, NT_ROWS=B * T * HV, NT_ALL=NT_ALL,
-            g_raw=g_raw, A_log=A_log, dt_bias=dt_bias, dA_part=dA_part, dbias_part=dbias_part,
-            lower_bound=0.0 if lower_bound is None else float(lower_bound), TAIL=tail, HAS_BIAS=dt_bias is not None,
-            USE_LOWER_BOUND=lower_bound is not None)
+    intra_bwd_wide_kernel[(NK, NT, B * HV)](
+        **args, db_part=db_part, NT_ROWS=B * T * HV, NT_ALL=NT_ALL,
+        g_raw=g_raw, A_log=A_log, dt_bias=dt_bias, dA_part=dA_part, dbias_part=dbias_part,
+        lower_bound=0.0 if lower_bound is None else float(lower_bound), TAIL=tail, HAS_BIAS=dt_bias is not None,
+        USE_LOWER_BOUND=lower_bound is not None)
     db2 = db.float() + (db_part[0] if NK == 1 else db_part.sum(0))
     dA_log = ddt_bias = None
     if tail == 2:
@@ -448,8 +439,6 @@ def supports(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens,
     """None when ``intra_bwd`` takes the call, else why the stage stays on fla."""
     if chunk_size != 64:
         return f"chunk_size={chunk_size} (B7's kernel is built for 64)"
-    if safe_gate:
-        return "safe_gate (fla's B7 measured faster there: 7.94 ms against 10.89 at prod8192_layer_safe)"
     return None
 
 
@@ -472,14 +461,7 @@ def candidate(stage: str, design: str):
     if stage not in units:
         raise ValueError(f"intra_bwd has candidates for {sorted(units)}, not {stage!r}")
     fn, sup = units[stage]
-
-    def sup_candidate(*args, **kwargs):
-        # safe_gate is declined by the shipped design's measurement, not by the kernel: a
-        # candidate is measured there too
-        reason = sup(*args, **kwargs)
-        return reason if reason and not reason.startswith("safe_gate") else None
-
-    return functools.partial(fn, design=design), sup_candidate
+    return functools.partial(fn, design=design), sup
 
 add_impl("B7", "ours", intra_bwd, supports)
 add_impl("B7-B9", "ours", intra_bwd_tail, supports_tail)
