@@ -46,7 +46,6 @@ class StageBench:
     misses: Callable[..., dict]  # (vs_exact, fla_vs_exact, vs_fla) -> the outputs over their bars
     sweep: dict[str, list[dict]]  # design -> configs worth timing
     designs: tuple[str, ...]  # what ships ("pinned": each with its pinned config)
-    declines: Callable[[Problem], str | None] | None = None  # why the chain keeps fla's stage at a shape
 
     def ships(self, row: dict) -> bool:
         """The stage's kernel is registered and the row ran the config the launcher picks
@@ -58,8 +57,6 @@ class StageBench:
         if design not in self.designs or "ours" not in stages()[self.stage].impls:
             return False
         try:
-            if self.declines is not None and self.declines(problem(row["shape"])):
-                return False  # the chain keeps fla's stage at this shape
             picked = self.launch_config(problem(row["shape"]), design, None)
         except (KeyError, ValueError):  # a shape or design the launcher does not know
             return False
