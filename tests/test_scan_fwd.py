@@ -75,7 +75,68 @@ def test_supports():
     f7, f8, _, _ = f7_f8_inputs(SHAPES[0])
     assert scan_fwd.supports(q=f8["q"], chunk_size=64) is None
     assert "chunk_size" in scan_fwd.supports(q=f8["q"], chunk_size=32)
+    assert "[K, V]" in scan_fwd.supports(q=f8["q"], chunk_size=64, state_v_first=True)
 
 
 def test_not_dispatched_yet():
-    assert "ours" not in stages()["F7"].impls and "ours" not in stages()["F8"].impls
+    assert not {"F7", "F8", "F7-F8"} & {name for name, s in stages().items() if "ours" in s.impls}
+
+
+@pytest.mark.parametrize("p", [SHAPES[1], SHAPES[3],
+                               Problem("layer-vfirst", 1, 100, 2, 2, 64, 32, initial_state=True,
+                                       output_final_state=True, state_v_first=True)], ids=lambda p: p.name)
+def test_chain_with_the_unit_against_the_oracle(p, monkeypatch):
+    """With the scan registered as the chain's F7-F8 unit, the record shows the unit in place
+    of F7 and F8, and the forward and every gradient stay within fla's budgets of the
+    float64 recurrence (the backward's stages read what the unit saved and recompute the
+    rest); a [V, K] caller's states reach it in [K, V] (the chain transposes them)."""
+    from conftest import register_for_test
+    from kernel_fun.kda import last_record
+    from kernel_fun.kda.problems import as_oracle_inputs
+
+    register_for_test(monkeypatch, "F7-F8", scan_fwd.scan_output, scan_fwd.supports)
+    kwargs = make_inputs(p, device=DEVICE, seed=12)
+    result = run_fwd_bwd(chunk_kda, kwargs, grid=p.dtype)
+    forward = last_record().forward
+    assert forward["F7-F8"] == "ours" and not {"F7", "F8"} & set(forward), forward
+    oracle = run_fwd_bwd(ref.recurrent_kda, as_oracle_inputs(kwargs), grid=p.dtype)
+    errors = {n: ref.rel_rms(result[n], oracle[n]) for n in oracle if oracle[n] is not None}
+    assert all(errors[n] <= ref.BUDGETS[n] for n in errors), errors
+
+
+def test_the_unit_saves_states_where_the_chain_keeps_them(monkeypatch):
+    """disable_recompute keeps h and v_new for the backward: the unit writes them (its
+    save_states), and every output and gradient is the two stages' (bitwise under the
+    interpreter but for the final state's last bits), with the backward skipping B1-B3."""
+    from conftest import register_for_test
+    from kernel_fun.kda import last_record
+
+    p = SHAPES[0]
+    kwargs = dict(make_inputs(p, device=DEVICE, seed=13), disable_recompute=True)
+    want = run_fwd_bwd(chunk_kda, kwargs, grid=p.dtype)  # F7 and F8 one by one, every other stage the same
+    assert {"F7", "F8"} <= set(last_record().forward)
+    register_for_test(monkeypatch, "F7-F8", scan_fwd.scan_output, scan_fwd.supports)
+    got = run_fwd_bwd(chunk_kda, kwargs, grid=p.dtype)
+    record = last_record()
+    assert record.forward["F7-F8"] == "ours" and "B3" not in record.backward, record
+    errors = {n: ref.rel_rms(got[n], want[n]) for n in want if want[n] is not None}
+    # (the final state's fp32 update sums in another order than the reference's: 4e-8)
+    bars = {n: (1e-7 if n == "final_state" else 0.0) if INTERPRETING else 2e-3 for n in errors}
+    assert all(errors[n] <= bars[n] for n in errors), {n: e for n, e in errors.items() if e}
+
+
+def test_bench_entry_inputs_run_and_count_bytes():
+    from kernel_fun.bench import stage_f7f8
+    from kernel_fun.kda.parity import stage_errors
+    from kernel_fun.kda.problems import problem
+
+    p = Problem("entry", 1, 100, 2, 4, 64, 32, initial_state=True, output_final_state=True)
+    inputs = stage_f7f8.make_inputs(p, DEVICE, seed=1)
+    bench = stage_f7f8.BENCH
+    got = bench.ours(inputs, "scan", bench.launch_config(p, "scan", None))
+    exact = bench.exact(**inputs)
+    errors = stage_errors("F7-F8", got, exact)
+    assert set(errors) == {"o", "final_state"} and all(e <= 5e-3 for e in errors.values()), errors
+    # the bf16 stage against its float64 self: the roundings' error, well inside the budget
+    assert all(e > 0 for e in errors.values()), errors
+    assert abs(stage_f7f8.scan_bytes(problem("prod8192_gate")) / 1e9 - 5.1) < 0.05  # q, kg, w, u, gc, Aqk, o once

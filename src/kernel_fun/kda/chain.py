@@ -25,6 +25,7 @@ F2          gate activation + chunk cumsum (``kda_gate_chunk_cumsum`` / ``chunk_
 F3-F6       intra-chunk Aqk, Akk, their solve, w/u/kg (``chunk_kda_fwd_intra``)
 F7          the state scan (``chunk_gated_delta_rule_fwd_h``)
 F8          the output (``chunk_gla_fwd_o_gk``)
+F7-F8       F7 and F8 as one unit, run in their place when kernel-fun's kernel takes it
 B1          F2 recomputed (gate in the op only)
 B2          w, u, qg, kg recomputed (``recompute_w_u_fwd``)
 B3          F7 recomputed
@@ -175,6 +176,14 @@ def _fla_gate_bwd(g, A_log, dt_bias, dyg, lower_bound):
     return kda_gate_bwd(g=g, A_log=A_log, dt_bias=dt_bias, dyg=dyg, lower_bound=lower_bound)
 
 
+def _fla_scan_output(q, kg, w, u, gc, Aqk, scale, initial_state, output_final_state, save_states, cu_seqlens_cpu,
+                     state_v_first, chunk_size, cu_seqlens, chunk_indices):
+    h, v_new, final_state = _fla_h(kg, w, u, gc, initial_state, output_final_state, chunk_size, cu_seqlens,
+                                   cu_seqlens_cpu, chunk_indices, state_v_first)
+    o = _fla_o(q, v_new, gc, Aqk, h, scale, chunk_size, cu_seqlens, chunk_indices, state_v_first)
+    return (o, final_state) + ((h, v_new) if save_states else (None, None))
+
+
 def _fla_intra_tail(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log, dt_bias, lower_bound,
                     chunk_size, cu_seqlens, chunk_indices):
     dq, dk, db, dg = _fla_intra_bwd(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens,
@@ -226,6 +235,14 @@ def _ref_h(kg, w, u, gc, initial_state, output_final_state, chunk_size, cu_seqle
 
 def _ref_o(q, v_new, gc, Aqk, h, scale, chunk_size, cu_seqlens, chunk_indices, state_v_first):
     return ref.o_fwd(q, v_new, gc, Aqk, h, scale, chunk_size, cu_seqlens, state_v_first)
+
+
+def _ref_scan_output(q, kg, w, u, gc, Aqk, scale, initial_state, output_final_state, save_states, cu_seqlens_cpu,
+                     state_v_first, chunk_size, cu_seqlens, chunk_indices, exact=False):
+    h, v_new, final_state = ref.h_fwd(kg, w, u, gc, initial_state, output_final_state, chunk_size, cu_seqlens,
+                                      state_v_first, exact=exact)
+    o = ref.o_fwd(q, v_new, gc, Aqk, h, scale, chunk_size, cu_seqlens, state_v_first, exact=exact)
+    return (o, final_state) + ((h, v_new) if save_states else (None, None))
 
 
 def _ref_wy(q, k, v, beta, A, gc, chunk_size, cu_seqlens, chunk_indices):
@@ -281,6 +298,12 @@ _stage("F3-F6", ("F3", "F4", "F5", "F6"), "intra scores, solve, w/u/kg",
 _SCAN_IN = f"kg w u gc initial_state output_final_state cu_seqlens_cpu state_v_first {_C}"
 _stage("F7", ("F7",), "state scan", _SCAN_IN, ("h", "v_new", "final_state"), _fla_h, _ref_h)
 _stage("F8", ("F8",), "output", f"q v_new gc Aqk h scale state_v_first {_C}", ("o",), _fla_o, _ref_o)
+# F7 and F8 as one unit (the scan computes o from the state it carries; h and v_new only when
+# saved): run in their place when kernel-fun's kernel for it takes the call; fla's side is
+# fla's two stages in turn.
+_stage("F7-F8", ("F7", "F8"), "state scan with the output (one pass)",
+       f"q kg w u gc Aqk scale initial_state output_final_state save_states cu_seqlens_cpu state_v_first {_C}",
+       ("o", "final_state", "h", "v_new"), _fla_scan_output, _ref_scan_output)
 _stage("B1", ("B1",), "gate + chunk cumsum (recompute)", _GATE_IN, ("gc",), _fla_gate, _ref_gate)
 _stage("B2", ("B2",), "w/u/qg/kg (recompute)", f"q k v beta A gc {_C}", ("w", "u", "qg", "kg"), _fla_wy, _ref_wy)
 _stage("B3", ("B3",), "state scan (recompute)", _SCAN_IN, ("h", "v_new", "final_state"), _fla_h, _ref_h)
@@ -413,14 +436,22 @@ def run_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, opts: Options, 
         "F3-F6", "forward", q=q, k=k, v=v, gc=gc, beta=beta, scale=opts.scale, safe_gate=opts.safe_gate,
         disable_recompute=opts.disable_recompute, **common,
     )
-    h, v_new, final_state = run.run(
-        "F7", "forward", kg=kg, w=w, u=u, gc=gc, initial_state=initial_state,
-        output_final_state=opts.output_final_state, cu_seqlens_cpu=opts.cu_seqlens_cpu, **common, **layout,
-    )
     keep = opts.disable_recompute
-    if not keep:  # freed before F8; fla keeps them only with disable_recompute
-        w = u = kg = qg = None
-    o = run.run("F8", "forward", q=q, v_new=v_new, gc=gc, Aqk=Aqk, h=h, scale=opts.scale, **common, **layout)
+    scan = dict(kg=kg, w=w, u=u, gc=gc, initial_state=initial_state, output_final_state=opts.output_final_state,
+                cu_seqlens_cpu=opts.cu_seqlens_cpu, **common, **layout)
+    unit = dict(q=q, Aqk=Aqk, scale=opts.scale, save_states=keep or opts.return_intermediate_states, **scan)
+    if run.takes_ours("F7-F8", **unit):
+        o, final_state, h, v_new = run.run("F7-F8", "forward", **unit)
+        del unit, scan
+        if not keep:
+            w = u = kg = qg = None
+    else:
+        del unit
+        h, v_new, final_state = run.run("F7", "forward", **scan)
+        del scan
+        if not keep:  # freed before F8; fla keeps them only with disable_recompute
+            w = u = kg = qg = None
+        o = run.run("F8", "forward", q=q, v_new=v_new, gc=gc, Aqk=Aqk, h=h, scale=opts.scale, **common, **layout)
     if not keep:
         v_new = None
         if not opts.return_intermediate_states:

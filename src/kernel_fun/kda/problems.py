@@ -96,6 +96,9 @@ OTHER_SHAPES = {"k64": dict(B=8, T=8192, H=16, HV=16, K=64, V=128),
                 "v64": dict(B=8, T=8192, H=16, HV=16, K=128, V=64),
                 "v32": dict(B=8, T=8192, H=16, HV=16, K=128, V=32),
                 "k64v64": dict(B=8, T=8192, H=16, HV=16, K=64, V=64)}
+# One sequence of 8192 tokens on one head: a scan's 128 dependent chunk steps on as few
+# programs as its V slices, so its time over 128 is the latency of one step.
+OTHER_SHAPES["step8192"] = dict(B=1, T=8192, H=1, HV=1, K=128, V=256)
 STAGE_SHAPES = {name: Problem(name, **dims) for name, dims in {**FLOOR_SHAPES, **OTHER_SHAPES}.items()}
 
 

@@ -463,21 +463,24 @@ def wy_fwd(
 
 
 # F7 / B3: the state scan ----------------------------------------------------------------
-def _h_dense(kg, w, u, gc, initial_state, output_final_state, BT):
+def _h_dense(kg, w, u, gc, initial_state, output_final_state, BT, exact=False):
     B, T, HV, K = kg.shape
     V = u.shape[-1]
-    kgc, wc, uc = (to_chunks(x.float(), BT) for x in (kg, w, u))
-    g_last = _last_rows(to_chunks(gc.float(), BT), T, BT)
+    f = (lambda x: x.double()) if exact else (lambda x: x.float())
+    kgc, wc, uc = (to_chunks(f(x), BT) for x in (kg, w, u))
+    g_last = _last_rows(to_chunks(f(gc), BT), T, BT)
     NT = kgc.shape[2]
-    S = initial_state.float().clone() if initial_state is not None else kgc.new_zeros(B, HV, K, V)
-    h = kg.new_empty(B, NT, HV, K, V)
+    S = f(initial_state).clone() if initial_state is not None else kgc.new_zeros(B, HV, K, V)
+    # fla rounds h and v_new to the input dtype; the exact variant keeps float64 throughout
+    h = kgc.new_empty(B, NT, HV, K, V) if exact else kg.new_empty(B, NT, HV, K, V)
     v_new = []
     for c in range(NT):
-        Sb = S.to(kg.dtype)
+        Sb = S if exact else S.to(kg.dtype)
         h[:, c] = Sb
-        vn = (uc[:, :, c] - wc[:, :, c] @ Sb.float()).to(u.dtype)
+        vn = uc[:, :, c] - wc[:, :, c] @ f(Sb)
+        vn = vn if exact else vn.to(u.dtype)
         v_new.append(vn)
-        S = S * torch.exp2(g_last[:, :, c])[..., None] + kgc[:, :, c].transpose(-1, -2) @ vn.float()
+        S = S * torch.exp2(g_last[:, :, c])[..., None] + kgc[:, :, c].transpose(-1, -2) @ f(vn)
     # (an empty sequence of a packed batch has no chunk: no v_new, and S leaves as it came)
     v_new = from_chunks(torch.stack(v_new, 2), T) if v_new else u.new_empty(B, 0, HV, V)
     return h, v_new, (S if output_final_state else None)
@@ -493,35 +496,41 @@ def h_fwd(
     chunk_size: int = CHUNK,
     cu_seqlens: torch.Tensor | None = None,
     state_v_first: bool = False,
+    exact: bool = False,
 ):
     """F7/B3: per chunk, ``h[c] = S`` (bf16), ``v_new = u - w h[c]``,
     ``S <- exp2(gc_last) S + kg^T v_new``. Returns (h [B,NT,HV,K,V], v_new, final state fp32);
-    with ``state_v_first`` the states (h, the initial and the final) are ``[..., V, K]``."""
+    with ``state_v_first`` the states (h, the initial and the final) are ``[..., V, K]``.
+    ``exact=True`` computes in float64 without fla's roundings of h and v_new and returns
+    float64: the float64 stage."""
     if state_v_first:
-        h, v_new, final = h_fwd(kg, w, u, gc, swap_state(initial_state), output_final_state, chunk_size, cu_seqlens)
+        h, v_new, final = h_fwd(kg, w, u, gc, swap_state(initial_state), output_final_state, chunk_size, cu_seqlens,
+                                exact=exact)
         return swap_state(h), v_new, swap_state(final)
     if cu_seqlens is not None:
         return per_sequence(
             _h_dense, cu_seqlens,
             dict(kg=kg, w=w, u=u, gc=gc, initial_state=initial_state,
-                 output_final_state=output_final_state, BT=chunk_size),
+                 output_final_state=output_final_state, BT=chunk_size, exact=exact),
             {"kg": "token", "w": "token", "u": "token", "gc": "token", "initial_state": "state"},
             ("chunk", "token", "state"), chunk_size,
         )
-    return _h_dense(kg, w, u, gc, initial_state, output_final_state, chunk_size)
+    return _h_dense(kg, w, u, gc, initial_state, output_final_state, chunk_size, exact)
 
 
 # F8: the output --------------------------------------------------------------------------
-def _o_dense(q, v_new, gc, Aqk, h, scale, BT):
+def _o_dense(q, v_new, gc, Aqk, h, scale, BT, exact=False):
     B, T, H, K = q.shape
     HV = v_new.shape[2]
-    qg = (_expand_heads(q, HV).float() * torch.exp2(gc.float())).to(q.dtype)
-    qgc = to_chunks(qg.float(), BT)
-    hc = h.float().movedim(2, 1)  # [B, HV, NT, K, V]
+    f = (lambda x: x.double()) if exact else (lambda x: x.float())
+    r = (lambda x: x) if exact else (lambda x: x.to(q.dtype).float())  # fla's roundings before the dots
+    qgc = to_chunks(r(f(_expand_heads(q, HV)) * torch.exp2(f(gc))), BT)
+    hc = f(h).movedim(2, 1)  # [B, HV, NT, K, V]
     m_incl = _mask_pairs(T, BT, q.device, strict=False)
-    A = torch.where(m_incl, to_chunks(Aqk, BT), 0).to(v_new.dtype).float()
-    o = scale * (qgc @ hc) + A @ to_chunks(v_new.float(), BT)
-    return from_chunks(o, T).to(v_new.dtype)
+    A = torch.where(m_incl, to_chunks(f(Aqk), BT), 0)
+    A = A if exact else A.to(v_new.dtype).float()
+    o = scale * (qgc @ hc) + A @ to_chunks(f(v_new), BT)
+    return from_chunks(o, T) if exact else from_chunks(o, T).to(v_new.dtype)
 
 
 def o_fwd(
@@ -534,17 +543,19 @@ def o_fwd(
     chunk_size: int = CHUNK,
     cu_seqlens: torch.Tensor | None = None,
     state_v_first: bool = False,
+    exact: bool = False,
 ) -> torch.Tensor:
     """F8: ``o = scale (q exp2 gc) h[c] + tril(Aqk) v_new``, in v_new.dtype (h ``[..., V, K]``
-    with ``state_v_first``)."""
+    with ``state_v_first``); ``exact=True``: float64, without fla's roundings."""
     if state_v_first:
         h = swap_state(h)
     if cu_seqlens is not None:
         return per_sequence(
-            _o_dense, cu_seqlens, dict(q=q, v_new=v_new, gc=gc, Aqk=Aqk, h=h, scale=scale, BT=chunk_size),
+            _o_dense, cu_seqlens,
+            dict(q=q, v_new=v_new, gc=gc, Aqk=Aqk, h=h, scale=scale, BT=chunk_size, exact=exact),
             {"q": "token", "v_new": "token", "gc": "token", "Aqk": "token", "h": "chunk"}, ("token",), chunk_size,
         )
-    return _o_dense(q, v_new, gc, Aqk, h, scale, chunk_size)
+    return _o_dense(q, v_new, gc, Aqk, h, scale, chunk_size, exact)
 
 
 # B4: dAqk and the intra-chunk part of dv ------------------------------------------------------

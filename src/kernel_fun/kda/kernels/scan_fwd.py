@@ -146,10 +146,22 @@ def scan_fwd(q, kg, w, u, gc, Aqk, scale, initial_state, output_final_state, chu
     return o, ht, h, v_new
 
 
-def supports(q, chunk_size, **_) -> str | None:
+def scan_output(q, kg, w, u, gc, Aqk, scale, initial_state, output_final_state, save_states, cu_seqlens_cpu,
+                state_v_first, chunk_size, cu_seqlens, chunk_indices, **config):
+    """The chain's F7-F8 unit (fla's two stages' contracts in one): (o, the final state,
+    h and v_new when ``save_states``, else None, None); states in [K, V]."""
+    if state_v_first:
+        raise ValueError("the scan kernel keeps its states in [K, V]; the chain passes them so")
+    return scan_fwd(q, kg, w, u, gc, Aqk, scale, initial_state, output_final_state, chunk_size, cu_seqlens,
+                    save_states=save_states, **config)
+
+
+def supports(q, chunk_size, state_v_first=False, **_) -> str | None:
     """None when ``scan_fwd`` takes the call, else why F7 and F8 stay on fla."""
     if chunk_size != 64:
         return f"chunk_size={chunk_size} (the scan kernel is built for 64)"
     if q.shape[-1] > 256:
         return f"K={q.shape[-1]} > 256"
+    if state_v_first:
+        return "states in [V, K] (the kernel's are [K, V])"
     return None

@@ -1,0 +1,95 @@
+"""The F7-F8 unit's entry in the stage bench (``kernel_fun.bench.stage``): the forward's
+state scan with its output, kernel-fun's one-pass scan (``kda/kernels/scan_fwd.py``)
+against fla's F7 then F8.
+
+``python -m kernel_fun.bench.stage --stage F7-F8 --shapes prod8192_gate,step8192 --configs sweep``
+
+The inputs are the chain's own: one forward through the reference stages (torch, on the
+same device) at the shape, and F7's and F8's inputs taken from it (kg, w, u, gc, q, Aqk,
+the initial state where the problem has one), so w and u are a real WY transform's and the
+state stays bounded. step8192 (one sequence, one head, four programs of 128 dependent
+chunk steps) times the scan's step latency: its time over 128 is the time of one step.
+Parity (``kda.parity.scan_misses``): o and the final state against fla's within 2e-3 and
+against the float64 stage within fla's budget (0.005) and within 10% of fla's own error.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from kernel_fun.bench.stage import StageBench, main as _stage_main
+
+_B = dict(BV=64, num_warps=8, num_stages=2)
+# The configs worth timing: the default (the note at scan_fwd.DEFAULT_CONFIG) and the other
+# two that compile without spills or nearly (BV=32 at 4 warps; BV=128 at 8 warps, 52 B).
+SWEEP = {"scan": [_B, dict(BV=32, num_warps=4, num_stages=2), dict(BV=128, num_warps=8, num_stages=2)]}
+
+
+def scan_bytes(p) -> int:
+    """The fewest bytes F7 + F8 move as one pass: q, kg, w, u (bf16), gc (fp32) and Aqk
+    (bf16) read once, o written once; the states in and out where the problem has them."""
+    tok_h, tok_hv, states = p.B * p.T * p.H, p.B * p.T * p.HV, p.B * p.HV * p.K * p.V * 4
+    reads = tok_h * p.K * 2 + 2 * tok_hv * p.K * 2 + tok_hv * p.V * 2 + tok_hv * p.K * 4 + tok_hv * 64 * 2
+    return reads + tok_hv * p.V * 2 + states * (int(p.initial_state) + int(p.output_final_state))
+
+
+def make_inputs(p, device, seed: int = 0) -> dict:
+    from kernel_fun.kda import chunk_kda
+    from kernel_fun.kda.problems import make_inputs as call_inputs
+    from kernel_fun.kda.stages import capture_stages, use_impls
+
+    kwargs = call_inputs(p, device=device, seed=seed, requires_grad=False)
+    with torch.no_grad(), use_impls("reference"), capture_stages() as log:
+        chunk_kda(**kwargs)
+    (f7,) = [x for name, _, x, _ in log if name == "F7"]
+    (f8,) = [x for name, _, x, _ in log if name == "F8"]
+    del log
+    return dict(q=f8["q"], Aqk=f8["Aqk"], scale=f8["scale"], save_states=False,
+                **{n: f7[n] for n in ("kg", "w", "u", "gc", "initial_state", "output_final_state", "cu_seqlens_cpu",
+                                      "state_v_first", "chunk_size", "cu_seqlens", "chunk_indices")})
+
+
+def _fla(**inputs):
+    from kernel_fun.kda.chain import _fla_scan_output
+
+    return _fla_scan_output(**inputs)
+
+
+def _exact(**inputs):
+    from kernel_fun.kda.chain import _ref_scan_output
+
+    return _ref_scan_output(**inputs, exact=True)
+
+
+def _ours(inputs, design, config):
+    from kernel_fun.kda.kernels import scan_fwd
+
+    return scan_fwd.scan_output(**inputs, **(config or scan_fwd.DEFAULT_CONFIG))
+
+
+def _launch_config(p, design, overrides):
+    from kernel_fun.kda.kernels import scan_fwd
+
+    if design != "scan":
+        raise ValueError(f"unknown F7-F8 design {design!r}")
+    return {**scan_fwd.DEFAULT_CONFIG, **(overrides or {})}
+
+
+def _misses(vs_exact, fla_exact, vs_fla):
+    from kernel_fun.kda.parity import scan_misses
+
+    return scan_misses(vs_exact, fla_exact, vs_fla)
+
+
+BENCH = StageBench(stage="F7-F8", make_inputs=make_inputs, bytes=scan_bytes, fla=_fla, exact=_exact, ours=_ours,
+                   launch_config=_launch_config, misses=_misses, sweep=SWEEP, designs=("scan",))
+
+
+def main(argv=None) -> int:
+    return _stage_main(argv, stage="F7-F8")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
