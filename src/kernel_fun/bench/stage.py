@@ -144,7 +144,7 @@ def bench_shape(bench: StageBench, name: str, candidates, reps: int, rounds: int
     nb = min(p.B, 2)  # the float64 stage on the first sequences
     sub = {n: (t[:nb] if isinstance(t, torch.Tensor) else t) for n, t in inputs.items()}
     exact = bench.exact(**sub)
-    first = lambda out: tuple(t[:nb] for t in out)  # noqa: E731
+    first = lambda out: tuple(None if t is None else t[:nb] for t in out)  # noqa: E731
     fla_exact = stage_errors(bench.stage, first(fla_out), exact)
 
     impls = {"fla": (lambda: bench.fla(**inputs), None)}
