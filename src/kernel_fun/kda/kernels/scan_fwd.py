@@ -19,13 +19,17 @@ inside each dot reassociates fp32 sums.
 
 Falls back (``supports``): chunk size other than 64, K > 256.
 
-Prediction for prod8192_gate (not yet measured): 1,024 programs (4 V slices x 256
-sequence-heads), each 128 dependent chunk steps; ~5.4 GB from DRAM if the V slices of one
-head meet in L2 (their programs are adjacent), 1.3 ms at the copy rate, against F7 + F8's
-3.7 ms. Whether the step chain's latency or the bytes bound it is the first measurement.
+Measured (H200, bench/results/stages.jsonl at 8d2bba8, the stage bench's F7-F8 entry; the
+rounds in docs/log/scan.md): o bit for bit fla's; prod8192_gate 3.28 ms at BV=128 (8
+warps) against fla's F7 + F8 3.94 (1.20x; BV=64 4.77, BV=32 6.75); one head (step8192,
+128 chunk steps) 0.411 ms at BV=32 against 0.440, 3.2 us a step (BV=128: 6.2 us). The time
+is waves x steps x the step's latency (3.9 x 128 x 6.2 us at prod8192_gate), not the
+5.1 GB it moves (1.20 ms): each step waits on its own chunk's loads before its dots.
 
-Not dispatched yet: a chain unit F7-F8 needs its H200 parity and time first (the
-interpreter proves its math against the stage references: tests/test_scan_fwd.py).
+Not dispatched yet: the chain's F7-F8 unit takes it once it beats fla at every bench
+shape (a launch that picks BV by grid; the loads a step ahead) and the whole op is
+measured with it; the interpreter proves its math against the stage references
+(tests/test_scan_fwd.py), the GPU its parity (tests/test_gpu.py).
 """
 
 from __future__ import annotations
@@ -108,7 +112,9 @@ def scan_fwd_kernel(
 # Compiled for sm_90a offline (K=128, V=256, H=HV=16, num_stages 2): BV=64 at 8 warps 254
 # registers and no spills; at 4 warps 255 and 4 B; BV=32 at 4 warps 249 and none (two
 # programs per SM); BV=128 at 8 warps 52 B. K=64: 188 registers at BV=64, 4 warps.
-DEFAULT_CONFIG = dict(BV=64, num_warps=8, num_stages=2)
+# Measured at prod8192_gate: BV=128 3.28 ms, BV=64 4.77, BV=32 (4 warps) 6.75; at one head
+# (step8192) BV=32 0.411, BV=64 0.621, BV=128 0.790.
+DEFAULT_CONFIG = dict(BV=128, num_warps=8, num_stages=2)
 
 
 def scan_fwd(q, kg, w, u, gc, Aqk, scale, initial_state, output_final_state, chunk_size, cu_seqlens,
