@@ -281,7 +281,7 @@ def _stage_verdict(bench, inputs: dict, ours: tuple, label: str) -> dict:
     vs_fla = stage_errors(bench.stage, ours, theirs, cu_seqlens=inputs["cu_seqlens"])
     dense = inputs["cu_seqlens"] is None
     sub = {n: (t[:1] if dense and isinstance(t, torch.Tensor) else t) for n, t in inputs.items()}
-    first = (lambda out: tuple(t[:1] for t in out)) if dense else (lambda out: tuple(out))  # noqa: E731
+    first = (lambda out: tuple(None if t is None else t[:1] for t in out)) if dense else tuple  # noqa: E731
     exact = bench.exact(**sub)
     fla_err, our_err = stage_errors(bench.stage, first(theirs), exact), stage_errors(bench.stage, first(ours), exact)
     print(label, "vs fla", vs_fla, "vs exact", our_err, "fla vs exact", fla_err)
@@ -413,6 +413,31 @@ def test_scan_with_output_matches_fla_f7_f8(p):
     print(p.name, "scan vs fla F7+F8", errors)
     assert all(torch.isfinite(t).all() for t in (got_o, got_h, got_vn))
     assert all(e <= 2e-3 for e in errors.values()), errors
+
+
+# --------------------------------------------------------------------------------------
+# F3-F6 in one kernel against fla's chunk_kda_fwd_intra (not dispatched yet)
+# --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("p", SMALL[:2] + [FLAGGED[1], FLAGGED[2], PROD], ids=lambda p: p.name)
+@pytest.mark.parametrize("gates", ["kimi", "strong"])
+def test_prep_matches_fla_f3_f6(p, gates):
+    """On the inputs fla's chain gives F3-F6 (T=500 with h0, packed sequences, safe_gate,
+    disable_recompute's qg, prod8192_gate), and with gates strong enough that exp2
+    differences inside a 16-row block pass 100 (the pairwise diagonal): every output against
+    fla's stage and the float64 stage, through the stage entry's bars."""
+    from kernel_fun.bench import stage_f3f6
+    from kernel_fun.kda.kernels import prep_fwd
+
+    if gates == "strong" and (p.safe_gate or p is PROD):
+        pytest.skip("safe_gate bounds the gate; the strong gate is covered at the small shapes")
+    kwargs = make_inputs(p, device="cuda", seed=15, requires_grad=False)
+    if gates == "strong":
+        kwargs["g"] = kwargs["g"] * 8 + 12
+    with torch.no_grad(), use_impls("fla"), capture_stages() as log:
+        chunk_kda(**kwargs)
+    (inputs,) = [x for name, _, x, _ in log if name == "F3-F6"]
+    misses = _stage_verdict(stage_f3f6.BENCH, inputs, prep_fwd.prep_fwd(**inputs), f"{p.name}-{gates}")
+    assert not misses, misses
 
 
 # --------------------------------------------------------------------------------------

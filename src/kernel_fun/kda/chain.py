@@ -220,11 +220,12 @@ def _ref_gate(g, use_gate_in_kernel, A_log, dt_bias, lower_bound, chunk_size, cu
 
 
 def _ref_intra(q, k, v, gc, beta, scale, chunk_size, cu_seqlens, chunk_indices, safe_gate,
-               disable_recompute):
+               disable_recompute, exact=False):
     # safe_gate changes how fla's kernels form the diagonal blocks (an anchored tensor-core
     # product, valid for a bounded gate), not their values: the reference stays pairwise.
-    Aqk, Akk = ref.intra_scores(q, k, gc, beta, scale, chunk_size, cu_seqlens)
-    w, u, qg, kg = ref.wy_fwd(k, v, beta, Akk, gc, q if disable_recompute else None, chunk_size, cu_seqlens)
+    Aqk, Akk = ref.intra_scores(q, k, gc, beta, scale, chunk_size, cu_seqlens, exact=exact)
+    w, u, qg, kg = ref.wy_fwd(k, v, beta, Akk, gc, q if disable_recompute else None, chunk_size, cu_seqlens,
+                              exact=exact)
     return w, u, kg, Aqk, Akk, qg
 
 

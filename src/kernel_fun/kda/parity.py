@@ -97,3 +97,17 @@ def scan_misses(vs_exact: dict, baseline_exact: dict, vs_fla: dict | None = None
     """The F7-F8 unit's misses (``bar_misses``): ``SCAN_VS_FLA`` against fla's stages,
     ``SCAN_BUDGETS`` against the float64 stage."""
     return bar_misses(vs_exact, baseline_exact, vs_fla, SCAN_VS_FLA, SCAN_BUDGETS)
+
+
+# The F3-F6 unit (scores, solve, WY vectors): its outputs are bf16; against fla's, a value one
+# unit off in its last place where fp32 sums run in another order (2e-3); against the float64
+# stage, o's budget for all (they are o's and the backward's inputs).
+PREP_OUTPUTS = ("w", "u", "kg", "Aqk", "Akk", "qg")
+PREP_VS_FLA = dict.fromkeys(PREP_OUTPUTS, 2e-3)
+PREP_BUDGETS = dict.fromkeys(PREP_OUTPUTS, ref.BUDGETS["o"])
+
+
+def prep_misses(vs_exact: dict, baseline_exact: dict, vs_fla: dict | None = None) -> dict[str, tuple]:
+    """The F3-F6 unit's misses (``bar_misses``): ``PREP_VS_FLA`` against fla's stage,
+    ``PREP_BUDGETS`` against the float64 stage."""
+    return bar_misses(vs_exact, baseline_exact, vs_fla, PREP_VS_FLA, PREP_BUDGETS)

@@ -377,13 +377,14 @@ def gate_cumsum(
 
 
 # F3-F6: intra-chunk scores, their solve, and the WY vectors ---------------------------------
-def _intra_dense(q, k, gc, beta, scale, BT):
+def _intra_dense(q, k, gc, beta, scale, BT, exact=False):
     B, T, H, K = q.shape
     HV = gc.shape[2]
-    qc = to_chunks(_expand_heads(q, HV).float(), BT)
-    kc = to_chunks(_expand_heads(k, HV).float(), BT)
-    gcc = to_chunks(gc.float(), BT)
-    bc = to_chunks(beta.float(), BT)
+    f = (lambda x: x.double()) if exact else (lambda x: x.float())
+    qc = to_chunks(f(_expand_heads(q, HV)), BT)
+    kc = to_chunks(f(_expand_heads(k, HV)), BT)
+    gcc = to_chunks(f(gc), BT)
+    bc = to_chunks(f(beta), BT)
     NT = qc.shape[2]
     m_incl = _mask_pairs(T, BT, q.device, strict=False)
     m_strict = _mask_pairs(T, BT, q.device, strict=True)
@@ -397,6 +398,8 @@ def _intra_dense(q, k, gc, beta, scale, BT):
     eye = torch.eye(BT, device=q.device, dtype=Akk.dtype)
     Akk_inv = torch.linalg.solve_triangular(eye + Akk, eye.expand_as(Akk), upper=False, unitriangular=True)
     Akk_inv = Akk_inv * m_incl.to(Akk_inv.dtype)  # rows/columns of padding rows are not tokens
+    if exact:
+        return from_chunks(Aqk, T), from_chunks(Akk_inv, T)
     return from_chunks(Aqk, T).to(k.dtype), from_chunks(Akk_inv, T).to(k.dtype)
 
 
@@ -408,36 +411,40 @@ def intra_scores(
     scale: float,
     chunk_size: int = CHUNK,
     cu_seqlens: torch.Tensor | None = None,
+    exact: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """F3-F5: ``Aqk`` (scaled, s <= r; 0 above) and ``Akk_inv = (I + Akk)^-1`` (lower, unit
     diagonal), both ``[B, T, HV, BT]`` in k.dtype, with
-    ``Akk[r, s] = beta_r * sum_i k_ri k_si exp2(gc_ri - gc_si)`` for s < r."""
+    ``Akk[r, s] = beta_r * sum_i k_ri k_si exp2(gc_ri - gc_si)`` for s < r. ``exact=True``:
+    float64 throughout, returned unrounded."""
     if cu_seqlens is not None:
         return per_sequence(
-            _intra_dense, cu_seqlens, dict(q=q, k=k, gc=gc, beta=beta, scale=scale, BT=chunk_size),
+            _intra_dense, cu_seqlens, dict(q=q, k=k, gc=gc, beta=beta, scale=scale, BT=chunk_size, exact=exact),
             {"q": "token", "k": "token", "gc": "token", "beta": "token"}, ("token", "token"), chunk_size,
         )
-    return _intra_dense(q, k, gc, beta, scale, chunk_size)
+    return _intra_dense(q, k, gc, beta, scale, chunk_size, exact)
 
 
-def _wy_dense(k, v, beta, A, gc, q, BT):
+def _wy_dense(k, v, beta, A, gc, q, BT, exact=False):
     B, T, H, K = k.shape
     HV = v.shape[2]
     ke = _expand_heads(k, HV)
-    A_c = to_chunks(A.float(), BT)  # [B, HV, NT, BT, BT]
-    kb = ke * beta[..., None]  # rounds like the kernel: bf16 * bf16 stays bf16
-    kbg = (kb.float() * torch.exp2(gc.float())).to(k.dtype)
-    w = from_chunks(A_c @ to_chunks(kbg.float(), BT), T).to(k.dtype)
-    vb = (v * beta[..., None]).to(v.dtype)
-    u = from_chunks(A_c @ to_chunks(vb.float(), BT), T).to(v.dtype)
-    gcc = to_chunks(gc.float(), BT)
+    f = (lambda x: x.double()) if exact else (lambda x: x.float())
+    r = (lambda x, dtype: x) if exact else (lambda x, dtype: x.to(dtype))  # fla's roundings
+    A_c = to_chunks(f(A), BT)  # [B, HV, NT, BT, BT]
+    kb = f(ke) * f(beta)[..., None] if exact else ke * beta[..., None]  # rounds like the kernel: bf16 * bf16 stays bf16
+    kbg = r(f(kb) * torch.exp2(f(gc)), k.dtype)
+    w = r(from_chunks(A_c @ to_chunks(f(kbg), BT), T), k.dtype)
+    vb = r(f(v) * f(beta)[..., None], v.dtype)
+    u = r(from_chunks(A_c @ to_chunks(f(vb), BT), T), v.dtype)
+    gcc = to_chunks(f(gc), BT)
     g_last = _last_rows(gcc, T, BT)  # [B, HV, NT, K]
     valid = _valid_rows(T, BT, k.device)[..., None]
-    kg = to_chunks(ke.float(), BT) * torch.where(valid, torch.exp2(g_last[:, :, :, None] - gcc), 0.0)
-    kg = from_chunks(kg, T).to(k.dtype)
+    kg = to_chunks(f(ke), BT) * torch.where(valid, torch.exp2(g_last[:, :, :, None] - gcc), 0.0)
+    kg = r(from_chunks(kg, T), k.dtype)
     qg = None
     if q is not None:
-        qg = (_expand_heads(q, HV).float() * torch.exp2(gc.float())).to(k.dtype)
+        qg = r(f(_expand_heads(q, HV)) * torch.exp2(f(gc)), k.dtype)
     return w, u, qg, kg
 
 
@@ -450,16 +457,18 @@ def wy_fwd(
     q: torch.Tensor | None = None,
     chunk_size: int = CHUNK,
     cu_seqlens: torch.Tensor | None = None,
+    exact: bool = False,
 ):
     """F6/B2: ``w = A (beta k exp2 gc)``, ``u = A (beta v)``, ``kg = k exp2(gc_last - gc)`` and,
-    when q is given, ``qg = q exp2 gc``; all at HV heads in the input dtypes."""
+    when q is given, ``qg = q exp2 gc``; all at HV heads in the input dtypes (``exact=True``:
+    float64, unrounded)."""
     if cu_seqlens is not None:
         return per_sequence(
-            _wy_dense, cu_seqlens, dict(k=k, v=v, beta=beta, A=A, gc=gc, q=q, BT=chunk_size),
+            _wy_dense, cu_seqlens, dict(k=k, v=v, beta=beta, A=A, gc=gc, q=q, BT=chunk_size, exact=exact),
             {"k": "token", "v": "token", "beta": "token", "A": "token", "gc": "token", "q": "token"},
             ("token", "token", "token", "token"), chunk_size,
         )
-    return _wy_dense(k, v, beta, A, gc, q, chunk_size)
+    return _wy_dense(k, v, beta, A, gc, q, chunk_size, exact)
 
 
 # F7 / B3: the state scan ----------------------------------------------------------------

@@ -1,0 +1,238 @@
+"""F3-F6 in one kernel: the intra-chunk scores Aqk and Akk, the solve (I + Akk)^-1, and the
+WY vectors w, u and kg (qg too with ``disable_recompute``), for one chunk of one value head
+per program.
+
+Replaces fla's ``chunk_kda_fwd_intra`` (F3-F6, 4.57 ms at prod8192_gate on the H200, the
+forward's largest unit), which builds Aqk and Akk per 16-row sub-chunk, solves them in a
+second pass and reads them back for w and u. Here the chunk's q, k, g and beta are loaded
+once and every intermediate stays on chip; only the outputs fla's chain saves are written.
+
+The scores, Aqk[r, s] = scale sum_c q_rc k_sc exp2(g_rc - g_sc) (s <= r) and
+Akk[r, s] = beta_r sum_c k_rc k_sc exp2(g_rc - g_sc) (s < r), are taken per 16-column
+block j through the block's last row e_j: k_s exp2(e_j - g_s) <= 1 on the block's columns
+and q_r exp2(g_r - e_j) <= 1 on every later row, one [64, K] x [K, 16] dot per block and
+score (tf32x3). A block's own diagonal rides in the same dot where its gate span over the
+K channels is within 2^64 (GUARD_SPAN, as B7's kernel), else it is summed pairwise on CUDA
+cores (16 steps, one exp2(g_r - g_s) <= 1 per pair): exact for any gate, so ``safe_gate``
+changes nothing here. The solve is blocked: each 16x16 diagonal block D (nilpotent) is
+inverted as (I - D)(I + D^2)(I + D^4)(I + D^8), then the off-diagonal part through
+M = (I + D)^-1 N, nilpotent of order 4: (I + Akk)^-1 = (I - M + M^2 - M^3)(I + D)^-1, eleven
+[64, 64] dots in tf32x3. Akk_inv is rounded to the input dtype before w and u, as fla does,
+and every rounding of w, u, kg and qg is the reference's.
+
+Numerics: the scores and the solve in fp32 (tf32x3 dots), the outputs in the input dtype:
+within the rounding of fla's outputs (the solve's sums run in another order than fla's
+substitution, so a bf16 value can move by one unit in the last place).
+
+Falls back (``supports``): chunk size other than 64, K > 256. Not dispatched yet: built and
+verified through the interpreter against the reference stage (tests/test_prep_fwd.py);
+its H200 parity and time come first.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernel_fun._triton import chunk_coords, dot, to
+
+BC = 16  # the anchor block
+GUARD_SPAN = tl.constexpr(64.0)  # a block's own diagonal through its anchor while its span is within 2^64
+
+
+@triton.jit
+def _dot3(a, b):
+    """fp32 x fp32 on the tensor cores in tf32x3 (fp32-level accuracy)."""
+    return tl.dot(a, b, input_precision="tf32x3")
+
+
+@triton.jit
+def _side_by_side(x0, x1, x2, x3, BT: tl.constexpr, BC: tl.constexpr):
+    """Four [BT, BC] tiles as one [BT, 4 BC] tile, in order."""
+    a = tl.reshape(tl.permute(tl.join(x0, x1), (0, 2, 1)), (BT, 2 * BC))
+    b = tl.reshape(tl.permute(tl.join(x2, x3), (0, 2, 1)), (BT, 2 * BC))
+    return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), (BT, 4 * BC))
+
+
+@triton.jit
+def _block_scores(q, k, g, st, n_t, t, K: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr, SK: tl.constexpr,
+                  SG: tl.constexpr, BC: tl.constexpr):
+    """Column block j (columns st .. st + BC - 1) of both scores, unscaled, through the
+    block's last row e_j, for rows from the block's own first row (its span over the K
+    channels within the guard) or the next block's: ([BT, BC] q.k, [BT, BC] k.k, whether
+    the diagonal was in). The K sum runs in slices of BKS channels (fewer live registers)."""
+    cols = st + tl.arange(0, BC)
+    m_c = cols < n_t
+    last = tl.minimum(st + BC, n_t) - 1
+    live = st < n_t
+    o_all = tl.arange(0, BK)
+    m_all = (o_all < K) & live
+    span = tl.load(g + st * SG + o_all, mask=m_all, other=0) - tl.load(g + last * SG + o_all, mask=m_all, other=0)
+    diag = tl.max(span, axis=0) <= GUARD_SPAN
+    lo = tl.where(diag, st, st + BC)
+    m_r = (t < n_t) & (t >= lo)  # rows before lo are not read: their factor would pass 1
+    s_q = tl.zeros([t.shape[0], BC], dtype=tl.float32)
+    s_k = tl.zeros([t.shape[0], BC], dtype=tl.float32)
+    for i_k in tl.static_range(BK // BKS):
+        o_k = i_k * BKS + tl.arange(0, BKS)
+        m_k = o_k < K
+        e = tl.load(g + last * SG + o_k, mask=m_k & live, other=0)
+        m_ck = m_c[:, None] & m_k[None, :]
+        k_j = tl.load(k + cols[:, None] * SK + o_k[None, :], mask=m_ck, other=0).to(tl.float32)
+        g_j = tl.load(g + cols[:, None] * SG + o_k[None, :], mask=m_ck, other=0)
+        kxt = tl.trans(k_j * tl.exp2(tl.where(m_ck, e[None, :] - g_j, float("-inf"))))  # <= 1
+        m_rk = m_r[:, None] & m_k[None, :]
+        g_r = tl.load(g + t[:, None] * SG + o_k[None, :], mask=m_rk, other=0)
+        f = tl.exp2(tl.where(m_rk, g_r - e[None, :], float("-inf")))  # <= 1 past the block, <= 2^span in it
+        q_r = tl.load(q + t[:, None] * SK + o_k[None, :], mask=m_rk, other=0).to(tl.float32)
+        s_q = tl.dot(q_r * f, kxt, s_q, input_precision="tf32x3")
+        k_r = tl.load(k + t[:, None] * SK + o_k[None, :], mask=m_rk, other=0).to(tl.float32)
+        s_k = tl.dot(k_r * f, kxt, s_k, input_precision="tf32x3")
+    return s_q, s_k, diag
+
+
+@triton.jit
+def prep_fwd_kernel(
+    q, k, v, g, beta, Aqk, Akk, w, u, kg, qg, cu_seqlens, chunk_indices, scale, T,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    BK: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr, STORE_QG: tl.constexpr,
+):
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_hv = i_bh % HV
+    i_h = i_hv // (HV // H)
+    i_c, i_tg, bos, T = chunk_coords(i_t, i_bh, cu_seqlens, chunk_indices, T, HV, BT, IS_VARLEN)
+    row0 = bos + i_c * BT
+    n_t = tl.minimum(T - i_c * BT, BT).to(tl.int32)
+    tl.static_assert(BT == 4 * BC, "written for four blocks a chunk")
+    SK: tl.constexpr = H * K
+    SG: tl.constexpr = HV * K
+
+    q += (row0 * H + i_h) * K
+    k += (row0 * H + i_h) * K
+    g += (row0 * HV + i_hv) * K
+    beta += row0 * HV + i_hv
+    t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    m_t = t < n_t
+    m_tk = m_t[:, None] & m_k[None, :]
+    b_c = tl.load(beta + t * HV, mask=m_t, other=0).to(tl.float32)
+
+    # F3: the scores, column block by column block
+    sq0, sk0, d0 = _block_scores(q, k, g, 0, n_t, t, K, BK, BKS, SK, SG, BC)
+    sq1, sk1, d1 = _block_scores(q, k, g, BC, n_t, t, K, BK, BKS, SK, SG, BC)
+    sq2, sk2, d2 = _block_scores(q, k, g, 2 * BC, n_t, t, K, BK, BKS, SK, SG, BC)
+    sq3, sk3, d3 = _block_scores(q, k, g, 3 * BC, n_t, t, K, BK, BKS, SK, SG, BC)
+    s_q = _side_by_side(sq0, sq1, sq2, sq3, BT, BC)
+    s_k = _side_by_side(sk0, sk1, sk2, sk3, BT, BC)
+    blk = t // BC
+    if d0.to(tl.int32) + d1.to(tl.int32) + d2.to(tl.int32) + d3.to(tl.int32) < 4:
+        # the diagonals whose span passed the guard, pairwise: row r against s = r's block
+        # start + jj, exp2(g_r - g_s) <= 1
+        pair = tl.where(blk == 0, d0, tl.where(blk == 1, d1, tl.where(blk == 2, d2, d3))).to(tl.int32) == 0
+        q_c = tl.load(q + t[:, None] * SK + o_k[None, :], mask=m_tk, other=0).to(tl.float32)
+        k_c = tl.load(k + t[:, None] * SK + o_k[None, :], mask=m_tk, other=0).to(tl.float32)
+        g_c = tl.load(g + t[:, None] * SG + o_k[None, :], mask=m_tk, other=0)
+        for jj in range(0, BC):
+            o = blk * BC + jj
+            on = pair & m_t & (o <= t)
+            m_ok = on[:, None] & m_k[None, :]
+            k_o = tl.load(k + o[:, None] * SK + o_k[None, :], mask=m_ok, other=0).to(tl.float32)
+            g_o = tl.load(g + o[:, None] * SG + o_k[None, :], mask=m_ok, other=0)
+            kx = k_o * tl.exp2(tl.where(m_ok, g_c - g_o, float("-inf")))
+            at = t[None, :] == o[:, None]
+            s_q += tl.where(at, tl.sum(q_c * kx, axis=1)[:, None], 0.0)
+            s_k += tl.where(at, tl.sum(k_c * kx, axis=1)[:, None], 0.0)
+    valid = m_t[:, None] & m_t[None, :]
+    lower = valid & (t[:, None] >= t[None, :])
+    strict = valid & (t[:, None] > t[None, :])
+    p_a = (row0 + t)[:, None] * (HV * BT) + i_hv * BT + t[None, :]
+    m_a = m_t[:, None] & (t[None, :] < BT)
+    tl.store(Aqk + p_a, to(tl.where(lower, s_q * scale, 0.0), Aqk.dtype.element_ty), mask=m_a)
+    L = tl.where(strict, s_k * b_c[:, None], 0.0)
+
+    # F4-F5: (I + L)^-1 through the diagonal blocks' inverses
+    eye = tl.where(t[:, None] == t[None, :], 1.0, 0.0)
+    same = blk[:, None] == blk[None, :]
+    D = tl.where(same, L, 0.0)
+    N = tl.where(same, 0.0, L)
+    D2 = _dot3(D, D)
+    P = _dot3(eye - D, eye + D2)
+    D4 = _dot3(D2, D2)
+    P = _dot3(P, eye + D4)
+    Dinv = _dot3(P, eye + _dot3(D4, D4))
+    M = _dot3(Dinv, N)
+    X = _dot3(eye - _dot3(M, eye - _dot3(M, eye - M)), Dinv)
+    X = tl.where(lower, X, 0.0)
+
+    x_b = to(X, Akk.dtype.element_ty)
+    tl.store(Akk + p_a, x_b, mask=m_a)
+
+    # F6: w = Akk_inv (beta k exp2 g), u = Akk_inv (beta v), kg = k exp2(g_last - g)
+    dt = k.dtype.element_ty
+    p_k = (row0 + t)[:, None] * SG + i_hv * K + o_k[None, :]
+    k_c = tl.load(k + t[:, None] * SK + o_k[None, :], mask=m_tk, other=0).to(tl.float32)
+    g_c = tl.load(g + t[:, None] * SG + o_k[None, :], mask=m_tk, other=0)
+    kb = k_c * b_c[:, None]
+    if beta.dtype.element_ty == dt:  # k beta rounds to their dtype (fp32 when they differ), as in torch
+        kb = to(kb, dt).to(tl.float32)
+    kbg = to(kb * tl.exp2(g_c), dt)
+    tl.store(w + p_k, to(dot(x_b, kbg), w.dtype.element_ty), mask=m_tk)
+    g_last = tl.load(g + (n_t - 1) * SG + o_k, mask=m_k, other=0)
+    kgv = k_c * tl.exp2(tl.where(m_tk, g_last[None, :] - g_c, float("-inf")))
+    tl.store(kg + p_k, to(kgv, kg.dtype.element_ty), mask=m_tk)
+    if STORE_QG:
+        q_c = tl.load(q + t[:, None] * SK + o_k[None, :], mask=m_tk, other=0).to(tl.float32)
+        tl.store(qg + p_k, to(q_c * tl.exp2(g_c), qg.dtype.element_ty), mask=m_tk)
+    for i_v in range(0, tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        p_v = (row0 + t)[:, None] * (HV * V) + i_hv * V + o_v[None, :]
+        v_c = tl.load(v + p_v, mask=m_tv, other=0).to(tl.float32)
+        vb = to(v_c * b_c[:, None], v.dtype.element_ty)
+        tl.store(u + p_v, to(dot(x_b, vb), u.dtype.element_ty), mask=m_tv)
+
+
+# Compiled for sm_90a offline (K=128, V=256, H=HV=16): 255 registers at every config; spills
+# 204 B at BKS=64 and 8 warps, 224 at BKS=32, 1,468-1,624 at 4 warps; K=64 at 4 warps 76 B.
+# Not yet measured.
+DEFAULT_CONFIG = dict(BKS=64, BV=64, num_warps=8, num_stages=1)
+
+
+def prep_fwd(q, k, v, gc, beta, scale, chunk_size, cu_seqlens, chunk_indices, safe_gate, disable_recompute,
+             BKS: int = DEFAULT_CONFIG["BKS"], BV: int = DEFAULT_CONFIG["BV"], num_warps: int = DEFAULT_CONFIG["num_warps"],
+             num_stages: int = DEFAULT_CONFIG["num_stages"]):
+    """F3-F6 with fla's contract: (w, u, kg, Aqk, Akk_inv, qg), at value heads in the input
+    dtypes; qg is None unless ``disable_recompute``. Exact for any gate (``safe_gate``
+    changes nothing here)."""
+    for name, t in dict(q=q, k=k, v=v, gc=gc, beta=beta).items():
+        if not t.is_contiguous():
+            raise ValueError(f"the prep kernel indexes {name} as a dense tensor; got strides {t.stride()}")
+    B, T, H, K = k.shape
+    HV, V = v.shape[2], v.shape[3]
+    BT = chunk_size
+    w = torch.empty(B, T, HV, K, device=k.device, dtype=k.dtype)
+    kg = torch.empty_like(w)
+    qg = torch.empty_like(w) if disable_recompute else None
+    u = torch.empty_like(v)
+    Aqk = torch.empty(B, T, HV, BT, device=k.device, dtype=k.dtype)
+    Akk = torch.empty_like(Aqk)
+    NT = triton.cdiv(T, BT) if cu_seqlens is None else len(chunk_indices)
+    BK = max(16, triton.next_power_of_2(K))
+    prep_fwd_kernel[(NT, B * HV)](
+        q=q, k=k, v=v, g=gc, beta=beta, Aqk=Aqk, Akk=Akk, w=w, u=u, kg=kg, qg=qg, cu_seqlens=cu_seqlens,
+        chunk_indices=chunk_indices, scale=scale, T=T, H=H, HV=HV, K=K, V=V, BT=BT, BC=BC,
+        BK=BK, BKS=min(BK, BKS), BV=min(BV, max(16, triton.next_power_of_2(V))),
+        IS_VARLEN=cu_seqlens is not None, STORE_QG=disable_recompute, num_warps=num_warps, num_stages=num_stages,
+    )
+    return w, u, kg, Aqk, Akk, qg
+
+
+def supports(q, k, v, chunk_size, **_) -> str | None:
+    """None when ``prep_fwd`` takes the call, else why F3-F6 stay on fla."""
+    if chunk_size != 64:
+        return f"chunk_size={chunk_size} (the prep kernel is built for 64)"
+    if k.shape[-1] > 256:
+        return f"K={k.shape[-1]} > 256"
+    return None
