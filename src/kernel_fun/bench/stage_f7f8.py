@@ -22,9 +22,12 @@ import torch
 from kernel_fun.bench.stage import StageBench, main as _stage_main
 
 # The configs worth timing (the note at scan_fwd.DEFAULT_CONFIG): the default (BV=128 at 8
-# warps, the prod8192_gate winner), BV=64 at 8 warps and BV=32 at 4 (the one-head winner).
+# warps, the prod8192_gate winner), BV=64 at 8 warps and BV=32 at 4 (the one-head winner),
+# all one program an SM; and BV=64 and BV=32 at 4 warps and one stage, two an SM (the
+# pipeliner's buffers gone: 57 and 45 KB of shared memory).
 SWEEP = {"scan": [dict(BV=128, num_warps=8, num_stages=2), dict(BV=64, num_warps=8, num_stages=2),
-                  dict(BV=32, num_warps=4, num_stages=2)]}
+                  dict(BV=32, num_warps=4, num_stages=2), dict(BV=64, num_warps=4, num_stages=1),
+                  dict(BV=32, num_warps=4, num_stages=1)]}
 
 
 def scan_bytes(p) -> int:

@@ -24,7 +24,8 @@ rounds in docs/log/scan.md): o bit for bit fla's; prod8192_gate 3.28 ms at BV=12
 warps) against fla's F7 + F8 3.94 (1.20x; BV=64 4.77, BV=32 6.75); one head (step8192,
 128 chunk steps) 0.411 ms at BV=32 against 0.440, 3.2 us a step (BV=128: 6.2 us). The time
 is waves x steps x the step's latency (3.9 x 128 x 6.2 us at prod8192_gate), not the
-5.1 GB it moves (1.20 ms): each step waits on its own chunk's loads before its dots.
+5.1 GB it moves (1.20 ms): one program an SM (the pipeliner's shared-memory buffers and
+~250 registers), each step a chain of dependent dots.
 
 Not dispatched yet: the chain's F7-F8 unit takes it once it beats fla at every bench
 shape (a launch that picks BV by grid; the loads a step ahead) and the whole op is
@@ -109,9 +110,10 @@ def scan_fwd_kernel(
         tl.store(ht + i_nh.to(tl.int64) * K * V + p_kv, b_S, mask=m_kv)
 
 
-# Compiled for sm_90a offline (K=128, V=256, H=HV=16, num_stages 2): BV=64 at 8 warps 254
-# registers and no spills; at 4 warps 255 and 4 B; BV=32 at 4 warps 249 and none (two
-# programs per SM); BV=128 at 8 warps 52 B. K=64: 188 registers at BV=64, 4 warps.
+# Compiled for sm_90a offline (K=128, V=256, H=HV=16; tools' compile_sm90), no spills:
+# num_stages=2 BV=128/8 warps 246 registers and 188 KB of shared memory, BV=64/8 242 and
+# 156 KB, BV=64/4 255 and 156 KB, BV=32/4 252 and 139 KB (one program an SM, every one);
+# num_stages=1 BV=64/4 254 and 57 KB, BV=32/4 246 and 45 KB (two an SM).
 # Measured at prod8192_gate: BV=128 3.28 ms, BV=64 4.77, BV=32 (4 warps) 6.75; at one head
 # (step8192) BV=32 0.411, BV=64 0.621, BV=128 0.790.
 DEFAULT_CONFIG = dict(BV=128, num_warps=8, num_stages=2)
