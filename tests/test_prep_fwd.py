@@ -138,3 +138,43 @@ def test_bench_entry_inputs_run_and_count_bytes():
     # the bf16 outputs against the float64 stage: their rounding, inside the budget
     assert set(errors) == {"w", "u", "kg", "Aqk", "Akk"} and all(0 < e <= 5e-3 for e in errors.values()), errors
     assert abs(stage_f3f6.prep_bytes(problem("prod8192_gate")) / 1e9 - 5.9) < 0.05
+
+
+# --------------------------------------------------------------------------------------
+# F1 and F2 in the same pass
+# --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("p", [
+    SHAPES[0], SHAPES[1], SHAPES[3], SHAPES[4],
+    Problem("T70-pregated-no-l2norm", 1, 70, 2, 2, 64, 16, gate_in_kernel=False, l2norm_in_kernel=False),
+    Problem("T64-no-dt-bias", 1, 64, 2, 2, 64, 16),
+], ids=lambda p: p.name)
+def test_fused_prep_matches_f1_f2_then_f3_f6(p):
+    """The raw q, k and gate in: the normalized q and k, their rstds and the gate's chunk
+    cumsum equal to F1's and F2's (their fp32 sums in another order: within 1e-6), and
+    F3-F6's outputs within the same bars as the unfused kernel's."""
+    kw = make_inputs(p, device=DEVICE, seed=16, requires_grad=False)
+    if p.name.endswith("no-dt-bias"):
+        kw["dt_bias"] = None
+    with torch.no_grad(), use_impls("reference"), capture_stages() as log:
+        chunk_kda(**kw)
+    found = {name: (x, out) for name, _, x, out in log}
+    f36_in, f36_out = found["F3-F6"]
+    f2_in, gc_ref = found["F2"]
+    got = prep_fwd.prep_fwd_fused(
+        q=kw["q"], k=kw["k"], v=f36_in["v"], g=kw["g"], beta=f36_in["beta"], A_log=kw.get("A_log"),
+        dt_bias=kw.get("dt_bias"), lower_bound=p.lower_bound, use_gate_in_kernel=p.gate_in_kernel,
+        use_qk_l2norm_in_kernel=p.l2norm_in_kernel, scale=f36_in["scale"], chunk_size=64,
+        cu_seqlens=f36_in["cu_seqlens"], chunk_indices=f36_in["chunk_indices"], safe_gate=p.safe_gate,
+        disable_recompute=False)
+    qn, q_rstd, kn, k_rstd, gc = got[:5]
+    errors = {"gc": ref.rel_rms(gc, gc_ref)}
+    if p.l2norm_in_kernel:
+        _, (q_ref, q_rstd_ref, k_ref, k_rstd_ref) = found["F1"]
+        errors.update(q=ref.rel_rms(qn, q_ref), k=ref.rel_rms(kn, k_ref), q_rstd=ref.rel_rms(q_rstd, q_rstd_ref),
+                      k_rstd=ref.rel_rms(k_rstd, k_rstd_ref))
+    else:
+        assert q_rstd is None and qn is kw["q"]
+    assert all(e <= 1e-6 for e in errors.values()), errors
+    for name, a, b in zip(("w", "u", "kg", "Aqk", "Akk"), got[5:], f36_out):
+        errors[name] = ref.rel_rms(a, b)
+    assert all(e <= 2e-3 for e in errors.values()), errors

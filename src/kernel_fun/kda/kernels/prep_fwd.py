@@ -20,6 +20,12 @@ M = (I + D)^-1 N, nilpotent of order 4: (I + Akk)^-1 = (I - M + M^2 - M^3)(I + D
 [64, 64] dots in tf32x3. Akk_inv is rounded to the input dtype before w and u, as fla does,
 and every rounding of w, u, kg and qg is the reference's.
 
+``prep_fwd_fused`` runs F1 (the l2norm of q and k) and F2 (the gate's activation, softplus
+or lower-bounded, and its chunk cumsum) in the same program first: it writes the normalized
+rows, their rstds and the gate's cumsum (what the scan and the backward read) and reads them
+back after a barrier, so the rest is the same code; with GVA every program of a q/k head
+writes the same normalized rows.
+
 Numerics: the scores and the solve in fp32 (tf32x3 dots), the outputs in the input dtype:
 within the rounding of fla's outputs (the solve's sums run in another order than fla's
 substitution, so a bf16 value can move by one unit in the last place).
@@ -36,8 +42,10 @@ import triton
 import triton.language as tl
 
 from kernel_fun._triton import chunk_coords, dot, to
+from kernel_fun.kda.reference import RCP_LN2 as _RCP_LN2
 
 BC = 16  # the anchor block
+RCP_LN2 = tl.constexpr(_RCP_LN2)  # the chunk cumsum in log2 units, as the chain's gc
 GUARD_SPAN = tl.constexpr(64.0)  # a block's own diagonal through its anchor while its span is within 2^64
 
 
@@ -93,11 +101,29 @@ def _block_scores(q, k, g, st, n_t, t, K: tl.constexpr, BK: tl.constexpr, BKS: t
 
 
 @triton.jit
+def _l2norm_rows(x_raw, x_out, rstd_out, t, m_t, o_k, m_k, H: tl.constexpr, SK: tl.constexpr):
+    """F1 on the chunk's rows of one q/k head: x / sqrt(sum x^2 + 1e-6) in x's dtype, and
+    the rstd (fp32)."""
+    m_tk = m_t[:, None] & m_k[None, :]
+    x = tl.load(x_raw + t[:, None] * SK + o_k[None, :], mask=m_tk, other=0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) + 1e-6)
+    tl.store(x_out + t[:, None] * SK + o_k[None, :], to(x * rstd[:, None], x_out.dtype.element_ty), mask=m_tk)
+    tl.store(rstd_out + t * H, rstd, mask=m_t)
+
+
+@triton.jit
 def prep_fwd_kernel(
     q, k, v, g, beta, Aqk, Akk, w, u, kg, qg, cu_seqlens, chunk_indices, scale, T,
+    q_raw, k_raw, q_rstd, k_rstd, g_raw, A_log, dt_bias, lower_bound,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BK: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr, STORE_QG: tl.constexpr,
+    L2NORM: tl.constexpr = False, GATE: tl.constexpr = 0, HAS_BIAS: tl.constexpr = False,
 ):
+    """F3-F6 on one (chunk, value head); with L2NORM also F1 (q_raw, k_raw normalized into q,
+    k, their rstds), with GATE also F2 into g (1: the chunk cumsum of a given log-decay; 2
+    the softplus gate, 3 the lower-bounded one, from g_raw, A_log and dt_bias). The fused
+    parts write their outputs first and the rest reads them back (L1/L2) after a barrier,
+    as in the unfused kernel: every program of a q/k head writes the same normalized rows."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_hv = i_bh % HV
     i_h = i_hv // (HV // H)
@@ -117,6 +143,27 @@ def prep_fwd_kernel(
     m_k = o_k < K
     m_t = t < n_t
     m_tk = m_t[:, None] & m_k[None, :]
+    if L2NORM:
+        _l2norm_rows(q_raw + (row0 * H + i_h) * K, q, q_rstd + row0 * H + i_h, t, m_t, o_k, m_k, H, SK)
+        _l2norm_rows(k_raw + (row0 * H + i_h) * K, k, k_rstd + row0 * H + i_h, t, m_t, o_k, m_k, H, SK)
+    if GATE > 0:
+        x = tl.load(g_raw + (row0 * HV + i_hv) * K + t[:, None] * SG + o_k[None, :], mask=m_tk, other=0).to(tl.float32)
+        if GATE == 1:
+            a = x
+        else:
+            if HAS_BIAS:
+                x += tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0).to(tl.float32)[None, :]
+            A = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+            if GATE == 2:  # -exp(A_log) softplus(x), softplus as torch's (x past 20 passes through)
+                y = tl.exp(tl.minimum(x, 20.0))
+                one = 1.0 + y
+                log1p = tl.where(one == 1.0, y, tl.log(one) * (y / (one - 1.0)))
+                a = -A * tl.where(x > 20.0, x, log1p)
+            else:  # lower_bound * sigmoid(exp(A_log) x)
+                a = lower_bound * tl.sigmoid(A * x)
+        tl.store(g + t[:, None] * SG + o_k[None, :], tl.cumsum(tl.where(m_tk, a, 0.0), axis=0) * RCP_LN2, mask=m_tk)
+    if L2NORM or GATE > 0:
+        tl.debug_barrier()  # the rows just written, read back below by other threads of the program
     b_c = tl.load(beta + t * HV, mask=m_t, other=0).to(tl.float32)
 
     # F3: the scores, column block by column block
@@ -195,8 +242,8 @@ def prep_fwd_kernel(
 
 
 # Compiled for sm_90a offline (K=128, V=256, H=HV=16): 255 registers at every config; spills
-# 204 B at BKS=64 and 8 warps, 224 at BKS=32, 1,468-1,624 at 4 warps; K=64 at 4 warps 76 B.
-# Not yet measured.
+# 204 B at BKS=64 and 8 warps, 224 at BKS=32, 1,468-1,624 at 4 warps; K=64 at 4 warps 76 B;
+# with F1 and F2 fused (softplus gate, dt_bias) 360 B at the pin. Not yet measured.
 DEFAULT_CONFIG = dict(BKS=64, BV=64, num_warps=8, num_stages=1)
 
 
@@ -206,27 +253,59 @@ def prep_fwd(q, k, v, gc, beta, scale, chunk_size, cu_seqlens, chunk_indices, sa
     """F3-F6 with fla's contract: (w, u, kg, Aqk, Akk_inv, qg), at value heads in the input
     dtypes; qg is None unless ``disable_recompute``. Exact for any gate (``safe_gate``
     changes nothing here)."""
+    out = _launch(q, k, v, gc, beta, scale, chunk_size, cu_seqlens, chunk_indices, disable_recompute,
+                  dict(BKS=BKS, BV=BV, num_warps=num_warps, num_stages=num_stages))
+    return out["w"], out["u"], out["kg"], out["Aqk"], out["Akk"], out["qg"]
+
+
+def prep_fwd_fused(q, k, v, g, beta, A_log, dt_bias, lower_bound, use_gate_in_kernel, use_qk_l2norm_in_kernel,
+                   scale, chunk_size, cu_seqlens, chunk_indices, safe_gate, disable_recompute, **config):
+    """F1, F2 and F3-F6 in one pass, from the raw q, k and gate: (q, q_rstd, k, k_rstd, gc,
+    w, u, kg, Aqk, Akk_inv, qg) as the three stages give them (q_rstd and k_rstd None
+    without the l2norm, in which case q and k are the inputs)."""
+    B, T, H, K = k.shape
+    HV = v.shape[2]
+    norm = use_qk_l2norm_in_kernel
+    qn = torch.empty_like(q) if norm else q
+    kn = torch.empty_like(k) if norm else k
+    q_rstd = torch.empty(B, T, H, device=k.device, dtype=torch.float32) if norm else None
+    k_rstd = torch.empty_like(q_rstd) if norm else None
+    gc = torch.empty(B, T, HV, K, device=k.device, dtype=torch.float32)
+    gate = 1 if not use_gate_in_kernel else (2 if lower_bound is None else 3)
+    fused = dict(q_raw=q if norm else None, k_raw=k if norm else None, q_rstd=q_rstd, k_rstd=k_rstd,
+                 g_raw=g.contiguous(), A_log=A_log, dt_bias=dt_bias,
+                 lower_bound=0.0 if lower_bound is None else float(lower_bound), L2NORM=norm, GATE=gate,
+                 HAS_BIAS=dt_bias is not None)
+    out = _launch(qn, kn, v, gc, beta, scale, chunk_size, cu_seqlens, chunk_indices, disable_recompute,
+                  {**DEFAULT_CONFIG, **config}, fused)
+    return (qn, q_rstd, kn, k_rstd, gc, out["w"], out["u"], out["kg"], out["Aqk"], out["Akk"], out["qg"])
+
+
+def _launch(q, k, v, gc, beta, scale, chunk_size, cu_seqlens, chunk_indices, disable_recompute, config,
+            fused: dict | None = None) -> dict:
     for name, t in dict(q=q, k=k, v=v, gc=gc, beta=beta).items():
         if not t.is_contiguous():
             raise ValueError(f"the prep kernel indexes {name} as a dense tensor; got strides {t.stride()}")
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     BT = chunk_size
-    w = torch.empty(B, T, HV, K, device=k.device, dtype=k.dtype)
-    kg = torch.empty_like(w)
-    qg = torch.empty_like(w) if disable_recompute else None
-    u = torch.empty_like(v)
-    Aqk = torch.empty(B, T, HV, BT, device=k.device, dtype=k.dtype)
-    Akk = torch.empty_like(Aqk)
+    out = dict(w=torch.empty(B, T, HV, K, device=k.device, dtype=k.dtype))
+    out["kg"] = torch.empty_like(out["w"])
+    out["qg"] = torch.empty_like(out["w"]) if disable_recompute else None
+    out["u"] = torch.empty_like(v)
+    out["Aqk"] = torch.empty(B, T, HV, BT, device=k.device, dtype=k.dtype)
+    out["Akk"] = torch.empty_like(out["Aqk"])
     NT = triton.cdiv(T, BT) if cu_seqlens is None else len(chunk_indices)
     BK = max(16, triton.next_power_of_2(K))
+    fused = fused or dict(q_raw=None, k_raw=None, q_rstd=None, k_rstd=None, g_raw=None, A_log=None, dt_bias=None,
+                          lower_bound=0.0)
     prep_fwd_kernel[(NT, B * HV)](
-        q=q, k=k, v=v, g=gc, beta=beta, Aqk=Aqk, Akk=Akk, w=w, u=u, kg=kg, qg=qg, cu_seqlens=cu_seqlens,
-        chunk_indices=chunk_indices, scale=scale, T=T, H=H, HV=HV, K=K, V=V, BT=BT, BC=BC,
-        BK=BK, BKS=min(BK, BKS), BV=min(BV, max(16, triton.next_power_of_2(V))),
-        IS_VARLEN=cu_seqlens is not None, STORE_QG=disable_recompute, num_warps=num_warps, num_stages=num_stages,
+        q=q, k=k, v=v, g=gc, beta=beta, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, scale=scale, T=T,
+        H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BK=BK, BKS=min(BK, config["BKS"]),
+        BV=min(config["BV"], max(16, triton.next_power_of_2(V))), IS_VARLEN=cu_seqlens is not None,
+        STORE_QG=disable_recompute, num_warps=config["num_warps"], num_stages=config["num_stages"], **out, **fused,
     )
-    return w, u, kg, Aqk, Akk, qg
+    return out
 
 
 def supports(q, k, v, chunk_size, **_) -> str | None:
