@@ -98,7 +98,7 @@ def test_supports_and_not_dispatched_yet():
     inputs = stage_inputs(SHAPES[0])
     assert prep_fwd.supports(**inputs) is None
     assert "chunk_size" in prep_fwd.supports(**dict(inputs, chunk_size=32))
-    assert "ours" not in stages()["F3-F6"].impls
+    assert "ours" not in stages()["F3-F6"].impls and "ours" not in stages()["F1-F6"].impls
 
 
 @pytest.mark.parametrize("p", [
@@ -178,3 +178,31 @@ def test_fused_prep_matches_f1_f2_then_f3_f6(p):
     for name, a, b in zip(("w", "u", "kg", "Aqk", "Akk"), got[5:], f36_out):
         errors[name] = ref.rel_rms(a, b)
     assert all(e <= 2e-3 for e in errors.values()), errors
+
+
+@pytest.mark.parametrize("p", [
+    Problem("chain-K64-gva-h0", 2, 100, 2, 4, 64, 32, initial_state=True, output_final_state=True,
+            dtype=torch.float16),
+    Problem("chain-K128-varlen-layer-safe", 1, 150, 1, 1, 128, 32, cu_seqlens=(0, 80, 150), dtype=torch.float16,
+            lower_bound=-5.0, safe_gate=True, beta_sigmoid_in_kernel=True, state_v_first=True),
+    # fp32: without the l2norm, bf16 inputs put even the reference chain past fla's budgets
+    Problem("chain-pregated-no-l2norm-fp32", 1, 70, 2, 2, 64, 16, gate_in_kernel=False, l2norm_in_kernel=False,
+            dtype=torch.float32),
+], ids=lambda p: p.name)
+def test_chain_with_the_fused_prep_against_the_oracle(p, monkeypatch):
+    """With the fused kernel as the chain's F1-F6 unit, the record shows the unit (and F1b
+    before it) in place of F1, F2 and F3-F6, and the forward and every gradient stay within
+    fla's budgets of the float64 recurrence: the backward reads the q, k, rstds and Aqk,
+    Akk_inv it saved and recomputes the gate from the raw input."""
+    from kernel_fun.kda import last_record
+    from kernel_fun.kda.problems import as_oracle_inputs
+
+    register_for_test(monkeypatch, "F1-F6", prep_fwd.prep_fwd_fused, prep_fwd.supports)
+    kwargs = make_inputs(p, device=DEVICE, seed=17)
+    result = run_fwd_bwd(chunk_kda, kwargs, grid=p.dtype)
+    forward = last_record().forward
+    assert forward["F1-F6"] == "ours" and not {"F1", "F2", "F3-F6"} & set(forward), forward
+    assert ("F1b" in forward) == p.beta_sigmoid_in_kernel
+    oracle = run_fwd_bwd(ref.recurrent_kda, as_oracle_inputs(kwargs), grid=p.dtype)
+    errors = {n: ref.rel_rms(result[n], oracle[n]) for n in oracle if oracle[n] is not None}
+    assert all(errors[n] <= ref.BUDGETS[n] for n in errors), errors

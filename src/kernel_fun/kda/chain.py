@@ -23,6 +23,7 @@ F1          l2norm of q and k (``fla.modules.l2norm.l2norm_fwd``)
 F1b         beta = scale * sigmoid(beta_raw) (``fla.ops.common.gate.fused_beta_sigmoid``)
 F2          gate activation + chunk cumsum (``kda_gate_chunk_cumsum`` / ``chunk_local_cumsum``)
 F3-F6       intra-chunk Aqk, Akk, their solve, w/u/kg (``chunk_kda_fwd_intra``)
+F1-F6       F1, F2 and F3-F6 as one unit, run in their place when kernel-fun's kernel takes it
 F7          the state scan (``chunk_gated_delta_rule_fwd_h``)
 F8          the output (``chunk_gla_fwd_o_gk``)
 F7-F8       F7 and F8 as one unit, run in their place when kernel-fun's kernel takes it
@@ -176,6 +177,16 @@ def _fla_gate_bwd(g, A_log, dt_bias, dyg, lower_bound):
     return kda_gate_bwd(g=g, A_log=A_log, dt_bias=dt_bias, dyg=dyg, lower_bound=lower_bound)
 
 
+def _fla_prep(q, k, v, g, beta, A_log, dt_bias, lower_bound, use_gate_in_kernel, use_qk_l2norm_in_kernel, scale,
+              safe_gate, disable_recompute, chunk_size, cu_seqlens, chunk_indices):
+    q_rstd = k_rstd = None
+    if use_qk_l2norm_in_kernel:
+        q, q_rstd, k, k_rstd = _fla_l2norm_fwd(q, k)
+    gc = _fla_gate(g, use_gate_in_kernel, A_log, dt_bias, lower_bound, chunk_size, cu_seqlens, chunk_indices)
+    return (q, q_rstd, k, k_rstd, gc) + tuple(_fla_intra(q, k, v, gc, beta, scale, chunk_size, cu_seqlens,
+                                                         chunk_indices, safe_gate, disable_recompute))
+
+
 def _fla_scan_output(q, kg, w, u, gc, Aqk, scale, initial_state, output_final_state, save_states, cu_seqlens_cpu,
                      state_v_first, chunk_size, cu_seqlens, chunk_indices):
     h, v_new, final_state = _fla_h(kg, w, u, gc, initial_state, output_final_state, chunk_size, cu_seqlens,
@@ -238,6 +249,16 @@ def _ref_o(q, v_new, gc, Aqk, h, scale, chunk_size, cu_seqlens, chunk_indices, s
     return ref.o_fwd(q, v_new, gc, Aqk, h, scale, chunk_size, cu_seqlens, state_v_first)
 
 
+def _ref_prep(q, k, v, g, beta, A_log, dt_bias, lower_bound, use_gate_in_kernel, use_qk_l2norm_in_kernel, scale,
+              safe_gate, disable_recompute, chunk_size, cu_seqlens, chunk_indices):
+    q_rstd = k_rstd = None
+    if use_qk_l2norm_in_kernel:
+        q, q_rstd, k, k_rstd = _ref_l2norm_fwd(q, k)
+    gc = _ref_gate(g, use_gate_in_kernel, A_log, dt_bias, lower_bound, chunk_size, cu_seqlens, chunk_indices)
+    return (q, q_rstd, k, k_rstd, gc) + tuple(_ref_intra(q, k, v, gc, beta, scale, chunk_size, cu_seqlens,
+                                                         chunk_indices, safe_gate, disable_recompute))
+
+
 def _ref_scan_output(q, kg, w, u, gc, Aqk, scale, initial_state, output_final_state, save_states, cu_seqlens_cpu,
                      state_v_first, chunk_size, cu_seqlens, chunk_indices, exact=False):
     h, v_new, final_state = ref.h_fwd(kg, w, u, gc, initial_state, output_final_state, chunk_size, cu_seqlens,
@@ -296,6 +317,12 @@ _stage("F2", ("F2",), "gate + chunk cumsum", _GATE_IN, ("gc",), _fla_gate, _ref_
 _stage("F3-F6", ("F3", "F4", "F5", "F6"), "intra scores, solve, w/u/kg",
        f"q k v gc beta scale safe_gate disable_recompute {_C}", ("w", "u", "kg", "Aqk", "Akk", "qg"),
        _fla_intra, _ref_intra)
+# F1, F2 and F3-F6 as one unit (from the raw q, k and gate): run in their place when
+# kernel-fun's kernel for it takes the call; fla's side is fla's three stages in turn.
+_stage("F1-F6", ("F1", "F2", "F3", "F4", "F5", "F6"), "l2norm, gate + cumsum, intra scores, solve, w/u/kg (one pass)",
+       "q k v g beta A_log dt_bias lower_bound use_gate_in_kernel use_qk_l2norm_in_kernel scale safe_gate "
+       f"disable_recompute {_C}", ("q", "q_rstd", "k", "k_rstd", "gc", "w", "u", "kg", "Aqk", "Akk", "qg"),
+       _fla_prep, _ref_prep)
 _SCAN_IN = f"kg w u gc initial_state output_final_state cu_seqlens_cpu state_v_first {_C}"
 _stage("F7", ("F7",), "state scan", _SCAN_IN, ("h", "v_new", "final_state"), _fla_h, _ref_h)
 _stage("F8", ("F8",), "output", f"q v_new gc Aqk h scale state_v_first {_C}", ("o",), _fla_o, _ref_o)
@@ -422,21 +449,29 @@ def run_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, opts: Options, 
     if swap:
         initial_state = ref.swap_state(initial_state)
     q_rstd = k_rstd = None
-    if opts.use_qk_l2norm_in_kernel:
-        q, q_rstd, k, k_rstd = run.run("F1", "forward", q=q, k=k)
     beta_raw = beta
-    if opts.use_beta_sigmoid_in_kernel:
-        beta = run.run("F1b", "forward", beta=beta_raw, scale=opts.beta_scale)
-    chunk_indices = _chunk_indices(opts)
-    common["chunk_indices"] = chunk_indices
-    gc = run.run(
-        "F2", "forward", g=g, use_gate_in_kernel=opts.use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
-        lower_bound=opts.lower_bound, **common,
-    )
-    w, u, kg, Aqk, Akk, qg = run.run(
-        "F3-F6", "forward", q=q, k=k, v=v, gc=gc, beta=beta, scale=opts.scale, safe_gate=opts.safe_gate,
-        disable_recompute=opts.disable_recompute, **common,
-    )
+    common["chunk_indices"] = chunk_indices = _chunk_indices(opts)
+    prep = dict(q=q, k=k, v=v, g=g, beta=beta_raw, A_log=A_log, dt_bias=dt_bias, lower_bound=opts.lower_bound,
+                use_gate_in_kernel=opts.use_gate_in_kernel, use_qk_l2norm_in_kernel=opts.use_qk_l2norm_in_kernel,
+                scale=opts.scale, safe_gate=opts.safe_gate, disable_recompute=opts.disable_recompute, **common)
+    if run.takes_ours("F1-F6", **prep):  # (beta's values do not enter the choice)
+        if opts.use_beta_sigmoid_in_kernel:
+            beta = prep["beta"] = run.run("F1b", "forward", beta=beta_raw, scale=opts.beta_scale)
+        q, q_rstd, k, k_rstd, gc, w, u, kg, Aqk, Akk, qg = run.run("F1-F6", "forward", **prep)
+    else:
+        if opts.use_qk_l2norm_in_kernel:
+            q, q_rstd, k, k_rstd = run.run("F1", "forward", q=q, k=k)
+        if opts.use_beta_sigmoid_in_kernel:
+            beta = run.run("F1b", "forward", beta=beta_raw, scale=opts.beta_scale)
+        gc = run.run(
+            "F2", "forward", g=g, use_gate_in_kernel=opts.use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+            lower_bound=opts.lower_bound, **common,
+        )
+        w, u, kg, Aqk, Akk, qg = run.run(
+            "F3-F6", "forward", q=q, k=k, v=v, gc=gc, beta=beta, scale=opts.scale, safe_gate=opts.safe_gate,
+            disable_recompute=opts.disable_recompute, **common,
+        )
+    del prep
     keep = opts.disable_recompute
     scan = dict(kg=kg, w=w, u=u, gc=gc, initial_state=initial_state, output_final_state=opts.output_final_state,
                 cu_seqlens_cpu=opts.cu_seqlens_cpu, **common, **layout)

@@ -56,6 +56,15 @@ def _dot3(a, b):
 
 
 @triton.jit
+def _dot_in(a, b):
+    """The WY products: bf16/fp16 operands on the tensor cores (exact products, fp32 sums);
+    fp32 operands in tf32x3, fp32-level like the reference's."""
+    if a.dtype == tl.float32:
+        return _dot3(a, b)
+    return dot(a, b)
+
+
+@triton.jit
 def _side_by_side(x0, x1, x2, x3, BT: tl.constexpr, BC: tl.constexpr):
     """Four [BT, BC] tiles as one [BT, 4 BC] tile, in order."""
     a = tl.reshape(tl.permute(tl.join(x0, x1), (0, 2, 1)), (BT, 2 * BC))
@@ -225,7 +234,7 @@ def prep_fwd_kernel(
     if beta.dtype.element_ty == dt:  # k beta rounds to their dtype (fp32 when they differ), as in torch
         kb = to(kb, dt).to(tl.float32)
     kbg = to(kb * tl.exp2(g_c), dt)
-    tl.store(w + p_k, to(dot(x_b, kbg), w.dtype.element_ty), mask=m_tk)
+    tl.store(w + p_k, to(_dot_in(x_b, kbg), w.dtype.element_ty), mask=m_tk)
     g_last = tl.load(g + (n_t - 1) * SG + o_k, mask=m_k, other=0)
     kgv = k_c * tl.exp2(tl.where(m_tk, g_last[None, :] - g_c, float("-inf")))
     tl.store(kg + p_k, to(kgv, kg.dtype.element_ty), mask=m_tk)
@@ -238,7 +247,7 @@ def prep_fwd_kernel(
         p_v = (row0 + t)[:, None] * (HV * V) + i_hv * V + o_v[None, :]
         v_c = tl.load(v + p_v, mask=m_tv, other=0).to(tl.float32)
         vb = to(v_c * b_c[:, None], v.dtype.element_ty)
-        tl.store(u + p_v, to(dot(x_b, vb), u.dtype.element_ty), mask=m_tv)
+        tl.store(u + p_v, to(_dot_in(x_b, vb), u.dtype.element_ty), mask=m_tv)
 
 
 # Compiled for sm_90a offline (K=128, V=256, H=HV=16): 255 registers at every config; spills
