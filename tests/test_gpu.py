@@ -440,6 +440,30 @@ def test_prep_matches_fla_f3_f6(p, gates):
     assert not misses, misses
 
 
+@pytest.mark.parametrize("p", SMALL + [FLAGGED[1], PROD], ids=lambda p: p.name)
+def test_fused_prep_matches_fla_f1_f2_f3_f6(p):
+    """F1, F2 and F3-F6 in one pass (prep_fwd_fused) from the raw q, k and gate, against
+    fla's three stages on the same inputs: every output within 2e-3 (a bf16 value one unit
+    off in its last place), the launch witnessed by the record of a chain that has it."""
+    from kernel_fun.kda.chain import _fla_prep
+    from kernel_fun.kda.kernels import prep_fwd
+
+    kwargs = make_inputs(p, device="cuda", seed=18, requires_grad=False)
+    with torch.no_grad(), use_impls("fla"), capture_stages() as log:
+        chunk_kda(**kwargs)
+    (f36,) = [x for name, _, x, _ in log if name == "F3-F6"]
+    unit = dict(q=kwargs["q"], k=kwargs["k"], v=f36["v"], g=kwargs["g"], beta=f36["beta"], A_log=kwargs.get("A_log"),
+                dt_bias=kwargs.get("dt_bias"), lower_bound=p.lower_bound, use_gate_in_kernel=p.gate_in_kernel,
+                use_qk_l2norm_in_kernel=p.l2norm_in_kernel, scale=f36["scale"], safe_gate=p.safe_gate,
+                disable_recompute=p.disable_recompute, chunk_size=64, cu_seqlens=f36["cu_seqlens"],
+                chunk_indices=f36["chunk_indices"])
+    ours, theirs = prep_fwd.prep_fwd_fused(**unit), _fla_prep(**unit)
+    errors = stage_errors("F1-F6", ours, theirs, cu_seqlens=f36["cu_seqlens"])
+    print(p.name, "fused prep vs fla F1+F2+F3-F6", errors)
+    assert all(torch.isfinite(t).all() for t in ours if t is not None)
+    assert all(e <= 2e-3 for e in errors.values()), errors
+
+
 # --------------------------------------------------------------------------------------
 # fla's own KimiDeltaAttention layer through patch_fla()
 # --------------------------------------------------------------------------------------
