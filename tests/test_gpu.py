@@ -444,7 +444,7 @@ def test_prep_matches_fla_f3_f6(p, gates):
 def test_fused_prep_matches_fla_f1_f2_f3_f6(p):
     """F1, F2 and F3-F6 in one pass (prep_fwd_fused) from the raw q, k and gate, against
     fla's three stages on the same inputs: every output within 2e-3 (a bf16 value one unit
-    off in its last place), the launch witnessed by the record of a chain that has it."""
+    off in its last place)."""
     from kernel_fun.kda.chain import _fla_prep
     from kernel_fun.kda.kernels import prep_fwd
 
