@@ -206,3 +206,21 @@ def test_chain_with_the_fused_prep_against_the_oracle(p, monkeypatch):
     oracle = run_fwd_bwd(ref.recurrent_kda, as_oracle_inputs(kwargs), grid=p.dtype)
     errors = {n: ref.rel_rms(result[n], oracle[n]) for n in oracle if oracle[n] is not None}
     assert all(errors[n] <= ref.BUDGETS[n] for n in errors), errors
+
+
+@pytest.mark.parametrize("p", [SHAPES[1], SHAPES[3], SHAPES[4]], ids=lambda p: p.name)
+def test_wy_recompute_matches_b2(p):
+    """The backward's B2 (w, u, qg, kg from the saved Akk_inv) by the same kernel's F6 code,
+    on the inputs the reference chain gives B2: within the bars of the forward's outputs."""
+    from kernel_fun.kda.chain import _ref_wy
+
+    kw = make_inputs(p, device=DEVICE, seed=19)
+    with use_impls("reference"), capture_stages() as log:
+        run_fwd_bwd(chunk_kda, kw, grid=p.dtype)
+    (inputs,) = [x for name, _, x, _ in log if name == "B2"]
+    got, want = prep_fwd.wy_recompute(**inputs), _ref_wy(**inputs)
+    errors = {name: ref.rel_rms(a, b) for name, a, b in zip(("w", "u", "qg", "kg"), got, want)}
+    assert all(e <= 2e-3 for e in errors.values()), errors
+    # elementwise, the reference's roundings: equal but for exp2 of very negative arguments
+    # (denormal results, where the interpreter's and torch's exp2 differ)
+    assert errors["kg"] <= 1e-30 and errors["qg"] <= 1e-30, errors

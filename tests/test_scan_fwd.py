@@ -140,3 +140,33 @@ def test_bench_entry_inputs_run_and_count_bytes():
     # the bf16 stage against its float64 self: the roundings' error, well inside the budget
     assert all(e > 0 for e in errors.values()), errors
     assert abs(stage_f7f8.scan_bytes(problem("prod8192_gate")) / 1e9 - 5.1) < 0.05  # q, kg, w, u, gc, Aqk, o once
+
+
+@pytest.mark.parametrize("p", SHAPES, ids=lambda p: p.name)
+def test_scan_states_match_b3(p):
+    """The backward's B3 (F7 recomputed: h and v_new) by the same kernel without o, on the
+    inputs the reference chain gives B3: bit for bit the reference's h and v_new under the
+    interpreter, as with o."""
+    kw = make_inputs(p, device=DEVICE, seed=20)
+    with use_impls("reference"), capture_stages() as log:
+        run_fwd_bwd(chunk_kda, kw, grid=p.dtype)
+    (inputs, (h, v_new, _)), = [(x, out) for name, _, x, out in log if name == "B3"]
+    got_h, got_vn, got_ht = scan_fwd.scan_states(**inputs)
+    assert got_ht is None and got_h.dtype == h.dtype and got_h.shape == h.shape
+    bound = 1e-6 if INTERPRETING else 2e-3
+    errors = {"h": ref.rel_rms(got_h, h), "v_new": ref.rel_rms(got_vn, v_new)}
+    assert all(e <= bound for e in errors.values()), errors
+
+
+def test_b3_bench_entry_inputs_run_and_count_bytes():
+    from kernel_fun.bench import stage_b3
+    from kernel_fun.kda.parity import stage_errors
+    from kernel_fun.kda.problems import problem
+
+    p = Problem("entry", 1, 100, 2, 4, 64, 32, initial_state=True, output_final_state=True)
+    inputs = stage_b3.make_inputs(p, DEVICE, seed=2)
+    bench = stage_b3.BENCH
+    got = bench.ours(inputs, "scan", bench.launch_config(p, "scan", None))
+    errors = stage_errors("B3", got, bench.exact(**inputs))
+    assert set(errors) == {"h", "v_new", "final_state"} and all(0 < e <= 5e-3 for e in errors.values()), errors
+    assert abs(stage_b3.b3_bytes(problem("prod8192_gate")) / 1e9 - 6.4) < 0.05

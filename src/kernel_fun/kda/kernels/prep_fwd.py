@@ -26,6 +26,9 @@ rows, their rstds and the gate's cumsum (what the scan and the backward read) an
 back after a barrier, so the rest is the same code; with GVA every program of a q/k head
 writes the same normalized rows.
 
+``wy_recompute`` is the backward's B2 (w, u, qg, kg from the saved Akk_inv) from the same
+kernel with the scores and the solve compiled out.
+
 Numerics: the scores and the solve in fp32 (tf32x3 dots), the outputs in the input dtype:
 within the rounding of fla's outputs (the solve's sums run in another order than fla's
 substitution, so a bf16 value can move by one unit in the last place).
@@ -127,12 +130,15 @@ def prep_fwd_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BK: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr, STORE_QG: tl.constexpr,
     L2NORM: tl.constexpr = False, GATE: tl.constexpr = 0, HAS_BIAS: tl.constexpr = False,
+    RECOMPUTE: tl.constexpr = False,
 ):
     """F3-F6 on one (chunk, value head); with L2NORM also F1 (q_raw, k_raw normalized into q,
     k, their rstds), with GATE also F2 into g (1: the chunk cumsum of a given log-decay; 2
     the softplus gate, 3 the lower-bounded one, from g_raw, A_log and dt_bias). The fused
     parts write their outputs first and the rest reads them back (L1/L2) after a barrier,
-    as in the unfused kernel: every program of a q/k head writes the same normalized rows."""
+    as in the unfused kernel: every program of a q/k head writes the same normalized rows.
+    With RECOMPUTE (the backward's B2) Akk holds the saved Akk_inv: no scores, no solve,
+    only w, u, kg and qg from it."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_hv = i_bh % HV
     i_h = i_hv // (HV // H)
@@ -175,55 +181,58 @@ def prep_fwd_kernel(
         tl.debug_barrier()  # the rows just written, read back below by other threads of the program
     b_c = tl.load(beta + t * HV, mask=m_t, other=0).to(tl.float32)
 
-    # F3: the scores, column block by column block
-    sq0, sk0, d0 = _block_scores(q, k, g, 0, n_t, t, K, BK, BKS, SK, SG, BC)
-    sq1, sk1, d1 = _block_scores(q, k, g, BC, n_t, t, K, BK, BKS, SK, SG, BC)
-    sq2, sk2, d2 = _block_scores(q, k, g, 2 * BC, n_t, t, K, BK, BKS, SK, SG, BC)
-    sq3, sk3, d3 = _block_scores(q, k, g, 3 * BC, n_t, t, K, BK, BKS, SK, SG, BC)
-    s_q = _side_by_side(sq0, sq1, sq2, sq3, BT, BC)
-    s_k = _side_by_side(sk0, sk1, sk2, sk3, BT, BC)
-    blk = t // BC
-    if d0.to(tl.int32) + d1.to(tl.int32) + d2.to(tl.int32) + d3.to(tl.int32) < 4:
-        # the diagonals whose span passed the guard, pairwise: row r against s = r's block
-        # start + jj, exp2(g_r - g_s) <= 1
-        pair = tl.where(blk == 0, d0, tl.where(blk == 1, d1, tl.where(blk == 2, d2, d3))).to(tl.int32) == 0
-        q_c = tl.load(q + t[:, None] * SK + o_k[None, :], mask=m_tk, other=0).to(tl.float32)
-        k_c = tl.load(k + t[:, None] * SK + o_k[None, :], mask=m_tk, other=0).to(tl.float32)
-        g_c = tl.load(g + t[:, None] * SG + o_k[None, :], mask=m_tk, other=0)
-        for jj in range(0, BC):
-            o = blk * BC + jj
-            on = pair & m_t & (o <= t)
-            m_ok = on[:, None] & m_k[None, :]
-            k_o = tl.load(k + o[:, None] * SK + o_k[None, :], mask=m_ok, other=0).to(tl.float32)
-            g_o = tl.load(g + o[:, None] * SG + o_k[None, :], mask=m_ok, other=0)
-            kx = k_o * tl.exp2(tl.where(m_ok, g_c - g_o, float("-inf")))
-            at = t[None, :] == o[:, None]
-            s_q += tl.where(at, tl.sum(q_c * kx, axis=1)[:, None], 0.0)
-            s_k += tl.where(at, tl.sum(k_c * kx, axis=1)[:, None], 0.0)
-    valid = m_t[:, None] & m_t[None, :]
-    lower = valid & (t[:, None] >= t[None, :])
-    strict = valid & (t[:, None] > t[None, :])
-    p_a = (row0 + t)[:, None] * (HV * BT) + i_hv * BT + t[None, :]
-    m_a = m_t[:, None] & (t[None, :] < BT)
-    tl.store(Aqk + p_a, to(tl.where(lower, s_q * scale, 0.0), Aqk.dtype.element_ty), mask=m_a)
-    L = tl.where(strict, s_k * b_c[:, None], 0.0)
+    if RECOMPUTE:  # B2: w, u, qg, kg from the saved Akk_inv
+        x_b = tl.load(Akk + (row0 + t)[:, None] * (HV * BT) + i_hv * BT + t[None, :], mask=m_t[:, None], other=0)
+    else:
+        # F3: the scores, column block by column block
+        sq0, sk0, d0 = _block_scores(q, k, g, 0, n_t, t, K, BK, BKS, SK, SG, BC)
+        sq1, sk1, d1 = _block_scores(q, k, g, BC, n_t, t, K, BK, BKS, SK, SG, BC)
+        sq2, sk2, d2 = _block_scores(q, k, g, 2 * BC, n_t, t, K, BK, BKS, SK, SG, BC)
+        sq3, sk3, d3 = _block_scores(q, k, g, 3 * BC, n_t, t, K, BK, BKS, SK, SG, BC)
+        s_q = _side_by_side(sq0, sq1, sq2, sq3, BT, BC)
+        s_k = _side_by_side(sk0, sk1, sk2, sk3, BT, BC)
+        blk = t // BC
+        if d0.to(tl.int32) + d1.to(tl.int32) + d2.to(tl.int32) + d3.to(tl.int32) < 4:
+            # the diagonals whose span passed the guard, pairwise: row r against s = r's block
+            # start + jj, exp2(g_r - g_s) <= 1
+            pair = tl.where(blk == 0, d0, tl.where(blk == 1, d1, tl.where(blk == 2, d2, d3))).to(tl.int32) == 0
+            q_c = tl.load(q + t[:, None] * SK + o_k[None, :], mask=m_tk, other=0).to(tl.float32)
+            k_c = tl.load(k + t[:, None] * SK + o_k[None, :], mask=m_tk, other=0).to(tl.float32)
+            g_c = tl.load(g + t[:, None] * SG + o_k[None, :], mask=m_tk, other=0)
+            for jj in range(0, BC):
+                o = blk * BC + jj
+                on = pair & m_t & (o <= t)
+                m_ok = on[:, None] & m_k[None, :]
+                k_o = tl.load(k + o[:, None] * SK + o_k[None, :], mask=m_ok, other=0).to(tl.float32)
+                g_o = tl.load(g + o[:, None] * SG + o_k[None, :], mask=m_ok, other=0)
+                kx = k_o * tl.exp2(tl.where(m_ok, g_c - g_o, float("-inf")))
+                at = t[None, :] == o[:, None]
+                s_q += tl.where(at, tl.sum(q_c * kx, axis=1)[:, None], 0.0)
+                s_k += tl.where(at, tl.sum(k_c * kx, axis=1)[:, None], 0.0)
+        valid = m_t[:, None] & m_t[None, :]
+        lower = valid & (t[:, None] >= t[None, :])
+        strict = valid & (t[:, None] > t[None, :])
+        p_a = (row0 + t)[:, None] * (HV * BT) + i_hv * BT + t[None, :]
+        m_a = m_t[:, None] & (t[None, :] < BT)
+        tl.store(Aqk + p_a, to(tl.where(lower, s_q * scale, 0.0), Aqk.dtype.element_ty), mask=m_a)
+        L = tl.where(strict, s_k * b_c[:, None], 0.0)
 
-    # F4-F5: (I + L)^-1 through the diagonal blocks' inverses
-    eye = tl.where(t[:, None] == t[None, :], 1.0, 0.0)
-    same = blk[:, None] == blk[None, :]
-    D = tl.where(same, L, 0.0)
-    N = tl.where(same, 0.0, L)
-    D2 = _dot3(D, D)
-    P = _dot3(eye - D, eye + D2)
-    D4 = _dot3(D2, D2)
-    P = _dot3(P, eye + D4)
-    Dinv = _dot3(P, eye + _dot3(D4, D4))
-    M = _dot3(Dinv, N)
-    X = _dot3(eye - _dot3(M, eye - _dot3(M, eye - M)), Dinv)
-    X = tl.where(lower, X, 0.0)
+        # F4-F5: (I + L)^-1 through the diagonal blocks' inverses
+        eye = tl.where(t[:, None] == t[None, :], 1.0, 0.0)
+        same = blk[:, None] == blk[None, :]
+        D = tl.where(same, L, 0.0)
+        N = tl.where(same, 0.0, L)
+        D2 = _dot3(D, D)
+        P = _dot3(eye - D, eye + D2)
+        D4 = _dot3(D2, D2)
+        P = _dot3(P, eye + D4)
+        Dinv = _dot3(P, eye + _dot3(D4, D4))
+        M = _dot3(Dinv, N)
+        X = _dot3(eye - _dot3(M, eye - _dot3(M, eye - M)), Dinv)
+        X = tl.where(lower, X, 0.0)
 
-    x_b = to(X, Akk.dtype.element_ty)
-    tl.store(Akk + p_a, x_b, mask=m_a)
+        x_b = to(X, Akk.dtype.element_ty)
+        tl.store(Akk + p_a, x_b, mask=m_a)
 
     # F6: w = Akk_inv (beta k exp2 g), u = Akk_inv (beta v), kg = k exp2(g_last - g)
     dt = k.dtype.element_ty
@@ -290,8 +299,16 @@ def prep_fwd_fused(q, k, v, g, beta, A_log, dt_bias, lower_bound, use_gate_in_ke
     return (qn, q_rstd, kn, k_rstd, gc, out["w"], out["u"], out["kg"], out["Aqk"], out["Akk"], out["qg"])
 
 
+def wy_recompute(q, k, v, beta, A, gc, chunk_size, cu_seqlens, chunk_indices, **config):
+    """B2 with fla's contract (``recompute_w_u_fwd``): (w, u, qg, kg) from the saved Akk_inv
+    ``A``, by the same kernel's F6 code."""
+    out = _launch(q, k, v, gc, beta, 1.0, chunk_size, cu_seqlens, chunk_indices, True, {**DEFAULT_CONFIG, **config},
+                  recompute=A)
+    return out["w"], out["u"], out["qg"], out["kg"]
+
+
 def _launch(q, k, v, gc, beta, scale, chunk_size, cu_seqlens, chunk_indices, disable_recompute, config,
-            fused: dict | None = None) -> dict:
+            fused: dict | None = None, recompute: torch.Tensor | None = None) -> dict:
     for name, t in dict(q=q, k=k, v=v, gc=gc, beta=beta).items():
         if not t.is_contiguous():
             raise ValueError(f"the prep kernel indexes {name} as a dense tensor; got strides {t.stride()}")
@@ -302,8 +319,11 @@ def _launch(q, k, v, gc, beta, scale, chunk_size, cu_seqlens, chunk_indices, dis
     out["kg"] = torch.empty_like(out["w"])
     out["qg"] = torch.empty_like(out["w"]) if disable_recompute else None
     out["u"] = torch.empty_like(v)
-    out["Aqk"] = torch.empty(B, T, HV, BT, device=k.device, dtype=k.dtype)
-    out["Akk"] = torch.empty_like(out["Aqk"])
+    if recompute is None:
+        out["Aqk"] = torch.empty(B, T, HV, BT, device=k.device, dtype=k.dtype)
+        out["Akk"] = torch.empty_like(out["Aqk"])
+    else:  # read, not written
+        out["Aqk"], out["Akk"] = None, recompute
     NT = triton.cdiv(T, BT) if cu_seqlens is None else len(chunk_indices)
     BK = max(16, triton.next_power_of_2(K))
     fused = fused or dict(q_raw=None, k_raw=None, q_rstd=None, k_rstd=None, g_raw=None, A_log=None, dt_bias=None,
@@ -312,7 +332,8 @@ def _launch(q, k, v, gc, beta, scale, chunk_size, cu_seqlens, chunk_indices, dis
         q=q, k=k, v=v, g=gc, beta=beta, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, scale=scale, T=T,
         H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BK=BK, BKS=min(BK, config["BKS"]),
         BV=min(config["BV"], max(16, triton.next_power_of_2(V))), IS_VARLEN=cu_seqlens is not None,
-        STORE_QG=disable_recompute, num_warps=config["num_warps"], num_stages=config["num_stages"], **out, **fused,
+        STORE_QG=disable_recompute, RECOMPUTE=recompute is not None, num_warps=config["num_warps"],
+        num_stages=config["num_stages"], **out, **fused,
     )
     return out
 

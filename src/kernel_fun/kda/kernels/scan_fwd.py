@@ -12,7 +12,9 @@ V slice) carries the state S [K, BV] in fp32 through the sequence's chunks and p
 
 with the roundings where fla's two kernels make them (h, v_new, q*exp2(g) and Aqk in the
 input dtype before their dots; fp32 accumulation). ``save_states`` also writes h and
-v_new (the backward's B3 recompute, and ``disable_recompute``'s saved tensors).
+v_new (``disable_recompute``'s saved tensors); ``scan_states`` is the backward's B3 (F7
+recomputed) from the same kernel with o compiled out (BV=64 at 4 warps: 200-206 registers,
+two programs an SM; not yet measured).
 
 Numerics: the chunk loop is the sequential recurrence, in fla's order; only the blocking
 inside each dot reassociates fp32 sums.
@@ -47,8 +49,10 @@ def scan_fwd_kernel(
     q, kg, w, u, g, Aqk, h0, o, ht, h, v_new, cu_seqlens, chunk_offsets, scale, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr,
-    STORE_HT: tl.constexpr, SAVE_STATES: tl.constexpr,
+    STORE_HT: tl.constexpr, SAVE_STATES: tl.constexpr, WITH_O: tl.constexpr = True,
 ):
+    """The scan on one (sequence, value head, V slice); without WITH_O (the backward's B3)
+    only the states: h and v_new written, o's loads and dots compiled out."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
@@ -92,14 +96,15 @@ def scan_fwd_kernel(
         if SAVE_STATES:
             tl.store(v_new + p_hv, b_vn, mask=m_tv)
 
-        b_q = tl.load(q + (row0 + o_t)[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_tk, other=0)
-        b_g = tl.load(g + p_hk, mask=m_tk, other=0).to(tl.float32)
-        b_qg = to(b_q.to(tl.float32) * tl.exp2(b_g), q.dtype.element_ty)
-        m_A = m_t[:, None] & (o_t[None, :] <= o_t[:, None])
-        b_A = to(tl.load(Aqk + (row0 + o_t)[:, None] * (HV * BT) + i_hv * BT + o_t[None, :], mask=m_A, other=0),
-                 u.dtype.element_ty)
-        b_o = scale * dot(b_qg, b_Sb) + dot(b_A, b_vn)
-        tl.store(o + p_hv, to(b_o, o.dtype.element_ty), mask=m_tv)
+        if WITH_O:
+            b_q = tl.load(q + (row0 + o_t)[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_tk, other=0)
+            b_g = tl.load(g + p_hk, mask=m_tk, other=0).to(tl.float32)
+            b_qg = to(b_q.to(tl.float32) * tl.exp2(b_g), q.dtype.element_ty)
+            m_A = m_t[:, None] & (o_t[None, :] <= o_t[:, None])
+            b_A = to(tl.load(Aqk + (row0 + o_t)[:, None] * (HV * BT) + i_hv * BT + o_t[None, :], mask=m_A, other=0),
+                     u.dtype.element_ty)
+            b_o = scale * dot(b_qg, b_Sb) + dot(b_A, b_vn)
+            tl.store(o + p_hv, to(b_o, o.dtype.element_ty), mask=m_tv)
 
         i_last = tl.minimum(n_t, BT) - 1
         b_gl = tl.load(g + (row0 + i_last) * (HV * K) + i_hv * K + o_k, mask=m_k, other=0).to(tl.float32)
@@ -124,11 +129,18 @@ def scan_fwd(q, kg, w, u, gc, Aqk, scale, initial_state, output_final_state, chu
              num_stages: int = DEFAULT_CONFIG["num_stages"]):
     """F7 + F8 with fla's contracts: returns (o in u's dtype, the final state fp32 or None,
     h [B, NT, HV, K, V] and v_new when ``save_states``, else None, None). States in [K, V]."""
-    B, T, H, K = q.shape
-    HV, V = u.shape[2], u.shape[3]
+    return _scan(q, kg, w, u, gc, Aqk, scale, initial_state, output_final_state, chunk_size, cu_seqlens, save_states,
+                 BV, num_warps, num_stages)
+
+
+def _scan(q, kg, w, u, gc, Aqk, scale, initial_state, output_final_state, chunk_size, cu_seqlens, save_states,
+          BV, num_warps, num_stages, with_o: bool = True):
+    B, T, HV, K = kg.shape
+    H = q.shape[2] if with_o else HV
+    V = u.shape[3]
     BT = chunk_size
     for name, t in dict(q=q, kg=kg, w=w, u=u, gc=gc, Aqk=Aqk).items():
-        if not t.is_contiguous():
+        if t is not None and not t.is_contiguous():
             raise ValueError(f"the scan kernel indexes {name} as a dense tensor; got strides {t.stride()}")
     if cu_seqlens is None:
         N, NT_total, chunk_offsets = B, B * triton.cdiv(T, BT), None
@@ -137,7 +149,7 @@ def scan_fwd(q, kg, w, u, gc, Aqk, scale, initial_state, output_final_state, chu
         counts = (lens + BT - 1) // BT
         chunk_offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
         N, NT_total = len(cu_seqlens) - 1, int(chunk_offsets[-1])
-    o = torch.empty_like(u)
+    o = torch.empty_like(u) if with_o else None
     ht = torch.empty(N, HV, K, V, device=u.device, dtype=torch.float32) if output_final_state else None
     h = v_new = None
     if save_states:
@@ -148,7 +160,7 @@ def scan_fwd(q, kg, w, u, gc, Aqk, scale, initial_state, output_final_state, chu
         q=q, kg=kg, w=w, u=u, g=gc, Aqk=Aqk, h0=initial_state, o=o, ht=ht, h=h, v_new=v_new,
         cu_seqlens=cu_seqlens, chunk_offsets=chunk_offsets, scale=scale, T=T,
         H=H, HV=HV, K=K, V=V, BT=BT, BK=triton.next_power_of_2(K), BV=BV, IS_VARLEN=cu_seqlens is not None,
-        HAS_H0=initial_state is not None, STORE_HT=output_final_state, SAVE_STATES=save_states,
+        HAS_H0=initial_state is not None, STORE_HT=output_final_state, SAVE_STATES=save_states, WITH_O=with_o,
         num_warps=num_warps, num_stages=num_stages,
     )
     return o, ht, h, v_new
@@ -162,6 +174,18 @@ def scan_output(q, kg, w, u, gc, Aqk, scale, initial_state, output_final_state, 
         raise ValueError("the scan kernel keeps its states in [K, V]; the chain passes them so")
     return scan_fwd(q, kg, w, u, gc, Aqk, scale, initial_state, output_final_state, chunk_size, cu_seqlens,
                     save_states=save_states, **config)
+
+
+def scan_states(kg, w, u, gc, initial_state, output_final_state, chunk_size, cu_seqlens, cu_seqlens_cpu,
+                chunk_indices, state_v_first, **config):
+    """B3 (F7 recomputed in the backward) with fla's contract: (h [B, NT, HV, K, V], v_new,
+    the final state or None), from the same kernel without o. States in [K, V]."""
+    if state_v_first:
+        raise ValueError("the scan kernel keeps its states in [K, V]; the chain passes them so")
+    cfg = {**DEFAULT_CONFIG, **config}
+    _, ht, h, v_new = _scan(None, kg, w, u, gc, None, 1.0, initial_state, output_final_state, chunk_size, cu_seqlens,
+                            True, cfg["BV"], cfg["num_warps"], cfg["num_stages"], with_o=False)
+    return h, v_new, ht
 
 
 def supports(q, chunk_size, state_v_first=False, **_) -> str | None:
