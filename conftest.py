@@ -25,6 +25,19 @@ import triton.runtime.autotuner as _autotuner  # noqa: E402
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Where kernel-fun's Triton kernels can run in this session, and the device their tests use.
 DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+
+def chain_problems():
+    """Two small whole-chain problems a kernel's chain test runs against the float64
+    recurrence: GVA with h0 and the final state, and packed sequences at safe_gate, fp16."""
+    from kernel_fun.kda.problems import Problem
+
+    return [
+        Problem("chain-K64-gva-h0", 2, 100, 2, 4, 64, 32, initial_state=True, output_final_state=True,
+                dtype=torch.float16),
+        Problem("chain-K128-varlen-safe", 1, 150, 1, 1, 128, 32, cu_seqlens=(0, 80, 150), dtype=torch.float16,
+                lower_bound=-5.0, safe_gate=True),
+    ]
 needs_triton = pytest.mark.skipif(not (INTERPRETING or HAS_CUDA),
                                   reason="Triton kernels need the interpreter or a CUDA device")
 # CPU-path tests that expect kernel-fun's kernels to run on CPU tensors; on a GPU machine

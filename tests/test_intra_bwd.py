@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from conftest import DEVICE, needs_triton
+from conftest import DEVICE, chain_problems, needs_triton
 from kernel_fun.kda import chunk_kda
 from kernel_fun.kda import reference as ref
 from kernel_fun.kda.kernels import intra_bwd
@@ -150,12 +150,7 @@ def test_default_config_compiles_within_its_recorded_spills(design, K, spills):
     assert row["spill_stores"] <= spills and row["spill_loads"] <= spills, row
 
 
-@pytest.mark.parametrize("p", [
-    Problem("chain-K64-gva-h0", 2, 100, 2, 4, 64, 32, initial_state=True, output_final_state=True,
-            dtype=torch.float16),
-    Problem("chain-K128-varlen-safe", 1, 150, 1, 1, 128, 32, cu_seqlens=(0, 80, 150), dtype=torch.float16,
-            lower_bound=-5.0, safe_gate=True),
-], ids=lambda p: p.name)
+@pytest.mark.parametrize("p", chain_problems(), ids=lambda p: p.name)
 def test_chain_with_our_b7_against_the_oracle(p):
     """B7's launcher takes the chain's stage contract as registered: with it in the chain
     (B6 ours too; the B7-B9 unit held off, so B7 runs alone), every output and gradient

@@ -177,14 +177,17 @@ def _fla_gate_bwd(g, A_log, dt_bias, dyg, lower_bound):
     return kda_gate_bwd(g=g, A_log=A_log, dt_bias=dt_bias, dyg=dyg, lower_bound=lower_bound)
 
 
-def _fla_prep(q, k, v, g, beta, A_log, dt_bias, lower_bound, use_gate_in_kernel, use_qk_l2norm_in_kernel, scale,
-              safe_gate, disable_recompute, chunk_size, cu_seqlens, chunk_indices):
-    q_rstd = k_rstd = None
-    if use_qk_l2norm_in_kernel:
-        q, q_rstd, k, k_rstd = _fla_l2norm_fwd(q, k)
-    gc = _fla_gate(g, use_gate_in_kernel, A_log, dt_bias, lower_bound, chunk_size, cu_seqlens, chunk_indices)
-    return (q, q_rstd, k, k_rstd, gc) + tuple(_fla_intra(q, k, v, gc, beta, scale, chunk_size, cu_seqlens,
-                                                         chunk_indices, safe_gate, disable_recompute))
+def _prep_in_turn(l2norm_fwd, gate, intra):
+    """The F1-F6 unit as its three stages in turn (fla's, or the references)."""
+    def prep(q, k, v, g, beta, A_log, dt_bias, lower_bound, use_gate_in_kernel, use_qk_l2norm_in_kernel, scale,
+             safe_gate, disable_recompute, chunk_size, cu_seqlens, chunk_indices):
+        q_rstd = k_rstd = None
+        if use_qk_l2norm_in_kernel:
+            q, q_rstd, k, k_rstd = l2norm_fwd(q, k)
+        gc = gate(g, use_gate_in_kernel, A_log, dt_bias, lower_bound, chunk_size, cu_seqlens, chunk_indices)
+        return (q, q_rstd, k, k_rstd, gc) + tuple(intra(q, k, v, gc, beta, scale, chunk_size, cu_seqlens,
+                                                        chunk_indices, safe_gate, disable_recompute))
+    return prep
 
 
 def _fla_scan_output(q, kg, w, u, gc, Aqk, scale, initial_state, output_final_state, save_states, cu_seqlens_cpu,
@@ -249,16 +252,6 @@ def _ref_o(q, v_new, gc, Aqk, h, scale, chunk_size, cu_seqlens, chunk_indices, s
     return ref.o_fwd(q, v_new, gc, Aqk, h, scale, chunk_size, cu_seqlens, state_v_first)
 
 
-def _ref_prep(q, k, v, g, beta, A_log, dt_bias, lower_bound, use_gate_in_kernel, use_qk_l2norm_in_kernel, scale,
-              safe_gate, disable_recompute, chunk_size, cu_seqlens, chunk_indices):
-    q_rstd = k_rstd = None
-    if use_qk_l2norm_in_kernel:
-        q, q_rstd, k, k_rstd = _ref_l2norm_fwd(q, k)
-    gc = _ref_gate(g, use_gate_in_kernel, A_log, dt_bias, lower_bound, chunk_size, cu_seqlens, chunk_indices)
-    return (q, q_rstd, k, k_rstd, gc) + tuple(_ref_intra(q, k, v, gc, beta, scale, chunk_size, cu_seqlens,
-                                                         chunk_indices, safe_gate, disable_recompute))
-
-
 def _ref_scan_output(q, kg, w, u, gc, Aqk, scale, initial_state, output_final_state, save_states, cu_seqlens_cpu,
                      state_v_first, chunk_size, cu_seqlens, chunk_indices, exact=False):
     h, v_new, final_state = ref.h_fwd(kg, w, u, gc, initial_state, output_final_state, chunk_size, cu_seqlens,
@@ -319,10 +312,11 @@ _stage("F3-F6", ("F3", "F4", "F5", "F6"), "intra scores, solve, w/u/kg",
        _fla_intra, _ref_intra)
 # F1, F2 and F3-F6 as one unit (from the raw q, k and gate): run in their place when
 # kernel-fun's kernel for it takes the call; fla's side is fla's three stages in turn.
+_fla_prep = _prep_in_turn(_fla_l2norm_fwd, _fla_gate, _fla_intra)
 _stage("F1-F6", ("F1", "F2", "F3", "F4", "F5", "F6"), "l2norm, gate + cumsum, intra scores, solve, w/u/kg (one pass)",
        "q k v g beta A_log dt_bias lower_bound use_gate_in_kernel use_qk_l2norm_in_kernel scale safe_gate "
        f"disable_recompute {_C}", ("q", "q_rstd", "k", "k_rstd", "gc", "w", "u", "kg", "Aqk", "Akk", "qg"),
-       _fla_prep, _ref_prep)
+       _fla_prep, _prep_in_turn(_ref_l2norm_fwd, _ref_gate, _ref_intra))
 _SCAN_IN = f"kg w u gc initial_state output_final_state cu_seqlens_cpu state_v_first {_C}"
 _stage("F7", ("F7",), "state scan", _SCAN_IN, ("h", "v_new", "final_state"), _fla_h, _ref_h)
 _stage("F8", ("F8",), "output", f"q v_new gc Aqk h scale state_v_first {_C}", ("o",), _fla_o, _ref_o)
