@@ -6,8 +6,6 @@ recurrence."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 

@@ -89,6 +89,20 @@ def qk_and_gate(p: Problem, device, seed: int):
     return randn, q, k, gc.contiguous()
 
 
+def chain_inputs(p: Problem, device, seed: int, names: tuple[str, ...]) -> dict[str, dict]:
+    """The inputs the chain gives the named stages: one forward through the reference stages
+    (torch, on ``device``) at problem ``p``, so a stage's inputs are a real chain's (w and u a
+    real WY transform's, the state bounded)."""
+    from kernel_fun.kda import chunk_kda
+    from kernel_fun.kda.problems import make_inputs as call_inputs
+    from kernel_fun.kda.stages import capture_stages, use_impls
+
+    kwargs = call_inputs(p, device=device, seed=seed, requires_grad=False)
+    with torch.no_grad(), use_impls("reference"), capture_stages() as log:
+        chunk_kda(**kwargs)
+    return {name: x for name, _, x, _ in log if name in names}
+
+
 def entries() -> dict[str, StageBench]:
     """Every stage with a bench entry, by stage name."""
     from kernel_fun.bench import stage_b3, stage_b6, stage_b7, stage_f3f6, stage_f7f8

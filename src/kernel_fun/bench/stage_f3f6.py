@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import sys
 
-import torch
-
-from kernel_fun.bench.stage import StageBench, main as _stage_main
+from kernel_fun.bench.stage import StageBench, chain_inputs, main as _stage_main
 
 # The configs worth timing (the note at prep_fwd.DEFAULT_CONFIG): the default (8 warps, the
 # K sum in slices of 64: the fewest spills), slices of 32, and 4 warps.
@@ -35,15 +33,7 @@ def prep_bytes(p) -> int:
 
 
 def make_inputs(p, device, seed: int = 0) -> dict:
-    from kernel_fun.kda import chunk_kda
-    from kernel_fun.kda.problems import make_inputs as call_inputs
-    from kernel_fun.kda.stages import capture_stages, use_impls
-
-    kwargs = call_inputs(p, device=device, seed=seed, requires_grad=False)
-    with torch.no_grad(), use_impls("reference"), capture_stages() as log:
-        chunk_kda(**kwargs)
-    (inputs,) = [x for name, _, x, _ in log if name == "F3-F6"]
-    return inputs
+    return chain_inputs(p, device, seed, ("F3-F6",))["F3-F6"]
 
 
 def _fla(**inputs):

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import sys
 
-import torch
-
-from kernel_fun.bench.stage import StageBench, main as _stage_main
+from kernel_fun.bench.stage import StageBench, chain_inputs, main as _stage_main
 
 # The configs worth timing (the note at scan_fwd.DEFAULT_CONFIG): the default (BV=128 at 8
 # warps, the prod8192_gate winner), BV=64 at 8 warps and BV=32 at 4 (the one-head winner),
@@ -39,16 +37,8 @@ def scan_bytes(p) -> int:
 
 
 def make_inputs(p, device, seed: int = 0) -> dict:
-    from kernel_fun.kda import chunk_kda
-    from kernel_fun.kda.problems import make_inputs as call_inputs
-    from kernel_fun.kda.stages import capture_stages, use_impls
-
-    kwargs = call_inputs(p, device=device, seed=seed, requires_grad=False)
-    with torch.no_grad(), use_impls("reference"), capture_stages() as log:
-        chunk_kda(**kwargs)
-    (f7,) = [x for name, _, x, _ in log if name == "F7"]
-    (f8,) = [x for name, _, x, _ in log if name == "F8"]
-    del log
+    found = chain_inputs(p, device, seed, ("F7", "F8"))
+    f7, f8 = found["F7"], found["F8"]
     return dict(q=f8["q"], Aqk=f8["Aqk"], scale=f8["scale"], save_states=False,
                 **{n: f7[n] for n in ("kg", "w", "u", "gc", "initial_state", "output_final_state", "cu_seqlens_cpu",
                                       "state_v_first", "chunk_size", "cu_seqlens", "chunk_indices")})
