@@ -170,3 +170,11 @@ def test_b3_bench_entry_inputs_run_and_count_bytes():
     errors = stage_errors("B3", got, bench.exact(**inputs))
     assert set(errors) == {"h", "v_new", "final_state"} and all(0 < e <= 5e-3 for e in errors.values()), errors
     assert abs(stage_b3.b3_bytes(problem("prod8192_gate")) / 1e9 - 6.4) < 0.05
+
+
+def test_launch_picks_the_v_slice_by_grid():
+    """The measured ends: 256 chains of V=256 (prod8192_gate) take BV=128, one chain BV=32;
+    the unit's launch without a config takes the pick."""
+    assert scan_fwd.launch_config(256, 256, 132)["BV"] == 128
+    assert scan_fwd.launch_config(1, 256, 132)["BV"] == 32
+    assert scan_fwd.launch_config(1, 16, 132)["BV"] == 32  # never wider than V needs

@@ -122,6 +122,19 @@ def scan_fwd_kernel(
 # Measured at prod8192_gate: BV=128 3.28 ms, BV=64 4.77, BV=32 (4 warps) 6.75; at one head
 # (step8192) BV=32 0.411, BV=64 0.621, BV=128 0.790.
 DEFAULT_CONFIG = dict(BV=128, num_warps=8, num_stages=2)
+# The measured configs by V slice, each one program an SM, with its chunk step's latency at
+# one head (step8192, us): the launch takes the slice whose waves x latency is least.
+STEP_CONFIGS = {32: (dict(BV=32, num_warps=4, num_stages=2), 3.2), 64: (dict(BV=64, num_warps=8, num_stages=2), 4.9),
+                128: (dict(BV=128, num_warps=8, num_stages=2), 6.2)}
+
+
+def launch_config(sequence_heads: int, V: int, sms: int) -> dict:
+    """The config for ``sequence_heads`` chains of V columns on ``sms`` SMs: the V slice
+    whose waves (one program an SM) times its step latency is least (prod8192_gate: 256
+    chains, BV=128; one chain: BV=32)."""
+    def cost(bv):
+        return -(-sequence_heads * -(-V // bv) // sms) * STEP_CONFIGS[bv][1]
+    return dict(STEP_CONFIGS[min((bv for bv in STEP_CONFIGS if bv <= max(32, V)), key=cost)][0])
 
 
 def scan_fwd(q, kg, w, u, gc, Aqk, scale, initial_state, output_final_state, chunk_size, cu_seqlens,
@@ -172,6 +185,10 @@ def scan_output(q, kg, w, u, gc, Aqk, scale, initial_state, output_final_state, 
     h and v_new when ``save_states``, else None, None); states in [K, V]."""
     if state_v_first:
         raise ValueError("the scan kernel keeps its states in [K, V]; the chain passes them so")
+    if not config:
+        N = kg.shape[0] if cu_seqlens is None else len(cu_seqlens) - 1
+        sms = torch.cuda.get_device_properties(kg.device).multi_processor_count if kg.is_cuda else 132
+        config = launch_config(N * kg.shape[2], u.shape[3], sms)
     return scan_fwd(q, kg, w, u, gc, Aqk, scale, initial_state, output_final_state, chunk_size, cu_seqlens,
                     save_states=save_states, **config)
 
