@@ -215,3 +215,26 @@ def test_wy_recompute_matches_b2(p):
     # elementwise, the reference's roundings: equal but for exp2 of very negative arguments
     # (denormal results, where the interpreter's and torch's exp2 differ)
     assert errors["kg"] <= 1e-30 and errors["qg"] <= 1e-30, errors
+
+
+@pytest.mark.parametrize("p", chain_problems(), ids=lambda p: p.name)
+def test_chain_with_every_forward_kernel_and_the_recompute(p, monkeypatch):
+    """The fused prep as F1-F6, the scan as F7-F8, and in the backward the same kernels as B2
+    (wy_recompute) and B3 (scan_states), all registered for the test: the record shows each,
+    and the forward and every gradient stay within fla's budgets of the float64 recurrence."""
+    from kernel_fun.kda import last_record
+    from kernel_fun.kda.kernels import scan_fwd
+    from kernel_fun.kda.problems import as_oracle_inputs
+
+    register_for_test(monkeypatch, "F1-F6", prep_fwd.prep_fwd_fused, prep_fwd.supports)
+    register_for_test(monkeypatch, "F7-F8", scan_fwd.scan_output, scan_fwd.supports)
+    register_for_test(monkeypatch, "B2", prep_fwd.wy_recompute, prep_fwd.supports)
+    register_for_test(monkeypatch, "B3", scan_fwd.scan_states, lambda kg, **kw: scan_fwd.supports(q=kg, **kw))
+    kwargs = make_inputs(p, device=DEVICE, seed=21)
+    result = run_fwd_bwd(chunk_kda, kwargs, grid=p.dtype)
+    record = last_record()
+    assert record.forward["F1-F6"] == record.forward["F7-F8"] == "ours", record.forward
+    assert record.backward["B2"] == record.backward["B3"] == "ours", record.backward
+    oracle = run_fwd_bwd(ref.recurrent_kda, as_oracle_inputs(kwargs), grid=p.dtype)
+    errors = {n: ref.rel_rms(result[n], oracle[n]) for n in oracle if oracle[n] is not None}
+    assert all(errors[n] <= ref.BUDGETS[n] for n in errors), errors

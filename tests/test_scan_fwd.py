@@ -173,8 +173,7 @@ def test_b3_bench_entry_inputs_run_and_count_bytes():
 
 
 def test_launch_picks_the_v_slice_by_grid():
-    """The measured ends: 256 chains of V=256 (prod8192_gate) take BV=128, one chain BV=32;
-    the unit's launch without a config takes the pick."""
+    """The measured ends: 256 chains of V=256 (prod8192_gate) take BV=128, one chain BV=32."""
     assert scan_fwd.launch_config(256, 256, 132)["BV"] == 128
     assert scan_fwd.launch_config(1, 256, 132)["BV"] == 32
     assert scan_fwd.launch_config(1, 16, 132)["BV"] == 32  # never wider than V needs
