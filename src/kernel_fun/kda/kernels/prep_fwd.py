@@ -16,7 +16,7 @@ K channels is within 2^64 (GUARD_SPAN, as B7's kernel), else it is summed pairwi
 cores (16 steps, one exp2(g_r - g_s) <= 1 per pair): exact for any gate, so ``safe_gate``
 changes nothing here. The solve is blocked: each 16x16 diagonal block D (nilpotent) is
 inverted as (I - D)(I + D^2)(I + D^4)(I + D^8), then the off-diagonal part through
-M = (I + D)^-1 N, nilpotent of order 4: (I + Akk)^-1 = (I - M + M^2 - M^3)(I + D)^-1, eleven
+M = (I + D)^-1 N, nilpotent of order 4: (I + Akk)^-1 = (I - M + M^2 - M^3)(I + D)^-1, ten
 [64, 64] dots in tf32x3. Akk_inv is rounded to the input dtype before w and u, as fla does,
 and every rounding of w, u, kg and qg is the reference's.
 
@@ -35,7 +35,9 @@ substitution, so a bf16 value can move by one unit in the last place).
 
 Falls back (``supports``): chunk size other than 64, K > 256. Not dispatched yet: built and
 verified through the interpreter against the reference stage (tests/test_prep_fwd.py);
-its H200 parity and time come first.
+not yet run on the H200. Predicted 2.5-3.5 ms at prod8192_gate against fla's 4.57: one
+8-warp program an SM at 255 registers (204 B of spills), bound by that rather than by its
+1.39 ms of memory floor (docs/log/prep.md).
 """
 
 from __future__ import annotations
