@@ -7,8 +7,8 @@ against fla's F7 then F8.
 The inputs are the chain's own: one forward through the reference stages (torch, on the
 same device) at the shape, and F7's and F8's inputs taken from it (kg, w, u, gc, q, Aqk,
 the initial state where the problem has one), so w and u are a real WY transform's and the
-state stays bounded. step8192 (one sequence, one head: 2-8 programs, one a V slice, of 128 dependent
-chunk steps) times the scan's step latency: its time over 128 is the time of one step.
+state stays bounded. step8192 (one sequence, one head: 2-8 programs, one a V slice, each
+of 128 dependent chunk steps) times the scan's step latency: its time over 128 is one step's.
 Parity (``kda.parity.scan_misses``): o and the final state against fla's within 2e-3 and
 against the float64 stage within fla's budget (0.005) and within 10% of fla's own error.
 """
