@@ -311,7 +311,7 @@ def test_b7_matches_fla_stage(shape):
 @pytest.mark.parametrize("shape", ["grid1024", "b8"])
 def test_b7_matches_fla_stage_with_safe_gate(shape):
     """At a gate bounded by lower_bound=-5 (fla's safe_gate form, its anchored diagonal):
-    the dispatcher leaves these calls to fla for speed, but the kernel is exact there."""
+    every design against fla's stage and the float64 stage."""
     from kernel_fun.bench import stage_b7
 
     p = dataclasses.replace(problem(shape), safe_gate=True, lower_bound=-5.0)

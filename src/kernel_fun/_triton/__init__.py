@@ -29,6 +29,18 @@ def dot(a, b):
     return tl.dot(a, b)
 
 
+# An anchored factor exp2(g_r - g_anchor) may pass 1 only while the gate's span through the
+# anchor is at most this (log2): factors within 2^+-64, so even gradients of 1e-18 stay
+# normal numbers in the dots (B7's and the prep kernel's diagonal blocks).
+GUARD_SPAN = tl.constexpr(64.0)
+
+
+@triton.jit
+def dot3(a, b):
+    """fp32 x fp32 on the tensor cores in tf32x3 (three tf32 products: fp32-level accuracy)."""
+    return tl.dot(a, b, input_precision="tf32x3")
+
+
 @triton.jit
 def to(x, dtype: tl.constexpr):
     if INTERPRETING:

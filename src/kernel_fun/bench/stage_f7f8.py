@@ -68,7 +68,7 @@ def _launch_config(p, design, overrides):
     if design != "scan":
         raise ValueError(f"unknown F7-F8 design {design!r}")
     sequences = p.B if p.cu_seqlens is None else len(p.cu_seqlens) - 1
-    return {**scan_fwd.launch_config(sequences * p.HV, p.V, 132), **(overrides or {})}
+    return {**scan_fwd.launch_config(sequences * p.HV, p.V), **(overrides or {})}
 
 
 def _misses(vs_exact, fla_exact, vs_fla):

@@ -470,17 +470,15 @@ def run_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, opts: Options, 
     scan = dict(kg=kg, w=w, u=u, gc=gc, initial_state=initial_state, output_final_state=opts.output_final_state,
                 cu_seqlens_cpu=opts.cu_seqlens_cpu, **common, **layout)
     unit = dict(q=q, Aqk=Aqk, scale=opts.scale, save_states=keep or opts.return_intermediate_states, **scan)
+    o = None
     if run.takes_ours("F7-F8", **unit):
         o, final_state, h, v_new = run.run("F7-F8", "forward", **unit)
-        del unit, scan
-        if not keep:
-            w = u = kg = qg = None
     else:
-        del unit
         h, v_new, final_state = run.run("F7", "forward", **scan)
-        del scan
-        if not keep:  # freed before F8; fla keeps them only with disable_recompute
-            w = u = kg = qg = None
+    del unit, scan
+    if not keep:  # freed before F8; fla keeps them only with disable_recompute
+        w = u = kg = qg = None
+    if o is None:
         o = run.run("F8", "forward", q=q, v_new=v_new, gc=gc, Aqk=Aqk, h=h, scale=opts.scale, **common, **layout)
     if not keep:
         v_new = None

@@ -56,24 +56,15 @@ import torch
 import triton
 import triton.language as tl
 
-from kernel_fun._triton import chunk_coords, to
+from kernel_fun._triton import GUARD_SPAN, chunk_coords, dot3, to
 from kernel_fun.kda.stages import add_impl
 
 BC = 16  # the anchor block
-# A block's diagonal goes through its anchor when its gate span is at most this (log2):
-# factors within 2^+-64, so even gradients of 1e-18 stay normal numbers in the dots.
-GUARD_SPAN = tl.constexpr(64.0)
 
 
 @triton.jit
 def _row(ptr, r, stride, ok, o_k, m_k):
     return tl.load(ptr + r * stride + o_k, mask=m_k & ok, other=0).to(tl.float32)
-
-
-@triton.jit
-def _dot(a, b):
-    """fp32 x fp32 on the tensor cores in tf32x3 (three tf32 products: fp32-level accuracy)."""
-    return tl.dot(a, b, input_precision="tf32x3")
 
 
 @triton.jit
@@ -124,8 +115,8 @@ def _wide_rows(dAqk, dAkk, k, g, st, lo, n_t, o_k, m_k, g_c, acc_q, acc_kr,
     a_q = tl.load(dAqk + p_A, mask=m_q, other=0)
     a_k = tl.load(dAkk + p_A, mask=m_q & (rows[:, None] > cols[None, :]), other=0)
     f = tl.exp2(tl.where(m_r[:, None] & m_k[None, :], g_c - e[None, :], float("-inf")))
-    acc_q += f * _dot(a_q, kx)
-    acc_kr += f * _dot(a_k, kx)
+    acc_q += f * dot3(a_q, kx)
+    acc_kr += f * dot3(a_k, kx)
     return acc_q, acc_kr
 
 
@@ -153,7 +144,7 @@ def _wide_cols(dAqk, dAkk, q, k, g, beta, st, hi, n_t, o_k, m_k, g_c, acc_c,
     at_q = tl.load(dAqk + p_At, mask=m_q, other=0)
     at_k = tl.load(dAkk + p_At, mask=m_q & (rows[None, :] > cols[:, None]), other=0)
     h = tl.exp2(tl.where(m_s[:, None] & m_k[None, :], a[None, :] - g_c, float("-inf")))
-    acc_c += h * (_dot(at_q, q_i * f) + _dot(at_k, (b_i[:, None] * k_i) * f))
+    acc_c += h * (dot3(at_q, q_i * f) + dot3(at_k, (b_i[:, None] * k_i) * f))
     return acc_c
 
 
@@ -206,13 +197,13 @@ def _chunk_sums(q, k, g, beta, dAqk, dAkk, n_t, t, g_c, gm, o_k, m_k,
     strict = m_2 & (t[:, None] > t[None, :])
     p_A = t[:, None] * (HV * BT) + t[None, :]
     kx = k_c * up
-    acc_q = down * _dot(tl.load(dAqk + p_A, mask=lower, other=0), kx)
-    acc_kr = down * _dot(tl.load(dAkk + p_A, mask=strict, other=0), kx)
+    acc_q = down * dot3(tl.load(dAqk + p_A, mask=lower, other=0), kx)
+    acc_kr = down * dot3(tl.load(dAkk + p_A, mask=strict, other=0), kx)
     p_At = t[None, :] * (HV * BT) + t[:, None]  # [s, r]
     lower_t = m_2 & (t[None, :] >= t[:, None])
     strict_t = m_2 & (t[None, :] > t[:, None])
-    acc_c = up * (_dot(tl.load(dAqk + p_At, mask=lower_t, other=0), q_c * down)
-                  + _dot(tl.load(dAkk + p_At, mask=strict_t, other=0), (b_c[:, None] * k_c) * down))
+    acc_c = up * (dot3(tl.load(dAqk + p_At, mask=lower_t, other=0), q_c * down)
+                  + dot3(tl.load(dAkk + p_At, mask=strict_t, other=0), (b_c[:, None] * k_c) * down))
     return acc_q, acc_kr, acc_c
 
 

@@ -46,18 +46,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernel_fun._triton import chunk_coords, dot, to
+from kernel_fun._triton import GUARD_SPAN, chunk_coords, dot, dot3, to
 from kernel_fun.kda.reference import RCP_LN2 as _RCP_LN2
 
 BC = 16  # the anchor block
 RCP_LN2 = tl.constexpr(_RCP_LN2)  # the chunk cumsum in log2 units, as the chain's gc
-GUARD_SPAN = tl.constexpr(64.0)  # a block's own diagonal through its anchor while its span is within 2^64
-
-
-@triton.jit
-def _dot3(a, b):
-    """fp32 x fp32 on the tensor cores in tf32x3 (fp32-level accuracy)."""
-    return tl.dot(a, b, input_precision="tf32x3")
 
 
 @triton.jit
@@ -65,7 +58,7 @@ def _dot_in(a, b):
     """The WY products: bf16/fp16 operands on the tensor cores (exact products, fp32 sums);
     fp32 operands in tf32x3, fp32-level like the reference's."""
     if a.dtype == tl.float32:
-        return _dot3(a, b)
+        return dot3(a, b)
     return dot(a, b)
 
 
@@ -108,7 +101,7 @@ def _block_scores(q, k, g, st, n_t, t, K: tl.constexpr, BK: tl.constexpr, BKS: t
         g_r = tl.load(g + t[:, None] * SG + o_k[None, :], mask=m_rk, other=0)
         f = tl.exp2(tl.where(m_rk, g_r - e[None, :], float("-inf")))  # <= 1 past the block, <= 2^span in it
         q_r = tl.load(q + t[:, None] * SK + o_k[None, :], mask=m_rk, other=0).to(tl.float32)
-        s_q = tl.dot(q_r * f, kxt, s_q, input_precision="tf32x3")
+        s_q = tl.dot(q_r * f, kxt, s_q, input_precision="tf32x3")  # accumulated in the dot
         k_r = tl.load(k + t[:, None] * SK + o_k[None, :], mask=m_rk, other=0).to(tl.float32)
         s_k = tl.dot(k_r * f, kxt, s_k, input_precision="tf32x3")
     return s_q, s_k, diag
@@ -224,13 +217,13 @@ def prep_fwd_kernel(
         same = blk[:, None] == blk[None, :]
         D = tl.where(same, L, 0.0)
         N = tl.where(same, 0.0, L)
-        D2 = _dot3(D, D)
-        P = _dot3(eye - D, eye + D2)
-        D4 = _dot3(D2, D2)
-        P = _dot3(P, eye + D4)
-        Dinv = _dot3(P, eye + _dot3(D4, D4))
-        M = _dot3(Dinv, N)
-        X = _dot3(eye - _dot3(M, eye - _dot3(M, eye - M)), Dinv)
+        D2 = dot3(D, D)
+        P = dot3(eye - D, eye + D2)
+        D4 = dot3(D2, D2)
+        P = dot3(P, eye + D4)
+        Dinv = dot3(P, eye + dot3(D4, D4))
+        M = dot3(Dinv, N)
+        X = dot3(eye - dot3(M, eye - dot3(M, eye - M)), Dinv)
         X = tl.where(lower, X, 0.0)
 
         x_b = to(X, Akk.dtype.element_ty)
@@ -293,7 +286,7 @@ def prep_fwd_fused(q, k, v, g, beta, A_log, dt_bias, lower_bound, use_gate_in_ke
     gc = torch.empty(B, T, HV, K, device=k.device, dtype=torch.float32)
     gate = 1 if not use_gate_in_kernel else (2 if lower_bound is None else 3)
     fused = dict(q_raw=q if norm else None, k_raw=k if norm else None, q_rstd=q_rstd, k_rstd=k_rstd,
-                 g_raw=g.contiguous(), A_log=A_log, dt_bias=dt_bias,
+                 g_raw=g, A_log=A_log, dt_bias=dt_bias,
                  lower_bound=0.0 if lower_bound is None else float(lower_bound), L2NORM=norm, GATE=gate,
                  HAS_BIAS=dt_bias is not None)
     out = _launch(qn, kn, v, gc, beta, scale, chunk_size, cu_seqlens, chunk_indices, disable_recompute,
@@ -311,8 +304,9 @@ def wy_recompute(q, k, v, beta, A, gc, chunk_size, cu_seqlens, chunk_indices, **
 
 def _launch(q, k, v, gc, beta, scale, chunk_size, cu_seqlens, chunk_indices, disable_recompute, config,
             fused: dict | None = None, recompute: torch.Tensor | None = None) -> dict:
-    for name, t in dict(q=q, k=k, v=v, gc=gc, beta=beta).items():
-        if not t.is_contiguous():
+    raw = {n: fused[n] for n in ("q_raw", "k_raw", "g_raw")} if fused else {}
+    for name, t in dict(q=q, k=k, v=v, gc=gc, beta=beta, **raw).items():
+        if t is not None and not t.is_contiguous():
             raise ValueError(f"the prep kernel indexes {name} as a dense tensor; got strides {t.stride()}")
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]

@@ -29,10 +29,11 @@ is waves x steps x the step's latency (3.9 x 128 x 6.2 us at prod8192_gate), not
 5.1 GB it moves (1.20 ms): one program an SM (the pipeliner's shared-memory buffers and
 ~250 registers), each step a chain of dependent dots.
 
-Not dispatched yet: the chain's F7-F8 unit takes it once it beats fla at every bench
-shape (a launch that picks BV by grid; the loads a step ahead) and the whole op is
-measured with it; the interpreter proves its math against the stage references
-(tests/test_scan_fwd.py), the GPU its parity (tests/test_gpu.py).
+The unit's launch picks the V slice by grid (``launch_config``: the least waves x measured
+step latency). Not dispatched yet: the chain's F7-F8 unit takes it once it beats fla at
+every bench shape and the whole op is measured with it; the interpreter proves its math
+against the stage references (tests/test_scan_fwd.py), the GPU its parity
+(tests/test_gpu.py).
 """
 
 from __future__ import annotations
@@ -128,10 +129,10 @@ STEP_CONFIGS = {32: (dict(BV=32, num_warps=4, num_stages=2), 3.2), 64: (dict(BV=
                 128: (dict(BV=128, num_warps=8, num_stages=2), 6.2)}
 
 
-def launch_config(sequence_heads: int, V: int, sms: int) -> dict:
+def launch_config(sequence_heads: int, V: int, sms: int = 132) -> dict:
     """The config for ``sequence_heads`` chains of V columns on ``sms`` SMs: the V slice
     whose waves (one program an SM) times its step latency is least (prod8192_gate: 256
-    chains, BV=128; one chain: BV=32)."""
+    chains, BV=128; one chain: BV=32). ``sms`` defaults to the H200's 132."""
     def cost(bv):
         return -(-sequence_heads * -(-V // bv) // sms) * STEP_CONFIGS[bv][1]
     return dict(STEP_CONFIGS[min((bv for bv in STEP_CONFIGS if bv <= max(32, V)), key=cost)][0])
@@ -187,8 +188,8 @@ def scan_output(q, kg, w, u, gc, Aqk, scale, initial_state, output_final_state, 
         raise ValueError("the scan kernel keeps its states in [K, V]; the chain passes them so")
     if not config:
         N = kg.shape[0] if cu_seqlens is None else len(cu_seqlens) - 1
-        sms = torch.cuda.get_device_properties(kg.device).multi_processor_count if kg.is_cuda else 132
-        config = launch_config(N * kg.shape[2], u.shape[3], sms)
+        sms = {"sms": torch.cuda.get_device_properties(kg.device).multi_processor_count} if kg.is_cuda else {}
+        config = launch_config(N * kg.shape[2], u.shape[3], **sms)
     return scan_fwd(q, kg, w, u, gc, Aqk, scale, initial_state, output_final_state, chunk_size, cu_seqlens,
                     save_states=save_states, **config)
 
