@@ -10,8 +10,8 @@ once and every intermediate stays on chip; only the outputs fla's chain saves ar
 The scores, Aqk[r, s] = scale sum_c q_rc k_sc exp2(g_rc - g_sc) (s <= r) and
 Akk[r, s] = beta_r sum_c k_rc k_sc exp2(g_rc - g_sc) (s < r), are taken per 16-column
 block j through the block's last row e_j: k_s exp2(e_j - g_s) <= 1 on the block's columns
-and q_r exp2(g_r - e_j) <= 1 on every later row, one [64, K] x [K, 16] dot per block and
-score (tf32x3). A block's own diagonal rides in the same dot where its gate span over the
+and q_r exp2(g_r - e_j) <= 1 on every later row, one [16, K] x [K, 64] dot per block and
+score (tf32x3, the transposed block: see _block_scores). A block's own diagonal rides in the same dot where its gate span over the
 K channels is within 2^64 (GUARD_SPAN, as B7's kernel), else it is summed pairwise on CUDA
 cores (16 steps, one exp2(g_r - g_s) <= 1 per pair): exact for any gate, so ``safe_gate``
 changes nothing here. The solve is blocked: each 16x16 diagonal block D (nilpotent) is
@@ -87,8 +87,8 @@ def _block_scores(q, k, g, st, n_t, t, K: tl.constexpr, BK: tl.constexpr, BKS: t
     diag = tl.max(span, axis=0) <= GUARD_SPAN
     lo = tl.where(diag, st, st + BC)
     m_r = (t < n_t) & (t >= lo)  # rows before lo are not read: their factor would pass 1
-    s_q = tl.zeros([t.shape[0], BC], dtype=tl.float32)
-    s_k = tl.zeros([t.shape[0], BC], dtype=tl.float32)
+    s_q = tl.zeros([BC, t.shape[0]], dtype=tl.float32)
+    s_k = tl.zeros([BC, t.shape[0]], dtype=tl.float32)
     for i_k in tl.static_range(BK // BKS):
         o_k = i_k * BKS + tl.arange(0, BKS)
         m_k = o_k < K
@@ -96,15 +96,18 @@ def _block_scores(q, k, g, st, n_t, t, K: tl.constexpr, BK: tl.constexpr, BKS: t
         m_ck = m_c[:, None] & m_k[None, :]
         k_j = tl.load(k + cols[:, None] * SK + o_k[None, :], mask=m_ck, other=0).to(tl.float32)
         g_j = tl.load(g + cols[:, None] * SG + o_k[None, :], mask=m_ck, other=0)
-        kxt = tl.trans(k_j * tl.exp2(tl.where(m_ck, e[None, :] - g_j, float("-inf"))))  # <= 1
+        kx = k_j * tl.exp2(tl.where(m_ck, e[None, :] - g_j, float("-inf")))  # <= 1
         m_rk = m_r[:, None] & m_k[None, :]
         g_r = tl.load(g + t[:, None] * SG + o_k[None, :], mask=m_rk, other=0)
         f = tl.exp2(tl.where(m_rk, g_r - e[None, :], float("-inf")))  # <= 1 past the block, <= 2^span in it
         q_r = tl.load(q + t[:, None] * SK + o_k[None, :], mask=m_rk, other=0).to(tl.float32)
-        s_q = tl.dot(q_r * f, kxt, s_q, input_precision="tf32x3")  # accumulated in the dot
+        # transposed ([BC, BT]: M=16, the mma.sync path): as [BT, BC] at 8 warps Triton 3.6
+        # builds N=8 tf32 wgmmas, whose unpadded shared operand it reads out of bounds on the
+        # H200 (an illegal address, triton-lang/triton#10629)
+        s_q = tl.dot(kx, tl.trans(q_r * f), s_q, input_precision="tf32x3")  # accumulated in the dot
         k_r = tl.load(k + t[:, None] * SK + o_k[None, :], mask=m_rk, other=0).to(tl.float32)
-        s_k = tl.dot(k_r * f, kxt, s_k, input_precision="tf32x3")
-    return s_q, s_k, diag
+        s_k = tl.dot(kx, tl.trans(k_r * f), s_k, input_precision="tf32x3")
+    return tl.trans(s_q), tl.trans(s_k), diag
 
 
 @triton.jit
