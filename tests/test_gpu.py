@@ -285,7 +285,7 @@ def _stage_verdict(bench, inputs: dict, ours: tuple, label: str) -> dict:
     exact = bench.exact(**sub)
     fla_err, our_err = stage_errors(bench.stage, first(theirs), exact), stage_errors(bench.stage, first(ours), exact)
     print(label, "vs fla", vs_fla, "vs exact", our_err, "fla vs exact", fla_err)
-    assert all(torch.isfinite(t).all() for t in ours)
+    assert all(torch.isfinite(t).all() for t in ours if t is not None)
     return bench.misses(our_err, fla_err, vs_fla)
 
 
@@ -443,8 +443,11 @@ def test_prep_matches_fla_f3_f6(p, gates):
 @pytest.mark.parametrize("p", SMALL + [FLAGGED[1], PROD], ids=lambda p: p.name)
 def test_fused_prep_matches_fla_f1_f2_f3_f6(p):
     """F1, F2 and F3-F6 in one pass (prep_fwd_fused) from the raw q, k and gate, against
-    fla's three stages on the same inputs: every output within 2e-3 (a bf16 value one unit
-    off in its last place)."""
+    fla's three stages on the same inputs: the normalized q and k, their rstds and the gate's
+    cumsum within 2e-3 of fla's (a bf16 value one unit off in its last place); w, u, kg, Aqk
+    and Akk_inv through F3-F6's bars (``prep_misses``: within fla's budget of fla's, and
+    against the float64 F3-F6 on fla's F1 and F2 outputs no more than 10% worse than fla's)."""
+    from kernel_fun.bench import stage_f3f6
     from kernel_fun.kda.chain import _fla_prep
     from kernel_fun.kda.kernels import prep_fwd
 
@@ -458,10 +461,14 @@ def test_fused_prep_matches_fla_f1_f2_f3_f6(p):
                 disable_recompute=p.disable_recompute, chunk_size=64, cu_seqlens=f36["cu_seqlens"],
                 chunk_indices=f36["chunk_indices"])
     ours, theirs = prep_fwd.prep_fwd_fused(**unit), _fla_prep(**unit)
+    assert all(torch.isfinite(t).all() for t in ours if t is not None)
     errors = stage_errors("F1-F6", ours, theirs, cu_seqlens=f36["cu_seqlens"])
     print(p.name, "fused prep vs fla F1+F2+F3-F6", errors)
-    assert all(torch.isfinite(t).all() for t in ours if t is not None)
-    assert all(e <= 2e-3 for e in errors.values()), errors
+    f12 = {n: e for n, e in errors.items() if n in ("q", "q_rstd", "k", "k_rstd", "gc")}
+    assert all(e <= 2e-3 for e in f12.values()), f12
+    wy = (ours[5], ours[6], ours[7], ours[8], ours[9], ours[10])  # w, u, kg, Aqk, Akk_inv, qg
+    misses = _stage_verdict(stage_f3f6.BENCH, f36, wy, f"{p.name} fused")
+    assert not misses, misses
 
 
 # --------------------------------------------------------------------------------------

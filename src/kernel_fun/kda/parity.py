@@ -99,11 +99,14 @@ def scan_misses(vs_exact: dict, baseline_exact: dict, vs_fla: dict | None = None
     return bar_misses(vs_exact, baseline_exact, vs_fla, SCAN_VS_FLA, SCAN_BUDGETS)
 
 
-# The F3-F6 unit (scores, solve, WY vectors): its outputs are bf16; against fla's, a value one
-# unit off in its last place where fp32 sums run in another order (2e-3); against the float64
-# stage, o's budget for all (they are o's and the backward's inputs).
+# The F3-F6 unit (scores, solve, WY vectors): its outputs are bf16 and what fla's backward
+# stages read, so against fla's stage each within fla's own budget for o: the solve sums in
+# another order than fla's substitution, Akk_inv's bf16 values move by a unit in some
+# entries and w and u, its products, by ~2e-3 relative RMS of fla's (measured on the H200).
+# Against the float64 stage, o's budget and no more than 10% worse than fla's own error:
+# the bar that holds the quality.
 PREP_OUTPUTS = ("w", "u", "kg", "Aqk", "Akk", "qg")
-PREP_VS_FLA = dict.fromkeys(PREP_OUTPUTS, 2e-3)
+PREP_VS_FLA = dict.fromkeys(PREP_OUTPUTS, ref.BUDGETS["o"])
 PREP_BUDGETS = dict.fromkeys(PREP_OUTPUTS, ref.BUDGETS["o"])
 
 

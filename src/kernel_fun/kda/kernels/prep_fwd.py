@@ -104,9 +104,9 @@ def _block_scores(q, k, g, st, n_t, t, K: tl.constexpr, BK: tl.constexpr, BKS: t
         # transposed ([BC, BT]: M=16, the mma.sync path): as [BT, BC] at 8 warps Triton 3.6
         # builds N=8 tf32 wgmmas, whose unpadded shared operand it reads out of bounds on the
         # H200 (an illegal address, triton-lang/triton#10629)
-        s_q = tl.dot(kx, tl.trans(q_r * f), s_q, input_precision="tf32x3")  # accumulated in the dot
+        s_q = dot3(kx, tl.trans(q_r * f), s_q)  # accumulated in the dot
         k_r = tl.load(k + t[:, None] * SK + o_k[None, :], mask=m_rk, other=0).to(tl.float32)
-        s_k = tl.dot(kx, tl.trans(k_r * f), s_k, input_precision="tf32x3")
+        s_k = dot3(kx, tl.trans(k_r * f), s_k)
     return tl.trans(s_q), tl.trans(s_k), diag
 
 
