@@ -129,11 +129,12 @@ def test_bench_entry_inputs_run_and_count_bytes():
 
 
 @pytest.mark.skipif(__import__("triton").__version__ != "3.6.0", reason="spill figures recorded with Triton 3.6.0's ptxas")
-@pytest.mark.parametrize("design,K,spills", [("wide-chunk", 128, 104), ("wide-chunk", 64, 96), ("wide", 128, 32)])
+@pytest.mark.parametrize("design,K,spills", [("wide-chunk", 128, 28), ("wide-chunk", 64, 68), ("wide", 128, 0)])
 def test_default_config_compiles_within_its_recorded_spills(design, K, spills):
     """A design's default config as ptxas assembles it for sm_90a (the note at
     intra_bwd.DEFAULT_CONFIG), compiled in a process without the interpreter: a change that
-    adds spills fails here. Its [64, 16] x [16, 32] dots are wgmma."""
+    adds spills fails here. Its [64, 16] x [16, 32] dots are wgmma, none of them N=8 tf32
+    (which the H200 runs out of bounds, see tools/compile_report.py)."""
     import json
     import os
     import subprocess
@@ -146,7 +147,7 @@ def test_default_config_compiles_within_its_recorded_spills(design, K, spills):
            "--warps", str(cfg["num_warps"]), "--stages", str(cfg["num_stages"])]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=root)
     row = json.loads(out.stdout.strip().splitlines()[-1])
-    assert "error" not in row and row["wgmma"] > 0, row
+    assert "error" not in row and row["wgmma"] > 0 and row["wgmma_tf32_n8"] == 0, row
     assert row["spill_stores"] <= spills and row["spill_loads"] <= spills, row
 
 

@@ -238,3 +238,26 @@ def test_chain_with_every_forward_kernel_and_the_recompute(p, monkeypatch):
     oracle = run_fwd_bwd(ref.recurrent_kda, as_oracle_inputs(kwargs), grid=p.dtype)
     errors = {n: ref.rel_rms(result[n], oracle[n]) for n in oracle if oracle[n] is not None}
     assert all(errors[n] <= ref.BUDGETS[n] for n in errors), errors
+
+
+@pytest.mark.skipif(__import__("triton").__version__ != "3.6.0", reason="figures recorded with Triton 3.6.0's ptxas")
+@pytest.mark.parametrize("design,spills", [("prep", 300), ("prep-fused", 308)])
+def test_pinned_config_compiles_without_n8_tf32_wgmma(design, spills):
+    """The pin as ptxas assembles it for sm_90a, in a process without the interpreter: no
+    N=8 tf32 wgmma (the H200 reads their unpadded shared operand out of bounds: the score
+    dots as [64, 16] tiles at 8 warps made 640 of them, and every launch faulted), and no
+    more spills than recorded at prep_fwd.DEFAULT_CONFIG."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    cfg = prep_fwd.DEFAULT_CONFIG
+    env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-m", "tools.compile_report", "--design", design, "--bks", str(cfg["BKS"]),
+           "--BV", str(cfg["BV"]), "--warps", str(cfg["num_warps"]), "--stages", str(cfg["num_stages"])]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=root)
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "error" not in row and row["wgmma"] > 0 and row["wgmma_tf32_n8"] == 0, row
+    assert row["spill_stores"] <= spills and row["spill_loads"] <= spills, row

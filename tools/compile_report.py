@@ -101,6 +101,9 @@ def compile_sm90(kernel, pointer_types: dict[str, str], constexprs: dict, num_wa
         **ptxas_numbers(log),
         "shared": compiled.metadata.shared,
         "wgmma": compiled.asm["ptx"].count("wgmma.mma_async"),
+        # N=8 tf32 wgmmas: Triton 3.6 leaves their shared operand unpadded and the H200 reads
+        # past its end (an illegal address; triton-lang/triton#10629). A kernel must have none.
+        "wgmma_tf32_n8": len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n8k8\.f32\.tf32", compiled.asm["ptx"])),
         "sass_sha": compiled.sass_sha,
         "num_warps": num_warps,
         "num_stages": num_stages,
@@ -148,9 +151,34 @@ def b7_report(K: int, H: int, HV: int, BK: int, num_warps: int, num_stages: int,
     return compile_sm90(intra_bwd.intra_bwd_wide_kernel, types, constexprs, num_warps, num_stages, maxnreg)
 
 
+def prep_report(K: int, V: int, H: int, HV: int, BKS: int, BV: int, num_warps: int, num_stages: int,
+                fused: bool = False, dtype: str = "bf16") -> dict:
+    """The F3-F6 kernel (kda/kernels/prep_fwd.py) at dense sequences; ``fused`` with F1 and
+    F2 (the l2norm, the softplus gate with dt_bias)."""
+    from kernel_fun.kda.kernels import prep_fwd
+
+    types = {n: _PTR[dtype] for n in ("q", "k", "v", "beta", "Aqk", "Akk", "w", "u", "kg", "qg")}
+    types.update(g="*fp32", lower_bound="fp32")
+    if fused:
+        types.update(q_raw=_PTR[dtype], k_raw=_PTR[dtype], q_rstd="*fp32", k_rstd="*fp32", g_raw="*fp32",
+                     A_log="*fp32", dt_bias="*fp32")
+    absent = dict.fromkeys(("q_raw", "k_raw", "q_rstd", "k_rstd", "g_raw", "A_log", "dt_bias")) if not fused else {}
+    constexprs = dict(cu_seqlens=None, chunk_indices=None, qg=None, H=H, HV=HV, K=K, V=V, BT=64, BC=prep_fwd.BC,
+                      BK=max(16, triton_next_pow2(K)), BKS=BKS, BV=BV, IS_VARLEN=False, STORE_QG=False,
+                      L2NORM=fused, GATE=2 if fused else 0, HAS_BIAS=fused, RECOMPUTE=False, **absent)
+    return compile_sm90(prep_fwd.prep_fwd_kernel, types, constexprs, num_warps, num_stages)
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--design", default="fullk", help="fullk (B6), or one of B7's designs (--BV its K slice)")
+    parser.add_argument("--design", default="fullk",
+                        help="fullk (B6), one of B7's designs (--BV its K slice), prep or prep-fused (F3-F6; --BV its "
+                             "V tile, --bks its K slice)")
+    parser.add_argument("--bks", type=int, default=64, help="the prep kernel's K slice")
     parser.add_argument("--K", type=int, default=128)
     parser.add_argument("--V", type=int, default=256)
     parser.add_argument("--H", type=int, default=16)
@@ -171,7 +199,10 @@ def main(argv=None):
                        BV=BV,
                        **({"switches": json.loads(args.extra)} if args.extra != "{}" else {}))
             try:
-                if design in intra_bwd.DESIGNS:  # B7: --BV is its K slice
+                if design in ("prep", "prep-fused"):
+                    row.update(prep_report(args.K, args.V, args.H, args.HV, args.bks, BV, warps, stages,
+                                           fused=design == "prep-fused"))
+                elif design in intra_bwd.DESIGNS:  # B7: --BV is its K slice
                     row.update(b7_report(args.K, args.H, args.HV, BV, warps, stages, design=design, maxnreg=args.maxnreg,
                                          tail=args.tail))
                 else:

@@ -122,6 +122,8 @@ def _config_text(row) -> str:
         parts.append(f"BK={c['BK']}")
     if "KS" in c:
         parts.append(f"KS={c['KS']}")
+    if "BKS" in c:
+        parts.append(f"BKS={c['BKS']}")
     if "num_warps" in c:
         parts.append(f"{c['num_warps']}w/{c['num_stages']}s")
     if c.get("maxnreg"):

@@ -61,7 +61,7 @@ def _launch_config(p, design, overrides):
 
     if design != "scan":
         raise ValueError(f"unknown B3 design {design!r}")
-    return {**scan_fwd.DEFAULT_CONFIG, **(overrides or {})}
+    return {**scan_fwd.STATES_CONFIG, **(overrides or {})}
 
 
 def _misses(vs_exact, fla_exact, vs_fla):

@@ -24,30 +24,34 @@ the gate is steeper, the wide form: each role four [64, 16] x [16, 32] dots, one
 16-row block through the block's last row (row role) or first row (column role), both
 halves one-sided; a block whose own span passes the guard takes its diagonal pairwise on
 CUDA cores (16 steps, one exp2(g_r - g_s) <= 1 per pair and role). So any gate is exact.
-The dots are tf32x3. db is summed over the K slices' partials in slice order; with the
+The dots are three tf32 products each, the operands split by hand into a truncated tf32
+half and its exact remainder (``kernel_fun._triton.dot3``: two instructions an element
+where Triton's tf32x3 takes ~8). db is summed over the K slices' partials in slice order; with the
 tail, dg's reverse cumsum runs over the chunk tile in registers and B9 writes the raw
 gate's gradient, with dA_log's and dt_bias's per-chunk partials summed in order (no
 atomics). The chunk anchor takes a third to a half of the programs at a Kimi-style gate
 (prod8192_gate: 31-52% over the chain's draws, 44% on the stage bench's), all of them at a
 lower-bounded one (safe_gate).
 
-Numerics: fp32 throughout, the dots in tf32x3: 2.6e-8 relative RMS of the float64 stage
-at prod8192_gate, where fla's (tf32 off the diagonal) is 1.3e-5; the same dots in tf32
-measured 35% further from float64 than fla's there. Outputs are fresh tensors (input +
-intra part): no output is read back, so relaunching is idempotent.
+Numerics: fp32 throughout, the dots in three tf32 products: 2.8e-8 to 3.9e-8 relative RMS
+of the float64 stage at prod8192_gate, where fla's (tf32 off the diagonal) is 1.3e-5 to
+2.3e-5; the same dots in one tf32 product measured 35% further from float64 than fla's
+there. Outputs are fresh tensors (input + intra part): no output is read back, so
+relaunching is idempotent.
 
 Falls back (``supports``): chunk size other than 64. No CTA floor: it measured faster than
 fla's B7 down to grid64 (B1 T256 H16: 0.135 ms against 0.212).
 
-Measured (H200, bench/results/stages.jsonl at 7dd7650; docs/log/b7.md has every round):
-8.69 ms at prod8192_gate against fla's 15.11 (1.74x; the per-block form alone 11.17),
-7.29 at prod8192_layer_safe against 8.12, kimi 10.11/15.30, b8 4.77/7.74, small
-1.49/2.21, grid1024 0.41/0.73. As the B7-B9 unit in the whole op 11.80 ms against fla's
-three stages' 16.38 (chunk_kda.jsonl at 155bba4). What the time is (Nsight Compute at
-prod8192_layer_safe, every program on the chunk anchor): 2 programs an SM (255 registers:
-12.5% occupancy), 3,400 instructions a warp issued every 6.8 cycles, 37% of that waiting
-on L1; L1 66% busy, DRAM 23%. Resources (sm_90a, K=128): 255 registers, 104 B of spills
-(K=64: 96).
+Measured (H200, bench/results/stages.jsonl at 7a87298; docs/log/b7.md has every round):
+7.98 ms at prod8192_gate against fla's 15.01 (1.88x; the per-block form alone 11.17),
+6.80 at prod8192_layer_safe against 8.19. Before the hand split (at 7dd7650): kimi
+10.11/15.30, b8 4.77/7.74, small 1.49/2.21, grid1024 0.41/0.73. The whole op with it:
+33.94 ms against fla's 46.93 at prod8192_gate (chunk_kda.jsonl at 7a87298). What the time
+is (Nsight Compute at prod8192_layer_safe, every program on the chunk anchor, before the
+hand split): 2 programs an SM (255 registers: 12.5% occupancy), 3,400 instructions a warp
+issued every 6.8 cycles, 37% of that waiting on L1; L1 66% busy, DRAM 23%. Resources
+(sm_90a, K=128): 255 registers, 28 B of spills (6,392 SASS instructions; 8,376 with
+Triton's tf32x3).
 """
 
 from __future__ import annotations
@@ -333,9 +337,10 @@ def intra_bwd_wide_kernel(
             tl.store(dbias_part + (i_tg * HV + i_hv) * K + o_k, dbias, mask=m_k)
 
 # Compiled for sm_90a offline (``python -m tools.compile_report --design wide-chunk --BV 32
-# --warps 4 --stages 1``, K=128, H=HV=16): 255 registers, 104 B of spills. Measured at
-# prod8192_gate: the wide form at BK=16 17.6 ms, at 8 warps 21.3, against 11.2 at this
-# config; wide-chunk under maxnreg=168 8.89 against 8.55.
+# --warps 4 --stages 1``, K=128, H=HV=16): 255 registers, 28 B of spills (K=64: 68; the
+# wide form: none). Measured at prod8192_gate: the wide form at BK=16 17.6 ms, at 8 warps
+# 21.3, against 11.2 at this config; wide-chunk under maxnreg=168 8.89 against 8.55 (both
+# before the hand-split dots).
 DEFAULT_CONFIG = dict(BK=32, num_warps=4, num_stages=1)
 # ``wide-chunk`` (the default) takes a K slice of the chunk through its middle row where the
 # gate allows, the per-block anchors elsewhere; ``wide`` only the per-block anchors;

@@ -33,11 +33,15 @@ Numerics: the scores and the solve in fp32 (tf32x3 dots), the outputs in the inp
 within the rounding of fla's outputs (the solve's sums run in another order than fla's
 substitution, so a bf16 value can move by one unit in the last place).
 
-Falls back (``supports``): chunk size other than 64, K > 256. Not dispatched yet: built and
-verified through the interpreter against the reference stage (tests/test_prep_fwd.py);
-not yet run on the H200. Predicted 2.5-3.5 ms at prod8192_gate against fla's 4.57: one
-8-warp program an SM at 255 registers (204 B of spills), bound by that rather than by its
-1.39 ms of memory floor (docs/log/prep.md).
+Falls back (``supports``): chunk size other than 64, K > 256. Not dispatched: it loses to
+fla's stage. Measured on the H200 (bench/results/stages.jsonl at 7a87298, docs/log/prep.md):
+parity within every bar (against the float64 stage at or below fla's error for every
+output), but 19.2 ms at prod8192_gate against fla's 4.83 (predicted 2.5-3.5). What the time
+is (Nsight Compute, grid1024, before the hand-split dots): one 8-warp program an SM at 255
+registers, ~16,800 instructions a warp issued every 8.3 cycles; the sm_90a listing puts
+the solve's ten [64, 64] dots with their operand splits and layout changes at ~45% of the
+code and the score dots at ~30%. B2 from it (``wy_recompute``) is bit for bit fla's
+``recompute_w_u_fwd`` but 2.61 ms against 1.90.
 """
 
 from __future__ import annotations
@@ -257,9 +261,11 @@ def prep_fwd_kernel(
         tl.store(u + p_v, to(_dot_in(x_b, vb), u.dtype.element_ty), mask=m_tv)
 
 
-# Compiled for sm_90a offline (K=128, V=256, H=HV=16): 255 registers at every config; spills
-# 204 B at BKS=64 and 8 warps, 224 at BKS=32, 1,468-1,624 at 4 warps; K=64 at 4 warps 76 B;
-# with F1 and F2 fused (softplus gate, dt_bias) 360 B at the pin. Not yet measured.
+# Compiled for sm_90a offline (K=128, V=256, H=HV=16): 255 registers at every config; the
+# pin (BKS=64, 8 warps) 232 B of spills (300 loaded; fused 264 and 308), 13,104 SASS
+# instructions, no N=8 tf32 wgmma (tests/test_prep_fwd.py holds both). Measured at
+# prod8192_gate before the hand-split dots: 23.1 ms at the pin, 25.5 at BKS=32, 25.0 at
+# BV=32, 23.0 at 4 warps; 19.2 at the pin after.
 DEFAULT_CONFIG = dict(BKS=64, BV=64, num_warps=8, num_stages=1)
 
 

@@ -194,13 +194,19 @@ def scan_output(q, kg, w, u, gc, Aqk, scale, initial_state, output_final_state, 
                     save_states=save_states, **config)
 
 
+# B3's pin (without o a program holds less): BV=64 at 4 warps, two programs an SM, measured
+# best at prod8192_gate (1.87 ms against fla's 1.95; BV=128 at 8 warps 2.06). At one chain
+# BV=32 is (step8192: 0.213 ms against fla's 0.345); not picked by grid yet.
+STATES_CONFIG = dict(BV=64, num_warps=4, num_stages=2)
+
+
 def scan_states(kg, w, u, gc, initial_state, output_final_state, chunk_size, cu_seqlens, cu_seqlens_cpu,
                 chunk_indices, state_v_first, **config):
     """B3 (F7 recomputed in the backward) with fla's contract: (h [B, NT, HV, K, V], v_new,
     the final state or None), from the same kernel without o. States in [K, V]."""
     if state_v_first:
         raise ValueError("the scan kernel keeps its states in [K, V]; the chain passes them so")
-    cfg = {**DEFAULT_CONFIG, **config}
+    cfg = {**STATES_CONFIG, **config}
     _, ht, h, v_new = _scan(None, kg, w, u, gc, None, 1.0, initial_state, output_final_state, chunk_size, cu_seqlens,
                             True, cfg["BV"], cfg["num_warps"], cfg["num_stages"], with_o=False)
     return h, v_new, ht
