@@ -242,7 +242,10 @@ def test_candidate_designs_register_for_the_run_and_stay_out_of_the_readme(monke
     assert kda.register_candidates(["B7-B9=wide-pairwise", "B7=wide-pairwise"]) == {"B7-B9": "wide-pairwise",
                                                                                        "B7": "wide-pairwise"}
     assert "ours" in registry._REGISTRY["B7-B9"].impls and "ours" in registry._REGISTRY["B7"].impls
-    for bad in ("B6=fullk", "B7", "B7=no-such-design"):
+    assert "ours" not in registry._REGISTRY["F7-F8"].impls and "ours" not in registry._REGISTRY["B3"].impls
+    assert kda.register_candidates(["F7-F8=scan", "B3=scan"]) == {"F7-F8": "scan", "B3": "scan"}
+    assert "ours" in registry._REGISTRY["F7-F8"].impls and "ours" in registry._REGISTRY["B3"].impls
+    for bad in ("B6=fullk", "B7", "B7=no-such-design", "F7-F8=wide"):
         with pytest.raises((SystemExit, ValueError)):
             kda.register_candidates([bad])
     candidate = _row(impl="ours", fwdbwd_ms=30.0, candidate={"B7-B9": "wide-pairwise"})

@@ -20,9 +20,12 @@ from kernel_fun.bench.stage import StageBench, main as _stage_main, qk_and_gate
 
 # The configs worth timing (the note at intra_bwd.DEFAULT_CONFIG): the default (the
 # whole-chunk anchor where the gate allows), the per-block anchors only, and the pairwise
-# diagonal everywhere (the guard's other path: what a saturated gate costs).
+# diagonal everywhere (the guard's other path: what a saturated gate costs). With the
+# hand-split dots two more builds of the whole-chunk anchor spill nothing (sm_90a, K=128):
+# 16-channel slices at 4 warps (243 registers, twice the programs) and 32 at 8 warps (242).
 _B = dict(BK=32, num_warps=4, num_stages=1)
-SWEEP = {"wide-chunk": [_B], "wide": [_B], "wide-pairwise": [_B]}
+SWEEP = {"wide-chunk": [_B, dict(BK=16, num_warps=4, num_stages=1), dict(BK=32, num_warps=8, num_stages=1)],
+         "wide": [_B], "wide-pairwise": [_B]}
 
 
 def b7_bytes(p) -> int:

@@ -221,3 +221,15 @@ def supports(q, chunk_size, state_v_first=False, **_) -> str | None:
     if state_v_first:
         return "states in [V, K] (the kernel's are [K, V])"
     return None
+
+
+def candidate(stage: str, design: str):
+    """(implementation, supports) of the scan as the ``ours`` of ``stage`` ("F7-F8" with o,
+    "B3" without), for a bench run that measures it in the whole op before it is registered
+    (``python -m kernel_fun.bench --candidate F7-F8=scan``)."""
+    if design != "scan":
+        raise ValueError(f"unknown scan design {design!r}")
+    units = {"F7-F8": (scan_output, supports), "B3": (scan_states, lambda kg, **kw: supports(q=kg, **kw))}
+    if stage not in units:
+        raise ValueError(f"scan_fwd has candidates for {sorted(units)}, not {stage!r}")
+    return units[stage]
