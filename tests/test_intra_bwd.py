@@ -129,7 +129,7 @@ def test_bench_entry_inputs_run_and_count_bytes():
 
 
 @pytest.mark.skipif(__import__("triton").__version__ != "3.6.0", reason="spill figures recorded with Triton 3.6.0's ptxas")
-@pytest.mark.parametrize("design,K,spills", [("wide-chunk", 128, 28), ("wide-chunk", 64, 68), ("wide", 128, 0)])
+@pytest.mark.parametrize("design,K,spills", [("wide-chunk", 128, 4), ("wide-chunk", 64, 24), ("wide", 128, 0)])
 def test_default_config_compiles_within_its_recorded_spills(design, K, spills):
     """A design's default config as ptxas assembles it for sm_90a (the note at
     intra_bwd.DEFAULT_CONFIG), compiled in a process without the interpreter: a change that

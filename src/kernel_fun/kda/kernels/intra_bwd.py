@@ -16,7 +16,8 @@ role of row block i through i's first row a_i. Inside a block the same anchor gi
 up to 2^span (span: the block's first row minus its last, per channel).
 
 This design (wide-chunk): one program per (K slice of 32 channels, chunk, head), 4 warps,
-the chunk as one [64, 32] tile per output. Where every factor of the slice taken through
+the chunk as one [64, 32] tile per output. dA is read along its rows only: the column
+role's transposed tiles are the row role's (or the row block's) transposed on chip. Where every factor of the slice taken through
 the chunk's middle row m stays within 2^GUARD_SPAN (2^64: far inside fp32's normal
 range), each role is one [64, 64] x [64, 32] dot (wgmma) per dA: dA (or its transpose)
 against k (or q and beta k) times exp2(g_m - g_s), then times exp2(g_r - g_m) once. Where
@@ -50,8 +51,8 @@ Measured (H200, bench/results/stages.jsonl at 7a87298; docs/log/b7.md has every 
 is (Nsight Compute at prod8192_layer_safe, every program on the chunk anchor, before the
 hand split): 2 programs an SM (255 registers: 12.5% occupancy), 3,400 instructions a warp
 issued every 6.8 cycles, 37% of that waiting on L1; L1 66% busy, DRAM 23%. Resources
-(sm_90a, K=128): 255 registers, 28 B of spills (6,392 SASS instructions; 8,376 with
-Triton's tf32x3).
+(sm_90a, K=128): 255 registers, 4 B of spills, 6,000 SASS instructions (8,376 with
+Triton's tf32x3 and dA's transposed tiles read strided; 6,392 at the rows' commit).
 """
 
 from __future__ import annotations
@@ -129,8 +130,8 @@ def _wide_cols(dAqk, dAkk, q, k, g, beta, st, hi, n_t, o_k, m_k, g_c, acc_c,
                HV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, SK: tl.constexpr, SG: tl.constexpr):
     """The column role of row block i (rows st .. st + BC - 1) for every column s < hi,
     through the block's first row a_i: sum_r dA[r, s] (q_r, beta_r k_r) exp2(g_r - a_i)
-    (every factor <= 1) as [BT, BC] x [BC, BK] dots of dA's transposed rows, times
-    exp2(a_i - g_s) (<= 1 before the block, at most 2^GUARD_SPAN within it)."""
+    (every factor <= 1) as [BT, BC] x [BC, BK] dots of dA's rows of block i transposed,
+    times exp2(a_i - g_s) (<= 1 before the block, at most 2^GUARD_SPAN within it)."""
     cols = tl.arange(0, BT)
     pos = tl.arange(0, BC)
     rows = st + pos
@@ -143,12 +144,14 @@ def _wide_cols(dAqk, dAkk, q, k, g, beta, st, hi, n_t, o_k, m_k, g_c, acc_c,
     b_i = tl.load(beta + rows * HV, mask=m_r, other=0).to(tl.float32)
     f = tl.exp2(tl.where(m_rk, g_i - a[None, :], float("-inf")))
     m_s = (cols < n_t) & (cols < hi) & (st < n_t)  # (a is 0 for a block past the end)
-    m_q = m_s[:, None] & m_r[None, :] & (rows[None, :] >= cols[:, None])
-    p_At = rows[None, :] * (HV * BT) + cols[:, None]  # [s, r]: dA's rows of block i, transposed
-    at_q = tl.load(dAqk + p_At, mask=m_q, other=0)
-    at_k = tl.load(dAkk + p_At, mask=m_q & (rows[None, :] > cols[:, None]), other=0)
+    # dA's rows of block i, read along its rows (coalesced) and transposed on chip: [s, r]
+    m_q = m_r[:, None] & m_s[None, :] & (rows[:, None] >= cols[None, :])
+    p_A = rows[:, None] * (HV * BT) + cols[None, :]
+    part = dot3(tl.trans(tl.load(dAqk + p_A, mask=m_q, other=0)), q_i * f)
+    part = dot3(tl.trans(tl.load(dAkk + p_A, mask=m_q & (rows[:, None] > cols[None, :]), other=0)),
+                (b_i[:, None] * k_i) * f, part)
     h = tl.exp2(tl.where(m_s[:, None] & m_k[None, :], a[None, :] - g_c, float("-inf")))
-    acc_c += h * (dot3(at_q, q_i * f) + dot3(at_k, (b_i[:, None] * k_i) * f))
+    acc_c += h * part
     return acc_c
 
 
@@ -201,13 +204,14 @@ def _chunk_sums(q, k, g, beta, dAqk, dAkk, n_t, t, g_c, gm, o_k, m_k,
     strict = m_2 & (t[:, None] > t[None, :])
     p_A = t[:, None] * (HV * BT) + t[None, :]
     kx = k_c * up
-    acc_q = down * dot3(tl.load(dAqk + p_A, mask=lower, other=0), kx)
-    acc_kr = down * dot3(tl.load(dAkk + p_A, mask=strict, other=0), kx)
-    p_At = t[None, :] * (HV * BT) + t[:, None]  # [s, r]
-    lower_t = m_2 & (t[None, :] >= t[:, None])
-    strict_t = m_2 & (t[None, :] > t[:, None])
-    acc_c = up * (dot3(tl.load(dAqk + p_At, mask=lower_t, other=0), q_c * down)
-                  + dot3(tl.load(dAkk + p_At, mask=strict_t, other=0), (b_c[:, None] * k_c) * down))
+    # each dA tile read once, along its rows, for both roles: the column role's from it
+    # transposed on chip ([s, r]); one tile live at a time
+    a = tl.load(dAqk + p_A, mask=lower, other=0)
+    acc_q = down * dot3(a, kx)
+    acc_c = dot3(tl.trans(a), q_c * down)
+    a = tl.load(dAkk + p_A, mask=strict, other=0)
+    acc_kr = down * dot3(a, kx)
+    acc_c = up * dot3(tl.trans(a), (b_c[:, None] * k_c) * down, acc_c)
     return acc_q, acc_kr, acc_c
 
 
@@ -337,7 +341,7 @@ def intra_bwd_wide_kernel(
             tl.store(dbias_part + (i_tg * HV + i_hv) * K + o_k, dbias, mask=m_k)
 
 # Compiled for sm_90a offline (``python -m tools.compile_report --design wide-chunk --BV 32
-# --warps 4 --stages 1``, K=128, H=HV=16): 255 registers, 28 B of spills (K=64: 68; the
+# --warps 4 --stages 1``, K=128, H=HV=16): 255 registers, 4 B of spills (K=64: 24; the
 # wide form: none). Measured at prod8192_gate: the wide form at BK=16 17.6 ms, at 8 warps
 # 21.3, against 11.2 at this config; wide-chunk under maxnreg=168 8.89 against 8.55 (both
 # before the hand-split dots).
