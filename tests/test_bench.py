@@ -172,12 +172,12 @@ def test_every_bench_entry_point_imports_and_parses_its_arguments():
     import subprocess
     import sys
 
-    for name in ("kernel_fun.bench.kda", "kernel_fun.bench.stage_b6", "kernel_fun.bench.layer",
+    for name in ("kernel_fun.bench.kda", "kernel_fun.bench.stage_b6", "kernel_fun.bench.layer", "kernel_fun.bench.cconv",
                  "kernel_fun.bench.readme", "kernel_fun.bench.timing", "kernel_fun.demo",
                  "tools.b6_stream", "tools.b6_timeline", "tools.profile_stage", "tools.compile_report", "tools.ws_probe"):
         importlib.import_module(name)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for module in ("kernel_fun.bench", "kernel_fun.bench.stage_b6", "kernel_fun.bench.layer"):
+    for module in ("kernel_fun.bench", "kernel_fun.bench.stage_b6", "kernel_fun.bench.layer", "kernel_fun.bench.cconv"):
         out = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, cwd=root,
                              timeout=120)
         assert out.returncode == 0 and "usage:" in out.stdout, (module, out.stderr[-2000:])

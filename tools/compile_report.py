@@ -169,6 +169,22 @@ def prep_report(K: int, V: int, H: int, HV: int, BKS: int, BV: int, num_warps: i
     return compile_sm90(prep_fwd.prep_fwd_kernel, types, constexprs, num_warps, num_stages)
 
 
+def cconv_report(D: int, BD: int, num_warps: int, G: int, TS: int = 256, backward: bool = False) -> dict:
+    """The short convolution's forward or backward kernel (cconv/kernels.py): bf16 x, fp32
+    weight, W=4, SiLU, no bias, dense sequences."""
+    from kernel_fun.cconv import kernels as K
+
+    types = dict(x="*bf16", w="*fp32", residual="*bf16", y="*bf16", dy="*bf16", dx="*bf16", dw_part="*fp32",
+                 T="i32", stride_b="i64", stride_t="i64", stride_d="i64")
+    constexprs = dict(D=D, W=4, BD=BD, TS=TS, G=G, SILU=True, HAS_BIAS=False, HAS_H0=False, IS_VARLEN=False,
+                      seg_index=None, cu_seqlens=None, bias=None, h0=None)
+    if backward:
+        constexprs.update(HAS_DHT=False, dht=None, db_part=None, dh0=None)
+        return compile_sm90(K.causal_conv1d_bwd_kernel, types, constexprs, num_warps, 1)
+    constexprs.update(HAS_RESIDUAL=False, residual=None)
+    return compile_sm90(K.causal_conv1d_fwd_kernel, types, constexprs, num_warps, 1)
+
+
 def triton_next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
@@ -177,7 +193,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--design", default="fullk",
                         help="fullk (B6), one of B7's designs (--BV its K slice), prep or prep-fused (F3-F6; --BV its "
-                             "V tile, --bks its K slice)")
+                             "V tile, --bks its K slice), cconv-fwd or cconv-bwd (--BV the channel strip, --bks "
+                             "the unroll, --V the channels: 2048 by default)")
     parser.add_argument("--bks", type=int, default=64, help="the prep kernel's K slice")
     parser.add_argument("--K", type=int, default=128)
     parser.add_argument("--V", type=int, default=256)
@@ -199,7 +216,10 @@ def main(argv=None):
                        BV=BV,
                        **({"switches": json.loads(args.extra)} if args.extra != "{}" else {}))
             try:
-                if design in ("prep", "prep-fused"):
+                if design in ("cconv-fwd", "cconv-bwd"):  # --BV its channel strip, --bks its unroll G
+                    row.update(cconv_report(args.V if args.V != 256 else 2048, BV, warps, args.bks,
+                                            backward=design == "cconv-bwd"))
+                elif design in ("prep", "prep-fused"):
                     row.update(prep_report(args.K, args.V, args.H, args.HV, args.bks, BV, warps, stages,
                                            fused=design == "prep-fused"))
                 elif design in intra_bwd.DESIGNS:  # B7: --BV is its K slice

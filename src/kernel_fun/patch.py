@@ -1,16 +1,20 @@
-"""``patch_fla()`` / ``unpatch_fla()``: route fla's own layers to kernel-fun's ``chunk_kda``.
+"""``patch_fla()`` / ``unpatch_fla()``: route fla's own layers to kernel-fun's ``chunk_kda``
+and ``causal_conv1d``.
 
 fla's layers call ``chunk_kda`` through the name their module bound at import
 (``from fla.ops.kda import chunk_kda`` in ``fla.layers.kda``, and the re-exports in
 ``fla.ops`` and ``fla.ops.kda``). ``patch_fla()`` imports what of fla is installed (fla-core's
 ops; fla's layers and models, which ship in the ``flash-linear-attention`` package), then
 looks through every loaded ``fla`` module for an attribute that *is* fla's ``chunk_kda``
-function object and rebinds it to ``kernel_fun.kda.chunk_kda``. Nothing is found by a
+function object and rebinds it to ``kernel_fun.kda.chunk_kda``; the same for fla's
+``causal_conv1d`` (``fla.modules.conv``, re-exported by ``fla.modules.convolution``; fla's
+``ShortConvolution`` imports it from its module at every call), rebound to
+``kernel_fun.cconv.causal_conv1d``. Nothing is found by a
 hard-coded list, so a module fla adds later is patched too. It is idempotent (a binding
 already routed is left alone; a module imported since the last call is picked up) and
 logged; ``unpatch_fla()`` puts back exactly the bindings it changed.
 
-kernel-fun's own fallback keeps calling fla's original function, captured before any
+kernel-fun's own fallbacks keep calling fla's original functions, captured before any
 binding changes, so a patched process never calls itself.
 """
 
@@ -25,10 +29,12 @@ from kernel_fun._runtime import logger
 
 _lock = threading.Lock()
 _original = None
-# (module name, attribute) -> the module object, for every binding patch_fla rebound
-_patched: dict[tuple[str, str], object] = {}
-# fla's packages that bind chunk_kda, imported (when installed) before the search
-_FLA_PACKAGES = ("fla.ops", "fla.layers", "fla.models")
+_original_conv = None
+# (module name, attribute) -> (the module object, fla's function it held), for every
+# binding patch_fla rebound
+_patched: dict[tuple[str, str], tuple[object, object]] = {}
+# fla's packages that bind chunk_kda or causal_conv1d, imported (when installed) before the search
+_FLA_PACKAGES = ("fla.ops", "fla.modules", "fla.modules.conv", "fla.modules.convolution", "fla.layers", "fla.models")
 
 
 def fla_chunk_kda():
@@ -39,6 +45,15 @@ def fla_chunk_kda():
 
         _original = chunk_kda
     return _original
+
+
+def fla_causal_conv1d():
+    """fla's own ``causal_conv1d``, whether or not its bindings are patched."""
+    global _original_conv
+    if _original_conv is None:
+        importlib.import_module("fla.modules.conv.causal_conv1d")
+        _original_conv = sys.modules["fla.modules.conv.causal_conv1d"].causal_conv1d
+    return _original_conv
 
 
 def _bindings(target):
@@ -52,48 +67,58 @@ def _bindings(target):
 
 
 def patch_fla() -> list[str]:
-    """Route every fla binding of ``chunk_kda`` to ``kernel_fun.kda.chunk_kda``; returns the
-    ``module.attribute`` names rebound by this call (empty when all were already)."""
+    """Route every fla binding of ``chunk_kda`` and ``causal_conv1d`` to kernel-fun's; returns
+    the ``module.attribute`` names rebound by this call (empty when all were already)."""
+    from kernel_fun.cconv import causal_conv1d
     from kernel_fun.kda import chunk_kda
 
     with _lock:
-        original = fla_chunk_kda()
         missing = []
         for package in _FLA_PACKAGES:
             try:
                 importlib.import_module(package)
             except Exception as err:  # not installed, or broken by its own dependencies: patch the rest
                 missing.append(f"{package} ({type(err).__name__}: {err})")
-        changed = []
-        for name, attr, module in _bindings(original):
-            setattr(module, attr, chunk_kda)
-            _patched[(name, attr)] = module
-            changed.append(f"{name}.{attr}")
+        pairs = [("chunk_kda", fla_chunk_kda(), chunk_kda)]
+        try:
+            pairs.append(("causal_conv1d", fla_causal_conv1d(), causal_conv1d))
+        except Exception as err:
+            missing.append(f"fla.modules.conv.causal_conv1d ({type(err).__name__}: {err})")
+        changed = {}
+        for op_name, original, ours in pairs:
+            for name, attr, module in _bindings(original):
+                setattr(module, attr, ours)
+                _patched[(name, attr)] = (module, original)
+                changed.setdefault(op_name, []).append(f"{name}.{attr}")
         routed = sorted(f"{n}.{a}" for n, a in _patched)
     if missing:
         logger.info("patch_fla: could not import, so not patched: %s (fla's layers and models ship in the "
                     "flash-linear-attention package)", "; ".join(missing))
-    if changed:
-        logger.info("patch_fla: fla's chunk_kda now runs kernel-fun's at %s", ", ".join(sorted(changed)))
-    else:
+    for op_name, names in changed.items():
+        logger.info("patch_fla: fla's %s now runs kernel-fun's at %s", op_name, ", ".join(sorted(names)))
+    if not changed:
         logger.info("patch_fla: already patched (%s)", ", ".join(routed) or "no binding found")
-    return sorted(changed)
+    return sorted(n for names in changed.values() for n in names)
 
 
 def unpatch_fla() -> list[str]:
-    """Undo ``patch_fla``: every binding it rebound is fla's ``chunk_kda`` again (one that
+    """Undo ``patch_fla``: every binding it rebound is fla's function again (one that
     something else has rebound since is left as it is). Returns the names restored."""
+    from kernel_fun.cconv import causal_conv1d
     from kernel_fun.kda import chunk_kda
 
+    ours = {id(fla_chunk_kda()): chunk_kda}
+    if _original_conv is not None:
+        ours[id(_original_conv)] = causal_conv1d
     with _lock:
         restored = []
-        for (name, attr), module in list(_patched.items()):
-            if getattr(module, attr, None) is chunk_kda:
-                setattr(module, attr, fla_chunk_kda())
+        for (name, attr), (module, original) in list(_patched.items()):
+            if getattr(module, attr, None) is ours.get(id(original)):
+                setattr(module, attr, original)
                 restored.append(f"{name}.{attr}")
             del _patched[(name, attr)]
     if restored:
-        logger.info("unpatch_fla: fla's own chunk_kda restored at %s", ", ".join(sorted(restored)))
+        logger.info("unpatch_fla: fla's own functions restored at %s", ", ".join(sorted(restored)))
     return sorted(restored)
 
 

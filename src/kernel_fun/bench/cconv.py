@@ -1,0 +1,156 @@
+"""Bench of ``causal_conv1d``: kernel-fun's kernels against fla's, forward and fwd+bwd.
+
+``python -m kernel_fun.bench.cconv --shapes d2048,d4096,packed2048 [--configs sweep]``
+
+Shapes (bf16 x, fp32 weight, W=4, SiLU, no bias: a KimiDeltaAttention layer's q/k and v
+convolutions): d2048 and d4096 are B16 T8192; packed2048 is the same tokens as one packed
+batch of documents (lengths drawn once, seeded, 1 to 16,384 tokens). Parity first: y and
+every gradient against fla's on the same inputs (bf16: y and dx within 1e-3 relative RMS,
+dweight 2e-3) and against the float64 reference on the first sequence (no more than 10%
+worse than fla's own error, where fla's reaches the bar's scale); the launch witness
+(``kernel_fun.cconv.last_route``). Then the median of CUDA-event timings, fla and every
+config interleaved round by round. Rows go to ``bench/results/cconv.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+SHAPES = {"d2048": dict(B=16, T=8192, D=2048), "d4096": dict(B=16, T=8192, D=4096),
+          "packed2048": dict(B=16, T=8192, D=2048, packed=True), "small": dict(B=2, T=1000, D=512)}
+# The builds worth timing (sm_90a offline, D=2048: none spills; forward 116 / 64 / 80
+# registers, backward 168 / 96 / 128).
+SWEEP = [dict(BD=256, num_warps=2, G=8), dict(BD=256, num_warps=4, G=8), dict(BD=256, num_warps=4, G=16),
+         dict(BD=512, num_warps=4, G=8), dict(BD=128, num_warps=1, G=16), dict(BD=256, num_warps=2, G=8, TS=1024)]
+BARS = dict(y=1e-3, dx=1e-3, dw=2e-3, db=2e-3)
+
+
+def floors_bytes(B, T, D, dtype_bytes=2) -> dict:
+    """The fewest bytes: forward x read, y written; backward x and dy read, dx written."""
+    n = B * T * D * dtype_bytes
+    return {"fwd": 2 * n, "fwd+bwd": 5 * n}
+
+
+def make_inputs(shape: dict, device="cuda", seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    B, T, D = shape["B"], shape["T"], shape["D"]
+    kw = dict(weight=(torch.randn(D, 4, generator=g) / 2).to(device), bias=None, activation="silu")
+    if shape.get("packed"):
+        total, lens = B * T, []
+        while sum(lens) < total:
+            lens.append(int(torch.randint(1, 16385, (1,), generator=g)))
+        lens[-1] -= sum(lens) - total
+        lens = [n for n in lens if n > 0]
+        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+        kw.update(x=torch.randn(1, total, D, generator=g).to(device, torch.bfloat16), cu_seqlens=cu.to(device),
+                  cu_seqlens_cpu=cu)
+    else:
+        kw["x"] = torch.randn(B, T, D, generator=g).to(device, torch.bfloat16)
+    return kw
+
+
+def _run(fn, kw, dy, backward: bool):
+    x = kw["x"].detach().requires_grad_(backward)
+    w = kw["weight"].detach().requires_grad_(backward)
+    y, _ = fn(**{**kw, "x": x, "weight": w})
+    if backward:
+        y.backward(dy)
+        return y, x.grad, w.grad
+    return y, None, None
+
+
+def main(argv=None) -> int:
+    from kernel_fun import versions
+    from kernel_fun.bench import results
+    from kernel_fun.bench.timing import cuda_times, summary
+    from kernel_fun.cconv import causal_conv1d, kernels as K, last_route
+    from kernel_fun.cconv.reference import conv_reference
+    from kernel_fun.kda.reference import rel_rms
+    from kernel_fun.patch import fla_causal_conv1d
+
+    parser = argparse.ArgumentParser(prog="python -m kernel_fun.bench.cconv", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default="d2048,d4096,packed2048")
+    parser.add_argument("--configs", default="pinned", help="'pinned' or 'sweep'")
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    out = args.out or results.RESULTS / "cconv.jsonl"
+    fla = fla_causal_conv1d()
+    configs = [dict(K.DEFAULT_CONFIG)] if args.configs == "pinned" else [{**K.DEFAULT_CONFIG, **c} for c in SWEEP]
+    printed = []
+    for name in args.shapes.split(","):
+        shape = SHAPES[name]
+        kw = make_inputs(shape)
+        dy = torch.randn_like(kw["x"])
+        nbytes = floors_bytes(shape["B"], shape["T"], shape["D"])
+
+        def ours_with(cfg):
+            def fn(**k):
+                with K.use_config(**cfg):
+                    return causal_conv1d(**k)
+            return fn
+
+        theirs = _run(fla, kw, dy, True)
+        # the float64 reference on the first sequence (packed: the first document)
+        first = {"x": kw["x"][:1, :8192].double(), "cu_seqlens": None}
+        if "cu_seqlens" in kw:
+            cu = kw["cu_seqlens_cpu"]
+            first = {"x": kw["x"][:, :int(cu[1])].double(), "cu_seqlens": cu[:2]}
+        first["weight"] = kw["weight"].double()
+        y64, _ = conv_reference(first["x"], first["weight"], None, None, None, False, "silu", first["cu_seqlens"])
+        n64 = y64.shape[1]
+        fla_err = rel_rms(theirs[0][:1, :n64], y64)
+        impls = {"fla": (fla, None)}
+        checks = {"fla": {"ok": True, "y_vs_exact": fla_err}}
+        for cfg in configs:
+            label = "ours[" + ",".join(f"{k}={v}" for k, v in sorted(cfg.items())) + "]"
+            fn = ours_with(cfg)
+            got = _run(fn, kw, dy, True)
+            route = last_route()
+            errs = {"y": rel_rms(got[0], theirs[0]), "dx": rel_rms(got[1], theirs[1]), "dw": rel_rms(got[2], theirs[2])}
+            our_err = rel_rms(got[0][:1, :n64], y64)
+            ok = route == "kernels" and all(errs[n] <= BARS[n] for n in errs) and our_err <= max(1.1 * fla_err, 1e-3)
+            checks[label] = {"ok": ok, "vs_fla": errs, "y_vs_exact": our_err, "route": route}
+            impls[label] = (fn, cfg)
+        times = {(label, phase): [] for label in impls for phase in ("fwd", "fwd+bwd")}
+        for label, (fn, _) in impls.items():  # warm-up
+            if checks[label]["ok"]:
+                _run(fn, kw, dy, True)
+        for _ in range(args.rounds):
+            for label, (fn, _) in impls.items():
+                if not checks[label]["ok"]:
+                    continue
+                with torch.no_grad():
+                    times[(label, "fwd")] += cuda_times(lambda fn=fn: fn(**kw), args.reps)
+                times[(label, "fwd+bwd")] += cuda_times(lambda fn=fn: _run(fn, kw, dy, True), args.reps)
+        for label, (_, cfg) in impls.items():
+            for phase in ("fwd", "fwd+bwd"):
+                s = summary(times[(label, phase)]) if times[(label, phase)] else None
+                row = {"kind": "cconv", "shape": name, "problem": shape, "impl": label, "config": cfg, "phase": phase,
+                       "ms": s["median"] if s else None, "spread_ms": [s["p10"], s["p90"]] if s else None,
+                       "floor_ms": nbytes[phase] / 4.25e12 * 1e3, "parity": checks[label],
+                       "gpu": torch.cuda.get_device_name(), "versions": versions(), "commit": results.commit(),
+                       "date": results.now()}
+                results.append(out, row)
+                printed.append(row)
+        del kw, dy, theirs
+        torch.cuda.empty_cache()
+    base = {(r["shape"], r["phase"]): r["ms"] for r in printed if r["impl"] == "fla"}
+    for r in printed:
+        ms = f"{r['ms']:.3f}" if r["ms"] else "  RED"
+        ratio = f"{base[(r['shape'], r['phase'])] / r['ms']:.2f}x" if r["ms"] and base.get((r["shape"], r["phase"])) else ""
+        print(f"{r['shape']:<11} {r['phase']:<8} {r['impl']:<60} {ms} ms {ratio:>6} floor {r['floor_ms']:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

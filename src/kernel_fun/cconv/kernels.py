@@ -1,0 +1,315 @@
+"""The short causal convolution's forward and backward, each one pass over the tokens.
+
+Replaces fla's ``causal_conv1d`` Triton kernels (0.5.2: at B16 T8192 W4 SiLU bf16 on the
+H200, D=2048 fwd 0.388 ms, fwd+bwd 2.34 ms, against floors of 0.25 and 0.63 ms). fla's
+forward loads each [64, BD] tile of x W times, once per tap, shifted by a row; its backward
+first re-runs the forward to get the pre-activation (a full read of x and write of it),
+then loads dy and that pre-activation W times each and evaluates the SiLU derivative W
+times an element.
+
+Design: a program owns a strip of BD channels over a segment of TS tokens of one sequence
+and walks the segment one token at a time (G tokens an iteration, unrolled, for loads in
+flight). Each thread holds its channels' last three rows of x as registers that shift by
+assignment, so a token costs one load of x, W multiply-adds, one activation and one store;
+the taps are padded to four (W < 4 weights the missing taps zero). The backward walks the
+same way: z (the pre-activation) is recomputed from the x it holds, g = dy * act'(z) once
+a token, and dx[t] = sum_k w_k g[t + k] is emitted three tokens late from the last four g
+in registers. It accumulates its strip's dw and db over its own tokens (the halo's three
+extra tokens at the segment's end feed only dx) and writes them as one partial per
+program, summed in a fixed order afterwards (no atomics). The first segment of a sequence
+also forms dh0 (the first W-1 tokens' g against the taps that read the initial state); the
+final state's gradient lands on the last W tokens' dx, and on dh0 where the sequence is
+shorter than W.
+
+Numerics: fp32 inside, the output rounded once to its dtype (bf16: round to nearest even);
+sigmoid as 1 / (1 + exp2(-z log2 e)) with a fast reciprocal (a few ulp of fp32).
+
+Packed sequences: segments never cross a sequence's end (a segment list of (sequence,
+first token) pairs); fla's ``chunk_indices`` (64-token chunks) serve as the list directly.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernel_fun._triton import to
+
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def _sigmoid(z):
+    return tl.fdiv(1.0, 1.0 + tl.exp2(-z * LOG2E), ieee_rounding=False)
+
+
+@triton.jit
+def _tap(w, o_d, m_d, W: tl.constexpr, k: tl.constexpr):
+    """The weight of x[t - k] in y[t] for the strip's channels, fp32 (w[:, W - 1 - k]; 0
+    for a tap past W)."""
+    if k < W:
+        return tl.load(w + o_d * W + (W - 1 - k), mask=m_d, other=0).to(tl.float32)
+    return tl.zeros(o_d.shape, dtype=tl.float32)
+
+
+@triton.jit
+def _x_row(x, h0, r, n, T, o_d, m_d, stride_t, stride_d, D: tl.constexpr, W: tl.constexpr,
+           HAS_H0: tl.constexpr):
+    """Row r of the sequence's x for the strip (fp32): x itself for 0 <= r < T, the initial
+    state's slot W + r for -W < r < 0 (when given), else 0."""
+    v = tl.load(x + r.to(tl.int64) * stride_t + o_d * stride_d, mask=m_d & (r >= 0) & (r < T), other=0).to(tl.float32)
+    if HAS_H0:
+        v += tl.load(h0 + n.to(tl.int64) * (D * W) + o_d * W + (W + r), mask=m_d & (r < 0) & (r > -W),
+                     other=0).to(tl.float32)
+    return v
+
+
+@triton.jit
+def _segment(i_s, i_b, seg_index, cu_seqlens, T, TS: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """(sequence index, its first row in the flat token order, its length, the segment's
+    first row within it)."""
+    if IS_VARLEN:
+        n = tl.load(seg_index + i_s * 2).to(tl.int32)
+        s0 = tl.load(seg_index + i_s * 2 + 1).to(tl.int32) * TS
+        bos = tl.load(cu_seqlens + n).to(tl.int64)
+        T_seq = (tl.load(cu_seqlens + n + 1).to(tl.int64) - bos).to(tl.int32)
+    else:
+        n = i_b
+        s0 = i_s * TS
+        bos = i_b.to(tl.int64) * T
+        T_seq = T
+    return n, bos, T_seq, s0
+
+
+@triton.jit
+def causal_conv1d_fwd_kernel(
+    x, w, bias, residual, h0, y, seg_index, cu_seqlens, T, stride_b, stride_t, stride_d,
+    D: tl.constexpr, W: tl.constexpr, BD: tl.constexpr, TS: tl.constexpr, G: tl.constexpr,
+    SILU: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_H0: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+):
+    """y = act(sum_k w_k x[t - k] + bias) + residual on one (strip, segment): x strided
+    ([B, T, D] by stride_b, stride_t, stride_d; packed: B = 1), y and residual dense."""
+    i_d, i_s, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    n, bos, T_seq, s0 = _segment(i_s, i_b, seg_index, cu_seqlens, T, TS, IS_VARLEN)
+    s1 = tl.minimum(s0 + TS, T_seq)
+    o_d = i_d * BD + tl.arange(0, BD)
+    m_d = o_d < D
+    x += i_b.to(tl.int64) * stride_b + (bos - i_b.to(tl.int64) * T) * stride_t  # dense: the batch's rows; packed: the sequence's
+    y += bos * D
+    if HAS_RESIDUAL:
+        residual += bos * D
+    w0 = _tap(w, o_d, m_d, W, 0)
+    w1 = _tap(w, o_d, m_d, W, 1)
+    w2 = _tap(w, o_d, m_d, W, 2)
+    w3 = _tap(w, o_d, m_d, W, 3)
+    if HAS_BIAS:
+        b = tl.load(bias + o_d, mask=m_d, other=0).to(tl.float32)
+    xm1 = _x_row(x, h0, s0 - 1, n, T_seq, o_d, m_d, stride_t, stride_d, D, W, HAS_H0)
+    xm2 = _x_row(x, h0, s0 - 2, n, T_seq, o_d, m_d, stride_t, stride_d, D, W, HAS_H0)
+    xm3 = _x_row(x, h0, s0 - 3, n, T_seq, o_d, m_d, stride_t, stride_d, D, W, HAS_H0)
+    for t0 in range(s0, s1, G):
+        for u in tl.static_range(G):
+            t = t0 + u
+            live = t < s1
+            x0 = tl.load(x + t.to(tl.int64) * stride_t + o_d * stride_d, mask=m_d & live, other=0).to(tl.float32)
+            z = w0 * x0 + w1 * xm1 + w2 * xm2 + w3 * xm3
+            if HAS_BIAS:
+                z += b
+            if SILU:
+                z = z * _sigmoid(z)
+            p = t.to(tl.int64) * D + o_d
+            if HAS_RESIDUAL:
+                z += tl.load(residual + p, mask=m_d & live, other=0).to(tl.float32)
+            tl.store(y + p, to(z, y.dtype.element_ty), mask=m_d & live)
+            xm3 = xm2
+            xm2 = xm1
+            xm1 = x0
+
+
+@triton.jit
+def causal_conv1d_bwd_kernel(
+    x, w, bias, h0, dy, dht, dx, dw_part, db_part, dh0, seg_index, cu_seqlens, T,
+    stride_b, stride_t, stride_d, D: tl.constexpr, W: tl.constexpr, BD: tl.constexpr, TS: tl.constexpr,
+    G: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_H0: tl.constexpr, HAS_DHT: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+):
+    """dx on one (strip, segment), its partials of dw ([P, D, W] at program P) and db
+    ([P, D]), and, on a sequence's first segment, dh0 [N, D, W] (slot 0 is 0: the forward
+    never reads it). dy and dx dense, x strided as in the forward."""
+    i_d, i_s, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    n, bos, T_seq, s0 = _segment(i_s, i_b, seg_index, cu_seqlens, T, TS, IS_VARLEN)
+    s1 = tl.minimum(s0 + TS, T_seq)
+    o_d = i_d * BD + tl.arange(0, BD)
+    m_d = o_d < D
+    x += i_b.to(tl.int64) * stride_b + (bos - i_b.to(tl.int64) * T) * stride_t  # dense: the batch's rows; packed: the sequence's
+    dy += bos * D
+    dx += bos * D
+    w0 = _tap(w, o_d, m_d, W, 0)
+    w1 = _tap(w, o_d, m_d, W, 1)
+    w2 = _tap(w, o_d, m_d, W, 2)
+    w3 = _tap(w, o_d, m_d, W, 3)
+    if HAS_BIAS:
+        b = tl.load(bias + o_d, mask=m_d, other=0).to(tl.float32)
+    xm1 = _x_row(x, h0, s0 - 1, n, T_seq, o_d, m_d, stride_t, stride_d, D, W, HAS_H0)
+    xm2 = _x_row(x, h0, s0 - 2, n, T_seq, o_d, m_d, stride_t, stride_d, D, W, HAS_H0)
+    xm3 = _x_row(x, h0, s0 - 3, n, T_seq, o_d, m_d, stride_t, stride_d, D, W, HAS_H0)
+    zero = tl.zeros([BD], dtype=tl.float32)
+    gm1, gm2, gm3 = zero, zero, zero
+    dw0, dw1, dw2, dw3, db = zero, zero, zero, zero, zero
+    dh1, dh2, dh3 = zero, zero, zero  # the initial state's slots 1..3 (of W)
+    first = s0 == 0
+    # tokens s0 .. s1 + 2: g for every one, dx for t - 3 once t - 3 >= s0
+    for t0 in range(s0, s1 + 3, G):
+        for u in tl.static_range(G):
+            t = t0 + u
+            live = t < T_seq
+            own = t < s1
+            x0 = tl.load(x + t.to(tl.int64) * stride_t + o_d * stride_d, mask=m_d & live, other=0).to(tl.float32)
+            p = t.to(tl.int64) * D + o_d
+            g = tl.load(dy + p, mask=m_d & live, other=0).to(tl.float32)
+            if SILU:
+                z = w0 * x0 + w1 * xm1 + w2 * xm2 + w3 * xm3
+                if HAS_BIAS:
+                    z += b
+                s = _sigmoid(z)
+                g = g * (s * (1.0 + z * (1.0 - s)))
+            g = tl.where(live & (t < s1 + 3), g, 0.0)
+            go = tl.where(own, g, 0.0)
+            dw0 += go * x0
+            dw1 += go * xm1
+            dw2 += go * xm2
+            dw3 += go * xm3
+            db += go
+            if HAS_H0:
+                # token t < W - 1 of the sequence reads slot c (x[c - W]) through tap t - c + W
+                ft = first & (t < W - 1)
+                if W > 1:
+                    dh1 += tl.where(ft & (t < 1), g * tl.where(t == 0, w3 if W == 4 else (w2 if W == 3 else w1), 0.0), 0.0)
+                if W > 2:
+                    dh2 += tl.where(ft & (t < 2), g * tl.where(t == 0, w2 if W == 4 else w1, tl.where(t == 1, w3 if W == 4 else w2, 0.0)), 0.0)
+                if W > 3:
+                    dh3 += tl.where(ft & (t < 3), g * tl.where(t == 0, w1, tl.where(t == 1, w2, w3)), 0.0)
+            # dx for token r = t - 3: sum_k w_k g[r + k]
+            r = t - 3
+            acc = w0 * gm3 + w1 * gm2 + w2 * gm1 + w3 * g
+            if HAS_DHT:
+                # the final state's slot c = r - T + W holds x[r]
+                c = r - T_seq + W
+                acc += tl.load(dht + n.to(tl.int64) * (D * W) + o_d * W + c, mask=m_d & (c >= 0) & (c < W) & (r >= 0),
+                               other=0).to(tl.float32)
+            tl.store(dx + r.to(tl.int64) * D + o_d, to(acc, dx.dtype.element_ty), mask=m_d & (r >= s0) & (r < s1))
+            gm3 = gm2
+            gm2 = gm1
+            gm1 = g
+            xm3 = xm2
+            xm2 = xm1
+            xm1 = x0
+    seg = (i_b * tl.num_programs(1) + i_s).to(tl.int64)  # this program's partial (its strip's channels)
+    part = dw_part + seg * (D * W) + o_d * W
+    tl.store(part + (W - 1), dw0, mask=m_d)
+    if W > 1:
+        tl.store(part + (W - 2), dw1, mask=m_d)
+    if W > 2:
+        tl.store(part + (W - 3), dw2, mask=m_d)
+    if W > 3:
+        tl.store(part + (W - 4), dw3, mask=m_d)
+    if HAS_BIAS:
+        tl.store(db_part + seg * D + o_d, db, mask=m_d)
+    if HAS_H0:
+        if first:
+            if HAS_DHT:
+                # a sequence shorter than W: final slot c holds the initial state's slot c + T
+                base = dht + n.to(tl.int64) * (D * W) + o_d * W
+                if W > 1:
+                    dh1 += tl.load(base + (1 - T_seq), mask=m_d & (1 - T_seq >= 0), other=0).to(tl.float32)
+                if W > 2:
+                    dh2 += tl.load(base + (2 - T_seq), mask=m_d & (2 - T_seq >= 0), other=0).to(tl.float32)
+                if W > 3:
+                    dh3 += tl.load(base + (3 - T_seq), mask=m_d & (3 - T_seq >= 0), other=0).to(tl.float32)
+            out = dh0 + n.to(tl.int64) * (D * W) + o_d * W
+            tl.store(out, zero.to(dh0.dtype.element_ty), mask=m_d)
+            if W > 1:
+                tl.store(out + 1, to(dh1, dh0.dtype.element_ty), mask=m_d)
+            if W > 2:
+                tl.store(out + 2, to(dh2, dh0.dtype.element_ty), mask=m_d)
+            if W > 3:
+                tl.store(out + 3, to(dh3, dh0.dtype.element_ty), mask=m_d)
+
+
+# Pinned: strips of 256 channels at 2 warps (8 bytes a lane a row in bf16), segments of 256
+# tokens, 8 tokens an iteration. sm_90a (D=2048, bf16, W=4, SiLU): the forward 116
+# registers, the backward 168, no spills (tests/test_cconv.py holds it). Not yet measured on
+# the H200; the bench's sweep (bench/cconv.py) has the other builds. Prediction at B16
+# T8192: within 1.3x of the memory floors (D=2048 fwd 0.25 ms, fwd+bwd 0.63).
+DEFAULT_CONFIG = dict(BD=256, TS=256, G=8, num_warps=2)
+W_MAX = 4  # the register ring holds four taps
+
+
+class use_config:
+    """``with use_config(BD=..., ...)``: calls of ``causal_conv1d`` made inside launch with
+    this config (their backward too, wherever it runs); the bench's sweep."""
+
+    def __init__(self, **config):
+        self.config = config
+
+    def __enter__(self):
+        self.saved = dict(DEFAULT_CONFIG)
+        DEFAULT_CONFIG.update(self.config)
+
+    def __exit__(self, *exc):
+        DEFAULT_CONFIG.clear()
+        DEFAULT_CONFIG.update(self.saved)
+
+
+def segment_index(cu_seqlens_cpu: torch.Tensor, TS: int, device) -> torch.Tensor:
+    """[S, 2] int32 (sequence, segment) pairs, every sequence cut into TS-token segments
+    (fla's ``chunk_indices`` layout)."""
+    bounds = cu_seqlens_cpu.tolist()
+    pairs = [(n, i) for n in range(len(bounds) - 1) for i in range(-(-(bounds[n + 1] - bounds[n]) // TS))]
+    return torch.tensor(pairs, dtype=torch.int32).reshape(-1, 2).to(device)
+
+
+def _grid_segments(x3, cu_seqlens, seg_index, TS):
+    if cu_seqlens is None:
+        return triton.cdiv(x3.shape[1], TS), x3.shape[0]
+    return seg_index.shape[0], 1
+
+
+def conv_fwd(x3, weight, bias, residual, initial_state, silu, cu_seqlens, seg_index, TS, config=None):
+    """y [B, T, D] (dense, x's dtype) from x3 [B, T, D] of any strides."""
+    cfg = {**DEFAULT_CONFIG, **(config or {})}
+    B, T, D = x3.shape
+    W = weight.shape[1]
+    y = torch.empty(B, T, D, device=x3.device, dtype=x3.dtype)
+    NS, NB = _grid_segments(x3, cu_seqlens, seg_index, TS)
+    causal_conv1d_fwd_kernel[(triton.cdiv(D, cfg["BD"]), NS, NB)](
+        x3, weight, bias, residual, initial_state, y, seg_index, cu_seqlens, T, *x3.stride(),
+        D=D, W=W, BD=cfg["BD"], TS=TS, G=cfg["G"], SILU=silu, HAS_BIAS=bias is not None,
+        HAS_RESIDUAL=residual is not None, HAS_H0=initial_state is not None, IS_VARLEN=cu_seqlens is not None,
+        num_warps=cfg["num_warps"],
+    )
+    return y
+
+
+def conv_bwd(x3, weight, bias, initial_state, dy, dht, silu, cu_seqlens, seg_index, TS, want_dh0, config=None):
+    """(dx [B, T, D] in x's dtype, dw in the weight's dtype, db in the bias's or None, dh0 in
+    the initial state's or None)."""
+    cfg = {**DEFAULT_CONFIG, **(config or {})}
+    B, T, D = x3.shape
+    W = weight.shape[1]
+    NS, NB = _grid_segments(x3, cu_seqlens, seg_index, TS)
+    dx = torch.empty(B, T, D, device=x3.device, dtype=x3.dtype)
+    dw_part = torch.empty(NB * NS, D, W, device=x3.device, dtype=torch.float32)
+    db_part = torch.empty(NB * NS, D, device=x3.device, dtype=torch.float32) if bias is not None else None
+    dh0 = torch.empty_like(initial_state) if initial_state is not None else None
+    causal_conv1d_bwd_kernel[(triton.cdiv(D, cfg["BD"]), NS, NB)](
+        x3, weight, bias, initial_state, dy, dht, dx, dw_part, db_part, dh0, seg_index, cu_seqlens, T, *x3.stride(),
+        D=D, W=W, BD=cfg["BD"], TS=TS, G=cfg["G"], SILU=silu, HAS_BIAS=bias is not None,
+        HAS_H0=initial_state is not None, HAS_DHT=dht is not None, IS_VARLEN=cu_seqlens is not None,
+        num_warps=cfg["num_warps"],
+    )
+    dw = dw_part.sum(0).to(weight.dtype)  # the partials in a fixed order: deterministic
+    db = db_part.sum(0).to(bias.dtype) if bias is not None else None
+    return dx, dw, db, (dh0 if want_dh0 else None)

@@ -1,0 +1,240 @@
+"""The public ``causal_conv1d``: fla-core 0.5.2's signature and contract, kernel-fun's kernels.
+
+A call is validated first (clear errors where fla would crash inside a kernel, index
+garbage or silently ignore a flag: a missing weight, shapes that disagree, an activation
+other than None / silu / swish, packed sequences with B > 1). Then a whitelist gate: a
+call it knows runs kernel-fun's kernels (``cconv/kernels.py``) on Hopper, or the torch
+reference on a CPU; anything else -- another backend, context parallel, an argument it does
+not know, W > 4, a dtype or device outside the box, a switch -- goes to fla's
+``causal_conv1d`` with the caller's arguments untouched, logged once.
+
+Switches: ``KERNEL_FUN_DISABLE=1`` or ``KERNEL_FUN_CCONV_DISABLE=1`` send every call to fla.
+
+One difference from fla 0.5.2, on purpose: the final state's gradient. fla's backward
+drops the gradient of the final state's slot 0 (x[T - W]), places it on the wrong tokens
+for a sequence shorter than W - 1, and never carries it into the initial state's gradient
+where the final state holds initial-state slots; here it is the derivative of the forward
+(the float64 reference's autograd agrees). With a final-state gradient of zero (the usual
+case: the state feeds decoding, not the loss) the two agree.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from kernel_fun._runtime import env_flag, log_once
+from kernel_fun.cconv import kernels as K
+from kernel_fun.cconv.reference import conv_reference
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_last = {"route": None}
+_ACTIVATIONS = (None, "silu", "swish")
+
+
+def last_route() -> str | None:
+    """Where the last ``causal_conv1d`` call ran in this process: "kernels", "reference",
+    or "fla: <reason>" (the launch witness tests and benches read)."""
+    return _last["route"]
+
+
+def _fla_causal_conv1d():
+    from kernel_fun import patch
+
+    return patch.fla_causal_conv1d()
+
+
+def _validate(x, weight, bias, residual, initial_state, activation, cu_seqlens):
+    if not isinstance(x, torch.Tensor) or x.dim() < 3:
+        raise ValueError(f"causal_conv1d: x must be [B, T, D] (or [B, T, ...] with D the product of the rest); "
+                         f"got {tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    if weight is None:
+        raise ValueError("causal_conv1d: weight [D, W] is required")
+    if weight.dim() != 2:
+        raise ValueError(f"causal_conv1d: weight must be [D, W]; got {tuple(weight.shape)}")
+    D, W = weight.shape
+    if math.prod(x.shape[2:]) != D:
+        raise ValueError(f"causal_conv1d: x {tuple(x.shape)} has {math.prod(x.shape[2:])} channels a token, "
+                         f"the weight {tuple(weight.shape)} has {D}")
+    if W < 1:
+        raise ValueError("causal_conv1d: the weight's width W must be at least 1")
+    if bias is not None and tuple(bias.shape) != (D,):
+        raise ValueError(f"causal_conv1d: bias must be [{D}]; got {tuple(bias.shape)}")
+    if residual is not None and residual.numel() != x.numel():
+        raise ValueError(f"causal_conv1d: residual must have x's shape {tuple(x.shape)}; got {tuple(residual.shape)}")
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"causal_conv1d: activation must be None, 'silu' or 'swish'; got {activation!r} "
+                         "(fla's kernels would apply none)")
+    if cu_seqlens is not None:
+        if x.shape[0] != 1:
+            raise ValueError(f"causal_conv1d: with cu_seqlens x must be [1, total tokens, D]; got batch {x.shape[0]}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+            raise ValueError(f"causal_conv1d: cu_seqlens must be [N + 1] offsets; got {tuple(cu_seqlens.shape)}")
+    N = x.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
+    if initial_state is not None and tuple(initial_state.shape) != (N, D, W):
+        raise ValueError(f"causal_conv1d: initial_state must be [N, D, W] = [{N}, {D}, {W}]; "
+                         f"got {tuple(initial_state.shape)}")
+
+
+def _gate(x, weight, bias, residual, initial_state, backend, cp_context, kwargs) -> str | None:
+    if env_flag("KERNEL_FUN_DISABLE"):
+        return "KERNEL_FUN_DISABLE=1"
+    if env_flag("KERNEL_FUN_CCONV_DISABLE"):
+        return "KERNEL_FUN_CCONV_DISABLE=1"
+    if cp_context is not None:
+        return f"cp_context={type(cp_context).__name__} (context parallel) is not supported"
+    if backend != "triton":
+        return f"backend={backend!r} (kernel-fun replaces the 'triton' backend)"
+    if kwargs:
+        return f"unknown keyword argument(s) {', '.join(sorted(kwargs))}"
+    W = weight.shape[1]
+    if W > K.W_MAX:
+        return f"W={W} > {K.W_MAX}"
+    for name, t in (("x", x), ("weight", weight), ("bias", bias), ("residual", residual),
+                    ("initial_state", initial_state)):
+        if t is not None and t.dtype not in _DTYPES:
+            return f"{name} dtype {str(t.dtype).replace('torch.', '')} (supported: bfloat16, float16, float32)"
+    if x.device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(x.device)
+        if (major, minor) != (9, 0):
+            return f"device {torch.cuda.get_device_name(x.device)} is sm_{major}{minor}; kernel-fun targets Hopper (sm_90)"
+    elif x.device.type != "cpu":
+        return f"device type {x.device.type} is not supported"
+    return None
+
+
+def is_supported(x, weight=None, bias=None, residual=None, initial_state=None, output_final_state=False,
+                 activation=None, backend="triton", cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None,
+                 cp_context=None, **kwargs) -> tuple[bool, str | None]:
+    """``(True, None)`` when ``causal_conv1d`` with these arguments runs kernel-fun's
+    kernels (or its reference on a CPU), else ``(False, reason)``."""
+    try:
+        _validate(x, weight, bias, residual, initial_state, activation, cu_seqlens)
+    except ValueError as err:
+        return False, f"invalid arguments — {err}"
+    reason = _gate(x, weight, bias, residual, initial_state, backend, cp_context, kwargs)
+    return reason is None, reason
+
+
+def _require_cuda(x, reason: str) -> None:
+    """A call that goes to fla with x off CUDA gets this error, not a crash in Triton's
+    launcher from fla's first kernel."""
+    if isinstance(x, torch.Tensor) and x.device.type != "cuda":
+        raise RuntimeError(f"causal_conv1d: this call goes to fla ({reason}), and fla's kernels need a CUDA device; "
+                           f"the inputs are on {x.device}")
+
+
+def _uses_kernels(x: torch.Tensor) -> bool:
+    from kernel_fun.kda.stages import interpreting
+
+    return x.is_cuda or interpreting()
+
+
+def _segments(cu_seqlens, cu_seqlens_cpu, chunk_indices, device):
+    """(segment index, segment length): fla's 64-token chunk index when the caller has one
+    (no host copy), else one at the pinned segment length."""
+    if cu_seqlens is None:
+        return None, K.DEFAULT_CONFIG["TS"]
+    if chunk_indices is not None:
+        return chunk_indices.to(device=device, dtype=torch.int32).contiguous(), 64
+    cpu = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens.cpu()
+    return K.segment_index(cpu, K.DEFAULT_CONFIG["TS"], device), K.DEFAULT_CONFIG["TS"]
+
+
+def _final_state(x3, initial_state, cu_seqlens, W):
+    """[N, D, W] in x's dtype: each sequence's last W rows of (initial state, x), from x's
+    rows by index (no copy of x, any strides, no host copy of the offsets)."""
+    B, T, D = x3.shape
+    dev = x3.device
+    c = torch.arange(W, device=dev)
+    if cu_seqlens is None:
+        lens = torch.full((B,), T, device=dev, dtype=torch.long)
+        rel = lens[:, None] - W + c[None, :]  # [N, W]: the row within the sequence
+        rows = x3[torch.arange(B, device=dev)[:, None], rel.clamp(min=0)]  # [N, W, D]
+    else:
+        cu = cu_seqlens.to(device=dev, dtype=torch.long)
+        lens = cu[1:] - cu[:-1]
+        rel = lens[:, None] - W + c[None, :]
+        rows = x3[0, (cu[:-1, None] + rel).clamp(min=0)]
+    out = torch.where((rel >= 0)[:, None, :], rows.transpose(1, 2), torch.zeros((), dtype=x3.dtype, device=dev))
+    if initial_state is not None:
+        slot = (lens[:, None] + c[None, :]).clamp(max=W - 1)  # the initial state's slot where rel < 0
+        init = initial_state.gather(2, slot[:, None, :].expand(-1, D, -1)).to(x3.dtype)
+        out = torch.where((rel < 0)[:, None, :], init, out)
+    return out.contiguous()
+
+
+class CausalConv1dFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x3, weight, bias, residual, initial_state, output_final_state, silu, cu_seqlens, seg_index, TS,
+                config=None):
+        ctx.config = dict(config or K.DEFAULT_CONFIG)  # the backward launches with the forward's config
+        y = K.conv_fwd(x3, weight, bias, residual, initial_state, silu, cu_seqlens, seg_index, TS, ctx.config)
+        final = _final_state(x3, initial_state, cu_seqlens, weight.shape[1]) if output_final_state else None
+        ctx.save_for_backward(x3, weight, bias, initial_state, cu_seqlens, seg_index)
+        ctx.silu, ctx.TS, ctx.has_residual = silu, TS, residual is not None
+        return y, final
+
+    @staticmethod
+    def backward(ctx, dy, dht):
+        x3, weight, bias, initial_state, cu_seqlens, seg_index = ctx.saved_tensors
+        dx, dw, db, dh0 = K.conv_bwd(x3, weight, bias, initial_state, dy.contiguous(),
+                                     dht.contiguous() if dht is not None else None, ctx.silu, cu_seqlens, seg_index,
+                                     ctx.TS, want_dh0=ctx.needs_input_grad[4], config=ctx.config)
+        dres = dy if ctx.has_residual and ctx.needs_input_grad[3] else None
+        return dx, dw, db, dres, dh0, None, None, None, None, None, None
+
+
+def causal_conv1d(x, weight=None, bias=None, residual=None, initial_state=None, output_final_state=False,
+                  activation=None, backend="triton", cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None,
+                  cp_context=None, **kwargs):
+    """A depthwise causal convolution over the tokens (fla's ``causal_conv1d``).
+
+    Args:
+        x: ``[B, T, D]`` (or ``[B, T, ...]``, D the product of the rest), any strides.
+        weight: ``[D, W]``. bias: ``[D]`` or None. residual: x's shape, added after the
+            activation, or None.
+        initial_state: ``[N, D, W]`` (N = B, or the number of packed sequences): slot W - 1
+            the token before the first, slot 0 unused.
+        output_final_state: also return the ``[N, D, W]`` state after the last token.
+        activation: None, ``'silu'`` or ``'swish'``.
+        backend: ``'triton'`` (kernel-fun's kernels); ``'cuda'`` and ``'mix'`` go to fla.
+        cu_seqlens / cu_seqlens_cpu: ``[N + 1]`` offsets of packed sequences (B must be 1);
+            the convolution never crosses a sequence boundary. chunk_indices: fla's
+            64-token chunk index of them (saves a host copy of the offsets).
+        cp_context: context parallel (goes to fla).
+
+    Returns:
+        ``(y in x's shape and dtype, final_state in x's dtype or None)``.
+    """
+    if cp_context is None:
+        _validate(x, weight, bias, residual, initial_state, activation, cu_seqlens)
+    reason = _gate(x, weight, bias, residual, initial_state, backend, cp_context, kwargs) if weight is not None else \
+        "no weight"
+    if reason is not None:
+        _require_cuda(x, reason)
+        log_once(logging.WARNING, f"causal_conv1d: falling back to fla — {reason}")
+        _last["route"] = f"fla: {reason}"
+        return _fla_causal_conv1d()(x, weight=weight, bias=bias, residual=residual, initial_state=initial_state,
+                                     output_final_state=output_final_state, activation=activation, backend=backend,
+                                     cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices,
+                                     cp_context=cp_context, **kwargs)
+    silu = activation in ("silu", "swish")
+    if not _uses_kernels(x):
+        log_once(logging.INFO, "causal_conv1d: on the CPU through kernel-fun's torch reference")
+        _last["route"] = "reference"
+        return conv_reference(x, weight, bias, residual, initial_state, output_final_state, activation, cu_seqlens)
+    shape = x.shape
+    D, W = weight.shape
+    x3 = x if x.dim() == 3 else x.reshape(shape[0], shape[1], D)
+    seg_index, TS = _segments(cu_seqlens, cu_seqlens_cpu, chunk_indices, x.device)
+    log_once(logging.INFO, f"causal_conv1d: kernel-fun's kernels (D={D}, W={W}, {x.dtype})")
+    _last["route"] = "kernels"
+    y, final = CausalConv1dFunction.apply(
+        x3, weight.contiguous(), bias.contiguous() if bias is not None else None,
+        residual.reshape(x3.shape).contiguous() if residual is not None else None,
+        initial_state.contiguous() if initial_state is not None else None, bool(output_final_state), silu,
+        cu_seqlens.contiguous() if cu_seqlens is not None else None, seg_index, TS)
+    return y.reshape(shape), final
