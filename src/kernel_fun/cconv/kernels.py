@@ -83,6 +83,28 @@ def _segment(i_s, i_b, seg_index, cu_seqlens, T, TS: tl.constexpr, IS_VARLEN: tl
 
 
 @triton.jit
+def _strip(x, w, h0, seg_index, cu_seqlens, T, stride_b, stride_t, stride_d, D: tl.constexpr, W: tl.constexpr,
+           BD: tl.constexpr, TS: tl.constexpr, HAS_H0: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """This program's strip and segment, both directions: (sequence, its first flat row, its
+    length, the segment's rows s0 .. s1 - 1, the channels and their mask, x at the
+    sequence's first row, the four taps, and x's three rows before s0)."""
+    i_d, i_s, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    n, bos, T_seq, s0 = _segment(i_s, i_b, seg_index, cu_seqlens, T, TS, IS_VARLEN)
+    s1 = tl.minimum(s0 + TS, T_seq)
+    o_d = i_d * BD + tl.arange(0, BD)
+    m_d = o_d < D
+    x += i_b.to(tl.int64) * stride_b + (bos - i_b.to(tl.int64) * T) * stride_t  # dense: the batch's rows; packed: the sequence's
+    w0 = _tap(w, o_d, m_d, W, 0)
+    w1 = _tap(w, o_d, m_d, W, 1)
+    w2 = _tap(w, o_d, m_d, W, 2)
+    w3 = _tap(w, o_d, m_d, W, 3)
+    xm1 = _x_row(x, h0, s0 - 1, n, T_seq, o_d, m_d, stride_t, stride_d, D, W, HAS_H0)
+    xm2 = _x_row(x, h0, s0 - 2, n, T_seq, o_d, m_d, stride_t, stride_d, D, W, HAS_H0)
+    xm3 = _x_row(x, h0, s0 - 3, n, T_seq, o_d, m_d, stride_t, stride_d, D, W, HAS_H0)
+    return n, bos, T_seq, s0, s1, o_d, m_d, x, w0, w1, w2, w3, xm1, xm2, xm3
+
+
+@triton.jit
 def causal_conv1d_fwd_kernel(
     x, w, bias, residual, h0, y, seg_index, cu_seqlens, T, stride_b, stride_t, stride_d,
     D: tl.constexpr, W: tl.constexpr, BD: tl.constexpr, TS: tl.constexpr, G: tl.constexpr,
@@ -91,24 +113,13 @@ def causal_conv1d_fwd_kernel(
 ):
     """y = act(sum_k w_k x[t - k] + bias) + residual on one (strip, segment): x strided
     ([B, T, D] by stride_b, stride_t, stride_d; packed: B = 1), y and residual dense."""
-    i_d, i_s, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    n, bos, T_seq, s0 = _segment(i_s, i_b, seg_index, cu_seqlens, T, TS, IS_VARLEN)
-    s1 = tl.minimum(s0 + TS, T_seq)
-    o_d = i_d * BD + tl.arange(0, BD)
-    m_d = o_d < D
-    x += i_b.to(tl.int64) * stride_b + (bos - i_b.to(tl.int64) * T) * stride_t  # dense: the batch's rows; packed: the sequence's
+    n, bos, T_seq, s0, s1, o_d, m_d, x, w0, w1, w2, w3, xm1, xm2, xm3 = _strip(
+        x, w, h0, seg_index, cu_seqlens, T, stride_b, stride_t, stride_d, D, W, BD, TS, HAS_H0, IS_VARLEN)
     y += bos * D
     if HAS_RESIDUAL:
         residual += bos * D
-    w0 = _tap(w, o_d, m_d, W, 0)
-    w1 = _tap(w, o_d, m_d, W, 1)
-    w2 = _tap(w, o_d, m_d, W, 2)
-    w3 = _tap(w, o_d, m_d, W, 3)
     if HAS_BIAS:
         b = tl.load(bias + o_d, mask=m_d, other=0).to(tl.float32)
-    xm1 = _x_row(x, h0, s0 - 1, n, T_seq, o_d, m_d, stride_t, stride_d, D, W, HAS_H0)
-    xm2 = _x_row(x, h0, s0 - 2, n, T_seq, o_d, m_d, stride_t, stride_d, D, W, HAS_H0)
-    xm3 = _x_row(x, h0, s0 - 3, n, T_seq, o_d, m_d, stride_t, stride_d, D, W, HAS_H0)
     for t0 in range(s0, s1, G):
         for u in tl.static_range(G):
             t = t0 + u
@@ -138,23 +149,13 @@ def causal_conv1d_bwd_kernel(
     """dx on one (strip, segment), its partials of dw ([P, D, W] at program P) and db
     ([P, D]), and, on a sequence's first segment, dh0 [N, D, W] (slot 0 is 0: the forward
     never reads it). dy and dx dense, x strided as in the forward."""
-    i_d, i_s, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    n, bos, T_seq, s0 = _segment(i_s, i_b, seg_index, cu_seqlens, T, TS, IS_VARLEN)
-    s1 = tl.minimum(s0 + TS, T_seq)
-    o_d = i_d * BD + tl.arange(0, BD)
-    m_d = o_d < D
-    x += i_b.to(tl.int64) * stride_b + (bos - i_b.to(tl.int64) * T) * stride_t  # dense: the batch's rows; packed: the sequence's
+    i_s, i_b = tl.program_id(1), tl.program_id(2)
+    n, bos, T_seq, s0, s1, o_d, m_d, x, w0, w1, w2, w3, xm1, xm2, xm3 = _strip(
+        x, w, h0, seg_index, cu_seqlens, T, stride_b, stride_t, stride_d, D, W, BD, TS, HAS_H0, IS_VARLEN)
     dy += bos * D
     dx += bos * D
-    w0 = _tap(w, o_d, m_d, W, 0)
-    w1 = _tap(w, o_d, m_d, W, 1)
-    w2 = _tap(w, o_d, m_d, W, 2)
-    w3 = _tap(w, o_d, m_d, W, 3)
     if HAS_BIAS:
         b = tl.load(bias + o_d, mask=m_d, other=0).to(tl.float32)
-    xm1 = _x_row(x, h0, s0 - 1, n, T_seq, o_d, m_d, stride_t, stride_d, D, W, HAS_H0)
-    xm2 = _x_row(x, h0, s0 - 2, n, T_seq, o_d, m_d, stride_t, stride_d, D, W, HAS_H0)
-    xm3 = _x_row(x, h0, s0 - 3, n, T_seq, o_d, m_d, stride_t, stride_d, D, W, HAS_H0)
     zero = tl.zeros([BD], dtype=tl.float32)
     gm1, gm2, gm3 = zero, zero, zero
     dw0, dw1, dw2, dw3, db = zero, zero, zero, zero, zero
@@ -303,13 +304,17 @@ def conv_bwd(x3, weight, bias, initial_state, dy, dht, silu, cu_seqlens, seg_ind
     dx = torch.empty(B, T, D, device=x3.device, dtype=x3.dtype)
     dw_part = torch.empty(NB * NS, D, W, device=x3.device, dtype=torch.float32)
     db_part = torch.empty(NB * NS, D, device=x3.device, dtype=torch.float32) if bias is not None else None
-    dh0 = torch.empty_like(initial_state) if initial_state is not None else None
+    # zeros: a packed sequence of no tokens has no segment (its dh0 is the final state's gradient alone)
+    dh0 = torch.zeros_like(initial_state) if initial_state is not None else None
     causal_conv1d_bwd_kernel[(triton.cdiv(D, cfg["BD"]), NS, NB)](
         x3, weight, bias, initial_state, dy, dht, dx, dw_part, db_part, dh0, seg_index, cu_seqlens, T, *x3.stride(),
         D=D, W=W, BD=cfg["BD"], TS=TS, G=cfg["G"], SILU=silu, HAS_BIAS=bias is not None,
         HAS_H0=initial_state is not None, HAS_DHT=dht is not None, IS_VARLEN=cu_seqlens is not None,
         num_warps=cfg["num_warps"],
     )
+    if dh0 is not None and dht is not None and cu_seqlens is not None:
+        empty = (cu_seqlens[1:] == cu_seqlens[:-1])[:, None, None]  # its final state is its initial state
+        dh0 = torch.where(empty, dht.to(dh0.dtype), dh0)
     dw = dw_part.sum(0).to(weight.dtype)  # the partials in a fixed order: deterministic
     db = db_part.sum(0).to(bias.dtype) if bias is not None else None
     return dx, dw, db, (dh0 if want_dh0 else None)
