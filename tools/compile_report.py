@@ -35,7 +35,8 @@ def _signature(jit, pointer_types: dict[str, str], constexprs: dict) -> dict:
     return sig
 
 
-def assemble_sm90(jit, sig: dict, constexprs: dict, num_warps: int, num_stages: int, maxnreg: int | None = None):
+def assemble_sm90(jit, sig: dict, constexprs: dict, num_warps: int, num_stages: int, maxnreg: int | None = None,
+                  divisible: tuple[str, ...] = ()):
     """Compile the JITFunction ``jit`` with the full signature ``sig`` for sm_90a and
     assemble it with Triton's ptxas: (the compiled kernel, ptxas's -v report)."""
     import triton
@@ -44,7 +45,8 @@ def assemble_sm90(jit, sig: dict, constexprs: dict, num_warps: int, num_stages: 
 
     # As a launch with 16-byte-aligned tensors specializes them (without it no load is
     # vectorized and the pipeliner leaves every loop alone).
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(jit.arg_names) if sig[name].startswith("*")}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(jit.arg_names)
+             if sig[name].startswith("*") or name in divisible}  # (integers: as a launch specializes multiples of 16)
     src = ASTSource(fn=jit, signature=sig, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg))
@@ -90,13 +92,13 @@ def ptxas_numbers(log: str) -> dict:
 
 
 def compile_sm90(kernel, pointer_types: dict[str, str], constexprs: dict, num_warps: int, num_stages: int,
-                 maxnreg: int | None = None) -> dict:
+                 maxnreg: int | None = None, divisible: tuple[str, ...] = ()) -> dict:
     """Compile ``kernel`` (a JITFunction, or a heuristics wrapper of one) for sm_90a."""
     jit = kernel
     while not hasattr(jit, "arg_names") or not hasattr(jit, "src"):
         jit = jit.fn
     sig = _signature(jit, pointer_types, constexprs)
-    compiled, log = assemble_sm90(jit, sig, constexprs, num_warps, num_stages, maxnreg)
+    compiled, log = assemble_sm90(jit, sig, constexprs, num_warps, num_stages, maxnreg, divisible)
     return {
         **ptxas_numbers(log),
         "shared": compiled.metadata.shared,
@@ -175,15 +177,19 @@ def cconv_report(D: int, BD: int, num_warps: int, G: int, TS: int = 256, backwar
     weight, W=4, SiLU, no bias, dense sequences."""
     from kernel_fun.cconv import kernels as K
 
+    # x dense, as a launch specializes it: channel stride 1 (a constant), the others multiples of 16
     types = dict(x="*bf16", w="*fp32", residual="*bf16", y="*bf16", dy="*bf16", dx="*bf16", dw_part="*fp32",
-                 T="i32", stride_b="i64", stride_t="i64", stride_d="i64")
+                 T="i32", stride_b="i32", stride_t="i32")
     constexprs = dict(D=D, W=4, BD=BD, TS=TS, G=G, SILU=True, HAS_BIAS=False, HAS_H0=False, IS_VARLEN=False,
-                      seg_index=None, cu_seqlens=None, bias=None, h0=None)
+                      seg_index=None, cu_seqlens=None, bias=None, h0=None, stride_d=1)
     if backward:
         constexprs.update(HAS_DHT=False, dht=None, db_part=None, dh0=None)
-        return compile_sm90(K.causal_conv1d_bwd_kernel, types, constexprs, num_warps, 1)
+        return compile_sm90(K.causal_conv1d_bwd_kernel, types, constexprs, num_warps, 1, divisible=_STRIDES)
     constexprs.update(HAS_RESIDUAL=False, residual=None)
-    return compile_sm90(K.causal_conv1d_fwd_kernel, types, constexprs, num_warps, 1)
+    return compile_sm90(K.causal_conv1d_fwd_kernel, types, constexprs, num_warps, 1, divisible=_STRIDES)
+
+
+_STRIDES = ("stride_b", "stride_t")
 
 
 def triton_next_pow2(n: int) -> int:

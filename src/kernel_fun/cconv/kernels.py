@@ -240,8 +240,10 @@ def causal_conv1d_bwd_kernel(
 
 
 # Pinned: strips of 256 channels at 2 warps (8 bytes a lane a row in bf16), segments of 256
-# tokens, 8 tokens an iteration. sm_90a (D=2048, bf16, W=4, SiLU): the forward 116
-# registers, the backward 168, no spills (tests/test_cconv.py holds it). Not yet measured on
+# tokens, 8 tokens an iteration. sm_90a (D=2048, bf16, W=4, SiLU, x dense as a launch
+# specializes it: 8-byte loads and stores): the forward 48 registers, the backward 100, no
+# spills (tests/test_cconv.py holds it); a strided x whose token stride is not a multiple of
+# 16 loads 2 bytes a lane. Not yet measured on
 # the H200; the bench's sweep (bench/cconv.py) has the other builds. Prediction at B16
 # T8192: within 1.3x of the memory floors (D=2048 fwd 0.25 ms, fwd+bwd 0.63).
 DEFAULT_CONFIG = dict(BD=256, TS=256, G=8, num_warps=2)
