@@ -177,7 +177,7 @@ def cconv_report(D: int, BD: int, num_warps: int, G: int, TS: int = 256, backwar
     weight, W=4, SiLU, no bias, dense sequences."""
     from kernel_fun.cconv import kernels as K
 
-    # x dense, as a launch specializes it: channel stride 1 (a constant), the others multiples of 16
+    # x dense: channel stride 1 (a constant of the kernel), the others multiples of 16, as a launch specializes them
     types = dict(x="*bf16", w="*fp32", residual="*bf16", y="*bf16", dy="*bf16", dx="*bf16", dw_part="*fp32",
                  T="i32", stride_b="i32", stride_t="i32")
     constexprs = dict(D=D, W=4, BD=BD, TS=TS, G=G, SILU=True, HAS_BIAS=False, HAS_H0=False, IS_VARLEN=False,

@@ -54,7 +54,7 @@ def _tap(w, o_d, m_d, W: tl.constexpr, k: tl.constexpr):
 
 
 @triton.jit
-def _x_row(x, h0, r, n, T, o_d, m_d, stride_t, stride_d, D: tl.constexpr, W: tl.constexpr,
+def _x_row(x, h0, r, n, T, o_d, m_d, stride_t, stride_d: tl.constexpr, D: tl.constexpr, W: tl.constexpr,
            HAS_H0: tl.constexpr):
     """Row r of the sequence's x for the strip (fp32): x itself for 0 <= r < T, the initial
     state's slot W + r for -W < r < 0 (when given), else 0."""
@@ -83,8 +83,8 @@ def _segment(i_s, i_b, seg_index, cu_seqlens, T, TS: tl.constexpr, IS_VARLEN: tl
 
 
 @triton.jit
-def _strip(x, w, h0, seg_index, cu_seqlens, T, stride_b, stride_t, stride_d, D: tl.constexpr, W: tl.constexpr,
-           BD: tl.constexpr, TS: tl.constexpr, HAS_H0: tl.constexpr, IS_VARLEN: tl.constexpr):
+def _strip(x, w, h0, seg_index, cu_seqlens, T, stride_b, stride_t, stride_d: tl.constexpr, D: tl.constexpr,
+           W: tl.constexpr, BD: tl.constexpr, TS: tl.constexpr, HAS_H0: tl.constexpr, IS_VARLEN: tl.constexpr):
     """This program's strip and segment, both directions: (sequence, its first flat row, its
     length, the segment's rows s0 .. s1 - 1, the channels and their mask, x at the
     sequence's first row, the four taps, and x's three rows before s0)."""
@@ -106,13 +106,15 @@ def _strip(x, w, h0, seg_index, cu_seqlens, T, stride_b, stride_t, stride_d, D: 
 
 @triton.jit
 def causal_conv1d_fwd_kernel(
-    x, w, bias, residual, h0, y, seg_index, cu_seqlens, T, stride_b, stride_t, stride_d,
+    x, w, bias, residual, h0, y, seg_index, cu_seqlens, T, stride_b, stride_t, stride_d: tl.constexpr,
     D: tl.constexpr, W: tl.constexpr, BD: tl.constexpr, TS: tl.constexpr, G: tl.constexpr,
     SILU: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_H0: tl.constexpr,
     IS_VARLEN: tl.constexpr,
 ):
     """y = act(sum_k w_k x[t - k] + bias) + residual on one (strip, segment): x strided
-    ([B, T, D] by stride_b, stride_t, stride_d; packed: B = 1), y and residual dense."""
+    ([B, T, D] by stride_b, stride_t, stride_d; packed: B = 1), y and residual dense. The
+    channel stride is a constant (1 for any x whose channels are dense, as a split of a fused
+    projection's are), so the loads vectorize without relying on the launch's specialization."""
     n, bos, T_seq, s0, s1, o_d, m_d, x, w0, w1, w2, w3, xm1, xm2, xm3 = _strip(
         x, w, h0, seg_index, cu_seqlens, T, stride_b, stride_t, stride_d, D, W, BD, TS, HAS_H0, IS_VARLEN)
     y += bos * D
@@ -142,8 +144,8 @@ def causal_conv1d_fwd_kernel(
 @triton.jit
 def causal_conv1d_bwd_kernel(
     x, w, bias, h0, dy, dht, dx, dw_part, db_part, dh0, seg_index, cu_seqlens, T,
-    stride_b, stride_t, stride_d, D: tl.constexpr, W: tl.constexpr, BD: tl.constexpr, TS: tl.constexpr,
-    G: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_H0: tl.constexpr, HAS_DHT: tl.constexpr,
+    stride_b, stride_t, stride_d: tl.constexpr, D: tl.constexpr, W: tl.constexpr, BD: tl.constexpr,
+    TS: tl.constexpr, G: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_H0: tl.constexpr, HAS_DHT: tl.constexpr,
     IS_VARLEN: tl.constexpr,
 ):
     """dx on one (strip, segment), its partials of dw ([P, D, W] at program P) and db
