@@ -531,12 +531,14 @@ def test_causal_conv1d_matches_fla(name):
 def test_fla_layer_through_patch_fla(flags, packed):
     """fla's KimiDeltaAttention (fla's defaults: hidden 2048, 16 heads, head dims 128, short
     convolutions) at B2 T4096, fwd+bwd with kernel_fun.patch_fla() against the same layer
-    unpatched: the chain engaged with B6 ours; the output, the input's gradient and every
-    parameter's gradient within fla's budgets of fla's own. Packed: an attention mask with
-    padding, which the layer turns into cu_seqlens."""
+    unpatched: the chain engaged with B6 ours, the short convolutions on kernel-fun's kernels;
+    the output, the input's gradient and every parameter's gradient within fla's budgets of
+    fla's own. Packed: an attention mask with padding, which the layer turns into
+    cu_seqlens."""
     import copy
 
     from kernel_fun.bench.layer import fla_layer, layer_grads, parity_misses
+    from kernel_fun.cconv import last_route
     from kernel_fun.patch import fla_patched
 
     layer = fla_layer(**flags)
@@ -553,6 +555,7 @@ def test_fla_layer_through_patch_fla(flags, packed):
     with fla_patched():
         ours = layer_grads(ours_layer, x, w, mask)
         record = last_record()
+        assert last_route() == "kernels"
     assert record.engaged and record.backward["B6"] == "ours", record
     assert (record.forward.get("F1b"), "B3" in record.backward) == ("fla", True)
     errors, misses = parity_misses(ours, theirs)

@@ -87,6 +87,7 @@ def main(argv=None) -> int:
     fla_configs.use_stored_configs(torch.cuda.get_device_name())
     from kernel_fun import versions
     from kernel_fun.bench.timing import cuda_times, summary
+    from kernel_fun.cconv import last_route
     from kernel_fun.kda import last_record
     from kernel_fun.patch import fla_patched
 
@@ -104,10 +105,11 @@ def main(argv=None) -> int:
     with fla_patched():
         ours_grads = layer_grads(ours_layer, x, w)
         record = last_record()
+        conv = last_route()  # the short convolutions' launch witness
     errors, misses = parity_misses(ours_grads, fla_grads)
     ok = bool(record.engaged and record.backward.get("B6") == "ours" and not misses)
     del fla_grads, ours_grads
-    print(f"parity: {'ok' if ok else 'RED'} {errors}", flush=True)
+    print(f"parity: {'ok' if ok else 'RED'} (convolutions: {conv}) {errors}", flush=True)
 
     times = {"fla": [], "ours": []}
     for name, (layer, context) in layers.items():  # warm-up
@@ -131,7 +133,8 @@ def main(argv=None) -> int:
                        f"B{args.B} T{args.T}" + (", safe_gate, lower_bound=-5" if args.safe_gate else ""),
             "fwdbwd_ms": s["median"] if s else None, "fwdbwd_spread_ms": [s["p10"], s["p90"]] if s else None,
             "reps": s["n"] if s else 0,
-            "parity": {"ok": ok, "vs_fla": errors, "impls": {**record.forward, **record.backward}},
+            "parity": {"ok": ok, "vs_fla": errors, "impls": {**record.forward, **record.backward},
+                       "convolutions": conv},
             "gpu": torch.cuda.get_device_name(), "versions": info,
             "fla_cache_mode": os.environ.get("FLA_CACHE_MODE", "disabled"),
             "commit": results.commit(), "date": results.now(),
