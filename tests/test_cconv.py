@@ -330,3 +330,17 @@ def test_pinned_config_compiles_without_spills(design):
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=root)
     row = json.loads(out.stdout.strip().splitlines()[-1])
     assert "error" not in row and row["spill_stores"] == 0 and row["spill_loads"] == 0, row
+
+
+def test_the_readme_table_shows_the_pinned_config_against_fla():
+    """bench/results rows of kind cconv: fla's and the pinned config's, the ratio against
+    fla's row of the same run; a sweep config that is not the pin stays out."""
+    from kernel_fun.bench import results
+
+    pinned = "ours[" + ",".join(f"{k}={v}" for k, v in sorted(K.DEFAULT_CONFIG.items())) + "]"
+    base = dict(kind="cconv", shape="d2048", phase="fwd+bwd", spread_ms=[0.7, 0.8], floor_ms=0.63,
+                parity={"ok": True}, gpu="NVIDIA H200", date="2026-12-02T00:00:00", commit="abc")
+    rows = [dict(base, impl="fla", ms=2.34), dict(base, impl=pinned, ms=0.78), dict(base, impl="ours[BD=512]", ms=0.5)]
+    table = results.cconv_table(rows)
+    assert "| d2048 | fwd+bwd | kernel-fun | 0.780 (0.700–0.800) | 3.00x | 0.63 | ok |" in table
+    assert "0.500" not in table and results.cconv_table([]) == ""

@@ -254,8 +254,34 @@ def layer_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def cconv_table(rows: list[dict]) -> str:
+    """``causal_conv1d`` (``bench.cconv``): fla's and the pinned config's forward and fwd+bwd
+    at each shape, the ratio against fla's in the same run and the memory floor."""
+    every = [r for r in rows if r.get("kind") == "cconv"]
+    if not every:
+        return ""
+    from kernel_fun.cconv.kernels import DEFAULT_CONFIG
+
+    pinned = "ours[" + ",".join(f"{k}={v}" for k, v in sorted(DEFAULT_CONFIG.items())) + "]"
+    keep = [r for r in latest(every, "shape", "phase", "impl") if r["impl"] in ("fla", pinned)]
+    same_run = {(r["shape"], r["phase"], r["commit"]): r for r in latest(every, "shape", "phase", "impl", "commit")
+                if r["impl"] == "fla"}
+    lines = ["| causal_conv1d | phase | implementation | ms (p10–p90) | vs fla (same run) | floor ms | parity | "
+             "GPU, date, commit |", "|---|---|---|---|---|---|---|---|"]
+    for r in sorted(keep, key=lambda r: (r["shape"], r["phase"], r["impl"] != "fla")):
+        base = same_run.get((r["shape"], r["phase"], r["commit"]))
+        ratio = base["ms"] / r["ms"] if base and base.get("ms") and r.get("ms") else None
+        ms = "—" if not r.get("ms") else f"{r['ms']:.3f} ({r['spread_ms'][0]:.3f}–{r['spread_ms'][1]:.3f})"
+        name = "fla" if r["impl"] == "fla" else "kernel-fun"
+        lines.append(f"| {r['shape']} | {r['phase']} | {name} | {ms} | {'—' if ratio is None else f'{ratio:.2f}x'} | "
+                     f"{r['floor_ms']:.2f} | {'ok' if r.get('parity', {}).get('ok') else 'RED'} | "
+                     f"{r['gpu']}, {r['date'][:10]}, `{r['commit']}` |")
+    return "\n".join(lines)
+
+
 def render(rows: list[dict]) -> str:
-    """The README's numbers: the whole-op table, fla's layer, then the stage-alone table."""
+    """The README's numbers: the whole-op table, fla's layer, the convolution, then the
+    stage-alone table."""
     from kernel_fun.bench.stage import entries
 
     benches = entries()
@@ -266,8 +292,10 @@ def render(rows: list[dict]) -> str:
 
     stages = stage_table(rows, ships=ships)
     layer = layer_table(rows)
+    conv = cconv_table(rows)
     shipped = [r for r in rows if not r.get("candidate")]  # a design measured before registration is not what ships
-    return op_table(shipped) + ("\n\n" + layer if layer else "") + ("\n\n" + stages if stages else "")
+    return (op_table(shipped) + ("\n\n" + layer if layer else "") + ("\n\n" + conv if conv else "")
+            + ("\n\n" + stages if stages else ""))
 
 
 # Each stage's sweep record: every config timed, in that stage's log.
