@@ -129,18 +129,20 @@ def test_bench_entry_inputs_run_and_count_bytes():
 
 
 @pytest.mark.skipif(__import__("triton").__version__ != "3.6.0", reason="spill figures recorded with Triton 3.6.0's ptxas")
-@pytest.mark.parametrize("design,K,spills", [("wide-chunk", 128, 4), ("wide-chunk", 64, 24), ("wide", 128, 0)])
+@pytest.mark.parametrize("design,K,spills", [("wide-chunk", 128, 4), ("wide-chunk", 64, 24), ("wide", 128, 0),
+                                             ("loop", 128, 0)])
 def test_default_config_compiles_within_its_recorded_spills(design, K, spills):
-    """A design's default config as ptxas assembles it for sm_90a (the note at
-    intra_bwd.DEFAULT_CONFIG), compiled in a process without the interpreter: a change that
-    adds spills fails here. Its [64, 16] x [16, 32] dots are wgmma, none of them N=8 tf32
-    (which the H200 runs out of bounds, see tools/compile_report.py)."""
+    """A design's default config as ptxas assembles it for sm_90a (the notes at
+    intra_bwd.DEFAULT_CONFIG and LOOP_CONFIG), compiled in a process without the
+    interpreter: a change that adds spills fails here. Its [64, 16] x [16, 32] dots are
+    wgmma, none of them N=8 tf32 (which the H200 runs out of bounds, see
+    tools/compile_report.py)."""
     import json
     import os
     import subprocess
     import sys
 
-    cfg = intra_bwd.DEFAULT_CONFIG
+    cfg = intra_bwd.default_config(design)
     env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = [sys.executable, "-m", "tools.compile_report", "--design", design, "--K", str(K), "--BV", str(cfg["BK"]),
@@ -205,6 +207,25 @@ def test_the_half_chunk_anchors_take_the_chunks_they_should():
     assert all(torch.equal(a, b) for a, b in zip(run(weak, "wide-halves"), run(weak, "wide-chunk")))
     check(steep, designs=("wide-chunk", "wide-halves"))
     assert not all(torch.equal(a, b) for a, b in zip(run(steep, "wide-halves"), run(steep, "wide-chunk")))
+
+
+def test_the_loop_kernel_takes_each_tier_where_it_should():
+    """loop and loop-halves (one program a chunk-head, dA's blocks held across its four K
+    slices): at a weak gate both take the whole-chunk tier (the same bits), at a log-decay
+    of 3 a token loop-halves its half-chunk tier and loop the per-block one (other bits), at
+    a saturated gate both the per-block tier with the pairwise diagonal (the same bits);
+    each exact against the float64 stage."""
+    inputs = stage_inputs(SHAPES[1])  # K=128: four slices; T=130: a partial chunk
+    gc = inputs["gc"]
+    t = (torch.arange(gc.shape[1], device=gc.device) % 64 + 1).to(gc.dtype)[None, :, None, None]
+    weak = dict(inputs, gc=(-0.01 * t).expand_as(gc).contiguous())
+    steep = dict(inputs, gc=(-3.0 * t).expand_as(gc).contiguous())
+    saturated = dict(inputs, gc=(-7.0 * t).expand_as(gc).contiguous())  # 105 across a 16-row block
+    run = lambda x, d: intra_bwd.intra_bwd(**x, design=d)  # noqa: E731
+    same = lambda x: all(torch.equal(a, b) for a, b in zip(run(x, "loop"), run(x, "loop-halves")))  # noqa: E731
+    assert same(weak) and not same(steep) and same(saturated)
+    for x in (weak, steep, saturated):
+        check(x, designs=("loop", "loop-halves"))
 
 
 # --------------------------------------------------------------------------------------

@@ -74,6 +74,7 @@ def sass_sha(cubin: str) -> str:
     listing = subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True, check=True).stdout
     code = [line.split("/*", 2)[2] if line.strip().startswith("/*") and line.count("/*") >= 2 else line
             for line in listing.splitlines() if "/*" in line and ";" in line]
+    sass_sha.instructions = len(code)  # the static count, read by compile_sm90
     return hashlib.sha256("\n".join(code).encode()).hexdigest()[:16]
 
 
@@ -107,6 +108,7 @@ def compile_sm90(kernel, pointer_types: dict[str, str], constexprs: dict, num_wa
         # past its end (an illegal address; triton-lang/triton#10629). A kernel must have none.
         "wgmma_tf32_n8": len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n8k8\.f32\.tf32", compiled.asm["ptx"])),
         "sass_sha": compiled.sass_sha,
+        "sass_instructions": sass_sha.instructions,
         "num_warps": num_warps,
         "num_stages": num_stages,
         "maxnreg": maxnreg,
@@ -147,10 +149,12 @@ def b7_report(K: int, H: int, HV: int, BK: int, num_warps: int, num_stages: int,
     if tail == 2:
         types.update(gate, dg2=_PTR[dtype])
     constexprs = dict(cu_seqlens=None, chunk_indices=None, H=H, HV=HV, K=K, BT=64, BC=intra_bwd.BC, BK=BK,
-                      IS_VARLEN=False, PAIRWISE=design == "wide-pairwise", CHUNK_ANCHOR=design in ("wide-chunk", "wide-halves"),
-                      HALVES=design == "wide-halves",
+                      IS_VARLEN=False, HALVES=design in ("wide-halves", "loop-halves"),
                       TAIL=tail, HAS_BIAS=tail == 2, USE_LOWER_BOUND=False,
                       **({} if tail == 2 else dict.fromkeys(gate)))
+    if design.startswith("loop"):
+        return compile_sm90(intra_bwd.intra_bwd_loop_kernel, types, constexprs, num_warps, num_stages, maxnreg)
+    constexprs.update(PAIRWISE=design == "wide-pairwise", CHUNK_ANCHOR=design in ("wide-chunk", "wide-halves"))
     return compile_sm90(intra_bwd.intra_bwd_wide_kernel, types, constexprs, num_warps, num_stages, maxnreg)
 
 

@@ -58,6 +58,16 @@ def dot3(a, b, acc=None):
 
 
 @triton.jit
+def dot3s(a_hi, a_lo, b, acc=None):
+    """``dot3`` with a split once by the caller (``tf32_split``): a loop-invariant operand is
+    split, and kept in shared memory, once for every iteration that reads it."""
+    b_hi, b_lo = tf32_split(b)
+    acc = tl.dot(a_hi, b_lo, acc, input_precision="tf32")
+    acc = tl.dot(a_lo, b_hi, acc, input_precision="tf32")
+    return tl.dot(a_hi, b_hi, acc, input_precision="tf32")
+
+
+@triton.jit
 def to(x, dtype: tl.constexpr):
     if INTERPRETING:
         if dtype == tl.bfloat16:

@@ -27,7 +27,10 @@ _B = dict(BK=32, num_warps=4, num_stages=1)
 # wide-halves (the half-chunk tier between the two) spills 144 B at the default and nothing
 # at 16-channel slices or 8 warps.
 _B16, _B8W = dict(BK=16, num_warps=4, num_stages=1), dict(BK=32, num_warps=8, num_stages=1)
-SWEEP = {"wide-chunk": [_B, _B16, _B8W], "wide-halves": [_B, _B16, _B8W], "wide": [_B], "wide-pairwise": [_B]}
+# loop and loop-halves (one program a chunk-head) at 8 warps; at 16-channel slices their
+# dots would be N=8 tf32 wgmmas (see tools/compile_report.py), at 64 they spill 112-168 B.
+SWEEP = {"wide-chunk": [_B, _B16, _B8W], "wide-halves": [_B, _B16, _B8W], "wide": [_B], "wide-pairwise": [_B],
+         "loop": [_B8W], "loop-halves": [_B8W]}
 
 
 def b7_bytes(p) -> int:
@@ -74,7 +77,7 @@ def _exact(**inputs):
 def _ours(inputs, design, config):
     from kernel_fun.kda.kernels import intra_bwd
 
-    return intra_bwd.intra_bwd(**inputs, **(config or intra_bwd.DEFAULT_CONFIG), design=design)
+    return intra_bwd.intra_bwd(**inputs, **(config or intra_bwd.default_config(design)), design=design)
 
 
 def _launch_config(p, design, overrides):
@@ -82,7 +85,7 @@ def _launch_config(p, design, overrides):
 
     if design not in intra_bwd.DESIGNS:
         raise ValueError(f"unknown B7 design {design!r}")
-    return {**intra_bwd.DEFAULT_CONFIG, **(overrides or {})}
+    return {**intra_bwd.default_config(design), **(overrides or {})}
 
 
 def _misses(vs_exact, fla_exact, vs_fla):

@@ -24,6 +24,16 @@ takes 49% of the (K slice, chunk, head) programs the per-block form takes now (3
 whole chunk, 80% one or the other; 41% and 88% at 16-channel slices). sm_90a: 144 B of
 spills at 32-channel slices and 4 warps, none at 16 or at 8 warps.
 
+Candidate (loop, loop-halves; built, measured next on the H200): one program per chunk-head
+at 8 warps, its K slices in a loop. dA's four column blocks (the row role's [64, 16]
+operands) and four row blocks (the column role's, transposed on chip) of both matrices are
+read once, split into tf32 halves once, and held in shared memory across the slices (136 KB:
+one program an SM); every tier's dots are made of those [64, 16] x [16, 32] blocks, the
+whole-chunk and half-chunk tiers chaining them into one accumulator. What it tests: whether
+re-reading and re-splitting dA in each of a chunk-head's four programs is what the time is
+(the premise of a Gluon kernel). sm_90a (K=128): 246 registers, no spills, 4,216 SASS
+instructions (loop-halves 255, none; with the tail 12 and 4 B).
+
 This design (wide-chunk): one program per (K slice of 32 channels, chunk, head), 4 warps,
 the chunk as one [64, 32] tile per output. dA is read along its rows only: the column
 role's transposed tiles are the row role's (or the row block's) transposed on chip. Where every factor of the slice taken through
@@ -70,7 +80,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernel_fun._triton import GUARD_SPAN, chunk_coords, dot3, to
+from kernel_fun._triton import GUARD_SPAN, chunk_coords, dot3, dot3s, tf32_split, to
 from kernel_fun.kda.stages import add_impl
 
 BC = 16  # the anchor block
@@ -388,6 +398,293 @@ def intra_bwd_wide_kernel(
             tl.store(dA_part + (i_k * NT_ALL + i_tg) * HV + i_hv, da)
             tl.store(dbias_part + (i_tg * HV + i_hv) * K + o_k, dbias, mask=m_k)
 
+@triton.jit
+def _col_block(dA, st, n_t, HV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, STRICT: tl.constexpr):
+    """dA's columns st .. st + BC - 1 on and below the diagonal (STRICT: below it), [BT, BC],
+    split into tf32 halves: the row role's operand of column block st."""
+    t = tl.arange(0, BT)
+    cols = st + tl.arange(0, BC)
+    m = (t < n_t)[:, None] & (cols < n_t)[None, :]
+    if STRICT:
+        m = m & (t[:, None] > cols[None, :])
+    else:
+        m = m & (t[:, None] >= cols[None, :])
+    return tf32_split(tl.load(dA + t[:, None] * (HV * BT) + cols[None, :], mask=m, other=0))
+
+
+@triton.jit
+def _row_block_t(dA, st, n_t, HV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, STRICT: tl.constexpr):
+    """dA's rows st .. st + BC - 1 on and below the diagonal (STRICT: below it), read along
+    the rows and transposed on chip ([BT, BC]: [s, r]), split into tf32 halves: the column
+    role's operand of row block st."""
+    t = tl.arange(0, BT)
+    rows = st + tl.arange(0, BC)
+    m = (rows < n_t)[:, None] & (t < n_t)[None, :]
+    if STRICT:
+        m = m & (rows[:, None] > t[None, :])
+    else:
+        m = m & (rows[:, None] >= t[None, :])
+    return tf32_split(tl.trans(tl.load(dA + rows[:, None] * (HV * BT) + t[None, :], mask=m, other=0)))
+
+
+@triton.jit
+def _kx(k, g, st, e, n_t, o_k, m_k, BC: tl.constexpr, SK: tl.constexpr, SG: tl.constexpr):
+    """Block st's k rows times exp2(e - g_s): the row role's [BC, BK] operand through e."""
+    cols = st + tl.arange(0, BC)
+    m = (cols < n_t)[:, None] & m_k[None, :]
+    k_j = tl.load(k + cols[:, None] * SK + o_k[None, :], mask=m, other=0).to(tl.float32)
+    g_j = tl.load(g + cols[:, None] * SG + o_k[None, :], mask=m, other=0)
+    return k_j * tl.exp2(tl.where(m, e[None, :] - g_j, float("-inf")))
+
+
+@triton.jit
+def _qx(q, k, g, beta, st, a, n_t, o_k, m_k, HV: tl.constexpr, BC: tl.constexpr, SK: tl.constexpr,
+        SG: tl.constexpr):
+    """Block st's rows of q and of beta k, times exp2(g_r - a): the column role's two
+    [BC, BK] operands through a."""
+    rows = st + tl.arange(0, BC)
+    m_r = rows < n_t
+    m = m_r[:, None] & m_k[None, :]
+    q_i = tl.load(q + rows[:, None] * SK + o_k[None, :], mask=m, other=0).to(tl.float32)
+    k_i = tl.load(k + rows[:, None] * SK + o_k[None, :], mask=m, other=0).to(tl.float32)
+    g_i = tl.load(g + rows[:, None] * SG + o_k[None, :], mask=m, other=0)
+    b_i = tl.load(beta + rows * HV, mask=m_r, other=0).to(tl.float32)
+    f = tl.exp2(tl.where(m, g_i - a[None, :], float("-inf")))
+    return q_i * f, (b_i[:, None] * k_i) * f
+
+
+@triton.jit
+def _down(g_c, e, lo, n_t, m_k, BT: tl.constexpr):
+    """exp2(g_r - e) for the rows r >= lo of the chunk (0 elsewhere): [BT, BK]."""
+    t = tl.arange(0, BT)
+    return tl.exp2(tl.where(((t < n_t) & (t >= lo))[:, None] & m_k[None, :], g_c - e[None, :], float("-inf")))
+
+
+@triton.jit
+def _up(g_c, a, hi, ok, n_t, m_k, BT: tl.constexpr):
+    """exp2(a - g_s) for the columns s < hi of the chunk (0 elsewhere, and everywhere unless
+    ok: the anchor's block exists): [BT, BK]."""
+    t = tl.arange(0, BT)
+    return tl.exp2(tl.where(((t < n_t) & (t < hi) & ok)[:, None] & m_k[None, :], a[None, :] - g_c, float("-inf")))
+
+
+@triton.jit
+def intra_bwd_loop_kernel(
+    q, k, g, beta, dAqk, dAkk, dq, dk, dg,
+    dq2, dk2, dg2, db_part,
+    g_raw, A_log, dt_bias, dA_part, dbias_part, lower_bound,
+    cu_seqlens, chunk_indices, T, NT_ROWS, NT_ALL,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    BK: tl.constexpr, IS_VARLEN: tl.constexpr, HALVES: tl.constexpr,
+    TAIL: tl.constexpr, HAS_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
+):
+    """B7 (and with TAIL the tail, as ``intra_bwd_wide_kernel``) on one (chunk, head), its K
+    slices in a loop: dA's sixteen-column and sixteen-row blocks (both roles, both matrices)
+    read once, split into tf32 halves once and held in shared memory across the slices; each
+    slice takes the whole-chunk anchor, the half-chunk anchors (HALVES) or the per-block ones
+    as its gate allows, the same tiers and factors as the one-slice kernel, every tier's
+    dots made of the same [BT, BC] x [BC, BK] blocks."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_hv = i_bh % HV
+    i_h = i_hv // (HV // H)
+    i_c, i_tg, bos, T = chunk_coords(i_t, i_bh, cu_seqlens, chunk_indices, T, HV, BT, IS_VARLEN)
+    row0 = bos + i_c * BT
+    n_t = tl.minimum(T - i_c * BT, BT).to(tl.int32)
+    tl.static_assert(BT == 4 * BC, "the blocked form is written for four blocks a chunk")
+    SK: tl.constexpr = H * K
+    SG: tl.constexpr = HV * K
+    NK: tl.constexpr = (K + BK - 1) // BK
+
+    q += (row0 * H + i_h) * K
+    k += (row0 * H + i_h) * K
+    g += (row0 * HV + i_hv) * K
+    beta += row0 * HV + i_hv
+    dAqk += (row0 * HV + i_hv) * BT
+    dAkk += (row0 * HV + i_hv) * BT
+    off = (row0 * HV + i_hv) * K
+    t = tl.arange(0, BT)
+    m_t = t < n_t
+    if TAIL == 2:
+        A = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+        if HAS_BIAS:
+            dt_bias += i_hv * K
+
+    # dA once for every slice: the row role's column blocks, the column role's row blocks
+    cq0h, cq0l = _col_block(dAqk, 0, n_t, HV, BT, BC, False)
+    cq1h, cq1l = _col_block(dAqk, BC, n_t, HV, BT, BC, False)
+    cq2h, cq2l = _col_block(dAqk, 2 * BC, n_t, HV, BT, BC, False)
+    cq3h, cq3l = _col_block(dAqk, 3 * BC, n_t, HV, BT, BC, False)
+    ck0h, ck0l = _col_block(dAkk, 0, n_t, HV, BT, BC, True)
+    ck1h, ck1l = _col_block(dAkk, BC, n_t, HV, BT, BC, True)
+    ck2h, ck2l = _col_block(dAkk, 2 * BC, n_t, HV, BT, BC, True)
+    ck3h, ck3l = _col_block(dAkk, 3 * BC, n_t, HV, BT, BC, True)
+    rq0h, rq0l = _row_block_t(dAqk, 0, n_t, HV, BT, BC, False)
+    rq1h, rq1l = _row_block_t(dAqk, BC, n_t, HV, BT, BC, False)
+    rq2h, rq2l = _row_block_t(dAqk, 2 * BC, n_t, HV, BT, BC, False)
+    rq3h, rq3l = _row_block_t(dAqk, 3 * BC, n_t, HV, BT, BC, False)
+    rk0h, rk0l = _row_block_t(dAkk, 0, n_t, HV, BT, BC, True)
+    rk1h, rk1l = _row_block_t(dAkk, BC, n_t, HV, BT, BC, True)
+    rk2h, rk2l = _row_block_t(dAkk, 2 * BC, n_t, HV, BT, BC, True)
+    rk3h, rk3l = _row_block_t(dAkk, 3 * BC, n_t, HV, BT, BC, True)
+
+    # offsets within a slice; each slice moves the base pointers (offsets that do not
+    # change across the loop are hoisted by the compiler: as offsets they hold 32-bit
+    # values, where full pointer tiles of every tensor would hold 64-bit ones)
+    o_k = tl.arange(0, BK)
+    o_g = t[:, None] * SG + o_k[None, :]
+    o_q = t[:, None] * SK + o_k[None, :]
+    for i_k in range(NK):
+        kb = i_k * BK
+        qs, ks, gs = q + kb, k + kb, g + kb
+        m_k = kb + o_k < K
+        m_tk = m_t[:, None] & m_k[None, :]
+        g_c = tl.load(gs + o_g, mask=m_tk, other=0)
+        s0 = _span(gs, 0, n_t, o_k, m_k, SG, BC, False)
+        s1 = _span(gs, BC, n_t, o_k, m_k, SG, BC, False)
+        s2 = _span(gs, 2 * BC, n_t, o_k, m_k, SG, BC, False)
+        s3 = _span(gs, 3 * BC, n_t, o_k, m_k, SG, BC, False)
+        d0, d1, d2, d3 = s0 <= GUARD_SPAN, s1 <= GUARD_SPAN, s2 <= GUARD_SPAN, s3 <= GUARD_SPAN
+        gm = _row(gs, tl.minimum(BT // 2, n_t) - 1, SG, 0 < n_t, o_k, m_k)
+        whole = tl.maximum(tl.max(_row(gs, 0, SG, 0 < n_t, o_k, m_k) - gm, axis=0),
+                           tl.max(gm - _row(gs, n_t - 1, SG, 0 < n_t, o_k, m_k), axis=0)) <= GUARD_SPAN
+        if HALVES:
+            halves = tl.maximum(_half_span(gs, 0, n_t, o_k, m_k, SG),
+                                _half_span(gs, 2 * BC, n_t, o_k, m_k, SG)) <= GUARD_SPAN
+        else:
+            halves = False
+        if whole:
+            # every block through the chunk's middle row: one sum a role, its factor once
+            x = _kx(ks, gs, 0, gm, n_t, o_k, m_k, BC, SK, SG)
+            sq = dot3s(cq0h, cq0l, x)
+            sk = dot3s(ck0h, ck0l, x)
+            x = _kx(ks, gs, BC, gm, n_t, o_k, m_k, BC, SK, SG)
+            sq = dot3s(cq1h, cq1l, x, sq)
+            sk = dot3s(ck1h, ck1l, x, sk)
+            x = _kx(ks, gs, 2 * BC, gm, n_t, o_k, m_k, BC, SK, SG)
+            sq = dot3s(cq2h, cq2l, x, sq)
+            sk = dot3s(ck2h, ck2l, x, sk)
+            x = _kx(ks, gs, 3 * BC, gm, n_t, o_k, m_k, BC, SK, SG)
+            sq = dot3s(cq3h, cq3l, x, sq)
+            sk = dot3s(ck3h, ck3l, x, sk)
+            f = _down(g_c, gm, 0, n_t, m_k, BT)
+            acc_q = f * sq
+            acc_kr = f * sk
+            xq, xk = _qx(qs, ks, gs, beta, 0, gm, n_t, o_k, m_k, HV, BC, SK, SG)
+            p = dot3s(rk0h, rk0l, xk, dot3s(rq0h, rq0l, xq))
+            xq, xk = _qx(qs, ks, gs, beta, BC, gm, n_t, o_k, m_k, HV, BC, SK, SG)
+            p = dot3s(rk1h, rk1l, xk, dot3s(rq1h, rq1l, xq, p))
+            xq, xk = _qx(qs, ks, gs, beta, 2 * BC, gm, n_t, o_k, m_k, HV, BC, SK, SG)
+            p = dot3s(rk2h, rk2l, xk, dot3s(rq2h, rq2l, xq, p))
+            xq, xk = _qx(qs, ks, gs, beta, 3 * BC, gm, n_t, o_k, m_k, HV, BC, SK, SG)
+            p = dot3s(rk3h, rk3l, xk, dot3s(rq3h, rq3l, xq, p))
+            acc_c = _up(g_c, gm, BT, 0 < n_t, n_t, m_k, BT) * p
+        elif halves:
+            # each 32-row half through its own middle row
+            e0 = _row(gs, tl.minimum(15, n_t - 1), SG, 0 < n_t, o_k, m_k)
+            e1 = _row(gs, tl.minimum(2 * BC + 15, n_t - 1), SG, 2 * BC < n_t, o_k, m_k)
+            x = _kx(ks, gs, 0, e0, n_t, o_k, m_k, BC, SK, SG)
+            sq = dot3s(cq0h, cq0l, x)
+            sk = dot3s(ck0h, ck0l, x)
+            x = _kx(ks, gs, BC, e0, n_t, o_k, m_k, BC, SK, SG)
+            sq = dot3s(cq1h, cq1l, x, sq)
+            sk = dot3s(ck1h, ck1l, x, sk)
+            f = _down(g_c, e0, 0, n_t, m_k, BT)
+            acc_q = f * sq
+            acc_kr = f * sk
+            x = _kx(ks, gs, 2 * BC, e1, n_t, o_k, m_k, BC, SK, SG)
+            sq = dot3s(cq2h, cq2l, x)
+            sk = dot3s(ck2h, ck2l, x)
+            x = _kx(ks, gs, 3 * BC, e1, n_t, o_k, m_k, BC, SK, SG)
+            sq = dot3s(cq3h, cq3l, x, sq)
+            sk = dot3s(ck3h, ck3l, x, sk)
+            f = _down(g_c, e1, 2 * BC, n_t, m_k, BT)
+            acc_q += f * sq
+            acc_kr += f * sk
+            xq, xk = _qx(qs, ks, gs, beta, 0, e0, n_t, o_k, m_k, HV, BC, SK, SG)
+            p = dot3s(rk0h, rk0l, xk, dot3s(rq0h, rq0l, xq))
+            xq, xk = _qx(qs, ks, gs, beta, BC, e0, n_t, o_k, m_k, HV, BC, SK, SG)
+            p = dot3s(rk1h, rk1l, xk, dot3s(rq1h, rq1l, xq, p))
+            acc_c = _up(g_c, e0, 2 * BC, 0 < n_t, n_t, m_k, BT) * p
+            xq, xk = _qx(qs, ks, gs, beta, 2 * BC, e1, n_t, o_k, m_k, HV, BC, SK, SG)
+            p = dot3s(rk2h, rk2l, xk, dot3s(rq2h, rq2l, xq))
+            xq, xk = _qx(qs, ks, gs, beta, 3 * BC, e1, n_t, o_k, m_k, HV, BC, SK, SG)
+            p = dot3s(rk3h, rk3l, xk, dot3s(rq3h, rq3l, xq, p))
+            acc_c += _up(g_c, e1, BT, 2 * BC < n_t, n_t, m_k, BT) * p
+        else:
+            # row role: column block j through its last row, for rows from j's own block
+            # (its span passed the guard) or from the next
+            e = _row(gs, _last(0, BC, n_t), SG, 0 < n_t, o_k, m_k)
+            x = _kx(ks, gs, 0, e, n_t, o_k, m_k, BC, SK, SG)
+            f = _down(g_c, e, tl.where(d0, 0, BC), n_t, m_k, BT)
+            acc_q = f * dot3s(cq0h, cq0l, x)
+            acc_kr = f * dot3s(ck0h, ck0l, x)
+            e = _row(gs, _last(BC, BC, n_t), SG, BC < n_t, o_k, m_k)
+            x = _kx(ks, gs, BC, e, n_t, o_k, m_k, BC, SK, SG)
+            f = _down(g_c, e, tl.where(d1, BC, 2 * BC), n_t, m_k, BT)
+            acc_q += f * dot3s(cq1h, cq1l, x)
+            acc_kr += f * dot3s(ck1h, ck1l, x)
+            e = _row(gs, _last(2 * BC, BC, n_t), SG, 2 * BC < n_t, o_k, m_k)
+            x = _kx(ks, gs, 2 * BC, e, n_t, o_k, m_k, BC, SK, SG)
+            f = _down(g_c, e, tl.where(d2, 2 * BC, 3 * BC), n_t, m_k, BT)
+            acc_q += f * dot3s(cq2h, cq2l, x)
+            acc_kr += f * dot3s(ck2h, ck2l, x)
+            if d3:
+                e = _row(gs, _last(3 * BC, BC, n_t), SG, 3 * BC < n_t, o_k, m_k)
+                x = _kx(ks, gs, 3 * BC, e, n_t, o_k, m_k, BC, SK, SG)
+                f = _down(g_c, e, 3 * BC, n_t, m_k, BT)
+                acc_q += f * dot3s(cq3h, cq3l, x)
+                acc_kr += f * dot3s(ck3h, ck3l, x)
+            # column role: row block i through its first row, for columns up to i's own
+            # block (its span passed the guard) or before it
+            a = _row(gs, BC, SG, BC < n_t, o_k, m_k)
+            xq, xk = _qx(qs, ks, gs, beta, BC, a, n_t, o_k, m_k, HV, BC, SK, SG)
+            acc_c = _up(g_c, a, tl.where(d1, 2 * BC, BC), BC < n_t, n_t, m_k, BT) * dot3s(
+                rk1h, rk1l, xk, dot3s(rq1h, rq1l, xq))
+            a = _row(gs, 2 * BC, SG, 2 * BC < n_t, o_k, m_k)
+            xq, xk = _qx(qs, ks, gs, beta, 2 * BC, a, n_t, o_k, m_k, HV, BC, SK, SG)
+            acc_c += _up(g_c, a, tl.where(d2, 3 * BC, 2 * BC), 2 * BC < n_t, n_t, m_k, BT) * dot3s(
+                rk2h, rk2l, xk, dot3s(rq2h, rq2l, xq))
+            a = _row(gs, 3 * BC, SG, 3 * BC < n_t, o_k, m_k)
+            xq, xk = _qx(qs, ks, gs, beta, 3 * BC, a, n_t, o_k, m_k, HV, BC, SK, SG)
+            acc_c += _up(g_c, a, tl.where(d3, 4 * BC, 3 * BC), 3 * BC < n_t, n_t, m_k, BT) * dot3s(
+                rk3h, rk3l, xk, dot3s(rq3h, rq3l, xq))
+            if d0:
+                a = _row(gs, 0, SG, 0 < n_t, o_k, m_k)
+                xq, xk = _qx(qs, ks, gs, beta, 0, a, n_t, o_k, m_k, HV, BC, SK, SG)
+                acc_c += _up(g_c, a, BC, 0 < n_t, n_t, m_k, BT) * dot3s(rk0h, rk0l, xk, dot3s(rq0h, rq0l, xq))
+            if tl.maximum(tl.maximum(s0, s1), tl.maximum(s2, s3)) > GUARD_SPAN:
+                blk = t // BC
+                pair = tl.where(blk == 0, s0, tl.where(blk == 1, s1, tl.where(blk == 2, s2, s3))) > GUARD_SPAN
+                for jj in range(0, BC):
+                    acc_q, acc_kr, acc_c = _wide_diag_step(jj, qs, ks, gs, beta, dAqk, dAkk, n_t, g_c, pair, o_k, m_k,
+                                                           acc_q, acc_kr, acc_c, HV, BT, BC, SK, SG)
+
+        # this slice's outputs, as the one-slice kernel's
+        ob = off + kb
+        q_c = tl.load(qs + o_q, mask=m_tk, other=0).to(tl.float32)
+        k_c = tl.load(ks + o_q, mask=m_tk, other=0).to(tl.float32)
+        b_c = tl.load(beta + t * HV, mask=m_t, other=0).to(tl.float32)
+        tl.store(db_part + i_k * NT_ROWS + (row0 + t) * HV + i_hv, tl.sum(acc_kr * k_c, axis=1), mask=m_t)
+        acc_kr *= b_c[:, None]
+        tl.store(dq2 + ob + o_g, tl.load(dq + ob + o_g, mask=m_tk, other=0) + acc_q, mask=m_tk)
+        tl.store(dk2 + ob + o_g, tl.load(dk + ob + o_g, mask=m_tk, other=0) + acc_kr + acc_c, mask=m_tk)
+        b_dg = tl.load(dg + ob + o_g, mask=m_tk, other=0) + q_c * acc_q + k_c * (acc_kr - acc_c)
+        if TAIL == 0:
+            tl.store(dg2 + ob + o_g, b_dg, mask=m_tk)
+        else:
+            b_dg = tl.cumsum(tl.where(m_tk, b_dg, 0.0), axis=0, reverse=True)
+            if TAIL == 1:
+                tl.store(dg2 + ob + o_g, b_dg, mask=m_tk)
+            else:
+                bias_s = dt_bias
+                if HAS_BIAS:
+                    bias_s = dt_bias + kb
+                da, dbias = _gate_bwd(0, n_t, b_dg, g_raw + ob, bias_s, dg2 + ob, A, lower_bound, o_k, m_k, HV, K, BT,
+                                      HAS_BIAS, USE_LOWER_BOUND)
+                tl.store(dA_part + (i_k * NT_ALL + i_tg) * HV + i_hv, da)
+                tl.store(dbias_part + (i_tg * HV + i_hv) * K + kb + o_k, dbias, mask=m_k)
+
+
 # Compiled for sm_90a offline (``python -m tools.compile_report --design wide-chunk --BV 32
 # --warps 4 --stages 1``, K=128, H=HV=16): 255 registers, 4 B of spills (K=64: 24; the
 # wide form: none). Measured at prod8192_gate: the wide form at BK=16 17.6 ms, at 8 warps
@@ -397,7 +694,17 @@ DEFAULT_CONFIG = dict(BK=32, num_warps=4, num_stages=1)
 # ``wide-chunk`` (the default) takes a K slice of the chunk through its middle row where the
 # gate allows, the per-block anchors elsewhere; ``wide`` only the per-block anchors;
 # ``wide-pairwise`` takes every diagonal pairwise (the guard's other path, for tests).
-DESIGNS = ("wide", "wide-pairwise", "wide-chunk", "wide-halves")
+# ``loop`` and ``loop-halves`` are the one-program-a-chunk-head kernel without and with the
+# half-chunk tier. 8 warps: its dA blocks take 136 KB of shared memory (one program an SM), so
+# 4 warps would leave an SM half as many warps as two one-slice programs; sm_90a at K=128:
+# loop 246 registers, no spills (with the tail 255, 12 B); loop-halves 255, none (4 B).
+LOOP_CONFIG = dict(BK=32, num_warps=8, num_stages=1)
+DESIGNS = ("wide", "wide-pairwise", "wide-chunk", "wide-halves", "loop", "loop-halves")
+
+
+def default_config(design: str) -> dict:
+    """The config a design launches with unless told otherwise."""
+    return LOOP_CONFIG if design.startswith("loop") else DEFAULT_CONFIG
 
 
 def _launch_args(design, tensors: dict, chunk_size, cu_seqlens, chunk_indices, BK, num_warps, num_stages,
@@ -411,15 +718,16 @@ def _launch_args(design, tensors: dict, chunk_size, cu_seqlens, chunk_indices, B
     q, k, gc = tensors["q"], tensors["k"], tensors["gc"]
     B, T, H, K = k.shape
     HV = gc.shape[2]
-    cfg = DEFAULT_CONFIG
+    cfg = default_config(design)
     dq2 = torch.empty(B, T, HV, K, device=k.device, dtype=torch.float32)
     return dict(
         q=q, k=k, g=gc, beta=tensors["beta"], dAqk=tensors["dAqk"], dAkk=tensors["dAkk"], dq=tensors["dq"],
         dk=tensors["dk"], dg=tensors["dg"], dq2=dq2, dk2=torch.empty_like(dq2), dg2=torch.empty_like(dq2),
         cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, T=T, H=H, HV=HV, K=K, BT=chunk_size, BC=BC,
         BK=BK or min(cfg["BK"], triton.next_power_of_2(K)), IS_VARLEN=cu_seqlens is not None,
-        PAIRWISE=design == "wide-pairwise", CHUNK_ANCHOR=design in ("wide-chunk", "wide-halves"),
-        HALVES=design == "wide-halves",
+        **({} if design.startswith("loop") else dict(PAIRWISE=design == "wide-pairwise",
+                                                     CHUNK_ANCHOR=design in ("wide-chunk", "wide-halves"))),
+        HALVES=design in ("wide-halves", "loop-halves"),
         num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"],
         **({"maxnreg": maxnreg} if maxnreg else {}))
 
@@ -471,7 +779,9 @@ def _launch(args: dict, db, tail: int = 0, gate: dict | None = None):
         args["dg2"] = torch.empty(B, T, HV, K, device=dev, dtype=g_raw.dtype)
         dA_part = torch.empty(NK, NT_ALL, HV, device=dev, dtype=torch.float32)
         dbias_part = torch.empty(NT_ALL, HV, K, device=dev, dtype=torch.float32) if dt_bias is not None else None
-    intra_bwd_wide_kernel[(NK, NT, B * HV)](
+    loop = "PAIRWISE" not in args  # one program a chunk-head, its K slices in a loop
+    kernel, grid = (intra_bwd_loop_kernel, (NT, B * HV)) if loop else (intra_bwd_wide_kernel, (NK, NT, B * HV))
+    kernel[grid](
         **args, db_part=db_part, NT_ROWS=B * T * HV, NT_ALL=NT_ALL,
         g_raw=g_raw, A_log=A_log, dt_bias=dt_bias, dA_part=dA_part, dbias_part=dbias_part,
         lower_bound=0.0 if lower_bound is None else float(lower_bound), TAIL=tail, HAS_BIAS=dt_bias is not None,
