@@ -659,7 +659,9 @@ def intra_bwd_loop_kernel(
                     acc_q, acc_kr, acc_c = _wide_diag_step(jj, qs, ks, gs, beta, dAqk, dAkk, n_t, g_c, pair, o_k, m_k,
                                                            acc_q, acc_kr, acc_c, HV, BT, BC, SK, SG)
 
-        # this slice's outputs, as the one-slice kernel's
+        # this slice's outputs, written as the one-slice kernel's (not shared through a helper:
+        # any reordering there changes that kernel's measured machine code; one of the two
+        # kernels goes once the H200 has compared them)
         ob = off + kb
         q_c = tl.load(qs + o_q, mask=m_tk, other=0).to(tl.float32)
         k_c = tl.load(ks + o_q, mask=m_tk, other=0).to(tl.float32)
