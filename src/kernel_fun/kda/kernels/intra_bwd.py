@@ -1,5 +1,5 @@
 """B7, the intra-chunk backward: gradients through Aqk and Akk into dq, dk, db and dg, and
-with them B8 and B9 (the chain's B7-B9 unit).
+with them B8 and B9 (the chain's B7-B9 unit) and, in the loop kernel, B10 (B7-B10).
 
 Replaces fla's ``chunk_kda_bwd_kernel_intra`` (14.9 ms at prod8192_gate on the H200, 37%
 of kernel-fun's fwd+bwd, 6.5x its 2.28 ms memory floor), and B8 and B9 after it (the
@@ -32,7 +32,12 @@ one program an SM); every tier's dots are made of those [64, 16] x [16, 32] bloc
 whole-chunk and half-chunk tiers chaining them into one accumulator. What it tests: whether
 re-reading and re-splitting dA in each of a chunk-head's four programs is what the time is
 (the premise of a Gluon kernel). sm_90a (K=128): 246 registers, no spills, 4,216 SASS
-instructions (loop-halves 255, none; with the tail 12 and 4 B).
+instructions (loop-halves 255, none; with the tail 12 and 4 B). With H == HV it also takes
+B10 (``intra_bwd_l2``, the B7-B10 unit, a bench candidate): the slices' fp32 dq and dk
+written as scratch, each row's dot with q and k summed over the slices, then a second pass
+reading them back (L2) and writing the l2norm's backward in q's dtype: B10's own pass (4.3
+GB at prod8192_gate, 0.97 ms) gone but for ~1 GB of bf16 writes. 255 registers, 16 B of
+spills with B9.
 
 This design (wide-chunk): one program per (K slice of 32 channels, chunk, head), 4 warps,
 the chunk as one [64, 32] tile per output. dA is read along its rows only: the column
@@ -473,17 +478,21 @@ def intra_bwd_loop_kernel(
     q, k, g, beta, dAqk, dAkk, dq, dk, dg,
     dq2, dk2, dg2, db_part,
     g_raw, A_log, dt_bias, dA_part, dbias_part, lower_bound,
+    q_rstd, k_rstd, dq_out, dk_out,
     cu_seqlens, chunk_indices, T, NT_ROWS, NT_ALL,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BK: tl.constexpr, IS_VARLEN: tl.constexpr, HALVES: tl.constexpr,
-    TAIL: tl.constexpr, HAS_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
+    TAIL: tl.constexpr, HAS_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr, L2NORM: tl.constexpr,
 ):
     """B7 (and with TAIL the tail, as ``intra_bwd_wide_kernel``) on one (chunk, head), its K
     slices in a loop: dA's sixteen-column and sixteen-row blocks (both roles, both matrices)
     read once, split into tf32 halves once and held in shared memory across the slices; each
     slice takes the whole-chunk anchor, the half-chunk anchors (HALVES) or the per-block ones
     as its gate allows, the same tiers and factors as the one-slice kernel, every tier's
-    dots made of the same [BT, BC] x [BC, BK] blocks."""
+    dots made of the same [BT, BC] x [BC, BK] blocks. With L2NORM (H == HV) also B10: the
+    slices' fp32 dq and dk go to dq2 and dk2 as scratch while each row's dot with the
+    normalized q (k) is summed over the slices; a second pass over the slices reads them
+    back and writes rstd (d - (d . y) y) in q's dtype into dq_out (dk_out)."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_hv = i_bh % HV
     i_h = i_hv // (HV // H)
@@ -533,6 +542,8 @@ def intra_bwd_loop_kernel(
     o_k = tl.arange(0, BK)
     o_g = t[:, None] * SG + o_k[None, :]
     o_q = t[:, None] * SK + o_k[None, :]
+    dot_q = tl.zeros([BT], dtype=tl.float32)  # with L2NORM: each row's (dq . q), (dk . k)
+    dot_k = tl.zeros([BT], dtype=tl.float32)
     for i_k in range(NK):
         kb = i_k * BK
         qs, ks, gs = q + kb, k + kb, g + kb
@@ -668,8 +679,13 @@ def intra_bwd_loop_kernel(
         b_c = tl.load(beta + t * HV, mask=m_t, other=0).to(tl.float32)
         tl.store(db_part + i_k * NT_ROWS + (row0 + t) * HV + i_hv, tl.sum(acc_kr * k_c, axis=1), mask=m_t)
         acc_kr *= b_c[:, None]
-        tl.store(dq2 + ob + o_g, tl.load(dq + ob + o_g, mask=m_tk, other=0) + acc_q, mask=m_tk)
-        tl.store(dk2 + ob + o_g, tl.load(dk + ob + o_g, mask=m_tk, other=0) + acc_kr + acc_c, mask=m_tk)
+        d_q = tl.load(dq + ob + o_g, mask=m_tk, other=0) + acc_q
+        d_k = tl.load(dk + ob + o_g, mask=m_tk, other=0) + acc_kr + acc_c
+        tl.store(dq2 + ob + o_g, d_q, mask=m_tk)
+        tl.store(dk2 + ob + o_g, d_k, mask=m_tk)
+        if L2NORM:
+            dot_q += tl.sum(d_q * q_c, axis=1)
+            dot_k += tl.sum(d_k * k_c, axis=1)
         b_dg = tl.load(dg + ob + o_g, mask=m_tk, other=0) + q_c * acc_q + k_c * (acc_kr - acc_c)
         if TAIL == 0:
             tl.store(dg2 + ob + o_g, b_dg, mask=m_tk)
@@ -685,6 +701,25 @@ def intra_bwd_loop_kernel(
                                       HAS_BIAS, USE_LOWER_BOUND)
                 tl.store(dA_part + (i_k * NT_ALL + i_tg) * HV + i_hv, da)
                 tl.store(dbias_part + (i_tg * HV + i_hv) * K + kb + o_k, dbias, mask=m_k)
+    if L2NORM:
+        # B10 (H == HV: dq2's head is q's): the slices' rows back (this program's own stores,
+        # ordered before the loads by the barrier), normalized against the whole-row dots
+        tl.debug_barrier()
+        r_q = tl.load(q_rstd + (row0 + t) * H + i_h, mask=m_t, other=0)
+        r_k = tl.load(k_rstd + (row0 + t) * H + i_h, mask=m_t, other=0)
+        dq_out += (row0 * H + i_h) * K
+        dk_out += (row0 * H + i_h) * K
+        for i_k in range(NK):
+            kb = i_k * BK
+            m_tk = m_t[:, None] & (kb + o_k < K)[None, :]
+            y = tl.load(q + kb + o_q, mask=m_tk, other=0).to(tl.float32)
+            d = tl.load(dq2 + off + kb + o_g, mask=m_tk, other=0)
+            tl.store(dq_out + kb + o_q, to(r_q[:, None] * (d - dot_q[:, None] * y), dq_out.dtype.element_ty),
+                     mask=m_tk)
+            y = tl.load(k + kb + o_q, mask=m_tk, other=0).to(tl.float32)
+            d = tl.load(dk2 + off + kb + o_g, mask=m_tk, other=0)
+            tl.store(dk_out + kb + o_q, to(r_k[:, None] * (d - dot_k[:, None] * y), dk_out.dtype.element_ty),
+                     mask=m_tk)
 
 
 # Compiled for sm_90a offline (``python -m tools.compile_report --design wide-chunk --BV 32
@@ -764,9 +799,27 @@ def intra_bwd_tail(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_se
     return _launch(args, db, tail=2 if gate else 1, gate=gate)
 
 
-def _launch(args: dict, db, tail: int = 0, gate: dict | None = None):
+def intra_bwd_l2(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens, chunk_indices, safe_gate,
+                 g=None, A_log=None, dt_bias=None, lower_bound=None, q_rstd=None, k_rstd=None,
+                 BK: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+                 maxnreg: int | None = None, design: str = "loop"):
+    """B7 through B10 in one pass (the loop kernel, H == HV): (dq, dk, db, dg, dA_log,
+    ddt_bias) as ``intra_bwd_tail`` gives them, with dq and dk then through the l2norm's
+    backward (q and k the normalized rows, q_rstd and k_rstd their reciprocal norms), in q's
+    and k's dtype."""
+    if not design.startswith("loop"):
+        raise ValueError(f"B7-B10 runs the loop kernel (designs loop, loop-halves), not {design!r}")
+    tensors = dict(q=q, k=k, gc=gc, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db, dg=dg, g=g,
+                   A_log=A_log, dt_bias=dt_bias)
+    args = _launch_args(design, tensors, chunk_size, cu_seqlens, chunk_indices, BK, num_warps, num_stages, maxnreg)
+    gate = dict(g=g, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound) if A_log is not None else None
+    return _launch(args, db, tail=2 if gate else 1, gate=gate, l2norm=dict(q_rstd=q_rstd, k_rstd=k_rstd))
+
+
+def _launch(args: dict, db, tail: int = 0, gate: dict | None = None, l2norm: dict | None = None):
     """Launch the kernel; (dq, dk, db, dg, dA_log, ddt_bias), the last two None unless the
-    tail includes the gate's backward."""
+    tail includes the gate's backward; with ``l2norm`` (q_rstd, k_rstd; the loop kernel, H ==
+    HV) dq and dk through B10, in q's and k's dtype."""
     B, T, HV, K, BK = db.shape[0], db.shape[1], args["HV"], args["K"], args["BK"]
     NK, NT = triton.cdiv(K, BK), _n_chunks(args)
     dev = db.device
@@ -783,8 +836,19 @@ def _launch(args: dict, db, tail: int = 0, gate: dict | None = None):
         dbias_part = torch.empty(NT_ALL, HV, K, device=dev, dtype=torch.float32) if dt_bias is not None else None
     loop = "PAIRWISE" not in args  # one program a chunk-head, its K slices in a loop
     kernel, grid = (intra_bwd_loop_kernel, (NT, B * HV)) if loop else (intra_bwd_wide_kernel, (NK, NT, B * HV))
+    extra = {}
+    if loop:
+        extra = dict(q_rstd=None, k_rstd=None, dq_out=None, dk_out=None, L2NORM=l2norm is not None)
+        if l2norm is not None:
+            q, k = args["q"], args["k"]
+            if args["H"] != HV:
+                raise ValueError("B10 in B7's pass needs H == HV (with GVA dq and dk sum over value heads first)")
+            extra.update(q_rstd=l2norm["q_rstd"].contiguous(), k_rstd=l2norm["k_rstd"].contiguous(),
+                         dq_out=torch.empty_like(q), dk_out=torch.empty_like(k))
+    elif l2norm is not None:
+        raise ValueError("B10 in B7's pass is the loop kernel's (designs loop, loop-halves)")
     kernel[grid](
-        **args, db_part=db_part, NT_ROWS=B * T * HV, NT_ALL=NT_ALL,
+        **args, **extra, db_part=db_part, NT_ROWS=B * T * HV, NT_ALL=NT_ALL,
         g_raw=g_raw, A_log=A_log, dt_bias=dt_bias, dA_part=dA_part, dbias_part=dbias_part,
         lower_bound=0.0 if lower_bound is None else float(lower_bound), TAIL=tail, HAS_BIAS=dt_bias is not None,
         USE_LOWER_BOUND=lower_bound is not None)
@@ -794,6 +858,8 @@ def _launch(args: dict, db, tail: int = 0, gate: dict | None = None):
         dA_log = dA_part.sum((0, 1)).view_as(A_log).to(A_log.dtype)
         if dt_bias is not None:
             ddt_bias = dbias_part.sum(0).view_as(dt_bias).to(dt_bias.dtype)
+    if l2norm is not None:
+        return extra["dq_out"], extra["dk_out"], db2, args["dg2"], dA_log, ddt_bias
     return args["dq2"], args["dk2"], db2, args["dg2"], dA_log, ddt_bias
 
 
@@ -811,6 +877,14 @@ def supports_tail(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seq
     return supports(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens, chunk_indices, safe_gate)
 
 
+def supports_l2(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens, chunk_indices, safe_gate,
+                g, A_log, dt_bias, lower_bound, q_rstd, k_rstd):
+    """None when ``intra_bwd_l2`` takes the B7-B10 unit, else why B10 runs on its own."""
+    if q.shape[2] != gc.shape[2]:
+        return f"GVA (H={q.shape[2]}, HV={gc.shape[2]}): dq and dk sum over value heads before B10"
+    return supports(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens, chunk_indices, safe_gate)
+
+
 def candidate(stage: str, design: str):
     """(implementation, supports) of ``design`` as the ``ours`` of ``stage`` ("B7" or the
     "B7-B9" unit), for a bench run that measures a design before it is registered
@@ -819,7 +893,10 @@ def candidate(stage: str, design: str):
 
     if design not in DESIGNS:
         raise ValueError(f"unknown B7 design {design!r}")
-    units = {"B7": (intra_bwd, supports), "B7-B9": (intra_bwd_tail, supports_tail)}
+    units = {"B7": (intra_bwd, supports), "B7-B9": (intra_bwd_tail, supports_tail),
+             "B7-B10": (intra_bwd_l2, supports_l2)}
+    if stage == "B7-B10" and not design.startswith("loop"):
+        raise ValueError(f"B7-B10 runs the loop kernel (designs loop, loop-halves), not {design!r}")
     if stage not in units:
         raise ValueError(f"intra_bwd has candidates for {sorted(units)}, not {stage!r}")
     fn, sup = units[stage]
