@@ -64,7 +64,8 @@ of the float64 stage at prod8192_gate, where fla's (tf32 off the diagonal) is 1.
 there. Outputs are fresh tensors (input + intra part): no output is read back, so
 relaunching is idempotent.
 
-Falls back (``supports``): chunk size other than 64. No CTA floor: it measured faster than
+Falls back (``supports``): chunk size other than 64; the B7-B10 unit (``supports_l2``) also
+with GVA (H < HV), where B7-B9 and B10 run as two stages. No CTA floor: it measured faster than
 fla's B7 down to grid64 (B1 T256 H16: 0.135 ms against 0.212).
 
 Measured (H200, bench/results/stages.jsonl at 7a87298; docs/log/b7.md has every round):
