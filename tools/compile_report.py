@@ -58,14 +58,15 @@ def assemble_sm90(jit, sig: dict, constexprs: dict, num_warps: int, num_stages: 
         cubin = os.path.join(tmp, "k.cubin")
         log = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", path, "-o", cubin],
                              capture_output=True, text=True, check=True).stderr
-        compiled.sass_sha = sass_sha(cubin)
+        compiled.sass_sha, compiled.sass_instructions = sass_sha(cubin)
     return compiled, log
 
 
-def sass_sha(cubin: str) -> str:
+def sass_sha(cubin: str) -> tuple[str, int]:
     """A fingerprint of the machine code alone: nvdisasm's listing of the cubin without line
     information or the kernel's name, so a kernel moved to another file or renamed keeps
-    its fingerprint and any changed instruction changes it."""
+    its fingerprint and any changed instruction changes it; and the listing's (static)
+    instruction count."""
     import hashlib
 
     import triton
@@ -74,8 +75,7 @@ def sass_sha(cubin: str) -> str:
     listing = subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True, check=True).stdout
     code = [line.split("/*", 2)[2] if line.strip().startswith("/*") and line.count("/*") >= 2 else line
             for line in listing.splitlines() if "/*" in line and ";" in line]
-    sass_sha.instructions = len(code)  # the static count, read by compile_sm90
-    return hashlib.sha256("\n".join(code).encode()).hexdigest()[:16]
+    return hashlib.sha256("\n".join(code).encode()).hexdigest()[:16], len(code)
 
 
 def ptxas_numbers(log: str) -> dict:
@@ -108,7 +108,7 @@ def compile_sm90(kernel, pointer_types: dict[str, str], constexprs: dict, num_wa
         # past its end (an illegal address; triton-lang/triton#10629). A kernel must have none.
         "wgmma_tf32_n8": len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n8k8\.f32\.tf32", compiled.asm["ptx"])),
         "sass_sha": compiled.sass_sha,
-        "sass_instructions": sass_sha.instructions,
+        "sass_instructions": compiled.sass_instructions,
         "num_warps": num_warps,
         "num_stages": num_stages,
         "maxnreg": maxnreg,

@@ -51,10 +51,7 @@ def dot3(a, b, acc=None):
     both halves with cvt.rna and guards inf/NaN, ~8 instructions an element on sm_90a
     against 2 here."""
     a_hi, a_lo = tf32_split(a)
-    b_hi, b_lo = tf32_split(b)
-    acc = tl.dot(a_hi, b_lo, acc, input_precision="tf32")
-    acc = tl.dot(a_lo, b_hi, acc, input_precision="tf32")
-    return tl.dot(a_hi, b_hi, acc, input_precision="tf32")
+    return dot3s(a_hi, a_lo, b, acc)
 
 
 @triton.jit

@@ -25,8 +25,7 @@ def b7b10_bytes(p) -> int:
     read once; dq and dk written in q's dtype (bf16), db in fp32, the gate's gradient in the
     raw gate's dtype (bf16)."""
     tok_h, tok_hv = p.B * p.T * p.H, p.B * p.T * p.HV
-    b7_reads = 2 * tok_h * p.K * 2 + tok_hv * p.K * 4 + tok_hv * 2 + 2 * tok_hv * 64 * 4 + 3 * tok_hv * p.K * 4 + tok_hv * 4
-    reads = b7_reads + tok_hv * p.K * 2 + 2 * tok_h * 4
+    reads = stage_b7.b7_reads(p) + tok_hv * p.K * 2 + 2 * tok_h * 4
     writes = 2 * tok_h * p.K * 2 + tok_hv * 4 + tok_hv * p.K * 2
     return reads + writes
 

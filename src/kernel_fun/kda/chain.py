@@ -578,7 +578,8 @@ def _backward(ctx, do, dht):
             else dict(g=None, A_log=None, dt_bias=None, lower_bound=None))
     dA_log = ddt_bias = None
     normed = dict(q_rstd=q_rstd, k_rstd=k_rstd)
-    if opts.use_qk_l2norm_in_kernel and run.takes_ours("B7-B10", **intra, **gate, **normed):
+    fused_l2 = opts.use_qk_l2norm_in_kernel and run.takes_ours("B7-B10", **intra, **gate, **normed)
+    if fused_l2:
         dq, dk, db, dg, dA_log, ddt_bias = run.run("B7-B10", "backward", **intra, **gate, **normed)
         del intra, dAqk, dAkk
     elif run.takes_ours("B7-B9", **intra, **gate):
@@ -590,7 +591,7 @@ def _backward(ctx, do, dht):
         dg = run.run("B8", "backward", dg=dg, **common)
         if opts.use_gate_in_kernel:
             dg, dA_log, ddt_bias = run.run("B9", "backward", dyg=dg, **gate)
-    if "B7-B10" not in record.backward:
+    if not fused_l2:
         dq, dk = _group_sum(dq, dk, H)  # GVA: each q/k head sums its value heads' dq, dk
         if opts.use_qk_l2norm_in_kernel:
             dq, dk = run.run("B10", "backward", q=q, q_rstd=q_rstd, dq=dq, k=k, k_rstd=k_rstd, dk=dk)

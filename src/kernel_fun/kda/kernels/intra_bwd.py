@@ -404,6 +404,7 @@ def intra_bwd_wide_kernel(
             tl.store(dA_part + (i_k * NT_ALL + i_tg) * HV + i_hv, da)
             tl.store(dbias_part + (i_tg * HV + i_hv) * K + o_k, dbias, mask=m_k)
 
+
 @triton.jit
 def _col_block(dA, st, n_t, HV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, STRICT: tl.constexpr):
     """dA's columns st .. st + BC - 1 on and below the diagonal (STRICT: below it), [BT, BC],
@@ -782,7 +783,7 @@ def intra_bwd(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens
     (``safe_gate`` changes nothing here)."""
     tensors = dict(q=q, k=k, gc=gc, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db, dg=dg)
     args = _launch_args(design, tensors, chunk_size, cu_seqlens, chunk_indices, BK, num_warps, num_stages, maxnreg)
-    return _launch(args, db)[:4]
+    return _launch(args, db, design)[:4]
 
 
 def intra_bwd_tail(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens, chunk_indices, safe_gate,
@@ -797,7 +798,7 @@ def intra_bwd_tail(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_se
                    A_log=A_log, dt_bias=dt_bias)
     args = _launch_args(design, tensors, chunk_size, cu_seqlens, chunk_indices, BK, num_warps, num_stages, maxnreg)
     gate = dict(g=g, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound) if A_log is not None else None
-    return _launch(args, db, tail=2 if gate else 1, gate=gate)
+    return _launch(args, db, design, tail=2 if gate else 1, gate=gate)
 
 
 def intra_bwd_l2(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens, chunk_indices, safe_gate,
@@ -808,16 +809,20 @@ def intra_bwd_l2(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seql
     ddt_bias) as ``intra_bwd_tail`` gives them, with dq and dk then through the l2norm's
     backward (q and k the normalized rows, q_rstd and k_rstd their reciprocal norms), in q's
     and k's dtype."""
-    if not design.startswith("loop"):
-        raise ValueError(f"B7-B10 runs the loop kernel (designs loop, loop-halves), not {design!r}")
+    _require_loop(design)
     tensors = dict(q=q, k=k, gc=gc, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db, dg=dg, g=g,
                    A_log=A_log, dt_bias=dt_bias)
     args = _launch_args(design, tensors, chunk_size, cu_seqlens, chunk_indices, BK, num_warps, num_stages, maxnreg)
     gate = dict(g=g, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound) if A_log is not None else None
-    return _launch(args, db, tail=2 if gate else 1, gate=gate, l2norm=dict(q_rstd=q_rstd, k_rstd=k_rstd))
+    return _launch(args, db, design, tail=2 if gate else 1, gate=gate, l2norm=dict(q_rstd=q_rstd, k_rstd=k_rstd))
 
 
-def _launch(args: dict, db, tail: int = 0, gate: dict | None = None, l2norm: dict | None = None):
+def _require_loop(design: str) -> None:
+    if not design.startswith("loop"):
+        raise ValueError(f"B7-B10 runs the loop kernel (designs loop, loop-halves), not {design!r}")
+
+
+def _launch(args: dict, db, design: str, tail: int = 0, gate: dict | None = None, l2norm: dict | None = None):
     """Launch the kernel; (dq, dk, db, dg, dA_log, ddt_bias), the last two None unless the
     tail includes the gate's backward; with ``l2norm`` (q_rstd, k_rstd; the loop kernel, H ==
     HV) dq and dk through B10, in q's and k's dtype."""
@@ -835,19 +840,16 @@ def _launch(args: dict, db, tail: int = 0, gate: dict | None = None, l2norm: dic
         args["dg2"] = torch.empty(B, T, HV, K, device=dev, dtype=g_raw.dtype)
         dA_part = torch.empty(NK, NT_ALL, HV, device=dev, dtype=torch.float32)
         dbias_part = torch.empty(NT_ALL, HV, K, device=dev, dtype=torch.float32) if dt_bias is not None else None
-    loop = "PAIRWISE" not in args  # one program a chunk-head, its K slices in a loop
+    loop = design.startswith("loop")  # one program a chunk-head, its K slices in a loop
     kernel, grid = (intra_bwd_loop_kernel, (NT, B * HV)) if loop else (intra_bwd_wide_kernel, (NK, NT, B * HV))
     extra = {}
     if loop:
         extra = dict(q_rstd=None, k_rstd=None, dq_out=None, dk_out=None, L2NORM=l2norm is not None)
         if l2norm is not None:
-            q, k = args["q"], args["k"]
             if args["H"] != HV:
                 raise ValueError("B10 in B7's pass needs H == HV (with GVA dq and dk sum over value heads first)")
             extra.update(q_rstd=l2norm["q_rstd"].contiguous(), k_rstd=l2norm["k_rstd"].contiguous(),
-                         dq_out=torch.empty_like(q), dk_out=torch.empty_like(k))
-    elif l2norm is not None:
-        raise ValueError("B10 in B7's pass is the loop kernel's (designs loop, loop-halves)")
+                         dq_out=torch.empty_like(args["q"]), dk_out=torch.empty_like(args["k"]))
     kernel[grid](
         **args, **extra, db_part=db_part, NT_ROWS=B * T * HV, NT_ALL=NT_ALL,
         g_raw=g_raw, A_log=A_log, dt_bias=dt_bias, dA_part=dA_part, dbias_part=dbias_part,
@@ -896,8 +898,8 @@ def candidate(stage: str, design: str):
         raise ValueError(f"unknown B7 design {design!r}")
     units = {"B7": (intra_bwd, supports), "B7-B9": (intra_bwd_tail, supports_tail),
              "B7-B10": (intra_bwd_l2, supports_l2)}
-    if stage == "B7-B10" and not design.startswith("loop"):
-        raise ValueError(f"B7-B10 runs the loop kernel (designs loop, loop-halves), not {design!r}")
+    if stage == "B7-B10":
+        _require_loop(design)
     if stage not in units:
         raise ValueError(f"intra_bwd has candidates for {sorted(units)}, not {stage!r}")
     fn, sup = units[stage]
