@@ -66,6 +66,7 @@ def _run(fn, kw, dy, backward: bool):
 def main(argv=None) -> int:
     from kernel_fun import versions
     from kernel_fun.bench import results
+    from kernel_fun.bench.stage import config_label
     from kernel_fun.bench.timing import cuda_times, summary
     from kernel_fun.cconv import causal_conv1d, kernels as K, last_route
     from kernel_fun.cconv.reference import conv_reference
@@ -112,7 +113,7 @@ def main(argv=None) -> int:
         impls = {"fla": (fla, None)}
         checks = {"fla": {"ok": True, "y_vs_exact": fla_err}}
         for cfg in configs:
-            label = "ours[" + ",".join(f"{k}={v}" for k, v in sorted(cfg.items())) + "]"
+            label = config_label("ours", cfg)
             fn = ours_with(cfg)
             got = _run(fn, kw, dy, True)
             route = last_route()

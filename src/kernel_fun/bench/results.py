@@ -262,7 +262,9 @@ def cconv_table(rows: list[dict]) -> str:
         return ""
     from kernel_fun.cconv.kernels import DEFAULT_CONFIG
 
-    pinned = "ours[" + ",".join(f"{k}={v}" for k, v in sorted(DEFAULT_CONFIG.items())) + "]"
+    from kernel_fun.bench.stage import config_label
+
+    pinned = config_label("ours", DEFAULT_CONFIG)
     keep = [r for r in latest(every, "shape", "phase", "impl") if r["impl"] in ("fla", pinned)]
     same_run = {(r["shape"], r["phase"], r["commit"]): r for r in latest(every, "shape", "phase", "impl", "commit")
                 if r["impl"] == "fla"}
