@@ -525,9 +525,11 @@ CONV_CASES = {  # name: (B, T, D, W, dtype, bias, residual, h0, seqlens)
 def test_causal_conv1d_matches_fla(name):
     """kernel-fun's causal_conv1d on CUDA against fla's on the same inputs: y, the final
     state and every gradient (dx, dweight, dbias, dh0; the loss through y, as a layer's)
-    within the parity bars (bf16/fp16 y and dx 1e-3, fp32 1e-5; dweight and dbias 2e-3),
-    and against the float64 reference no worse than fla's own error by more than 10%; the
-    launch witness says our kernels ran."""
+    within the parity bars (y 1e-3 in bf16/fp16, 1e-5 in fp32; dx and dh0 the same, but one
+    bf16 ulp, 4e-3, in bf16: both round an fp32 sum of W products, added in different
+    orders, and differ by one ulp in many elements, 1.4e-3 measured at d2048; dweight and
+    dbias 2e-3), and against the float64 reference no worse than fla's own error by more
+    than 10%; the launch witness says our kernels ran."""
     import sys
 
     sys.path.insert(0, __import__("os").path.dirname(__file__))
@@ -549,14 +551,15 @@ def test_causal_conv1d_matches_fla(name):
     assert torch.equal(y_fs, fla_fs)  # the final state is a copy of rows
     want = _grads(_oracle(**kw), kw, act, False)
     tight = 1e-5 if dtype == torch.float32 else 1e-3
-    bars = dict(y=tight, dx=tight, dw=2e-3, db=2e-3, dh0=tight)
+    ulp = 4e-3 if dtype == torch.bfloat16 else tight
+    bars = dict(y=tight, dx=ulp, dw=2e-3, db=2e-3, dh0=ulp)
     names = [n for n in ("y", "dx", "dw", "db", "dh0") if want.get(n) is not None]
     vs_fla = {n: rel_rms(ours[n], theirs[n]) for n in names}
     ours_x = {n: rel_rms(ours[n], want[n]) for n in names}
     fla_x = {n: rel_rms(theirs[n], want[n]) for n in names}
     print(name, "vs fla", vs_fla, "vs float64", ours_x, "fla vs float64", fla_x)
-    assert all(vs_fla[n] <= bars[n] for n in names), vs_fla
     assert all(ours_x[n] <= 1.1 * fla_x[n] + 1e-6 for n in names), (ours_x, fla_x)
+    assert all(vs_fla[n] <= bars[n] for n in names), (vs_fla, ours_x, fla_x)
 
 
 # --------------------------------------------------------------------------------------

@@ -5,9 +5,9 @@
 Shapes (bf16 x, fp32 weight, W=4, SiLU, no bias: a KimiDeltaAttention layer's q/k and v
 convolutions): d2048 and d4096 are B16 T8192; packed2048 is the same tokens as one packed
 batch of documents (lengths drawn once, seeded, 1 to 16,384 tokens). Parity first: y and
-every gradient against fla's on the same inputs (bf16: y and dx within 1e-3 relative RMS,
-dweight 2e-3) and against the float64 reference on the first sequence (no more than 10%
-worse than fla's own error, where fla's reaches the bar's scale); the launch witness
+every gradient against fla's on the same inputs (bf16: y within 1e-3 relative RMS, dx
+within one bf16 ulp, 4e-3, dweight 2e-3) and y, dx and dweight against the float64
+reference on the whole batch (no more than 10% worse than fla's own error); the launch witness
 (``kernel_fun.cconv.last_route``). Then the median of CUDA-event timings, fla and every
 config interleaved round by round. Rows go to ``bench/results/cconv.jsonl``.
 """
@@ -26,7 +26,11 @@ SHAPES = {"d2048": dict(B=16, T=8192, D=2048), "d4096": dict(B=16, T=8192, D=409
 # forward 48 registers and the backward 100, at BD=512 / 2 warps 79 and 178).
 SWEEP = [dict(BD=256, num_warps=2, G=8), dict(BD=256, num_warps=4, G=8), dict(BD=256, num_warps=4, G=16),
          dict(BD=512, num_warps=4, G=8), dict(BD=128, num_warps=1, G=16), dict(BD=256, num_warps=2, G=8, TS=1024)]
-BARS = dict(y=1e-3, dx=1e-3, dw=2e-3, db=2e-3)
+# bf16 y within 1e-3 of fla's; dx, the bf16 rounding of an fp32 sum of W products that the
+# two implementations add in different orders, within one bf16 ulp (2^-8): they differ by
+# one ulp in many elements (measured 1.4e-3 at d2048). The float64 check holds each output
+# to fla's own error.
+BARS = dict(y=1e-3, dx=4e-3, dw=2e-3, db=2e-3)
 
 
 def floors_bytes(B, T, D, dtype_bytes=2) -> dict:
@@ -101,27 +105,30 @@ def main(argv=None) -> int:
             return fn
 
         theirs = _run(fla, kw, dy, True)
-        # the float64 reference on the first sequence (packed: the first document)
-        first = {"x": kw["x"][:1, :8192].double(), "cu_seqlens": None}
-        if "cu_seqlens" in kw:
-            cu = kw["cu_seqlens_cpu"]
-            first = {"x": kw["x"][:, :int(cu[1])].double(), "cu_seqlens": cu[:2]}
-        first["weight"] = kw["weight"].double()
-        y64, _ = conv_reference(first["x"], first["weight"], None, None, None, False, "silu", first["cu_seqlens"])
-        n64 = y64.shape[1]
-        fla_err = rel_rms(theirs[0][:1, :n64], y64)
+        # the float64 reference on the whole batch (y, dx, dweight: dweight sums every sequence)
+        x64 = kw["x"].detach().double().requires_grad_(True)
+        w64 = kw["weight"].detach().double().requires_grad_(True)
+        y64, _ = conv_reference(x64, w64, None, None, None, False, "silu", kw.get("cu_seqlens"))
+        y64.backward(dy.double())
+        exact = (y64.detach(), x64.grad, w64.grad)
+        del x64, w64, y64
+        vs_exact = lambda got: {n: rel_rms(got[i], exact[i]) for i, n in enumerate(("y", "dx", "dw"))}  # noqa: E731
+        fla_err = vs_exact(theirs)
         impls = {"fla": (fla, None)}
-        checks = {"fla": {"ok": True, "y_vs_exact": fla_err}}
+        checks = {"fla": {"ok": True, "vs_exact": fla_err}}
         for cfg in configs:
             label = config_label("ours", cfg)
             fn = ours_with(cfg)
             got = _run(fn, kw, dy, True)
             route = last_route()
             errs = {"y": rel_rms(got[0], theirs[0]), "dx": rel_rms(got[1], theirs[1]), "dw": rel_rms(got[2], theirs[2])}
-            our_err = rel_rms(got[0][:1, :n64], y64)
-            ok = route == "kernels" and all(errs[n] <= BARS[n] for n in errs) and our_err <= max(1.1 * fla_err, 1e-3)
-            checks[label] = {"ok": ok, "vs_fla": errs, "y_vs_exact": our_err, "route": route}
+            our_err = vs_exact(got)
+            ok = (route == "kernels" and all(errs[n] <= BARS[n] for n in errs)
+                  and all(our_err[n] <= 1.1 * fla_err[n] + 1e-6 for n in our_err))
+            checks[label] = {"ok": ok, "vs_fla": errs, "vs_exact": our_err, "route": route}
             impls[label] = (fn, cfg)
+            del got
+        del exact
         times = {(label, phase): [] for label in impls for phase in ("fwd", "fwd+bwd")}
         for label, (fn, _) in impls.items():  # warm-up
             if checks[label]["ok"]:

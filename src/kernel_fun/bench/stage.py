@@ -116,13 +116,14 @@ def config_label(design: str, config: dict) -> str:
 
 
 def _precompile(job):
-    """Worker: compile one (stage, shape, design, config) by launching it on a one-chunk
-    problem with the same head counts and dims (T is not specialized, so the binary is the
-    one the full-size launch uses)."""
+    """Worker: compile one (stage, shape, design, config) by launching it on a small problem
+    with the same head counts, dims and flags: B=2 and three chunks, so no integer argument
+    is 1 where the full-size launch's is not (Triton specializes ints equal to 1) and the
+    binary is the one the full-size launch uses."""
     stage, name, design, config = job
     os.environ.pop("TRITON_INTERPRET", None)
     bench = entries()[stage]
-    p = dataclasses.replace(problem(name), B=1, T=64)
+    p = dataclasses.replace(problem(name), B=2, T=192)
     try:
         bench.ours(bench.make_inputs(p, "cuda"), design, config)
         torch.cuda.synchronize()
@@ -157,7 +158,8 @@ def bench_shape(bench: StageBench, name: str, candidates, reps: int, rounds: int
     floor_ms = bench.bytes(p) / BANDWIDTH * 1e3
     fla_out = bench.fla(**inputs)
     nb = min(p.B, 2)  # the float64 stage on the first sequences
-    sub = {n: (t[:nb] if isinstance(t, torch.Tensor) else t) for n, t in inputs.items()}
+    # per-token tensors are [B, T, ...]; per-head parameters (A_log, dt_bias) are not sliced
+    sub = {n: (t[:nb] if isinstance(t, torch.Tensor) and t.dim() >= 3 else t) for n, t in inputs.items()}
     exact = bench.exact(**sub)
     first = lambda out: tuple(None if t is None else t[:nb] for t in out)  # noqa: E731
     fla_exact = stage_errors(bench.stage, first(fla_out), exact)
@@ -241,10 +243,11 @@ def main(argv=None, stage: str | None = None) -> int:
         candidates = [tuple(x) for x in json.loads(args.configs)]
     shapes = args.shapes.split(",")
     jobs, families = [], set()
-    for s in shapes:  # one compile per binary: shapes that share head counts, dims and layout share it
+    for s in shapes:  # one compile per binary: shapes that differ only in B and T share it
         p = problem(s)
+        fields = {f.name: getattr(p, f.name) for f in dataclasses.fields(p) if f.name not in ("name", "B", "T")}
         for d, c in candidates:
-            key = (p.H, p.HV, p.K, p.V, d, json.dumps(c, sort_keys=True))
+            key = (repr(sorted(fields.items())), d, json.dumps(c, sort_keys=True))
             if key not in families:
                 families.add(key)
                 jobs.append((bench.stage, s, d, c))
