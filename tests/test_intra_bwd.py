@@ -4,7 +4,6 @@ sequences, weak, very strong and lower-bounded gates."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import pytest
@@ -130,20 +129,18 @@ def test_bench_entry_inputs_run_and_count_bytes():
 
 
 @pytest.mark.skipif(__import__("triton").__version__ != "3.6.0", reason="spill figures recorded with Triton 3.6.0's ptxas")
-@pytest.mark.parametrize("design,K,spills", [("wide-chunk", 128, 4), ("wide-chunk", 64, 24), ("wide", 128, 0),
-                                             ("loop", 128, 0)])
+@pytest.mark.parametrize("design,K,spills", [("wide-chunk", 128, 4), ("wide-chunk", 64, 24), ("wide", 128, 0)])
 def test_default_config_compiles_within_its_recorded_spills(design, K, spills):
-    """A design's default config as ptxas assembles it for sm_90a (the notes at
-    intra_bwd.DEFAULT_CONFIG and LOOP_CONFIG), compiled in a process without the
-    interpreter: a change that adds spills fails here. Its [64, 16] x [16, 32] dots are
-    wgmma, none of them N=8 tf32 (which the H200 runs out of bounds, see
-    tools/compile_report.py)."""
+    """A design's default config as ptxas assembles it for sm_90a (the note at
+    intra_bwd.DEFAULT_CONFIG), compiled in a process without the interpreter: a change that
+    adds spills fails here. Its [64, 16] x [16, 32] dots are wgmma, none of them N=8 tf32
+    (which the H200 runs out of bounds, see tools/compile_report.py)."""
     import json
     import os
     import subprocess
     import sys
 
-    cfg = intra_bwd.default_config(design)
+    cfg = intra_bwd.DEFAULT_CONFIG
     env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = [sys.executable, "-m", "tools.compile_report", "--design", design, "--K", str(K), "--BV", str(cfg["BK"]),
@@ -192,42 +189,6 @@ def test_guard_takes_each_path_where_it_should():
     assert not all(torch.equal(a, b) for a, b in zip(intra_bwd.intra_bwd(**inputs, design="wide-chunk"),
                                                       intra_bwd.intra_bwd(**inputs, design="wide")))
     assert all(torch.equal(a, b) for a, b in zip(intra_bwd.intra_bwd(**saturated, design="wide-chunk"), anchored))
-
-
-def test_the_half_chunk_anchors_take_the_chunks_they_should():
-    """wide-halves: where the whole chunk's anchor passes the guard, wide-chunk's result bit
-    for bit; where it does not but each 32-row half's does (a log-decay of 3 a token: 96
-    through the chunk's middle, 48 through each half's), its own path (not the per-block
-    form's bits), and both exact against the float64 stage."""
-    inputs = stage_inputs(SHAPES[0])
-    gc = inputs["gc"]
-    t = (torch.arange(gc.shape[1], device=gc.device) % 64 + 1).to(gc.dtype)[None, :, None, None]
-    weak = dict(inputs, gc=(-0.01 * t).expand_as(gc).contiguous())
-    steep = dict(inputs, gc=(-3.0 * t).expand_as(gc).contiguous())
-    run = lambda x, d: intra_bwd.intra_bwd(**x, design=d)  # noqa: E731
-    assert all(torch.equal(a, b) for a, b in zip(run(weak, "wide-halves"), run(weak, "wide-chunk")))
-    check(steep, designs=("wide-chunk", "wide-halves"))
-    assert not all(torch.equal(a, b) for a, b in zip(run(steep, "wide-halves"), run(steep, "wide-chunk")))
-
-
-def test_the_loop_kernel_takes_each_tier_where_it_should():
-    """loop and loop-halves (one program a chunk-head, dA's blocks held across its four K
-    slices) differ only in the half-chunk tier: at a log-decay of 3 a token loop-halves takes
-    it and loop the per-block form (other bits), at a weak gate (the whole-chunk tier) and a
-    saturated one (per-block with the pairwise diagonal) neither does (the same bits); each
-    exact against the float64 stage. (Which of the other tiers a slice took is not visible in
-    the outputs: the exactness at each gate is what holds them.)"""
-    inputs = stage_inputs(SHAPES[1])  # K=128: four slices; T=130: a partial chunk
-    gc = inputs["gc"]
-    t = (torch.arange(gc.shape[1], device=gc.device) % 64 + 1).to(gc.dtype)[None, :, None, None]
-    weak = dict(inputs, gc=(-0.01 * t).expand_as(gc).contiguous())
-    steep = dict(inputs, gc=(-3.0 * t).expand_as(gc).contiguous())
-    saturated = dict(inputs, gc=(-7.0 * t).expand_as(gc).contiguous())  # 105 across a 16-row block
-    run = lambda x, d: intra_bwd.intra_bwd(**x, design=d)  # noqa: E731
-    same = lambda x: all(torch.equal(a, b) for a, b in zip(run(x, "loop"), run(x, "loop-halves")))  # noqa: E731
-    assert same(weak) and not same(steep) and same(saturated)
-    for x in (weak, steep, saturated):
-        check(x, designs=("loop", "loop-halves"))
 
 
 # --------------------------------------------------------------------------------------
@@ -306,117 +267,3 @@ def test_chain_with_the_fused_tail_against_the_oracle(p):
     errors = {n: ref.rel_rms(result[n], oracle[n]) for n in oracle if oracle[n] is not None}
     assert all(errors[n] <= ref.BUDGETS[n] for n in errors), errors
     assert ("dA_log" in errors) == p.gate_in_kernel
-
-
-# --------------------------------------------------------------------------------------
-# B10 in the same pass: the l2norm backward of dq and dk (the loop kernel, H == HV)
-# --------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def candidate_unit(stage: str, design: str):
-    """``design`` registered as ``stage``'s ours inside the block only (as the bench's
-    --candidate does for a run)."""
-    import importlib
-
-    registry = importlib.import_module("kernel_fun.kda.stages")
-    old = registry.stages()[stage]
-    registry.add_impl(stage, "ours", *intra_bwd.candidate(stage, design))
-    try:
-        yield
-    finally:
-        registry._REGISTRY[stage] = old
-
-
-L2_SHAPES = [
-    dataclasses.replace(SHAPES[0], name="T63-K64-fp32", dtype=torch.float32),
-    Problem("T130-K128-h0-fp32", 1, 130, 2, 2, 128, 32, initial_state=True, dtype=torch.float32),
-    SHAPES[3],  # packed, bf16
-    SHAPES[4],  # lower_bound, safe_gate
-    Problem("T70-K100-pregated-fp32", 1, 70, 2, 2, 100, 16, gate_in_kernel=False, dtype=torch.float32),
-]
-
-
-@pytest.mark.parametrize("p", L2_SHAPES, ids=lambda p: p.name)
-def test_b10_in_the_pass_matches_the_float64_stages(p):
-    """intra_bwd_l2 = B10 of the tail: dq and dk within 1e-5 of B10 in float64 on the
-    float64 B7 (bf16: the rounding of the written gradient, 3e-3), in q's dtype; db, dg and
-    the gate's parameter gradients the tail's bit for bit."""
-    kw = make_inputs(p, device=DEVICE, seed=4)
-    with use_impls("reference"), capture_stages() as log:
-        run_fwd_bwd(chunk_kda, kw, grid=p.dtype)
-    (b7,) = [x for name, _, x, _ in log if name == "B7"]
-    (b10,) = [x for name, _, x, _ in log if name == "B10"]
-    b9 = [x for name, _, x, _ in log if name == "B9"]
-    gate = {n: b9[0][n] for n in ("g", "A_log", "dt_bias", "lower_bound")} if b9 else {}
-    want = exact(b7)
-    want = [ref.l2norm_bwd(b7[y].double(), b10[r].double(), d) for y, r, d in (("q", "q_rstd", want[0]),
-                                                                                ("k", "k_rstd", want[1]))]
-    bound = 1e-5 if p.dtype == torch.float32 else 3e-3
-    for design in ("loop", "loop-halves"):
-        got = intra_bwd.intra_bwd_l2(**b7, **gate, q_rstd=b10["q_rstd"], k_rstd=b10["k_rstd"], design=design)
-        tail = intra_bwd.intra_bwd_tail(**b7, **gate, design=design)
-        for a, b in zip(got[2:], tail[2:]):
-            assert (a is None and b is None) or torch.equal(a, b), design
-        for name, g_, w, like in zip(("dq", "dk"), got[:2], want, (b7["q"], b7["k"])):
-            assert g_.dtype == like.dtype and g_.shape == like.shape, (design, name)
-            err = ref.rel_rms(g_, w)
-            assert err <= bound, (design, name, err)
-
-
-def test_b10_in_the_pass_refuses_gva_and_the_one_slice_kernel():
-    b7 = stage_inputs(SHAPES[1])  # H=1, HV=2
-    rstd = torch.ones(b7["q"].shape[:3], device=b7["q"].device)
-    gate = dict(g=None, A_log=None, dt_bias=None, lower_bound=None, q_rstd=rstd, k_rstd=rstd)
-    assert "GVA" in intra_bwd.supports_l2(**b7, **gate)
-    with pytest.raises(ValueError, match="H == HV"):
-        intra_bwd.intra_bwd_l2(**b7, **gate)
-    with pytest.raises(ValueError, match="loop kernel"):
-        intra_bwd.intra_bwd_l2(**b7, **gate, design="wide-chunk")
-
-
-@pytest.mark.parametrize("p", [
-    Problem("chain-K128-varlen-safe", 1, 150, 1, 1, 128, 32, cu_seqlens=(0, 80, 150), dtype=torch.float16,
-            lower_bound=-5.0, safe_gate=True),
-    Problem("chain-K64-gva-h0-gate", 2, 100, 2, 4, 64, 32, initial_state=True, output_final_state=True,
-            dtype=torch.float16),
-], ids=lambda p: p.name)
-def test_chain_with_b10_in_the_pass_against_the_oracle(p):
-    """With the B7-B10 unit a candidate: the chain runs it in place of B7 through B10 where
-    it takes the call (H == HV), B7-B9 and B10 where it does not (GVA), and every output and
-    gradient stays within fla's budgets of the float64 recurrence."""
-    from kernel_fun.kda import last_record
-    from kernel_fun.kda.problems import as_oracle_inputs
-
-    kwargs = make_inputs(p, device=DEVICE, seed=11)
-    with candidate_unit("B7-B10", "loop"):
-        result = run_fwd_bwd(chunk_kda, kwargs, grid=p.dtype)
-    record = last_record().backward
-    if p.H == p.HV:
-        assert record["B7-B10"] == "ours" and not {"B7", "B8", "B9", "B7-B9", "B10"} & set(record), record
-    else:
-        assert "B7-B10" not in record and record["B7-B9"] == "ours" and "B10" in record, record
-    oracle = run_fwd_bwd(ref.recurrent_kda, as_oracle_inputs(kwargs), grid=p.dtype)
-    errors = {n: ref.rel_rms(result[n], oracle[n]) for n in oracle if oracle[n] is not None}
-    assert all(errors[n] <= ref.BUDGETS[n] for n in errors), errors
-
-
-def test_b7_b10_bench_entry_runs_and_counts_bytes():
-    from kernel_fun.bench import stage, stage_b7, stage_b7b10
-    from kernel_fun.kda.parity import stage_errors
-    from kernel_fun.kda.problems import problem
-
-    p = Problem("entry", 1, 100, 2, 2, 64, 16, lower_bound=-5.0, safe_gate=True)
-    inputs = stage_b7b10.make_inputs(p, DEVICE, seed=1)
-    bench = stage.entries()["B7-B10"]
-    errors = stage_errors("B7-B10", bench.ours(inputs, "loop", bench.launch_config(p, "loop", None)),
-                          bench.exact(**inputs))
-    # dq, dk and dg are written in bf16 (their rounding, ~1.6e-3), db and dA_log in fp32
-    assert all(errors[n] <= 3e-3 for n in ("dq", "dk", "dg", "ddt_bias")) and errors["db"] <= 1e-5, errors
-    assert not bench.designs and "ours" not in stages()["B7-B10"].impls  # a candidate: nothing ships
-    with pytest.raises(ValueError, match="H == HV"):
-        stage_b7b10.make_inputs(dataclasses.replace(p, HV=4), DEVICE)
-    # the unit's floor: B7's reads, its fp32 writes of dq, dk and dg replaced by bf16 ones,
-    # the raw gate and both rstds read (B10's whole pass gone)
-    p = problem("prod8192_gate")
-    tok = p.B * p.T * p.HV * p.K
-    fp32_writes, bf16_writes, extra_reads = 3 * tok * 4, 3 * tok * 2, tok * 2 + 2 * p.B * p.T * p.H * 4
-    assert stage_b7b10.b7b10_bytes(p) == stage_b7.b7_bytes(p) - fp32_writes + bf16_writes + extra_reads

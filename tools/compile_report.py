@@ -137,10 +137,9 @@ def b6_report(design: str, K: int, V: int, H: int, HV: int, BV: int, num_warps: 
 
 
 def b7_report(K: int, H: int, HV: int, BK: int, num_warps: int, num_stages: int, dtype: str = "bf16",
-              design: str = "wide-chunk", maxnreg: int | None = None, tail: int = 0, l2norm: bool = False) -> dict:
+              design: str = "wide-chunk", maxnreg: int | None = None, tail: int = 0) -> dict:
     """B7's kernel (kda/kernels/intra_bwd.py), dense sequences, in one of its designs
-    (``intra_bwd.DESIGNS``); ``tail`` 1 with B8, 2 with B8 and B9 (dt_bias, softplus form);
-    ``l2norm`` with B10 (the loop designs)."""
+    (``intra_bwd.DESIGNS``); ``tail`` 1 with B8, 2 with B8 and B9 (dt_bias, softplus form)."""
     from kernel_fun.kda.kernels import intra_bwd
 
     types = {"q": _PTR[dtype], "k": _PTR[dtype], "beta": _PTR[dtype], "NT_ROWS": "i32", "NT_ALL": "i32",
@@ -150,17 +149,9 @@ def b7_report(K: int, H: int, HV: int, BK: int, num_warps: int, num_stages: int,
     if tail == 2:
         types.update(gate, dg2=_PTR[dtype])
     constexprs = dict(cu_seqlens=None, chunk_indices=None, H=H, HV=HV, K=K, BT=64, BC=intra_bwd.BC, BK=BK,
-                      IS_VARLEN=False, HALVES=design in ("wide-halves", "loop-halves"),
+                      IS_VARLEN=False, PAIRWISE=design == "wide-pairwise", CHUNK_ANCHOR=design == "wide-chunk",
                       TAIL=tail, HAS_BIAS=tail == 2, USE_LOWER_BOUND=False,
                       **({} if tail == 2 else dict.fromkeys(gate)))
-    if design.startswith("loop"):
-        if l2norm:
-            types.update(q_rstd="*fp32", k_rstd="*fp32", dq_out=_PTR[dtype], dk_out=_PTR[dtype])
-        else:
-            constexprs.update(dict.fromkeys(("q_rstd", "k_rstd", "dq_out", "dk_out")))
-        constexprs["L2NORM"] = l2norm
-        return compile_sm90(intra_bwd.intra_bwd_loop_kernel, types, constexprs, num_warps, num_stages, maxnreg)
-    constexprs.update(PAIRWISE=design == "wide-pairwise", CHUNK_ANCHOR=design in ("wide-chunk", "wide-halves"))
     return compile_sm90(intra_bwd.intra_bwd_wide_kernel, types, constexprs, num_warps, num_stages, maxnreg)
 
 
@@ -222,7 +213,6 @@ def main(argv=None):
     parser.add_argument("--stages", default="1,2,3")
     parser.add_argument("--maxnreg", type=int, default=None)
     parser.add_argument("--tail", type=int, default=0, help="B7's block form: 1 with B8, 2 with B8 and B9")
-    parser.add_argument("--l2norm", action="store_true", help="B7's loop designs: with B10")
     parser.add_argument("--extra", default="{}", help="JSON of fullk switches, e.g. '{\"PF_ITER\": -1}'")
     args = parser.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)
@@ -242,7 +232,7 @@ def main(argv=None):
                                            fused=design == "prep-fused"))
                 elif design in intra_bwd.DESIGNS:  # B7: --BV is its K slice
                     row.update(b7_report(args.K, args.H, args.HV, BV, warps, stages, design=design, maxnreg=args.maxnreg,
-                                         tail=args.tail, l2norm=args.l2norm))
+                                         tail=args.tail))
                 else:
                     row.update(b6_report(design, args.K, args.V, args.H, args.HV, BV, warps, stages,
                                          maxnreg=args.maxnreg, extra=json.loads(args.extra)))

@@ -51,13 +51,6 @@ def dot3(a, b, acc=None):
     both halves with cvt.rna and guards inf/NaN, ~8 instructions an element on sm_90a
     against 2 here."""
     a_hi, a_lo = tf32_split(a)
-    return dot3s(a_hi, a_lo, b, acc)
-
-
-@triton.jit
-def dot3s(a_hi, a_lo, b, acc=None):
-    """``dot3`` with a split once by the caller (``tf32_split``): a loop-invariant operand is
-    split, and kept in shared memory, once for every iteration that reads it."""
     b_hi, b_lo = tf32_split(b)
     acc = tl.dot(a_hi, b_lo, acc, input_precision="tf32")
     acc = tl.dot(a_lo, b_hi, acc, input_precision="tf32")

@@ -24,26 +24,17 @@ from kernel_fun.bench.stage import StageBench, main as _stage_main, qk_and_gate
 # hand-split dots two more builds of the whole-chunk anchor spill nothing (sm_90a, K=128):
 # 16-channel slices at 4 warps (243 registers, twice the programs) and 32 at 8 warps (242).
 _B = dict(BK=32, num_warps=4, num_stages=1)
-# wide-halves (the half-chunk tier between the two) spills 144 B at the default and nothing
-# at 16-channel slices or 8 warps.
-_B16, _B8W = dict(BK=16, num_warps=4, num_stages=1), dict(BK=32, num_warps=8, num_stages=1)
-# loop and loop-halves (one program a chunk-head) at 8 warps; at 16-channel slices their
-# dots would be N=8 tf32 wgmmas (see tools/compile_report.py), at 64 they spill 112-168 B.
-SWEEP = {"wide-chunk": [_B, _B16, _B8W], "wide-halves": [_B, _B16, _B8W], "wide": [_B], "wide-pairwise": [_B],
-         "loop": [_B8W], "loop-halves": [_B8W]}
-
-
-def b7_reads(p) -> int:
-    """The bytes B7 reads at the fewest: q, k, gc, beta, dAqk, dAkk and the incoming dq, dk,
-    db, dg once each."""
-    tok_h, tok_hv = p.B * p.T * p.H, p.B * p.T * p.HV
-    return 2 * tok_h * p.K * 2 + tok_hv * p.K * 4 + tok_hv * 2 + 2 * tok_hv * 64 * 4 + 3 * tok_hv * p.K * 4 + tok_hv * 4
+SWEEP = {"wide-chunk": [_B, dict(BK=16, num_warps=4, num_stages=1), dict(BK=32, num_warps=8, num_stages=1)],
+         "wide": [_B], "wide-pairwise": [_B]}
 
 
 def b7_bytes(p) -> int:
-    """The fewest bytes B7 moves: its reads, and dq, dk, db, dg (fp32) written once."""
-    tok_hv = p.B * p.T * p.HV
-    return b7_reads(p) + 3 * tok_hv * p.K * 4 + tok_hv * 4
+    """The fewest bytes B7 moves: q, k, gc, beta, dAqk, dAkk and the incoming dq, dk, db, dg
+    read once; dq, dk, db, dg written once."""
+    tok_h, tok_hv = p.B * p.T * p.H, p.B * p.T * p.HV
+    reads = 2 * tok_h * p.K * 2 + tok_hv * p.K * 4 + tok_hv * 2 + 2 * tok_hv * 64 * 4 + 3 * tok_hv * p.K * 4 + tok_hv * 4
+    writes = 3 * tok_hv * p.K * 4 + tok_hv * 4
+    return reads + writes
 
 
 def make_inputs(p, device, seed: int = 0) -> dict:
@@ -81,7 +72,7 @@ def _exact(**inputs):
 def _ours(inputs, design, config):
     from kernel_fun.kda.kernels import intra_bwd
 
-    return intra_bwd.intra_bwd(**inputs, **(config or intra_bwd.default_config(design)), design=design)
+    return intra_bwd.intra_bwd(**inputs, **(config or intra_bwd.DEFAULT_CONFIG), design=design)
 
 
 def _launch_config(p, design, overrides):
@@ -89,7 +80,7 @@ def _launch_config(p, design, overrides):
 
     if design not in intra_bwd.DESIGNS:
         raise ValueError(f"unknown B7 design {design!r}")
-    return {**intra_bwd.default_config(design), **(overrides or {})}
+    return {**intra_bwd.DEFAULT_CONFIG, **(overrides or {})}
 
 
 def _misses(vs_exact, fla_exact, vs_fla):

@@ -1,5 +1,5 @@
 """B7, the intra-chunk backward: gradients through Aqk and Akk into dq, dk, db and dg, and
-with them B8 and B9 (the chain's B7-B9 unit) and, in the loop kernel, B10 (B7-B10).
+with them B8 and B9 (the chain's B7-B9 unit).
 
 Replaces fla's ``chunk_kda_bwd_kernel_intra`` (14.9 ms at prod8192_gate on the H200, 37%
 of kernel-fun's fwd+bwd, 6.5x its 2.28 ms memory floor), and B8 and B9 after it (the
@@ -14,30 +14,6 @@ of a 16-row block, where both halves are one-sided: the row role of column block
 j's last row e_j (exp2(g_r - e_j) <= 1 for later rows, exp2(e_j - g_s) <= 1), the column
 role of row block i through i's first row a_i. Inside a block the same anchor gives factors
 up to 2^span (span: the block's first row minus its last, per channel).
-
-Candidate (wide-halves, measured next on the H200): between the two tiers, where the whole
-chunk's middle-row anchor fails the guard but each 32-row half's middle row passes it, the
-per-block form with two 32-row blocks anchored at their middles: each role two [64, 32] x
-[32, BK] dots per dA instead of four [64, 16] ones, every factor within 2^GUARD_SPAN (past
-a block one-sided, within it at most 2^(half span)). On the chain's gate at prod8192_gate it
-takes 49% of the (K slice, chunk, head) programs the per-block form takes now (31% take the
-whole chunk, 80% one or the other; 41% and 88% at 16-channel slices). sm_90a: 144 B of
-spills at 32-channel slices and 4 warps, none at 16 or at 8 warps.
-
-Candidate (loop, loop-halves; built, measured next on the H200): one program per chunk-head
-at 8 warps, its K slices in a loop. dA's four column blocks (the row role's [64, 16]
-operands) and four row blocks (the column role's, transposed on chip) of both matrices are
-read once, split into tf32 halves once, and held in shared memory across the slices (136 KB:
-one program an SM); every tier's dots are made of those [64, 16] x [16, 32] blocks, the
-whole-chunk and half-chunk tiers chaining them into one accumulator. What it tests: whether
-re-reading and re-splitting dA in each of a chunk-head's four programs is what the time is
-(the premise of a Gluon kernel). sm_90a (K=128): 246 registers, no spills, 4,216 SASS
-instructions (loop-halves 255, none; with the tail 12 and 4 B). With H == HV it also takes
-B10 (``intra_bwd_l2``, the B7-B10 unit, a bench candidate): the slices' fp32 dq and dk
-written as scratch, each row's dot with q and k summed over the slices, then a second pass
-reading them back (L2) and writing the l2norm's backward in q's dtype: B10's own pass (4.3
-GB at prod8192_gate, 0.97 ms) gone but for ~1 GB of bf16 writes. 255 registers, 16 B of
-spills with B9.
 
 This design (wide-chunk): one program per (K slice of 32 channels, chunk, head), 4 warps,
 the chunk as one [64, 32] tile per output. dA is read along its rows only: the column
@@ -64,18 +40,18 @@ of the float64 stage at prod8192_gate, where fla's (tf32 off the diagonal) is 1.
 there. Outputs are fresh tensors (input + intra part): no output is read back, so
 relaunching is idempotent.
 
-Falls back (``supports``): chunk size other than 64; the B7-B10 unit (``supports_l2``) also
-with GVA (H < HV), where B7-B9 and B10 run as two stages. No CTA floor: it measured faster than
+Falls back (``supports``): chunk size other than 64. No CTA floor: it measured faster than
 fla's B7 down to grid64 (B1 T256 H16: 0.135 ms against 0.212).
 
-Measured (H200, bench/results/stages.jsonl at 7a87298; docs/log/b7.md has every round):
-7.98 ms at prod8192_gate against fla's 15.01 (1.88x; the per-block form alone 11.17),
-6.80 at prod8192_layer_safe against 8.19. Before the hand split (at 7dd7650): kimi
-10.11/15.30, b8 4.77/7.74, small 1.49/2.21, grid1024 0.41/0.73. The whole op with it:
-33.94 ms against fla's 46.93 at prod8192_gate (chunk_kda.jsonl at 7a87298). What the time
-is (Nsight Compute at prod8192_layer_safe, every program on the chunk anchor, before the
-hand split): 2 programs an SM (255 registers: 12.5% occupancy), 3,400 instructions a warp
-issued every 6.8 cycles, 37% of that waiting on L1; L1 66% busy, DRAM 23%. Resources
+Measured (H200; docs/log/b7.md has every round): 7.79 ms at prod8192_gate against fla's
+14.92 (1.91x; bench/results/stages.jsonl at bb25b91), 6.80 at prod8192_layer_safe against
+8.19 (at 7a87298). The whole op with it: 34.08 ms against fla's 47.23 at prod8192_gate
+(chunk_kda.jsonl at ba56cdb). One program per chunk-head holding dA's blocks in shared
+memory across the K slices measured 16.24 ms, the half-chunk tier 13.41 (docs/log/b7.md):
+re-reading dA per K-slice program is not what the time is. What the time is (Nsight
+Compute at prod8192_layer_safe, every program on the chunk anchor, before the hand split):
+2 programs an SM (255 registers: 12.5% occupancy), 3,400 instructions a warp issued every
+6.8 cycles, 37% of that waiting on L1; L1 66% busy, DRAM 23%. Resources
 (sm_90a, K=128): 255 registers, 4 B of spills, 6,000 SASS instructions (8,376 with
 Triton's tf32x3 and dA's transposed tiles read strided; 6,392 at the rows' commit).
 """
@@ -86,7 +62,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernel_fun._triton import GUARD_SPAN, chunk_coords, dot3, dot3s, tf32_split, to
+from kernel_fun._triton import GUARD_SPAN, chunk_coords, dot3, to
 from kernel_fun.kda.stages import add_impl
 
 BC = 16  # the anchor block
@@ -101,17 +77,6 @@ def _row(ptr, r, stride, ok, o_k, m_k):
 def _last(st, BC: tl.constexpr, n_t):
     """Block st's last row within the chunk."""
     return tl.minimum(st + BC, n_t) - 1
-
-
-@triton.jit
-def _half_span(g, st, n_t, o_k, m_k, SG: tl.constexpr):
-    """The 32-row block st's gate span in this K slice through its middle row: the largest
-    of (first row - middle, middle - last) over the channels (0 for a block past the end)."""
-    ok = st < n_t
-    mid = _row(g, tl.minimum(st + 15, n_t - 1), SG, ok, o_k, m_k)
-    lo = tl.maximum(tl.max(_row(g, st, SG, ok, o_k, m_k) - mid, axis=0),
-                    tl.max(mid - _row(g, tl.minimum(st + 31, n_t - 1), SG, ok, o_k, m_k), axis=0))
-    return tl.where(ok, lo, 0.0)
 
 
 @triton.jit
@@ -144,11 +109,11 @@ def _gate_bwd(st, n_t, dy, g_raw, dt_bias, dg_out, A, lower_bound, o_k, m_k,
 def _wide_rows(dAqk, dAkk, k, g, st, lo, ar, n_t, o_k, m_k, g_c, acc_q, acc_kr,
                HV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, SK: tl.constexpr, SG: tl.constexpr):
     """The row role of column block j (columns st .. st + BC - 1) for every row r >= lo,
-    through the block's row ar, e_j: sum_s dA[r, s] k_s exp2(e_j - g_s) as one [BT, BC] x
-    [BC, BK] dot, times exp2(g_r - e_j). With ar the block's last row every k factor is <= 1
-    and every row factor past the block too; within the block a row factor reaches 2^span,
-    which is why lo is the block's own first row only when its span passed the guard. With
-    ar the block's middle row (the half-chunk blocks) both reach 2^(half span) within it."""
+    through the block's last row ar, e_j: sum_s dA[r, s] k_s exp2(e_j - g_s) (every factor
+    <= 1) as one [BT, BC] x [BC, BK] dot, times exp2(g_r - e_j) (<= 1 past the block; within
+    it at most 2^GUARD_SPAN, which is why lo is the block's own first row only when its span
+    passed the guard). ar comes from the caller, as _wide_cols's does: computed in here, the
+    same arithmetic is scheduled differently (wide-pairwise's sm_90a code changes)."""
     rows = tl.arange(0, BT)
     pos = tl.arange(0, BC)
     cols = st + pos
@@ -172,11 +137,9 @@ def _wide_rows(dAqk, dAkk, k, g, st, lo, ar, n_t, o_k, m_k, g_c, acc_q, acc_kr,
 def _wide_cols(dAqk, dAkk, q, k, g, beta, st, hi, ar, n_t, o_k, m_k, g_c, acc_c,
                HV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, SK: tl.constexpr, SG: tl.constexpr):
     """The column role of row block i (rows st .. st + BC - 1) for every column s < hi,
-    through the block's row ar, a_i: sum_r dA[r, s] (q_r, beta_r k_r) exp2(g_r - a_i) as
-    [BT, BC] x [BC, BK] dots of dA's rows of block i transposed, times exp2(a_i - g_s).
-    With ar the block's first row every row factor is <= 1 and every column factor before
-    the block too (at most 2^GUARD_SPAN within it); with its middle row both reach 2^(half
-    span) within the block."""
+    through the block's first row ar, a_i: sum_r dA[r, s] (q_r, beta_r k_r) exp2(g_r - a_i)
+    (every factor <= 1) as [BT, BC] x [BC, BK] dots of dA's rows of block i transposed,
+    times exp2(a_i - g_s) (<= 1 before the block, at most 2^GUARD_SPAN within it)."""
     cols = tl.arange(0, BT)
     pos = tl.arange(0, BC)
     rows = st + pos
@@ -279,7 +242,6 @@ def intra_bwd_wide_kernel(
     cu_seqlens, chunk_indices, T, NT_ROWS, NT_ALL,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BK: tl.constexpr, IS_VARLEN: tl.constexpr, PAIRWISE: tl.constexpr, CHUNK_ANCHOR: tl.constexpr,
-    HALVES: tl.constexpr,
     TAIL: tl.constexpr, HAS_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
 ):
     """B7 on one (K slice, chunk, head), the chunk as one [BT, BK] tile per output; with
@@ -327,26 +289,8 @@ def intra_bwd_wide_kernel(
                            tl.max(gm - _row(g, n_t - 1, SG, 0 < n_t, o_k, m_k), axis=0)) <= GUARD_SPAN
     else:
         whole: tl.constexpr = False
-    if HALVES:
-        # the chunk's two 32-row halves, each through its own middle row, where the whole
-        # chunk's anchor would pass the guard but each half's stays within it
-        halves = tl.maximum(_half_span(g, 0, n_t, o_k, m_k, SG), _half_span(g, 2 * BC, n_t, o_k, m_k, SG)) <= GUARD_SPAN
-    else:
-        halves: tl.constexpr = False
     if whole:
         acc_q, acc_kr, acc_c = _chunk_sums(q, k, g, beta, dAqk, dAkk, n_t, t, g_c, gm, o_k, m_k, HV, BT, SK, SG)
-    elif halves:
-        acc_q = tl.zeros([BT, BK], dtype=tl.float32)
-        acc_kr = tl.zeros([BT, BK], dtype=tl.float32)
-        acc_c = tl.zeros([BT, BK], dtype=tl.float32)
-        m0, m1 = tl.minimum(15, n_t - 1), tl.minimum(2 * BC + 15, n_t - 1)
-        acc_q, acc_kr = _wide_rows(dAqk, dAkk, k, g, 0, 0, m0, n_t, o_k, m_k, g_c, acc_q, acc_kr,
-                                   HV, BT, 2 * BC, SK, SG)
-        acc_q, acc_kr = _wide_rows(dAqk, dAkk, k, g, 2 * BC, 2 * BC, m1, n_t, o_k, m_k, g_c, acc_q, acc_kr,
-                                   HV, BT, 2 * BC, SK, SG)
-        acc_c = _wide_cols(dAqk, dAkk, q, k, g, beta, 0, 2 * BC, m0, n_t, o_k, m_k, g_c, acc_c, HV, BT, 2 * BC, SK, SG)
-        acc_c = _wide_cols(dAqk, dAkk, q, k, g, beta, 2 * BC, 4 * BC, m1, n_t, o_k, m_k, g_c, acc_c,
-                           HV, BT, 2 * BC, SK, SG)
     else:
         acc_q = tl.zeros([BT, BK], dtype=tl.float32)
         acc_kr = tl.zeros([BT, BK], dtype=tl.float32)
@@ -405,325 +349,6 @@ def intra_bwd_wide_kernel(
             tl.store(dbias_part + (i_tg * HV + i_hv) * K + o_k, dbias, mask=m_k)
 
 
-@triton.jit
-def _col_block(dA, st, n_t, HV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, STRICT: tl.constexpr):
-    """dA's columns st .. st + BC - 1 on and below the diagonal (STRICT: below it), [BT, BC],
-    split into tf32 halves: the row role's operand of column block st."""
-    t = tl.arange(0, BT)
-    cols = st + tl.arange(0, BC)
-    m = (t < n_t)[:, None] & (cols < n_t)[None, :]
-    if STRICT:
-        m = m & (t[:, None] > cols[None, :])
-    else:
-        m = m & (t[:, None] >= cols[None, :])
-    return tf32_split(tl.load(dA + t[:, None] * (HV * BT) + cols[None, :], mask=m, other=0))
-
-
-@triton.jit
-def _row_block_t(dA, st, n_t, HV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, STRICT: tl.constexpr):
-    """dA's rows st .. st + BC - 1 on and below the diagonal (STRICT: below it), read along
-    the rows and transposed on chip ([BT, BC]: [s, r]), split into tf32 halves: the column
-    role's operand of row block st."""
-    t = tl.arange(0, BT)
-    rows = st + tl.arange(0, BC)
-    m = (rows < n_t)[:, None] & (t < n_t)[None, :]
-    if STRICT:
-        m = m & (rows[:, None] > t[None, :])
-    else:
-        m = m & (rows[:, None] >= t[None, :])
-    return tf32_split(tl.trans(tl.load(dA + rows[:, None] * (HV * BT) + t[None, :], mask=m, other=0)))
-
-
-@triton.jit
-def _kx(k, g, st, e, n_t, o_k, m_k, BC: tl.constexpr, SK: tl.constexpr, SG: tl.constexpr):
-    """Block st's k rows times exp2(e - g_s): the row role's [BC, BK] operand through e."""
-    cols = st + tl.arange(0, BC)
-    m = (cols < n_t)[:, None] & m_k[None, :]
-    k_j = tl.load(k + cols[:, None] * SK + o_k[None, :], mask=m, other=0).to(tl.float32)
-    g_j = tl.load(g + cols[:, None] * SG + o_k[None, :], mask=m, other=0)
-    return k_j * tl.exp2(tl.where(m, e[None, :] - g_j, float("-inf")))
-
-
-@triton.jit
-def _qx(q, k, g, beta, st, a, n_t, o_k, m_k, HV: tl.constexpr, BC: tl.constexpr, SK: tl.constexpr,
-        SG: tl.constexpr):
-    """Block st's rows of q and of beta k, times exp2(g_r - a): the column role's two
-    [BC, BK] operands through a."""
-    rows = st + tl.arange(0, BC)
-    m_r = rows < n_t
-    m = m_r[:, None] & m_k[None, :]
-    q_i = tl.load(q + rows[:, None] * SK + o_k[None, :], mask=m, other=0).to(tl.float32)
-    k_i = tl.load(k + rows[:, None] * SK + o_k[None, :], mask=m, other=0).to(tl.float32)
-    g_i = tl.load(g + rows[:, None] * SG + o_k[None, :], mask=m, other=0)
-    b_i = tl.load(beta + rows * HV, mask=m_r, other=0).to(tl.float32)
-    f = tl.exp2(tl.where(m, g_i - a[None, :], float("-inf")))
-    return q_i * f, (b_i[:, None] * k_i) * f
-
-
-@triton.jit
-def _down(g_c, e, lo, n_t, m_k, BT: tl.constexpr):
-    """exp2(g_r - e) for the rows r >= lo of the chunk (0 elsewhere): [BT, BK]."""
-    t = tl.arange(0, BT)
-    return tl.exp2(tl.where(((t < n_t) & (t >= lo))[:, None] & m_k[None, :], g_c - e[None, :], float("-inf")))
-
-
-@triton.jit
-def _up(g_c, a, hi, ok, n_t, m_k, BT: tl.constexpr):
-    """exp2(a - g_s) for the columns s < hi of the chunk (0 elsewhere, and everywhere unless
-    ok: the anchor's block exists): [BT, BK]."""
-    t = tl.arange(0, BT)
-    return tl.exp2(tl.where(((t < n_t) & (t < hi) & ok)[:, None] & m_k[None, :], a[None, :] - g_c, float("-inf")))
-
-
-@triton.jit
-def intra_bwd_loop_kernel(
-    q, k, g, beta, dAqk, dAkk, dq, dk, dg,
-    dq2, dk2, dg2, db_part,
-    g_raw, A_log, dt_bias, dA_part, dbias_part, lower_bound,
-    q_rstd, k_rstd, dq_out, dk_out,
-    cu_seqlens, chunk_indices, T, NT_ROWS, NT_ALL,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    BK: tl.constexpr, IS_VARLEN: tl.constexpr, HALVES: tl.constexpr,
-    TAIL: tl.constexpr, HAS_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr, L2NORM: tl.constexpr,
-):
-    """B7 (and with TAIL the tail, as ``intra_bwd_wide_kernel``) on one (chunk, head), its K
-    slices in a loop: dA's sixteen-column and sixteen-row blocks (both roles, both matrices)
-    read once, split into tf32 halves once and held in shared memory across the slices; each
-    slice takes the whole-chunk anchor, the half-chunk anchors (HALVES) or the per-block ones
-    as its gate allows, the same tiers and factors as the one-slice kernel, every tier's
-    dots made of the same [BT, BC] x [BC, BK] blocks. With L2NORM (H == HV) also B10: the
-    slices' fp32 dq and dk go to dq2 and dk2 as scratch while each row's dot with the
-    normalized q (k) is summed over the slices; a second pass over the slices reads them
-    back and writes rstd (d - (d . y) y) in q's dtype into dq_out (dk_out)."""
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_hv = i_bh % HV
-    i_h = i_hv // (HV // H)
-    i_c, i_tg, bos, T = chunk_coords(i_t, i_bh, cu_seqlens, chunk_indices, T, HV, BT, IS_VARLEN)
-    row0 = bos + i_c * BT
-    n_t = tl.minimum(T - i_c * BT, BT).to(tl.int32)
-    tl.static_assert(BT == 4 * BC, "the blocked form is written for four blocks a chunk")
-    SK: tl.constexpr = H * K
-    SG: tl.constexpr = HV * K
-    NK: tl.constexpr = (K + BK - 1) // BK
-
-    q += (row0 * H + i_h) * K
-    k += (row0 * H + i_h) * K
-    g += (row0 * HV + i_hv) * K
-    beta += row0 * HV + i_hv
-    dAqk += (row0 * HV + i_hv) * BT
-    dAkk += (row0 * HV + i_hv) * BT
-    off = (row0 * HV + i_hv) * K
-    t = tl.arange(0, BT)
-    m_t = t < n_t
-    if TAIL == 2:
-        A = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
-        if HAS_BIAS:
-            dt_bias += i_hv * K
-
-    # dA once for every slice: the row role's column blocks, the column role's row blocks
-    cq0h, cq0l = _col_block(dAqk, 0, n_t, HV, BT, BC, False)
-    cq1h, cq1l = _col_block(dAqk, BC, n_t, HV, BT, BC, False)
-    cq2h, cq2l = _col_block(dAqk, 2 * BC, n_t, HV, BT, BC, False)
-    cq3h, cq3l = _col_block(dAqk, 3 * BC, n_t, HV, BT, BC, False)
-    ck0h, ck0l = _col_block(dAkk, 0, n_t, HV, BT, BC, True)
-    ck1h, ck1l = _col_block(dAkk, BC, n_t, HV, BT, BC, True)
-    ck2h, ck2l = _col_block(dAkk, 2 * BC, n_t, HV, BT, BC, True)
-    ck3h, ck3l = _col_block(dAkk, 3 * BC, n_t, HV, BT, BC, True)
-    rq0h, rq0l = _row_block_t(dAqk, 0, n_t, HV, BT, BC, False)
-    rq1h, rq1l = _row_block_t(dAqk, BC, n_t, HV, BT, BC, False)
-    rq2h, rq2l = _row_block_t(dAqk, 2 * BC, n_t, HV, BT, BC, False)
-    rq3h, rq3l = _row_block_t(dAqk, 3 * BC, n_t, HV, BT, BC, False)
-    rk0h, rk0l = _row_block_t(dAkk, 0, n_t, HV, BT, BC, True)
-    rk1h, rk1l = _row_block_t(dAkk, BC, n_t, HV, BT, BC, True)
-    rk2h, rk2l = _row_block_t(dAkk, 2 * BC, n_t, HV, BT, BC, True)
-    rk3h, rk3l = _row_block_t(dAkk, 3 * BC, n_t, HV, BT, BC, True)
-
-    # offsets within a slice; each slice moves the base pointers (offsets that do not
-    # change across the loop are hoisted by the compiler: as offsets they hold 32-bit
-    # values, where full pointer tiles of every tensor would hold 64-bit ones)
-    o_k = tl.arange(0, BK)
-    o_g = t[:, None] * SG + o_k[None, :]
-    o_q = t[:, None] * SK + o_k[None, :]
-    dot_q = tl.zeros([BT], dtype=tl.float32)  # with L2NORM: each row's (dq . q), (dk . k)
-    dot_k = tl.zeros([BT], dtype=tl.float32)
-    for i_k in range(NK):
-        kb = i_k * BK
-        qs, ks, gs = q + kb, k + kb, g + kb
-        m_k = kb + o_k < K
-        m_tk = m_t[:, None] & m_k[None, :]
-        g_c = tl.load(gs + o_g, mask=m_tk, other=0)
-        s0 = _span(gs, 0, n_t, o_k, m_k, SG, BC, False)
-        s1 = _span(gs, BC, n_t, o_k, m_k, SG, BC, False)
-        s2 = _span(gs, 2 * BC, n_t, o_k, m_k, SG, BC, False)
-        s3 = _span(gs, 3 * BC, n_t, o_k, m_k, SG, BC, False)
-        d0, d1, d2, d3 = s0 <= GUARD_SPAN, s1 <= GUARD_SPAN, s2 <= GUARD_SPAN, s3 <= GUARD_SPAN
-        gm = _row(gs, tl.minimum(BT // 2, n_t) - 1, SG, 0 < n_t, o_k, m_k)
-        whole = tl.maximum(tl.max(_row(gs, 0, SG, 0 < n_t, o_k, m_k) - gm, axis=0),
-                           tl.max(gm - _row(gs, n_t - 1, SG, 0 < n_t, o_k, m_k), axis=0)) <= GUARD_SPAN
-        if HALVES:
-            halves = tl.maximum(_half_span(gs, 0, n_t, o_k, m_k, SG),
-                                _half_span(gs, 2 * BC, n_t, o_k, m_k, SG)) <= GUARD_SPAN
-        else:
-            halves = False
-        if whole:
-            # every block through the chunk's middle row: one sum a role, its factor once
-            x = _kx(ks, gs, 0, gm, n_t, o_k, m_k, BC, SK, SG)
-            sq = dot3s(cq0h, cq0l, x)
-            sk = dot3s(ck0h, ck0l, x)
-            x = _kx(ks, gs, BC, gm, n_t, o_k, m_k, BC, SK, SG)
-            sq = dot3s(cq1h, cq1l, x, sq)
-            sk = dot3s(ck1h, ck1l, x, sk)
-            x = _kx(ks, gs, 2 * BC, gm, n_t, o_k, m_k, BC, SK, SG)
-            sq = dot3s(cq2h, cq2l, x, sq)
-            sk = dot3s(ck2h, ck2l, x, sk)
-            x = _kx(ks, gs, 3 * BC, gm, n_t, o_k, m_k, BC, SK, SG)
-            sq = dot3s(cq3h, cq3l, x, sq)
-            sk = dot3s(ck3h, ck3l, x, sk)
-            f = _down(g_c, gm, 0, n_t, m_k, BT)
-            acc_q = f * sq
-            acc_kr = f * sk
-            xq, xk = _qx(qs, ks, gs, beta, 0, gm, n_t, o_k, m_k, HV, BC, SK, SG)
-            p = dot3s(rk0h, rk0l, xk, dot3s(rq0h, rq0l, xq))
-            xq, xk = _qx(qs, ks, gs, beta, BC, gm, n_t, o_k, m_k, HV, BC, SK, SG)
-            p = dot3s(rk1h, rk1l, xk, dot3s(rq1h, rq1l, xq, p))
-            xq, xk = _qx(qs, ks, gs, beta, 2 * BC, gm, n_t, o_k, m_k, HV, BC, SK, SG)
-            p = dot3s(rk2h, rk2l, xk, dot3s(rq2h, rq2l, xq, p))
-            xq, xk = _qx(qs, ks, gs, beta, 3 * BC, gm, n_t, o_k, m_k, HV, BC, SK, SG)
-            p = dot3s(rk3h, rk3l, xk, dot3s(rq3h, rq3l, xq, p))
-            acc_c = _up(g_c, gm, BT, 0 < n_t, n_t, m_k, BT) * p
-        elif halves:
-            # each 32-row half through its own middle row
-            e0 = _row(gs, tl.minimum(15, n_t - 1), SG, 0 < n_t, o_k, m_k)
-            e1 = _row(gs, tl.minimum(2 * BC + 15, n_t - 1), SG, 2 * BC < n_t, o_k, m_k)
-            x = _kx(ks, gs, 0, e0, n_t, o_k, m_k, BC, SK, SG)
-            sq = dot3s(cq0h, cq0l, x)
-            sk = dot3s(ck0h, ck0l, x)
-            x = _kx(ks, gs, BC, e0, n_t, o_k, m_k, BC, SK, SG)
-            sq = dot3s(cq1h, cq1l, x, sq)
-            sk = dot3s(ck1h, ck1l, x, sk)
-            f = _down(g_c, e0, 0, n_t, m_k, BT)
-            acc_q = f * sq
-            acc_kr = f * sk
-            x = _kx(ks, gs, 2 * BC, e1, n_t, o_k, m_k, BC, SK, SG)
-            sq = dot3s(cq2h, cq2l, x)
-            sk = dot3s(ck2h, ck2l, x)
-            x = _kx(ks, gs, 3 * BC, e1, n_t, o_k, m_k, BC, SK, SG)
-            sq = dot3s(cq3h, cq3l, x, sq)
-            sk = dot3s(ck3h, ck3l, x, sk)
-            f = _down(g_c, e1, 2 * BC, n_t, m_k, BT)
-            acc_q += f * sq
-            acc_kr += f * sk
-            xq, xk = _qx(qs, ks, gs, beta, 0, e0, n_t, o_k, m_k, HV, BC, SK, SG)
-            p = dot3s(rk0h, rk0l, xk, dot3s(rq0h, rq0l, xq))
-            xq, xk = _qx(qs, ks, gs, beta, BC, e0, n_t, o_k, m_k, HV, BC, SK, SG)
-            p = dot3s(rk1h, rk1l, xk, dot3s(rq1h, rq1l, xq, p))
-            acc_c = _up(g_c, e0, 2 * BC, 0 < n_t, n_t, m_k, BT) * p
-            xq, xk = _qx(qs, ks, gs, beta, 2 * BC, e1, n_t, o_k, m_k, HV, BC, SK, SG)
-            p = dot3s(rk2h, rk2l, xk, dot3s(rq2h, rq2l, xq))
-            xq, xk = _qx(qs, ks, gs, beta, 3 * BC, e1, n_t, o_k, m_k, HV, BC, SK, SG)
-            p = dot3s(rk3h, rk3l, xk, dot3s(rq3h, rq3l, xq, p))
-            acc_c += _up(g_c, e1, BT, 2 * BC < n_t, n_t, m_k, BT) * p
-        else:
-            # row role: column block j through its last row, for rows from j's own block
-            # (its span passed the guard) or from the next
-            e = _row(gs, _last(0, BC, n_t), SG, 0 < n_t, o_k, m_k)
-            x = _kx(ks, gs, 0, e, n_t, o_k, m_k, BC, SK, SG)
-            f = _down(g_c, e, tl.where(d0, 0, BC), n_t, m_k, BT)
-            acc_q = f * dot3s(cq0h, cq0l, x)
-            acc_kr = f * dot3s(ck0h, ck0l, x)
-            e = _row(gs, _last(BC, BC, n_t), SG, BC < n_t, o_k, m_k)
-            x = _kx(ks, gs, BC, e, n_t, o_k, m_k, BC, SK, SG)
-            f = _down(g_c, e, tl.where(d1, BC, 2 * BC), n_t, m_k, BT)
-            acc_q += f * dot3s(cq1h, cq1l, x)
-            acc_kr += f * dot3s(ck1h, ck1l, x)
-            e = _row(gs, _last(2 * BC, BC, n_t), SG, 2 * BC < n_t, o_k, m_k)
-            x = _kx(ks, gs, 2 * BC, e, n_t, o_k, m_k, BC, SK, SG)
-            f = _down(g_c, e, tl.where(d2, 2 * BC, 3 * BC), n_t, m_k, BT)
-            acc_q += f * dot3s(cq2h, cq2l, x)
-            acc_kr += f * dot3s(ck2h, ck2l, x)
-            if d3:
-                e = _row(gs, _last(3 * BC, BC, n_t), SG, 3 * BC < n_t, o_k, m_k)
-                x = _kx(ks, gs, 3 * BC, e, n_t, o_k, m_k, BC, SK, SG)
-                f = _down(g_c, e, 3 * BC, n_t, m_k, BT)
-                acc_q += f * dot3s(cq3h, cq3l, x)
-                acc_kr += f * dot3s(ck3h, ck3l, x)
-            # column role: row block i through its first row, for columns up to i's own
-            # block (its span passed the guard) or before it
-            a = _row(gs, BC, SG, BC < n_t, o_k, m_k)
-            xq, xk = _qx(qs, ks, gs, beta, BC, a, n_t, o_k, m_k, HV, BC, SK, SG)
-            acc_c = _up(g_c, a, tl.where(d1, 2 * BC, BC), BC < n_t, n_t, m_k, BT) * dot3s(
-                rk1h, rk1l, xk, dot3s(rq1h, rq1l, xq))
-            a = _row(gs, 2 * BC, SG, 2 * BC < n_t, o_k, m_k)
-            xq, xk = _qx(qs, ks, gs, beta, 2 * BC, a, n_t, o_k, m_k, HV, BC, SK, SG)
-            acc_c += _up(g_c, a, tl.where(d2, 3 * BC, 2 * BC), 2 * BC < n_t, n_t, m_k, BT) * dot3s(
-                rk2h, rk2l, xk, dot3s(rq2h, rq2l, xq))
-            a = _row(gs, 3 * BC, SG, 3 * BC < n_t, o_k, m_k)
-            xq, xk = _qx(qs, ks, gs, beta, 3 * BC, a, n_t, o_k, m_k, HV, BC, SK, SG)
-            acc_c += _up(g_c, a, tl.where(d3, 4 * BC, 3 * BC), 3 * BC < n_t, n_t, m_k, BT) * dot3s(
-                rk3h, rk3l, xk, dot3s(rq3h, rq3l, xq))
-            if d0:
-                a = _row(gs, 0, SG, 0 < n_t, o_k, m_k)
-                xq, xk = _qx(qs, ks, gs, beta, 0, a, n_t, o_k, m_k, HV, BC, SK, SG)
-                acc_c += _up(g_c, a, BC, 0 < n_t, n_t, m_k, BT) * dot3s(rk0h, rk0l, xk, dot3s(rq0h, rq0l, xq))
-            if tl.maximum(tl.maximum(s0, s1), tl.maximum(s2, s3)) > GUARD_SPAN:
-                blk = t // BC
-                pair = tl.where(blk == 0, s0, tl.where(blk == 1, s1, tl.where(blk == 2, s2, s3))) > GUARD_SPAN
-                for jj in range(0, BC):
-                    acc_q, acc_kr, acc_c = _wide_diag_step(jj, qs, ks, gs, beta, dAqk, dAkk, n_t, g_c, pair, o_k, m_k,
-                                                           acc_q, acc_kr, acc_c, HV, BT, BC, SK, SG)
-
-        # this slice's outputs, written as the one-slice kernel's (not shared through a helper:
-        # any reordering there changes that kernel's measured machine code; one of the two
-        # kernels goes once the H200 has compared them)
-        ob = off + kb
-        q_c = tl.load(qs + o_q, mask=m_tk, other=0).to(tl.float32)
-        k_c = tl.load(ks + o_q, mask=m_tk, other=0).to(tl.float32)
-        b_c = tl.load(beta + t * HV, mask=m_t, other=0).to(tl.float32)
-        tl.store(db_part + i_k * NT_ROWS + (row0 + t) * HV + i_hv, tl.sum(acc_kr * k_c, axis=1), mask=m_t)
-        acc_kr *= b_c[:, None]
-        d_q = tl.load(dq + ob + o_g, mask=m_tk, other=0) + acc_q
-        d_k = tl.load(dk + ob + o_g, mask=m_tk, other=0) + acc_kr + acc_c
-        tl.store(dq2 + ob + o_g, d_q, mask=m_tk)
-        tl.store(dk2 + ob + o_g, d_k, mask=m_tk)
-        if L2NORM:
-            dot_q += tl.sum(d_q * q_c, axis=1)
-            dot_k += tl.sum(d_k * k_c, axis=1)
-        b_dg = tl.load(dg + ob + o_g, mask=m_tk, other=0) + q_c * acc_q + k_c * (acc_kr - acc_c)
-        if TAIL == 0:
-            tl.store(dg2 + ob + o_g, b_dg, mask=m_tk)
-        else:
-            b_dg = tl.cumsum(tl.where(m_tk, b_dg, 0.0), axis=0, reverse=True)
-            if TAIL == 1:
-                tl.store(dg2 + ob + o_g, b_dg, mask=m_tk)
-            else:
-                bias_s = dt_bias
-                if HAS_BIAS:
-                    bias_s = dt_bias + kb
-                da, dbias = _gate_bwd(0, n_t, b_dg, g_raw + ob, bias_s, dg2 + ob, A, lower_bound, o_k, m_k, HV, K, BT,
-                                      HAS_BIAS, USE_LOWER_BOUND)
-                tl.store(dA_part + (i_k * NT_ALL + i_tg) * HV + i_hv, da)
-                tl.store(dbias_part + (i_tg * HV + i_hv) * K + kb + o_k, dbias, mask=m_k)
-    if L2NORM:
-        # B10 (H == HV: dq2's head is q's): the slices' rows back (this program's own stores,
-        # ordered before the loads by the barrier), normalized against the whole-row dots
-        tl.debug_barrier()
-        r_q = tl.load(q_rstd + (row0 + t) * H + i_h, mask=m_t, other=0)
-        r_k = tl.load(k_rstd + (row0 + t) * H + i_h, mask=m_t, other=0)
-        dq_out += (row0 * H + i_h) * K
-        dk_out += (row0 * H + i_h) * K
-        for i_k in range(NK):
-            kb = i_k * BK
-            m_tk = m_t[:, None] & (kb + o_k < K)[None, :]
-            y = tl.load(q + kb + o_q, mask=m_tk, other=0).to(tl.float32)
-            d = tl.load(dq2 + off + kb + o_g, mask=m_tk, other=0)
-            tl.store(dq_out + kb + o_q, to(r_q[:, None] * (d - dot_q[:, None] * y), dq_out.dtype.element_ty),
-                     mask=m_tk)
-            y = tl.load(k + kb + o_q, mask=m_tk, other=0).to(tl.float32)
-            d = tl.load(dk2 + off + kb + o_g, mask=m_tk, other=0)
-            tl.store(dk_out + kb + o_q, to(r_k[:, None] * (d - dot_k[:, None] * y), dk_out.dtype.element_ty),
-                     mask=m_tk)
-
-
 # Compiled for sm_90a offline (``python -m tools.compile_report --design wide-chunk --BV 32
 # --warps 4 --stages 1``, K=128, H=HV=16): 255 registers, 4 B of spills (K=64: 24; the
 # wide form: none). Measured at prod8192_gate: the wide form at BK=16 17.6 ms, at 8 warps
@@ -733,17 +358,7 @@ DEFAULT_CONFIG = dict(BK=32, num_warps=4, num_stages=1)
 # ``wide-chunk`` (the default) takes a K slice of the chunk through its middle row where the
 # gate allows, the per-block anchors elsewhere; ``wide`` only the per-block anchors;
 # ``wide-pairwise`` takes every diagonal pairwise (the guard's other path, for tests).
-# ``loop`` and ``loop-halves`` are the one-program-a-chunk-head kernel without and with the
-# half-chunk tier. 8 warps: its dA blocks take 136 KB of shared memory (one program an SM), so
-# 4 warps would leave an SM half as many warps as two one-slice programs; sm_90a at K=128:
-# loop 246 registers, no spills (with the tail 255, 12 B); loop-halves 255, none (4 B).
-LOOP_CONFIG = dict(BK=32, num_warps=8, num_stages=1)
-DESIGNS = ("wide", "wide-pairwise", "wide-chunk", "wide-halves", "loop", "loop-halves")
-
-
-def default_config(design: str) -> dict:
-    """The config a design launches with unless told otherwise."""
-    return LOOP_CONFIG if design.startswith("loop") else DEFAULT_CONFIG
+DESIGNS = ("wide", "wide-pairwise", "wide-chunk")
 
 
 def _launch_args(design, tensors: dict, chunk_size, cu_seqlens, chunk_indices, BK, num_warps, num_stages,
@@ -757,16 +372,14 @@ def _launch_args(design, tensors: dict, chunk_size, cu_seqlens, chunk_indices, B
     q, k, gc = tensors["q"], tensors["k"], tensors["gc"]
     B, T, H, K = k.shape
     HV = gc.shape[2]
-    cfg = default_config(design)
+    cfg = DEFAULT_CONFIG
     dq2 = torch.empty(B, T, HV, K, device=k.device, dtype=torch.float32)
     return dict(
         q=q, k=k, g=gc, beta=tensors["beta"], dAqk=tensors["dAqk"], dAkk=tensors["dAkk"], dq=tensors["dq"],
         dk=tensors["dk"], dg=tensors["dg"], dq2=dq2, dk2=torch.empty_like(dq2), dg2=torch.empty_like(dq2),
         cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, T=T, H=H, HV=HV, K=K, BT=chunk_size, BC=BC,
         BK=BK or min(cfg["BK"], triton.next_power_of_2(K)), IS_VARLEN=cu_seqlens is not None,
-        **({} if design.startswith("loop") else dict(PAIRWISE=design == "wide-pairwise",
-                                                     CHUNK_ANCHOR=design in ("wide-chunk", "wide-halves"))),
-        HALVES=design in ("wide-halves", "loop-halves"),
+        PAIRWISE=design == "wide-pairwise", CHUNK_ANCHOR=design == "wide-chunk",
         num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"],
         **({"maxnreg": maxnreg} if maxnreg else {}))
 
@@ -783,7 +396,7 @@ def intra_bwd(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens
     (``safe_gate`` changes nothing here)."""
     tensors = dict(q=q, k=k, gc=gc, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db, dg=dg)
     args = _launch_args(design, tensors, chunk_size, cu_seqlens, chunk_indices, BK, num_warps, num_stages, maxnreg)
-    return _launch(args, db, design)[:4]
+    return _launch(args, db)[:4]
 
 
 def intra_bwd_tail(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens, chunk_indices, safe_gate,
@@ -798,34 +411,12 @@ def intra_bwd_tail(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_se
                    A_log=A_log, dt_bias=dt_bias)
     args = _launch_args(design, tensors, chunk_size, cu_seqlens, chunk_indices, BK, num_warps, num_stages, maxnreg)
     gate = dict(g=g, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound) if A_log is not None else None
-    return _launch(args, db, design, tail=2 if gate else 1, gate=gate)
+    return _launch(args, db, tail=2 if gate else 1, gate=gate)
 
 
-def intra_bwd_l2(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens, chunk_indices, safe_gate,
-                 g=None, A_log=None, dt_bias=None, lower_bound=None, q_rstd=None, k_rstd=None,
-                 BK: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                 maxnreg: int | None = None, design: str = "loop"):
-    """B7 through B10 in one pass (the loop kernel, H == HV): (dq, dk, db, dg, dA_log,
-    ddt_bias) as ``intra_bwd_tail`` gives them, with dq and dk then through the l2norm's
-    backward (q and k the normalized rows, q_rstd and k_rstd their reciprocal norms), in q's
-    and k's dtype."""
-    _require_loop(design)
-    tensors = dict(q=q, k=k, gc=gc, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db, dg=dg, g=g,
-                   A_log=A_log, dt_bias=dt_bias)
-    args = _launch_args(design, tensors, chunk_size, cu_seqlens, chunk_indices, BK, num_warps, num_stages, maxnreg)
-    gate = dict(g=g, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound) if A_log is not None else None
-    return _launch(args, db, design, tail=2 if gate else 1, gate=gate, l2norm=dict(q_rstd=q_rstd, k_rstd=k_rstd))
-
-
-def _require_loop(design: str) -> None:
-    if not design.startswith("loop"):
-        raise ValueError(f"B7-B10 runs the loop kernel (designs loop, loop-halves), not {design!r}")
-
-
-def _launch(args: dict, db, design: str, tail: int = 0, gate: dict | None = None, l2norm: dict | None = None):
+def _launch(args: dict, db, tail: int = 0, gate: dict | None = None):
     """Launch the kernel; (dq, dk, db, dg, dA_log, ddt_bias), the last two None unless the
-    tail includes the gate's backward; with ``l2norm`` (q_rstd, k_rstd; the loop kernel, H ==
-    HV) dq and dk through B10, in q's and k's dtype."""
+    tail includes the gate's backward."""
     B, T, HV, K, BK = db.shape[0], db.shape[1], args["HV"], args["K"], args["BK"]
     NK, NT = triton.cdiv(K, BK), _n_chunks(args)
     dev = db.device
@@ -840,18 +431,8 @@ def _launch(args: dict, db, design: str, tail: int = 0, gate: dict | None = None
         args["dg2"] = torch.empty(B, T, HV, K, device=dev, dtype=g_raw.dtype)
         dA_part = torch.empty(NK, NT_ALL, HV, device=dev, dtype=torch.float32)
         dbias_part = torch.empty(NT_ALL, HV, K, device=dev, dtype=torch.float32) if dt_bias is not None else None
-    loop = design.startswith("loop")  # one program a chunk-head, its K slices in a loop
-    kernel, grid = (intra_bwd_loop_kernel, (NT, B * HV)) if loop else (intra_bwd_wide_kernel, (NK, NT, B * HV))
-    extra = {}
-    if loop:
-        extra = dict(q_rstd=None, k_rstd=None, dq_out=None, dk_out=None, L2NORM=l2norm is not None)
-        if l2norm is not None:
-            if args["H"] != HV:
-                raise ValueError("B10 in B7's pass needs H == HV (with GVA dq and dk sum over value heads first)")
-            extra.update(q_rstd=l2norm["q_rstd"].contiguous(), k_rstd=l2norm["k_rstd"].contiguous(),
-                         dq_out=torch.empty_like(args["q"]), dk_out=torch.empty_like(args["k"]))
-    kernel[grid](
-        **args, **extra, db_part=db_part, NT_ROWS=B * T * HV, NT_ALL=NT_ALL,
+    intra_bwd_wide_kernel[(NK, NT, B * HV)](
+        **args, db_part=db_part, NT_ROWS=B * T * HV, NT_ALL=NT_ALL,
         g_raw=g_raw, A_log=A_log, dt_bias=dt_bias, dA_part=dA_part, dbias_part=dbias_part,
         lower_bound=0.0 if lower_bound is None else float(lower_bound), TAIL=tail, HAS_BIAS=dt_bias is not None,
         USE_LOWER_BOUND=lower_bound is not None)
@@ -861,8 +442,6 @@ def _launch(args: dict, db, design: str, tail: int = 0, gate: dict | None = None
         dA_log = dA_part.sum((0, 1)).view_as(A_log).to(A_log.dtype)
         if dt_bias is not None:
             ddt_bias = dbias_part.sum(0).view_as(dt_bias).to(dt_bias.dtype)
-    if l2norm is not None:
-        return extra["dq_out"], extra["dk_out"], db2, args["dg2"], dA_log, ddt_bias
     return args["dq2"], args["dk2"], db2, args["dg2"], dA_log, ddt_bias
 
 
@@ -880,14 +459,6 @@ def supports_tail(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seq
     return supports(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens, chunk_indices, safe_gate)
 
 
-def supports_l2(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens, chunk_indices, safe_gate,
-                g, A_log, dt_bias, lower_bound, q_rstd, k_rstd):
-    """None when ``intra_bwd_l2`` takes the B7-B10 unit, else why B10 runs on its own."""
-    if q.shape[2] != gc.shape[2]:
-        return f"GVA (H={q.shape[2]}, HV={gc.shape[2]}): dq and dk sum over value heads before B10"
-    return supports(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens, chunk_indices, safe_gate)
-
-
 def candidate(stage: str, design: str):
     """(implementation, supports) of ``design`` as the ``ours`` of ``stage`` ("B7" or the
     "B7-B9" unit), for a bench run that measures a design before it is registered
@@ -896,10 +467,7 @@ def candidate(stage: str, design: str):
 
     if design not in DESIGNS:
         raise ValueError(f"unknown B7 design {design!r}")
-    units = {"B7": (intra_bwd, supports), "B7-B9": (intra_bwd_tail, supports_tail),
-             "B7-B10": (intra_bwd_l2, supports_l2)}
-    if stage == "B7-B10":
-        _require_loop(design)
+    units = {"B7": (intra_bwd, supports), "B7-B9": (intra_bwd_tail, supports_tail)}
     if stage not in units:
         raise ValueError(f"intra_bwd has candidates for {sorted(units)}, not {stage!r}")
     fn, sup = units[stage]
