@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import DEVICE, needs_triton
+from conftest import needs_triton
 from kernel_fun.cconv import causal_conv1d, is_supported
 from kernel_fun.cconv import kernels as K
 from kernel_fun.cconv import op
@@ -119,14 +119,37 @@ CASES = [  # (B, T, D, W, bias, residual, h0, final, activation, seqlens)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c[0]}-T{c[1] or sum(c[9])}-D{c[2]}-W{c[3]}"
                          + ("-varlen" if c[9] else "") + ("-h0" if c[6] else "") + ("-bias" if c[4] else ""))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_kernels_match_the_float64_reference(case, dtype):
+@pytest.mark.parametrize("ahead", [False, True], ids=["serial", "ahead"])
+def test_kernels_match_the_float64_reference(case, dtype, ahead):
     """y, the final state and every gradient (dx, dweight, dbias, dh0) against the float64
     reference's autograd: T = 1, 3, 63, 500; D not a multiple of the strip; W = 1..4; bias
     on and off; residual; initial state; packed sequences, some shorter than W; a
-    final-state gradient (which reaches dh0 where a sequence is shorter than W)."""
+    final-state gradient (which reaches dh0 where a sequence is shorter than W). Both loop
+    forms: a token's loads, outputs and stores in turn, and eight tokens' loads ahead."""
     B, T, D, W, bias, residual, h0, final, act, seqlens = case
     kw = _inputs(B, T, D, W, dtype, bias, residual, h0, seqlens)
-    _check(kw, act, final, dtype, case)
+    with K.use_config(AHEAD=ahead):
+        _check(kw, act, final, dtype, case)
+
+
+@needs_triton
+@pytest.mark.parametrize("case", [CASES[1], CASES[3], CASES[4], CASES[7], CASES[9]],
+                         ids=["T3-h0", "T500-swish", "W3", "varlen", "empty-seqs"])
+def test_loads_ahead_is_the_serial_kernel_bit_for_bit(case):
+    """The loads-ahead form does each token's arithmetic as the serial form does, in the
+    same order: every output and gradient equal bit for bit, at segments that end inside
+    an iteration of eight tokens (TS=20) and at the pinned ones."""
+    B, T, D, W, bias, residual, h0, final, act, seqlens = case
+    kw = _inputs(B, T, D, W, torch.float32, bias, residual, h0, seqlens)
+    for TS in (20, K.DEFAULT_CONFIG["TS"]):
+        with K.use_config(TS=TS):
+            serial = _grads(_kernels, kw, act, final)
+        with K.use_config(TS=TS, AHEAD=True):
+            ahead = _grads(_kernels, kw, act, final)
+        assert serial.keys() == ahead.keys()
+        for n in serial:
+            assert (serial[n] is None) == (ahead[n] is None), n
+            assert serial[n] is None or torch.equal(serial[n], ahead[n]), (TS, n)
 
 
 @needs_triton
@@ -295,8 +318,9 @@ def test_patch_fla_routes_every_causal_conv1d_binding():
 
 
 @needs_triton
-@pytest.mark.parametrize("config", [dict(BD=32, G=3, TS=16, num_warps=1), dict(BD=64, G=16, TS=64, num_warps=2)],
-                         ids=["BD32-G3-TS16", "BD64-G16-TS64"])
+@pytest.mark.parametrize("config", [dict(BD=32, G=3, TS=16, num_warps=1), dict(BD=64, G=16, TS=64, num_warps=2),
+                                    dict(BD=32, TS=20, num_warps=1, AHEAD=True), dict(BD=128, TS=64, num_warps=4, AHEAD=True)],
+                         ids=["BD32-G3-TS16", "BD64-G16-TS64", "ahead-BD32-TS20", "ahead-BD128-TS64"])
 def test_other_builds_match_the_reference(config):
     """Other strips, segment lengths and unrolls (the bench's sweep), through use_config: a
     segment that ends mid-iteration, many segments a sequence (each with its halo), a
@@ -312,11 +336,12 @@ def test_other_builds_match_the_reference(config):
 
 
 @pytest.mark.skipif(__import__("triton").__version__ != "3.6.0", reason="figures recorded with Triton 3.6.0's ptxas")
-@pytest.mark.parametrize("design", ["cconv-fwd", "cconv-bwd"])
+@pytest.mark.parametrize("design", ["cconv-fwd", "cconv-bwd", "cconv-fwd-ahead", "cconv-bwd-ahead"])
 def test_pinned_config_compiles_without_spills(design):
-    """Both kernels at the pin as ptxas assembles them for sm_90a (D=2048, bf16, W=4,
-    SiLU, x dense as a launch specializes it), in a process without the interpreter: no
-    spills (the forward 48 registers, the backward 100)."""
+    """Both kernels at the pin, in both loop forms, as ptxas assembles them for sm_90a
+    (D=2048, bf16, W=4, SiLU, x dense as a launch specializes it), in a process without the
+    interpreter: no spills (serial: the forward 48 registers, the backward 88; loads ahead:
+    60 and 128)."""
     import json
     import os
     import subprocess

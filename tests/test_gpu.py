@@ -485,15 +485,19 @@ CONV_CASES = {  # name: (B, T, D, W, dtype, bias, residual, h0, seqlens)
 }
 
 
+@pytest.mark.parametrize("ahead", [False, True], ids=["serial", "ahead"])
 @pytest.mark.parametrize("name", list(CONV_CASES))
-def test_causal_conv1d_matches_fla(name):
+def test_causal_conv1d_matches_fla(name, ahead):
     """kernel-fun's causal_conv1d on CUDA against fla's on the same inputs: y, the final
     state and every gradient (dx, dweight, dbias, dh0; the loss through y, as a layer's)
-    within the parity bars (y 1e-3 in bf16/fp16, 1e-5 in fp32; dx and dh0 the same, but one
-    bf16 ulp, 4e-3, in bf16: both round an fp32 sum of W products, added in different
-    orders, and differ by one ulp in many elements, 1.4e-3 measured at d2048; dweight and
+    within the parity bars (y 1e-3 in bf16/fp16, 1e-5 in fp32; dx and dh0 the same, but
+    2e-3 in bf16: fla's backward takes SiLU's derivative at the pre-activation rounded to
+    x's dtype, ours at the fp32 value, which moves them 1.4e-3 at d2048 and puts ours the
+    closer to float64; dweight and
     dbias 2e-3), and against the float64 reference no worse than fla's own error by more
-    than 10%; the launch witness says our kernels ran."""
+    than 10%; the launch witness says our kernels ran. Both loop forms (``ahead``: eight
+    tokens' loads issued together, the bench's candidate), the loads-ahead form within 1e-6
+    of the serial one (the same arithmetic a token, in the same order)."""
     import sys
 
     sys.path.insert(0, __import__("os").path.dirname(__file__))
@@ -507,16 +511,23 @@ def test_causal_conv1d_matches_fla(name):
     kw = {n: (t.cuda() if isinstance(t, torch.Tensor) else t)
           for n, t in _inputs(B, T, D, W, dtype, bias, residual, h0, seqlens).items()}
     act = "swish" if "swish" in name else "silu"
-    ours = _grads(causal_conv1d, kw, act, False)
-    assert last_route() == "kernels"
+    from kernel_fun.cconv import kernels as K
+
+    with K.use_config(AHEAD=ahead):
+        ours = _grads(causal_conv1d, kw, act, False)
+        assert last_route() == "kernels"
+    if ahead:
+        serial = _grads(causal_conv1d, kw, act, False)
+        gap = {n: rel_rms(ours[n], serial[n]) for n in ours if ours[n] is not None}
+        assert all(e <= 1e-6 for e in gap.values()), gap
     theirs = _grads(fla_causal_conv1d(), kw, act, False)
     y_fs = causal_conv1d(**kw, activation=act, output_final_state=True)[1]
     fla_fs = fla_causal_conv1d()(**kw, activation=act, output_final_state=True)[1]
     assert torch.equal(y_fs, fla_fs)  # the final state is a copy of rows
     want = _grads(_oracle(**kw), kw, act, False)
     tight = 1e-5 if dtype == torch.float32 else 1e-3
-    ulp = 4e-3 if dtype == torch.bfloat16 else tight
-    bars = dict(y=tight, dx=ulp, dw=2e-3, db=2e-3, dh0=ulp)
+    rounded_z = 2e-3 if dtype == torch.bfloat16 else tight
+    bars = dict(y=tight, dx=rounded_z, dw=2e-3, db=2e-3, dh0=rounded_z)
     names = [n for n in ("y", "dx", "dw", "db", "dh0") if want.get(n) is not None]
     vs_fla = {n: rel_rms(ours[n], theirs[n]) for n in names}
     ours_x = {n: rel_rms(ours[n], want[n]) for n in names}

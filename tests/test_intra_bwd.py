@@ -191,6 +191,22 @@ def test_guard_takes_each_path_where_it_should():
     assert all(torch.equal(a, b) for a, b in zip(intra_bwd.intra_bwd(**saturated, design="wide-chunk"), anchored))
 
 
+def test_the_half_chunk_anchors_take_the_chunks_they_should():
+    """wide-halves: where the whole chunk's anchor passes the guard, wide-chunk's result bit
+    for bit; where it does not but each 32-row half's does (a log-decay of 3 a token: 96
+    through the chunk's middle, 48 through each half's), its own path (not the per-block
+    form's bits), and both exact against the float64 stage."""
+    inputs = stage_inputs(SHAPES[0])
+    gc = inputs["gc"]
+    t = (torch.arange(gc.shape[1], device=gc.device) % 64 + 1).to(gc.dtype)[None, :, None, None]
+    weak = dict(inputs, gc=(-0.01 * t).expand_as(gc).contiguous())
+    steep = dict(inputs, gc=(-3.0 * t).expand_as(gc).contiguous())
+    run = lambda x, d: intra_bwd.intra_bwd(**x, design=d)  # noqa: E731
+    assert all(torch.equal(a, b) for a, b in zip(run(weak, "wide-halves"), run(weak, "wide-chunk")))
+    check(steep, designs=("wide-chunk", "wide-halves"))
+    assert not all(torch.equal(a, b) for a, b in zip(run(steep, "wide-halves"), run(steep, "wide-chunk")))
+
+
 # --------------------------------------------------------------------------------------
 # The tail in the same pass: B8 (reverse chunk cumsum of dg) and B9 (the gate's backward)
 # --------------------------------------------------------------------------------------

@@ -149,7 +149,8 @@ def b7_report(K: int, H: int, HV: int, BK: int, num_warps: int, num_stages: int,
     if tail == 2:
         types.update(gate, dg2=_PTR[dtype])
     constexprs = dict(cu_seqlens=None, chunk_indices=None, H=H, HV=HV, K=K, BT=64, BC=intra_bwd.BC, BK=BK,
-                      IS_VARLEN=False, PAIRWISE=design == "wide-pairwise", CHUNK_ANCHOR=design == "wide-chunk",
+                      IS_VARLEN=False, PAIRWISE=design == "wide-pairwise", CHUNK_ANCHOR=design in ("wide-chunk", "wide-halves"),
+                      HALVES=design == "wide-halves",
                       TAIL=tail, HAS_BIAS=tail == 2, USE_LOWER_BOUND=False,
                       **({} if tail == 2 else dict.fromkeys(gate)))
     return compile_sm90(intra_bwd.intra_bwd_wide_kernel, types, constexprs, num_warps, num_stages, maxnreg)
@@ -173,16 +174,17 @@ def prep_report(K: int, V: int, H: int, HV: int, BKS: int, BV: int, num_warps: i
     return compile_sm90(prep_fwd.prep_fwd_kernel, types, constexprs, num_warps, num_stages)
 
 
-def cconv_report(D: int, BD: int, num_warps: int, G: int, TS: int = 256, backward: bool = False) -> dict:
+def cconv_report(D: int, BD: int, num_warps: int, G: int, TS: int = 256, backward: bool = False,
+                 ahead: bool = False) -> dict:
     """The short convolution's forward or backward kernel (cconv/kernels.py): bf16 x, fp32
-    weight, W=4, SiLU, no bias, dense sequences."""
+    weight, W=4, SiLU, no bias, dense sequences; the serial loop form or the loads-ahead one."""
     from kernel_fun.cconv import kernels as K
 
     # x dense: channel stride 1 (a constant of the kernel), the others multiples of 16, as a launch specializes them
     types = dict(x="*bf16", w="*fp32", residual="*bf16", y="*bf16", dy="*bf16", dx="*bf16", dw_part="*fp32",
                  T="i32", stride_b="i32", stride_t="i32")
-    constexprs = dict(D=D, W=4, BD=BD, TS=TS, G=G, SILU=True, HAS_BIAS=False, HAS_H0=False, IS_VARLEN=False,
-                      seg_index=None, cu_seqlens=None, bias=None, h0=None, stride_d=1)
+    constexprs = dict(D=D, W=4, BD=BD, TS=TS, G=G, AHEAD=ahead, SILU=True, HAS_BIAS=False, HAS_H0=False,
+                      IS_VARLEN=False, seg_index=None, cu_seqlens=None, bias=None, h0=None, stride_d=1)
     if backward:
         constexprs.update(HAS_DHT=False, dht=None, db_part=None, dh0=None)
         return compile_sm90(K.causal_conv1d_bwd_kernel, types, constexprs, num_warps, 1, divisible=_STRIDES)
@@ -201,7 +203,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--design", default="fullk",
                         help="fullk (B6), one of B7's designs (--BV its K slice), prep or prep-fused (F3-F6; --BV its "
-                             "V tile, --bks its K slice), cconv-fwd or cconv-bwd (--BV the channel strip, --bks "
+                             "V tile, --bks its K slice), cconv-fwd or cconv-bwd, -ahead for the loads-ahead form (--BV the channel strip, --bks "
                              "the unroll, --V the channels: 2048 by default)")
     parser.add_argument("--bks", type=int, default=64, help="the prep kernel's K slice")
     parser.add_argument("--K", type=int, default=128)
@@ -224,9 +226,9 @@ def main(argv=None):
                        BV=BV,
                        **({"switches": json.loads(args.extra)} if args.extra != "{}" else {}))
             try:
-                if design in ("cconv-fwd", "cconv-bwd"):  # --BV its channel strip, --bks its unroll G
+                if design.startswith("cconv-"):  # --BV its channel strip, --bks its unroll G
                     row.update(cconv_report(args.V if args.V != 256 else 2048, BV, warps, args.bks,
-                                            backward=design == "cconv-bwd"))
+                                            backward=design.startswith("cconv-bwd"), ahead=design.endswith("-ahead")))
                 elif design in ("prep", "prep-fused"):
                     row.update(prep_report(args.K, args.V, args.H, args.HV, args.bks, BV, warps, stages,
                                            fused=design == "prep-fused"))

@@ -6,7 +6,7 @@ Shapes (bf16 x, fp32 weight, W=4, SiLU, no bias: a KimiDeltaAttention layer's q/
 convolutions): d2048 and d4096 are B16 T8192; packed2048 is the same tokens as one packed
 batch of documents (lengths drawn once, seeded, 1 to 16,384 tokens). Parity first: y and
 every gradient against fla's on the same inputs (bf16: y within 1e-3 relative RMS, dx
-within one bf16 ulp, 4e-3, dweight 2e-3) and y, dx and dweight against the float64
+and dweight 2e-3: fla takes SiLU's derivative at the pre-activation rounded to bf16) and y, dx and dweight against the float64
 reference on the whole batch (no more than 10% worse than fla's own error); the launch witness
 (``kernel_fun.cconv.last_route``). Then the median of CUDA-event timings, fla and every
 config interleaved round by round. Rows go to ``bench/results/cconv.jsonl``.
@@ -22,15 +22,20 @@ import torch
 
 SHAPES = {"d2048": dict(B=16, T=8192, D=2048), "d4096": dict(B=16, T=8192, D=4096),
           "packed2048": dict(B=16, T=8192, D=2048, packed=True), "small": dict(B=2, T=1000, D=512)}
-# The builds worth timing (sm_90a offline, D=2048: none spills; at BD=256 / 2 warps the
-# forward 48 registers and the backward 100, at BD=512 / 2 warps 79 and 178).
-SWEEP = [dict(BD=256, num_warps=2, G=8), dict(BD=256, num_warps=4, G=8), dict(BD=256, num_warps=4, G=16),
-         dict(BD=512, num_warps=4, G=8), dict(BD=128, num_warps=1, G=16), dict(BD=256, num_warps=2, G=8, TS=1024)]
-# bf16 y within 1e-3 of fla's; dx, the bf16 rounding of an fp32 sum of W products that the
-# two implementations add in different orders, within one bf16 ulp (2^-8): they differ by
-# one ulp in many elements (measured 1.4e-3 at d2048). The float64 check holds each output
-# to fla's own error.
-BARS = dict(y=1e-3, dx=4e-3, dw=2e-3, db=2e-3)
+# The builds worth timing (sm_90a offline, D=2048: none spills). The serial form (a token's
+# load, output and store in turn: at BD=256 / 2 warps the forward 48 registers, the
+# backward 88) at its pin, and the loads-ahead form (AHEAD: eight tokens' loads issued
+# before their outputs; 60 and 128 registers at the same build) at four strips and warps
+# and a longer segment.
+SWEEP = [dict(BD=256, num_warps=2, G=8), dict(BD=256, num_warps=2, AHEAD=True), dict(BD=256, num_warps=4, AHEAD=True),
+         dict(BD=512, num_warps=4, AHEAD=True), dict(BD=128, num_warps=1, AHEAD=True),
+         dict(BD=256, num_warps=2, TS=1024, AHEAD=True)]
+# bf16 y within 1e-3 of fla's; dx within 2e-3: fla's backward recomputes the
+# pre-activation in x's dtype and takes SiLU's derivative of the rounded value, ours keeps
+# it in fp32, which moves dx by 1.4e-3 relative RMS (measured at d2048; the same with the
+# fp32 reference and z rounded to bf16 on the CPU) and puts ours the closer to float64.
+# The float64 check holds each output to fla's own error.
+BARS = dict(y=1e-3, dx=2e-3, dw=2e-3, db=2e-3)
 
 
 def floors_bytes(B, T, D, dtype_bytes=2) -> dict:
@@ -112,7 +117,8 @@ def main(argv=None) -> int:
         y64.backward(dy.double())
         exact = (y64.detach(), x64.grad, w64.grad)
         del x64, w64, y64
-        vs_exact = lambda got: {n: rel_rms(got[i], exact[i]) for i, n in enumerate(("y", "dx", "dw"))}  # noqa: E731
+        vs_exact = lambda got, exact=exact: {n: rel_rms(got[i], exact[i])  # noqa: E731
+                                             for i, n in enumerate(("y", "dx", "dw"))}
         fla_err = vs_exact(theirs)
         impls = {"fla": (fla, None)}
         checks = {"fla": {"ok": True, "vs_exact": fla_err}}
@@ -128,7 +134,7 @@ def main(argv=None) -> int:
             checks[label] = {"ok": ok, "vs_fla": errs, "vs_exact": our_err, "route": route}
             impls[label] = (fn, cfg)
             del got
-        del exact
+        del exact, vs_exact
         times = {(label, phase): [] for label in impls for phase in ("fwd", "fwd+bwd")}
         for label, (fn, _) in impls.items():  # warm-up
             if checks[label]["ok"]:
@@ -138,8 +144,8 @@ def main(argv=None) -> int:
                 if not checks[label]["ok"]:
                     continue
                 with torch.no_grad():
-                    times[(label, "fwd")] += cuda_times(lambda fn=fn: fn(**kw), args.reps)
-                times[(label, "fwd+bwd")] += cuda_times(lambda fn=fn: _run(fn, kw, dy, True), args.reps)
+                    times[(label, "fwd")] += cuda_times(lambda fn=fn, kw=kw: fn(**kw), args.reps)
+                times[(label, "fwd+bwd")] += cuda_times(lambda fn=fn, kw=kw, dy=dy: _run(fn, kw, dy, True), args.reps)
         for label, (_, cfg) in impls.items():
             for phase in ("fwd", "fwd+bwd"):
                 s = summary(times[(label, phase)]) if times[(label, phase)] else None

@@ -24,8 +24,10 @@ from kernel_fun.bench.stage import StageBench, main as _stage_main, qk_and_gate
 # hand-split dots two more builds of the whole-chunk anchor spill nothing (sm_90a, K=128):
 # 16-channel slices at 4 warps (243 registers, twice the programs) and 32 at 8 warps (242).
 _B = dict(BK=32, num_warps=4, num_stages=1)
-SWEEP = {"wide-chunk": [_B, dict(BK=16, num_warps=4, num_stages=1), dict(BK=32, num_warps=8, num_stages=1)],
-         "wide": [_B], "wide-pairwise": [_B]}
+# wide-halves (the half-chunk tier between the two) spills 144 B at the default and nothing
+# at 16-channel slices or 8 warps.
+_B16, _B8W = dict(BK=16, num_warps=4, num_stages=1), dict(BK=32, num_warps=8, num_stages=1)
+SWEEP = {"wide-chunk": [_B, _B16, _B8W], "wide-halves": [_B, _B16, _B8W], "wide": [_B], "wide-pairwise": [_B]}
 
 
 def b7_bytes(p) -> int:

@@ -1,31 +1,44 @@
-"""The short causal convolution's forward and backward, each one pass over the tokens.
+"""The short convolution's forward and backward, each one pass over the tokens.
 
-Replaces fla's ``causal_conv1d`` Triton kernels (0.5.2: at B16 T8192 W4 SiLU bf16 on the
-H200, D=2048 fwd 0.388 ms, fwd+bwd 2.34 ms, against floors of 0.25 and 0.63 ms). fla's
-forward loads each [64, BD] tile of x W times, once per tap, shifted by a row; its backward
-first re-runs the forward to get the pre-activation (a full read of x and write of it),
-then loads dy and that pre-activation W times each and evaluates the SiLU derivative W
-times an element.
+Replaces fla's ``causal_conv1d`` Triton kernels (0.5.2). fla's forward loads each [64, BD]
+tile of x W times, once per tap, shifted by a row; its backward first re-runs the forward
+to get the pre-activation (a full read of x and write of it), then loads dy and that
+pre-activation W times each and evaluates the SiLU derivative W times an element.
 
 Design: a program owns a strip of BD channels over a segment of TS tokens of one sequence
-and walks the segment one token at a time (G tokens an iteration, unrolled, for loads in
-flight). Each thread holds its channels' last three rows of x as registers that shift by
-assignment, so a token costs one load of x, W multiply-adds, one activation and one store;
-the taps are padded to four (W < 4 weights the missing taps zero). The backward walks the
-same way: z (the pre-activation) is recomputed from the x it holds, g = dy * act'(z) once
-a token, and dx[t] = sum_k w_k g[t + k] is emitted three tokens late from the last four g
-in registers. It accumulates its strip's dw and db over its own tokens (the halo's three
-extra tokens at the segment's end feed only dx) and writes them as one partial per
-program, summed in a fixed order afterwards (no atomics). The first segment of a sequence
-also forms dh0 (the first W-1 tokens' g against the taps that read the initial state); the
-final state's gradient lands on the last W tokens' dx, and on dh0 where the sequence is
-shorter than W.
+and walks the segment token by token. Each thread holds its channels' last three rows of x
+as registers that shift by assignment, so a token costs one load of x, W multiply-adds, one
+activation and one store; the taps are padded to four (W < 4 weights the missing taps
+zero). The backward walks the same way: z (the pre-activation) is recomputed from the x it
+holds, g = dy * act'(z) once a token, and dx[t] = sum_k w_k g[t + k] is emitted three
+tokens late from the last four g in registers. It accumulates its strip's dw and db over
+its own tokens (the halo's three extra tokens at the segment's end feed only dx) and writes
+them as one partial per program, summed in a fixed order afterwards (no atomics). The first
+segment of a sequence also forms dh0 (the first W-1 tokens' g against the taps that read
+the initial state); the final state's gradient lands on the last W tokens' dx, and on dh0
+where the sequence is shorter than W.
+
+Two loop forms, the same arithmetic a token in the same order. Serial (the pin): G tokens
+an iteration, each token's load, output and store in turn. The compiler cannot tell that x
+and y (dy and dx) do not overlap, so no load is issued before the previous token's store:
+one load in flight a thread, a memory latency a token (sm_90a listing: LDG, STG, LDG, ...).
+Loads ahead (``AHEAD``, the bench's candidate): eight tokens' x (and dy) loads issued
+together at the top of each iteration, then their outputs and stores (sm_90a: eight LDG.64
+a thread, sixteen in the backward, before the first STG). Interpreter-exact bit for bit
+against the serial form; not yet measured on the H200.
 
 Numerics: fp32 inside, the output rounded once to its dtype (bf16: round to nearest even);
-sigmoid as 1 / (1 + exp2(-z log2 e)) with a fast reciprocal (a few ulp of fp32).
+sigmoid as 1 / (1 + exp2(-z log2 e)) with a fast reciprocal (a few ulp of fp32). Against
+the float64 reference at d2048 (H200): y 1.67e-3 relative RMS (fla's the same), dx 2.73e-3
+(fla's 2.80e-3), dweight 1.67e-3 (fla's 1.76e-3).
 
 Packed sequences: segments never cross a sequence's end (a segment list of (sequence,
 first token) pairs); fla's ``chunk_indices`` (64-token chunks) serve as the list directly.
+
+Measured (H200, B16 T8192 W4 SiLU bf16, bench/results/cconv.jsonl at bb25b91), serial
+form at the pin: D=2048 forward 0.496 ms against fla's 0.588 (floor 0.25), fwd+bwd 1.727
+against 2.768 (floor 0.63); D=4096 0.865 against 1.002 (floor 0.51), fwd+bwd 2.830 against
+5.002 (floor 1.26). At 2x and 2.7x their floors: the latency a token above.
 """
 
 from __future__ import annotations
@@ -105,11 +118,50 @@ def _strip(x, w, h0, seg_index, cu_seqlens, T, stride_b, stride_t, stride_d: tl.
 
 
 @triton.jit
+def _ld8(ptr, t0, lim, stride_t, o_d, stride_d: tl.constexpr, m_d):
+    """Rows t0 .. t0 + 7 of one strip (fp32, 0 at rows >= lim), all eight loads issued
+    before anything that depends on them: a store between two loads would keep the second
+    from being issued early (the compiler cannot tell that the tensors do not overlap)."""
+    base = ptr + t0.to(tl.int64) * stride_t + o_d * stride_d
+    r0 = tl.load(base, mask=m_d & (t0 < lim), other=0).to(tl.float32)
+    r1 = tl.load(base + stride_t, mask=m_d & (t0 + 1 < lim), other=0).to(tl.float32)
+    r2 = tl.load(base + 2 * stride_t, mask=m_d & (t0 + 2 < lim), other=0).to(tl.float32)
+    r3 = tl.load(base + 3 * stride_t, mask=m_d & (t0 + 3 < lim), other=0).to(tl.float32)
+    r4 = tl.load(base + 4 * stride_t, mask=m_d & (t0 + 4 < lim), other=0).to(tl.float32)
+    r5 = tl.load(base + 5 * stride_t, mask=m_d & (t0 + 5 < lim), other=0).to(tl.float32)
+    r6 = tl.load(base + 6 * stride_t, mask=m_d & (t0 + 6 < lim), other=0).to(tl.float32)
+    r7 = tl.load(base + 7 * stride_t, mask=m_d & (t0 + 7 < lim), other=0).to(tl.float32)
+    return r0, r1, r2, r3, r4, r5, r6, r7
+
+
+@triton.jit
+def _z(x0, xm1, xm2, xm3, w0, w1, w2, w3, b, HAS_BIAS: tl.constexpr):
+    """The pre-activation of one token from its row and the three before it."""
+    z = w0 * x0 + w1 * xm1 + w2 * xm2 + w3 * xm3
+    if HAS_BIAS:
+        z += b
+    return z
+
+
+@triton.jit
+def _fwd_token(t, s1, x0, xm1, xm2, xm3, w0, w1, w2, w3, b, y, residual, o_d, m_d, D: tl.constexpr,
+               SILU: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    z = _z(x0, xm1, xm2, xm3, w0, w1, w2, w3, b, HAS_BIAS)
+    if SILU:
+        z = z * _sigmoid(z)
+    p = t.to(tl.int64) * D + o_d
+    live = m_d & (t < s1)
+    if HAS_RESIDUAL:
+        z += tl.load(residual + p, mask=live, other=0).to(tl.float32)
+    tl.store(y + p, to(z, y.dtype.element_ty), mask=live)
+
+
+@triton.jit
 def causal_conv1d_fwd_kernel(
     x, w, bias, residual, h0, y, seg_index, cu_seqlens, T, stride_b, stride_t, stride_d: tl.constexpr,
     D: tl.constexpr, W: tl.constexpr, BD: tl.constexpr, TS: tl.constexpr, G: tl.constexpr,
     SILU: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_H0: tl.constexpr,
-    IS_VARLEN: tl.constexpr,
+    IS_VARLEN: tl.constexpr, AHEAD: tl.constexpr = False,
 ):
     """y = act(sum_k w_k x[t - k] + bias) + residual on one (strip, segment): x strided
     ([B, T, D] by stride_b, stride_t, stride_d; packed: B = 1), y and residual dense. The
@@ -122,23 +174,89 @@ def causal_conv1d_fwd_kernel(
         residual += bos * D
     if HAS_BIAS:
         b = tl.load(bias + o_d, mask=m_d, other=0).to(tl.float32)
-    for t0 in range(s0, s1, G):
-        for u in tl.static_range(G):
-            t = t0 + u
-            live = t < s1
-            x0 = tl.load(x + t.to(tl.int64) * stride_t + o_d * stride_d, mask=m_d & live, other=0).to(tl.float32)
-            z = w0 * x0 + w1 * xm1 + w2 * xm2 + w3 * xm3
-            if HAS_BIAS:
-                z += b
-            if SILU:
-                z = z * _sigmoid(z)
-            p = t.to(tl.int64) * D + o_d
-            if HAS_RESIDUAL:
-                z += tl.load(residual + p, mask=m_d & live, other=0).to(tl.float32)
-            tl.store(y + p, to(z, y.dtype.element_ty), mask=m_d & live)
-            xm3 = xm2
-            xm2 = xm1
-            xm1 = x0
+    if AHEAD:  # eight tokens' loads issued together, then their outputs
+        bb = w0
+        if HAS_BIAS:
+            bb = b
+        for t8 in range(s0, s1, 8):
+            t0 = tl.cast(t8, tl.int32)  # a tensor in the interpreter too
+            x0, x1, x2, x3, x4, x5, x6, x7 = _ld8(x, t0, s1, stride_t, o_d, stride_d, m_d)
+            _fwd_token(t0, s1, x0, xm1, xm2, xm3, w0, w1, w2, w3, bb, y, residual, o_d, m_d, D, SILU, HAS_BIAS, HAS_RESIDUAL)
+            _fwd_token(t0 + 1, s1, x1, x0, xm1, xm2, w0, w1, w2, w3, bb, y, residual, o_d, m_d, D, SILU, HAS_BIAS,
+                       HAS_RESIDUAL)
+            _fwd_token(t0 + 2, s1, x2, x1, x0, xm1, w0, w1, w2, w3, bb, y, residual, o_d, m_d, D, SILU, HAS_BIAS,
+                       HAS_RESIDUAL)
+            _fwd_token(t0 + 3, s1, x3, x2, x1, x0, w0, w1, w2, w3, bb, y, residual, o_d, m_d, D, SILU, HAS_BIAS, HAS_RESIDUAL)
+            _fwd_token(t0 + 4, s1, x4, x3, x2, x1, w0, w1, w2, w3, bb, y, residual, o_d, m_d, D, SILU, HAS_BIAS, HAS_RESIDUAL)
+            _fwd_token(t0 + 5, s1, x5, x4, x3, x2, w0, w1, w2, w3, bb, y, residual, o_d, m_d, D, SILU, HAS_BIAS, HAS_RESIDUAL)
+            _fwd_token(t0 + 6, s1, x6, x5, x4, x3, w0, w1, w2, w3, bb, y, residual, o_d, m_d, D, SILU, HAS_BIAS, HAS_RESIDUAL)
+            _fwd_token(t0 + 7, s1, x7, x6, x5, x4, w0, w1, w2, w3, bb, y, residual, o_d, m_d, D, SILU, HAS_BIAS, HAS_RESIDUAL)
+            xm3 = x5
+            xm2 = x6
+            xm1 = x7
+    else:
+        for t0 in range(s0, s1, G):
+            for u in tl.static_range(G):
+                t = t0 + u
+                live = t < s1
+                x0 = tl.load(x + t.to(tl.int64) * stride_t + o_d * stride_d, mask=m_d & live, other=0).to(tl.float32)
+                z = w0 * x0 + w1 * xm1 + w2 * xm2 + w3 * xm3
+                if HAS_BIAS:
+                    z += b
+                if SILU:
+                    z = z * _sigmoid(z)
+                p = t.to(tl.int64) * D + o_d
+                if HAS_RESIDUAL:
+                    z += tl.load(residual + p, mask=m_d & live, other=0).to(tl.float32)
+                tl.store(y + p, to(z, y.dtype.element_ty), mask=m_d & live)
+                xm3 = xm2
+                xm2 = xm1
+                xm1 = x0
+
+
+@triton.jit
+def _bwd_g(x0, xm1, xm2, xm3, dy0, w0, w1, w2, w3, b, SILU: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """g = dy * act'(z) of one token (dy itself without the activation)."""
+    g = dy0
+    if SILU:
+        z = _z(x0, xm1, xm2, xm3, w0, w1, w2, w3, b, HAS_BIAS)
+        s = _sigmoid(z)
+        g = g * (s * (1.0 + z * (1.0 - s)))
+    return g
+
+
+@triton.jit
+def _bwd_token(t, s0, s1, T_seq, n, first, g, gm1, gm2, gm3, x0, xm1, xm2, xm3, w0, w1, w2, w3,
+               dw0, dw1, dw2, dw3, db, dh1, dh2, dh3, dht, dx, o_d, m_d, D: tl.constexpr, W: tl.constexpr,
+               HAS_H0: tl.constexpr, HAS_DHT: tl.constexpr):
+    """Token t's share of the strip's dw, db and dh0, and dx of token t - 3 (the last four
+    g in hand); (g is 0 past the sequence: dy's load; a token past s1 + 2 feeds only masked
+    rows)."""
+    go = tl.where(t < s1, g, 0.0)
+    dw0 += go * x0
+    dw1 += go * xm1
+    dw2 += go * xm2
+    dw3 += go * xm3
+    db += go
+    if HAS_H0:
+        # token t < W - 1 of the sequence reads slot c (x[c - W]) through tap t - c + W
+        ft = first & (t < W - 1)
+        if W > 1:
+            dh1 += tl.where(ft & (t < 1), g * tl.where(t == 0, w3 if W == 4 else (w2 if W == 3 else w1), 0.0), 0.0)
+        if W > 2:
+            dh2 += tl.where(ft & (t < 2), g * tl.where(t == 0, w2 if W == 4 else w1, tl.where(t == 1, w3 if W == 4 else w2, 0.0)), 0.0)
+        if W > 3:
+            dh3 += tl.where(ft & (t < 3), g * tl.where(t == 0, w1, tl.where(t == 1, w2, w3)), 0.0)
+    # dx for token r = t - 3: sum_k w_k g[r + k]
+    r = t - 3
+    acc = w0 * gm3 + w1 * gm2 + w2 * gm1 + w3 * g
+    if HAS_DHT:
+        # the final state's slot c = r - T + W holds x[r]
+        c = r - T_seq + W
+        acc += tl.load(dht + n.to(tl.int64) * (D * W) + o_d * W + c, mask=m_d & (c >= 0) & (c < W) & (r >= 0),
+                       other=0).to(tl.float32)
+    tl.store(dx + r.to(tl.int64) * D + o_d, to(acc, dx.dtype.element_ty), mask=m_d & (r >= s0) & (r < s1))
+    return dw0, dw1, dw2, dw3, db, dh1, dh2, dh3
 
 
 @triton.jit
@@ -146,7 +264,7 @@ def causal_conv1d_bwd_kernel(
     x, w, bias, h0, dy, dht, dx, dw_part, db_part, dh0, seg_index, cu_seqlens, T,
     stride_b, stride_t, stride_d: tl.constexpr, D: tl.constexpr, W: tl.constexpr, BD: tl.constexpr,
     TS: tl.constexpr, G: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_H0: tl.constexpr, HAS_DHT: tl.constexpr,
-    IS_VARLEN: tl.constexpr,
+    IS_VARLEN: tl.constexpr, AHEAD: tl.constexpr = False,
 ):
     """dx on one (strip, segment), its partials of dw ([P, D, W] at program P) and db
     ([P, D]), and, on a sequence's first segment, dh0 [N, D, W] (slot 0 is 0: the forward
@@ -164,51 +282,98 @@ def causal_conv1d_bwd_kernel(
     dh1, dh2, dh3 = zero, zero, zero  # the initial state's slots 1..3 (of W)
     first = s0 == 0
     # tokens s0 .. s1 + 2: g for every one, dx for t - 3 once t - 3 >= s0
-    for t0 in range(s0, s1 + 3, G):
-        for u in tl.static_range(G):
-            t = t0 + u
-            live = t < T_seq
-            own = t < s1
-            x0 = tl.load(x + t.to(tl.int64) * stride_t + o_d * stride_d, mask=m_d & live, other=0).to(tl.float32)
-            p = t.to(tl.int64) * D + o_d
-            g = tl.load(dy + p, mask=m_d & live, other=0).to(tl.float32)
-            if SILU:
-                z = w0 * x0 + w1 * xm1 + w2 * xm2 + w3 * xm3
-                if HAS_BIAS:
-                    z += b
-                s = _sigmoid(z)
-                g = g * (s * (1.0 + z * (1.0 - s)))
-            # (g is 0 past the sequence: dy's load; a token past s1 + 2 feeds only masked rows)
-            go = tl.where(own, g, 0.0)
-            dw0 += go * x0
-            dw1 += go * xm1
-            dw2 += go * xm2
-            dw3 += go * xm3
-            db += go
-            if HAS_H0:
-                # token t < W - 1 of the sequence reads slot c (x[c - W]) through tap t - c + W
-                ft = first & (t < W - 1)
-                if W > 1:
-                    dh1 += tl.where(ft & (t < 1), g * tl.where(t == 0, w3 if W == 4 else (w2 if W == 3 else w1), 0.0), 0.0)
-                if W > 2:
-                    dh2 += tl.where(ft & (t < 2), g * tl.where(t == 0, w2 if W == 4 else w1, tl.where(t == 1, w3 if W == 4 else w2, 0.0)), 0.0)
-                if W > 3:
-                    dh3 += tl.where(ft & (t < 3), g * tl.where(t == 0, w1, tl.where(t == 1, w2, w3)), 0.0)
-            # dx for token r = t - 3: sum_k w_k g[r + k]
-            r = t - 3
-            acc = w0 * gm3 + w1 * gm2 + w2 * gm1 + w3 * g
-            if HAS_DHT:
-                # the final state's slot c = r - T + W holds x[r]
-                c = r - T_seq + W
-                acc += tl.load(dht + n.to(tl.int64) * (D * W) + o_d * W + c, mask=m_d & (c >= 0) & (c < W) & (r >= 0),
-                               other=0).to(tl.float32)
-            tl.store(dx + r.to(tl.int64) * D + o_d, to(acc, dx.dtype.element_ty), mask=m_d & (r >= s0) & (r < s1))
-            gm3 = gm2
-            gm2 = gm1
-            gm1 = g
-            xm3 = xm2
-            xm2 = xm1
-            xm1 = x0
+    if AHEAD:  # eight tokens' x and dy loads issued together, then their dx
+        bb = w0
+        if HAS_BIAS:
+            bb = b
+        for t8 in range(s0, s1 + 3, 8):
+            t0 = tl.cast(t8, tl.int32)  # a tensor in the interpreter too
+            x0, x1, x2, x3, x4, x5, x6, x7 = _ld8(x, t0, T_seq, stride_t, o_d, stride_d, m_d)
+            e0, e1, e2, e3, e4, e5, e6, e7 = _ld8(dy, t0, T_seq, D, o_d, 1, m_d)
+            g0 = _bwd_g(x0, xm1, xm2, xm3, e0, w0, w1, w2, w3, bb, SILU, HAS_BIAS)
+            g1 = _bwd_g(x1, x0, xm1, xm2, e1, w0, w1, w2, w3, bb, SILU, HAS_BIAS)
+            g2 = _bwd_g(x2, x1, x0, xm1, e2, w0, w1, w2, w3, bb, SILU, HAS_BIAS)
+            g3 = _bwd_g(x3, x2, x1, x0, e3, w0, w1, w2, w3, bb, SILU, HAS_BIAS)
+            g4 = _bwd_g(x4, x3, x2, x1, e4, w0, w1, w2, w3, bb, SILU, HAS_BIAS)
+            g5 = _bwd_g(x5, x4, x3, x2, e5, w0, w1, w2, w3, bb, SILU, HAS_BIAS)
+            g6 = _bwd_g(x6, x5, x4, x3, e6, w0, w1, w2, w3, bb, SILU, HAS_BIAS)
+            g7 = _bwd_g(x7, x6, x5, x4, e7, w0, w1, w2, w3, bb, SILU, HAS_BIAS)
+            dw0, dw1, dw2, dw3, db, dh1, dh2, dh3 = _bwd_token(
+                t0, s0, s1, T_seq, n, first, g0, gm1, gm2, gm3, x0, xm1, xm2, xm3, w0, w1, w2, w3,
+                dw0, dw1, dw2, dw3, db, dh1, dh2, dh3, dht, dx, o_d, m_d, D, W, HAS_H0, HAS_DHT)
+            dw0, dw1, dw2, dw3, db, dh1, dh2, dh3 = _bwd_token(
+                t0 + 1, s0, s1, T_seq, n, first, g1, g0, gm1, gm2, x1, x0, xm1, xm2, w0, w1, w2, w3,
+                dw0, dw1, dw2, dw3, db, dh1, dh2, dh3, dht, dx, o_d, m_d, D, W, HAS_H0, HAS_DHT)
+            dw0, dw1, dw2, dw3, db, dh1, dh2, dh3 = _bwd_token(
+                t0 + 2, s0, s1, T_seq, n, first, g2, g1, g0, gm1, x2, x1, x0, xm1, w0, w1, w2, w3,
+                dw0, dw1, dw2, dw3, db, dh1, dh2, dh3, dht, dx, o_d, m_d, D, W, HAS_H0, HAS_DHT)
+            dw0, dw1, dw2, dw3, db, dh1, dh2, dh3 = _bwd_token(
+                t0 + 3, s0, s1, T_seq, n, first, g3, g2, g1, g0, x3, x2, x1, x0, w0, w1, w2, w3,
+                dw0, dw1, dw2, dw3, db, dh1, dh2, dh3, dht, dx, o_d, m_d, D, W, HAS_H0, HAS_DHT)
+            dw0, dw1, dw2, dw3, db, dh1, dh2, dh3 = _bwd_token(
+                t0 + 4, s0, s1, T_seq, n, first, g4, g3, g2, g1, x4, x3, x2, x1, w0, w1, w2, w3,
+                dw0, dw1, dw2, dw3, db, dh1, dh2, dh3, dht, dx, o_d, m_d, D, W, HAS_H0, HAS_DHT)
+            dw0, dw1, dw2, dw3, db, dh1, dh2, dh3 = _bwd_token(
+                t0 + 5, s0, s1, T_seq, n, first, g5, g4, g3, g2, x5, x4, x3, x2, w0, w1, w2, w3,
+                dw0, dw1, dw2, dw3, db, dh1, dh2, dh3, dht, dx, o_d, m_d, D, W, HAS_H0, HAS_DHT)
+            dw0, dw1, dw2, dw3, db, dh1, dh2, dh3 = _bwd_token(
+                t0 + 6, s0, s1, T_seq, n, first, g6, g5, g4, g3, x6, x5, x4, x3, w0, w1, w2, w3,
+                dw0, dw1, dw2, dw3, db, dh1, dh2, dh3, dht, dx, o_d, m_d, D, W, HAS_H0, HAS_DHT)
+            dw0, dw1, dw2, dw3, db, dh1, dh2, dh3 = _bwd_token(
+                t0 + 7, s0, s1, T_seq, n, first, g7, g6, g5, g4, x7, x6, x5, x4, w0, w1, w2, w3,
+                dw0, dw1, dw2, dw3, db, dh1, dh2, dh3, dht, dx, o_d, m_d, D, W, HAS_H0, HAS_DHT)
+            gm3 = g5
+            gm2 = g6
+            gm1 = g7
+            xm3 = x5
+            xm2 = x6
+            xm1 = x7
+    else:
+        for t0 in range(s0, s1 + 3, G):
+            for u in tl.static_range(G):
+                t = t0 + u
+                live = t < T_seq
+                own = t < s1
+                x0 = tl.load(x + t.to(tl.int64) * stride_t + o_d * stride_d, mask=m_d & live, other=0).to(tl.float32)
+                p = t.to(tl.int64) * D + o_d
+                g = tl.load(dy + p, mask=m_d & live, other=0).to(tl.float32)
+                if SILU:
+                    z = w0 * x0 + w1 * xm1 + w2 * xm2 + w3 * xm3
+                    if HAS_BIAS:
+                        z += b
+                    s = _sigmoid(z)
+                    g = g * (s * (1.0 + z * (1.0 - s)))
+                # (g is 0 past the sequence: dy's load; a token past s1 + 2 feeds only masked rows)
+                go = tl.where(own, g, 0.0)
+                dw0 += go * x0
+                dw1 += go * xm1
+                dw2 += go * xm2
+                dw3 += go * xm3
+                db += go
+                if HAS_H0:
+                    # token t < W - 1 of the sequence reads slot c (x[c - W]) through tap t - c + W
+                    ft = first & (t < W - 1)
+                    if W > 1:
+                        dh1 += tl.where(ft & (t < 1), g * tl.where(t == 0, w3 if W == 4 else (w2 if W == 3 else w1), 0.0), 0.0)
+                    if W > 2:
+                        dh2 += tl.where(ft & (t < 2), g * tl.where(t == 0, w2 if W == 4 else w1, tl.where(t == 1, w3 if W == 4 else w2, 0.0)), 0.0)
+                    if W > 3:
+                        dh3 += tl.where(ft & (t < 3), g * tl.where(t == 0, w1, tl.where(t == 1, w2, w3)), 0.0)
+                # dx for token r = t - 3: sum_k w_k g[r + k]
+                r = t - 3
+                acc = w0 * gm3 + w1 * gm2 + w2 * gm1 + w3 * g
+                if HAS_DHT:
+                    # the final state's slot c = r - T + W holds x[r]
+                    c = r - T_seq + W
+                    acc += tl.load(dht + n.to(tl.int64) * (D * W) + o_d * W + c, mask=m_d & (c >= 0) & (c < W) & (r >= 0),
+                                   other=0).to(tl.float32)
+                tl.store(dx + r.to(tl.int64) * D + o_d, to(acc, dx.dtype.element_ty), mask=m_d & (r >= s0) & (r < s1))
+                gm3 = gm2
+                gm2 = gm1
+                gm1 = g
+                xm3 = xm2
+                xm2 = xm1
+                xm1 = x0
     seg = (i_b * tl.num_programs(1) + i_s).to(tl.int64)  # this program's partial (its strip's channels)
     part = dw_part + seg * (D * W) + o_d * W
     tl.store(part + (W - 1), dw0, mask=m_d)
@@ -242,12 +407,11 @@ def causal_conv1d_bwd_kernel(
 
 
 # Pinned: strips of 256 channels at 2 warps (8 bytes a lane a row in bf16), segments of 256
-# tokens, 8 tokens an iteration. sm_90a (D=2048, bf16, W=4, SiLU, x dense as a launch
-# specializes it: 8-byte loads and stores): the forward 48 registers, the backward 100, no
-# spills (tests/test_cconv.py holds it); a strided x whose token stride is not a multiple of
-# 16 loads 2 bytes a lane. Not yet measured on
-# the H200; the bench's sweep (bench/cconv.py) has the other builds. Prediction at B16
-# T8192: within 1.3x of the memory floors (D=2048 fwd 0.25 ms, fwd+bwd 0.63).
+# tokens, the serial form at 8 tokens an iteration. sm_90a (D=2048, bf16, W=4, SiLU, x dense
+# as a launch specializes it: 8-byte loads and stores): the forward 48 registers, the
+# backward 88, no spills (tests/test_cconv.py holds it; the loads-ahead form 60 and 128); a
+# strided x whose token stride is not a multiple of 16 loads 2 bytes a lane. The bench's
+# sweep (bench/cconv.py) has the other builds.
 DEFAULT_CONFIG = dict(BD=256, TS=256, G=8, num_warps=2)
 W_MAX = 4  # the register ring holds four taps
 
@@ -291,7 +455,7 @@ def conv_fwd(x3, weight, bias, residual, initial_state, silu, cu_seqlens, seg_in
     NS, NB = _grid_segments(x3, cu_seqlens, seg_index, TS)
     causal_conv1d_fwd_kernel[(triton.cdiv(D, cfg["BD"]), NS, NB)](
         x3, weight, bias, residual, initial_state, y, seg_index, cu_seqlens, T, *x3.stride(),
-        D=D, W=W, BD=cfg["BD"], TS=TS, G=cfg["G"], SILU=silu, HAS_BIAS=bias is not None,
+        D=D, W=W, BD=cfg["BD"], TS=TS, G=cfg["G"], AHEAD=cfg.get("AHEAD", False), SILU=silu, HAS_BIAS=bias is not None,
         HAS_RESIDUAL=residual is not None, HAS_H0=initial_state is not None, IS_VARLEN=cu_seqlens is not None,
         num_warps=cfg["num_warps"],
     )
@@ -312,7 +476,7 @@ def conv_bwd(x3, weight, bias, initial_state, dy, dht, silu, cu_seqlens, seg_ind
     dh0 = torch.zeros_like(initial_state) if initial_state is not None else None
     causal_conv1d_bwd_kernel[(triton.cdiv(D, cfg["BD"]), NS, NB)](
         x3, weight, bias, initial_state, dy, dht, dx, dw_part, db_part, dh0, seg_index, cu_seqlens, T, *x3.stride(),
-        D=D, W=W, BD=cfg["BD"], TS=TS, G=cfg["G"], SILU=silu, HAS_BIAS=bias is not None,
+        D=D, W=W, BD=cfg["BD"], TS=TS, G=cfg["G"], AHEAD=cfg.get("AHEAD", False), SILU=silu, HAS_BIAS=bias is not None,
         HAS_H0=initial_state is not None, HAS_DHT=dht is not None, IS_VARLEN=cu_seqlens is not None,
         num_warps=cfg["num_warps"],
     )

@@ -15,6 +15,17 @@ j's last row e_j (exp2(g_r - e_j) <= 1 for later rows, exp2(e_j - g_s) <= 1), th
 role of row block i through i's first row a_i. Inside a block the same anchor gives factors
 up to 2^span (span: the block's first row minus its last, per channel).
 
+Candidate (wide-halves, not registered): between the two tiers, where the whole
+chunk's middle-row anchor fails the guard but each 32-row half's middle row passes it, the
+per-block form with two 32-row blocks anchored at their middles: each role two [64, 32] x
+[32, BK] dots per dA instead of four [64, 16] ones, every factor within 2^GUARD_SPAN (past
+a block one-sided, within it at most 2^(half span)). On the chain's gate at prod8192_gate it
+takes 49% of the (K slice, chunk, head) programs the per-block form takes now (31% take the
+whole chunk, 80% one or the other; 41% and 88% at 16-channel slices). sm_90a: 144 B of
+spills at 32-channel slices and 4 warps, none at 16 or at 8 warps. H200 (bb25b91): 13.41 ms
+at 8 warps, where every design has measured about twice its 4-warp time (wide 21.31 and
+11.17); the 4-warp and 16-channel builds are measured next.
+
 This design (wide-chunk): one program per (K slice of 32 channels, chunk, head), 4 warps,
 the chunk as one [64, 32] tile per output. dA is read along its rows only: the column
 role's transposed tiles are the row role's (or the row block's) transposed on chip. Where every factor of the slice taken through
@@ -46,9 +57,9 @@ fla's B7 down to grid64 (B1 T256 H16: 0.135 ms against 0.212).
 Measured (H200; docs/log/b7.md has every round): 7.79 ms at prod8192_gate against fla's
 14.92 (1.91x; bench/results/stages.jsonl at bb25b91), 6.80 at prod8192_layer_safe against
 8.19 (at 7a87298). The whole op with it: 34.08 ms against fla's 47.23 at prod8192_gate
-(chunk_kda.jsonl at ba56cdb). One program per chunk-head holding dA's blocks in shared
-memory across the K slices measured 16.24 ms, the half-chunk tier 13.41 (docs/log/b7.md):
-re-reading dA per K-slice program is not what the time is. What the time is (Nsight
+(chunk_kda.jsonl at ba56cdb). One 8-warp program per chunk-head holding dA's blocks in
+shared memory across the K slices measured 16.24 ms (docs/log/b7.md; removed): holding dA
+does not pay for the 8 warps and one program an SM it needs. What the time is (Nsight
 Compute at prod8192_layer_safe, every program on the chunk anchor, before the hand split):
 2 programs an SM (255 registers: 12.5% occupancy), 3,400 instructions a warp issued every
 6.8 cycles, 37% of that waiting on L1; L1 66% busy, DRAM 23%. Resources
@@ -77,6 +88,17 @@ def _row(ptr, r, stride, ok, o_k, m_k):
 def _last(st, BC: tl.constexpr, n_t):
     """Block st's last row within the chunk."""
     return tl.minimum(st + BC, n_t) - 1
+
+
+@triton.jit
+def _half_span(g, st, n_t, o_k, m_k, SG: tl.constexpr):
+    """The 32-row block st's gate span in this K slice through its middle row: the largest
+    of (first row - middle, middle - last) over the channels (0 for a block past the end)."""
+    ok = st < n_t
+    mid = _row(g, tl.minimum(st + 15, n_t - 1), SG, ok, o_k, m_k)
+    lo = tl.maximum(tl.max(_row(g, st, SG, ok, o_k, m_k) - mid, axis=0),
+                    tl.max(mid - _row(g, tl.minimum(st + 31, n_t - 1), SG, ok, o_k, m_k), axis=0))
+    return tl.where(ok, lo, 0.0)
 
 
 @triton.jit
@@ -109,11 +131,13 @@ def _gate_bwd(st, n_t, dy, g_raw, dt_bias, dg_out, A, lower_bound, o_k, m_k,
 def _wide_rows(dAqk, dAkk, k, g, st, lo, ar, n_t, o_k, m_k, g_c, acc_q, acc_kr,
                HV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, SK: tl.constexpr, SG: tl.constexpr):
     """The row role of column block j (columns st .. st + BC - 1) for every row r >= lo,
-    through the block's last row ar, e_j: sum_s dA[r, s] k_s exp2(e_j - g_s) (every factor
-    <= 1) as one [BT, BC] x [BC, BK] dot, times exp2(g_r - e_j) (<= 1 past the block; within
-    it at most 2^GUARD_SPAN, which is why lo is the block's own first row only when its span
-    passed the guard). ar comes from the caller, as _wide_cols's does: computed in here, the
-    same arithmetic is scheduled differently (wide-pairwise's sm_90a code changes)."""
+    through the block's row ar, e_j: sum_s dA[r, s] k_s exp2(e_j - g_s) as one [BT, BC] x
+    [BC, BK] dot, times exp2(g_r - e_j). With ar the block's last row every k factor is <= 1
+    and every row factor past the block too; within the block a row factor reaches 2^span,
+    which is why lo is the block's own first row only when its span passed the guard. With
+    ar the block's middle row (the half-chunk blocks) both reach 2^(half span) within it.
+    ar comes from the caller, as _wide_cols's does: computed in here, the same arithmetic
+    is scheduled differently (wide-pairwise's sm_90a code changes)."""
     rows = tl.arange(0, BT)
     pos = tl.arange(0, BC)
     cols = st + pos
@@ -137,9 +161,11 @@ def _wide_rows(dAqk, dAkk, k, g, st, lo, ar, n_t, o_k, m_k, g_c, acc_q, acc_kr,
 def _wide_cols(dAqk, dAkk, q, k, g, beta, st, hi, ar, n_t, o_k, m_k, g_c, acc_c,
                HV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, SK: tl.constexpr, SG: tl.constexpr):
     """The column role of row block i (rows st .. st + BC - 1) for every column s < hi,
-    through the block's first row ar, a_i: sum_r dA[r, s] (q_r, beta_r k_r) exp2(g_r - a_i)
-    (every factor <= 1) as [BT, BC] x [BC, BK] dots of dA's rows of block i transposed,
-    times exp2(a_i - g_s) (<= 1 before the block, at most 2^GUARD_SPAN within it)."""
+    through the block's row ar, a_i: sum_r dA[r, s] (q_r, beta_r k_r) exp2(g_r - a_i) as
+    [BT, BC] x [BC, BK] dots of dA's rows of block i transposed, times exp2(a_i - g_s).
+    With ar the block's first row every row factor is <= 1 and every column factor before
+    the block too (at most 2^GUARD_SPAN within it); with its middle row both reach 2^(half
+    span) within the block."""
     cols = tl.arange(0, BT)
     pos = tl.arange(0, BC)
     rows = st + pos
@@ -242,6 +268,7 @@ def intra_bwd_wide_kernel(
     cu_seqlens, chunk_indices, T, NT_ROWS, NT_ALL,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BK: tl.constexpr, IS_VARLEN: tl.constexpr, PAIRWISE: tl.constexpr, CHUNK_ANCHOR: tl.constexpr,
+    HALVES: tl.constexpr,
     TAIL: tl.constexpr, HAS_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
 ):
     """B7 on one (K slice, chunk, head), the chunk as one [BT, BK] tile per output; with
@@ -289,8 +316,26 @@ def intra_bwd_wide_kernel(
                            tl.max(gm - _row(g, n_t - 1, SG, 0 < n_t, o_k, m_k), axis=0)) <= GUARD_SPAN
     else:
         whole: tl.constexpr = False
+    if HALVES:
+        # the chunk's two 32-row halves, each through its own middle row, where the whole
+        # chunk's anchor would pass the guard but each half's stays within it
+        halves = tl.maximum(_half_span(g, 0, n_t, o_k, m_k, SG), _half_span(g, 2 * BC, n_t, o_k, m_k, SG)) <= GUARD_SPAN
+    else:
+        halves: tl.constexpr = False
     if whole:
         acc_q, acc_kr, acc_c = _chunk_sums(q, k, g, beta, dAqk, dAkk, n_t, t, g_c, gm, o_k, m_k, HV, BT, SK, SG)
+    elif halves:
+        acc_q = tl.zeros([BT, BK], dtype=tl.float32)
+        acc_kr = tl.zeros([BT, BK], dtype=tl.float32)
+        acc_c = tl.zeros([BT, BK], dtype=tl.float32)
+        m0, m1 = tl.minimum(15, n_t - 1), tl.minimum(2 * BC + 15, n_t - 1)
+        acc_q, acc_kr = _wide_rows(dAqk, dAkk, k, g, 0, 0, m0, n_t, o_k, m_k, g_c, acc_q, acc_kr,
+                                   HV, BT, 2 * BC, SK, SG)
+        acc_q, acc_kr = _wide_rows(dAqk, dAkk, k, g, 2 * BC, 2 * BC, m1, n_t, o_k, m_k, g_c, acc_q, acc_kr,
+                                   HV, BT, 2 * BC, SK, SG)
+        acc_c = _wide_cols(dAqk, dAkk, q, k, g, beta, 0, 2 * BC, m0, n_t, o_k, m_k, g_c, acc_c, HV, BT, 2 * BC, SK, SG)
+        acc_c = _wide_cols(dAqk, dAkk, q, k, g, beta, 2 * BC, 4 * BC, m1, n_t, o_k, m_k, g_c, acc_c,
+                           HV, BT, 2 * BC, SK, SG)
     else:
         acc_q = tl.zeros([BT, BK], dtype=tl.float32)
         acc_kr = tl.zeros([BT, BK], dtype=tl.float32)
@@ -358,7 +403,7 @@ DEFAULT_CONFIG = dict(BK=32, num_warps=4, num_stages=1)
 # ``wide-chunk`` (the default) takes a K slice of the chunk through its middle row where the
 # gate allows, the per-block anchors elsewhere; ``wide`` only the per-block anchors;
 # ``wide-pairwise`` takes every diagonal pairwise (the guard's other path, for tests).
-DESIGNS = ("wide", "wide-pairwise", "wide-chunk")
+DESIGNS = ("wide", "wide-pairwise", "wide-chunk", "wide-halves")
 
 
 def _launch_args(design, tensors: dict, chunk_size, cu_seqlens, chunk_indices, BK, num_warps, num_stages,
@@ -379,7 +424,8 @@ def _launch_args(design, tensors: dict, chunk_size, cu_seqlens, chunk_indices, B
         dk=tensors["dk"], dg=tensors["dg"], dq2=dq2, dk2=torch.empty_like(dq2), dg2=torch.empty_like(dq2),
         cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, T=T, H=H, HV=HV, K=K, BT=chunk_size, BC=BC,
         BK=BK or min(cfg["BK"], triton.next_power_of_2(K)), IS_VARLEN=cu_seqlens is not None,
-        PAIRWISE=design == "wide-pairwise", CHUNK_ANCHOR=design == "wide-chunk",
+        PAIRWISE=design == "wide-pairwise", CHUNK_ANCHOR=design in ("wide-chunk", "wide-halves"),
+        HALVES=design == "wide-halves",
         num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"],
         **({"maxnreg": maxnreg} if maxnreg else {}))
 
