@@ -1,6 +1,6 @@
 """Bench of ``causal_conv1d``: kernel-fun's kernels against fla's, forward and fwd+bwd.
 
-``python -m kernel_fun.bench.cconv --shapes d2048,d4096,packed2048 [--configs sweep]``
+``python -m kernel_fun.bench.cconv --shapes d2048,d4096,packed2048 [--configs sweep | '[{"AHEAD": true}]']``
 
 Shapes (bf16 x, fp32 weight, W=4, SiLU, no bias: a KimiDeltaAttention layer's q/k and v
 convolutions): d2048 and d4096 are B16 T8192; packed2048 is the same tokens as one packed
@@ -15,6 +15,7 @@ config interleaved round by round. Rows go to ``bench/results/cconv.jsonl``.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -85,7 +86,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kernel_fun.bench.cconv", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="d2048,d4096,packed2048")
-    parser.add_argument("--configs", default="pinned", help="'pinned' or 'sweep'")
+    parser.add_argument("--configs", default="pinned",
+                        help="'pinned', 'sweep', or a JSON list of config overrides (each on the pin)")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None)
@@ -95,7 +97,8 @@ def main(argv=None) -> int:
         return 2
     out = args.out or results.RESULTS / "cconv.jsonl"
     fla = fla_causal_conv1d()
-    configs = [dict(K.DEFAULT_CONFIG)] if args.configs == "pinned" else [{**K.DEFAULT_CONFIG, **c} for c in SWEEP]
+    chosen = {"pinned": [{}], "sweep": SWEEP}.get(args.configs) or json.loads(args.configs)
+    configs = [{**K.DEFAULT_CONFIG, **c} for c in chosen]
     printed = []
     for name in args.shapes.split(","):
         shape = SHAPES[name]
