@@ -22,9 +22,10 @@ Two loop forms, the same arithmetic a token in the same order. Serial (the pin):
 an iteration, each token's load, output and store in turn. The compiler cannot tell that x
 and y (dy and dx) do not overlap, so no load is issued before the previous token's store:
 one load in flight a thread, a memory latency a token (sm_90a listing: LDG, STG, LDG, ...).
-Loads ahead (``AHEAD``, the bench's candidate): eight tokens' x (and dy) loads issued
-together at the top of each iteration, then their outputs and stores (sm_90a: eight LDG.64
-a thread, sixteen in the backward, before the first STG). Interpreter-exact bit for bit
+Loads ahead (``AHEAD``, the bench's candidate): eight tokens' x loads (and the residual's,
+or dy's in the backward) issued together at the top of each iteration, then their outputs
+and stores (sm_90a: eight LDG.64 a thread, sixteen with a residual and in the backward,
+before the first STG). Interpreter-exact bit for bit
 against the serial form; not yet measured on the H200.
 
 Numerics: fp32 inside, the output rounded once to its dtype (bf16: round to nearest even);
@@ -144,15 +145,16 @@ def _z(x0, xm1, xm2, xm3, w0, w1, w2, w3, b, HAS_BIAS: tl.constexpr):
 
 
 @triton.jit
-def _fwd_token(t, s1, x0, xm1, xm2, xm3, w0, w1, w2, w3, b, y, residual, o_d, m_d, D: tl.constexpr,
+def _fwd_token(t, s1, x0, xm1, xm2, xm3, w0, w1, w2, w3, b, y, res, o_d, m_d, D: tl.constexpr,
                SILU: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """y of token t; res its residual row (fp32, loaded by the caller) when HAS_RESIDUAL."""
     z = _z(x0, xm1, xm2, xm3, w0, w1, w2, w3, b, HAS_BIAS)
     if SILU:
         z = z * _sigmoid(z)
     p = t.to(tl.int64) * D + o_d
     live = m_d & (t < s1)
     if HAS_RESIDUAL:
-        z += tl.load(residual + p, mask=live, other=0).to(tl.float32)
+        z += res
     tl.store(y + p, to(z, y.dtype.element_ty), mask=live)
 
 
@@ -174,23 +176,32 @@ def causal_conv1d_fwd_kernel(
         residual += bos * D
     if HAS_BIAS:
         b = tl.load(bias + o_d, mask=m_d, other=0).to(tl.float32)
+    bb = w0
+    if HAS_BIAS:
+        bb = b
     if AHEAD:  # eight tokens' loads issued together, then their outputs
-        bb = w0
-        if HAS_BIAS:
-            bb = b
         for t8 in range(s0, s1, 8):
             t0 = tl.cast(t8, tl.int32)  # a tensor in the interpreter too
             x0, x1, x2, x3, x4, x5, x6, x7 = _ld8(x, t0, s1, stride_t, o_d, stride_d, m_d)
-            _fwd_token(t0, s1, x0, xm1, xm2, xm3, w0, w1, w2, w3, bb, y, residual, o_d, m_d, D, SILU, HAS_BIAS, HAS_RESIDUAL)
-            _fwd_token(t0 + 1, s1, x1, x0, xm1, xm2, w0, w1, w2, w3, bb, y, residual, o_d, m_d, D, SILU, HAS_BIAS,
+            r0, r1, r2, r3, r4, r5, r6, r7 = x0, x1, x2, x3, x4, x5, x6, x7  # (unused without a residual)
+            if HAS_RESIDUAL:
+                r0, r1, r2, r3, r4, r5, r6, r7 = _ld8(residual, t0, s1, D, o_d, 1, m_d)
+            _fwd_token(t0, s1, x0, xm1, xm2, xm3, w0, w1, w2, w3, bb, y, r0, o_d, m_d, D, SILU, HAS_BIAS,
                        HAS_RESIDUAL)
-            _fwd_token(t0 + 2, s1, x2, x1, x0, xm1, w0, w1, w2, w3, bb, y, residual, o_d, m_d, D, SILU, HAS_BIAS,
+            _fwd_token(t0 + 1, s1, x1, x0, xm1, xm2, w0, w1, w2, w3, bb, y, r1, o_d, m_d, D, SILU, HAS_BIAS,
                        HAS_RESIDUAL)
-            _fwd_token(t0 + 3, s1, x3, x2, x1, x0, w0, w1, w2, w3, bb, y, residual, o_d, m_d, D, SILU, HAS_BIAS, HAS_RESIDUAL)
-            _fwd_token(t0 + 4, s1, x4, x3, x2, x1, w0, w1, w2, w3, bb, y, residual, o_d, m_d, D, SILU, HAS_BIAS, HAS_RESIDUAL)
-            _fwd_token(t0 + 5, s1, x5, x4, x3, x2, w0, w1, w2, w3, bb, y, residual, o_d, m_d, D, SILU, HAS_BIAS, HAS_RESIDUAL)
-            _fwd_token(t0 + 6, s1, x6, x5, x4, x3, w0, w1, w2, w3, bb, y, residual, o_d, m_d, D, SILU, HAS_BIAS, HAS_RESIDUAL)
-            _fwd_token(t0 + 7, s1, x7, x6, x5, x4, w0, w1, w2, w3, bb, y, residual, o_d, m_d, D, SILU, HAS_BIAS, HAS_RESIDUAL)
+            _fwd_token(t0 + 2, s1, x2, x1, x0, xm1, w0, w1, w2, w3, bb, y, r2, o_d, m_d, D, SILU, HAS_BIAS,
+                       HAS_RESIDUAL)
+            _fwd_token(t0 + 3, s1, x3, x2, x1, x0, w0, w1, w2, w3, bb, y, r3, o_d, m_d, D, SILU, HAS_BIAS,
+                       HAS_RESIDUAL)
+            _fwd_token(t0 + 4, s1, x4, x3, x2, x1, w0, w1, w2, w3, bb, y, r4, o_d, m_d, D, SILU, HAS_BIAS,
+                       HAS_RESIDUAL)
+            _fwd_token(t0 + 5, s1, x5, x4, x3, x2, w0, w1, w2, w3, bb, y, r5, o_d, m_d, D, SILU, HAS_BIAS,
+                       HAS_RESIDUAL)
+            _fwd_token(t0 + 6, s1, x6, x5, x4, x3, w0, w1, w2, w3, bb, y, r6, o_d, m_d, D, SILU, HAS_BIAS,
+                       HAS_RESIDUAL)
+            _fwd_token(t0 + 7, s1, x7, x6, x5, x4, w0, w1, w2, w3, bb, y, r7, o_d, m_d, D, SILU, HAS_BIAS,
+                       HAS_RESIDUAL)
             xm3 = x5
             xm2 = x6
             xm1 = x7
@@ -198,17 +209,12 @@ def causal_conv1d_fwd_kernel(
         for t0 in range(s0, s1, G):
             for u in tl.static_range(G):
                 t = t0 + u
-                live = t < s1
-                x0 = tl.load(x + t.to(tl.int64) * stride_t + o_d * stride_d, mask=m_d & live, other=0).to(tl.float32)
-                z = w0 * x0 + w1 * xm1 + w2 * xm2 + w3 * xm3
-                if HAS_BIAS:
-                    z += b
-                if SILU:
-                    z = z * _sigmoid(z)
-                p = t.to(tl.int64) * D + o_d
+                x0 = tl.load(x + t.to(tl.int64) * stride_t + o_d * stride_d, mask=m_d & (t < s1), other=0).to(tl.float32)
+                res = x0
                 if HAS_RESIDUAL:
-                    z += tl.load(residual + p, mask=m_d & live, other=0).to(tl.float32)
-                tl.store(y + p, to(z, y.dtype.element_ty), mask=m_d & live)
+                    res = tl.load(residual + t.to(tl.int64) * D + o_d, mask=m_d & (t < s1), other=0).to(tl.float32)
+                _fwd_token(t, s1, x0, xm1, xm2, xm3, w0, w1, w2, w3, bb, y, res, o_d, m_d, D, SILU, HAS_BIAS,
+                           HAS_RESIDUAL)
                 xm3 = xm2
                 xm2 = xm1
                 xm1 = x0
@@ -282,10 +288,10 @@ def causal_conv1d_bwd_kernel(
     dh1, dh2, dh3 = zero, zero, zero  # the initial state's slots 1..3 (of W)
     first = s0 == 0
     # tokens s0 .. s1 + 2: g for every one, dx for t - 3 once t - 3 >= s0
+    bb = w0
+    if HAS_BIAS:
+        bb = b
     if AHEAD:  # eight tokens' x and dy loads issued together, then their dx
-        bb = w0
-        if HAS_BIAS:
-            bb = b
         for t8 in range(s0, s1 + 3, 8):
             t0 = tl.cast(t8, tl.int32)  # a tensor in the interpreter too
             x0, x1, x2, x3, x4, x5, x6, x7 = _ld8(x, t0, T_seq, stride_t, o_d, stride_d, m_d)
@@ -328,7 +334,7 @@ def causal_conv1d_bwd_kernel(
             xm3 = x5
             xm2 = x6
             xm1 = x7
-    else:
+    else:  # the per-token steps written out as they were measured (the helpers reschedule them)
         for t0 in range(s0, s1 + 3, G):
             for u in tl.static_range(G):
                 t = t0 + u
