@@ -388,6 +388,46 @@ def test_b7_tail_matches_fla_b7_b8_b9(p):
         assert not misses, (design, misses)
 
 
+
+@pytest.mark.parametrize("p", SMALL[:2] + [FLAGGED[1]], ids=lambda p: p.name)
+def test_b7_b10_unit_matches_fla_b7_through_b10(p):
+    """B7 through B10 in one launch (intra_bwd_l2: B10 by each chunk-head's last K slice to
+    arrive; a candidate, not yet registered) on the chain's inputs: against fla's four stages
+    within fla's budgets, against the float64 stages no worse than 10% past fla's own error,
+    and bit for bit the same over five launches (which slice arrives last must not matter)."""
+    from kernel_fun.kda import reference as ref
+    from kernel_fun.kda.chain import _fla_intra_l2
+    from kernel_fun.kda.parity import B7_BARS, bar_misses
+
+    kwargs = make_inputs(p, device="cuda", seed=5)
+    with use_impls({"B7-B9": "fla"}), capture_stages() as log:  # B7 through B10 one by one
+        run_fwd_bwd(chunk_kda, kwargs, grid=p.dtype)
+    (b7,) = [x for name, _, x, _ in log if name == "B7"]
+    (b9,) = [x for name, _, x, _ in log if name == "B9"]
+    (b10,) = [x for name, _, x, _ in log if name == "B10"]
+    gate = {n: b9[n] for n in ("g", "A_log", "dt_bias", "lower_bound")}
+    normed = {n: b10[n] for n in ("q_rstd", "k_rstd")}
+    theirs = _fla_intra_l2(**b7, **gate, **normed)
+    exact = list(ref.intra_bwd_tail(**{n: t for n, t in b7.items() if n not in ("chunk_indices", "safe_gate")},
+                                    **gate, exact=True))
+    exact[0] = ref.l2norm_bwd(b7["q"].double(), normed["q_rstd"].double(), exact[0])
+    exact[1] = ref.l2norm_bwd(b7["k"].double(), normed["k_rstd"].double(), exact[1])
+    names = ("dq", "dk", "db", "dg", "dA_log", "ddt_bias")
+    bars = {**B7_BARS, "dA_log": ref.BUDGETS["dA_log"], "ddt_bias": ref.BUDGETS["ddt_bias"]}
+    fla_exact = {n: ref.rel_rms(a, b) for n, a, b in zip(names, theirs, exact) if b is not None}
+    for design in ("wide-chunk", "wide-halves"):
+        ours = intra_bwd.intra_bwd_l2(**b7, **gate, **normed, design=design)
+        vs_fla = {n: ref.rel_rms(a, b) for n, a, b in zip(names, ours, theirs) if b is not None}
+        vs_exact = {n: ref.rel_rms(a, b) for n, a, b in zip(names, ours, exact) if b is not None}
+        print(p.name, design, "vs fla", vs_fla, "vs exact", vs_exact, "fla vs exact", fla_exact)
+        assert all(torch.isfinite(t).all() for t in ours if t is not None)
+        assert ours[0].dtype == b7["q"].dtype
+        misses = bar_misses(vs_exact, fla_exact, vs_fla, bars, bars)
+        assert not misses, (design, misses)
+        for _ in range(5):
+            again = intra_bwd.intra_bwd_l2(**b7, **gate, **normed, design=design)
+            assert all(torch.equal(a, b) for a, b in zip(ours, again) if a is not None), design
+
 # --------------------------------------------------------------------------------------
 # F7 + F8 in one kernel against fla's two stages (not dispatched yet)
 # --------------------------------------------------------------------------------------

@@ -137,9 +137,10 @@ def b6_report(design: str, K: int, V: int, H: int, HV: int, BV: int, num_warps: 
 
 
 def b7_report(K: int, H: int, HV: int, BK: int, num_warps: int, num_stages: int, dtype: str = "bf16",
-              design: str = "wide-chunk", maxnreg: int | None = None, tail: int = 0) -> dict:
+              design: str = "wide-chunk", maxnreg: int | None = None, tail: int = 0, l2norm: bool = False) -> dict:
     """B7's kernel (kda/kernels/intra_bwd.py), dense sequences, in one of its designs
-    (``intra_bwd.DESIGNS``); ``tail`` 1 with B8, 2 with B8 and B9 (dt_bias, softplus form)."""
+    (``intra_bwd.DESIGNS``); ``tail`` 1 with B8, 2 with B8 and B9 (dt_bias, softplus form);
+    ``l2norm`` with B10 (H == HV)."""
     from kernel_fun.kda.kernels import intra_bwd
 
     types = {"q": _PTR[dtype], "k": _PTR[dtype], "beta": _PTR[dtype], "NT_ROWS": "i32", "NT_ALL": "i32",
@@ -153,6 +154,12 @@ def b7_report(K: int, H: int, HV: int, BK: int, num_warps: int, num_stages: int,
                       HALVES=design == "wide-halves",
                       TAIL=tail, HAS_BIAS=tail == 2, USE_LOWER_BOUND=False,
                       **({} if tail == 2 else dict.fromkeys(gate)))
+    l2 = dict(q_rstd="*fp32", k_rstd="*fp32", dq_out=_PTR[dtype], dk_out=_PTR[dtype], dot_part="*fp32", arrived="*i32")
+    if l2norm:
+        types.update(l2)
+        constexprs["L2NORM"] = True
+    else:
+        constexprs.update(dict.fromkeys(l2), L2NORM=False)
     return compile_sm90(intra_bwd.intra_bwd_wide_kernel, types, constexprs, num_warps, num_stages, maxnreg)
 
 
@@ -215,6 +222,7 @@ def main(argv=None):
     parser.add_argument("--stages", default="1,2,3")
     parser.add_argument("--maxnreg", type=int, default=None)
     parser.add_argument("--tail", type=int, default=0, help="B7's block form: 1 with B8, 2 with B8 and B9")
+    parser.add_argument("--l2norm", action="store_true", help="B7's kernel with B10 in the pass (H == HV)")
     parser.add_argument("--extra", default="{}", help="JSON of fullk switches, e.g. '{\"PF_ITER\": -1}'")
     args = parser.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)
@@ -234,7 +242,7 @@ def main(argv=None):
                                            fused=design == "prep-fused"))
                 elif design in intra_bwd.DESIGNS:  # B7: --BV is its K slice
                     row.update(b7_report(args.K, args.H, args.HV, BV, warps, stages, design=design, maxnreg=args.maxnreg,
-                                         tail=args.tail))
+                                         tail=args.tail, l2norm=args.l2norm))
                 else:
                     row.update(b6_report(design, args.K, args.V, args.H, args.HV, BV, warps, stages,
                                          maxnreg=args.maxnreg, extra=json.loads(args.extra)))

@@ -105,10 +105,10 @@ def chain_inputs(p: Problem, device, seed: int, names: tuple[str, ...]) -> dict[
 
 def entries() -> dict[str, StageBench]:
     """Every stage with a bench entry, by stage name."""
-    from kernel_fun.bench import stage_b3, stage_b6, stage_b7, stage_f3f6, stage_f7f8
+    from kernel_fun.bench import stage_b3, stage_b6, stage_b7, stage_b7b10, stage_f3f6, stage_f7f8
 
-    return {"B3": stage_b3.BENCH, "B6": stage_b6.BENCH, "B7": stage_b7.BENCH, "F3-F6": stage_f3f6.BENCH,
-            "F7-F8": stage_f7f8.BENCH}
+    return {"B3": stage_b3.BENCH, "B6": stage_b6.BENCH, "B7": stage_b7.BENCH, "B7-B10": stage_b7b10.BENCH,
+            "F3-F6": stage_f3f6.BENCH, "F7-F8": stage_f7f8.BENCH}
 
 
 def config_label(design: str, config: dict) -> str:
@@ -160,8 +160,16 @@ def bench_shape(bench: StageBench, name: str, candidates, reps: int, rounds: int
     nb = min(p.B, 2)  # the float64 stage on the first sequences
     # per-token tensors are [B, T, ...]; per-head parameters (A_log, dt_bias) are not sliced
     sub = {n: (t[:nb] if isinstance(t, torch.Tensor) and t.dim() >= 3 else t) for n, t in inputs.items()}
-    exact = bench.exact(**sub)
-    first = lambda out: tuple(None if t is None else t[:nb] for t in out)  # noqa: E731
+    # the float64 stage on the first sequences: per-token outputs are [B, T, ...]; a per-head
+    # output (dA_log, dt_bias's gradient) sums every sequence, so it is held to the float64
+    # stage only where the first sequences are all of them
+    whole = nb == p.B
+
+    def first(out):
+        return tuple(None if t is None or (t.dim() < 3 and not whole) else (t[:nb] if t.dim() >= 3 else t)
+                     for t in out)
+
+    exact = first(bench.exact(**sub))
     fla_exact = stage_errors(bench.stage, first(fla_out), exact)
 
     impls = {"fla": (lambda: bench.fla(**inputs), None)}

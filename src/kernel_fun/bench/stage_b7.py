@@ -30,13 +30,17 @@ _B16, _B8W = dict(BK=16, num_warps=4, num_stages=1), dict(BK=32, num_warps=8, nu
 SWEEP = {"wide-chunk": [_B, _B16, _B8W], "wide-halves": [_B, _B16, _B8W], "wide": [_B], "wide-pairwise": [_B]}
 
 
-def b7_bytes(p) -> int:
-    """The fewest bytes B7 moves: q, k, gc, beta, dAqk, dAkk and the incoming dq, dk, db, dg
-    read once; dq, dk, db, dg written once."""
+def b7_reads(p) -> int:
+    """The bytes B7 reads at the fewest: q, k, gc, beta, dAqk, dAkk and the incoming dq, dk,
+    db, dg once each."""
     tok_h, tok_hv = p.B * p.T * p.H, p.B * p.T * p.HV
-    reads = 2 * tok_h * p.K * 2 + tok_hv * p.K * 4 + tok_hv * 2 + 2 * tok_hv * 64 * 4 + 3 * tok_hv * p.K * 4 + tok_hv * 4
-    writes = 3 * tok_hv * p.K * 4 + tok_hv * 4
-    return reads + writes
+    return 2 * tok_h * p.K * 2 + tok_hv * p.K * 4 + tok_hv * 2 + 2 * tok_hv * 64 * 4 + 3 * tok_hv * p.K * 4 + tok_hv * 4
+
+
+def b7_bytes(p) -> int:
+    """The fewest bytes B7 moves: its reads, and dq, dk, db, dg (fp32) written once."""
+    tok_hv = p.B * p.T * p.HV
+    return b7_reads(p) + 3 * tok_hv * p.K * 4 + tok_hv * 4
 
 
 def make_inputs(p, device, seed: int = 0) -> dict:
