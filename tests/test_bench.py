@@ -229,6 +229,38 @@ def test_stage_bench_runs_end_to_end_on_the_cpu(tmp_path, monkeypatch):
     assert len(out.read_text().splitlines()) == 4
 
 
+
+def test_stage_bench_holds_per_head_outputs_only_where_it_covers_every_sequence(tmp_path, monkeypatch):
+    """The B7-B10 unit at B=3 (the float64 stage runs on the first two sequences): its
+    per-token outputs are held to the float64 stage, its per-head ones (dA_log, dt_bias's
+    gradient, sums over every sequence) only to fla's stage; the row is green and timed."""
+    import dataclasses
+    import time
+
+    import pytest
+
+    from kernel_fun.bench import stage
+    from kernel_fun.kda.chain import _ref_intra_l2
+    from kernel_fun.kda.problems import Problem
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs the kernel through the interpreter")
+    tiny = Problem("tiny", 3, 70, 2, 2, 64, 64)
+    monkeypatch.setattr(stage, "problem", lambda name: tiny)
+
+    def stopwatch(fn, reps):
+        t0 = time.perf_counter()
+        fn()
+        return [(time.perf_counter() - t0) * 1e3]
+
+    bench = dataclasses.replace(stage.entries()["B7-B10"], fla=_ref_intra_l2)
+    rows = stage.bench_shape(bench, "tiny", [("wide-chunk", {})], reps=1, rounds=1, out_path=tmp_path / "stages.jsonl",
+                             device="cpu", timer=stopwatch)
+    ours = rows[1]["parity"]
+    assert ours["ok"] and rows[1]["ms"] > 0, ours
+    assert {"dq", "dk", "db", "dg"} <= set(ours["vs_exact"]) and not {"dA_log", "ddt_bias"} & set(ours["vs_exact"])
+    assert {"dA_log", "ddt_bias"} <= set(ours["vs_fla"]), ours
+
 def test_candidate_designs_register_for_the_run_and_stay_out_of_the_readme(monkeypatch):
     import importlib
 
