@@ -362,7 +362,9 @@ def test_the_readme_table_shows_the_pinned_config_against_fla():
     fla's row of the same run; a sweep config that is not the pin stays out."""
     from kernel_fun.bench import results
 
-    pinned = "ours[" + ",".join(f"{k}={v}" for k, v in sorted(K.DEFAULT_CONFIG.items())) + "]"  # as the bench labels it
+    from kernel_fun.bench.stage import config_label
+
+    pinned = config_label("ours", K.DEFAULT_CONFIG)  # as the bench labels it
     base = dict(kind="cconv", shape="d2048", phase="fwd+bwd", spread_ms=[0.7, 0.8], floor_ms=0.63,
                 parity={"ok": True}, gpu="NVIDIA H200", date="2026-12-02T00:00:00", commit="abc")
     rows = [dict(base, impl="fla", ms=2.34), dict(base, impl=pinned, ms=0.78), dict(base, impl="ours[BD=512]", ms=0.5)]

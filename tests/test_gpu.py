@@ -395,6 +395,7 @@ def test_b7_b10_unit_matches_fla_b7_through_b10(p):
     arrive; a candidate, not yet registered) on the chain's inputs: against fla's four stages
     within fla's budgets, against the float64 stages no worse than 10% past fla's own error,
     and bit for bit the same over five launches (which slice arrives last must not matter)."""
+    from kernel_fun.bench import stage_b7b10
     from kernel_fun.kda import reference as ref
     from kernel_fun.kda.chain import _fla_intra_l2
     from kernel_fun.kda.parity import B7_BARS, bar_misses
@@ -408,10 +409,7 @@ def test_b7_b10_unit_matches_fla_b7_through_b10(p):
     gate = {n: b9[n] for n in ("g", "A_log", "dt_bias", "lower_bound")}
     normed = {n: b10[n] for n in ("q_rstd", "k_rstd")}
     theirs = _fla_intra_l2(**b7, **gate, **normed)
-    exact = list(ref.intra_bwd_tail(**{n: t for n, t in b7.items() if n not in ("chunk_indices", "safe_gate")},
-                                    **gate, exact=True))
-    exact[0] = ref.l2norm_bwd(b7["q"].double(), normed["q_rstd"].double(), exact[0])
-    exact[1] = ref.l2norm_bwd(b7["k"].double(), normed["k_rstd"].double(), exact[1])
+    exact = stage_b7b10.BENCH.exact(**b7, **gate, **normed)
     names = ("dq", "dk", "db", "dg", "dA_log", "ddt_bias")
     bars = {**B7_BARS, "dA_log": ref.BUDGETS["dA_log"], "ddt_bias": ref.BUDGETS["ddt_bias"]}
     fla_exact = {n: ref.rel_rms(a, b) for n, a, b in zip(names, theirs, exact) if b is not None}

@@ -6,8 +6,9 @@ Shapes (bf16 x, fp32 weight, W=4, SiLU, no bias: a KimiDeltaAttention layer's q/
 convolutions): d2048 and d4096 are B16 T8192; packed2048 is the same tokens as one packed
 batch of documents (lengths drawn once, seeded, 1 to 16,384 tokens). Parity first: y and
 every gradient against fla's on the same inputs (bf16: y within 1e-3 relative RMS, dx
-and dweight 2e-3: fla takes SiLU's derivative at the pre-activation rounded to bf16) and y, dx and dweight against the float64
-reference on the whole batch (no more than 10% worse than fla's own error); the launch witness
+and dweight 2e-3: fla takes SiLU's derivative at the pre-activation rounded to bf16), and
+y, dx and dweight against the float64 reference on the whole batch (no more than 10% worse
+than fla's own error); the launch witness
 (``kernel_fun.cconv.last_route``). Then the median of CUDA-event timings, fla and every
 config interleaved round by round. Rows go to ``bench/results/cconv.jsonl``.
 """

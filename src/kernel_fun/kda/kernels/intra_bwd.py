@@ -423,7 +423,8 @@ def intra_bwd_wide_kernel(
     b_c = tl.load(beta + t * HV, mask=m_t, other=0).to(tl.float32)
     tl.store(db_part + i_k * NT_ROWS + (row0 + t) * HV + i_hv, tl.sum(acc_kr * k_c, axis=1), mask=m_t)
     acc_kr *= b_c[:, None]
-    if L2NORM:
+    # the stores as measured without L2NORM (named values there reschedule wide-chunk's sm_90a code)
+    if L2NORM:  # this slice's share of each row's dot with q (k), for B10 by the last slice
         dq_v = tl.load(dq + p, mask=m_tk, other=0) + acc_q
         dk_v = tl.load(dk + p, mask=m_tk, other=0) + acc_kr + acc_c
         tl.store(dq2 + p, dq_v, mask=m_tk)
@@ -515,11 +516,8 @@ def intra_bwd_tail(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_se
     is B8's (the intra-chunk reverse cumsum of B7's dg, fp32) and the last two are None;
     with it (the gate in the op: ``g`` the raw gate, ``dt_bias`` or None, ``lower_bound``
     or None) dg is B9's, in g's dtype, with dA_log's and dt_bias's gradients."""
-    tensors = dict(q=q, k=k, gc=gc, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db, dg=dg, g=g,
-                   A_log=A_log, dt_bias=dt_bias)
-    args = _launch_args(design, tensors, chunk_size, cu_seqlens, chunk_indices, BK, num_warps, num_stages, maxnreg)
-    gate = dict(g=g, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound) if A_log is not None else None
-    return _launch(args, db, tail=2 if gate else 1, gate=gate)
+    return _tail(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens, chunk_indices, g, A_log,
+                 dt_bias, lower_bound, BK, num_warps, num_stages, maxnreg, design)
 
 
 def intra_bwd_l2(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens, chunk_indices, safe_gate,
@@ -531,11 +529,19 @@ def intra_bwd_l2(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seql
     k the normalized rows, q_rstd and k_rstd their reciprocal norms), in q's and k's dtype."""
     if q.shape[2] != gc.shape[2]:
         raise ValueError("B10 in B7's pass needs H == HV (with GVA dq and dk sum over value heads first)")
+    return _tail(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens, chunk_indices, g, A_log,
+                 dt_bias, lower_bound, BK, num_warps, num_stages, maxnreg, design,
+                 l2norm=dict(q_rstd=q_rstd.contiguous(), k_rstd=k_rstd.contiguous()))
+
+
+def _tail(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens, chunk_indices, g, A_log, dt_bias,
+          lower_bound, BK, num_warps, num_stages, maxnreg, design, l2norm=None):
+    """The B7-B9 unit's launch, and with ``l2norm`` the B7-B10 one's."""
     tensors = dict(q=q, k=k, gc=gc, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db, dg=dg, g=g,
-                   A_log=A_log, dt_bias=dt_bias, q_rstd=q_rstd, k_rstd=k_rstd)
+                   A_log=A_log, dt_bias=dt_bias)
     args = _launch_args(design, tensors, chunk_size, cu_seqlens, chunk_indices, BK, num_warps, num_stages, maxnreg)
     gate = dict(g=g, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound) if A_log is not None else None
-    return _launch(args, db, tail=2 if gate else 1, gate=gate, l2norm=dict(q_rstd=q_rstd, k_rstd=k_rstd))
+    return _launch(args, db, tail=2 if gate else 1, gate=gate, l2norm=l2norm)
 
 
 def _launch(args: dict, db, tail: int = 0, gate: dict | None = None, l2norm: dict | None = None):
@@ -559,7 +565,7 @@ def _launch(args: dict, db, tail: int = 0, gate: dict | None = None, l2norm: dic
     extra = {}
     if l2norm is not None:
         # each slice's share of the rows' dots, and a counter a chunk-head for the last to arrive
-        extra = dict(q_rstd=l2norm["q_rstd"].contiguous(), k_rstd=l2norm["k_rstd"].contiguous(),
+        extra = dict(q_rstd=l2norm["q_rstd"], k_rstd=l2norm["k_rstd"],
                      dq_out=torch.empty_like(args["q"]), dk_out=torch.empty_like(args["k"]),
                      dot_part=torch.empty(2, NK, B * T * HV, device=dev, dtype=torch.float32),
                      arrived=torch.zeros(NT_ALL * HV, device=dev, dtype=torch.int32), L2NORM=True)
