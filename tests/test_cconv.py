@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import needs_triton
-from kernel_fun.cconv import causal_conv1d, is_supported
+from kernel_fun.cconv import causal_conv1d, is_supported, last_route
 from kernel_fun.cconv import kernels as K
 from kernel_fun.cconv import op
 from kernel_fun.cconv.reference import conv_reference
@@ -76,7 +76,7 @@ def _kernels(x, weight, bias=None, residual=None, initial_state=None, cu_seqlens
              output_final_state=False):
     """The kernels through the autograd function, as the op runs them on a GPU."""
     D, W = weight.shape
-    seg_index, TS = op._segments(cu_seqlens, None, None, x.device)
+    seg_index, TS = op._segments(cu_seqlens, x.shape[1], x.device)
     y, fs = op.CausalConv1dFunction.apply(x, weight, bias, residual, initial_state, output_final_state,
                                           activation in ("silu", "swish"), cu_seqlens, seg_index, TS)
     return y, fs
@@ -119,37 +119,14 @@ CASES = [  # (B, T, D, W, bias, residual, h0, final, activation, seqlens)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c[0]}-T{c[1] or sum(c[9])}-D{c[2]}-W{c[3]}"
                          + ("-varlen" if c[9] else "") + ("-h0" if c[6] else "") + ("-bias" if c[4] else ""))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("ahead", [False, True], ids=["serial", "ahead"])
-def test_kernels_match_the_float64_reference(case, dtype, ahead):
+def test_kernels_match_the_float64_reference(case, dtype):
     """y, the final state and every gradient (dx, dweight, dbias, dh0) against the float64
     reference's autograd: T = 1, 3, 63, 500; D not a multiple of the strip; W = 1..4; bias
     on and off; residual; initial state; packed sequences, some shorter than W; a
-    final-state gradient (which reaches dh0 where a sequence is shorter than W). Both loop
-    forms: a token's loads, outputs and stores in turn, and eight tokens' loads ahead."""
+    final-state gradient (which reaches dh0 where a sequence is shorter than W)."""
     B, T, D, W, bias, residual, h0, final, act, seqlens = case
     kw = _inputs(B, T, D, W, dtype, bias, residual, h0, seqlens)
-    with K.use_config(AHEAD=ahead):
-        _check(kw, act, final, dtype, case)
-
-
-@needs_triton
-@pytest.mark.parametrize("case", [CASES[1], CASES[3], CASES[4], CASES[7], CASES[9]],
-                         ids=["T3-h0", "T500-swish", "W3", "varlen", "empty-seqs"])
-def test_loads_ahead_is_the_serial_kernel_bit_for_bit(case):
-    """The loads-ahead form does each token's arithmetic as the serial form does, in the
-    same order: every output and gradient equal bit for bit, at segments that end inside
-    an iteration of eight tokens (TS=20) and at the pinned ones."""
-    B, T, D, W, bias, residual, h0, final, act, seqlens = case
-    kw = _inputs(B, T, D, W, torch.float32, bias, residual, h0, seqlens)
-    for TS in (20, K.DEFAULT_CONFIG["TS"]):
-        with K.use_config(TS=TS):
-            serial = _grads(_kernels, kw, act, final)
-        with K.use_config(TS=TS, AHEAD=True):
-            ahead = _grads(_kernels, kw, act, final)
-        assert serial.keys() == ahead.keys()
-        for n in serial:
-            assert (serial[n] is None) == (ahead[n] is None), n
-            assert serial[n] is None or torch.equal(serial[n], ahead[n]), (TS, n)
+    _check(kw, act, final, dtype, case)
 
 
 @needs_triton
@@ -174,22 +151,35 @@ def test_strided_x_and_packed_equals_per_sequence_calls():
         assert torch.equal(y[:, bounds[n]:bounds[n + 1]], y1) and torch.equal(fs[n:n + 1], fs1)
 
 
+def test_segment_index_is_built_on_the_device_from_the_offsets():
+    """The packed segment list from cu_seqlens alone: every sequence's segments in order,
+    an empty sequence none, and the spare slots of the host's bound ceil(tokens / TS) + N
+    on the last sequence past its end (their programs run no token)."""
+    lens = [70, 0, 200, 3, 512]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    seg = K.segment_index(cu, sum(lens), 64)
+    want = [(n, i) for n, L in enumerate(lens) for i in range(-(-L // 64))]
+    assert seg.dtype == torch.int32 and seg.shape == (-(-sum(lens) // 64) + len(lens), 2)
+    assert [tuple(r) for r in seg[:len(want)].tolist()] == want
+    spare = seg[len(want):]
+    assert (spare[:, 0] == len(lens) - 1).all() and (spare[:, 1] * 64 >= lens[-1]).all()
+
+
 @needs_triton
-def test_fla_chunk_indices_serve_as_segments():
-    """With fla's 64-token chunk index the kernels take it as their segments (no host copy):
-    the same result as the kernels' own segment index."""
+def test_packed_call_ignores_the_host_hints():
+    """cu_seqlens_cpu and fla's chunk_indices change nothing: the same outputs bit for bit
+    with and without them (the segments come from cu_seqlens on the device)."""
     from fla.ops.utils import prepare_chunk_indices
 
     kw = _inputs(1, None, 48, 4, torch.float32, h0=True, seqlens=(70, 200, 3))
     ci = prepare_chunk_indices(kw["cu_seqlens"], 64)
-    seg, TS = op._segments(kw["cu_seqlens"], None, ci, kw["x"].device)
-    assert TS == 64
-    y1 = K.conv_fwd(kw["x"], kw["weight"], kw["bias"], None, kw["initial_state"], True, kw["cu_seqlens"], seg, TS)
-    seg2, TS2 = op._segments(kw["cu_seqlens"], None, None, kw["x"].device)
-    y2 = K.conv_fwd(kw["x"], kw["weight"], kw["bias"], None, kw["initial_state"], True, kw["cu_seqlens"], seg2, TS2)
-    assert TS2 == K.DEFAULT_CONFIG["TS"] and torch.allclose(y1, y2, rtol=0, atol=0)
+    y1, f1 = causal_conv1d(**kw, activation="silu", output_final_state=True)
+    y2, f2 = causal_conv1d(**kw, activation="silu", output_final_state=True, chunk_indices=ci,
+                           cu_seqlens_cpu=kw["cu_seqlens"].cpu())
+    assert last_route() == "kernels" and torch.equal(y1, y2) and torch.equal(f1, f2)
 
 
+@needs_triton
 def test_dweight_is_deterministic():
     """The weight's and bias's gradients are partials per program summed in a fixed order:
     two runs agree bit for bit."""
@@ -318,16 +308,16 @@ def test_patch_fla_routes_every_causal_conv1d_binding():
 
 
 @needs_triton
-@pytest.mark.parametrize("config", [dict(BD=32, G=3, TS=16, num_warps=1), dict(BD=64, G=16, TS=64, num_warps=2),
-                                    dict(BD=32, TS=20, num_warps=1, AHEAD=True), dict(BD=128, TS=64, num_warps=4, AHEAD=True)],
-                         ids=["BD32-G3-TS16", "BD64-G16-TS64", "ahead-BD32-TS20", "ahead-BD128-TS64"])
+@pytest.mark.parametrize("config", [dict(BD=32, TS=16, num_warps=1), dict(BD=64, TS=64, num_warps=2),
+                                    dict(BD=32, TS=20, num_warps=1), dict(BD=128, TS=64, num_warps=4)],
+                         ids=["BD32-TS16", "BD64-TS64", "BD32-TS20", "BD128-TS64"])
 def test_other_builds_match_the_reference(config):
     """Other strips, segment lengths and unrolls (the bench's sweep), through use_config: a
     segment that ends mid-iteration, many segments a sequence (each with its halo), a
     strip wider than D's tail; forward and backward launch with the same config."""
     kw = _inputs(2, 150, 70, 4, torch.float32, h0=True, residual=True)
     with K.use_config(**config):
-        seg_index, TS = op._segments(None, None, None, kw["x"].device)
+        seg_index, TS = op._segments(None, kw["x"].shape[1], kw["x"].device)
         assert TS == config["TS"]
         ours = _grads(causal_conv1d, kw, "silu", True)
     want = _grads(_oracle(**kw), kw, "silu", True)
@@ -336,12 +326,11 @@ def test_other_builds_match_the_reference(config):
 
 
 @pytest.mark.skipif(__import__("triton").__version__ != "3.6.0", reason="figures recorded with Triton 3.6.0's ptxas")
-@pytest.mark.parametrize("design", ["cconv-fwd", "cconv-bwd", "cconv-fwd-ahead", "cconv-bwd-ahead"])
+@pytest.mark.parametrize("design", ["cconv-fwd", "cconv-bwd"])
 def test_pinned_config_compiles_without_spills(design):
-    """Both kernels at the pin, in both loop forms, as ptxas assembles them for sm_90a
-    (D=2048, bf16, W=4, SiLU, x dense as a launch specializes it), in a process without the
-    interpreter: no spills (serial: the forward 48 registers, the backward 88; loads ahead:
-    60 and 128)."""
+    """Both kernels at the pin as ptxas assembles them for sm_90a (D=2048, bf16, W=4, SiLU,
+    x dense as a launch specializes it), in a process without the interpreter: no spills
+    (the forward 60 registers, the backward 128)."""
     import json
     import os
     import subprocess
@@ -351,7 +340,7 @@ def test_pinned_config_compiles_without_spills(design):
     env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = [sys.executable, "-m", "tools.compile_report", "--design", design, "--BV", str(cfg["BD"]),
-           "--warps", str(cfg["num_warps"]), "--stages", "1", "--bks", str(cfg["G"])]
+           "--warps", str(cfg["num_warps"]), "--stages", "1"]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=root)
     row = json.loads(out.stdout.strip().splitlines()[-1])
     assert "error" not in row and row["spill_stores"] == 0 and row["spill_loads"] == 0, row
@@ -359,7 +348,9 @@ def test_pinned_config_compiles_without_spills(design):
 
 def test_the_readme_table_shows_the_pinned_config_against_fla():
     """bench/results rows of kind cconv: fla's and the pinned config's, the ratio against
-    fla's row of the same run; a sweep config that is not the pin stays out."""
+    fla's row of the same run; a sweep config that is not the pin stays out. A row from
+    before the one-token loop's deletion counts as the pin where it ran today's loop
+    (AHEAD=True, its ignored unroll G), not where it ran the deleted one (G alone)."""
     from kernel_fun.bench import results
 
     from kernel_fun.bench.stage import config_label
@@ -371,3 +362,8 @@ def test_the_readme_table_shows_the_pinned_config_against_fla():
     table = results.cconv_table(rows)
     assert "| d2048 | fwd+bwd | kernel-fun | 0.780 (0.700–0.800) | 3.00x | 0.63 | ok |" in table
     assert "0.500" not in table and results.cconv_table([]) == ""
+    old = dict(base, commit="old", date="2026-12-01T00:00:00")
+    then = [dict(old, impl="fla", ms=2.4), dict(old, impl="ours[...]", ms=1.2, config={**K.DEFAULT_CONFIG, "AHEAD": True, "G": 8}),
+            dict(old, impl="ours[G=8]", ms=1.7, config={**K.DEFAULT_CONFIG, "G": 8})]
+    table = results.cconv_table(then)
+    assert "| kernel-fun | 1.200 (0.700–0.800) | 2.00x |" in table and "1.700" not in table, table

@@ -137,10 +137,9 @@ def b6_report(design: str, K: int, V: int, H: int, HV: int, BV: int, num_warps: 
 
 
 def b7_report(K: int, H: int, HV: int, BK: int, num_warps: int, num_stages: int, dtype: str = "bf16",
-              design: str = "wide-chunk", maxnreg: int | None = None, tail: int = 0, l2norm: bool = False) -> dict:
+              design: str = "wide-chunk", maxnreg: int | None = None, tail: int = 0) -> dict:
     """B7's kernel (kda/kernels/intra_bwd.py), dense sequences, in one of its designs
-    (``intra_bwd.DESIGNS``); ``tail`` 1 with B8, 2 with B8 and B9 (dt_bias, softplus form);
-    ``l2norm`` with B10 (H == HV)."""
+    (``intra_bwd.DESIGNS``); ``tail`` 1 with B8, 2 with B8 and B9 (dt_bias, softplus form)."""
     from kernel_fun.kda.kernels import intra_bwd
 
     types = {"q": _PTR[dtype], "k": _PTR[dtype], "beta": _PTR[dtype], "NT_ROWS": "i32", "NT_ALL": "i32",
@@ -154,12 +153,6 @@ def b7_report(K: int, H: int, HV: int, BK: int, num_warps: int, num_stages: int,
                       HALVES=design == "wide-halves",
                       TAIL=tail, HAS_BIAS=tail == 2, USE_LOWER_BOUND=False,
                       **({} if tail == 2 else dict.fromkeys(gate)))
-    l2 = dict(q_rstd="*fp32", k_rstd="*fp32", dq_out=_PTR[dtype], dk_out=_PTR[dtype], dot_part="*fp32", arrived="*i32")
-    if l2norm:
-        types.update(l2)
-        constexprs["L2NORM"] = True
-    else:
-        constexprs.update(dict.fromkeys(l2), L2NORM=False)
     return compile_sm90(intra_bwd.intra_bwd_wide_kernel, types, constexprs, num_warps, num_stages, maxnreg)
 
 
@@ -181,16 +174,15 @@ def prep_report(K: int, V: int, H: int, HV: int, BKS: int, BV: int, num_warps: i
     return compile_sm90(prep_fwd.prep_fwd_kernel, types, constexprs, num_warps, num_stages)
 
 
-def cconv_report(D: int, BD: int, num_warps: int, G: int, TS: int = 256, backward: bool = False,
-                 ahead: bool = False) -> dict:
+def cconv_report(D: int, BD: int, num_warps: int, TS: int = 256, backward: bool = False) -> dict:
     """The short convolution's forward or backward kernel (cconv/kernels.py): bf16 x, fp32
-    weight, W=4, SiLU, no bias, dense sequences; the serial loop form or the loads-ahead one."""
+    weight, W=4, SiLU, no bias, dense sequences."""
     from kernel_fun.cconv import kernels as K
 
     # x dense: channel stride 1 (a constant of the kernel), the others multiples of 16, as a launch specializes them
     types = dict(x="*bf16", w="*fp32", residual="*bf16", y="*bf16", dy="*bf16", dx="*bf16", dw_part="*fp32",
                  T="i32", stride_b="i32", stride_t="i32")
-    constexprs = dict(D=D, W=4, BD=BD, TS=TS, G=G, AHEAD=ahead, SILU=True, HAS_BIAS=False, HAS_H0=False,
+    constexprs = dict(D=D, W=4, BD=BD, TS=TS, SILU=True, HAS_BIAS=False, HAS_H0=False,
                       IS_VARLEN=False, seg_index=None, cu_seqlens=None, bias=None, h0=None, stride_d=1)
     if backward:
         constexprs.update(HAS_DHT=False, dht=None, db_part=None, dh0=None)
@@ -210,8 +202,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--design", default="fullk",
                         help="fullk (B6), one of B7's designs (--BV its K slice), prep or prep-fused (F3-F6; --BV its "
-                             "V tile, --bks its K slice), cconv-fwd or cconv-bwd, -ahead for the loads-ahead form (--BV the channel strip, --bks "
-                             "the unroll, --V the channels: 2048 by default)")
+                             "V tile, --bks its K slice), cconv-fwd or cconv-bwd (--BV the channel strip, --V the "
+                             "channels: 2048 by default)")
     parser.add_argument("--bks", type=int, default=64, help="the prep kernel's K slice")
     parser.add_argument("--K", type=int, default=128)
     parser.add_argument("--V", type=int, default=256)
@@ -222,7 +214,6 @@ def main(argv=None):
     parser.add_argument("--stages", default="1,2,3")
     parser.add_argument("--maxnreg", type=int, default=None)
     parser.add_argument("--tail", type=int, default=0, help="B7's block form: 1 with B8, 2 with B8 and B9")
-    parser.add_argument("--l2norm", action="store_true", help="B7's kernel with B10 in the pass (H == HV)")
     parser.add_argument("--extra", default="{}", help="JSON of fullk switches, e.g. '{\"PF_ITER\": -1}'")
     args = parser.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)
@@ -234,15 +225,15 @@ def main(argv=None):
                        BV=BV,
                        **({"switches": json.loads(args.extra)} if args.extra != "{}" else {}))
             try:
-                if design.startswith("cconv-"):  # --BV its channel strip, --bks its unroll G
-                    row.update(cconv_report(args.V if args.V != 256 else 2048, BV, warps, args.bks,
-                                            backward=design.startswith("cconv-bwd"), ahead=design.endswith("-ahead")))
+                if design.startswith("cconv-"):  # --BV its channel strip
+                    row.update(cconv_report(args.V if args.V != 256 else 2048, BV, warps,
+                                            backward=design == "cconv-bwd"))
                 elif design in ("prep", "prep-fused"):
                     row.update(prep_report(args.K, args.V, args.H, args.HV, args.bks, BV, warps, stages,
                                            fused=design == "prep-fused"))
                 elif design in intra_bwd.DESIGNS:  # B7: --BV is its K slice
                     row.update(b7_report(args.K, args.H, args.HV, BV, warps, stages, design=design, maxnreg=args.maxnreg,
-                                         tail=args.tail, l2norm=args.l2norm))
+                                         tail=args.tail))
                 else:
                     row.update(b6_report(design, args.K, args.V, args.H, args.HV, BV, warps, stages,
                                          maxnreg=args.maxnreg, extra=json.loads(args.extra)))

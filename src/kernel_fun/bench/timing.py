@@ -29,6 +29,21 @@ def cuda_times(fn, reps: int) -> list[float]:
     return out
 
 
+def stream_time(fn, reps: int) -> float:
+    """Milliseconds a call of ``reps`` calls issued back to back between one pair of CUDA
+    events: the host runs ahead as in a training step, so this is the GPU's time a call
+    where the host keeps up (``cuda_times`` syncs after each call and counts the host's
+    time before the first launch too)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    fn()
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
 def summary(times: list[float]) -> dict:
     return {"median": statistics.median(times), "p10": percentile(times, 0.1),
             "p90": percentile(times, 0.9), "n": len(times)}

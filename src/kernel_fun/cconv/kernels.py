@@ -18,28 +18,31 @@ segment of a sequence also forms dh0 (the first W-1 tokens' g against the taps t
 the initial state); the final state's gradient lands on the last W tokens' dx, and on dh0
 where the sequence is shorter than W.
 
-Two loop forms, the same arithmetic a token in the same order. Serial (the pin): G tokens
-an iteration, each token's load, output and store in turn. The compiler cannot tell that x
-and y (dy and dx) do not overlap, so no load is issued before the previous token's store:
-one load in flight a thread, a memory latency a token (sm_90a listing: LDG, STG, LDG, ...).
-Loads ahead (``AHEAD``, the bench's candidate): eight tokens' x loads (and the residual's,
-or dy's in the backward) issued together at the top of each iteration, then their outputs
-and stores (sm_90a: eight LDG.64 a thread, sixteen with a residual and in the backward,
-before the first STG). Interpreter-exact bit for bit
-against the serial form; not yet measured on the H200.
+The loop takes eight tokens an iteration: their x loads (and the residual's, or dy's in the
+backward) are issued together at the top, then their outputs and stores. The compiler cannot
+tell that x and y (dy and dx) do not overlap, so a load written after a store is never
+issued before it; a loop of a token's load, output and store in turn keeps one load in
+flight a thread and pays a memory latency a token (the form measured before this one: d2048
+fwd+bwd 1.707 ms against this form's 1.038; sm_90a listing LDG, STG, LDG, ...). Here the
+sm_90a code has eight LDG.64 a thread (sixteen with a residual and in the backward) before
+the first STG.
 
 Numerics: fp32 inside, the output rounded once to its dtype (bf16: round to nearest even);
 sigmoid as 1 / (1 + exp2(-z log2 e)) with a fast reciprocal (a few ulp of fp32). Against
 the float64 reference at d2048 (H200): y 1.67e-3 relative RMS (fla's the same), dx 2.73e-3
 (fla's 2.80e-3), dweight 1.67e-3 (fla's 1.76e-3).
 
-Packed sequences: segments never cross a sequence's end (a segment list of (sequence,
-first token) pairs); fla's ``chunk_indices`` (64-token chunks) serve as the list directly.
+Packed sequences: segments never cross a sequence's end. The (sequence, segment) list is
+built on the device from ``cu_seqlens`` (a few small torch ops, no host copy or sync), its
+length the host's bound ceil(tokens / TS) + N; the spare slots run no token.
 
-Measured (H200, B16 T8192 W4 SiLU bf16, bench/results/cconv.jsonl at bb25b91), serial
-form at the pin: D=2048 forward 0.496 ms against fla's 0.588 (floor 0.25), fwd+bwd 1.727
-against 2.768 (floor 0.63); D=4096 0.865 against 1.002 (floor 0.51), fwd+bwd 2.830 against
-5.002 (floor 1.26). At 2x and 2.7x their floors: the latency a token above.
+Measured (H200, B16 T8192 W4 SiLU bf16, bench/results/cconv.jsonl at fda8f2c; each call
+timed alone, host time included): D=2048 fwd 0.448 ms against fla's 0.539 (floor 0.25),
+fwd+bwd 1.038 against 2.806 (floor 0.63); D=4096 fwd 0.740 against 1.051 (floor 0.51),
+fwd+bwd 1.763 against 5.007 (floor 1.26). Packed (the d2048 tokens as 20 sequences of 660-15,538):
+fwd 0.737 against 0.586, fwd+bwd 1.385 against 3.237, with the segment list then built on
+the host (a Python loop and a copy to the device: the forward's 0.29 ms over the dense
+case); the device-built list is not yet measured.
 """
 
 from __future__ import annotations
@@ -161,9 +164,9 @@ def _fwd_token(t, s1, x0, xm1, xm2, xm3, w0, w1, w2, w3, b, y, res, o_d, m_d, D:
 @triton.jit
 def causal_conv1d_fwd_kernel(
     x, w, bias, residual, h0, y, seg_index, cu_seqlens, T, stride_b, stride_t, stride_d: tl.constexpr,
-    D: tl.constexpr, W: tl.constexpr, BD: tl.constexpr, TS: tl.constexpr, G: tl.constexpr,
+    D: tl.constexpr, W: tl.constexpr, BD: tl.constexpr, TS: tl.constexpr,
     SILU: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_H0: tl.constexpr,
-    IS_VARLEN: tl.constexpr, AHEAD: tl.constexpr = False,
+    IS_VARLEN: tl.constexpr,
 ):
     """y = act(sum_k w_k x[t - k] + bias) + residual on one (strip, segment): x strided
     ([B, T, D] by stride_b, stride_t, stride_d; packed: B = 1), y and residual dense. The
@@ -179,45 +182,32 @@ def causal_conv1d_fwd_kernel(
     bb = w0
     if HAS_BIAS:
         bb = b
-    if AHEAD:  # eight tokens' loads issued together, then their outputs
-        for t8 in range(s0, s1, 8):
-            t0 = tl.cast(t8, tl.int32)  # a tensor in the interpreter too
-            x0, x1, x2, x3, x4, x5, x6, x7 = _ld8(x, t0, s1, stride_t, o_d, stride_d, m_d)
-            r0, r1, r2, r3, r4, r5, r6, r7 = x0, x1, x2, x3, x4, x5, x6, x7  # (unused without a residual)
-            if HAS_RESIDUAL:
-                r0, r1, r2, r3, r4, r5, r6, r7 = _ld8(residual, t0, s1, D, o_d, 1, m_d)
-            _fwd_token(t0, s1, x0, xm1, xm2, xm3, w0, w1, w2, w3, bb, y, r0, o_d, m_d, D, SILU, HAS_BIAS,
-                       HAS_RESIDUAL)
-            _fwd_token(t0 + 1, s1, x1, x0, xm1, xm2, w0, w1, w2, w3, bb, y, r1, o_d, m_d, D, SILU, HAS_BIAS,
-                       HAS_RESIDUAL)
-            _fwd_token(t0 + 2, s1, x2, x1, x0, xm1, w0, w1, w2, w3, bb, y, r2, o_d, m_d, D, SILU, HAS_BIAS,
-                       HAS_RESIDUAL)
-            _fwd_token(t0 + 3, s1, x3, x2, x1, x0, w0, w1, w2, w3, bb, y, r3, o_d, m_d, D, SILU, HAS_BIAS,
-                       HAS_RESIDUAL)
-            _fwd_token(t0 + 4, s1, x4, x3, x2, x1, w0, w1, w2, w3, bb, y, r4, o_d, m_d, D, SILU, HAS_BIAS,
-                       HAS_RESIDUAL)
-            _fwd_token(t0 + 5, s1, x5, x4, x3, x2, w0, w1, w2, w3, bb, y, r5, o_d, m_d, D, SILU, HAS_BIAS,
-                       HAS_RESIDUAL)
-            _fwd_token(t0 + 6, s1, x6, x5, x4, x3, w0, w1, w2, w3, bb, y, r6, o_d, m_d, D, SILU, HAS_BIAS,
-                       HAS_RESIDUAL)
-            _fwd_token(t0 + 7, s1, x7, x6, x5, x4, w0, w1, w2, w3, bb, y, r7, o_d, m_d, D, SILU, HAS_BIAS,
-                       HAS_RESIDUAL)
-            xm3 = x5
-            xm2 = x6
-            xm1 = x7
-    else:
-        for t0 in range(s0, s1, G):
-            for u in tl.static_range(G):
-                t = t0 + u
-                x0 = tl.load(x + t.to(tl.int64) * stride_t + o_d * stride_d, mask=m_d & (t < s1), other=0).to(tl.float32)
-                res = x0
-                if HAS_RESIDUAL:
-                    res = tl.load(residual + t.to(tl.int64) * D + o_d, mask=m_d & (t < s1), other=0).to(tl.float32)
-                _fwd_token(t, s1, x0, xm1, xm2, xm3, w0, w1, w2, w3, bb, y, res, o_d, m_d, D, SILU, HAS_BIAS,
-                           HAS_RESIDUAL)
-                xm3 = xm2
-                xm2 = xm1
-                xm1 = x0
+    # eight tokens' loads issued together, then their outputs
+    for t8 in range(s0, s1, 8):
+        t0 = tl.cast(t8, tl.int32)  # a tensor in the interpreter too
+        x0, x1, x2, x3, x4, x5, x6, x7 = _ld8(x, t0, s1, stride_t, o_d, stride_d, m_d)
+        r0, r1, r2, r3, r4, r5, r6, r7 = x0, x1, x2, x3, x4, x5, x6, x7  # (unused without a residual)
+        if HAS_RESIDUAL:
+            r0, r1, r2, r3, r4, r5, r6, r7 = _ld8(residual, t0, s1, D, o_d, 1, m_d)
+        _fwd_token(t0, s1, x0, xm1, xm2, xm3, w0, w1, w2, w3, bb, y, r0, o_d, m_d, D, SILU, HAS_BIAS,
+                   HAS_RESIDUAL)
+        _fwd_token(t0 + 1, s1, x1, x0, xm1, xm2, w0, w1, w2, w3, bb, y, r1, o_d, m_d, D, SILU, HAS_BIAS,
+                   HAS_RESIDUAL)
+        _fwd_token(t0 + 2, s1, x2, x1, x0, xm1, w0, w1, w2, w3, bb, y, r2, o_d, m_d, D, SILU, HAS_BIAS,
+                   HAS_RESIDUAL)
+        _fwd_token(t0 + 3, s1, x3, x2, x1, x0, w0, w1, w2, w3, bb, y, r3, o_d, m_d, D, SILU, HAS_BIAS,
+                   HAS_RESIDUAL)
+        _fwd_token(t0 + 4, s1, x4, x3, x2, x1, w0, w1, w2, w3, bb, y, r4, o_d, m_d, D, SILU, HAS_BIAS,
+                   HAS_RESIDUAL)
+        _fwd_token(t0 + 5, s1, x5, x4, x3, x2, w0, w1, w2, w3, bb, y, r5, o_d, m_d, D, SILU, HAS_BIAS,
+                   HAS_RESIDUAL)
+        _fwd_token(t0 + 6, s1, x6, x5, x4, x3, w0, w1, w2, w3, bb, y, r6, o_d, m_d, D, SILU, HAS_BIAS,
+                   HAS_RESIDUAL)
+        _fwd_token(t0 + 7, s1, x7, x6, x5, x4, w0, w1, w2, w3, bb, y, r7, o_d, m_d, D, SILU, HAS_BIAS,
+                   HAS_RESIDUAL)
+        xm3 = x5
+        xm2 = x6
+        xm1 = x7
 
 
 @triton.jit
@@ -269,8 +259,8 @@ def _bwd_token(t, s0, s1, T_seq, n, first, g, gm1, gm2, gm3, x0, xm1, xm2, xm3, 
 def causal_conv1d_bwd_kernel(
     x, w, bias, h0, dy, dht, dx, dw_part, db_part, dh0, seg_index, cu_seqlens, T,
     stride_b, stride_t, stride_d: tl.constexpr, D: tl.constexpr, W: tl.constexpr, BD: tl.constexpr,
-    TS: tl.constexpr, G: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_H0: tl.constexpr, HAS_DHT: tl.constexpr,
-    IS_VARLEN: tl.constexpr, AHEAD: tl.constexpr = False,
+    TS: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_H0: tl.constexpr, HAS_DHT: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
 ):
     """dx on one (strip, segment), its partials of dw ([P, D, W] at program P) and db
     ([P, D]), and, on a sequence's first segment, dh0 [N, D, W] (slot 0 is 0: the forward
@@ -291,95 +281,49 @@ def causal_conv1d_bwd_kernel(
     bb = w0
     if HAS_BIAS:
         bb = b
-    if AHEAD:  # eight tokens' x and dy loads issued together, then their dx
-        for t8 in range(s0, s1 + 3, 8):
-            t0 = tl.cast(t8, tl.int32)  # a tensor in the interpreter too
-            x0, x1, x2, x3, x4, x5, x6, x7 = _ld8(x, t0, T_seq, stride_t, o_d, stride_d, m_d)
-            e0, e1, e2, e3, e4, e5, e6, e7 = _ld8(dy, t0, T_seq, D, o_d, 1, m_d)
-            g0 = _bwd_g(x0, xm1, xm2, xm3, e0, w0, w1, w2, w3, bb, SILU, HAS_BIAS)
-            g1 = _bwd_g(x1, x0, xm1, xm2, e1, w0, w1, w2, w3, bb, SILU, HAS_BIAS)
-            g2 = _bwd_g(x2, x1, x0, xm1, e2, w0, w1, w2, w3, bb, SILU, HAS_BIAS)
-            g3 = _bwd_g(x3, x2, x1, x0, e3, w0, w1, w2, w3, bb, SILU, HAS_BIAS)
-            g4 = _bwd_g(x4, x3, x2, x1, e4, w0, w1, w2, w3, bb, SILU, HAS_BIAS)
-            g5 = _bwd_g(x5, x4, x3, x2, e5, w0, w1, w2, w3, bb, SILU, HAS_BIAS)
-            g6 = _bwd_g(x6, x5, x4, x3, e6, w0, w1, w2, w3, bb, SILU, HAS_BIAS)
-            g7 = _bwd_g(x7, x6, x5, x4, e7, w0, w1, w2, w3, bb, SILU, HAS_BIAS)
-            dw0, dw1, dw2, dw3, db, dh1, dh2, dh3 = _bwd_token(
-                t0, s0, s1, T_seq, n, first, g0, gm1, gm2, gm3, x0, xm1, xm2, xm3, w0, w1, w2, w3,
-                dw0, dw1, dw2, dw3, db, dh1, dh2, dh3, dht, dx, o_d, m_d, D, W, HAS_H0, HAS_DHT)
-            dw0, dw1, dw2, dw3, db, dh1, dh2, dh3 = _bwd_token(
-                t0 + 1, s0, s1, T_seq, n, first, g1, g0, gm1, gm2, x1, x0, xm1, xm2, w0, w1, w2, w3,
-                dw0, dw1, dw2, dw3, db, dh1, dh2, dh3, dht, dx, o_d, m_d, D, W, HAS_H0, HAS_DHT)
-            dw0, dw1, dw2, dw3, db, dh1, dh2, dh3 = _bwd_token(
-                t0 + 2, s0, s1, T_seq, n, first, g2, g1, g0, gm1, x2, x1, x0, xm1, w0, w1, w2, w3,
-                dw0, dw1, dw2, dw3, db, dh1, dh2, dh3, dht, dx, o_d, m_d, D, W, HAS_H0, HAS_DHT)
-            dw0, dw1, dw2, dw3, db, dh1, dh2, dh3 = _bwd_token(
-                t0 + 3, s0, s1, T_seq, n, first, g3, g2, g1, g0, x3, x2, x1, x0, w0, w1, w2, w3,
-                dw0, dw1, dw2, dw3, db, dh1, dh2, dh3, dht, dx, o_d, m_d, D, W, HAS_H0, HAS_DHT)
-            dw0, dw1, dw2, dw3, db, dh1, dh2, dh3 = _bwd_token(
-                t0 + 4, s0, s1, T_seq, n, first, g4, g3, g2, g1, x4, x3, x2, x1, w0, w1, w2, w3,
-                dw0, dw1, dw2, dw3, db, dh1, dh2, dh3, dht, dx, o_d, m_d, D, W, HAS_H0, HAS_DHT)
-            dw0, dw1, dw2, dw3, db, dh1, dh2, dh3 = _bwd_token(
-                t0 + 5, s0, s1, T_seq, n, first, g5, g4, g3, g2, x5, x4, x3, x2, w0, w1, w2, w3,
-                dw0, dw1, dw2, dw3, db, dh1, dh2, dh3, dht, dx, o_d, m_d, D, W, HAS_H0, HAS_DHT)
-            dw0, dw1, dw2, dw3, db, dh1, dh2, dh3 = _bwd_token(
-                t0 + 6, s0, s1, T_seq, n, first, g6, g5, g4, g3, x6, x5, x4, x3, w0, w1, w2, w3,
-                dw0, dw1, dw2, dw3, db, dh1, dh2, dh3, dht, dx, o_d, m_d, D, W, HAS_H0, HAS_DHT)
-            dw0, dw1, dw2, dw3, db, dh1, dh2, dh3 = _bwd_token(
-                t0 + 7, s0, s1, T_seq, n, first, g7, g6, g5, g4, x7, x6, x5, x4, w0, w1, w2, w3,
-                dw0, dw1, dw2, dw3, db, dh1, dh2, dh3, dht, dx, o_d, m_d, D, W, HAS_H0, HAS_DHT)
-            gm3 = g5
-            gm2 = g6
-            gm1 = g7
-            xm3 = x5
-            xm2 = x6
-            xm1 = x7
-    else:  # the per-token steps written out as they were measured (the helpers reschedule them)
-        for t0 in range(s0, s1 + 3, G):
-            for u in tl.static_range(G):
-                t = t0 + u
-                live = t < T_seq
-                own = t < s1
-                x0 = tl.load(x + t.to(tl.int64) * stride_t + o_d * stride_d, mask=m_d & live, other=0).to(tl.float32)
-                p = t.to(tl.int64) * D + o_d
-                g = tl.load(dy + p, mask=m_d & live, other=0).to(tl.float32)
-                if SILU:
-                    z = w0 * x0 + w1 * xm1 + w2 * xm2 + w3 * xm3
-                    if HAS_BIAS:
-                        z += b
-                    s = _sigmoid(z)
-                    g = g * (s * (1.0 + z * (1.0 - s)))
-                # (g is 0 past the sequence: dy's load; a token past s1 + 2 feeds only masked rows)
-                go = tl.where(own, g, 0.0)
-                dw0 += go * x0
-                dw1 += go * xm1
-                dw2 += go * xm2
-                dw3 += go * xm3
-                db += go
-                if HAS_H0:
-                    # token t < W - 1 of the sequence reads slot c (x[c - W]) through tap t - c + W
-                    ft = first & (t < W - 1)
-                    if W > 1:
-                        dh1 += tl.where(ft & (t < 1), g * tl.where(t == 0, w3 if W == 4 else (w2 if W == 3 else w1), 0.0), 0.0)
-                    if W > 2:
-                        dh2 += tl.where(ft & (t < 2), g * tl.where(t == 0, w2 if W == 4 else w1, tl.where(t == 1, w3 if W == 4 else w2, 0.0)), 0.0)
-                    if W > 3:
-                        dh3 += tl.where(ft & (t < 3), g * tl.where(t == 0, w1, tl.where(t == 1, w2, w3)), 0.0)
-                # dx for token r = t - 3: sum_k w_k g[r + k]
-                r = t - 3
-                acc = w0 * gm3 + w1 * gm2 + w2 * gm1 + w3 * g
-                if HAS_DHT:
-                    # the final state's slot c = r - T + W holds x[r]
-                    c = r - T_seq + W
-                    acc += tl.load(dht + n.to(tl.int64) * (D * W) + o_d * W + c, mask=m_d & (c >= 0) & (c < W) & (r >= 0),
-                                   other=0).to(tl.float32)
-                tl.store(dx + r.to(tl.int64) * D + o_d, to(acc, dx.dtype.element_ty), mask=m_d & (r >= s0) & (r < s1))
-                gm3 = gm2
-                gm2 = gm1
-                gm1 = g
-                xm3 = xm2
-                xm2 = xm1
-                xm1 = x0
+    # eight tokens' x and dy loads issued together, then their dx
+    for t8 in range(s0, s1 + 3, 8):
+        t0 = tl.cast(t8, tl.int32)  # a tensor in the interpreter too
+        x0, x1, x2, x3, x4, x5, x6, x7 = _ld8(x, t0, T_seq, stride_t, o_d, stride_d, m_d)
+        e0, e1, e2, e3, e4, e5, e6, e7 = _ld8(dy, t0, T_seq, D, o_d, 1, m_d)
+        g0 = _bwd_g(x0, xm1, xm2, xm3, e0, w0, w1, w2, w3, bb, SILU, HAS_BIAS)
+        g1 = _bwd_g(x1, x0, xm1, xm2, e1, w0, w1, w2, w3, bb, SILU, HAS_BIAS)
+        g2 = _bwd_g(x2, x1, x0, xm1, e2, w0, w1, w2, w3, bb, SILU, HAS_BIAS)
+        g3 = _bwd_g(x3, x2, x1, x0, e3, w0, w1, w2, w3, bb, SILU, HAS_BIAS)
+        g4 = _bwd_g(x4, x3, x2, x1, e4, w0, w1, w2, w3, bb, SILU, HAS_BIAS)
+        g5 = _bwd_g(x5, x4, x3, x2, e5, w0, w1, w2, w3, bb, SILU, HAS_BIAS)
+        g6 = _bwd_g(x6, x5, x4, x3, e6, w0, w1, w2, w3, bb, SILU, HAS_BIAS)
+        g7 = _bwd_g(x7, x6, x5, x4, e7, w0, w1, w2, w3, bb, SILU, HAS_BIAS)
+        dw0, dw1, dw2, dw3, db, dh1, dh2, dh3 = _bwd_token(
+            t0, s0, s1, T_seq, n, first, g0, gm1, gm2, gm3, x0, xm1, xm2, xm3, w0, w1, w2, w3,
+            dw0, dw1, dw2, dw3, db, dh1, dh2, dh3, dht, dx, o_d, m_d, D, W, HAS_H0, HAS_DHT)
+        dw0, dw1, dw2, dw3, db, dh1, dh2, dh3 = _bwd_token(
+            t0 + 1, s0, s1, T_seq, n, first, g1, g0, gm1, gm2, x1, x0, xm1, xm2, w0, w1, w2, w3,
+            dw0, dw1, dw2, dw3, db, dh1, dh2, dh3, dht, dx, o_d, m_d, D, W, HAS_H0, HAS_DHT)
+        dw0, dw1, dw2, dw3, db, dh1, dh2, dh3 = _bwd_token(
+            t0 + 2, s0, s1, T_seq, n, first, g2, g1, g0, gm1, x2, x1, x0, xm1, w0, w1, w2, w3,
+            dw0, dw1, dw2, dw3, db, dh1, dh2, dh3, dht, dx, o_d, m_d, D, W, HAS_H0, HAS_DHT)
+        dw0, dw1, dw2, dw3, db, dh1, dh2, dh3 = _bwd_token(
+            t0 + 3, s0, s1, T_seq, n, first, g3, g2, g1, g0, x3, x2, x1, x0, w0, w1, w2, w3,
+            dw0, dw1, dw2, dw3, db, dh1, dh2, dh3, dht, dx, o_d, m_d, D, W, HAS_H0, HAS_DHT)
+        dw0, dw1, dw2, dw3, db, dh1, dh2, dh3 = _bwd_token(
+            t0 + 4, s0, s1, T_seq, n, first, g4, g3, g2, g1, x4, x3, x2, x1, w0, w1, w2, w3,
+            dw0, dw1, dw2, dw3, db, dh1, dh2, dh3, dht, dx, o_d, m_d, D, W, HAS_H0, HAS_DHT)
+        dw0, dw1, dw2, dw3, db, dh1, dh2, dh3 = _bwd_token(
+            t0 + 5, s0, s1, T_seq, n, first, g5, g4, g3, g2, x5, x4, x3, x2, w0, w1, w2, w3,
+            dw0, dw1, dw2, dw3, db, dh1, dh2, dh3, dht, dx, o_d, m_d, D, W, HAS_H0, HAS_DHT)
+        dw0, dw1, dw2, dw3, db, dh1, dh2, dh3 = _bwd_token(
+            t0 + 6, s0, s1, T_seq, n, first, g6, g5, g4, g3, x6, x5, x4, x3, w0, w1, w2, w3,
+            dw0, dw1, dw2, dw3, db, dh1, dh2, dh3, dht, dx, o_d, m_d, D, W, HAS_H0, HAS_DHT)
+        dw0, dw1, dw2, dw3, db, dh1, dh2, dh3 = _bwd_token(
+            t0 + 7, s0, s1, T_seq, n, first, g7, g6, g5, g4, x7, x6, x5, x4, w0, w1, w2, w3,
+            dw0, dw1, dw2, dw3, db, dh1, dh2, dh3, dht, dx, o_d, m_d, D, W, HAS_H0, HAS_DHT)
+        gm3 = g5
+        gm2 = g6
+        gm1 = g7
+        xm3 = x5
+        xm2 = x6
+        xm1 = x7
     seg = (i_b * tl.num_programs(1) + i_s).to(tl.int64)  # this program's partial (its strip's channels)
     part = dw_part + seg * (D * W) + o_d * W
     tl.store(part + (W - 1), dw0, mask=m_d)
@@ -413,12 +357,13 @@ def causal_conv1d_bwd_kernel(
 
 
 # Pinned: strips of 256 channels at 2 warps (8 bytes a lane a row in bf16), segments of 256
-# tokens, the serial form at 8 tokens an iteration. sm_90a (D=2048, bf16, W=4, SiLU, x dense
-# as a launch specializes it: 8-byte loads and stores): the forward 48 registers, the
-# backward 88, no spills (tests/test_cconv.py holds it; the loads-ahead form 60 and 128); a
-# strided x whose token stride is not a multiple of 16 loads 2 bytes a lane. The bench's
-# sweep (bench/cconv.py) has the other builds.
-DEFAULT_CONFIG = dict(BD=256, TS=256, G=8, num_warps=2)
+# tokens: the best fwd+bwd of the bench's sweep at d2048 (1.038 ms; 4 warps 1.076, 512
+# channels at 4 warps 1.108, 128 at 1 warp 1.067, 1024-token segments 1.060; the forwards
+# within 0.435-0.460). sm_90a (D=2048, bf16, W=4, SiLU, x dense as a launch specializes it:
+# 8-byte loads and stores): the forward 60 registers, the backward 128, no spills
+# (tests/test_cconv.py holds it); a strided x whose token stride is not a multiple of 16
+# loads 2 bytes a lane.
+DEFAULT_CONFIG = dict(BD=256, TS=256, num_warps=2)
 W_MAX = 4  # the register ring holds four taps
 
 
@@ -438,12 +383,18 @@ class use_config:
         DEFAULT_CONFIG.update(self.saved)
 
 
-def segment_index(cu_seqlens_cpu: torch.Tensor, TS: int, device) -> torch.Tensor:
-    """[S, 2] int32 (sequence, segment) pairs, every sequence cut into TS-token segments
-    (fla's ``chunk_indices`` layout)."""
-    bounds = cu_seqlens_cpu.tolist()
-    pairs = [(n, i) for n in range(len(bounds) - 1) for i in range(-(-(bounds[n + 1] - bounds[n]) // TS))]
-    return torch.tensor(pairs, dtype=torch.int32).reshape(-1, 2).to(device)
+def segment_index(cu_seqlens: torch.Tensor, total: int, TS: int) -> torch.Tensor:
+    """[S, 2] int32 (sequence, segment) pairs of packed sequences cut into TS-token
+    segments, built on the device from the offsets alone (no host copy, no sync). S is the
+    bound ceil(total / TS) + N known on the host; the slots past the real segments map to
+    the last sequence at a segment past its end, whose programs run no token (and write
+    zero partials)."""
+    cu = cu_seqlens.long()
+    counts = (cu[1:] - cu[:-1] + TS - 1) // TS
+    ends = counts.cumsum(0)
+    slot = torch.arange(-(-total // TS) + counts.numel(), device=cu.device)
+    n = torch.searchsorted(ends, slot, right=True).clamp_(max=counts.numel() - 1)
+    return torch.stack((n, slot - (ends - counts)[n]), 1).to(torch.int32)
 
 
 def _grid_segments(x3, cu_seqlens, seg_index, TS):
@@ -461,7 +412,7 @@ def conv_fwd(x3, weight, bias, residual, initial_state, silu, cu_seqlens, seg_in
     NS, NB = _grid_segments(x3, cu_seqlens, seg_index, TS)
     causal_conv1d_fwd_kernel[(triton.cdiv(D, cfg["BD"]), NS, NB)](
         x3, weight, bias, residual, initial_state, y, seg_index, cu_seqlens, T, *x3.stride(),
-        D=D, W=W, BD=cfg["BD"], TS=TS, G=cfg["G"], AHEAD=cfg.get("AHEAD", False), SILU=silu, HAS_BIAS=bias is not None,
+        D=D, W=W, BD=cfg["BD"], TS=TS, SILU=silu, HAS_BIAS=bias is not None,
         HAS_RESIDUAL=residual is not None, HAS_H0=initial_state is not None, IS_VARLEN=cu_seqlens is not None,
         num_warps=cfg["num_warps"],
     )
@@ -482,7 +433,7 @@ def conv_bwd(x3, weight, bias, initial_state, dy, dht, silu, cu_seqlens, seg_ind
     dh0 = torch.zeros_like(initial_state) if initial_state is not None else None
     causal_conv1d_bwd_kernel[(triton.cdiv(D, cfg["BD"]), NS, NB)](
         x3, weight, bias, initial_state, dy, dht, dx, dw_part, db_part, dh0, seg_index, cu_seqlens, T, *x3.stride(),
-        D=D, W=W, BD=cfg["BD"], TS=TS, G=cfg["G"], AHEAD=cfg.get("AHEAD", False), SILU=silu, HAS_BIAS=bias is not None,
+        D=D, W=W, BD=cfg["BD"], TS=TS, SILU=silu, HAS_BIAS=bias is not None,
         HAS_H0=initial_state is not None, HAS_DHT=dht is not None, IS_VARLEN=cu_seqlens is not None,
         num_warps=cfg["num_warps"],
     )

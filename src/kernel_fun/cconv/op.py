@@ -132,15 +132,14 @@ def _uses_kernels(x: torch.Tensor) -> bool:
     return x.is_cuda or interpreting()
 
 
-def _segments(cu_seqlens, cu_seqlens_cpu, chunk_indices, device):
-    """(segment index, segment length): fla's 64-token chunk index when the caller has one
-    (no host copy), else one at the pinned segment length."""
+def _segments(cu_seqlens, total, device):
+    """(segment index, segment length): None for dense batches, else the packed sequences'
+    segments at the pinned length, indexed on the device (``cu_seqlens_cpu`` and
+    ``chunk_indices`` are not needed)."""
+    TS = K.DEFAULT_CONFIG["TS"]
     if cu_seqlens is None:
-        return None, K.DEFAULT_CONFIG["TS"]
-    if chunk_indices is not None:
-        return chunk_indices.to(device=device, dtype=torch.int32).contiguous(), 64
-    cpu = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens.cpu()
-    return K.segment_index(cpu, K.DEFAULT_CONFIG["TS"], device), K.DEFAULT_CONFIG["TS"]
+        return None, TS
+    return K.segment_index(cu_seqlens.to(device), total, TS), TS
 
 
 def _final_state(x3, initial_state, cu_seqlens, W):
@@ -202,8 +201,9 @@ def causal_conv1d(x, weight=None, bias=None, residual=None, initial_state=None, 
         activation: None, ``'silu'`` or ``'swish'``.
         backend: ``'triton'`` (kernel-fun's kernels); ``'cuda'`` and ``'mix'`` go to fla.
         cu_seqlens / cu_seqlens_cpu: ``[N + 1]`` offsets of packed sequences (B must be 1);
-            the convolution never crosses a sequence boundary. chunk_indices: fla's
-            64-token chunk index of them (saves a host copy of the offsets).
+            the convolution never crosses a sequence boundary; the segments are indexed
+            on the device from ``cu_seqlens``. chunk_indices: fla's 64-token chunk
+            index (accepted; not needed).
         cp_context: context parallel (goes to fla).
 
     Returns:
@@ -229,7 +229,7 @@ def causal_conv1d(x, weight=None, bias=None, residual=None, initial_state=None, 
     shape = x.shape
     D, W = weight.shape
     x3 = x if x.dim() == 3 else x.reshape(shape[0], shape[1], D)
-    seg_index, TS = _segments(cu_seqlens, cu_seqlens_cpu, chunk_indices, x.device)
+    seg_index, TS = _segments(cu_seqlens, x3.shape[1], x.device)
     log_once(logging.INFO, f"causal_conv1d: kernel-fun's kernels (D={D}, W={W}, {x.dtype})")
     _last["route"] = "kernels"
     y, final = CausalConv1dFunction.apply(
