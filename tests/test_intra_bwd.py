@@ -4,7 +4,6 @@ sequences, weak, very strong and lower-bounded gates."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import pytest
@@ -131,12 +130,11 @@ def test_bench_entry_inputs_run_and_count_bytes():
 
 @pytest.mark.skipif(__import__("triton").__version__ != "3.6.0", reason="spill figures recorded with Triton 3.6.0's ptxas")
 @pytest.mark.parametrize("design,K,spills,extra", [("wide-chunk", 128, 4, ()), ("wide-chunk", 64, 24, ()),
-                                                   ("wide", 128, 0, ()), ("wide-chunk", 128, 36, ("--tail", "2")),
-                                                   ("wide-chunk", 128, 44, ("--tail", "2", "--l2norm"))],
-                         ids=["wide-chunk-K128", "wide-chunk-K64", "wide-K128", "B7-B9", "B7-B10"])
+                                                   ("wide", 128, 0, ()), ("wide-chunk", 128, 36, ("--tail", "2"))],
+                         ids=["wide-chunk-K128", "wide-chunk-K64", "wide-K128", "B7-B9"])
 def test_default_config_compiles_within_its_recorded_spills(design, K, spills, extra):
     """A design's default config as ptxas assembles it for sm_90a (the note at
-    intra_bwd.DEFAULT_CONFIG), alone, with the tail (B8, B9) and with B10 too, compiled in a
+    intra_bwd.DEFAULT_CONFIG), alone and with the tail (B8, B9), compiled in a
     process without the interpreter: a change that adds spills fails here. Its [64, 16] x [16, 32] dots are wgmma, none of them N=8 tf32
     (which the H200 runs out of bounds, see tools/compile_report.py)."""
     import json
@@ -289,114 +287,23 @@ def test_chain_with_the_fused_tail_against_the_oracle(p):
     assert ("dA_log" in errors) == p.gate_in_kernel
 
 
-# --------------------------------------------------------------------------------------
-# B10 in the same launch: the l2norm backward of dq and dk by each chunk-head's last slice
-# --------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def candidate_unit(stage: str, design: str):
-    """``design`` registered as ``stage``'s ours inside the block only (as the bench's
-    --candidate does for a run)."""
-    import importlib
-
-    registry = importlib.import_module("kernel_fun.kda.stages")
-    old = registry.stages()[stage]
-    registry.add_impl(stage, "ours", *intra_bwd.candidate(stage, design))
-    try:
-        yield
-    finally:
-        registry._REGISTRY[stage] = old
-
-
-L2_SHAPES = [
-    dataclasses.replace(SHAPES[0], name="T63-K64-fp32", dtype=torch.float32),
-    Problem("T130-K128-h0-fp32", 1, 130, 2, 2, 128, 32, initial_state=True, dtype=torch.float32),
-    SHAPES[3],  # packed, bf16
-    SHAPES[4],  # lower_bound, safe_gate
-    Problem("T70-K100-pregated-fp32", 1, 70, 2, 2, 100, 16, gate_in_kernel=False, dtype=torch.float32),
-]
-
-
-@pytest.mark.parametrize("p", L2_SHAPES, ids=lambda p: p.name)
-def test_b10_in_the_launch_matches_the_float64_stages(p):
-    """intra_bwd_l2 = B10 of the tail: dq and dk within 1e-5 of B10 in float64 on the
-    float64 B7 (bf16: the rounding of the written gradient, 3e-3), in q's dtype; db, dg and
-    the gate's parameter gradients the tail's bit for bit; the slices' counters all
-    arrived (each chunk-head's last slice wrote its rows: none left unwritten)."""
-    kw = make_inputs(p, device=DEVICE, seed=4)
-    with use_impls("reference"), capture_stages() as log:
-        run_fwd_bwd(chunk_kda, kw, grid=p.dtype)
-    (b7,) = [x for name, _, x, _ in log if name == "B7"]
-    (b10,) = [x for name, _, x, _ in log if name == "B10"]
-    b9 = [x for name, _, x, _ in log if name == "B9"]
-    gate = {n: b9[0][n] for n in ("g", "A_log", "dt_bias", "lower_bound")} if b9 else {}
-    want = exact(b7)
-    want = [ref.l2norm_bwd(b7[y].double(), b10[r].double(), d) for y, r, d in (("q", "q_rstd", want[0]),
-                                                                                ("k", "k_rstd", want[1]))]
-    bound = 1e-5 if p.dtype == torch.float32 else 3e-3
-    for design in ("wide-chunk", "wide-halves", "wide-pairwise"):
-        got = intra_bwd.intra_bwd_l2(**b7, **gate, q_rstd=b10["q_rstd"], k_rstd=b10["k_rstd"], design=design)
-        tail = intra_bwd.intra_bwd_tail(**b7, **gate, design=design)
-        for a, b in zip(got[2:], tail[2:]):
-            assert (a is None and b is None) or torch.equal(a, b), design
-        for name, g_, w, like in zip(("dq", "dk"), got[:2], want, (b7["q"], b7["k"])):
-            assert g_.dtype == like.dtype and g_.shape == like.shape, (design, name)
-            err = ref.rel_rms(g_, w)
-            assert err <= bound, (design, name, err)
-
-
-def test_b10_in_the_launch_refuses_gva():
-    b7 = stage_inputs(SHAPES[1])  # H=1, HV=2
-    rstd = torch.ones(b7["q"].shape[:3], device=b7["q"].device)
-    gate = dict(g=None, A_log=None, dt_bias=None, lower_bound=None, q_rstd=rstd, k_rstd=rstd)
-    assert "GVA" in intra_bwd.supports_l2(**b7, **gate)
-    with pytest.raises(ValueError, match="H == HV"):
-        intra_bwd.intra_bwd_l2(**b7, **gate)
-
-
-@pytest.mark.parametrize("p", [
-    Problem("chain-K128-varlen-safe", 1, 150, 1, 1, 128, 32, cu_seqlens=(0, 80, 150), dtype=torch.float16,
-            lower_bound=-5.0, safe_gate=True),
-    Problem("chain-K64-gva-h0-gate", 2, 100, 2, 4, 64, 32, initial_state=True, output_final_state=True,
-            dtype=torch.float16),
-], ids=lambda p: p.name)
-def test_chain_with_b10_in_the_launch_against_the_oracle(p):
-    """With the B7-B10 unit a candidate: the chain runs it in place of B7 through B10 where
-    it takes the call (H == HV), B7-B9 and B10 where it does not (GVA), and every output and
-    gradient stays within fla's budgets of the float64 recurrence."""
-    from kernel_fun.kda import last_record
-    from kernel_fun.kda.problems import as_oracle_inputs
-
-    kwargs = make_inputs(p, device=DEVICE, seed=11)
-    with candidate_unit("B7-B10", "wide-chunk"):
-        result = run_fwd_bwd(chunk_kda, kwargs, grid=p.dtype)
-    record = last_record().backward
-    if p.H == p.HV:
-        assert record["B7-B10"] == "ours" and not {"B7", "B8", "B9", "B7-B9", "B10"} & set(record), record
-    else:
-        assert "B7-B10" not in record and record["B7-B9"] == "ours" and "B10" in record, record
-    oracle = run_fwd_bwd(ref.recurrent_kda, as_oracle_inputs(kwargs), grid=p.dtype)
-    errors = {n: ref.rel_rms(result[n], oracle[n]) for n in oracle if oracle[n] is not None}
-    assert all(errors[n] <= ref.BUDGETS[n] for n in errors), errors
-
-
-def test_b7_b10_bench_entry_runs_and_counts_bytes():
-    from kernel_fun.bench import stage, stage_b7, stage_b7b10
+@needs_triton
+def test_b7_b9_bench_entry_runs_and_counts_bytes():
+    """The B7-B9 unit's stage-bench entry: its kernel on the entry's inputs (GVA, lower
+    bound) within 1e-5 of the float64 stages where fp32 (dq, dk, db, dA_log) and within the
+    written rounding where bf16 (the raw gate's gradient); the pin ships; its floor is B7's
+    reads plus the raw gate, with dg written in the gate's dtype."""
+    from kernel_fun.bench import stage, stage_b7, stage_b7b9
     from kernel_fun.kda.parity import stage_errors
     from kernel_fun.kda.problems import problem
 
-    p = Problem("entry", 1, 100, 2, 2, 64, 16, lower_bound=-5.0, safe_gate=True)
-    inputs = stage_b7b10.make_inputs(p, DEVICE, seed=1)
-    bench = stage.entries()["B7-B10"]
-    errors = stage_errors("B7-B10", bench.ours(inputs, "wide-chunk", bench.launch_config(p, "wide-chunk", None)),
+    p = Problem("entry", 1, 100, 2, 4, 64, 16, lower_bound=-5.0, safe_gate=True)
+    inputs = stage_b7b9.make_inputs(p, DEVICE, seed=1)
+    bench = stage.entries()["B7-B9"]
+    errors = stage_errors("B7-B9", bench.ours(inputs, "wide-chunk", bench.launch_config(p, "wide-chunk", None)),
                           bench.exact(**inputs))
-    # dq, dk and dg are written in bf16 (their rounding, ~1.6e-3), db and dA_log in fp32
-    assert all(errors[n] <= 3e-3 for n in ("dq", "dk", "dg", "ddt_bias")) and errors["db"] <= 1e-5, errors
-    assert not bench.designs and "ours" not in stages()["B7-B10"].impls  # a candidate: nothing ships
-    with pytest.raises(ValueError, match="H == HV"):
-        stage_b7b10.make_inputs(dataclasses.replace(p, HV=4), DEVICE)
-    # the unit's floor: B7's reads, its fp32 writes of dq, dk and dg replaced by bf16 ones,
-    # the raw gate and both rstds read (B10's whole pass gone)
+    assert all(errors[n] <= 1e-5 for n in ("dq", "dk", "db", "dA_log")) and errors["dg"] <= 3e-3, errors
+    assert bench.ships(dict(design="wide-chunk", shape="prod8192_gate", config=intra_bwd.DEFAULT_CONFIG))
     p = problem("prod8192_gate")
     tok = p.B * p.T * p.HV * p.K
-    fp32_writes, bf16_writes, extra_reads = 3 * tok * 4, 3 * tok * 2, tok * 2 + 2 * p.B * p.T * p.H * 4
-    assert stage_b7b10.b7b10_bytes(p) == stage_b7.b7_bytes(p) - fp32_writes + bf16_writes + extra_reads
+    assert stage_b7b9.b7b9_bytes(p) == stage_b7.b7_bytes(p) - tok * 4 + 2 * tok * 2  # dg in bf16, the raw gate read

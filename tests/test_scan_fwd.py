@@ -78,8 +78,10 @@ def test_supports():
     assert "[K, V]" in scan_fwd.supports(q=f8["q"], chunk_size=64, state_v_first=True)
 
 
-def test_not_dispatched_yet():
-    assert not {"F7", "F8", "F7-F8"} & {name for name, s in stages().items() if "ours" in s.impls}
+def test_registered_as_the_f7_f8_unit_only():
+    """The scan is the chain's F7-F8 unit; F7 and F8 alone, and B3 (a candidate), stay fla's."""
+    assert stages()["F7-F8"].impls["ours"] is scan_fwd.scan_output
+    assert not {"F7", "F8", "B3"} & {name for name, s in stages().items() if "ours" in s.impls}
 
 
 @pytest.mark.parametrize("p", [SHAPES[1], SHAPES[3],
@@ -113,7 +115,8 @@ def test_the_unit_saves_states_where_the_chain_keeps_them(monkeypatch):
 
     p = SHAPES[0]
     kwargs = dict(make_inputs(p, device=DEVICE, seed=13), disable_recompute=True)
-    want = run_fwd_bwd(chunk_kda, kwargs, grid=p.dtype)  # F7 and F8 one by one, every other stage the same
+    with use_impls({"F7-F8": "reference"}):  # F7 and F8 one by one, every other stage the same
+        want = run_fwd_bwd(chunk_kda, kwargs, grid=p.dtype)
     assert {"F7", "F8"} <= set(last_record().forward)
     register_for_test(monkeypatch, "F7-F8", scan_fwd.scan_output, scan_fwd.supports)
     got = run_fwd_bwd(chunk_kda, kwargs, grid=p.dtype)

@@ -114,13 +114,13 @@ def test_determinism_repeats_on_the_cpu():
 @needs_interpreter
 def test_capture_gives_every_kernel_of_ours_every_sanitizer_shape_and_the_child_runs_them(tmp_path, capsys):
     captured = rel.capture_inputs(device="cpu")
-    want = [(stage, p.name) for p in rel.SANITIZE_SHAPES for stage in ("B6", "B7-B9")]
+    want = [(stage, p.name) for p in rel.SANITIZE_SHAPES for stage in ("F7-F8", "B6", "B7-B9")]
     assert [(c["stage"], c["shape"]) for c in captured] == want
     path = tmp_path / "captured.pt"
     torch.save(captured, path)
     rel.run_captured(path, planted=False, device="cpu")
     out = capsys.readouterr().out
-    assert out.count("ran B6 ") == out.count("ran B7-B9 ") == len(rel.SANITIZE_SHAPES)
+    assert out.count("ran F7-F8 ") == out.count("ran B6 ") == out.count("ran B7-B9 ") == len(rel.SANITIZE_SHAPES)
 
 
 def test_ours_stages_lists_b6_and_the_b7_b9_unit():

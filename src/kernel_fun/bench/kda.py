@@ -51,7 +51,9 @@ class Variant:
             return self.fn(**kwargs)
 
 
-def variants(names: list[str]) -> list[Variant]:
+def variants(names: list[str], off: dict | None = None) -> list[Variant]:
+    """The implementations by name; ``off`` ({stage: "fla"}) forces those stages of ``ours``
+    onto fla's (a fused unit forced off runs the stages it covers, each its own choice)."""
     from fla.ops.kda import chunk_kda as fla_chunk_kda
 
     from kernel_fun.kda import chunk_kda
@@ -59,7 +61,7 @@ def variants(names: list[str]) -> list[Variant]:
     table = {
         "fla": Variant("fla", fla_chunk_kda),
         "chain_fla": Variant("chain_fla", chunk_kda, force="fla"),
-        "ours": Variant("ours", chunk_kda),
+        "ours": Variant("ours", chunk_kda, force=off or None),
     }
     return [table[n] for n in names]
 
@@ -145,8 +147,20 @@ def profile_stages(variant: Variant, kwargs: dict, do: torch.Tensor) -> tuple[di
 
 
 CANDIDATES = {"B7": "kernel_fun.kda.kernels.intra_bwd", "B7-B9": "kernel_fun.kda.kernels.intra_bwd",
-              "B7-B10": "kernel_fun.kda.kernels.intra_bwd",
               "F7-F8": "kernel_fun.kda.kernels.scan_fwd", "B3": "kernel_fun.kda.kernels.scan_fwd"}
+
+
+def stages_off(names: list[str]) -> dict[str, str]:
+    """``--off STAGE`` each: the stage (or fused unit) on fla's for the run, e.g. ``B7-B9``
+    to time kernel-fun's B7 with fla's B8 and B9 in the whole op. Rows carry it as a
+    candidate ({stage: "fla"}); the README skips them."""
+    from kernel_fun.kda.stages import stages
+
+    known = stages()
+    for name in names:
+        if name not in known:
+            raise SystemExit(f"--off takes a stage name, one of {sorted(known)}; got {name!r}")
+    return {name: "fla" for name in names}
 
 
 def register_candidates(specs: list[str]) -> dict[str, str]:
@@ -169,14 +183,14 @@ def register_candidates(specs: list[str]) -> dict[str, str]:
 
 
 def bench_shape(name: str, names: list[str], reps: int, rounds: int, out_path: Path, seed: int = 0,
-                candidate: dict | None = None) -> list[dict]:
+                candidate: dict | None = None, off: dict | None = None) -> list[dict]:
     from kernel_fun import versions
     from kernel_fun.bench import results
     from kernel_fun.kda.problems import SHAPES, cotangents, make_inputs
 
     p = SHAPES[name]
     device = torch.device("cuda")
-    vs = variants(names)
+    vs = variants(names, off)
     kw = make_inputs(p, device=device, seed=seed)
     o_shape = torch.empty(p.B, p.T, p.HV, p.V, device=device, dtype=p.dtype)
     do, _ = cotangents(o_shape, None, seed=seed + 7)
@@ -265,6 +279,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="JSONL file to append rows to")
     parser.add_argument("--candidate", action="append", default=[], metavar="STAGE=DESIGN",
                         help=f"measure a design not yet registered as the stage's ours (stages: {sorted(CANDIDATES)})")
+    parser.add_argument("--off", action="append", default=[], metavar="STAGE",
+                        help="run this stage (or fused unit) of ours on fla's, e.g. B7-B9 (repeatable)")
     parser.add_argument("--fla-configs", type=Path, default=None,
                         help="where to store fla's autotune choices (default: bench/fla_configs/<gpu>)")
     args = parser.parse_args(argv)
@@ -282,6 +298,8 @@ def main(argv=None) -> int:
     from kernel_fun.kda import stages
 
     candidate = register_candidates(args.candidate)
+    off = stages_off(args.off)
+    candidate = {**candidate, **off} or None
 
     if "ours" in impls and not any("ours" in s.impls for s in stages().values()):
         impls.remove("ours")  # no kernel-fun kernel yet: "ours" would be the control again
@@ -289,7 +307,7 @@ def main(argv=None) -> int:
     out = args.out or results.RESULTS / "chunk_kda.jsonl"
     all_rows = []
     for name in shapes:
-        all_rows += bench_shape(name, impls, args.reps, args.rounds, out, candidate=candidate)
+        all_rows += bench_shape(name, impls, args.reps, args.rounds, out, candidate=candidate, off=off)
         torch.cuda.empty_cache()
     n = fla_configs.dump(args.fla_configs or fla_configs.gpu_dir(gpu))
     print(f"stored {n} fla autotune entries", flush=True)

@@ -304,19 +304,6 @@ def _ref_l2norm_bwd(q, q_rstd, dq, k, k_rstd, dk):
     return ref.l2norm_bwd(q, q_rstd, dq), ref.l2norm_bwd(k, k_rstd, dk)
 
 
-def _intra_l2(tail, l2norm_bwd):
-    """The B7-B10 unit of one implementation's stages: its B7-B9 unit (``tail``), GVA's group
-    sum, then its B10 (``l2norm_bwd``)."""
-    def unit(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log, dt_bias, lower_bound, q_rstd, k_rstd,
-             chunk_size, cu_seqlens, chunk_indices):
-        dq, dk, db, dg, dA_log, ddt_bias = tail(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log,
-                                                dt_bias, lower_bound, chunk_size, cu_seqlens, chunk_indices)
-        dq, dk = _group_sum(dq, dk, q.shape[2])
-        dq, dk = l2norm_bwd(q, q_rstd, dq, k, k_rstd, dk)
-        return dq, dk, db, dg, dA_log, ddt_bias
-    return unit
-
-
 def _stage(name, covers, title, inputs, outputs, fla, reference):
     register(Stage(name=name, covers=covers, title=title, inputs=tuple(inputs.split()), outputs=outputs,
                    impls={"fla": fla, "reference": reference}))
@@ -365,13 +352,6 @@ _stage("B9", ("B9",), "gate backward", "g A_log dt_bias dyg lower_bound", ("dg",
 _stage("B7-B9", ("B7", "B8", "B9"), "intra backward, dg cumsum, gate backward (one pass)",
        f"q k gc beta dAqk dAkk dq dk db dg safe_gate g A_log dt_bias lower_bound {_C}",
        ("dq", "dk", "db", "dg", "dA_log", "ddt_bias"), _fla_intra_tail, _ref_intra_tail)
-# B7 through B10 as one unit (the l2norm in the op): likewise run only when kernel-fun's kernel
-# takes it; fla's side is its four stages (and GVA's group sum) in turn.
-_fla_intra_l2 = _intra_l2(_fla_intra_tail, _fla_l2norm_bwd)
-_ref_intra_l2 = _intra_l2(_ref_intra_tail, _ref_l2norm_bwd)
-_stage("B7-B10", ("B7", "B8", "B9", "B10"), "intra backward, dg cumsum, gate and l2norm backward (one pass)",
-       f"q k gc beta dAqk dAkk dq dk db dg safe_gate g A_log dt_bias lower_bound q_rstd k_rstd {_C}",
-       ("dq", "dk", "db", "dg", "dA_log", "ddt_bias"), _fla_intra_l2, _ref_intra_l2)
 _stage("B10", ("B10",), "l2norm bwd (q, k)", "q q_rstd dq k k_rstd dk", ("dq", "dk"), _fla_l2norm_bwd,
        _ref_l2norm_bwd)
 _stage("B10b", ("B10b",), "beta sigmoid bwd", "beta db scale", ("dbeta",), _fla_beta_sigmoid_bwd, ref.beta_sigmoid_bwd)
@@ -577,12 +557,7 @@ def _backward(ctx, do, dht):
     gate = (dict(g=g_input, A_log=A_log, dt_bias=dt_bias, lower_bound=opts.lower_bound) if opts.use_gate_in_kernel
             else dict(g=None, A_log=None, dt_bias=None, lower_bound=None))
     dA_log = ddt_bias = None
-    normed = dict(q_rstd=q_rstd, k_rstd=k_rstd)
-    fused_l2 = opts.use_qk_l2norm_in_kernel and run.takes_ours("B7-B10", **intra, **gate, **normed)
-    if fused_l2:
-        dq, dk, db, dg, dA_log, ddt_bias = run.run("B7-B10", "backward", **intra, **gate, **normed)
-        del intra, dAqk, dAkk
-    elif run.takes_ours("B7-B9", **intra, **gate):
+    if run.takes_ours("B7-B9", **intra, **gate):
         dq, dk, db, dg, dA_log, ddt_bias = run.run("B7-B9", "backward", **intra, **gate)
         del intra, dAqk, dAkk
     else:
@@ -591,10 +566,9 @@ def _backward(ctx, do, dht):
         dg = run.run("B8", "backward", dg=dg, **common)
         if opts.use_gate_in_kernel:
             dg, dA_log, ddt_bias = run.run("B9", "backward", dyg=dg, **gate)
-    if not fused_l2:
-        dq, dk = _group_sum(dq, dk, H)  # GVA: each q/k head sums its value heads' dq, dk
-        if opts.use_qk_l2norm_in_kernel:
-            dq, dk = run.run("B10", "backward", q=q, q_rstd=q_rstd, dq=dq, k=k, k_rstd=k_rstd, dk=dk)
+    dq, dk = _group_sum(dq, dk, H)  # GVA: each q/k head sums its value heads' dq, dk
+    if opts.use_qk_l2norm_in_kernel:
+        dq, dk = run.run("B10", "backward", q=q, q_rstd=q_rstd, dq=dq, k=k, k_rstd=k_rstd, dk=dk)
     if opts.use_beta_sigmoid_in_kernel:
         db = run.run("B10b", "backward", beta=beta_raw, db=db, scale=opts.beta_scale)
     set_last_record(record)

@@ -3,4 +3,7 @@
 ``supports`` predicate, and registers itself as the stage's ``ours`` implementation.
 
 - ``wy_bwd``: B6, the WY backward.
+- ``intra_bwd``: B7 and the B7-B9 unit (B7 with B8 and B9 in the same pass).
+- ``scan_fwd``: the F7-F8 unit (the state scan with the output); B3 from it is a candidate.
+- ``prep_fwd``: F3-F6 and the F1-F6 unit, candidates.
 """

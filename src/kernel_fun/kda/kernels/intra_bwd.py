@@ -1,5 +1,5 @@
 """B7, the intra-chunk backward: gradients through Aqk and Akk into dq, dk, db and dg, and
-with them B8 and B9 (the chain's B7-B9 unit) and, as a candidate, B10 (B7-B10).
+with them B8 and B9 (the chain's B7-B9 unit).
 
 Replaces fla's ``chunk_kda_bwd_kernel_intra`` (14.9 ms at prod8192_gate on the H200, 37%
 of kernel-fun's fwd+bwd, 6.5x its 2.28 ms memory floor), and B8 and B9 after it (the
@@ -22,20 +22,11 @@ per-block form with two 32-row blocks anchored at their middles: each role two [
 a block one-sided, within it at most 2^(half span)). On the chain's gate at prod8192_gate it
 takes 49% of the (K slice, chunk, head) programs the per-block form takes now (31% take the
 whole chunk, 80% one or the other; 41% and 88% at 16-channel slices). sm_90a: 144 B of
-spills at 32-channel slices and 4 warps, none at 16 or at 8 warps. H200 (bb25b91): 13.41 ms
-at 8 warps, where every design has measured about twice its 4-warp time (wide 21.31 and
-11.17); the 4-warp and 16-channel builds are measured next.
-
-Candidate (the B7-B10 unit, ``intra_bwd_l2``, H == HV; not registered, not yet on the
-H200): B10, the l2norm's backward (rstd (d - (d . y) y) over whole rows), in the same
-launch. A program holds one 32-channel slice, so each writes its fp32 dq and dk as now plus
-its share of every row's two dots, then counts its arrival on the chunk-head's int counter
-(a barrier, then an acquire-release add); the slice that arrives last reads the shares and
-the fp32 rows back (L2, past L1), sums the shares in slice order (deterministic whichever
-arrives last) and writes dq and dk in q's dtype. B10's own pass (4.3 GB at prod8192_gate,
-0.97 ms) becomes ~2.2 GB of L2 reads and 1.07 GB of writes by a quarter of the programs.
-sm_90a with B8, B9 and B10: 255 registers, 44 B of spills (36 without B10), 8,256 SASS
-instructions (7,640). GVA falls back to B7-B9 and B10 (dq and dk sum over value heads first).
+spills at 32-channel slices and 4 warps (the same with the tail), none at 16 or at 8 warps.
+H200 (stages.jsonl at fda8f2c), B7 alone: 7.49 ms at 32-channel slices and 4 warps against
+wide-chunk's 7.90 at prod8192_gate, 6.36 against 6.47 at prod8192_layer_safe (16-channel
+slices 10.53 and 9.70; 8 warps 13.41). Not yet measured as the B7-B9 unit in the whole op
+(``--candidate B7-B9=wide-halves``), where the pin's tail build spills 36 B and this one 144.
 
 This design (wide-chunk): one program per (K slice of 32 channels, chunk, head), 4 warps,
 the chunk as one [64, 32] tile per output. dA is read along its rows only: the column
@@ -65,10 +56,12 @@ relaunching is idempotent.
 Falls back (``supports``): chunk size other than 64. No CTA floor: it measured faster than
 fla's B7 down to grid64 (B1 T256 H16: 0.135 ms against 0.212).
 
-Measured (H200; docs/log/b7.md has every round): 7.79 ms at prod8192_gate against fla's
-14.92 (1.91x; bench/results/stages.jsonl at bb25b91), 6.80 at prod8192_layer_safe against
-8.19 (at 7a87298). The whole op with it: 34.08 ms against fla's 47.23 at prod8192_gate
-(chunk_kda.jsonl at ba56cdb). One 8-warp program per chunk-head holding dA's blocks in
+Measured (H200; docs/log/b7.md has every round): 7.90 ms at prod8192_gate against fla's
+15.26 (1.93x; bench/results/stages.jsonl at fda8f2c), 6.47 at prod8192_layer_safe against
+7.97. The whole op with it: 33.84 ms against fla's 47.23 at prod8192_gate, the B7-B9 unit
+10.54 ms of it (chunk_kda.jsonl at fda8f2c). B10 in the same launch (each chunk-head's
+last K slice to arrive writing the l2norm's backward of the whole rows) measured 0.9 ms
+slower in the whole op and was removed (docs/log/b7.md). One 8-warp program per chunk-head holding dA's blocks in
 shared memory across the K slices measured 16.24 ms (docs/log/b7.md; removed): holding dA
 does not pay for the 8 warps and one program an SM it needs. What the time is (Nsight
 Compute at prod8192_layer_safe, every program on the chunk anchor, before the hand split):
@@ -272,40 +265,6 @@ def _span(g, st, n_t, o_k, m_k, SG: tl.constexpr, BC: tl.constexpr, PAIRWISE: tl
 
 
 @triton.jit
-def _l2norm_last(q, k, q_rstd, k_rstd, dq2, dk2, dq_out, dk_out, dot_part, arrived, row0, i_h, i_hv, t, m_t, NT_ROWS,
-                 NK, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
-    """B10 for the chunk-head's whole rows, by the last of its NK slice programs to arrive:
-    each slice's fp32 dq, dk and row-dot shares are written before its arrival is counted
-    (a barrier, then an acquire-release add on the counter), so the last one reads them all
-    back (from L2, past L1) and sums the dots in slice order: the result does not depend on
-    which slice arrives last. q and k (and dq2, dk2) point at the chunk's first row."""
-    tl.debug_barrier()
-    if tl.atomic_add(arrived, 1, sem="acq_rel", scope="gpu") == NK - 1:
-        rows = (row0 + t) * HV + i_hv
-        dot_q = tl.zeros([t.shape[0]], dtype=tl.float32)
-        dot_k = tl.zeros([t.shape[0]], dtype=tl.float32)
-        for kk in range(0, NK):
-            dot_q += tl.load(dot_part + kk * NT_ROWS + rows, mask=m_t, other=0, cache_modifier=".cg")
-            dot_k += tl.load(dot_part + (NK + kk) * NT_ROWS + rows, mask=m_t, other=0, cache_modifier=".cg")
-        r_q = tl.load(q_rstd + (row0 + t) * H + i_h, mask=m_t, other=0).to(tl.float32)
-        r_k = tl.load(k_rstd + (row0 + t) * H + i_h, mask=m_t, other=0).to(tl.float32)
-        for kk in range(0, NK):
-            o_k = kk * BK + tl.arange(0, BK)
-            m_tk = m_t[:, None] & (o_k < K)[None, :]
-            p_y = t[:, None] * (H * K) + o_k[None, :]
-            p_d = t[:, None] * (HV * K) + o_k[None, :]
-            p_o = (row0 + t)[:, None] * (H * K) + i_h * K + o_k[None, :]
-            y = tl.load(q + p_y, mask=m_tk, other=0).to(tl.float32)
-            d = tl.load(dq2 + p_d, mask=m_tk, other=0, cache_modifier=".cg")
-            tl.store(dq_out + p_o, to(d * r_q[:, None] - dot_q[:, None] * y * r_q[:, None], dq_out.dtype.element_ty),
-                     mask=m_tk)
-            y = tl.load(k + p_y, mask=m_tk, other=0).to(tl.float32)
-            d = tl.load(dk2 + p_d, mask=m_tk, other=0, cache_modifier=".cg")
-            tl.store(dk_out + p_o, to(d * r_k[:, None] - dot_k[:, None] * y * r_k[:, None], dk_out.dtype.element_ty),
-                     mask=m_tk)
-
-
-@triton.jit
 def intra_bwd_wide_kernel(
     q, k, g, beta, dAqk, dAkk, dq, dk, dg,
     dq2, dk2, dg2, db_part,
@@ -315,16 +274,11 @@ def intra_bwd_wide_kernel(
     BK: tl.constexpr, IS_VARLEN: tl.constexpr, PAIRWISE: tl.constexpr, CHUNK_ANCHOR: tl.constexpr,
     HALVES: tl.constexpr,
     TAIL: tl.constexpr, HAS_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
-    q_rstd=None, k_rstd=None, dq_out=None, dk_out=None, dot_part=None, arrived=None, L2NORM: tl.constexpr = False,
 ):
     """B7 on one (K slice, chunk, head), the chunk as one [BT, BK] tile per output; with
     TAIL 1 also B8 (dg reverse-cumsummed within the chunk, fp32, into dg2), with TAIL 2 also
     B9 (the raw gate's gradient into dg2 in its dtype; dA_log's and dt_bias's per-chunk
-    partials into dA_part [NK, NT_ALL, HV] and dbias_part [NT_ALL, HV, K]). With L2NORM
-    (H == HV) also B10: each slice's share of every row's dot of dq (dk) with q (k) into
-    dot_part [2, NK, NT_ROWS]; the chunk-head's last slice to arrive (an int counter in
-    ``arrived``, one a chunk-head, zeroed by the caller) sums the shares in slice order and
-    writes rstd (d - (d . y) y) for the whole rows into dq_out and dk_out, in q's dtype."""
+    partials into dA_part [NK, NT_ALL, HV] and dbias_part [NT_ALL, HV, K])."""
     i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_hv = i_bh % HV
     i_h = i_hv // (HV // H)
@@ -423,18 +377,8 @@ def intra_bwd_wide_kernel(
     b_c = tl.load(beta + t * HV, mask=m_t, other=0).to(tl.float32)
     tl.store(db_part + i_k * NT_ROWS + (row0 + t) * HV + i_hv, tl.sum(acc_kr * k_c, axis=1), mask=m_t)
     acc_kr *= b_c[:, None]
-    # the stores as measured without L2NORM (named values there reschedule wide-chunk's sm_90a code)
-    if L2NORM:  # this slice's share of each row's dot with q (k), for B10 by the last slice
-        dq_v = tl.load(dq + p, mask=m_tk, other=0) + acc_q
-        dk_v = tl.load(dk + p, mask=m_tk, other=0) + acc_kr + acc_c
-        tl.store(dq2 + p, dq_v, mask=m_tk)
-        tl.store(dk2 + p, dk_v, mask=m_tk)
-        rows = (row0 + t) * HV + i_hv
-        tl.store(dot_part + i_k * NT_ROWS + rows, tl.sum(dq_v * q_c, axis=1), mask=m_t)
-        tl.store(dot_part + (tl.num_programs(0) + i_k) * NT_ROWS + rows, tl.sum(dk_v * k_c, axis=1), mask=m_t)
-    else:
-        tl.store(dq2 + p, tl.load(dq + p, mask=m_tk, other=0) + acc_q, mask=m_tk)
-        tl.store(dk2 + p, tl.load(dk + p, mask=m_tk, other=0) + acc_kr + acc_c, mask=m_tk)
+    tl.store(dq2 + p, tl.load(dq + p, mask=m_tk, other=0) + acc_q, mask=m_tk)
+    tl.store(dk2 + p, tl.load(dk + p, mask=m_tk, other=0) + acc_kr + acc_c, mask=m_tk)
     b_dg = tl.load(dg + p, mask=m_tk, other=0) + q_c * acc_q + k_c * (acc_kr - acc_c)
     if TAIL == 0:
         tl.store(dg2 + p, b_dg, mask=m_tk)
@@ -452,9 +396,6 @@ def intra_bwd_wide_kernel(
                                   HAS_BIAS, USE_LOWER_BOUND)
             tl.store(dA_part + (i_k * NT_ALL + i_tg) * HV + i_hv, da)
             tl.store(dbias_part + (i_tg * HV + i_hv) * K + o_k, dbias, mask=m_k)
-    if L2NORM:
-        _l2norm_last(q, k, q_rstd, k_rstd, dq2 + off, dk2 + off, dq_out, dk_out, dot_part, arrived + i_tg * HV + i_hv,
-                     row0, i_h, i_hv, t, m_t, NT_ROWS, tl.num_programs(0), H, HV, K, BK)
 
 
 # Compiled for sm_90a offline (``python -m tools.compile_report --design wide-chunk --BV 32
@@ -516,38 +457,16 @@ def intra_bwd_tail(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_se
     is B8's (the intra-chunk reverse cumsum of B7's dg, fp32) and the last two are None;
     with it (the gate in the op: ``g`` the raw gate, ``dt_bias`` or None, ``lower_bound``
     or None) dg is B9's, in g's dtype, with dA_log's and dt_bias's gradients."""
-    return _tail(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens, chunk_indices, g, A_log,
-                 dt_bias, lower_bound, BK, num_warps, num_stages, maxnreg, design)
-
-
-def intra_bwd_l2(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens, chunk_indices, safe_gate,
-                 g=None, A_log=None, dt_bias=None, lower_bound=None, q_rstd=None, k_rstd=None,
-                 BK: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                 maxnreg: int | None = None, design: str = "wide-chunk"):
-    """B7 through B10 in one launch (H == HV): (dq, dk, db, dg, dA_log, ddt_bias) as
-    ``intra_bwd_tail`` gives them, with dq and dk then through the l2norm's backward (q and
-    k the normalized rows, q_rstd and k_rstd their reciprocal norms), in q's and k's dtype."""
-    if q.shape[2] != gc.shape[2]:
-        raise ValueError("B10 in B7's pass needs H == HV (with GVA dq and dk sum over value heads first)")
-    return _tail(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens, chunk_indices, g, A_log,
-                 dt_bias, lower_bound, BK, num_warps, num_stages, maxnreg, design,
-                 l2norm=dict(q_rstd=q_rstd.contiguous(), k_rstd=k_rstd.contiguous()))
-
-
-def _tail(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens, chunk_indices, g, A_log, dt_bias,
-          lower_bound, BK, num_warps, num_stages, maxnreg, design, l2norm=None):
-    """The B7-B9 unit's launch, and with ``l2norm`` the B7-B10 one's."""
     tensors = dict(q=q, k=k, gc=gc, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db, dg=dg, g=g,
                    A_log=A_log, dt_bias=dt_bias)
     args = _launch_args(design, tensors, chunk_size, cu_seqlens, chunk_indices, BK, num_warps, num_stages, maxnreg)
     gate = dict(g=g, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound) if A_log is not None else None
-    return _launch(args, db, tail=2 if gate else 1, gate=gate, l2norm=l2norm)
+    return _launch(args, db, tail=2 if gate else 1, gate=gate)
 
 
-def _launch(args: dict, db, tail: int = 0, gate: dict | None = None, l2norm: dict | None = None):
+def _launch(args: dict, db, tail: int = 0, gate: dict | None = None):
     """Launch the kernel; (dq, dk, db, dg, dA_log, ddt_bias), the last two None unless the
-    tail includes the gate's backward; with ``l2norm`` (q_rstd, k_rstd; H == HV) dq and dk
-    through B10, in q's and k's dtype."""
+    tail includes the gate's backward."""
     B, T, HV, K, BK = db.shape[0], db.shape[1], args["HV"], args["K"], args["BK"]
     NK, NT = triton.cdiv(K, BK), _n_chunks(args)
     dev = db.device
@@ -562,15 +481,8 @@ def _launch(args: dict, db, tail: int = 0, gate: dict | None = None, l2norm: dic
         args["dg2"] = torch.empty(B, T, HV, K, device=dev, dtype=g_raw.dtype)
         dA_part = torch.empty(NK, NT_ALL, HV, device=dev, dtype=torch.float32)
         dbias_part = torch.empty(NT_ALL, HV, K, device=dev, dtype=torch.float32) if dt_bias is not None else None
-    extra = {}
-    if l2norm is not None:
-        # each slice's share of the rows' dots, and a counter a chunk-head for the last to arrive
-        extra = dict(q_rstd=l2norm["q_rstd"], k_rstd=l2norm["k_rstd"],
-                     dq_out=torch.empty_like(args["q"]), dk_out=torch.empty_like(args["k"]),
-                     dot_part=torch.empty(2, NK, B * T * HV, device=dev, dtype=torch.float32),
-                     arrived=torch.zeros(NT_ALL * HV, device=dev, dtype=torch.int32), L2NORM=True)
     intra_bwd_wide_kernel[(NK, NT, B * HV)](
-        **args, **extra, db_part=db_part, NT_ROWS=B * T * HV, NT_ALL=NT_ALL,
+        **args, db_part=db_part, NT_ROWS=B * T * HV, NT_ALL=NT_ALL,
         g_raw=g_raw, A_log=A_log, dt_bias=dt_bias, dA_part=dA_part, dbias_part=dbias_part,
         lower_bound=0.0 if lower_bound is None else float(lower_bound), TAIL=tail, HAS_BIAS=dt_bias is not None,
         USE_LOWER_BOUND=lower_bound is not None)
@@ -580,8 +492,6 @@ def _launch(args: dict, db, tail: int = 0, gate: dict | None = None, l2norm: dic
         dA_log = dA_part.sum((0, 1)).view_as(A_log).to(A_log.dtype)
         if dt_bias is not None:
             ddt_bias = dbias_part.sum(0).view_as(dt_bias).to(dt_bias.dtype)
-    if l2norm is not None:
-        return extra["dq_out"], extra["dk_out"], db2, args["dg2"], dA_log, ddt_bias
     return args["dq2"], args["dk2"], db2, args["dg2"], dA_log, ddt_bias
 
 
@@ -599,24 +509,15 @@ def supports_tail(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seq
     return supports(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens, chunk_indices, safe_gate)
 
 
-def supports_l2(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens, chunk_indices, safe_gate,
-                g, A_log, dt_bias, lower_bound, q_rstd, k_rstd):
-    """None when ``intra_bwd_l2`` takes the B7-B10 unit, else why B10 runs on its own."""
-    if q.shape[2] != gc.shape[2]:
-        return f"GVA (H={q.shape[2]}, HV={gc.shape[2]}): dq and dk sum over value heads before B10"
-    return supports(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens, chunk_indices, safe_gate)
-
-
 def candidate(stage: str, design: str):
-    """(implementation, supports) of ``design`` as the ``ours`` of ``stage`` ("B7", the
-    "B7-B9" unit or the "B7-B10" one), for a bench run that measures a design before it is registered
+    """(implementation, supports) of ``design`` as the ``ours`` of ``stage`` ("B7" or the
+    "B7-B9" unit), for a bench run that measures a design before it is registered
     (``python -m kernel_fun.bench --candidate B7-B9=wide-pairwise``)."""
     import functools
 
     if design not in DESIGNS:
         raise ValueError(f"unknown B7 design {design!r}")
-    units = {"B7": (intra_bwd, supports), "B7-B9": (intra_bwd_tail, supports_tail),
-             "B7-B10": (intra_bwd_l2, supports_l2)}
+    units = {"B7": (intra_bwd, supports), "B7-B9": (intra_bwd_tail, supports_tail)}
     if stage not in units:
         raise ValueError(f"intra_bwd has candidates for {sorted(units)}, not {stage!r}")
     fn, sup = units[stage]

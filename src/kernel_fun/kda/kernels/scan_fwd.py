@@ -30,10 +30,12 @@ is waves x steps x the step's latency (3.9 x 128 x 6.2 us at prod8192_gate), not
 ~250 registers), each step a chain of dependent dots.
 
 The unit's launch picks the V slice by grid (``launch_config``: the least waves x measured
-step latency). Not dispatched yet: the chain's F7-F8 unit takes it once it beats fla at
-every bench shape and the whole op is measured with it; the interpreter proves its math
-against the stage references (tests/test_scan_fwd.py), the GPU its parity
-(tests/test_gpu.py).
+step latency); at that pick it is at least fla's time at every bench shape (kimi 1.21x,
+small 1.01x, grid1024 1.18x, step8192 1.07x). Registered as the chain's F7-F8 unit: in the
+whole op at prod8192_gate (chunk_kda.jsonl at fda8f2c, with B3 from the same kernel) 3.20
+ms against fla's F7 + F8 3.69, the forward 9.16 against 9.68 and fwd+bwd 33.45 against
+33.84, o bit for bit fla's. B3 (``scan_states``) is a candidate only: 1.77 ms in that run
+against fla's 1.76 (``python -m kernel_fun.bench --candidate B3=scan``).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ import triton
 import triton.language as tl
 
 from kernel_fun._triton import dot, to
+from kernel_fun.kda.stages import add_impl
 
 
 @triton.jit
@@ -233,3 +236,6 @@ def candidate(stage: str, design: str):
     if stage not in units:
         raise ValueError(f"scan_fwd has candidates for {sorted(units)}, not {stage!r}")
     return units[stage]
+
+
+add_impl("F7-F8", "ours", scan_output, supports)
