@@ -275,7 +275,7 @@ def test_b6_on_packed_sequences_matches_fla_stage():
 
 
 # --------------------------------------------------------------------------------------
-# B7: kernel-fun's intra-chunk backward against fla's stage (not dispatched yet)
+# B7: kernel-fun's intra-chunk backward against fla's stage (the B7-B9 unit ships)
 # --------------------------------------------------------------------------------------
 def _stage_verdict(bench, inputs: dict, ours: tuple, label: str) -> dict:
     """A stage kernel's outputs against fla's stage and the float64 stage (on the first
@@ -394,7 +394,7 @@ def test_b7_tail_matches_fla_b7_b8_b9(p):
 
 
 # --------------------------------------------------------------------------------------
-# F7 + F8 in one kernel against fla's two stages (not dispatched yet)
+# F7 + F8 in one kernel against fla's two stages (the chain's F7-F8 unit)
 # --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("p", SMALL + [PROD], ids=lambda p: p.name)
 def test_scan_with_output_matches_fla_f7_f8(p):

@@ -19,7 +19,8 @@ two programs an SM; not yet measured).
 Numerics: the chunk loop is the sequential recurrence, in fla's order; only the blocking
 inside each dot reassociates fp32 sums.
 
-Falls back (``supports``): chunk size other than 64, K > 256.
+Falls back (``supports``): chunk size other than 64, K > 256. No CTA floor: at the V slice
+the launch picks it measured at least fla's F7 + F8 down to one chain (step8192 below).
 
 Measured (H200, bench/results/stages.jsonl at 8d2bba8, the stage bench's F7-F8 entry; the
 rounds in docs/log/scan.md): o bit for bit fla's; prod8192_gate 3.28 ms at BV=128 (8
