@@ -30,10 +30,13 @@ SHAPES = {"d2048": dict(B=16, T=8192, D=2048), "d4096": dict(B=16, T=8192, D=409
           "packed2048": dict(B=16, T=8192, D=2048, packed=True), "small": dict(B=2, T=1000, D=512)}
 # The builds worth timing (sm_90a offline, D=2048: none spills): the pin (256-channel strips
 # at 2 warps, 256-token segments: four channels a lane, 8-byte loads and stores), its
-# neighbours (strips and warps, a longer segment), and eight channels a lane (512 at 2
-# warps, 256 at 1: 16-byte loads and stores; the forward 102 registers, the backward 255).
+# neighbours (strips and warps, a longer segment), eight channels a lane (512 at 2 warps,
+# 256 at 1: 16-byte loads and stores; the forward 102 registers, the backward 255), and the
+# pipelined loop (PIPE: the next eight tokens' loads in flight during this eight's outputs;
+# 128 and 248 registers at the pin's build, 128 and 238 at 128 channels and 1 warp).
 SWEEP = [dict(BD=256, num_warps=2), dict(BD=256, num_warps=4), dict(BD=512, num_warps=4), dict(BD=128, num_warps=1),
-         dict(BD=256, num_warps=2, TS=1024), dict(BD=512, num_warps=2), dict(BD=256, num_warps=1)]
+         dict(BD=256, num_warps=2, TS=1024), dict(BD=512, num_warps=2), dict(BD=256, num_warps=1),
+         dict(BD=256, num_warps=2, PIPE=True), dict(BD=128, num_warps=1, PIPE=True)]
 # bf16 y within 1e-3 of fla's; dx within 2e-3: fla's backward recomputes the
 # pre-activation in x's dtype and takes SiLU's derivative of the rounded value, ours keeps
 # it in fp32, which moves dx by 1.4e-3 relative RMS (measured at d2048; the same with the

@@ -268,9 +268,10 @@ def cconv_table(rows: list[dict]) -> str:
 
     def build(r):
         # rows from before the one-token-at-a-time loop was deleted name today's loop
-        # AHEAD=True, with an unroll G it ignored: the same sm_90a code as the pin
-        # (fingerprints 5312486f1f4ceefd and 246df18d00726407); rows of the deleted loop
-        # carry G without AHEAD and match nothing
+        # AHEAD=True, with an unroll G it ignored: the pin's forward machine code
+        # (5312486f1f4ceefd) and its backward's 1,432 instructions, scheduled a little
+        # differently since the eight-token body became a helper (246df18d00726407 then,
+        # e9b9bc1bc94d8e26 now); rows of the deleted loop carry G without AHEAD and match nothing
         if r["impl"] == "fla" or not r.get("config"):
             return r["impl"]
         cfg = dict(r["config"])
