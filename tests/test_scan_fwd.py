@@ -24,6 +24,8 @@ SHAPES = [
     Problem("varlen-K64-h0", 1, 150, 2, 2, 64, 32, initial_state=True, output_final_state=True,
             cu_seqlens=(0, 1, 65, 150)),
     Problem("T64-pregated-no-final", 2, 64, 2, 2, 64, 32, gate_in_kernel=False),
+    # K and V of no power of two (the unit runs for any V the chain takes), GVA, h0
+    Problem("T100-K48-V40-gva-h0", 1, 100, 1, 2, 48, 40, initial_state=True, output_final_state=True),
 ]
 
 
@@ -84,7 +86,7 @@ def test_registered_as_the_f7_f8_unit_only():
     assert not {"F7", "F8", "B3"} & {name for name, s in stages().items() if "ours" in s.impls}
 
 
-@pytest.mark.parametrize("p", [SHAPES[1], SHAPES[3],
+@pytest.mark.parametrize("p", [SHAPES[1], SHAPES[3], SHAPES[5],
                                Problem("layer-vfirst", 1, 100, 2, 2, 64, 32, initial_state=True,
                                        output_final_state=True, state_v_first=True)], ids=lambda p: p.name)
 def test_chain_with_the_unit_against_the_oracle(p, monkeypatch):
