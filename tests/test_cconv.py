@@ -238,6 +238,10 @@ def test_invalid_inputs_get_clear_errors():
         "residual shape": dict(x=x, weight=w, residual=torch.randn(2, 7, 16)),
         "activation": dict(x=x, weight=w, activation="gelu"),
         "varlen batch": dict(x=x, weight=w, cu_seqlens=torch.tensor([0, 3, 8])),
+        "offsets past x": dict(x=x[:1], weight=w, cu_seqlens=torch.tensor([0, 3, 9]),
+                               cu_seqlens_cpu=torch.tensor([0, 3, 9])),
+        "offsets decreasing": dict(x=x[:1], weight=w, cu_seqlens=torch.tensor([0, 5, 3, 8]),
+                                   cu_seqlens_cpu=torch.tensor([0, 5, 3, 8])),
         "state shape": dict(x=x, weight=w, initial_state=torch.randn(2, 16, 3)),
     }
     for name, kw in bad.items():

@@ -46,7 +46,7 @@ def _fla_causal_conv1d():
     return patch.fla_causal_conv1d()
 
 
-def _validate(x, weight, bias, residual, initial_state, activation, cu_seqlens):
+def _validate(x, weight, bias, residual, initial_state, activation, cu_seqlens, cu_seqlens_cpu=None):
     if not isinstance(x, torch.Tensor) or x.dim() < 3:
         raise ValueError(f"causal_conv1d: x must be [B, T, D] (or [B, T, ...] with D the product of the rest); "
                          f"got {tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
@@ -72,6 +72,13 @@ def _validate(x, weight, bias, residual, initial_state, activation, cu_seqlens):
             raise ValueError(f"causal_conv1d: with cu_seqlens x must be [1, total tokens, D]; got batch {x.shape[0]}")
         if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
             raise ValueError(f"causal_conv1d: cu_seqlens must be [N + 1] offsets; got {tuple(cu_seqlens.shape)}")
+        if cu_seqlens_cpu is not None:  # checked where the host copy is free (the device one would sync)
+            cpu = cu_seqlens_cpu.tolist()
+            if len(cpu) != cu_seqlens.numel() or cpu[0] != 0 or any(b < a for a, b in zip(cpu, cpu[1:])) \
+                    or cpu[-1] > x.shape[1]:
+                raise ValueError(f"causal_conv1d: cu_seqlens_cpu must be non-decreasing offsets from 0 to at most "
+                                 f"the {x.shape[1]} tokens of x, as many as cu_seqlens; got {cpu[:8]}"
+                                 f"{'...' if len(cpu) > 8 else ''}")
     N = x.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
     if initial_state is not None and tuple(initial_state.shape) != (N, D, W):
         raise ValueError(f"causal_conv1d: initial_state must be [N, D, W] = [{N}, {D}, {W}]; "
@@ -111,7 +118,7 @@ def is_supported(x, weight=None, bias=None, residual=None, initial_state=None, o
     """``(True, None)`` when ``causal_conv1d`` with these arguments runs kernel-fun's
     kernels (or its reference on a CPU), else ``(False, reason)``."""
     try:
-        _validate(x, weight, bias, residual, initial_state, activation, cu_seqlens)
+        _validate(x, weight, bias, residual, initial_state, activation, cu_seqlens, cu_seqlens_cpu)
     except ValueError as err:
         return False, f"invalid arguments — {err}"
     reason = _gate(x, weight, bias, residual, initial_state, backend, cp_context, kwargs)
@@ -210,7 +217,7 @@ def causal_conv1d(x, weight=None, bias=None, residual=None, initial_state=None, 
         ``(y in x's shape and dtype, final_state in x's dtype or None)``.
     """
     if cp_context is None:
-        _validate(x, weight, bias, residual, initial_state, activation, cu_seqlens)
+        _validate(x, weight, bias, residual, initial_state, activation, cu_seqlens, cu_seqlens_cpu)
     reason = _gate(x, weight, bias, residual, initial_state, backend, cp_context, kwargs) if weight is not None else \
         "no weight"
     if reason is not None:
