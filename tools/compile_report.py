@@ -149,8 +149,7 @@ def b7_report(K: int, H: int, HV: int, BK: int, num_warps: int, num_stages: int,
     if tail == 2:
         types.update(gate, dg2=_PTR[dtype])
     constexprs = dict(cu_seqlens=None, chunk_indices=None, H=H, HV=HV, K=K, BT=64, BC=intra_bwd.BC, BK=BK,
-                      IS_VARLEN=False, PAIRWISE=design == "wide-pairwise", CHUNK_ANCHOR=design in ("wide-chunk", "wide-halves"),
-                      HALVES=design == "wide-halves",
+                      IS_VARLEN=False, **intra_bwd.design_flags(design),
                       TAIL=tail, HAS_BIAS=tail == 2, USE_LOWER_BOUND=False,
                       **({} if tail == 2 else dict.fromkeys(gate)))
     return compile_sm90(intra_bwd.intra_bwd_wide_kernel, types, constexprs, num_warps, num_stages, maxnreg)

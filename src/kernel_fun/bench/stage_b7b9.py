@@ -19,7 +19,7 @@ from kernel_fun.bench.stage import StageBench
 from kernel_fun.bench.stage import main as _stage_main
 
 # the pin, and wide-halves (the candidate tier) at the same build
-SWEEP = {"wide-chunk": [dict(BK=32, num_warps=4, num_stages=1)], "wide-halves": [dict(BK=32, num_warps=4, num_stages=1)]}
+SWEEP = {"wide-chunk": [stage_b7.SWEEP["wide-chunk"][0]], "wide-halves": [stage_b7.SWEEP["wide-halves"][0]]}
 
 
 def b7b9_bytes(p) -> int:
@@ -61,11 +61,9 @@ def _ours(inputs, design, config):
 
 
 def _misses(vs_exact, fla_exact, vs_fla):
-    from kernel_fun.kda import reference as ref
-    from kernel_fun.kda.parity import B7_BARS, bar_misses
+    from kernel_fun.kda.parity import tail_misses
 
-    bars = {**B7_BARS, "dA_log": ref.BUDGETS["dA_log"], "ddt_bias": ref.BUDGETS["ddt_bias"]}
-    return bar_misses(vs_exact, fla_exact, vs_fla, bars, bars)
+    return tail_misses(vs_exact, fla_exact, vs_fla)
 
 
 BENCH = StageBench(stage="B7-B9", make_inputs=make_inputs, bytes=b7b9_bytes, fla=_fla, exact=_exact, ours=_ours,

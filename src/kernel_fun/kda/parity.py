@@ -84,6 +84,15 @@ def b7_misses(vs_exact: dict, baseline_exact: dict, vs_fla: dict | None = None) 
     return bar_misses(vs_exact, baseline_exact, vs_fla, B7_BARS, B7_BARS)
 
 
+# The B7-B9 unit: B7's bars, and the gate parameters' gradients at fla's budgets
+TAIL_BARS = {**B7_BARS, "dA_log": ref.BUDGETS["dA_log"], "ddt_bias": ref.BUDGETS["ddt_bias"]}
+
+
+def tail_misses(vs_exact: dict, baseline_exact: dict, vs_fla: dict | None = None) -> dict[str, tuple]:
+    """The B7-B9 unit's misses (``bar_misses``), ``TAIL_BARS`` on both sides."""
+    return bar_misses(vs_exact, baseline_exact, vs_fla, TAIL_BARS, TAIL_BARS)
+
+
 # The F7-F8 unit (the scan with its output): against fla's two stages, the bf16 roundings
 # fla makes at the same points leave fp32 reassociation only (2e-3 covers a last-bit flip of
 # a rounded h or v_new carried through the chunks); against the float64 stage, fla's budgets

@@ -410,11 +410,19 @@ DEFAULT_CONFIG = dict(BK=32, num_warps=4, num_stages=1)
 DESIGNS = ("wide", "wide-pairwise", "wide-chunk", "wide-halves")
 
 
+def design_flags(design: str) -> dict:
+    """The kernel's constexpr switches of ``design`` (the launcher's and the offline
+    compile report's)."""
+    if design not in DESIGNS:
+        raise ValueError(f"unknown B7 design {design!r}")
+    return dict(PAIRWISE=design == "wide-pairwise", CHUNK_ANCHOR=design in ("wide-chunk", "wide-halves"),
+                HALVES=design == "wide-halves")
+
+
 def _launch_args(design, tensors: dict, chunk_size, cu_seqlens, chunk_indices, BK, num_warps, num_stages,
                  maxnreg) -> dict:
     """The checks and the keyword arguments B7's and the tail's launches share."""
-    if design not in DESIGNS:
-        raise ValueError(f"unknown B7 design {design!r}")
+    flags = design_flags(design)
     for name, t in tensors.items():
         if t is not None and not t.is_contiguous():
             raise ValueError(f"B7 kernels index {name} as a dense tensor; got strides {t.stride()}")
@@ -428,8 +436,7 @@ def _launch_args(design, tensors: dict, chunk_size, cu_seqlens, chunk_indices, B
         dk=tensors["dk"], dg=tensors["dg"], dq2=dq2, dk2=torch.empty_like(dq2), dg2=torch.empty_like(dq2),
         cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, T=T, H=H, HV=HV, K=K, BT=chunk_size, BC=BC,
         BK=BK or min(cfg["BK"], triton.next_power_of_2(K)), IS_VARLEN=cu_seqlens is not None,
-        PAIRWISE=design == "wide-pairwise", CHUNK_ANCHOR=design in ("wide-chunk", "wide-halves"),
-        HALVES=design == "wide-halves",
+        **flags,
         num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"],
         **({"maxnreg": maxnreg} if maxnreg else {}))
 
