@@ -130,27 +130,6 @@ def test_kernels_match_the_float64_reference(case, dtype):
 
 
 @needs_triton
-@pytest.mark.parametrize("case", [CASES[1], CASES[3], CASES[4], CASES[7], CASES[9]],
-                         ids=["T3-h0", "T500-swish", "W3", "varlen", "empty-seqs"])
-def test_pipelined_loop_is_the_pinned_kernel_bit_for_bit(case):
-    """The pipelined loop (PIPE: the next eight tokens' loads issued before this eight's
-    outputs, rows kept in their dtype until used) does each token's arithmetic as the pinned
-    loop does, in the same order: every output and gradient equal bit for bit, at segments
-    that end inside an iteration of eight (TS=20) and at the pinned ones."""
-    B, T, D, W, bias, residual, h0, final, act, seqlens = case
-    kw = _inputs(B, T, D, W, torch.float32, bias, residual, h0, seqlens)
-    for TS in (20, K.DEFAULT_CONFIG["TS"]):
-        with K.use_config(TS=TS):
-            pinned = _grads(_kernels, kw, act, final)
-        with K.use_config(TS=TS, PIPE=True):
-            piped = _grads(_kernels, kw, act, final)
-        assert pinned.keys() == piped.keys()
-        for n in pinned:
-            assert (pinned[n] is None) == (piped[n] is None), n
-            assert pinned[n] is None or torch.equal(pinned[n], piped[n]), (TS, n)
-
-
-@needs_triton
 def test_strided_x_and_packed_equals_per_sequence_calls():
     """x as a strided view (half of a fused projection) gives the dense result bit for bit;
     a packed batch equals one call per sequence (the convolution does not cross a

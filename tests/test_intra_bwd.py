@@ -121,7 +121,7 @@ def test_bench_entry_inputs_run_and_count_bytes():
 
     p = Problem("entry", 1, 100, 2, 4, 64, 16)
     inputs = stage_b7.make_inputs(p, DEVICE, seed=1)
-    got = stage_b7.BENCH.ours(inputs, "wide-chunk", stage_b7.BENCH.launch_config(p, "wide-chunk", None))
+    got = stage_b7.BENCH.ours(inputs, "wide-halves", stage_b7.BENCH.launch_config(p, "wide-halves", None))
     want = stage_b7.BENCH.exact(**inputs)
     errors = {n: ref.rel_rms(a, b) for n, a, b in zip(("dq", "dk", "db", "dg"), got, want)}
     assert all(e <= 1e-5 for e in errors.values()), errors
@@ -129,9 +129,9 @@ def test_bench_entry_inputs_run_and_count_bytes():
 
 
 @pytest.mark.skipif(__import__("triton").__version__ != "3.6.0", reason="spill figures recorded with Triton 3.6.0's ptxas")
-@pytest.mark.parametrize("design,K,spills,extra", [("wide-chunk", 128, 4, ()), ("wide-chunk", 64, 24, ()),
-                                                   ("wide", 128, 0, ()), ("wide-chunk", 128, 36, ("--tail", "2"))],
-                         ids=["wide-chunk-K128", "wide-chunk-K64", "wide-K128", "B7-B9"])
+@pytest.mark.parametrize("design,K,spills,extra", [("wide-halves", 128, 144, ()), ("wide-halves", 64, 96, ()),
+                                                   ("wide", 128, 0, ()), ("wide-halves", 128, 144, ("--tail", "2"))],
+                         ids=["wide-halves-K128", "wide-halves-K64", "wide-K128", "B7-B9"])
 def test_default_config_compiles_within_its_recorded_spills(design, K, spills, extra):
     """A design's default config as ptxas assembles it for sm_90a (the note at
     intra_bwd.DEFAULT_CONFIG), alone and with the tail (B8, B9), compiled in a
@@ -191,6 +191,8 @@ def test_guard_takes_each_path_where_it_should():
     assert not all(torch.equal(a, b) for a, b in zip(intra_bwd.intra_bwd(**inputs, design="wide-chunk"),
                                                       intra_bwd.intra_bwd(**inputs, design="wide")))
     assert all(torch.equal(a, b) for a, b in zip(intra_bwd.intra_bwd(**saturated, design="wide-chunk"), anchored))
+    # the pin (wide-halves) likewise: the per-block form where neither anchor passes the guard
+    assert all(torch.equal(a, b) for a, b in zip(intra_bwd.intra_bwd(**saturated), anchored))
 
 
 def test_the_half_chunk_anchors_take_the_chunks_they_should():
@@ -300,10 +302,11 @@ def test_b7_b9_bench_entry_runs_and_counts_bytes():
     p = Problem("entry", 1, 100, 2, 4, 64, 16, lower_bound=-5.0, safe_gate=True)
     inputs = stage_b7b9.make_inputs(p, DEVICE, seed=1)
     bench = stage.entries()["B7-B9"]
-    errors = stage_errors("B7-B9", bench.ours(inputs, "wide-chunk", bench.launch_config(p, "wide-chunk", None)),
+    errors = stage_errors("B7-B9", bench.ours(inputs, "wide-halves", bench.launch_config(p, "wide-halves", None)),
                           bench.exact(**inputs))
     assert all(errors[n] <= 1e-5 for n in ("dq", "dk", "db", "dA_log")) and errors["dg"] <= 3e-3, errors
-    assert bench.ships(dict(design="wide-chunk", shape="prod8192_gate", config=intra_bwd.DEFAULT_CONFIG))
+    assert bench.ships(dict(design="wide-halves", shape="prod8192_gate", config=intra_bwd.DEFAULT_CONFIG))
+    assert not bench.ships(dict(design="wide-chunk", shape="prod8192_gate", config=intra_bwd.DEFAULT_CONFIG))
     p = problem("prod8192_gate")
     tok = p.B * p.T * p.HV * p.K
     assert stage_b7b9.b7b9_bytes(p) == stage_b7.b7_bytes(p) - tok * 4 + 2 * tok * 2  # dg in bf16, the raw gate read

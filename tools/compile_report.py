@@ -137,7 +137,7 @@ def b6_report(design: str, K: int, V: int, H: int, HV: int, BV: int, num_warps: 
 
 
 def b7_report(K: int, H: int, HV: int, BK: int, num_warps: int, num_stages: int, dtype: str = "bf16",
-              design: str = "wide-chunk", maxnreg: int | None = None, tail: int = 0) -> dict:
+              design: str = "wide-halves", maxnreg: int | None = None, tail: int = 0) -> dict:
     """B7's kernel (kda/kernels/intra_bwd.py), dense sequences, in one of its designs
     (``intra_bwd.DESIGNS``); ``tail`` 1 with B8, 2 with B8 and B9 (dt_bias, softplus form)."""
     from kernel_fun.kda.kernels import intra_bwd
@@ -173,16 +173,15 @@ def prep_report(K: int, V: int, H: int, HV: int, BKS: int, BV: int, num_warps: i
     return compile_sm90(prep_fwd.prep_fwd_kernel, types, constexprs, num_warps, num_stages)
 
 
-def cconv_report(D: int, BD: int, num_warps: int, TS: int = 256, backward: bool = False, pipe: bool = False) -> dict:
+def cconv_report(D: int, BD: int, num_warps: int, TS: int = 256, backward: bool = False) -> dict:
     """The short convolution's forward or backward kernel (cconv/kernels.py): bf16 x, fp32
-    weight, W=4, SiLU, no bias, dense sequences; ``pipe``: the next eight tokens' loads
-    issued before this eight's outputs."""
+    weight, W=4, SiLU, no bias, dense sequences."""
     from kernel_fun.cconv import kernels as K
 
     # x dense: channel stride 1 (a constant of the kernel), the others multiples of 16, as a launch specializes them
     types = dict(x="*bf16", w="*fp32", residual="*bf16", y="*bf16", dy="*bf16", dx="*bf16", dw_part="*fp32",
                  T="i32", stride_b="i32", stride_t="i32")
-    constexprs = dict(D=D, W=4, BD=BD, TS=TS, PIPE=pipe, SILU=True, HAS_BIAS=False, HAS_H0=False,
+    constexprs = dict(D=D, W=4, BD=BD, TS=TS, SILU=True, HAS_BIAS=False, HAS_H0=False,
                       IS_VARLEN=False, seg_index=None, cu_seqlens=None, bias=None, h0=None, stride_d=1)
     if backward:
         constexprs.update(HAS_DHT=False, dht=None, db_part=None, dh0=None)
@@ -202,7 +201,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--design", default="fullk",
                         help="fullk (B6), one of B7's designs (--BV its K slice), prep or prep-fused (F3-F6; --BV its "
-                             "V tile, --bks its K slice), cconv-fwd or cconv-bwd, -pipe for the pipelined loop (--BV "
+                             "V tile, --bks its K slice), cconv-fwd or cconv-bwd (--BV "
                              "the channel strip, --V the channels: 2048 by default)")
     parser.add_argument("--bks", type=int, default=64, help="the prep kernel's K slice")
     parser.add_argument("--K", type=int, default=128)
@@ -227,7 +226,7 @@ def main(argv=None):
             try:
                 if design.startswith("cconv-"):  # --BV its channel strip
                     row.update(cconv_report(args.V if args.V != 256 else 2048, BV, warps,
-                                            backward=design.startswith("cconv-bwd"), pipe=design.endswith("-pipe")))
+                                            backward=design == "cconv-bwd"))
                 elif design in ("prep", "prep-fused"):
                     row.update(prep_report(args.K, args.V, args.H, args.HV, args.bks, BV, warps, stages,
                                            fused=design == "prep-fused"))

@@ -4,7 +4,7 @@ for a profiler to attach to (Nsight Compute):
     ncu --clock-control none --kernel-name regex:wy_dqkg python -m tools.profile_stage \\
         --stage B6 --shape b8 --configs '[["fullk", {}], ["fullk", {"num_stages": 2}]]'
     ncu --section Occupancy --section WarpStateStats --kernel-name regex:intra_bwd \\
-        python -m tools.profile_stage --stage B7 --shape prod8192_gate --configs '[["wide-chunk", null]]'
+        python -m tools.profile_stage --stage B7 --shape prod8192_gate --configs '[["wide-halves", null]]'
 
 A config of ``null`` is the design's launch config at the shape.
 """

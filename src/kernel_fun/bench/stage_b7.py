@@ -18,16 +18,14 @@ import torch
 
 from kernel_fun.bench.stage import StageBench, main as _stage_main, qk_and_gate
 
-# The configs worth timing (the note at intra_bwd.DEFAULT_CONFIG): the default (the
-# whole-chunk anchor where the gate allows), the per-block anchors only, and the pairwise
-# diagonal everywhere (the guard's other path: what a saturated gate costs). With the
-# hand-split dots two more builds of the whole-chunk anchor spill nothing (sm_90a, K=128):
-# 16-channel slices at 4 warps (243 registers, twice the programs) and 32 at 8 warps (242).
+# The configs worth timing (the note at intra_bwd.DEFAULT_CONFIG): the pin (wide-halves: the
+# chunk anchor, the half-chunk anchors, the per-block form) at its build and at 16-channel
+# slices (no spills, twice the programs), and at the pin's build the designs without a tier
+# each: wide-chunk (no half-chunk tier), wide (the per-block form only) and wide-pairwise (every
+# diagonal pairwise: what a saturated gate costs).
 _B = dict(BK=32, num_warps=4, num_stages=1)
-# wide-halves (the half-chunk tier between the two) spills 144 B at the default and nothing
-# at 16-channel slices or 8 warps.
-_B16, _B8W = dict(BK=16, num_warps=4, num_stages=1), dict(BK=32, num_warps=8, num_stages=1)
-SWEEP = {"wide-chunk": [_B, _B16, _B8W], "wide-halves": [_B, _B16, _B8W], "wide": [_B], "wide-pairwise": [_B]}
+_B16 = dict(BK=16, num_warps=4, num_stages=1)
+SWEEP = {"wide-halves": [_B, _B16], "wide-chunk": [_B], "wide": [_B], "wide-pairwise": [_B]}
 
 
 def b7_reads(p) -> int:
@@ -96,7 +94,7 @@ def _misses(vs_exact, fla_exact, vs_fla):
 
 
 BENCH = StageBench(stage="B7", make_inputs=make_inputs, bytes=b7_bytes, fla=_fla, exact=_exact, ours=_ours,
-                   launch_config=_launch_config, misses=_misses, sweep=SWEEP, designs=("wide-chunk",))
+                   launch_config=_launch_config, misses=_misses, sweep=SWEEP, designs=("wide-halves",))
 
 
 def main(argv=None) -> int:

@@ -18,8 +18,8 @@ from kernel_fun.bench import stage_b7
 from kernel_fun.bench.stage import StageBench
 from kernel_fun.bench.stage import main as _stage_main
 
-# the pin, and wide-halves (the candidate tier) at the same build
-SWEEP = {"wide-chunk": [stage_b7.SWEEP["wide-chunk"][0]], "wide-halves": [stage_b7.SWEEP["wide-halves"][0]]}
+# the pin (wide-halves), and the form without the half-chunk tier at the same build
+SWEEP = {"wide-halves": [stage_b7.SWEEP["wide-halves"][0]], "wide-chunk": [stage_b7.SWEEP["wide-chunk"][0]]}
 
 
 def b7b9_bytes(p) -> int:
@@ -67,7 +67,7 @@ def _misses(vs_exact, fla_exact, vs_fla):
 
 
 BENCH = StageBench(stage="B7-B9", make_inputs=make_inputs, bytes=b7b9_bytes, fla=_fla, exact=_exact, ours=_ours,
-                   launch_config=stage_b7.BENCH.launch_config, misses=_misses, sweep=SWEEP, designs=("wide-chunk",))
+                   launch_config=stage_b7.BENCH.launch_config, misses=_misses, sweep=SWEEP, designs=("wide-halves",))
 
 
 def main(argv=None) -> int:

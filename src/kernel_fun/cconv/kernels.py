@@ -25,13 +25,16 @@ issued before it; a loop of a token's load, output and store in turn keeps one l
 flight a thread and pays a memory latency a token (the form measured before this one: d2048
 fwd+bwd 1.707 ms against this form's 1.038; sm_90a listing LDG, STG, LDG, ...). Here the
 sm_90a code has eight LDG.64 a thread (sixteen with a residual and in the backward) before
-the first STG. Candidate (``PIPE``, the bench's sweep; not yet on the H200): the next eight
-tokens' loads issued before this eight's outputs, rows kept in their dtype until used, so
-no group waits with nothing in flight (the same arithmetic, bit for bit; 128 and 248
-registers against 60 and 128).
+the first STG. Issuing the next eight tokens' loads before this eight's outputs as well
+measured no faster forward and a 9% slower fwd+bwd at d2048 (128 and 248 registers; removed,
+docs/log/cconv.md).
 
 Numerics: fp32 inside, the output rounded once to its dtype (bf16: round to nearest even);
-sigmoid as 1 / (1 + exp2(-z log2 e)) with a fast reciprocal (a few ulp of fp32). Against
+sigmoid as 1 / (1 + exp2(-z log2 e)) with a fast reciprocal (a few ulp of fp32). The
+backward takes SiLU's derivative at z rounded to x's dtype, as fla's does (fla re-runs the
+forward without the activation and reads that pre-activation back): taken at the fp32 z
+instead, dx sat 1.4e-3 from fla's in bf16 (a little closer to float64, 1.66e-3 against
+fla's 1.75e-3) where the parity bar is 1e-3. Against
 the float64 reference at d2048 (H200): y 1.67e-3 relative RMS (fla's the same), dx 2.73e-3
 (fla's 2.80e-3), dweight 1.67e-3 (fla's 1.76e-3).
 
@@ -125,9 +128,8 @@ def _strip(x, w, h0, seg_index, cu_seqlens, T, stride_b, stride_t, stride_d: tl.
 
 
 @triton.jit
-def _ld8(ptr, t0, lim, stride_t, o_d, stride_d: tl.constexpr, m_d, FP32: tl.constexpr = True):
-    """Rows t0 .. t0 + 7 of one strip (fp32, or the tensor's dtype without FP32; 0 at rows
-    >= lim), all eight loads issued before anything that depends on them: a store between two
+def _ld8(ptr, t0, lim, stride_t, o_d, stride_d: tl.constexpr, m_d):
+    """Rows t0 .. t0 + 7 of one strip (fp32; 0 at rows >= lim), all eight loads issued before anything that depends on them: a store between two
     loads would keep the second from being issued early (the compiler cannot tell that the
     tensors do not overlap)."""
     base = ptr + t0.to(tl.int64) * stride_t + o_d * stride_d
@@ -139,9 +141,8 @@ def _ld8(ptr, t0, lim, stride_t, o_d, stride_d: tl.constexpr, m_d, FP32: tl.cons
     r5 = tl.load(base + 5 * stride_t, mask=m_d & (t0 + 5 < lim), other=0)
     r6 = tl.load(base + 6 * stride_t, mask=m_d & (t0 + 6 < lim), other=0)
     r7 = tl.load(base + 7 * stride_t, mask=m_d & (t0 + 7 < lim), other=0)
-    if FP32:
-        r0, r1, r2, r3 = r0.to(tl.float32), r1.to(tl.float32), r2.to(tl.float32), r3.to(tl.float32)
-        r4, r5, r6, r7 = r4.to(tl.float32), r5.to(tl.float32), r6.to(tl.float32), r7.to(tl.float32)
+    r0, r1, r2, r3 = r0.to(tl.float32), r1.to(tl.float32), r2.to(tl.float32), r3.to(tl.float32)
+    r4, r5, r6, r7 = r4.to(tl.float32), r5.to(tl.float32), r6.to(tl.float32), r7.to(tl.float32)
     return r0, r1, r2, r3, r4, r5, r6, r7
 
 
@@ -173,7 +174,7 @@ def causal_conv1d_fwd_kernel(
     x, w, bias, residual, h0, y, seg_index, cu_seqlens, T, stride_b, stride_t, stride_d: tl.constexpr,
     D: tl.constexpr, W: tl.constexpr, BD: tl.constexpr, TS: tl.constexpr,
     SILU: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_H0: tl.constexpr,
-    IS_VARLEN: tl.constexpr, PIPE: tl.constexpr = False,
+    IS_VARLEN: tl.constexpr,
 ):
     """y = act(sum_k w_k x[t - k] + bias) + residual on one (strip, segment): x strided
     ([B, T, D] by stride_b, stride_t, stride_d; packed: B = 1), y and residual dense. The
@@ -189,34 +190,15 @@ def causal_conv1d_fwd_kernel(
     bb = w0
     if HAS_BIAS:
         bb = b
-    if PIPE:  # the next eight tokens' loads issued before this eight's outputs (rows kept in x's dtype)
-        c0, c1, c2, c3, c4, c5, c6, c7 = _ld8(x, s0, s1, stride_t, o_d, stride_d, m_d, False)
-        e0, e1, e2, e3, e4, e5, e6, e7 = c0, c1, c2, c3, c4, c5, c6, c7  # (unused without a residual)
+    # eight tokens' loads issued together, then their outputs
+    for t8 in range(s0, s1, 8):
+        t0 = tl.cast(t8, tl.int32)  # a tensor in the interpreter too
+        x0, x1, x2, x3, x4, x5, x6, x7 = _ld8(x, t0, s1, stride_t, o_d, stride_d, m_d)
+        r0, r1, r2, r3, r4, r5, r6, r7 = x0, x1, x2, x3, x4, x5, x6, x7  # (unused without a residual)
         if HAS_RESIDUAL:
-            e0, e1, e2, e3, e4, e5, e6, e7 = _ld8(residual, s0, s1, D, o_d, 1, m_d, False)
-        for t8 in range(s0, s1, 8):
-            t0 = tl.cast(t8, tl.int32)  # a tensor in the interpreter too
-            n0, n1, n2, n3, n4, n5, n6, n7 = _ld8(x, t0 + 8, s1, stride_t, o_d, stride_d, m_d, False)
-            f0, f1, f2, f3, f4, f5, f6, f7 = n0, n1, n2, n3, n4, n5, n6, n7
-            if HAS_RESIDUAL:
-                f0, f1, f2, f3, f4, f5, f6, f7 = _ld8(residual, t0 + 8, s1, D, o_d, 1, m_d, False)
-            xm1, xm2, xm3 = _fwd8(t0, s1, c0.to(tl.float32), c1.to(tl.float32), c2.to(tl.float32),
-                                  c3.to(tl.float32), c4.to(tl.float32), c5.to(tl.float32), c6.to(tl.float32),
-                                  c7.to(tl.float32), xm1, xm2, xm3, e0.to(tl.float32), e1.to(tl.float32),
-                                  e2.to(tl.float32), e3.to(tl.float32), e4.to(tl.float32), e5.to(tl.float32),
-                                  e6.to(tl.float32), e7.to(tl.float32), w0, w1, w2, w3, bb, y, o_d, m_d, D, SILU,
-                                  HAS_BIAS, HAS_RESIDUAL)
-            c0, c1, c2, c3, c4, c5, c6, c7 = n0, n1, n2, n3, n4, n5, n6, n7
-            e0, e1, e2, e3, e4, e5, e6, e7 = f0, f1, f2, f3, f4, f5, f6, f7
-    else:  # eight tokens' loads issued together, then their outputs
-        for t8 in range(s0, s1, 8):
-            t0 = tl.cast(t8, tl.int32)  # a tensor in the interpreter too
-            x0, x1, x2, x3, x4, x5, x6, x7 = _ld8(x, t0, s1, stride_t, o_d, stride_d, m_d)
-            r0, r1, r2, r3, r4, r5, r6, r7 = x0, x1, x2, x3, x4, x5, x6, x7  # (unused without a residual)
-            if HAS_RESIDUAL:
-                r0, r1, r2, r3, r4, r5, r6, r7 = _ld8(residual, t0, s1, D, o_d, 1, m_d)
-            xm1, xm2, xm3 = _fwd8(t0, s1, x0, x1, x2, x3, x4, x5, x6, x7, xm1, xm2, xm3, r0, r1, r2, r3, r4, r5,
-                                  r6, r7, w0, w1, w2, w3, bb, y, o_d, m_d, D, SILU, HAS_BIAS, HAS_RESIDUAL)
+            r0, r1, r2, r3, r4, r5, r6, r7 = _ld8(residual, t0, s1, D, o_d, 1, m_d)
+        xm1, xm2, xm3 = _fwd8(t0, s1, x0, x1, x2, x3, x4, x5, x6, x7, xm1, xm2, xm3, r0, r1, r2, r3, r4, r5,
+                              r6, r7, w0, w1, w2, w3, bb, y, o_d, m_d, D, SILU, HAS_BIAS, HAS_RESIDUAL)
 
 
 @triton.jit
@@ -237,11 +219,13 @@ def _fwd8(t0, s1, x0, x1, x2, x3, x4, x5, x6, x7, xm1, xm2, xm3, r0, r1, r2, r3,
 
 
 @triton.jit
-def _bwd_g(x0, xm1, xm2, xm3, dy0, w0, w1, w2, w3, b, SILU: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """g = dy * act'(z) of one token (dy itself without the activation)."""
+def _bwd_g(x0, xm1, xm2, xm3, dy0, w0, w1, w2, w3, b, SILU: tl.constexpr, HAS_BIAS: tl.constexpr,
+           ZT: tl.constexpr):
+    """g = dy * act'(z) of one token (dy itself without the activation), the derivative taken
+    at z rounded to x's dtype ZT (fla's rounding, below)."""
     g = dy0
     if SILU:
-        z = _z(x0, xm1, xm2, xm3, w0, w1, w2, w3, b, HAS_BIAS)
+        z = to(_z(x0, xm1, xm2, xm3, w0, w1, w2, w3, b, HAS_BIAS), ZT).to(tl.float32)
         s = _sigmoid(z)
         g = g * (s * (1.0 + z * (1.0 - s)))
     return g
@@ -285,18 +269,18 @@ def _bwd_token(t, s0, s1, T_seq, n, first, g, gm1, gm2, gm3, x0, xm1, xm2, xm3, 
 def _bwd8(t0, s0, s1, T_seq, n, first, x0, x1, x2, x3, x4, x5, x6, x7, e0, e1, e2, e3, e4, e5, e6, e7,
           xm1, xm2, xm3, gm1, gm2, gm3, w0, w1, w2, w3, bb, dw0, dw1, dw2, dw3, db, dh1, dh2, dh3, dht, dx, o_d, m_d,
           D: tl.constexpr, W: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_H0: tl.constexpr,
-          HAS_DHT: tl.constexpr):
+          HAS_DHT: tl.constexpr, ZT: tl.constexpr):
     """Tokens t0 .. t0 + 7 of the backward from their x and dy rows (fp32), the three rows
     and g before them: their shares of dw, db and dh0, dx of tokens t0 - 3 .. t0 + 4; the
     sums, then the three g and rows the next eight read."""
-    g0 = _bwd_g(x0, xm1, xm2, xm3, e0, w0, w1, w2, w3, bb, SILU, HAS_BIAS)
-    g1 = _bwd_g(x1, x0, xm1, xm2, e1, w0, w1, w2, w3, bb, SILU, HAS_BIAS)
-    g2 = _bwd_g(x2, x1, x0, xm1, e2, w0, w1, w2, w3, bb, SILU, HAS_BIAS)
-    g3 = _bwd_g(x3, x2, x1, x0, e3, w0, w1, w2, w3, bb, SILU, HAS_BIAS)
-    g4 = _bwd_g(x4, x3, x2, x1, e4, w0, w1, w2, w3, bb, SILU, HAS_BIAS)
-    g5 = _bwd_g(x5, x4, x3, x2, e5, w0, w1, w2, w3, bb, SILU, HAS_BIAS)
-    g6 = _bwd_g(x6, x5, x4, x3, e6, w0, w1, w2, w3, bb, SILU, HAS_BIAS)
-    g7 = _bwd_g(x7, x6, x5, x4, e7, w0, w1, w2, w3, bb, SILU, HAS_BIAS)
+    g0 = _bwd_g(x0, xm1, xm2, xm3, e0, w0, w1, w2, w3, bb, SILU, HAS_BIAS, ZT)
+    g1 = _bwd_g(x1, x0, xm1, xm2, e1, w0, w1, w2, w3, bb, SILU, HAS_BIAS, ZT)
+    g2 = _bwd_g(x2, x1, x0, xm1, e2, w0, w1, w2, w3, bb, SILU, HAS_BIAS, ZT)
+    g3 = _bwd_g(x3, x2, x1, x0, e3, w0, w1, w2, w3, bb, SILU, HAS_BIAS, ZT)
+    g4 = _bwd_g(x4, x3, x2, x1, e4, w0, w1, w2, w3, bb, SILU, HAS_BIAS, ZT)
+    g5 = _bwd_g(x5, x4, x3, x2, e5, w0, w1, w2, w3, bb, SILU, HAS_BIAS, ZT)
+    g6 = _bwd_g(x6, x5, x4, x3, e6, w0, w1, w2, w3, bb, SILU, HAS_BIAS, ZT)
+    g7 = _bwd_g(x7, x6, x5, x4, e7, w0, w1, w2, w3, bb, SILU, HAS_BIAS, ZT)
     dw0, dw1, dw2, dw3, db, dh1, dh2, dh3 = _bwd_token(
         t0, s0, s1, T_seq, n, first, g0, gm1, gm2, gm3, x0, xm1, xm2, xm3, w0, w1, w2, w3,
         dw0, dw1, dw2, dw3, db, dh1, dh2, dh3, dht, dx, o_d, m_d, D, W, HAS_H0, HAS_DHT)
@@ -335,11 +319,12 @@ def causal_conv1d_bwd_kernel(
     x, w, bias, h0, dy, dht, dx, dw_part, db_part, dh0, seg_index, cu_seqlens, T,
     stride_b, stride_t, stride_d: tl.constexpr, D: tl.constexpr, W: tl.constexpr, BD: tl.constexpr,
     TS: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_H0: tl.constexpr, HAS_DHT: tl.constexpr,
-    IS_VARLEN: tl.constexpr, PIPE: tl.constexpr = False,
+    IS_VARLEN: tl.constexpr,
 ):
     """dx on one (strip, segment), its partials of dw ([P, D, W] at program P) and db
     ([P, D]), and, on a sequence's first segment, dh0 [N, D, W] (slot 0 is 0: the forward
     never reads it). dy and dx dense, x strided as in the forward."""
+    ZT: tl.constexpr = x.dtype.element_ty
     i_s, i_b = tl.program_id(1), tl.program_id(2)
     n, bos, T_seq, s0, s1, o_d, m_d, x, w0, w1, w2, w3, xm1, xm2, xm3 = _strip(
         x, w, h0, seg_index, cu_seqlens, T, stride_b, stride_t, stride_d, D, W, BD, TS, HAS_H0, IS_VARLEN)
@@ -356,31 +341,15 @@ def causal_conv1d_bwd_kernel(
     bb = w0
     if HAS_BIAS:
         bb = b
-    if PIPE:  # the next eight tokens' loads issued before this eight's dx (rows kept in their dtypes)
-        c0, c1, c2, c3, c4, c5, c6, c7 = _ld8(x, s0, T_seq, stride_t, o_d, stride_d, m_d, False)
-        e0, e1, e2, e3, e4, e5, e6, e7 = _ld8(dy, s0, T_seq, D, o_d, 1, m_d, False)
-        for t8 in range(s0, s1 + 3, 8):
-            t0 = tl.cast(t8, tl.int32)  # a tensor in the interpreter too
-            n0, n1, n2, n3, n4, n5, n6, n7 = _ld8(x, t0 + 8, T_seq, stride_t, o_d, stride_d, m_d, False)
-            f0, f1, f2, f3, f4, f5, f6, f7 = _ld8(dy, t0 + 8, T_seq, D, o_d, 1, m_d, False)
-            dw0, dw1, dw2, dw3, db, dh1, dh2, dh3, gm3, gm2, gm1, xm3, xm2, xm1 = _bwd8(
-                t0, s0, s1, T_seq, n, first, c0.to(tl.float32), c1.to(tl.float32), c2.to(tl.float32),
-                c3.to(tl.float32), c4.to(tl.float32), c5.to(tl.float32), c6.to(tl.float32), c7.to(tl.float32),
-                e0.to(tl.float32), e1.to(tl.float32), e2.to(tl.float32), e3.to(tl.float32), e4.to(tl.float32),
-                e5.to(tl.float32), e6.to(tl.float32), e7.to(tl.float32), xm1, xm2, xm3, gm1, gm2, gm3,
-                w0, w1, w2, w3, bb, dw0, dw1, dw2, dw3, db, dh1, dh2, dh3, dht, dx, o_d, m_d, D, W, SILU, HAS_BIAS,
-                HAS_H0, HAS_DHT)
-            c0, c1, c2, c3, c4, c5, c6, c7 = n0, n1, n2, n3, n4, n5, n6, n7
-            e0, e1, e2, e3, e4, e5, e6, e7 = f0, f1, f2, f3, f4, f5, f6, f7
-    else:  # eight tokens' x and dy loads issued together, then their dx
-        for t8 in range(s0, s1 + 3, 8):
-            t0 = tl.cast(t8, tl.int32)  # a tensor in the interpreter too
-            x0, x1, x2, x3, x4, x5, x6, x7 = _ld8(x, t0, T_seq, stride_t, o_d, stride_d, m_d)
-            e0, e1, e2, e3, e4, e5, e6, e7 = _ld8(dy, t0, T_seq, D, o_d, 1, m_d)
-            dw0, dw1, dw2, dw3, db, dh1, dh2, dh3, gm3, gm2, gm1, xm3, xm2, xm1 = _bwd8(
-                t0, s0, s1, T_seq, n, first, x0, x1, x2, x3, x4, x5, x6, x7, e0, e1, e2, e3, e4, e5, e6, e7,
-                xm1, xm2, xm3, gm1, gm2, gm3, w0, w1, w2, w3, bb, dw0, dw1, dw2, dw3, db, dh1, dh2, dh3, dht, dx,
-                o_d, m_d, D, W, SILU, HAS_BIAS, HAS_H0, HAS_DHT)
+    # eight tokens' x and dy loads issued together, then their dx
+    for t8 in range(s0, s1 + 3, 8):
+        t0 = tl.cast(t8, tl.int32)  # a tensor in the interpreter too
+        x0, x1, x2, x3, x4, x5, x6, x7 = _ld8(x, t0, T_seq, stride_t, o_d, stride_d, m_d)
+        e0, e1, e2, e3, e4, e5, e6, e7 = _ld8(dy, t0, T_seq, D, o_d, 1, m_d)
+        dw0, dw1, dw2, dw3, db, dh1, dh2, dh3, gm3, gm2, gm1, xm3, xm2, xm1 = _bwd8(
+            t0, s0, s1, T_seq, n, first, x0, x1, x2, x3, x4, x5, x6, x7, e0, e1, e2, e3, e4, e5, e6, e7,
+            xm1, xm2, xm3, gm1, gm2, gm3, w0, w1, w2, w3, bb, dw0, dw1, dw2, dw3, db, dh1, dh2, dh3, dht, dx,
+            o_d, m_d, D, W, SILU, HAS_BIAS, HAS_H0, HAS_DHT, ZT)
     seg = (i_b * tl.num_programs(1) + i_s).to(tl.int64)  # this program's partial (its strip's channels)
     part = dw_part + seg * (D * W) + o_d * W
     tl.store(part + (W - 1), dw0, mask=m_d)
@@ -469,7 +438,7 @@ def conv_fwd(x3, weight, bias, residual, initial_state, silu, cu_seqlens, seg_in
     NS, NB = _grid_segments(x3, cu_seqlens, seg_index, TS)
     causal_conv1d_fwd_kernel[(triton.cdiv(D, cfg["BD"]), NS, NB)](
         x3, weight, bias, residual, initial_state, y, seg_index, cu_seqlens, T, *x3.stride(),
-        D=D, W=W, BD=cfg["BD"], TS=TS, PIPE=cfg.get("PIPE", False), SILU=silu, HAS_BIAS=bias is not None,
+        D=D, W=W, BD=cfg["BD"], TS=TS, SILU=silu, HAS_BIAS=bias is not None,
         HAS_RESIDUAL=residual is not None, HAS_H0=initial_state is not None, IS_VARLEN=cu_seqlens is not None,
         num_warps=cfg["num_warps"],
     )
@@ -490,7 +459,7 @@ def conv_bwd(x3, weight, bias, initial_state, dy, dht, silu, cu_seqlens, seg_ind
     dh0 = torch.zeros_like(initial_state) if initial_state is not None else None
     causal_conv1d_bwd_kernel[(triton.cdiv(D, cfg["BD"]), NS, NB)](
         x3, weight, bias, initial_state, dy, dht, dx, dw_part, db_part, dh0, seg_index, cu_seqlens, T, *x3.stride(),
-        D=D, W=W, BD=cfg["BD"], TS=TS, PIPE=cfg.get("PIPE", False), SILU=silu, HAS_BIAS=bias is not None,
+        D=D, W=W, BD=cfg["BD"], TS=TS, SILU=silu, HAS_BIAS=bias is not None,
         HAS_H0=initial_state is not None, HAS_DHT=dht is not None, IS_VARLEN=cu_seqlens is not None,
         num_warps=cfg["num_warps"],
     )

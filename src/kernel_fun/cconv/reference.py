@@ -8,13 +8,33 @@ is float64: the oracle; every gradient from torch autograd through it):
 with x[j] for j < 0 read from the initial state's slot W + j (zero without one), act SiLU
 or none; the final state [N, D, W] holds each sequence's last W rows of that stream
 (slot W - 1 the last token; the initial state's slots where the sequence is shorter
-than W). Outputs in x's dtype.
+than W). Outputs in x's dtype. For a bf16 or fp16 x the float32 path takes SiLU's
+derivative at z rounded to x's dtype, as fla's backward does (it re-runs the forward
+without the activation and reads that pre-activation back in x's dtype) and as the kernels
+do; the float64 oracle takes it at z itself.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+
+class _SiluRoundedGrad(torch.autograd.Function):
+    """SiLU whose backward takes the derivative at z rounded to ``dtype``."""
+
+    @staticmethod
+    def forward(ctx, z, dtype):
+        ctx.save_for_backward(z)
+        ctx.dtype = dtype
+        return F.silu(z)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (z,) = ctx.saved_tensors
+        zr = z.to(ctx.dtype).to(z.dtype)
+        s = torch.sigmoid(zr)
+        return dy * (s * (1 + zr * (1 - s))), None
 
 
 def _sequences(x3: torch.Tensor, cu_seqlens: torch.Tensor | None):
@@ -48,7 +68,7 @@ def conv_reference(x, weight, bias=None, residual=None, initial_state=None, outp
         if bias is not None:
             z = z + bias.to(cdt)
         if activation in ("silu", "swish"):
-            z = F.silu(z)
+            z = F.silu(z) if x.dtype in (torch.float32, torch.float64) else _SiluRoundedGrad.apply(z, x.dtype)
         ys.append(z)
         rows.append(rows_n)
         if output_final_state:

@@ -15,37 +15,29 @@ j's last row e_j (exp2(g_r - e_j) <= 1 for later rows, exp2(e_j - g_s) <= 1), th
 role of row block i through i's first row a_i. Inside a block the same anchor gives factors
 up to 2^span (span: the block's first row minus its last, per channel).
 
-Candidate (wide-halves, not registered): between the two tiers, where the whole
-chunk's middle-row anchor fails the guard but each 32-row half's middle row passes it, the
-per-block form with two 32-row blocks anchored at their middles: each role two [64, 32] x
-[32, BK] dots per dA instead of four [64, 16] ones, every factor within 2^GUARD_SPAN (past
-a block one-sided, within it at most 2^(half span)). On the chain's gate at prod8192_gate it
-takes 49% of the (K slice, chunk, head) programs the per-block form takes now (31% take the
-whole chunk, 80% one or the other; 41% and 88% at 16-channel slices). sm_90a: 144 B of
-spills at 32-channel slices and 4 warps (the same with the tail), none at 16 or at 8 warps.
-H200 (stages.jsonl at fda8f2c), B7 alone: 7.49 ms at 32-channel slices and 4 warps against
-wide-chunk's 7.90 at prod8192_gate, 6.36 against 6.47 at prod8192_layer_safe (16-channel
-slices 10.53 and 9.70; 8 warps 13.41). Not yet measured as the B7-B9 unit in the whole op
-(``--candidate B7-B9=wide-halves``), where the pin's tail build spills 36 B and this one 144.
-
-This design (wide-chunk): one program per (K slice of 32 channels, chunk, head), 4 warps,
+This design (wide-halves): one program per (K slice of 32 channels, chunk, head), 4 warps,
 the chunk as one [64, 32] tile per output. dA is read along its rows only: the column
-role's transposed tiles are the row role's (or the row block's) transposed on chip. Where every factor of the slice taken through
-the chunk's middle row m stays within 2^GUARD_SPAN (2^64: far inside fp32's normal
-range), each role is one [64, 64] x [64, 32] dot (wgmma) per dA: dA (or its transpose)
-against k (or q and beta k) times exp2(g_m - g_s), then times exp2(g_r - g_m) once. Where
-the gate is steeper, the wide form: each role four [64, 16] x [16, 32] dots, one per
-16-row block through the block's last row (row role) or first row (column role), both
-halves one-sided; a block whose own span passes the guard takes its diagonal pairwise on
-CUDA cores (16 steps, one exp2(g_r - g_s) <= 1 per pair and role). So any gate is exact.
-The dots are three tf32 products each, the operands split by hand into a truncated tf32
-half and its exact remainder (``kernel_fun._triton.dot3``: two instructions an element
-where Triton's tf32x3 takes ~8). db is summed over the K slices' partials in slice order; with the
-tail, dg's reverse cumsum runs over the chunk tile in registers and B9 writes the raw
-gate's gradient, with dA_log's and dt_bias's per-chunk partials summed in order (no
-atomics). The chunk anchor takes a third to a half of the programs at a Kimi-style gate
-(prod8192_gate: 31-52% over the chain's draws, 44% on the stage bench's), all of them at a
-lower-bounded one (safe_gate).
+role's transposed tiles are the row role's (or the row block's) transposed on chip. Three
+tiers, each taken per program from the slice's gate:
+- the chunk anchor, where every factor of the slice taken through the chunk's middle row m
+  stays within 2^GUARD_SPAN (2^64: far inside fp32's normal range): each role one
+  [64, 64] x [64, 32] dot (wgmma) per dA, dA (or its transpose) against k (or q and beta k)
+  times exp2(g_m - g_s), then times exp2(g_r - g_m) once;
+- the half-chunk anchors, where the chunk's fails but each 32-row half's middle row passes
+  the guard: each role two [64, 32] x [32, 32] dots per dA, every factor within
+  2^GUARD_SPAN (past a half one-sided, within it at most 2^(half span));
+- the per-block form otherwise: each role four [64, 16] x [16, 32] dots, one per 16-row
+  block through the block's last row (row role) or first row (column role), both halves
+  one-sided; a block whose own span passes the guard takes its diagonal pairwise on CUDA
+  cores (16 steps, one exp2(g_r - g_s) <= 1 per pair and role). So any gate is exact.
+On the chain's gate at prod8192_gate the chunk anchor takes 31-52% of the programs, the
+halves lift the anchored share to 80%; a lower-bounded gate (safe_gate) takes the chunk
+anchor everywhere. The dots are three tf32 products each, the operands split by hand into
+a truncated tf32 half and its exact remainder (``kernel_fun._triton.dot3``: two
+instructions an element where Triton's tf32x3 takes ~8). db is summed over the K slices'
+partials in slice order; with the tail, dg's reverse cumsum runs over the chunk tile in
+registers and B9 writes the raw gate's gradient, with dA_log's and dt_bias's per-chunk
+partials summed in order (no atomics).
 
 Numerics: fp32 throughout, the dots in three tf32 products: 2.8e-8 to 3.9e-8 relative RMS
 of the float64 stage at prod8192_gate, where fla's (tf32 off the diagonal) is 1.3e-5 to
@@ -56,19 +48,25 @@ relaunching is idempotent.
 Falls back (``supports``): chunk size other than 64. No CTA floor: it measured faster than
 fla's B7 down to grid64 (B1 T256 H16: 0.135 ms against 0.212).
 
-Measured (H200; docs/log/b7.md has every round): 7.90 ms at prod8192_gate against fla's
-15.26 (1.93x; bench/results/stages.jsonl at fda8f2c), 6.47 at prod8192_layer_safe against
-7.97. The whole op with it: 33.84 ms against fla's 47.23 at prod8192_gate, the B7-B9 unit
-10.54 ms of it (chunk_kda.jsonl at fda8f2c). B10 in the same launch (each chunk-head's
-last K slice to arrive writing the l2norm's backward of the whole rows) measured 0.9 ms
-slower in the whole op and was removed (docs/log/b7.md). One 8-warp program per chunk-head holding dA's blocks in
-shared memory across the K slices measured 16.24 ms (docs/log/b7.md; removed): holding dA
-does not pay for the 8 warps and one program an SM it needs. What the time is (Nsight
-Compute at prod8192_layer_safe, every program on the chunk anchor, before the hand split):
-2 programs an SM (255 registers: 12.5% occupancy), 3,400 instructions a warp issued every
-6.8 cycles, 37% of that waiting on L1; L1 66% busy, DRAM 23%. Resources
-(sm_90a, K=128): 255 registers, 4 B of spills, 6,000 SASS instructions (8,376 with
-Triton's tf32x3 and dA's transposed tiles read strided; 6,392 at the rows' commit).
+Measured (H200; docs/log/b7.md has every round), B7 alone on the stage bench's inputs:
+7.49 ms at prod8192_gate against fla's 15.26 (2.04x; the two-tier form without the halves
+7.90), 6.36 at prod8192_layer_safe against 7.97 (bench/results/stages.jsonl at fda8f2c).
+As the B7-B9 unit: 9.03 ms against fla's three stages' 16.57 (the two-tier form 9.16;
+stages.jsonl at f047284); in the whole op at prod8192_gate fwd+bwd 33.00 ms against 33.40
+with the two-tier form and 33.78 with B7 alone and fla's B8 and B9 (chunk_kda.jsonl at
+f047284). Predicted ~7 ms alone (the share of programs the halves move onto the tensor
+cores); measured 7.49 (-5.2%), -1.4% as the unit, -1.2% of the whole op. B10 in the
+same launch (each chunk-head's last K slice to arrive writing the l2norm's backward of the
+whole rows) measured 0.9 ms slower in the whole op and was removed (docs/log/b7.md). One
+8-warp program per chunk-head holding dA's blocks in shared memory across the K slices
+measured 16.24 ms (removed): holding dA does not pay for the 8 warps and one program an SM
+it needs. What the time is (Nsight Compute at prod8192_layer_safe, every program on the
+chunk anchor, before the hand split): 2 programs an SM (255 registers: 12.5% occupancy),
+3,400 instructions a warp issued every 6.8 cycles, 37% of that waiting on L1; L1 66% busy,
+DRAM 23%; the epilogue's three incoming-gradient loads run in series (sm_90a listing).
+Resources (sm_90a, K=128): 255 registers, 144 B of spills (136 B reloaded; K=64 96 B; the
+same 144 with the tail), 8,248 SASS instructions; the two-tier build 4 B and 6,000; none at
+16-channel slices or 8 warps, which measured 10.53 and 13.41 ms.
 """
 
 from __future__ import annotations
@@ -398,15 +396,16 @@ def intra_bwd_wide_kernel(
             tl.store(dbias_part + (i_tg * HV + i_hv) * K + o_k, dbias, mask=m_k)
 
 
-# Compiled for sm_90a offline (``python -m tools.compile_report --design wide-chunk --BV 32
-# --warps 4 --stages 1``, K=128, H=HV=16): 255 registers, 4 B of spills (K=64: 24; the
-# wide form: none). Measured at prod8192_gate: the wide form at BK=16 17.6 ms, at 8 warps
-# 21.3, against 11.2 at this config; wide-chunk under maxnreg=168 8.89 against 8.55 (both
-# before the hand-split dots).
+# Compiled for sm_90a offline (``python -m tools.compile_report --design wide-halves --BV 32
+# --warps 4 --stages 1``, K=128, H=HV=16): 255 registers, 144 B of spills (K=64: 96; the
+# per-block form alone: none). Measured at prod8192_gate: 16-channel slices 10.53 ms and 8
+# warps 13.41 against 7.49 at this config (stages.jsonl at fda8f2c).
 DEFAULT_CONFIG = dict(BK=32, num_warps=4, num_stages=1)
-# ``wide-chunk`` (the default) takes a K slice of the chunk through its middle row where the
-# gate allows, the per-block anchors elsewhere; ``wide`` only the per-block anchors;
-# ``wide-pairwise`` takes every diagonal pairwise (the guard's other path, for tests).
+# ``wide-halves`` (the default) takes the three tiers; ``wide-chunk`` the chunk anchor and
+# the per-block form only (measured slower: the docstring); ``wide`` only the per-block
+# anchors; ``wide-pairwise`` every diagonal pairwise (the guard's other path). The last
+# three are kept for the tests, which hold each tier to the others bit for bit where they
+# take the same path, and for the bench's sweep.
 DESIGNS = ("wide", "wide-pairwise", "wide-chunk", "wide-halves")
 
 
@@ -447,7 +446,7 @@ def _n_chunks(args: dict) -> int:
 
 def intra_bwd(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens, chunk_indices, safe_gate,
               BK: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-              maxnreg: int | None = None, design: str = "wide-chunk"):
+              maxnreg: int | None = None, design: str = "wide-halves"):
     """B7 with fla's contract: returns (dq, dk, db, dg), fp32, at value heads: the inputs
     plus the vector-Jacobian product of Aqk and Akk with dAqk and dAkk. Exact for any gate
     (``safe_gate`` changes nothing here)."""
@@ -459,7 +458,7 @@ def intra_bwd(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens
 def intra_bwd_tail(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens, chunk_indices, safe_gate,
                    g=None, A_log=None, dt_bias=None, lower_bound=None, BK: int | None = None,
                    num_warps: int | None = None, num_stages: int | None = None, maxnreg: int | None = None,
-                   design: str = "wide-chunk"):
+                   design: str = "wide-halves"):
     """B7 + B8 (+ B9) in one pass: (dq, dk, db, dg, dA_log, ddt_bias). Without ``A_log`` dg
     is B8's (the intra-chunk reverse cumsum of B7's dg, fp32) and the last two are None;
     with it (the gate in the op: ``g`` the raw gate, ``dt_bias`` or None, ``lower_bound``
