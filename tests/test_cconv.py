@@ -165,6 +165,21 @@ def test_segment_index_is_built_on_the_device_from_the_offsets():
     assert (spare[:, 0] == len(lens) - 1).all() and (spare[:, 1] * 64 >= lens[-1]).all()
 
 
+def test_segment_list_is_reused_for_the_same_offsets_only():
+    """The list is built once for one offsets tensor (a layer's q, k and v convolutions share
+    it) and rebuilt for another tensor, after an in-place write to it, or for another length."""
+    cu = torch.tensor([0, 70, 270, 273], dtype=torch.int32)
+    a, TS = op._segments(cu, 273, cu.device)
+    assert op._segments(cu, 273, cu.device)[0] is a
+    other = cu.clone()
+    b = op._segments(other, 273, other.device)[0]
+    assert b is not a and torch.equal(a, b)
+    assert op._segments(cu, 300, cu.device)[0] is not a
+    cu[1] = 10  # in place: the version moves
+    c = op._segments(cu, 273, cu.device)[0]
+    assert c is not a and torch.equal(c, K.segment_index(cu, 273, TS))
+
+
 @needs_triton
 def test_packed_call_ignores_the_host_hints():
     """cu_seqlens_cpu and fla's chunk_indices change nothing: the same outputs bit for bit

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+import weakref
 
 import torch
 
@@ -146,7 +147,22 @@ def _segments(cu_seqlens, total, device):
     TS = K.DEFAULT_CONFIG["TS"]
     if cu_seqlens is None:
         return None, TS
-    return K.segment_index(cu_seqlens.to(device), total, TS), TS
+    key = (id(cu_seqlens), cu_seqlens._version, total, TS, str(device))
+    hit = _SEGMENTS.get(key)
+    if hit is not None and hit[0]() is cu_seqlens:
+        return hit[1], TS
+    seg = K.segment_index(cu_seqlens.to(device), total, TS)
+    if len(_SEGMENTS) >= 8:
+        _SEGMENTS.pop(next(iter(_SEGMENTS)))
+    _SEGMENTS[key] = (weakref.ref(cu_seqlens), seg)
+    return seg, TS
+
+
+# The last few segment lists, each kept while its offsets tensor lives and is unmodified (the
+# same object at the same version: torch bumps ``_version`` on every in-place write). A
+# layer's q, k and v convolutions share one cu_seqlens, so its list is built once a step, not
+# three times (about a dozen small launches on the host each).
+_SEGMENTS: dict = {}
 
 
 def _final_state(x3, initial_state, cu_seqlens, W):
