@@ -377,12 +377,13 @@ def test_the_readme_table_shows_the_pinned_config_against_fla():
     pinned = config_label("ours", K.DEFAULT_CONFIG)  # as the bench labels it
     base = dict(kind="cconv", shape="d2048", phase="fwd+bwd", spread_ms=[0.7, 0.8], floor_ms=0.63,
                 parity={"ok": True}, gpu="NVIDIA H200", date="2026-12-02T00:00:00", commit="abc")
-    rows = [dict(base, impl="fla", ms=2.34), dict(base, impl=pinned, ms=0.78), dict(base, impl="ours[BD=512]", ms=0.5)]
+    rows = [dict(base, impl="fla", ms=2.34, stream_ms=2.3), dict(base, impl=pinned, ms=0.78, stream_ms=0.46),
+            dict(base, impl="ours[BD=512]", ms=0.5)]
     table = results.cconv_table(rows)
-    assert "| d2048 | fwd+bwd | kernel-fun | 0.780 (0.700–0.800) | 3.00x | 0.63 | ok |" in table
+    assert "| d2048 | fwd+bwd | kernel-fun | 0.780 (0.700–0.800) | 3.00x | 0.460 | 5.00x | 0.63 | ok |" in table
     assert "0.500" not in table and results.cconv_table([]) == ""
     old = dict(base, commit="old", date="2026-12-01T00:00:00")
     then = [dict(old, impl="fla", ms=2.4), dict(old, impl="ours[...]", ms=1.2, config={**K.DEFAULT_CONFIG, "AHEAD": True, "G": 8}),
             dict(old, impl="ours[G=8]", ms=1.7, config={**K.DEFAULT_CONFIG, "G": 8})]
     table = results.cconv_table(then)
-    assert "| kernel-fun | 1.200 (0.700–0.800) | 2.00x |" in table and "1.700" not in table, table
+    assert "| kernel-fun | 1.200 (0.700–0.800) | 2.00x | — | — |" in table and "1.700" not in table, table

@@ -256,7 +256,8 @@ def layer_table(rows: list[dict]) -> str:
 
 def cconv_table(rows: list[dict]) -> str:
     """``causal_conv1d`` (``bench.cconv``): fla's and the pinned config's forward and fwd+bwd
-    at each shape, the ratio against fla's in the same run and the memory floor."""
+    at each shape, each call alone (host time included) and back to back (the GPU's time,
+    the figure the floor is held to), each against fla's in the same run; the memory floor."""
     every = [r for r in rows if r.get("kind") == "cconv"]
     if not every:
         return ""
@@ -271,7 +272,9 @@ def cconv_table(rows: list[dict]) -> str:
         # AHEAD=True, with an unroll G it ignored: the pin's forward machine code
         # (5312486f1f4ceefd) and its backward's 1,432 instructions, scheduled a little
         # differently since the eight-token body became a helper (246df18d00726407 then,
-        # e9b9bc1bc94d8e26 now); rows of the deleted loop carry G without AHEAD and match nothing
+        # e9b9bc1bc94d8e26 after); rows of the deleted loop carry G without AHEAD and match
+        # nothing. The backward now takes the derivative at the rounded pre-activation
+        # (01e20af06cb79028, 1,496 instructions): the latest rows are of that build
         if r["impl"] == "fla" or not r.get("config"):
             return r["impl"]
         cfg = dict(r["config"])
@@ -283,16 +286,20 @@ def cconv_table(rows: list[dict]) -> str:
     keep = [r for r in latest(every, "shape", "phase", "impl") if r["impl"] in ("fla", pinned)]
     same_run = {(r["shape"], r["phase"], r["commit"]): r for r in latest(every, "shape", "phase", "impl", "commit")
                 if r["impl"] == "fla"}
-    lines = ["| causal_conv1d | phase | implementation | ms (p10–p90) | vs fla (same run) | floor ms | parity | "
-             "GPU, date, commit |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| causal_conv1d | phase | implementation | ms a call (p10–p90) | vs fla | back to back ms | vs fla | "
+             "floor ms | parity | GPU, date, commit |", "|---|---|---|---|---|---|---|---|---|---|"]
+
+    def ratio(base, r, key):
+        return f"{base[key] / r[key]:.2f}x" if base and base.get(key) and r.get(key) else "—"
+
     for r in sorted(keep, key=lambda r: (r["shape"], r["phase"], r["impl"] != "fla")):
         base = same_run.get((r["shape"], r["phase"], r["commit"]))
-        ratio = base["ms"] / r["ms"] if base and base.get("ms") and r.get("ms") else None
         ms = "—" if not r.get("ms") else f"{r['ms']:.3f} ({r['spread_ms'][0]:.3f}–{r['spread_ms'][1]:.3f})"
+        stream = f"{r['stream_ms']:.3f}" if r.get("stream_ms") else "—"
         name = "fla" if r["impl"] == "fla" else "kernel-fun"
-        lines.append(f"| {r['shape']} | {r['phase']} | {name} | {ms} | {'—' if ratio is None else f'{ratio:.2f}x'} | "
-                     f"{r['floor_ms']:.2f} | {'ok' if r.get('parity', {}).get('ok') else 'RED'} | "
-                     f"{r['gpu']}, {r['date'][:10]}, `{r['commit']}` |")
+        lines.append(f"| {r['shape']} | {r['phase']} | {name} | {ms} | {ratio(base, r, 'ms')} | {stream} | "
+                     f"{ratio(base, r, 'stream_ms')} | {r['floor_ms']:.2f} | "
+                     f"{'ok' if r.get('parity', {}).get('ok') else 'RED'} | {r['gpu']}, {r['date'][:10]}, `{r['commit']}` |")
     return "\n".join(lines)
 
 

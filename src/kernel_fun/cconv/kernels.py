@@ -34,21 +34,24 @@ sigmoid as 1 / (1 + exp2(-z log2 e)) with a fast reciprocal (a few ulp of fp32).
 backward takes SiLU's derivative at z rounded to x's dtype, as fla's does (fla re-runs the
 forward without the activation and reads that pre-activation back): taken at the fp32 z
 instead, dx sat 1.4e-3 from fla's in bf16 (a little closer to float64, 1.66e-3 against
-fla's 1.75e-3) where the parity bar is 1e-3. Against
-the float64 reference at d2048 (H200): y 1.67e-3 relative RMS (fla's the same), dx 2.73e-3
-(fla's 2.80e-3), dweight 1.67e-3 (fla's 1.76e-3).
+fla's 1.75e-3) where the parity bar is 1e-3. Now (H200, d2048): y, dx and dweight within
+1.4e-5, 1.7e-5 and 5e-6 of fla's; against the float64 reference y 1.67e-3, dx 1.75e-3 and
+dweight 5.5e-4 relative RMS, fla's the same to three digits.
 
 Packed sequences: segments never cross a sequence's end. The (sequence, segment) list is
 built on the device from ``cu_seqlens`` (a few small torch ops, no host copy or sync), its
-length the host's bound ceil(tokens / TS) + N; the spare slots run no token.
+length the host's bound ceil(tokens / TS) + N; the spare slots run no token. The list is
+kept per offsets tensor (``op._segments``), so a layer's q, k and v convolutions build it once.
 
-Measured (H200, B16 T8192 W4 SiLU bf16, bench/results/cconv.jsonl at fda8f2c; each call
-timed alone, host time included): D=2048 fwd 0.448 ms against fla's 0.539 (floor 0.25),
-fwd+bwd 1.038 against 2.806 (floor 0.63); D=4096 fwd 0.740 against 1.051 (floor 0.51),
-fwd+bwd 1.763 against 5.007 (floor 1.26). Packed (the d2048 tokens as 20 sequences of 660-15,538):
-fwd 0.737 against 0.586, fwd+bwd 1.385 against 3.237, with the segment list then built on
-the host (a Python loop and a copy to the device: the forward's 0.29 ms over the dense
-case); the device-built list is not yet measured.
+Measured (H200, B16 T8192 W4 SiLU bf16, bench/results/cconv.jsonl at ff3890f and b4495f3;
+back to back, the GPU's time, then each call alone with its host time): D=2048 fwd 0.289 ms
+against fla's 0.383 (floor 0.25: 1.14x), 0.437 a call; fwd+bwd 0.823 against 2.311 (floor
+0.63), 1.129 a call. D=4096 fwd 0.556 against 0.767 (floor 0.51: 1.10x); fwd+bwd 1.584
+against 4.615, 1.708 a call. Packed (the d2048 tokens as 20 sequences of 660-15,538): fwd
+0.296 against 0.400, fwd+bwd 0.841 against 2.739 (0.375 and 0.995 a call, the segment list
+reused as a layer's second and third convolution find it). The derivative at the rounded
+pre-activation costs the backward ~4% (d2048 fwd+bwd 0.787 back to back before it, at
+f047284).
 """
 
 from __future__ import annotations
@@ -383,10 +386,11 @@ def causal_conv1d_bwd_kernel(
 
 
 # Pinned: strips of 256 channels at 2 warps (8 bytes a lane a row in bf16), segments of 256
-# tokens: the best fwd+bwd of the bench's sweep at d2048 (1.038 ms; 4 warps 1.076, 512
-# channels at 4 warps 1.108, 128 at 1 warp 1.067, 1024-token segments 1.060; the forwards
-# within 0.435-0.460). sm_90a (D=2048, bf16, W=4, SiLU, x dense as a launch specializes it:
-# 8-byte loads and stores): the forward 60 registers, the backward 128, no spills
+# tokens: the best fwd+bwd of the bench's sweep at d2048 (back to back 0.787 ms; 4 warps
+# 0.815, 512 channels at 4 warps 0.795, 128 at 1 warp 0.813, 1024-token segments 0.804,
+# 8 channels a lane 0.886 and 0.870; the forwards within 0.288-0.325; cconv.jsonl at
+# f047284). sm_90a (D=2048, bf16, W=4, SiLU, x dense as a launch specializes it: 8-byte
+# loads and stores): the forward 60 registers, the backward 128, no spills
 # (tests/test_cconv.py holds it); a strided x whose token stride is not a multiple of 16
 # loads 2 bytes a lane.
 DEFAULT_CONFIG = dict(BD=256, TS=256, num_warps=2)
