@@ -312,6 +312,57 @@ def test_b7_matches_fla_stage(shape):
         assert not misses, (design, misses)
 
 
+def test_b7_prefetch_changes_no_bit():
+    """wide-halves-pf asks L2 for the epilogue's incoming tiles early, a hint only: its
+    outputs equal the pin's bit for bit, alone and with the tail (b8, the chain's gate)."""
+    from kernel_fun.bench import stage_b7, stage_b7b9
+
+    inputs = stage_b7.make_inputs(problem("b8"), "cuda", seed=2)
+    pin, pf = (intra_bwd.intra_bwd(**inputs, design=d) for d in ("wide-halves", "wide-halves-pf"))
+    assert all(torch.equal(a, b) for a, b in zip(pin, pf))
+    inputs = stage_b7b9.make_inputs(problem("b8"), "cuda", seed=2)
+    pin, pf = (intra_bwd.intra_bwd_tail(**inputs, design=d) for d in ("wide-halves", "wide-halves-pf"))
+    assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(pin, pf))
+
+
+_GLUON_CASES = {  # (shape, replace): the chain's gate at a production grid, a bounded gate (every
+    # slice on the chunk tier), T not a multiple of 64, K=64, GVA
+    "b8": ("b8", {}), "grid1024-safe": ("grid1024", dict(safe_gate=True, lower_bound=-5.0)),
+    "T500": ("grid1024", dict(T=500)), "k64": ("k64", {}), "gva": ("grid1024", dict(H=4)),
+}
+
+
+@pytest.mark.parametrize("name", list(_GLUON_CASES))
+def test_gluon_chunk_tier_matches_the_triton_kernel_and_fla(name):
+    """gluon-chunk (the chunk tier's slices in the Gluon kernel, the rest in the Triton one):
+    every output within 1e-6 relative RMS of the pin's (the same anchor, dots and epilogue),
+    within the stage bench's bars of fla's stage and of the float64 stage; the Gluon kernel
+    ran (profiler) and wrote its slices (the outputs' memory is handed out NaN-filled)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from kernel_fun.bench import stage_b7
+    from kernel_fun.kda import reference as ref
+
+    shape, change = _GLUON_CASES[name]
+    p = dataclasses.replace(problem(shape), **change)
+    inputs = stage_b7.make_inputs(p, "cuda", seed=2)
+    B, T, HV, K = inputs["dq"].shape
+    poison = torch.full((8 * B * T * HV * K,), float("nan"), device="cuda")
+    del poison
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        got = intra_bwd.intra_bwd(**inputs, design="gluon-chunk")
+        torch.cuda.synchronize()
+    kernels = {evt.name for evt in prof.events() if evt.device_type == torch.autograd.DeviceType.CUDA}
+    assert "intra_bwd_chunk_gluon_kernel" in kernels and "intra_bwd_wide_kernel" in kernels, sorted(kernels)
+    pin = intra_bwd.intra_bwd(**inputs)
+    assert all(torch.isfinite(t).all() for t in got)
+    errors = {n: ref.rel_rms(a, b) for n, a, b in zip(("dq", "dk", "db", "dg"), got, pin)}
+    print(name, "gluon-chunk vs the pin", errors)
+    assert all(e <= 1e-6 for e in errors.values()), errors
+    misses = _stage_verdict(stage_b7.BENCH, inputs, got, f"{name} gluon-chunk")
+    assert not misses, misses
+
+
 @pytest.mark.parametrize("shape", ["grid1024", "b8"])
 def test_b7_matches_fla_stage_with_safe_gate(shape):
     """At a gate bounded by lower_bound=-5 (fla's safe_gate form, its anchored diagonal):

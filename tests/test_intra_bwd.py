@@ -153,6 +153,40 @@ def test_default_config_compiles_within_its_recorded_spills(design, K, spills, e
     assert row["spill_stores"] <= spills and row["spill_loads"] <= spills, row
 
 
+@pytest.mark.skipif(__import__("triton").__version__ != "3.6.0", reason="figures recorded with Triton 3.6.0's ptxas")
+@pytest.mark.parametrize("K,H", [(128, 16), (64, 16), (128, 4)], ids=["K128", "K64", "GVA"])
+def test_gluon_chunk_tier_compiles_without_spills(K, H):
+    """The Gluon chunk tier (kda/kernels/intra_bwd_gluon.py) as ptxas assembles it for
+    sm_90a, in a process without the interpreter: its twelve wgmma chains of eight
+    (m64n32k8 tf32), no spills, dA's halves and a slice's operands in shared memory (184 KB:
+    one CTA an SM). The operand descriptors hoisted out of the slice loop spilled 784 B."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-m", "tools.compile_report", "--design", "gluon-b7", "--K", str(K), "--H", str(H),
+           "--BV", "32", "--warps", "4", "--stages", "1"]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=root)
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "error" not in row and row["wgmma"] == 96, row
+    assert row["spill_stores"] == 0 and row["spill_loads"] == 0 and row["shared"] <= 227 * 1024, row
+
+
+def test_gluon_design_is_refused_where_it_cannot_run():
+    """gluon-chunk runs on sm_90 only (Gluon has no interpreter), on dense batches, B7 alone:
+    elsewhere the launcher says why instead of launching; the interpreter's designs exclude it."""
+    inputs = stage_inputs(SHAPES[0])
+    assert "gluon-chunk" not in intra_bwd.DESIGNS
+    with pytest.raises(ValueError, match="sm_90"):
+        intra_bwd.intra_bwd(**inputs, design="gluon-chunk")
+    with pytest.raises(ValueError, match="B7-B9"):
+        intra_bwd.candidate("B7-B9", "gluon-chunk")
+    assert intra_bwd.design_flags("gluon-chunk")["SKIP_CHUNK"] and not intra_bwd.design_flags("wide-halves")["SKIP_CHUNK"]
+
+
 @pytest.mark.parametrize("p", chain_problems(), ids=lambda p: p.name)
 def test_chain_with_our_b7_against_the_oracle(p):
     """B7's launcher takes the chain's stage contract as registered: with it in the chain

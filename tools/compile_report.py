@@ -190,6 +190,32 @@ def cconv_report(D: int, BD: int, num_warps: int, TS: int = 256, backward: bool 
     return compile_sm90(K.causal_conv1d_fwd_kernel, types, constexprs, num_warps, 1, divisible=_STRIDES)
 
 
+def gluon_b7_report(K: int, BK: int, H: int = 16, HV: int = 16) -> dict:
+    """B7's chunk tier in Gluon (kda/kernels/intra_bwd_gluon.py), one CTA a chunk-head: its
+    wgmma count, registers, spills and shared memory."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from kernel_fun.kda.kernels import intra_bwd_gluon
+
+    sig = {n: "*fp32" for n in ("g", "dAqk", "dAkk", "dq", "dk", "dg", "dq2", "dk2", "dg2", "db_part")}
+    sig.update(q="*bf16", k="*bf16", beta="*bf16", T="i32", NT_ROWS="i32",
+               **dict.fromkeys(("H", "HV", "K", "BT", "BK"), "constexpr"))
+    src = GluonASTSource(fn=intra_bwd_gluon.intra_bwd_chunk_gluon_kernel, signature=sig,
+                         constexprs=dict(H=H, HV=HV, K=K, BT=64, BK=BK))
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    ptx = compiled.asm["ptx"]
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(os.path.join(tmp, "k.ptx"), "w") as f:
+            f.write(ptx)
+        log = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", os.path.join(tmp, "k.ptx"), "-o",
+                              os.path.join(tmp, "k.cubin")], capture_output=True, text=True, check=True).stderr
+    return {"wgmma": len(re.findall(r"wgmma\.mma_async", ptx)), **ptxas_numbers(log),
+            "shared": compiled.metadata.shared, "num_warps": 4}
+
+
 _STRIDES = ("stride_b", "stride_t")
 
 
@@ -224,13 +250,15 @@ def main(argv=None):
                        BV=BV,
                        **({"switches": json.loads(args.extra)} if args.extra != "{}" else {}))
             try:
-                if design.startswith("cconv-"):  # --BV its channel strip
+                if design == "gluon-b7":  # --BV its K slice
+                    row.update(gluon_b7_report(args.K, BV, args.H, args.HV))
+                elif design.startswith("cconv-"):  # --BV its channel strip
                     row.update(cconv_report(args.V if args.V != 256 else 2048, BV, warps,
                                             backward=design == "cconv-bwd"))
                 elif design in ("prep", "prep-fused"):
                     row.update(prep_report(args.K, args.V, args.H, args.HV, args.bks, BV, warps, stages,
                                            fused=design == "prep-fused"))
-                elif design in intra_bwd.DESIGNS:  # B7: --BV is its K slice
+                elif design in intra_bwd.DESIGNS + intra_bwd.GLUON_DESIGNS:  # B7 (the Triton kernel): --BV its K slice
                     row.update(b7_report(args.K, args.H, args.HV, BV, warps, stages, design=design, maxnreg=args.maxnreg,
                                          tail=args.tail))
                 else:

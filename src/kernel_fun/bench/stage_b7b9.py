@@ -18,8 +18,9 @@ from kernel_fun.bench import stage_b7
 from kernel_fun.bench.stage import StageBench
 from kernel_fun.bench.stage import main as _stage_main
 
-# the pin (wide-halves), and the form without the half-chunk tier at the same build
-SWEEP = {"wide-halves": [stage_b7.SWEEP["wide-halves"][0]], "wide-chunk": [stage_b7.SWEEP["wide-chunk"][0]]}
+# the pin (wide-halves), the candidate with the epilogue's tiles prefetched, and the form
+# without the half-chunk tier, at the same build
+SWEEP = {d: [stage_b7.SWEEP[d][0]] for d in ("wide-halves", "wide-halves-pf", "wide-chunk")}
 
 
 def b7b9_bytes(p) -> int:

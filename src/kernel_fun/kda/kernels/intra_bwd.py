@@ -45,6 +45,11 @@ of the float64 stage at prod8192_gate, where fla's (tf32 off the diagonal) is 1.
 there. Outputs are fresh tensors (input + intra part): no output is read back, so
 relaunching is idempotent.
 
+Candidates (the bench's sweep, not yet on the H200; docs/log/b7.md): ``wide-halves-pf``, the
+pin with the epilogue's incoming tiles asked of L2 at the start, and ``gluon-chunk``, the
+chunk tier's slices in a Gluon kernel of one CTA a chunk-head (intra_bwd_gluon.py) and the
+rest here with ``SKIP_CHUNK``.
+
 Falls back (``supports``): chunk size other than 64. No CTA floor: it measured faster than
 fla's B7 down to grid64 (B1 T256 H16: 0.135 ms against 0.212).
 
@@ -75,7 +80,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernel_fun._triton import GUARD_SPAN, chunk_coords, dot3, to
+from kernel_fun._triton import GUARD_SPAN, chunk_coords, dot3, prefetch_rows, to
 from kernel_fun.kda.stages import add_impl
 
 BC = 16  # the anchor block
@@ -270,7 +275,7 @@ def intra_bwd_wide_kernel(
     cu_seqlens, chunk_indices, T, NT_ROWS, NT_ALL,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BK: tl.constexpr, IS_VARLEN: tl.constexpr, PAIRWISE: tl.constexpr, CHUNK_ANCHOR: tl.constexpr,
-    HALVES: tl.constexpr,
+    HALVES: tl.constexpr, PREFETCH: tl.constexpr, SKIP_CHUNK: tl.constexpr,
     TAIL: tl.constexpr, HAS_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
 ):
     """B7 on one (K slice, chunk, head), the chunk as one [BT, BK] tile per output; with
@@ -300,6 +305,10 @@ def intra_bwd_wide_kernel(
     m_t = t < n_t
     m_tk = m_t[:, None] & m_k[None, :]
     g_c = tl.load(g + t[:, None] * SG + o_k[None, :], mask=m_tk, other=0)
+    if PREFETCH:  # the epilogue's incoming dq, dk, dg into L2 while the dots run
+        prefetch_rows(dq + off + i_k * BK, t, SG, m_t, BK)
+        prefetch_rows(dk + off + i_k * BK, t, SG, m_t, BK)
+        prefetch_rows(dg + off + i_k * BK, t, SG, m_t, BK)
 
     # Each block's gate span in this K slice (first row minus last): within GUARD_SPAN the
     # block's diagonal goes through the anchors with the rest (factors inside 2^+-GUARD_SPAN,
@@ -318,6 +327,9 @@ def intra_bwd_wide_kernel(
                            tl.max(gm - _row(g, n_t - 1, SG, 0 < n_t, o_k, m_k), axis=0)) <= GUARD_SPAN
     else:
         whole: tl.constexpr = False
+    if SKIP_CHUNK:  # the chunk tier's slices are the Gluon kernel's (intra_bwd_gluon.py)
+        if whole:
+            return
     if HALVES:
         # the chunk's two 32-row halves, each through its own middle row, where the whole
         # chunk's anchor would pass the guard but each half's stays within it
@@ -405,17 +417,27 @@ DEFAULT_CONFIG = dict(BK=32, num_warps=4, num_stages=1)
 # the per-block form only (measured slower: the docstring); ``wide`` only the per-block
 # anchors; ``wide-pairwise`` every diagonal pairwise (the guard's other path). The last
 # three are kept for the tests, which hold each tier to the others bit for bit where they
-# take the same path, and for the bench's sweep.
-DESIGNS = ("wide", "wide-pairwise", "wide-chunk", "wide-halves")
+# take the same path, and for the bench's sweep. ``wide-halves-pf`` (a candidate, not yet on
+# the H200): the pin asking L2 for the epilogue's incoming dq, dk and dg at the program's
+# start (the same arithmetic; sm_90a: the same 144 B of spills, 8,280 instructions; with the
+# tail 144 B stored, 152 reloaded against 140). Asking for the raw gate's rows as well
+# spilled 172 B: not done.
+DESIGNS = ("wide", "wide-pairwise", "wide-chunk", "wide-halves", "wide-halves-pf")
+# ``gluon-chunk`` (a candidate, sm_90 and dense batches only; B7 alone): the chunk tier's
+# slices in intra_bwd_gluon.py's kernel (one CTA a chunk-head), the rest in this kernel as
+# wide-halves with SKIP_CHUNK. Not in DESIGNS: Gluon does not run in the interpreter.
+GLUON_DESIGNS = ("gluon-chunk",)
 
 
 def design_flags(design: str) -> dict:
     """The kernel's constexpr switches of ``design`` (the launcher's and the offline
     compile report's)."""
-    if design not in DESIGNS:
+    if design not in DESIGNS + GLUON_DESIGNS:
         raise ValueError(f"unknown B7 design {design!r}")
-    return dict(PAIRWISE=design == "wide-pairwise", CHUNK_ANCHOR=design in ("wide-chunk", "wide-halves"),
-                HALVES=design == "wide-halves")
+    gluon = design in GLUON_DESIGNS
+    return dict(PAIRWISE=design == "wide-pairwise",
+                CHUNK_ANCHOR=gluon or design.startswith(("wide-chunk", "wide-halves")),
+                HALVES=gluon or design.startswith("wide-halves"), PREFETCH=design.endswith("-pf"), SKIP_CHUNK=gluon)
 
 
 def _launch_args(design, tensors: dict, chunk_size, cu_seqlens, chunk_indices, BK, num_warps, num_stages,
@@ -452,7 +474,18 @@ def intra_bwd(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens
     (``safe_gate`` changes nothing here)."""
     tensors = dict(q=q, k=k, gc=gc, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db, dg=dg)
     args = _launch_args(design, tensors, chunk_size, cu_seqlens, chunk_indices, BK, num_warps, num_stages, maxnreg)
-    return _launch(args, db)[:4]
+    before = None
+    if design in GLUON_DESIGNS:
+        from kernel_fun.kda.kernels import intra_bwd_gluon
+
+        why = intra_bwd_gluon.supports(q, k, gc, cu_seqlens, args["BK"])
+        if why is not None:
+            raise ValueError(f"B7 design {design!r}: {why}")
+
+        def before(db_part):
+            intra_bwd_gluon.launch(q, k, gc, beta, dAqk, dAkk, dq, dk, args["dq2"], args["dk2"], args["dg2"], db_part,
+                                   dg, args["BK"])
+    return _launch(args, db, before=before)[:4]
 
 
 def intra_bwd_tail(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens, chunk_indices, safe_gate,
@@ -470,9 +503,10 @@ def intra_bwd_tail(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_se
     return _launch(args, db, tail=2 if gate else 1, gate=gate)
 
 
-def _launch(args: dict, db, tail: int = 0, gate: dict | None = None):
-    """Launch the kernel; (dq, dk, db, dg, dA_log, ddt_bias), the last two None unless the
-    tail includes the gate's backward."""
+def _launch(args: dict, db, tail: int = 0, gate: dict | None = None, before=None):
+    """Launch the kernel (after ``before(db_part)``, a Gluon tier's launch, where given);
+    (dq, dk, db, dg, dA_log, ddt_bias), the last two None unless the tail includes the
+    gate's backward."""
     B, T, HV, K, BK = db.shape[0], db.shape[1], args["HV"], args["K"], args["BK"]
     NK, NT = triton.cdiv(K, BK), _n_chunks(args)
     dev = db.device
@@ -487,6 +521,8 @@ def _launch(args: dict, db, tail: int = 0, gate: dict | None = None):
         args["dg2"] = torch.empty(B, T, HV, K, device=dev, dtype=g_raw.dtype)
         dA_part = torch.empty(NK, NT_ALL, HV, device=dev, dtype=torch.float32)
         dbias_part = torch.empty(NT_ALL, HV, K, device=dev, dtype=torch.float32) if dt_bias is not None else None
+    if before is not None:
+        before(db_part)
     intra_bwd_wide_kernel[(NK, NT, B * HV)](
         **args, db_part=db_part, NT_ROWS=B * T * HV, NT_ALL=NT_ALL,
         g_raw=g_raw, A_log=A_log, dt_bias=dt_bias, dA_part=dA_part, dbias_part=dbias_part,
@@ -521,8 +557,8 @@ def candidate(stage: str, design: str):
     (``python -m kernel_fun.bench --candidate B7-B9=wide-pairwise``)."""
     import functools
 
-    if design not in DESIGNS:
-        raise ValueError(f"unknown B7 design {design!r}")
+    if design not in DESIGNS + GLUON_DESIGNS or (design in GLUON_DESIGNS and stage != "B7"):
+        raise ValueError(f"unknown {stage} design {design!r}")
     units = {"B7": (intra_bwd, supports), "B7-B9": (intra_bwd_tail, supports_tail)}
     if stage not in units:
         raise ValueError(f"intra_bwd has candidates for {sorted(units)}, not {stage!r}")
