@@ -332,10 +332,12 @@ _GLUON_CASES = {  # (shape, replace): the chain's gate at a production grid, a b
 }
 
 
+@pytest.mark.parametrize("design", intra_bwd.GLUON_DESIGNS)
 @pytest.mark.parametrize("name", list(_GLUON_CASES))
-def test_gluon_chunk_tier_matches_the_triton_kernel_and_fla(name):
-    """gluon-chunk (the chunk tier's slices in the Gluon kernel, the rest in the Triton one):
-    every output within 1e-6 relative RMS of the pin's (the same anchor, dots and epilogue),
+def test_gluon_tiers_match_the_triton_kernel_and_fla(name, design):
+    """gluon-chunk and gluon-halves (the chunk tier's slices, and the half-chunk tier's, in
+    the Gluon kernel, the rest in the Triton one): every output within 1e-6 relative RMS of
+    the pin's (the same anchors, dots and epilogue),
     within the stage bench's bars of fla's stage and of the float64 stage; the Gluon kernel
     ran (profiler) and wrote its slices (the outputs' memory is handed out NaN-filled)."""
     from torch.profiler import ProfilerActivity, profile
@@ -350,16 +352,16 @@ def test_gluon_chunk_tier_matches_the_triton_kernel_and_fla(name):
     poison = torch.full((8 * B * T * HV * K,), float("nan"), device="cuda")
     del poison
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        got = intra_bwd.intra_bwd(**inputs, design="gluon-chunk")
+        got = intra_bwd.intra_bwd(**inputs, design=design)
         torch.cuda.synchronize()
     kernels = {evt.name for evt in prof.events() if evt.device_type == torch.autograd.DeviceType.CUDA}
     assert "intra_bwd_chunk_gluon_kernel" in kernels and "intra_bwd_wide_kernel" in kernels, sorted(kernels)
     pin = intra_bwd.intra_bwd(**inputs)
     assert all(torch.isfinite(t).all() for t in got)
     errors = {n: ref.rel_rms(a, b) for n, a, b in zip(("dq", "dk", "db", "dg"), got, pin)}
-    print(name, "gluon-chunk vs the pin", errors)
+    print(name, design, "vs the pin", errors)
     assert all(e <= 1e-6 for e in errors.values()), errors
-    misses = _stage_verdict(stage_b7.BENCH, inputs, got, f"{name} gluon-chunk")
+    misses = _stage_verdict(stage_b7.BENCH, inputs, got, f"{name} {design}")
     assert not misses, misses
 
 

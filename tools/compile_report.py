@@ -190,7 +190,7 @@ def cconv_report(D: int, BD: int, num_warps: int, TS: int = 256, backward: bool 
     return compile_sm90(K.causal_conv1d_fwd_kernel, types, constexprs, num_warps, 1, divisible=_STRIDES)
 
 
-def gluon_b7_report(K: int, BK: int, H: int = 16, HV: int = 16) -> dict:
+def gluon_b7_report(K: int, BK: int, H: int = 16, HV: int = 16, halves: bool = True) -> dict:
     """B7's chunk tier in Gluon (kda/kernels/intra_bwd_gluon.py), one CTA a chunk-head: its
     wgmma count, registers, spills and shared memory."""
     import triton
@@ -201,9 +201,9 @@ def gluon_b7_report(K: int, BK: int, H: int = 16, HV: int = 16) -> dict:
 
     sig = {n: "*fp32" for n in ("g", "dAqk", "dAkk", "dq", "dk", "dg", "dq2", "dk2", "dg2", "db_part")}
     sig.update(q="*bf16", k="*bf16", beta="*bf16", T="i32", NT_ROWS="i32",
-               **dict.fromkeys(("H", "HV", "K", "BT", "BK"), "constexpr"))
+               **dict.fromkeys(("H", "HV", "K", "BT", "BK", "HALVES"), "constexpr"))
     src = GluonASTSource(fn=intra_bwd_gluon.intra_bwd_chunk_gluon_kernel, signature=sig,
-                         constexprs=dict(H=H, HV=HV, K=K, BT=64, BK=BK))
+                         constexprs=dict(H=H, HV=HV, K=K, BT=64, BK=BK, HALVES=halves))
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
     ptx = compiled.asm["ptx"]
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
@@ -250,8 +250,8 @@ def main(argv=None):
                        BV=BV,
                        **({"switches": json.loads(args.extra)} if args.extra != "{}" else {}))
             try:
-                if design == "gluon-b7":  # --BV its K slice
-                    row.update(gluon_b7_report(args.K, BV, args.H, args.HV))
+                if design in ("gluon-b7", "gluon-b7-chunk"):  # --BV its K slice
+                    row.update(gluon_b7_report(args.K, BV, args.H, args.HV, halves=design == "gluon-b7"))
                 elif design.startswith("cconv-"):  # --BV its channel strip
                     row.update(cconv_report(args.V if args.V != 256 else 2048, BV, warps,
                                             backward=design == "cconv-bwd"))

@@ -46,9 +46,10 @@ there. Outputs are fresh tensors (input + intra part): no output is read back, s
 relaunching is idempotent.
 
 Candidates (the bench's sweep, not yet on the H200; docs/log/b7.md): ``wide-halves-pf``, the
-pin with the epilogue's incoming tiles asked of L2 at the start, and ``gluon-chunk``, the
-chunk tier's slices in a Gluon kernel of one CTA a chunk-head (intra_bwd_gluon.py) and the
-rest here with ``SKIP_CHUNK``.
+pin with the epilogue's incoming tiles asked of L2 at the start, and ``gluon-chunk`` /
+``gluon-halves``, the chunk tier's slices (and the half-chunk tier's) in a Gluon kernel of
+one CTA a chunk-head (intra_bwd_gluon.py), the rest here with ``SKIP_CHUNK`` (and
+``SKIP_HALVES``).
 
 Falls back (``supports``): chunk size other than 64. No CTA floor: it measured faster than
 fla's B7 down to grid64 (B1 T256 H16: 0.135 ms against 0.212).
@@ -275,7 +276,7 @@ def intra_bwd_wide_kernel(
     cu_seqlens, chunk_indices, T, NT_ROWS, NT_ALL,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BK: tl.constexpr, IS_VARLEN: tl.constexpr, PAIRWISE: tl.constexpr, CHUNK_ANCHOR: tl.constexpr,
-    HALVES: tl.constexpr, PREFETCH: tl.constexpr, SKIP_CHUNK: tl.constexpr,
+    HALVES: tl.constexpr, PREFETCH: tl.constexpr, SKIP_CHUNK: tl.constexpr, SKIP_HALVES: tl.constexpr,
     TAIL: tl.constexpr, HAS_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
 ):
     """B7 on one (K slice, chunk, head), the chunk as one [BT, BK] tile per output; with
@@ -336,6 +337,9 @@ def intra_bwd_wide_kernel(
         halves = tl.maximum(_half_span(g, 0, n_t, o_k, m_k, SG), _half_span(g, 2 * BC, n_t, o_k, m_k, SG)) <= GUARD_SPAN
     else:
         halves: tl.constexpr = False
+    if SKIP_HALVES:  # the half-chunk tier's slices are the Gluon kernel's too
+        if halves:
+            return
     if whole:
         acc_q, acc_kr, acc_c = _chunk_sums(q, k, g, beta, dAqk, dAkk, n_t, t, g_c, gm, o_k, m_k, HV, BT, SK, SG)
     elif halves:
@@ -423,10 +427,11 @@ DEFAULT_CONFIG = dict(BK=32, num_warps=4, num_stages=1)
 # tail 144 B stored, 152 reloaded against 140). Asking for the raw gate's rows as well
 # spilled 172 B: not done.
 DESIGNS = ("wide", "wide-pairwise", "wide-chunk", "wide-halves", "wide-halves-pf")
-# ``gluon-chunk`` (a candidate, sm_90 and dense batches only; B7 alone): the chunk tier's
-# slices in intra_bwd_gluon.py's kernel (one CTA a chunk-head), the rest in this kernel as
-# wide-halves with SKIP_CHUNK. Not in DESIGNS: Gluon does not run in the interpreter.
-GLUON_DESIGNS = ("gluon-chunk",)
+# ``gluon-chunk`` and ``gluon-halves`` (candidates, sm_90 and dense batches only; B7 alone):
+# the chunk tier's slices (and the half-chunk tier's) in intra_bwd_gluon.py's kernel, one CTA
+# a chunk-head; the rest in this kernel as wide-halves with SKIP_CHUNK (and SKIP_HALVES). Not
+# in DESIGNS: Gluon does not run in the interpreter.
+GLUON_DESIGNS = ("gluon-chunk", "gluon-halves")
 
 
 def design_flags(design: str) -> dict:
@@ -437,7 +442,8 @@ def design_flags(design: str) -> dict:
     gluon = design in GLUON_DESIGNS
     return dict(PAIRWISE=design == "wide-pairwise",
                 CHUNK_ANCHOR=gluon or design.startswith(("wide-chunk", "wide-halves")),
-                HALVES=gluon or design.startswith("wide-halves"), PREFETCH=design.endswith("-pf"), SKIP_CHUNK=gluon)
+                HALVES=gluon or design.startswith("wide-halves"), PREFETCH=design.endswith("-pf"), SKIP_CHUNK=gluon,
+                SKIP_HALVES=design == "gluon-halves")
 
 
 def _launch_args(design, tensors: dict, chunk_size, cu_seqlens, chunk_indices, BK, num_warps, num_stages,
@@ -484,7 +490,7 @@ def intra_bwd(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens
 
         def before(db_part):
             intra_bwd_gluon.launch(q, k, gc, beta, dAqk, dAkk, dq, dk, args["dq2"], args["dk2"], args["dg2"], db_part,
-                                   dg, args["BK"])
+                                   dg, args["BK"], halves=design == "gluon-halves")
     return _launch(args, db, before=before)[:4]
 
 

@@ -1,36 +1,40 @@
-"""B7's chunk-anchor tier in Gluon: one CTA a chunk-head, dA split once, the K slices looped.
+"""B7's anchored tiers in Gluon: one CTA a chunk-head, dA split once, the K slices looped.
 
-A candidate beside ``intra_bwd.py`` (design ``gluon-chunk``; sm_90 only, dense sequences,
-B7 alone; not registered). The Triton kernel runs one program per (K slice, chunk, head):
-each of a chunk-head's four programs at K=128 reloads the two [64, 64] fp32 dA tiles,
-splits them into tf32 halves and transposes them through shared memory, with its dot
-operands in registers (255 a thread, two programs an SM). Here one CTA of 4 warps (one
-warpgroup) takes the chunk-head: dAqk and dAkk are read once, split into their tf32 halves
-and written to shared memory once, row-major for the row role and transposed for the column
-role (tf32 wgmma reads A only K-major): 128 KB. For each K slice of 32 channels whose
-factors through the chunk's middle row pass the guard (the Triton kernel's chunk tier,
-the same test), the slice's B operands (k times exp2(g_m - g), q and beta k times exp2(g -
-g_m), hi and lo: 48 KB) go to shared memory and twelve m64n32k8 wgmma chains (three tf32
-products a dot, the Triton kernel's order) form the row and column roles; the epilogue is
-the Triton kernel's. Slices that fail the guard are left to the Triton kernel, launched
-after this one with ``SKIP_CHUNK`` (its programs on passing slices return at once), so
-every (slice, chunk, head) is written by exactly one of the two.
+A candidate beside ``intra_bwd.py`` (designs ``gluon-chunk`` and ``gluon-halves``; sm_90
+only, dense sequences, B7 alone; not registered). The Triton kernel runs one program per
+(K slice, chunk, head): each of a chunk-head's four programs at K=128 reloads the two
+[64, 64] fp32 dA tiles, splits them into tf32 halves and transposes them through shared
+memory, with its dot operands in registers (255 a thread, two programs an SM). Here one CTA
+of 4 warps (one warpgroup) takes the chunk-head: dAqk and dAkk are read once, split into
+their tf32 halves and written to shared memory once, row-major for the row role and
+transposed for the column role (tf32 wgmma reads A only K-major): 128 KB. For each K slice
+of 32 channels that takes an anchored tier (the Triton kernel's guards, the same
+arithmetic), the slice's B operands (k times exp2(g_a - g), q and beta k times exp2(g -
+g_a), hi and lo: 48 KB) go to shared memory, g_a each row's anchor:
+- the chunk tier (the chunk's middle row for every row): each role one wgmma chain of eight
+  m64n32k8 steps a dA and tf32 product, the anchor's other half applied once after;
+- the half-chunk tier (``HALVES``; each 32-row half's middle row for its rows): each role
+  two chains of four steps a dA and product, on the A tiles' and B operands' halves (shared
+  memory sub-views), each half's factor applied to its own result.
+Then the Triton kernel's epilogue. The slices that take neither tier are left to the Triton
+kernel, launched after this one with ``SKIP_CHUNK`` (and ``SKIP_HALVES``): its programs on
+the slices taken here return at once, so every (slice, chunk, head) is written by one of
+the two.
 
-Numerics: the Triton chunk tier's: the same anchor, the same three tf32 products a dot,
-fp32 elsewhere; the sums' order inside a wgmma chain is the hardware's either way.
+Numerics: the Triton tiers': the same anchors, the same three tf32 products a dot (hi lo,
+lo hi, hi hi), fp32 elsewhere.
 
-Not yet on the H200: this is the design's first measurement (prediction below). Offline
-(sm_90a, K=128, ``python -m tools.compile_report --design gluon-b7``): 255 registers, no
-spills, 96 wgmma (twelve chains of eight m64n32k8), 184 KB of shared memory. Held out of the
-loop, the operands' per-k-step shared-memory descriptors (112) were hoisted by the compiler
-and took 224 registers (784 B of spills); the operand index is now an opaque zero computed
-in the loop (``_opaque_zero``), so they are formed where used.
+Not yet on the H200: the design's first measurement (prediction below). Offline (sm_90a,
+K=128, ``python -m tools.compile_report --design gluon-b7`` / ``gluon-b7-chunk``): 255
+registers, no spills, 192 wgmma (96 for the chunk tier alone), 184 KB of shared memory: one
+CTA an SM. Held out of the loop, the operands' per-k-step shared-memory descriptors (112)
+were hoisted by the compiler and took 224 registers (784 B of spills); the operand index is
+an opaque zero computed in the loop (``_opaque_zero``), so they are formed where used.
 
-Prediction (prod8192_layer_safe, every slice on the chunk tier): the Triton kernel's 6.36
-ms is ~16 us a program at two programs an SM; here a chunk-head's four slices run in one
-CTA, one an SM, without the three reloads, splits and transposes of dA: 3.5-5 ms if the
-slices' loads and wgmmas do not overlap (no pipelining in this version), the gap to the 2.28
-ms floor being the serial slice loop.
+Prediction (no pipelining yet: a slice's operand loads wait on the previous slice's
+wgmmas): at prod8192_layer_safe (every slice on the chunk tier) 3.5-5 ms against the
+Triton pin's 6.36; at prod8192_gate, 31-52% of the slices on the chunk tier and ~80% on
+either, gluon-halves 4.5-6 ms against 7.49 (two launches; the per-block slices in Triton).
 """
 
 from __future__ import annotations
@@ -57,6 +61,19 @@ def _opaque_zero(i):
 
 
 @gluon.jit
+def _half_span(g, st: gl.constexpr, n_t, c, SG: gl.constexpr):
+    """The 32-row half st's gate span in this slice through its middle row (the Triton
+    kernel's ``_half_span``, the same arithmetic): 0 for a half past the end."""
+    ok = st < n_t
+    m = (c >= 0) & ok
+    mid = gl.load(g + gl.minimum(st + 15, n_t - 1) * SG + c, mask=m, other=0.0)
+    first = gl.load(g + st * SG + c, mask=m, other=0.0)
+    last = gl.load(g + gl.minimum(st + 31, n_t - 1) * SG + c, mask=m, other=0.0)
+    span = gl.maximum(gl.max(first - mid, axis=0), gl.max(mid - last, axis=0))
+    return gl.where(ok, span, 0.0)
+
+
+@gluon.jit
 def _dot3(a_hi, a_lo, b_hi, b_lo, acc):
     """acc + a b in three tf32 products from shared memory, a_hi b_lo + a_lo b_hi + a_hi b_hi."""
     acc = hopper.warpgroup_mma(a_hi, b_lo, acc)
@@ -68,6 +85,7 @@ def _dot3(a_hi, a_lo, b_hi, b_lo, acc):
 def intra_bwd_chunk_gluon_kernel(
     q, k, g, beta, dAqk, dAkk, dq, dk, dg, dq2, dk2, dg2, db_part, T, NT_ROWS,
     H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr,
+    HALVES: gl.constexpr,
 ):
     """B7's chunk tier on one (chunk, head) of a dense batch: every K slice of BK channels
     whose factors through the chunk's middle row stay within 2^GUARD."""
@@ -130,21 +148,33 @@ def intra_bwd_chunk_gluon_kernel(
     db_part += row0 * HV + i_hv
     o_g = t[:, None] * SG + c[None, :]
     o_qk = t[:, None] * SK + c[None, :]
+    mh0 = gl.minimum(15, n_t - 1)  # the halves' middle rows
+    mh1 = gl.minimum(47, n_t - 1)
+    # each row's anchor row in the half-chunk tier: its half's middle row
+    o_ga = gl.where(t < 32, mh0, mh1)[:, None] * SG + c[None, :]
     for i_k in range(NK):
         c0 = i_k * BK
-        g_c = gl.load(g + c0 + o_g, mask=m_tk, other=0.0)
         g0 = gl.load(g + c0 + c)
         gm = gl.load(g + mid * SG + c0 + c)
         ge = gl.load(g + (n_t - 1) * SG + c0 + c)
-        span = gl.maximum(gl.max(g0 - gm, axis=0), gl.max(gm - ge, axis=0))
-        if span <= GUARD:
+        whole = gl.maximum(gl.max(g0 - gm, axis=0), gl.max(gm - ge, axis=0)) <= GUARD
+        if HALVES:
+            halves = gl.maximum(_half_span(g + c0, 0, n_t, c, SG), _half_span(g + c0, 32, n_t, c, SG)) <= GUARD
+        else:
+            halves = whole
+        if whole | halves:
+            g_c = gl.load(g + c0 + o_g, mask=m_tk, other=0.0)
+            if whole:
+                g_a = gl.zeros([BT, BK], gl.float32, lk) + gm[None, :]  # the chunk's middle row
+            else:
+                g_a = gl.load(g + c0 + o_ga)  # each half's middle row
             # each operand split and stored as soon as it is formed: few tiles live at once
             gl.thread_barrier()  # the previous slice's wgmmas have read the buffers
             k_c = gl.load(k + c0 + o_qk, mask=m_tk, other=0.0).to(gl.float32)
-            hi, lo = _split(k_c * gl.exp2(gl.where(m_tk, gm[None, :] - g_c, float("-inf"))))
+            hi, lo = _split(k_c * gl.exp2(gl.where(m_tk, g_a - g_c, float("-inf"))))
             s_b.index(0).store(hi)
             s_b.index(1).store(lo)
-            down = gl.exp2(gl.where(m_tk, g_c - gm[None, :], float("-inf")))
+            down = gl.exp2(gl.where(m_tk, g_c - g_a, float("-inf")))
             hi, lo = _split((b_c[:, None] * k_c) * down)
             s_b.index(2).store(hi)
             s_b.index(3).store(lo)
@@ -157,33 +187,61 @@ def intra_bwd_chunk_gluon_kernel(
             # the 14 operands' 112 per-k-step descriptors held 224 registers
             z = _opaque_zero(i_k)
             zero = gl.zeros([BT, BK], gl.float32, acc_l)
-            acc_c = _dot3(s_a.index(2 + z), s_a.index(3 + z), s_b.index(4 + z), s_b.index(5 + z), zero)
-            acc_c = _dot3(s_a.index(6 + z), s_a.index(7 + z), s_b.index(2 + z), s_b.index(3 + z), acc_c)
-            acc_q = _dot3(s_a.index(0 + z), s_a.index(1 + z), s_b.index(0 + z), s_b.index(1 + z), zero)
-            acc_kr = _dot3(s_a.index(4 + z), s_a.index(5 + z), s_b.index(0 + z), s_b.index(1 + z), zero)
-            # the epilogue, in the slice's row layout: the factors again from g (cheaper than held)
-            g_c = gl.load(g + c0 + o_g, mask=m_tk, other=0.0)
-            down = gl.exp2(gl.where(m_tk, g_c - gm[None, :], float("-inf")))
+            if whole:
+                # one [64, 64] x [64, BK] dot a role and dA; the anchor's other half once after
+                acc_c = _dot3(s_a.index(2 + z), s_a.index(3 + z), s_b.index(4 + z), s_b.index(5 + z), zero)
+                acc_c = _dot3(s_a.index(6 + z), s_a.index(7 + z), s_b.index(2 + z), s_b.index(3 + z), acc_c)
+                acc_q = _dot3(s_a.index(0 + z), s_a.index(1 + z), s_b.index(0 + z), s_b.index(1 + z), zero)
+                acc_kr = _dot3(s_a.index(4 + z), s_a.index(5 + z), s_b.index(0 + z), s_b.index(1 + z), zero)
+                g_c = gl.load(g + c0 + o_g, mask=m_tk, other=0.0)
+                down = gl.exp2(gl.where(m_tk, g_c - gm[None, :], float("-inf")))
+                acc_q = gl.convert_layout(acc_q, lk) * down
+                acc_kr = gl.convert_layout(acc_kr, lk) * down
+                acc_c = gl.convert_layout(acc_c, lk) * gl.exp2(gl.where(m_tk, gm[None, :] - g_c, float("-inf")))
+            else:
+                # two [64, 32] x [32, BK] dots a role and dA, one a half (its columns for the
+                # row role, its rows for the column role), each through its half's middle row
+                g_c = gl.load(g + c0 + o_g, mask=m_tk, other=0.0)
+                e0 = gl.load(g + mh0 * SG + c0 + c)[None, :]
+                e1 = gl.load(g + mh1 * SG + c0 + c)[None, :]
+                acc_q = gl.zeros([BT, BK], gl.float32, lk)
+                acc_kr = gl.zeros([BT, BK], gl.float32, lk)
+                acc_c = gl.zeros([BT, BK], gl.float32, lk)
+                for j in gl.static_range(2):
+                    e = e0 if j == 0 else e1
+                    part_q = _dot3(s_a.index(0 + z).slice(32 * j, 32, 1), s_a.index(1 + z).slice(32 * j, 32, 1),
+                                   s_b.index(0 + z).slice(32 * j, 32, 0), s_b.index(1 + z).slice(32 * j, 32, 0), zero)
+                    part_kr = _dot3(s_a.index(4 + z).slice(32 * j, 32, 1), s_a.index(5 + z).slice(32 * j, 32, 1),
+                                    s_b.index(0 + z).slice(32 * j, 32, 0), s_b.index(1 + z).slice(32 * j, 32, 0), zero)
+                    part_c = _dot3(s_a.index(2 + z).slice(32 * j, 32, 1), s_a.index(3 + z).slice(32 * j, 32, 1),
+                                   s_b.index(4 + z).slice(32 * j, 32, 0), s_b.index(5 + z).slice(32 * j, 32, 0), zero)
+                    part_c = _dot3(s_a.index(6 + z).slice(32 * j, 32, 1), s_a.index(7 + z).slice(32 * j, 32, 1),
+                                   s_b.index(2 + z).slice(32 * j, 32, 0), s_b.index(3 + z).slice(32 * j, 32, 0), part_c)
+                    # rows from the half's first (row role), columns before its end (column role)
+                    f = gl.exp2(gl.where(m_tk & (t >= 32 * j)[:, None], g_c - e, float("-inf")))
+                    acc_q += f * gl.convert_layout(part_q, lk)
+                    acc_kr += f * gl.convert_layout(part_kr, lk)
+                    h = gl.exp2(gl.where(m_tk & (t < 32 * j + 32)[:, None], e - g_c, float("-inf")))
+                    acc_c += h * gl.convert_layout(part_c, lk)
+            # the epilogue, in the slice's row layout
             k_c = gl.load(k + c0 + o_qk, mask=m_tk, other=0.0).to(gl.float32)
             q_c = gl.load(q + c0 + o_qk, mask=m_tk, other=0.0).to(gl.float32)
-            acc_q = gl.convert_layout(acc_q, lk) * down
             gl.store(dq2 + c0 + o_g, gl.load(dq + c0 + o_g, mask=m_tk, other=0.0) + acc_q, mask=m_tk)
-            acc_kr = gl.convert_layout(acc_kr, lk) * down
             gl.store(db_part + i_k * NT_ROWS + t * HV, gl.sum(acc_kr * k_c, axis=1), mask=m_t)
             acc_kr = acc_kr * b_c[:, None]
-            acc_c = gl.convert_layout(acc_c, lk) * gl.exp2(gl.where(m_tk, gm[None, :] - g_c, float("-inf")))
             gl.store(dk2 + c0 + o_g, gl.load(dk + c0 + o_g, mask=m_tk, other=0.0) + acc_kr + acc_c, mask=m_tk)
             gl.store(dg2 + c0 + o_g, gl.load(dg + c0 + o_g, mask=m_tk, other=0.0) + q_c * acc_q
                      + k_c * (acc_kr - acc_c), mask=m_tk)
 
-def launch(q, k, gc, beta, dAqk, dAkk, dq, dk, dq2, dk2, dg2, db_part, dg, BK: int = 32):
-    """The chunk tier's CTAs over a dense batch (outputs preallocated by the caller)."""
+def launch(q, k, gc, beta, dAqk, dAkk, dq, dk, dq2, dk2, dg2, db_part, dg, BK: int = 32, halves: bool = True):
+    """The chunk tier's (and with ``halves`` the half-chunk tier's) CTAs over a dense batch,
+    into the caller's outputs."""
     B, T, H, K = k.shape
     HV = gc.shape[2]
     NT = -(-T // 64)
     intra_bwd_chunk_gluon_kernel[(NT, B * HV)](
         q, k, gc, beta, dAqk, dAkk, dq, dk, dg, dq2, dk2, dg2, db_part, T, B * T * HV,
-        H=H, HV=HV, K=K, BT=64, BK=BK, num_warps=4)
+        H=H, HV=HV, K=K, BT=64, BK=BK, HALVES=halves, num_warps=4)
 
 
 def supports(q, k, gc, cu_seqlens, BK: int = 32) -> str | None:
