@@ -189,6 +189,7 @@ def test_gluon_design_is_refused_where_it_cannot_run():
             intra_bwd.intra_bwd(**inputs, design=design)
         with pytest.raises(ValueError, match="B7-B9"):
             intra_bwd.candidate("B7-B9", design)
+        assert "sm_90" in intra_bwd.candidate("B7", design)[1](**inputs)  # as a whole-op candidate: fla here
     flags = {d: intra_bwd.design_flags(d) for d in ("gluon-chunk", "gluon-halves", "wide-halves")}
     assert [(f["SKIP_CHUNK"], f["SKIP_HALVES"], f["HALVES"]) for f in flags.values()] == \
         [(True, False, True), (True, True, True), (False, False, True)]

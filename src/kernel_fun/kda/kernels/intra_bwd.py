@@ -569,6 +569,12 @@ def candidate(stage: str, design: str):
     if stage not in units:
         raise ValueError(f"intra_bwd has candidates for {sorted(units)}, not {stage!r}")
     fn, sup = units[stage]
+    if design in GLUON_DESIGNS:  # where the Gluon tiers cannot run, the stage stays on fla
+        def sup(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens, chunk_indices, safe_gate):
+            from kernel_fun.kda.kernels import intra_bwd_gluon
+
+            return (supports(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens, chunk_indices,
+                             safe_gate) or intra_bwd_gluon.supports(q, k, gc, cu_seqlens))
     return functools.partial(fn, design=design), sup
 
 add_impl("B7", "ours", intra_bwd, supports)
