@@ -154,15 +154,16 @@ def test_default_config_compiles_within_its_recorded_spills(design, K, spills, e
 
 
 @pytest.mark.skipif(__import__("triton").__version__ != "3.6.0", reason="figures recorded with Triton 3.6.0's ptxas")
-@pytest.mark.parametrize("design,K,H,wgmma", [("gluon-b7", 128, 16, 192), ("gluon-b7", 64, 16, 192),
-                                              ("gluon-b7", 128, 4, 192), ("gluon-b7-chunk", 128, 16, 96)],
-                         ids=["K128", "K64", "GVA", "chunk-only"])
-def test_gluon_tiers_compile_without_spills(design, K, H, wgmma):
+@pytest.mark.parametrize("design,K,H,wgmma,tail", [("gluon-b7", 128, 16, 192, 0), ("gluon-b7", 64, 16, 192, 0),
+                                                   ("gluon-b7", 128, 4, 192, 0), ("gluon-b7-chunk", 128, 16, 96, 0),
+                                                   ("gluon-b7", 128, 16, 192, 2)],
+                         ids=["K128", "K64", "GVA", "chunk-only", "B7-B9"])
+def test_gluon_tiers_compile_without_spills(design, K, H, wgmma, tail):
     """The Gluon tiers (kda/kernels/intra_bwd_gluon.py) as ptxas assembles them for sm_90a,
     in a process without the interpreter: the chunk tier's twelve wgmma chains of eight
     (m64n32k8 tf32) and the half-chunk tier's twenty-four of four, no spills, dA's halves and
-    a slice's operands in shared memory (184 KB: one CTA an SM). The operand descriptors
-    hoisted out of the slice loop spilled 784 B."""
+    a slice's operands in shared memory (184 KB: one CTA an SM); with the tail (B8, B9) too.
+    The operand descriptors hoisted out of the slice loop spilled 784 B."""
     import json
     import os
     import subprocess
@@ -171,7 +172,7 @@ def test_gluon_tiers_compile_without_spills(design, K, H, wgmma):
     env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = [sys.executable, "-m", "tools.compile_report", "--design", design, "--K", str(K), "--H", str(H),
-           "--BV", "32", "--warps", "4", "--stages", "1"]
+           "--BV", "32", "--warps", "4", "--stages", "1", "--tail", str(tail)]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=root)
     row = json.loads(out.stdout.strip().splitlines()[-1])
     assert "error" not in row and row["wgmma"] == wgmma, row
@@ -179,17 +180,19 @@ def test_gluon_tiers_compile_without_spills(design, K, H, wgmma):
 
 
 def test_gluon_design_is_refused_where_it_cannot_run():
-    """The Gluon designs run on sm_90 only (Gluon has no interpreter), on dense batches, B7
-    alone: elsewhere the launcher says why instead of launching; the interpreter's designs
+    """The Gluon designs run on sm_90 only (Gluon has no interpreter), on dense batches:
+    elsewhere the launcher says why instead of launching; the interpreter's designs
     exclude them; the Triton kernel leaves to them exactly the tiers they take."""
     inputs = stage_inputs(SHAPES[0])
     for design in intra_bwd.GLUON_DESIGNS:
         assert design not in intra_bwd.DESIGNS
         with pytest.raises(ValueError, match="sm_90"):
             intra_bwd.intra_bwd(**inputs, design=design)
-        with pytest.raises(ValueError, match="B7-B9"):
-            intra_bwd.candidate("B7-B9", design)
-        assert "sm_90" in intra_bwd.candidate("B7", design)[1](**inputs)  # as a whole-op candidate: fla here
+        with pytest.raises(ValueError, match="sm_90"):
+            intra_bwd.intra_bwd_tail(**inputs, design=design)
+        for stage in ("B7", "B7-B9"):  # as a whole-op candidate: fla here
+            extra = dict(g=None, A_log=None, dt_bias=None, lower_bound=None) if stage == "B7-B9" else {}
+            assert "sm_90" in intra_bwd.candidate(stage, design)[1](**inputs, **extra)
     flags = {d: intra_bwd.design_flags(d) for d in ("gluon-chunk", "gluon-halves", "wide-halves")}
     assert [(f["SKIP_CHUNK"], f["SKIP_HALVES"], f["HALVES"]) for f in flags.values()] == \
         [(True, False, True), (True, True, True), (False, False, True)]

@@ -427,7 +427,8 @@ DEFAULT_CONFIG = dict(BK=32, num_warps=4, num_stages=1)
 # tail 144 B stored, 152 reloaded against 140). Asking for the raw gate's rows as well
 # spilled 172 B: not done.
 DESIGNS = ("wide", "wide-pairwise", "wide-chunk", "wide-halves", "wide-halves-pf")
-# ``gluon-chunk`` and ``gluon-halves`` (candidates, sm_90 and dense batches only; B7 alone):
+# ``gluon-chunk`` and ``gluon-halves`` (candidates, sm_90 and dense batches only; B7 and the
+# B7-B9 unit):
 # the chunk tier's slices (and the half-chunk tier's) in intra_bwd_gluon.py's kernel, one CTA
 # a chunk-head; the rest in this kernel as wide-halves with SKIP_CHUNK (and SKIP_HALVES). Not
 # in DESIGNS: Gluon does not run in the interpreter.
@@ -480,18 +481,27 @@ def intra_bwd(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens
     (``safe_gate`` changes nothing here)."""
     tensors = dict(q=q, k=k, gc=gc, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db, dg=dg)
     args = _launch_args(design, tensors, chunk_size, cu_seqlens, chunk_indices, BK, num_warps, num_stages, maxnreg)
-    before = None
-    if design in GLUON_DESIGNS:
-        from kernel_fun.kda.kernels import intra_bwd_gluon
+    return _launch(args, db, before=_gluon_tiers(design, tensors, args, cu_seqlens))[:4]
 
-        why = intra_bwd_gluon.supports(q, k, gc, cu_seqlens, args["BK"])
-        if why is not None:
-            raise ValueError(f"B7 design {design!r}: {why}")
 
-        def before(db_part):
-            intra_bwd_gluon.launch(q, k, gc, beta, dAqk, dAkk, dq, dk, args["dq2"], args["dk2"], args["dg2"], db_part,
-                                   dg, args["BK"], halves=design == "gluon-halves")
-    return _launch(args, db, before=before)[:4]
+def _gluon_tiers(design, tensors: dict, args: dict, cu_seqlens):
+    """For a Gluon design, the launch of its tiers before the Triton kernel's (``_launch``'s
+    ``before``); None for the others. Refuses a call the Gluon kernel cannot take."""
+    if design not in GLUON_DESIGNS:
+        return None
+    from kernel_fun.kda.kernels import intra_bwd_gluon
+
+    why = intra_bwd_gluon.supports(tensors["q"], tensors["k"], tensors["gc"], cu_seqlens, args["BK"])
+    if why is not None:
+        raise ValueError(f"B7 design {design!r}: {why}")
+    x = {n: tensors[n] for n in ("q", "k", "gc", "beta", "dAqk", "dAkk", "dq", "dk", "dg")}
+
+    def before(db_part, tail, gate, dA_part, dbias_part):
+        intra_bwd_gluon.launch(dq2=args["dq2"], dk2=args["dk2"], dg2=args["dg2"], db_part=db_part, BK=args["BK"],
+                               halves=design == "gluon-halves", tail=tail, g_raw=gate.get("g"), A_log=gate.get("A_log"),
+                               dt_bias=gate.get("dt_bias"), dA_part=dA_part, dbias_part=dbias_part,
+                               lower_bound=gate.get("lower_bound"), **x)
+    return before
 
 
 def intra_bwd_tail(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens, chunk_indices, safe_gate,
@@ -506,11 +516,12 @@ def intra_bwd_tail(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_se
                    A_log=A_log, dt_bias=dt_bias)
     args = _launch_args(design, tensors, chunk_size, cu_seqlens, chunk_indices, BK, num_warps, num_stages, maxnreg)
     gate = dict(g=g, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound) if A_log is not None else None
-    return _launch(args, db, tail=2 if gate else 1, gate=gate)
+    return _launch(args, db, tail=2 if gate else 1, gate=gate, before=_gluon_tiers(design, tensors, args, cu_seqlens))
 
 
 def _launch(args: dict, db, tail: int = 0, gate: dict | None = None, before=None):
-    """Launch the kernel (after ``before(db_part)``, a Gluon tier's launch, where given);
+    """Launch the kernel (after ``before(db_part, tail, gate, dA_part, dbias_part)``, a Gluon
+    design's tiers, where given);
     (dq, dk, db, dg, dA_log, ddt_bias), the last two None unless the tail includes the
     gate's backward."""
     B, T, HV, K, BK = db.shape[0], db.shape[1], args["HV"], args["K"], args["BK"]
@@ -528,7 +539,7 @@ def _launch(args: dict, db, tail: int = 0, gate: dict | None = None, before=None
         dA_part = torch.empty(NK, NT_ALL, HV, device=dev, dtype=torch.float32)
         dbias_part = torch.empty(NT_ALL, HV, K, device=dev, dtype=torch.float32) if dt_bias is not None else None
     if before is not None:
-        before(db_part)
+        before(db_part, tail, gate, dA_part, dbias_part)
     intra_bwd_wide_kernel[(NK, NT, B * HV)](
         **args, db_part=db_part, NT_ROWS=B * T * HV, NT_ALL=NT_ALL,
         g_raw=g_raw, A_log=A_log, dt_bias=dt_bias, dA_part=dA_part, dbias_part=dbias_part,
@@ -563,18 +574,20 @@ def candidate(stage: str, design: str):
     (``python -m kernel_fun.bench --candidate B7-B9=wide-pairwise``)."""
     import functools
 
-    if design not in DESIGNS + GLUON_DESIGNS or (design in GLUON_DESIGNS and stage != "B7"):
+    if design not in DESIGNS + GLUON_DESIGNS:
         raise ValueError(f"unknown {stage} design {design!r}")
     units = {"B7": (intra_bwd, supports), "B7-B9": (intra_bwd_tail, supports_tail)}
     if stage not in units:
         raise ValueError(f"intra_bwd has candidates for {sorted(units)}, not {stage!r}")
     fn, sup = units[stage]
     if design in GLUON_DESIGNS:  # where the Gluon tiers cannot run, the stage stays on fla
-        def sup(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens, chunk_indices, safe_gate):
+        plain = sup
+
+        def sup(**inputs):
             from kernel_fun.kda.kernels import intra_bwd_gluon
 
-            return (supports(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens, chunk_indices,
-                             safe_gate) or intra_bwd_gluon.supports(q, k, gc, cu_seqlens))
+            return plain(**inputs) or intra_bwd_gluon.supports(inputs["q"], inputs["k"], inputs["gc"],
+                                                               inputs["cu_seqlens"])
     return functools.partial(fn, design=design), sup
 
 add_impl("B7", "ours", intra_bwd, supports)

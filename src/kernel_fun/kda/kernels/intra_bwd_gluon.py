@@ -1,7 +1,7 @@
 """B7's anchored tiers in Gluon: one CTA a chunk-head, dA split once, the K slices looped.
 
 A candidate beside ``intra_bwd.py`` (designs ``gluon-chunk`` and ``gluon-halves``; sm_90
-only, dense sequences, B7 alone; not registered). The Triton kernel runs one program per
+only, dense sequences; B7 alone or the B7-B9 unit; not registered). The Triton kernel runs one program per
 (K slice, chunk, head): each of a chunk-head's four programs at K=128 reloads the two
 [64, 64] fp32 dA tiles, splits them into tf32 halves and transposes them through shared
 memory, with its dot operands in registers (255 a thread, two programs an SM). Here one CTA
@@ -16,7 +16,8 @@ g_a), hi and lo: 48 KB) go to shared memory, g_a each row's anchor:
 - the half-chunk tier (``HALVES``; each 32-row half's middle row for its rows): each role
   two chains of four steps a dA and product, on the A tiles' and B operands' halves (shared
   memory sub-views), each half's factor applied to its own result.
-Then the Triton kernel's epilogue. The slices that take neither tier are left to the Triton
+Then the Triton kernel's epilogue, with the tail where asked (B8's reverse cumsum of dg over
+the chunk's rows, B9's gate backward and its per-chunk partials). The slices that take neither tier are left to the Triton
 kernel, launched after this one with ``SKIP_CHUNK`` (and ``SKIP_HALVES``): its programs on
 the slices taken here return at once, so every (slice, chunk, head) is written by one of
 the two.
@@ -26,8 +27,8 @@ lo hi, hi hi), fp32 elsewhere.
 
 Not yet on the H200: the design's first measurement (prediction below). Offline (sm_90a,
 K=128, ``python -m tools.compile_report --design gluon-b7`` / ``gluon-b7-chunk``): 255
-registers, no spills, 192 wgmma (96 for the chunk tier alone), 184 KB of shared memory: one
-CTA an SM. Held out of the loop, the operands' per-k-step shared-memory descriptors (112)
+registers, no spills (the same with the tail), 192 wgmma (96 for the chunk tier alone), 184
+KB of shared memory: one CTA an SM. Held out of the loop, the operands' per-k-step shared-memory descriptors (112)
 were hoisted by the compiler and took 224 registers (784 B of spills); the operand index is
 an opaque zero computed in the loop (``_opaque_zero``), so they are formed where used.
 
@@ -74,6 +75,16 @@ def _half_span(g, st: gl.constexpr, n_t, c, SG: gl.constexpr):
 
 
 @gluon.jit
+def _add(a, b):
+    return a + b
+
+
+@gluon.jit
+def _sigmoid(x):
+    return 1.0 / (1.0 + gl.exp(-x))
+
+
+@gluon.jit
 def _dot3(a_hi, a_lo, b_hi, b_lo, acc):
     """acc + a b in three tf32 products from shared memory, a_hi b_lo + a_lo b_hi + a_hi b_hi."""
     acc = hopper.warpgroup_mma(a_hi, b_lo, acc)
@@ -84,8 +95,9 @@ def _dot3(a_hi, a_lo, b_hi, b_lo, acc):
 @gluon.jit
 def intra_bwd_chunk_gluon_kernel(
     q, k, g, beta, dAqk, dAkk, dq, dk, dg, dq2, dk2, dg2, db_part, T, NT_ROWS,
+    g_raw, A_log, dt_bias, dA_part, dbias_part, lower_bound, NT_ALL,
     H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr,
-    HALVES: gl.constexpr,
+    HALVES: gl.constexpr, TAIL: gl.constexpr, HAS_BIAS: gl.constexpr, USE_LOWER_BOUND: gl.constexpr,
 ):
     """B7's chunk tier on one (chunk, head) of a dense batch: every K slice of BK channels
     whose factors through the chunk's middle row stay within 2^GUARD."""
@@ -99,6 +111,7 @@ def intra_bwd_chunk_gluon_kernel(
     i_h = i_hv // (HV // H)
     row0 = (i_b * T + i_t * BT).to(gl.int64)
     n_t = gl.minimum(T - i_t * BT, BT)
+    i_tg = i_b * gl.cdiv(T, BT) + i_t  # the chunk's index in the batch (the tail's partials)
 
     # register layouts: [64, 64] for dA, [64, BK] for a K slice (4 warps)
     la: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
@@ -146,6 +159,9 @@ def intra_bwd_chunk_gluon_kernel(
     q += row0 * SK + i_h * K
     k += row0 * SK + i_h * K
     db_part += row0 * HV + i_hv
+    if TAIL == 2:
+        g_raw += row0 * SG + i_hv * K
+        A = gl.exp(gl.load(A_log + i_hv).to(gl.float32))
     o_g = t[:, None] * SG + c[None, :]
     o_qk = t[:, None] * SK + c[None, :]
     mh0 = gl.minimum(15, n_t - 1)  # the halves' middle rows
@@ -230,18 +246,47 @@ def intra_bwd_chunk_gluon_kernel(
             gl.store(db_part + i_k * NT_ROWS + t * HV, gl.sum(acc_kr * k_c, axis=1), mask=m_t)
             acc_kr = acc_kr * b_c[:, None]
             gl.store(dk2 + c0 + o_g, gl.load(dk + c0 + o_g, mask=m_tk, other=0.0) + acc_kr + acc_c, mask=m_tk)
-            gl.store(dg2 + c0 + o_g, gl.load(dg + c0 + o_g, mask=m_tk, other=0.0) + q_c * acc_q
-                     + k_c * (acc_kr - acc_c), mask=m_tk)
+            b_dg = gl.load(dg + c0 + o_g, mask=m_tk, other=0.0) + q_c * acc_q + k_c * (acc_kr - acc_c)
+            if TAIL == 0:
+                gl.store(dg2 + c0 + o_g, b_dg, mask=m_tk)
+            else:
+                # B8: each row's dg summed with every later row's of the chunk
+                b_dg = gl.associative_scan(gl.where(m_tk, b_dg, 0.0), 0, _add, reverse=True)
+                if TAIL == 1:
+                    gl.store(dg2 + c0 + o_g, b_dg, mask=m_tk)
+                else:
+                    # B9: the raw gate's gradient in its dtype, dA_log's and dt_bias's per-chunk partials
+                    x = gl.load(g_raw + c0 + o_g, mask=m_tk, other=0.0).to(gl.float32)
+                    if HAS_BIAS:
+                        x += gl.load(dt_bias + i_hv * K + c0 + c).to(gl.float32)[None, :]
+                    if USE_LOWER_BOUND:
+                        sg = _sigmoid(A * x)
+                        dx = b_dg * (lower_bound * sg * (1.0 - sg)) * A
+                        da = gl.sum(gl.sum(gl.where(m_tk, dx * x, 0.0), axis=1), axis=0)
+                    else:
+                        softplus = gl.where(x > 20.0, x, gl.log(1.0 + gl.exp(gl.minimum(x, 20.0))))
+                        dx = -A * (b_dg * _sigmoid(x))
+                        da = gl.sum(gl.sum(gl.where(m_tk, b_dg * (-A * softplus), 0.0), axis=1), axis=0)
+                    dx_out = dx.to(dg2.dtype.element_ty)
+                    gl.store(dg2 + c0 + o_g, dx_out, mask=m_tk)
+                    gl.store(dA_part + (i_k * NT_ALL + i_tg) * HV + i_hv, da)
+                    if HAS_BIAS:
+                        gl.store(dbias_part + (i_tg * HV + i_hv) * K + c0 + c,
+                                 gl.sum(gl.where(m_tk, dx_out.to(gl.float32), 0.0), axis=0))
 
-def launch(q, k, gc, beta, dAqk, dAkk, dq, dk, dq2, dk2, dg2, db_part, dg, BK: int = 32, halves: bool = True):
+
+def launch(q, k, gc, beta, dAqk, dAkk, dq, dk, dq2, dk2, dg2, db_part, dg, BK: int = 32, halves: bool = True,
+           tail: int = 0, g_raw=None, A_log=None, dt_bias=None, dA_part=None, dbias_part=None, lower_bound=None):
     """The chunk tier's (and with ``halves`` the half-chunk tier's) CTAs over a dense batch,
-    into the caller's outputs."""
+    into the caller's outputs; ``tail`` as the Triton kernel's (1: B8, 2: B8 and B9)."""
     B, T, H, K = k.shape
     HV = gc.shape[2]
     NT = -(-T // 64)
     intra_bwd_chunk_gluon_kernel[(NT, B * HV)](
         q, k, gc, beta, dAqk, dAkk, dq, dk, dg, dq2, dk2, dg2, db_part, T, B * T * HV,
-        H=H, HV=HV, K=K, BT=64, BK=BK, HALVES=halves, num_warps=4)
+        g_raw, A_log, dt_bias, dA_part, dbias_part, 0.0 if lower_bound is None else float(lower_bound), B * NT,
+        H=H, HV=HV, K=K, BT=64, BK=BK, HALVES=halves, TAIL=tail, HAS_BIAS=dt_bias is not None,
+        USE_LOWER_BOUND=lower_bound is not None, num_warps=4)
 
 
 def supports(q, k, gc, cu_seqlens, BK: int = 32) -> str | None:
