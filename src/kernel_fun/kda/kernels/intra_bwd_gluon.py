@@ -1,14 +1,14 @@
 """B7's anchored tiers in Gluon: one CTA a chunk-head, dA split once, the K slices looped.
 
 A candidate beside ``intra_bwd.py`` (designs ``gluon-chunk`` and ``gluon-halves``; sm_90
-only, dense sequences; B7 alone or the B7-B9 unit; not registered). The Triton kernel runs one program per
-(K slice, chunk, head): each of a chunk-head's four programs at K=128 reloads the two
-[64, 64] fp32 dA tiles, splits them into tf32 halves and transposes them through shared
-memory, with its dot operands in registers (255 a thread, two programs an SM). Here one CTA
-of 4 warps (one warpgroup) takes the chunk-head: dAqk and dAkk are read once, split into
-their tf32 halves and written to shared memory once, row-major for the row role and
-transposed for the column role (tf32 wgmma reads A only K-major): 128 KB. For each K slice
-of 32 channels that takes an anchored tier (the Triton kernel's guards, the same
+only, dense sequences; B7 alone or the B7-B9 unit; not registered). The Triton kernel runs
+one program per (K slice, chunk, head): each of a chunk-head's four programs at K=128
+reloads the two [64, 64] fp32 dA tiles, splits them into tf32 halves and transposes them
+through shared memory, with its dot operands in registers (255 a thread, two programs an
+SM). Here one CTA of 4 warps (one warpgroup) takes the chunk-head: dAqk and dAkk are read
+once, split into their tf32 halves and written to shared memory once, row-major for the row
+role and transposed for the column role (tf32 wgmma reads A only K-major): 128 KB. For each
+K slice of 32 channels that takes an anchored tier (the Triton kernel's guards, the same
 arithmetic), the slice's B operands (k times exp2(g_a - g), q and beta k times exp2(g -
 g_a), hi and lo: 48 KB) go to shared memory, g_a each row's anchor:
 - the chunk tier (the chunk's middle row for every row): each role one wgmma chain of eight
@@ -16,11 +16,13 @@ g_a), hi and lo: 48 KB) go to shared memory, g_a each row's anchor:
 - the half-chunk tier (``HALVES``; each 32-row half's middle row for its rows): each role
   two chains of four steps a dA and product, on the A tiles' and B operands' halves (shared
   memory sub-views), each half's factor applied to its own result.
-Then the Triton kernel's epilogue, with the tail where asked (B8's reverse cumsum of dg over
-the chunk's rows, B9's gate backward and its per-chunk partials). The slices that take neither tier are left to the Triton
-kernel, launched after this one with ``SKIP_CHUNK`` (and ``SKIP_HALVES``): its programs on
-the slices taken here return at once, so every (slice, chunk, head) is written by one of
-the two.
+A slice's chains are issued together (async) and waited for once (once a half in the
+half-chunk tier); the epilogue's incoming dq, dk and dg rows are asked of L2 when the slice
+starts. Then the Triton kernel's epilogue, with the tail where asked (B8's reverse cumsum of
+dg over the chunk's rows, B9's gate backward and its per-chunk partials). The slices that
+take neither tier are left to the Triton kernel, launched after this one with
+``SKIP_CHUNK`` (and ``SKIP_HALVES``): its programs on the slices taken here return at once,
+so every (slice, chunk, head) is written by one of the two.
 
 Numerics: the Triton tiers': the same anchors, the same three tf32 products a dot (hi lo,
 lo hi, hi hi), fp32 elsewhere.
@@ -28,13 +30,14 @@ lo hi, hi hi), fp32 elsewhere.
 Not yet on the H200: the design's first measurement (prediction below). Offline (sm_90a,
 K=128, ``python -m tools.compile_report --design gluon-b7`` / ``gluon-b7-chunk``): 255
 registers, no spills (the same with the tail), 192 wgmma (96 for the chunk tier alone), 184
-KB of shared memory: one CTA an SM. Held out of the loop, the operands' per-k-step shared-memory descriptors (112)
-were hoisted by the compiler and took 224 registers (784 B of spills); the operand index is
-an opaque zero computed in the loop (``_opaque_zero``), so they are formed where used.
+KB of shared memory: one CTA an SM. Held out of the loop, the operands' per-k-step
+shared-memory descriptors (112) were hoisted by the compiler and took 224 registers (784 B
+of spills); the operand index is an opaque zero computed in the loop (``_opaque_zero``), so
+they are formed where used.
 
-Prediction (no pipelining yet: a slice's operand loads wait on the previous slice's
-wgmmas): at prod8192_layer_safe (every slice on the chunk tier) 3.5-5 ms against the
-Triton pin's 6.36; at prod8192_gate, 31-52% of the slices on the chunk tier and ~80% on
+Prediction (no pipelining across slices yet: a slice's operand loads wait on the previous
+slice's wgmmas): at prod8192_layer_safe (every slice on the chunk tier) 3.5-5 ms against
+the Triton pin's 6.36; at prod8192_gate, 31-52% of the slices on the chunk tier and ~80% on
 either, gluon-halves 4.5-6 ms against 7.49 (two launches; the per-block slices in Triton).
 """
 
@@ -85,11 +88,19 @@ def _sigmoid(x):
 
 
 @gluon.jit
-def _dot3(a_hi, a_lo, b_hi, b_lo, acc):
-    """acc + a b in three tf32 products from shared memory, a_hi b_lo + a_lo b_hi + a_hi b_hi."""
-    acc = hopper.warpgroup_mma(a_hi, b_lo, acc)
-    acc = hopper.warpgroup_mma(a_lo, b_hi, acc)
-    return hopper.warpgroup_mma(a_hi, b_hi, acc)
+def _dot3(a_hi, a_lo, b_hi, b_lo, acc, ASYNC: gl.constexpr = False):
+    """acc + a b in three tf32 products from shared memory, a_hi b_lo + a_lo b_hi + a_hi b_hi
+    (issued without waiting with ASYNC: the caller waits)."""
+    acc = hopper.warpgroup_mma(a_hi, b_lo, acc, is_async=ASYNC)
+    acc = hopper.warpgroup_mma(a_lo, b_hi, acc, is_async=ASYNC)
+    return hopper.warpgroup_mma(a_hi, b_hi, acc, is_async=ASYNC)
+
+
+@gluon.jit
+def _prefetch_rows(ptr, rows):
+    """Asks L2 for the 128-byte line at ptr + rows (one a row; a hint, returns nothing)."""
+    gl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.b32 $0, 0;", "=r,l", [ptr + rows], dtype=gl.int32,
+                              is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -179,6 +190,11 @@ def intra_bwd_chunk_gluon_kernel(
         else:
             halves = whole
         if whole | halves:
+            # the epilogue's incoming rows into L2 while the operands form and the dots run
+            o_pf = gl.minimum(t, n_t - 1) * SG + c0
+            _prefetch_rows(dq, o_pf)
+            _prefetch_rows(dk, o_pf)
+            _prefetch_rows(dg, o_pf)
             g_c = gl.load(g + c0 + o_g, mask=m_tk, other=0.0)
             if whole:
                 g_a = gl.zeros([BT, BK], gl.float32, lk) + gm[None, :]  # the chunk's middle row
@@ -204,11 +220,14 @@ def intra_bwd_chunk_gluon_kernel(
             z = _opaque_zero(i_k)
             zero = gl.zeros([BT, BK], gl.float32, acc_l)
             if whole:
-                # one [64, 64] x [64, BK] dot a role and dA; the anchor's other half once after
-                acc_c = _dot3(s_a.index(2 + z), s_a.index(3 + z), s_b.index(4 + z), s_b.index(5 + z), zero)
-                acc_c = _dot3(s_a.index(6 + z), s_a.index(7 + z), s_b.index(2 + z), s_b.index(3 + z), acc_c)
-                acc_q = _dot3(s_a.index(0 + z), s_a.index(1 + z), s_b.index(0 + z), s_b.index(1 + z), zero)
-                acc_kr = _dot3(s_a.index(4 + z), s_a.index(5 + z), s_b.index(0 + z), s_b.index(1 + z), zero)
+                # one [64, 64] x [64, BK] dot a role and dA, the four chains in flight together;
+                # the anchor's other half once after
+                b_hi, b_lo = s_b.index(0 + z), s_b.index(1 + z)
+                acc_c = _dot3(s_a.index(2 + z), s_a.index(3 + z), s_b.index(4 + z), s_b.index(5 + z), zero, True)
+                acc_c = _dot3(s_a.index(6 + z), s_a.index(7 + z), s_b.index(2 + z), s_b.index(3 + z), acc_c, True)
+                acc_q = _dot3(s_a.index(0 + z), s_a.index(1 + z), b_hi, b_lo, zero, True)
+                acc_kr = _dot3(s_a.index(4 + z), s_a.index(5 + z), b_hi, b_lo, zero, True)
+                acc_c, acc_q, acc_kr = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(acc_c, acc_q, acc_kr))
                 g_c = gl.load(g + c0 + o_g, mask=m_tk, other=0.0)
                 down = gl.exp2(gl.where(m_tk, g_c - gm[None, :], float("-inf")))
                 acc_q = gl.convert_layout(acc_q, lk) * down
@@ -225,14 +244,19 @@ def intra_bwd_chunk_gluon_kernel(
                 acc_c = gl.zeros([BT, BK], gl.float32, lk)
                 for j in gl.static_range(2):
                     e = e0 if j == 0 else e1
+                    kx_hi, kx_lo = s_b.index(0 + z).slice(32 * j, 32, 0), s_b.index(1 + z).slice(32 * j, 32, 0)
                     part_q = _dot3(s_a.index(0 + z).slice(32 * j, 32, 1), s_a.index(1 + z).slice(32 * j, 32, 1),
-                                   s_b.index(0 + z).slice(32 * j, 32, 0), s_b.index(1 + z).slice(32 * j, 32, 0), zero)
+                                   kx_hi, kx_lo, zero, True)
                     part_kr = _dot3(s_a.index(4 + z).slice(32 * j, 32, 1), s_a.index(5 + z).slice(32 * j, 32, 1),
-                                    s_b.index(0 + z).slice(32 * j, 32, 0), s_b.index(1 + z).slice(32 * j, 32, 0), zero)
+                                    kx_hi, kx_lo, zero, True)
                     part_c = _dot3(s_a.index(2 + z).slice(32 * j, 32, 1), s_a.index(3 + z).slice(32 * j, 32, 1),
-                                   s_b.index(4 + z).slice(32 * j, 32, 0), s_b.index(5 + z).slice(32 * j, 32, 0), zero)
+                                   s_b.index(4 + z).slice(32 * j, 32, 0), s_b.index(5 + z).slice(32 * j, 32, 0),
+                                   zero, True)
                     part_c = _dot3(s_a.index(6 + z).slice(32 * j, 32, 1), s_a.index(7 + z).slice(32 * j, 32, 1),
-                                   s_b.index(2 + z).slice(32 * j, 32, 0), s_b.index(3 + z).slice(32 * j, 32, 0), part_c)
+                                   s_b.index(2 + z).slice(32 * j, 32, 0), s_b.index(3 + z).slice(32 * j, 32, 0),
+                                   part_c, True)
+                    part_q, part_kr, part_c = hopper.warpgroup_mma_wait(num_outstanding=0,
+                                                                        deps=(part_q, part_kr, part_c))
                     # rows from the half's first (row role), columns before its end (column role)
                     f = gl.exp2(gl.where(m_tk & (t >= 32 * j)[:, None], g_c - e, float("-inf")))
                     acc_q += f * gl.convert_layout(part_q, lk)
