@@ -332,6 +332,17 @@ _GLUON_CASES = {  # (shape, replace): the chain's gate at a production grid, a b
 }
 
 
+def _gluon_inputs(name: str, make_inputs) -> dict:
+    """A Gluon case's stage inputs, with the caching allocator's free memory NaN-filled first,
+    so outputs a kernel failed to write cannot hold a previous run's values."""
+    shape, change = _GLUON_CASES[name]
+    inputs = make_inputs(dataclasses.replace(problem(shape), **change), "cuda", seed=2)
+    B, T, HV, K = inputs["dq"].shape
+    poison = torch.full((8 * B * T * HV * K,), float("nan"), device="cuda")
+    del poison
+    return inputs
+
+
 @pytest.mark.parametrize("design", intra_bwd.GLUON_DESIGNS)
 @pytest.mark.parametrize("name", list(_GLUON_CASES))
 def test_gluon_tiers_match_the_triton_kernel_and_fla(name, design):
@@ -345,12 +356,7 @@ def test_gluon_tiers_match_the_triton_kernel_and_fla(name, design):
     from kernel_fun.bench import stage_b7
     from kernel_fun.kda import reference as ref
 
-    shape, change = _GLUON_CASES[name]
-    p = dataclasses.replace(problem(shape), **change)
-    inputs = stage_b7.make_inputs(p, "cuda", seed=2)
-    B, T, HV, K = inputs["dq"].shape
-    poison = torch.full((8 * B * T * HV * K,), float("nan"), device="cuda")
-    del poison
+    inputs = _gluon_inputs(name, stage_b7.make_inputs)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         got = intra_bwd.intra_bwd(**inputs, design=design)
         torch.cuda.synchronize()
@@ -376,12 +382,8 @@ def test_gluon_tiers_with_the_tail_match_the_triton_unit_and_fla(name, design):
     from kernel_fun.bench import stage_b7b9
     from kernel_fun.kda import reference as ref
 
-    shape, change = _GLUON_CASES[name]
-    p = dataclasses.replace(problem(shape), **change)
-    inputs = stage_b7b9.make_inputs(p, "cuda", seed=2)
-    B, T, HV, K = inputs["dq"].shape
-    poison = torch.full((8 * B * T * HV * K,), float("nan"), device="cuda")
-    del poison
+    inputs = _gluon_inputs(name, stage_b7b9.make_inputs)
+    B = inputs["dq"].shape[0]
     got = intra_bwd.intra_bwd_tail(**inputs, design=design)
     pin = intra_bwd.intra_bwd_tail(**inputs)
     names = ("dq", "dk", "db", "dg", "dA_log", "ddt_bias")

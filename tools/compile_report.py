@@ -50,6 +50,14 @@ def assemble_sm90(jit, sig: dict, constexprs: dict, num_warps: int, num_stages: 
     src = ASTSource(fn=jit, signature=sig, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg))
+    return compiled, assemble_ptx(compiled)
+
+
+def assemble_ptx(compiled) -> str:
+    """Assemble a kernel compiled for sm_90a (Triton or Gluon) with Triton's ptxas: ptxas's
+    -v report; the machine code's fingerprint and instruction count onto ``compiled``."""
+    import triton
+
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.ptx")
@@ -59,7 +67,7 @@ def assemble_sm90(jit, sig: dict, constexprs: dict, num_warps: int, num_stages: 
         log = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", path, "-o", cubin],
                              capture_output=True, text=True, check=True).stderr
         compiled.sass_sha, compiled.sass_instructions = sass_sha(cubin)
-    return compiled, log
+    return log
 
 
 def sass_sha(cubin: str) -> tuple[str, int]:
@@ -211,15 +219,10 @@ def gluon_b7_report(K: int, BK: int, H: int = 16, HV: int = 16, halves: bool = T
                          constexprs=dict(H=H, HV=HV, K=K, BT=64, BK=BK, HALVES=halves, TAIL=tail, HAS_BIAS=tail == 2,
                                          USE_LOWER_BOUND=False))
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-    ptx = compiled.asm["ptx"]
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    with tempfile.TemporaryDirectory() as tmp:
-        with open(os.path.join(tmp, "k.ptx"), "w") as f:
-            f.write(ptx)
-        log = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", os.path.join(tmp, "k.ptx"), "-o",
-                              os.path.join(tmp, "k.cubin")], capture_output=True, text=True, check=True).stderr
-    return {"wgmma": len(re.findall(r"wgmma\.mma_async", ptx)), **ptxas_numbers(log),
-            "shared": compiled.metadata.shared, "num_warps": 4}
+    log = assemble_ptx(compiled)
+    return {"wgmma": compiled.asm["ptx"].count("wgmma.mma_async"), **ptxas_numbers(log),
+            "shared": compiled.metadata.shared, "sass_sha": compiled.sass_sha,
+            "sass_instructions": compiled.sass_instructions, "num_warps": 4}
 
 
 _STRIDES = ("stride_b", "stride_t")

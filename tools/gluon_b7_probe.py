@@ -18,8 +18,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import tempfile
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -62,18 +60,13 @@ def report(BK: int = 32) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from tools.compile_report import ptxas_numbers
+    from tools.compile_report import assemble_ptx, ptxas_numbers
 
     sig = {"dA": "*fp32", "kx": "*fp32", "out": "*fp32", "BK": "constexpr"}
     compiled = triton.compile(GluonASTSource(fn=operand_probe, signature=sig, constexprs={"BK": BK}),
                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
     ptx = compiled.asm["ptx"]
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    with tempfile.TemporaryDirectory() as tmp:
-        with open(os.path.join(tmp, "k.ptx"), "w") as f:
-            f.write(ptx)
-        log = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", os.path.join(tmp, "k.ptx"), "-o",
-                              os.path.join(tmp, "k.cubin")], capture_output=True, text=True, check=True).stderr
+    log = assemble_ptx(compiled)
     return {"BK": BK, "wgmma": sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(\S+?);?\s", ptx))),
             **ptxas_numbers(log), "shared": compiled.metadata.shared}
 
