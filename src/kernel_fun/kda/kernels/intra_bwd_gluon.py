@@ -30,8 +30,9 @@ lo hi, hi hi), fp32 elsewhere.
 Not yet on the H200: the design's first measurement (prediction below). Offline (sm_90a,
 K=128, ``python -m tools.compile_report --design gluon-b7`` / ``gluon-b7-chunk``): 255
 registers, no spills (the same with the tail), 192 wgmma (96 for the chunk tier alone), 184
-KB of shared memory: one CTA an SM; 4,256 SASS instructions (b75bf101e10f0afd), the slice
-loop's body about half of that, where the Triton pin's program for one slice is 8,248. Held out of the loop, the operands' per-k-step
+KB of shared memory: one CTA an SM; 4,256 SASS instructions (b75bf101e10f0afd: the dA
+set-up, both tiers' code and the epilogue, the slice loop's body run once a slice), where
+the Triton pin's program for one slice is 8,248. Held out of the loop, the operands' per-k-step
 shared-memory descriptors (112) were hoisted by the compiler and took 224 registers (784 B
 of spills); the operand index is an opaque zero computed in the loop (``_opaque_zero``), so
 they are formed where used.
