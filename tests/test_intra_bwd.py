@@ -154,16 +154,17 @@ def test_default_config_compiles_within_its_recorded_spills(design, K, spills, e
 
 
 @pytest.mark.skipif(__import__("triton").__version__ != "3.6.0", reason="figures recorded with Triton 3.6.0's ptxas")
-@pytest.mark.parametrize("design,K,H,wgmma,tail", [("gluon-b7", 128, 16, 192, 0), ("gluon-b7", 64, 16, 192, 0),
-                                                   ("gluon-b7", 128, 4, 192, 0), ("gluon-b7-chunk", 128, 16, 96, 0),
-                                                   ("gluon-b7", 128, 16, 192, 2)],
-                         ids=["K128", "K64", "GVA", "chunk-only", "B7-B9"])
-def test_gluon_tiers_compile_without_spills(design, K, H, wgmma, tail):
+@pytest.mark.parametrize("design,K,H,wgmma,tail,spills", [
+    ("gluon-b7", 128, 16, 288, 0, 8), ("gluon-b7", 64, 16, 288, 0, 12), ("gluon-b7", 128, 4, 288, 0, 8),
+    ("gluon-b7-chunk", 128, 16, 96, 0, 0), ("gluon-b7-halves", 128, 16, 192, 0, 0), ("gluon-b7", 128, 16, 288, 2, 48)],
+    ids=["K128", "K64", "GVA", "chunk-only", "halves", "B7-B9"])
+def test_gluon_tiers_compile_within_their_recorded_spills(design, K, H, wgmma, tail, spills):
     """The Gluon tiers (kda/kernels/intra_bwd_gluon.py) as ptxas assembles them for sm_90a,
     in a process without the interpreter: the chunk tier's twelve wgmma chains of eight
-    (m64n32k8 tf32) and the half-chunk tier's twenty-four of four, no spills, dA's halves and
-    a slice's operands in shared memory (184 KB: one CTA an SM); with the tail (B8, B9) too.
-    The operand descriptors hoisted out of the slice loop spilled 784 B."""
+    (m64n32k8 tf32), the half-chunk tier's twenty-four of four, the per-block tier's
+    forty-eight of two; dA's halves and a slice's operands in shared memory (184 KB: one CTA
+    an SM); alone and with the tail (B8, B9); no more spills than recorded (none without the
+    per-block tier). The operand descriptors hoisted out of the slice loop spilled 784 B."""
     import json
     import os
     import subprocess
@@ -176,7 +177,7 @@ def test_gluon_tiers_compile_without_spills(design, K, H, wgmma, tail):
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=root)
     row = json.loads(out.stdout.strip().splitlines()[-1])
     assert "error" not in row and row["wgmma"] == wgmma, row
-    assert row["spill_stores"] == 0 and row["spill_loads"] == 0 and row["shared"] <= 227 * 1024, row
+    assert row["spill_stores"] <= spills and row["spill_loads"] <= spills and row["shared"] <= 227 * 1024, row
 
 
 def test_gluon_design_is_refused_where_it_cannot_run():
@@ -193,9 +194,9 @@ def test_gluon_design_is_refused_where_it_cannot_run():
         for stage in ("B7", "B7-B9"):  # as a whole-op candidate: fla here
             extra = dict(g=None, A_log=None, dt_bias=None, lower_bound=None) if stage == "B7-B9" else {}
             assert "sm_90" in intra_bwd.candidate(stage, design)[1](**inputs, **extra)
-    flags = {d: intra_bwd.design_flags(d) for d in ("gluon-chunk", "gluon-halves", "wide-halves")}
-    assert [(f["SKIP_CHUNK"], f["SKIP_HALVES"], f["HALVES"]) for f in flags.values()] == \
-        [(True, False, True), (True, True, True), (False, False, True)]
+    flags = {d: intra_bwd.design_flags(d) for d in ("gluon-chunk", "gluon-halves", "gluon-blocks", "wide-halves")}
+    assert [(f["SKIP_CHUNK"], f["SKIP_HALVES"], f["SKIP_BLOCKS"], f["HALVES"]) for f in flags.values()] == \
+        [(True, False, False, True), (True, True, False, True), (True, True, True, True), (False, False, False, True)]
 
 
 @pytest.mark.parametrize("p", chain_problems(), ids=lambda p: p.name)

@@ -198,7 +198,7 @@ def cconv_report(D: int, BD: int, num_warps: int, TS: int = 256, backward: bool 
     return compile_sm90(K.causal_conv1d_fwd_kernel, types, constexprs, num_warps, 1, divisible=_STRIDES)
 
 
-def gluon_b7_report(K: int, BK: int, H: int = 16, HV: int = 16, halves: bool = True, tail: int = 0) -> dict:
+def gluon_b7_report(K: int, BK: int, H: int = 16, HV: int = 16, tiers: int = 3, tail: int = 0) -> dict:
     """B7's anchored tiers in Gluon (kda/kernels/intra_bwd_gluon.py), one CTA a chunk-head,
     with ``tail`` as the Triton kernel's (2: B8 and B9, dt_bias, the softplus form): its wgmma
     count, registers, spills and shared memory."""
@@ -211,12 +211,12 @@ def gluon_b7_report(K: int, BK: int, H: int = 16, HV: int = 16, halves: bool = T
     sig = {n: "*fp32" for n in ("g", "dAqk", "dAkk", "dq", "dk", "dg", "dq2", "dk2", "dg2", "db_part")}
     sig.update(q="*bf16", k="*bf16", beta="*bf16", T="i32", NT_ROWS="i32", g_raw="*bf16", A_log="*fp32",
                dt_bias="*fp32", dA_part="*fp32", dbias_part="*fp32", lower_bound="fp32", NT_ALL="i32",
-               **dict.fromkeys(("H", "HV", "K", "BT", "BK", "HALVES", "TAIL", "HAS_BIAS", "USE_LOWER_BOUND"),
+               **dict.fromkeys(("H", "HV", "K", "BT", "BK", "TIERS", "TAIL", "HAS_BIAS", "USE_LOWER_BOUND"),
                                "constexpr"))
     if tail == 2:
         sig["dg2"] = "*bf16"
     src = GluonASTSource(fn=intra_bwd_gluon.intra_bwd_chunk_gluon_kernel, signature=sig,
-                         constexprs=dict(H=H, HV=HV, K=K, BT=64, BK=BK, HALVES=halves, TAIL=tail, HAS_BIAS=tail == 2,
+                         constexprs=dict(H=H, HV=HV, K=K, BT=64, BK=BK, TIERS=tiers, TAIL=tail, HAS_BIAS=tail == 2,
                                          USE_LOWER_BOUND=False))
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
     log = assemble_ptx(compiled)
@@ -226,6 +226,8 @@ def gluon_b7_report(K: int, BK: int, H: int = 16, HV: int = 16, halves: bool = T
 
 
 _STRIDES = ("stride_b", "stride_t")
+# the Gluon B7 kernel's builds: its tiers (kda/kernels/intra_bwd.py's gluon-chunk, gluon-halves, gluon-blocks)
+GLUON_B7 = {"gluon-b7-chunk": 1, "gluon-b7-halves": 2, "gluon-b7": 3}
 
 
 def triton_next_pow2(n: int) -> int:
@@ -259,8 +261,8 @@ def main(argv=None):
                        BV=BV,
                        **({"switches": json.loads(args.extra)} if args.extra != "{}" else {}))
             try:
-                if design in ("gluon-b7", "gluon-b7-chunk"):  # --BV its K slice
-                    row.update(gluon_b7_report(args.K, BV, args.H, args.HV, halves=design == "gluon-b7", tail=args.tail))
+                if design in GLUON_B7:  # --BV its K slice
+                    row.update(gluon_b7_report(args.K, BV, args.H, args.HV, tiers=GLUON_B7[design], tail=args.tail))
                 elif design.startswith("cconv-"):  # --BV its channel strip
                     row.update(cconv_report(args.V if args.V != 256 else 2048, BV, warps,
                                             backward=design == "cconv-bwd"))

@@ -23,13 +23,13 @@ from kernel_fun.bench.stage import StageBench, main as _stage_main, qk_and_gate
 # slices (no spills, twice the programs), and at the pin's build the designs without a tier
 # each: wide-chunk (no half-chunk tier), wide (the per-block form only) and wide-pairwise (every
 # diagonal pairwise: what a saturated gate costs); and the candidates wide-halves-pf (the pin
-# with the epilogue's incoming tiles asked of L2 at the start), gluon-chunk and gluon-halves
-# (the chunk tier, and the half-chunk tier too, in Gluon, one CTA a chunk-head; the rest as
-# the pin).
+# with the epilogue's incoming tiles asked of L2 at the start), gluon-chunk, gluon-halves and
+# gluon-blocks (the chunk tier, the half-chunk tier too, the per-block tier too, in Gluon, one
+# CTA a chunk-head; the rest as the pin).
 _B = dict(BK=32, num_warps=4, num_stages=1)
 _B16 = dict(BK=16, num_warps=4, num_stages=1)
 SWEEP = {"wide-halves": [_B, _B16], "wide-halves-pf": [_B], "gluon-chunk": [_B], "gluon-halves": [_B],
-         "wide-chunk": [_B], "wide": [_B], "wide-pairwise": [_B]}
+         "gluon-blocks": [_B], "wide-chunk": [_B], "wide": [_B], "wide-pairwise": [_B]}
 
 
 def b7_reads(p) -> int:

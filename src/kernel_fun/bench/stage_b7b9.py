@@ -20,8 +20,8 @@ from kernel_fun.bench.stage import main as _stage_main
 
 # the pin (wide-halves), the candidates (the epilogue's tiles prefetched; the Gluon tiers),
 # and the form without the half-chunk tier, at the same build
-SWEEP = {d: [stage_b7.SWEEP[d][0]] for d in ("wide-halves", "wide-halves-pf", "gluon-halves", "gluon-chunk",
-                                              "wide-chunk")}
+SWEEP = {d: [stage_b7.SWEEP[d][0]] for d in ("wide-halves", "wide-halves-pf", "gluon-blocks", "gluon-halves",
+                                              "gluon-chunk", "wide-chunk")}
 
 
 def b7b9_bytes(p) -> int:

@@ -47,9 +47,9 @@ relaunching is idempotent.
 
 Candidates (the bench's sweep, not yet on the H200; docs/log/b7.md): ``wide-halves-pf``, the
 pin with the epilogue's incoming tiles asked of L2 at the start, and ``gluon-chunk`` /
-``gluon-halves``, the chunk tier's slices (and the half-chunk tier's) in a Gluon kernel of
-one CTA a chunk-head (intra_bwd_gluon.py), the rest here with ``SKIP_CHUNK`` (and
-``SKIP_HALVES``).
+``gluon-halves`` / ``gluon-blocks``, the chunk tier's slices (the half-chunk tier's, the
+per-block tier's) in a Gluon kernel of one CTA a chunk-head (intra_bwd_gluon.py), the rest
+here with ``SKIP_CHUNK`` (``SKIP_HALVES``, ``SKIP_BLOCKS``).
 
 Falls back (``supports``): chunk size other than 64. No CTA floor: it measured faster than
 fla's B7 down to grid64 (B1 T256 H16: 0.135 ms against 0.212).
@@ -277,6 +277,7 @@ def intra_bwd_wide_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BK: tl.constexpr, IS_VARLEN: tl.constexpr, PAIRWISE: tl.constexpr, CHUNK_ANCHOR: tl.constexpr,
     HALVES: tl.constexpr, PREFETCH: tl.constexpr, SKIP_CHUNK: tl.constexpr, SKIP_HALVES: tl.constexpr,
+    SKIP_BLOCKS: tl.constexpr,
     TAIL: tl.constexpr, HAS_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
 ):
     """B7 on one (K slice, chunk, head), the chunk as one [BT, BK] tile per output; with
@@ -339,6 +340,9 @@ def intra_bwd_wide_kernel(
         halves: tl.constexpr = False
     if SKIP_HALVES:  # the half-chunk tier's slices are the Gluon kernel's too
         if halves:
+            return
+    if SKIP_BLOCKS:  # and the per-block tier's where no block takes its diagonal pairwise
+        if d0 & d1 & d2 & d3:
             return
     if whole:
         acc_q, acc_kr, acc_c = _chunk_sums(q, k, g, beta, dAqk, dAkk, n_t, t, g_c, gm, o_k, m_k, HV, BT, SK, SG)
@@ -427,12 +431,14 @@ DEFAULT_CONFIG = dict(BK=32, num_warps=4, num_stages=1)
 # tail 144 B stored, 152 reloaded against 140). Asking for the raw gate's rows as well
 # spilled 172 B: not done.
 DESIGNS = ("wide", "wide-pairwise", "wide-chunk", "wide-halves", "wide-halves-pf")
-# ``gluon-chunk`` and ``gluon-halves`` (candidates, sm_90 and dense batches only; B7 and the
-# B7-B9 unit):
-# the chunk tier's slices (and the half-chunk tier's) in intra_bwd_gluon.py's kernel, one CTA
-# a chunk-head; the rest in this kernel as wide-halves with SKIP_CHUNK (and SKIP_HALVES). Not
-# in DESIGNS: Gluon does not run in the interpreter.
-GLUON_DESIGNS = ("gluon-chunk", "gluon-halves")
+# ``gluon-chunk``, ``gluon-halves`` and ``gluon-blocks`` (candidates, sm_90 and dense
+# batches only; B7 and the B7-B9 unit): the chunk tier's slices, the half-chunk tier's too,
+# and the per-block tier's too where no diagonal needs the pairwise form, in
+# intra_bwd_gluon.py's kernel (one CTA a chunk-head); the rest in this kernel as wide-halves
+# with SKIP_CHUNK (SKIP_HALVES, SKIP_BLOCKS). Not in DESIGNS: Gluon does not run in the
+# interpreter.
+GLUON_DESIGNS = ("gluon-chunk", "gluon-halves", "gluon-blocks")
+GLUON_TIERS = {"gluon-chunk": 1, "gluon-halves": 2, "gluon-blocks": 3}
 
 
 def design_flags(design: str) -> dict:
@@ -444,7 +450,7 @@ def design_flags(design: str) -> dict:
     return dict(PAIRWISE=design == "wide-pairwise",
                 CHUNK_ANCHOR=gluon or design.startswith(("wide-chunk", "wide-halves")),
                 HALVES=gluon or design.startswith("wide-halves"), PREFETCH=design.endswith("-pf"), SKIP_CHUNK=gluon,
-                SKIP_HALVES=design == "gluon-halves")
+                SKIP_HALVES=GLUON_TIERS.get(design, 0) >= 2, SKIP_BLOCKS=GLUON_TIERS.get(design, 0) >= 3)
 
 
 def _launch_args(design, tensors: dict, chunk_size, cu_seqlens, chunk_indices, BK, num_warps, num_stages,
@@ -498,7 +504,7 @@ def _gluon_tiers(design, tensors: dict, args: dict, cu_seqlens):
 
     def before(db_part, tail, gate, dA_part, dbias_part):
         intra_bwd_gluon.launch(dq2=args["dq2"], dk2=args["dk2"], dg2=args["dg2"], db_part=db_part, BK=args["BK"],
-                               halves=design == "gluon-halves", tail=tail, g_raw=gate.get("g"), A_log=gate.get("A_log"),
+                               tiers=GLUON_TIERS[design], tail=tail, g_raw=gate.get("g"), A_log=gate.get("A_log"),
                                dt_bias=gate.get("dt_bias"), dA_part=dA_part, dbias_part=dbias_part,
                                lower_bound=gate.get("lower_bound"), **x)
     return before

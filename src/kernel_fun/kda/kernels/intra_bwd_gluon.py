@@ -1,46 +1,51 @@
 """B7's anchored tiers in Gluon: one CTA a chunk-head, dA split once, the K slices looped.
 
-A candidate beside ``intra_bwd.py`` (designs ``gluon-chunk`` and ``gluon-halves``; sm_90
-only, dense sequences; B7 alone or the B7-B9 unit; not registered). The Triton kernel runs
-one program per (K slice, chunk, head): each of a chunk-head's four programs at K=128
-reloads the two [64, 64] fp32 dA tiles, splits them into tf32 halves and transposes them
-through shared memory, with its dot operands in registers (255 a thread, two programs an
-SM). Here one CTA of 4 warps (one warpgroup) takes the chunk-head: dAqk and dAkk are read
-once, split into their tf32 halves and written to shared memory once, row-major for the row
-role and transposed for the column role (tf32 wgmma reads A only K-major): 128 KB. For each
-K slice of 32 channels that takes an anchored tier (the Triton kernel's guards, the same
-arithmetic), the slice's B operands (k times exp2(g_a - g), q and beta k times exp2(g -
-g_a), hi and lo: 48 KB) go to shared memory, g_a each row's anchor:
-- the chunk tier (the chunk's middle row for every row): each role one wgmma chain of eight
-  m64n32k8 steps a dA and tf32 product, the anchor's other half applied once after;
-- the half-chunk tier (``HALVES``; each 32-row half's middle row for its rows): each role
-  two chains of four steps a dA and product, on the A tiles' and B operands' halves (shared
-  memory sub-views), each half's factor applied to its own result.
-A slice's chains are issued together (async) and waited for once (once a half in the
-half-chunk tier); the epilogue's incoming dq, dk and dg rows are asked of L2 when the slice
-starts. Then the Triton kernel's epilogue, with the tail where asked (B8's reverse cumsum of
-dg over the chunk's rows, B9's gate backward and its per-chunk partials). The slices that
-take neither tier are left to the Triton kernel, launched after this one with
-``SKIP_CHUNK`` (and ``SKIP_HALVES``): its programs on the slices taken here return at once,
+A candidate beside ``intra_bwd.py`` (designs ``gluon-chunk``, ``gluon-halves`` and
+``gluon-blocks``; sm_90 only, dense sequences; B7 alone or the B7-B9 unit; not registered).
+The Triton kernel runs one program per (K slice, chunk, head): each of a chunk-head's four
+programs at K=128 reloads the two [64, 64] fp32 dA tiles, splits them into tf32 halves and
+transposes them through shared memory, with its dot operands in registers (255 a thread,
+two programs an SM). Here one CTA of 4 warps (one warpgroup) takes the chunk-head: dAqk and
+dAkk are read once, split into their tf32 halves and written to shared memory once,
+row-major for the row role and transposed for the column role (tf32 wgmma reads A only
+K-major): 128 KB. For each K slice of 32 channels that takes an anchored tier (the Triton
+kernel's guards, the same arithmetic), the slice's B operands (k times exp2(g_r - g), q and
+beta k times exp2(g - g_s), hi and lo: 48 KB) go to shared memory, g_r and g_s each row's
+anchors for the row and the column role:
+- the chunk tier (``TIERS`` >= 1; the chunk's middle row for every row): each role one wgmma
+  chain of eight m64n32k8 steps a dA and tf32 product, the anchor's other half once after;
+- the half-chunk tier (``TIERS`` >= 2; each 32-row half's middle row, both roles): each role
+  two chains of four steps a dA and product;
+- the per-block tier (``TIERS`` = 3, where every 16-row block's own span passes the guard:
+  no pairwise diagonal; each block's last row for the row role, its first for the column
+  role, both one-sided past the block): each role four chains of two steps.
+The split tiers run on shared-memory sub-views of the A tiles and B operands, each block's
+factor on its own result. A tier's chains are issued together (async) and waited for once a
+block; the epilogue's incoming dq, dk and dg rows are asked of L2 when the slice starts.
+Then the Triton kernel's epilogue, with the tail where asked (B8's reverse cumsum of dg over
+the chunk's rows, B9's gate backward and its per-chunk partials). The slices that take none
+of these tiers are left to the Triton kernel, launched after this one with ``SKIP_CHUNK``
+(``SKIP_HALVES``, ``SKIP_BLOCKS``): its programs on the slices taken here return at once,
 so every (slice, chunk, head) is written by one of the two.
 
 Numerics: the Triton tiers': the same anchors, the same three tf32 products a dot (hi lo,
 lo hi, hi hi), fp32 elsewhere.
 
 Not yet on the H200: the design's first measurement (prediction below). Offline (sm_90a,
-K=128, ``python -m tools.compile_report --design gluon-b7`` / ``gluon-b7-chunk``): 255
-registers, no spills (the same with the tail), 192 wgmma (96 for the chunk tier alone), 184
-KB of shared memory: one CTA an SM; 4,256 SASS instructions (b75bf101e10f0afd: the dA
-set-up, both tiers' code and the epilogue, the slice loop's body run once a slice), where
-the Triton pin's program for one slice is 8,248. Held out of the loop, the operands' per-k-step
-shared-memory descriptors (112) were hoisted by the compiler and took 224 registers (784 B
-of spills); the operand index is an opaque zero computed in the loop (``_opaque_zero``), so
-they are formed where used.
+K=128, ``python -m tools.compile_report --design gluon-b7`` / ``gluon-b7-halves`` /
+``gluon-b7-chunk``): 255 registers; 288 wgmma with all three tiers (8 B of spills, 48 with
+the tail; 5,984 SASS instructions, 8dd581574122fbaa), 192 with two (no spills; 4 B with
+the tail), 96 with the chunk tier alone (none); 184 KB of shared memory: one CTA an SM (the
+Triton pin's program for one slice: 8,248 instructions, 144 B of spills). Held out of the
+loop, the operands' per-k-step shared-memory descriptors (112) were hoisted by the compiler
+and took 224 registers (784 B of spills); the operand index is an opaque zero computed in
+the loop (``_opaque_zero``), so they are formed where used; the anchors' row offsets too.
 
 Prediction (no pipelining across slices yet: a slice's operand loads wait on the previous
 slice's wgmmas): at prod8192_layer_safe (every slice on the chunk tier) 3.5-5 ms against
-the Triton pin's 6.36; at prod8192_gate, 31-52% of the slices on the chunk tier and ~80% on
-either, gluon-halves 4.5-6 ms against 7.49 (two launches; the per-block slices in Triton).
+the Triton pin's 6.36; at prod8192_gate (31-52% of the slices on the chunk tier, ~80% on
+one of the first two, the rest on the per-block tier) gluon-blocks 4-5.5 ms against 7.49,
+gluon-halves 4.5-6 (the per-block slices in Triton).
 """
 
 from __future__ import annotations
@@ -80,6 +85,71 @@ def _half_span(g, st: gl.constexpr, n_t, c, SG: gl.constexpr):
 
 
 @gluon.jit
+def _chunk_tier(s_a, s_b, z, g_c, gm, m_tk, BT: gl.constexpr, BK: gl.constexpr, lk: gl.constexpr,
+                acc_l: gl.constexpr):
+    """The chunk tier's sums: one [64, 64] x [64, BK] dot a role and dA, the four chains in
+    flight together; the anchor's other half once after. (acc_q, acc_kr, acc_c) in lk."""
+    zero = gl.zeros([BT, BK], gl.float32, acc_l)
+    b_hi, b_lo = s_b.index(0 + z), s_b.index(1 + z)
+    acc_c = _dot3(s_a.index(2 + z), s_a.index(3 + z), s_b.index(4 + z), s_b.index(5 + z), zero, True)
+    acc_c = _dot3(s_a.index(6 + z), s_a.index(7 + z), s_b.index(2 + z), s_b.index(3 + z), acc_c, True)
+    acc_q = _dot3(s_a.index(0 + z), s_a.index(1 + z), b_hi, b_lo, zero, True)
+    acc_kr = _dot3(s_a.index(4 + z), s_a.index(5 + z), b_hi, b_lo, zero, True)
+    acc_c, acc_q, acc_kr = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(acc_c, acc_q, acc_kr))
+    down = gl.exp2(gl.where(m_tk, g_c - gm[None, :], float("-inf")))
+    return (gl.convert_layout(acc_q, lk) * down, gl.convert_layout(acc_kr, lk) * down,
+            gl.convert_layout(acc_c, lk) * gl.exp2(gl.where(m_tk, gm[None, :] - g_c, float("-inf"))))
+
+
+@gluon.jit
+def _split_tier(s_a, s_b, z, g, g_c, t, n_t, c, m_tk, SG: gl.constexpr, W: gl.constexpr, BT: gl.constexpr,
+                BK: gl.constexpr, lk: gl.constexpr, acc_l: gl.constexpr):
+    """The half-chunk tier's sums (W=32: each half through its middle row, both roles) or
+    the per-block tier's (W=16: each block through its last row for the row role, its first
+    for the column role): a [64, W] x [W, BK] dot a block, role and dA, on shared-memory
+    sub-views of the A tiles and B operands, each block's factor on its own result (rows
+    from the block's first for the row role, columns before its end for the column role)."""
+    zero = gl.zeros([BT, BK], gl.float32, acc_l)
+    acc_q = gl.zeros([BT, BK], gl.float32, lk)
+    acc_kr = gl.zeros([BT, BK], gl.float32, lk)
+    acc_c = gl.zeros([BT, BK], gl.float32, lk)
+    for j in gl.static_range(BT // W):
+        if W == 32:
+            e = gl.load(g + gl.minimum(32 * j + 15, n_t - 1) * SG + c)[None, :]
+            a = e
+        else:
+            e = gl.load(g + gl.minimum(W * j + W - 1, n_t - 1) * SG + c)[None, :]
+            a = gl.load(g + gl.minimum(W * j, n_t - 1) * SG + c)[None, :]
+        kb_hi, kb_lo = s_b.index(0 + z).slice(W * j, W, 0), s_b.index(1 + z).slice(W * j, W, 0)
+        part_q = _dot3(s_a.index(0 + z).slice(W * j, W, 1), s_a.index(1 + z).slice(W * j, W, 1), kb_hi, kb_lo, zero,
+                       True)
+        part_kr = _dot3(s_a.index(4 + z).slice(W * j, W, 1), s_a.index(5 + z).slice(W * j, W, 1), kb_hi, kb_lo, zero,
+                        True)
+        part_c = _dot3(s_a.index(2 + z).slice(W * j, W, 1), s_a.index(3 + z).slice(W * j, W, 1),
+                       s_b.index(4 + z).slice(W * j, W, 0), s_b.index(5 + z).slice(W * j, W, 0), zero, True)
+        part_c = _dot3(s_a.index(6 + z).slice(W * j, W, 1), s_a.index(7 + z).slice(W * j, W, 1),
+                       s_b.index(2 + z).slice(W * j, W, 0), s_b.index(3 + z).slice(W * j, W, 0), part_c, True)
+        part_q, part_kr, part_c = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(part_q, part_kr, part_c))
+        f = gl.exp2(gl.where(m_tk & (t >= W * j)[:, None], g_c - e, float("-inf")))
+        acc_q += f * gl.convert_layout(part_q, lk)
+        acc_kr += f * gl.convert_layout(part_kr, lk)
+        h = gl.exp2(gl.where(m_tk & (t < W * j + W)[:, None], a - g_c, float("-inf")))
+        acc_c += h * gl.convert_layout(part_c, lk)
+    return acc_q, acc_kr, acc_c
+
+
+@gluon.jit
+def _block_span(g, st: gl.constexpr, n_t, c, SG: gl.constexpr):
+    """The 16-row block st's gate span in this slice, its first row minus its last (the
+    Triton kernel's ``_span``, the same arithmetic): 0 for a block past the end."""
+    ok = st < n_t
+    m = (c >= 0) & ok
+    first = gl.load(g + st * SG + c, mask=m, other=0.0)
+    last = gl.load(g + (gl.minimum(st + 16, n_t) - 1) * SG + c, mask=m, other=0.0)
+    return gl.max(first - last, axis=0)
+
+
+@gluon.jit
 def _add(a, b):
     return a + b
 
@@ -110,7 +180,7 @@ def intra_bwd_chunk_gluon_kernel(
     q, k, g, beta, dAqk, dAkk, dq, dk, dg, dq2, dk2, dg2, db_part, T, NT_ROWS,
     g_raw, A_log, dt_bias, dA_part, dbias_part, lower_bound, NT_ALL,
     H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr,
-    HALVES: gl.constexpr, TAIL: gl.constexpr, HAS_BIAS: gl.constexpr, USE_LOWER_BOUND: gl.constexpr,
+    TIERS: gl.constexpr, TAIL: gl.constexpr, HAS_BIAS: gl.constexpr, USE_LOWER_BOUND: gl.constexpr,
 ):
     """B7's chunk tier on one (chunk, head) of a dense batch: every K slice of BK channels
     whose factors through the chunk's middle row stay within 2^GUARD."""
@@ -179,36 +249,51 @@ def intra_bwd_chunk_gluon_kernel(
     o_qk = t[:, None] * SK + c[None, :]
     mh0 = gl.minimum(15, n_t - 1)  # the halves' middle rows
     mh1 = gl.minimum(47, n_t - 1)
-    # each row's anchor row in the half-chunk tier: its half's middle row
-    o_ga = gl.where(t < 32, mh0, mh1)[:, None] * SG + c[None, :]
     for i_k in range(NK):
         c0 = i_k * BK
         g0 = gl.load(g + c0 + c)
         gm = gl.load(g + mid * SG + c0 + c)
         ge = gl.load(g + (n_t - 1) * SG + c0 + c)
         whole = gl.maximum(gl.max(g0 - gm, axis=0), gl.max(gm - ge, axis=0)) <= GUARD
-        if HALVES:
+        if TIERS >= 2:
             halves = gl.maximum(_half_span(g + c0, 0, n_t, c, SG), _half_span(g + c0, 32, n_t, c, SG)) <= GUARD
         else:
             halves = whole
-        if whole | halves:
+        if TIERS >= 3:  # every 16-row block's own span within the guard: no pairwise diagonal
+            blocks = gl.maximum(gl.maximum(_block_span(g + c0, 0, n_t, c, SG), _block_span(g + c0, 16, n_t, c, SG)),
+                                gl.maximum(_block_span(g + c0, 32, n_t, c, SG),
+                                           _block_span(g + c0, 48, n_t, c, SG))) <= GUARD
+        else:
+            blocks = whole
+        if whole | halves | blocks:
             # the epilogue's incoming rows into L2 while the operands form and the dots run
             o_pf = gl.minimum(t, n_t - 1) * SG + c0
             _prefetch_rows(dq, o_pf)
             _prefetch_rows(dk, o_pf)
             _prefetch_rows(dg, o_pf)
+            # the operand index and the anchors' row offsets from a value the compiler cannot
+            # hoist out of the loop: hoisted, the 14 operands' 112 per-k-step descriptors held
+            # 224 registers, and every loop-invariant [64, BK] offset tile holds 16 more
+            z = _opaque_zero(i_k)
             g_c = gl.load(g + c0 + o_g, mask=m_tk, other=0.0)
+            # each row's anchor: the chunk's middle row; its half's middle row; its 16-row
+            # block's last row for the row role, its first row for the column role
             if whole:
-                g_a = gl.zeros([BT, BK], gl.float32, lk) + gm[None, :]  # the chunk's middle row
+                g_r = gl.zeros([BT, BK], gl.float32, lk) + gm[None, :]
+                g_s = g_r
+            elif halves:
+                g_r = gl.load(g + c0 + z + gl.where(t < 32, mh0, mh1)[:, None] * SG + c[None, :])
+                g_s = g_r
             else:
-                g_a = gl.load(g + c0 + o_ga)  # each half's middle row
+                g_r = gl.load(g + c0 + z + gl.minimum((t // 16) * 16 + 15, n_t - 1)[:, None] * SG + c[None, :])
+                g_s = gl.load(g + c0 + z + gl.minimum((t // 16) * 16, n_t - 1)[:, None] * SG + c[None, :])
             # each operand split and stored as soon as it is formed: few tiles live at once
             gl.thread_barrier()  # the previous slice's wgmmas have read the buffers
             k_c = gl.load(k + c0 + o_qk, mask=m_tk, other=0.0).to(gl.float32)
-            hi, lo = _split(k_c * gl.exp2(gl.where(m_tk, g_a - g_c, float("-inf"))))
+            hi, lo = _split(k_c * gl.exp2(gl.where(m_tk, g_r - g_c, float("-inf"))))
             s_b.index(0).store(hi)
             s_b.index(1).store(lo)
-            down = gl.exp2(gl.where(m_tk, g_c - g_a, float("-inf")))
+            down = gl.exp2(gl.where(m_tk, g_c - g_s, float("-inf")))
             hi, lo = _split((b_c[:, None] * k_c) * down)
             s_b.index(2).store(hi)
             s_b.index(3).store(lo)
@@ -217,54 +302,18 @@ def intra_bwd_chunk_gluon_kernel(
             s_b.index(5).store(lo)
             hopper.fence_async_shared()
             gl.thread_barrier()
-            # the descriptors from an index the compiler cannot hoist: hoisted out of the loop,
-            # the 14 operands' 112 per-k-step descriptors held 224 registers
-            z = _opaque_zero(i_k)
-            zero = gl.zeros([BT, BK], gl.float32, acc_l)
+            g_c = gl.load(g + c0 + o_g, mask=m_tk, other=0.0)
             if whole:
-                # one [64, 64] x [64, BK] dot a role and dA, the four chains in flight together;
-                # the anchor's other half once after
-                b_hi, b_lo = s_b.index(0 + z), s_b.index(1 + z)
-                acc_c = _dot3(s_a.index(2 + z), s_a.index(3 + z), s_b.index(4 + z), s_b.index(5 + z), zero, True)
-                acc_c = _dot3(s_a.index(6 + z), s_a.index(7 + z), s_b.index(2 + z), s_b.index(3 + z), acc_c, True)
-                acc_q = _dot3(s_a.index(0 + z), s_a.index(1 + z), b_hi, b_lo, zero, True)
-                acc_kr = _dot3(s_a.index(4 + z), s_a.index(5 + z), b_hi, b_lo, zero, True)
-                acc_c, acc_q, acc_kr = hopper.warpgroup_mma_wait(num_outstanding=0, deps=(acc_c, acc_q, acc_kr))
-                g_c = gl.load(g + c0 + o_g, mask=m_tk, other=0.0)
-                down = gl.exp2(gl.where(m_tk, g_c - gm[None, :], float("-inf")))
-                acc_q = gl.convert_layout(acc_q, lk) * down
-                acc_kr = gl.convert_layout(acc_kr, lk) * down
-                acc_c = gl.convert_layout(acc_c, lk) * gl.exp2(gl.where(m_tk, gm[None, :] - g_c, float("-inf")))
+                acc_q, acc_kr, acc_c = _chunk_tier(s_a, s_b, z, g_c, gm, m_tk, BT, BK, lk, acc_l)
+            elif TIERS >= 3:
+                if halves:
+                    acc_q, acc_kr, acc_c = _split_tier(s_a, s_b, z, g + c0, g_c, t, n_t, c, m_tk, SG, 32, BT, BK, lk,
+                                                       acc_l)
+                else:
+                    acc_q, acc_kr, acc_c = _split_tier(s_a, s_b, z, g + c0, g_c, t, n_t, c, m_tk, SG, 16, BT, BK, lk,
+                                                       acc_l)
             else:
-                # two [64, 32] x [32, BK] dots a role and dA, one a half (its columns for the
-                # row role, its rows for the column role), each through its half's middle row
-                g_c = gl.load(g + c0 + o_g, mask=m_tk, other=0.0)
-                e0 = gl.load(g + mh0 * SG + c0 + c)[None, :]
-                e1 = gl.load(g + mh1 * SG + c0 + c)[None, :]
-                acc_q = gl.zeros([BT, BK], gl.float32, lk)
-                acc_kr = gl.zeros([BT, BK], gl.float32, lk)
-                acc_c = gl.zeros([BT, BK], gl.float32, lk)
-                for j in gl.static_range(2):
-                    e = e0 if j == 0 else e1
-                    kx_hi, kx_lo = s_b.index(0 + z).slice(32 * j, 32, 0), s_b.index(1 + z).slice(32 * j, 32, 0)
-                    part_q = _dot3(s_a.index(0 + z).slice(32 * j, 32, 1), s_a.index(1 + z).slice(32 * j, 32, 1),
-                                   kx_hi, kx_lo, zero, True)
-                    part_kr = _dot3(s_a.index(4 + z).slice(32 * j, 32, 1), s_a.index(5 + z).slice(32 * j, 32, 1),
-                                    kx_hi, kx_lo, zero, True)
-                    part_c = _dot3(s_a.index(2 + z).slice(32 * j, 32, 1), s_a.index(3 + z).slice(32 * j, 32, 1),
-                                   s_b.index(4 + z).slice(32 * j, 32, 0), s_b.index(5 + z).slice(32 * j, 32, 0),
-                                   zero, True)
-                    part_c = _dot3(s_a.index(6 + z).slice(32 * j, 32, 1), s_a.index(7 + z).slice(32 * j, 32, 1),
-                                   s_b.index(2 + z).slice(32 * j, 32, 0), s_b.index(3 + z).slice(32 * j, 32, 0),
-                                   part_c, True)
-                    part_q, part_kr, part_c = hopper.warpgroup_mma_wait(num_outstanding=0,
-                                                                        deps=(part_q, part_kr, part_c))
-                    # rows from the half's first (row role), columns before its end (column role)
-                    f = gl.exp2(gl.where(m_tk & (t >= 32 * j)[:, None], g_c - e, float("-inf")))
-                    acc_q += f * gl.convert_layout(part_q, lk)
-                    acc_kr += f * gl.convert_layout(part_kr, lk)
-                    h = gl.exp2(gl.where(m_tk & (t < 32 * j + 32)[:, None], e - g_c, float("-inf")))
-                    acc_c += h * gl.convert_layout(part_c, lk)
+                acc_q, acc_kr, acc_c = _split_tier(s_a, s_b, z, g + c0, g_c, t, n_t, c, m_tk, SG, 32, BT, BK, lk, acc_l)
             # the epilogue, in the slice's row layout
             k_c = gl.load(k + c0 + o_qk, mask=m_tk, other=0.0).to(gl.float32)
             q_c = gl.load(q + c0 + o_qk, mask=m_tk, other=0.0).to(gl.float32)
@@ -301,17 +350,18 @@ def intra_bwd_chunk_gluon_kernel(
                                  gl.sum(gl.where(m_tk, dx_out.to(gl.float32), 0.0), axis=0))
 
 
-def launch(q, k, gc, beta, dAqk, dAkk, dq, dk, dq2, dk2, dg2, db_part, dg, BK: int = 32, halves: bool = True,
+def launch(q, k, gc, beta, dAqk, dAkk, dq, dk, dq2, dk2, dg2, db_part, dg, BK: int = 32, tiers: int = 3,
            tail: int = 0, g_raw=None, A_log=None, dt_bias=None, dA_part=None, dbias_part=None, lower_bound=None):
-    """The chunk tier's (and with ``halves`` the half-chunk tier's) CTAs over a dense batch,
-    into the caller's outputs; ``tail`` as the Triton kernel's (1: B8, 2: B8 and B9)."""
+    """The CTAs over a dense batch, into the caller's outputs: the chunk tier's slices (tiers
+    1), the half-chunk tier's too (2), and the per-block tier's where no diagonal needs the
+    pairwise form (3); ``tail`` as the Triton kernel's (1: B8, 2: B8 and B9)."""
     B, T, H, K = k.shape
     HV = gc.shape[2]
     NT = -(-T // 64)
     intra_bwd_chunk_gluon_kernel[(NT, B * HV)](
         q, k, gc, beta, dAqk, dAkk, dq, dk, dg, dq2, dk2, dg2, db_part, T, B * T * HV,
         g_raw, A_log, dt_bias, dA_part, dbias_part, 0.0 if lower_bound is None else float(lower_bound), B * NT,
-        H=H, HV=HV, K=K, BT=64, BK=BK, HALVES=halves, TAIL=tail, HAS_BIAS=dt_bias is not None,
+        H=H, HV=HV, K=K, BT=64, BK=BK, TIERS=tiers, TAIL=tail, HAS_BIAS=dt_bias is not None,
         USE_LOWER_BOUND=lower_bound is not None, num_warps=4)
 
 
