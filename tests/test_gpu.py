@@ -346,9 +346,9 @@ def _gluon_inputs(name: str, make_inputs) -> dict:
 @pytest.mark.parametrize("design", intra_bwd.GLUON_DESIGNS)
 @pytest.mark.parametrize("name", list(_GLUON_CASES))
 def test_gluon_tiers_match_the_triton_kernel_and_fla(name, design):
-    """gluon-chunk and gluon-halves (the chunk tier's slices, and the half-chunk tier's, in
-    the Gluon kernel, the rest in the Triton one): every output within 1e-6 relative RMS of
-    the pin's (the same anchors, dots and epilogue),
+    """gluon-chunk, gluon-halves and gluon-blocks (the chunk tier's slices, the half-chunk
+    tier's too, the per-block tier's too, in the Gluon kernel, the rest in the Triton one):
+    every output within 1e-6 relative RMS of the pin's (the same anchors, dots and epilogue),
     within the stage bench's bars of fla's stage and of the float64 stage; the Gluon kernel
     ran (profiler) and wrote its slices (the outputs' memory is handed out NaN-filled)."""
     from torch.profiler import ProfilerActivity, profile
