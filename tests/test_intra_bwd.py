@@ -199,6 +199,60 @@ def test_gluon_design_is_refused_where_it_cannot_run():
         [(True, False, False, True), (True, True, False, True), (True, True, True, True), (False, False, False, True)]
 
 
+def _tiers(gc: torch.Tensor, BK: int = 32) -> torch.Tensor:
+    """Each (batch, chunk, value head, K slice)'s tier as the kernels' guards pick it, from
+    the chunk cumsum [B, T, HV, K] of a dense batch: 0 the chunk anchor, 1 the half-chunk
+    anchors, 2 the per-block anchors, 3 a block's diagonal pairwise."""
+    B, T, HV, K = gc.shape
+    out = torch.empty(B, -(-T // 64), HV, K // BK, dtype=torch.long)
+    guard = float(intra_bwd.GUARD_SPAN.value)
+    for i_c in range(out.shape[1]):
+        x = gc[:, 64 * i_c:64 * i_c + 64].unflatten(3, (K // BK, BK))  # [B, n_t, HV, NK, BK]
+        n_t = x.shape[1]
+        row = lambda r: x[:, min(r, n_t - 1)]  # noqa: E731
+        whole = torch.maximum(row(0) - row(min(32, n_t) - 1), row(min(32, n_t) - 1) - row(n_t - 1)).amax(-1) <= guard
+        half = [torch.maximum(row(st) - row(st + 15), row(st + 15) - row(st + 31)).amax(-1) if st < n_t
+                else torch.zeros_like(whole, dtype=x.dtype) for st in (0, 32)]
+        halves = torch.maximum(*half) <= guard
+        span = [(row(st) - row(min(st + 16, n_t) - 1)).amax(-1) if st < n_t else torch.zeros_like(half[0])
+                for st in (0, 16, 32, 48)]
+        blocks = torch.stack(span).amax(0) <= guard
+        out[:, i_c] = torch.where(whole, 0, torch.where(halves, 1, torch.where(blocks, 2, 3)))
+    return out
+
+
+@needs_triton
+def test_triton_kernel_leaves_the_gluon_tiers_their_slices():
+    """For each Gluon design, the Triton kernel's part (SKIP_CHUNK, SKIP_HALVES,
+    SKIP_BLOCKS) writes exactly the slices the Gluon kernel does not take, bit for bit the
+    pin's there, and leaves the others untouched: a gate whose chunks and K slices take each
+    of the four tiers (log-decays a token of 0.01, 3.0, 4.1 and 5.0 in turn: the half span 16
+    steps, the block span 15), T=250 (a last chunk of 58 rows)."""
+    p = Problem("tiers", 1, 250, 2, 2, 64, 16)
+    inputs = stage_inputs(p)
+    gc = inputs["gc"]
+    t = torch.arange(gc.shape[1], device=gc.device)
+    slope = torch.tensor([0.01, 3.0, 4.1, 5.0], dtype=gc.dtype)[t // 64]
+    scale = torch.tensor([1.0, 0.7], dtype=gc.dtype).repeat_interleave(32)  # the second slice gentler
+    steps = slope[:, None] * scale[None, :]  # [T, K]
+    within = torch.cat([steps[64 * c:64 * c + 64].cumsum(0) for c in range(-(-gc.shape[1] // 64))])
+    inputs = dict(inputs, gc=(-within)[None, :, None, :].expand_as(gc).contiguous())
+    tiers = _tiers(inputs["gc"])
+    assert set(tiers.unique().tolist()) == {0, 1, 2, 3}, tiers
+    pin = intra_bwd.intra_bwd(**inputs)
+    for design, taken in (("gluon-chunk", {0}), ("gluon-halves", {0, 1}), ("gluon-blocks", {0, 1, 2})):
+        tensors = {n: inputs[n] for n in ("q", "k", "gc", "beta", "dAqk", "dAkk", "dq", "dk", "db", "dg")}
+        args = intra_bwd._launch_args(design, tensors, 64, None, None, None, None, None, None)
+        for n in ("dq2", "dk2", "dg2"):
+            args[n].fill_(float("nan"))
+        got = intra_bwd._launch(args, inputs["db"])
+        gluon = torch.isin(tiers, torch.tensor(sorted(taken)))  # [B, NT, HV, NK]
+        per_row = gluon.repeat_interleave(64, 1)[:, :gc.shape[1]].repeat_interleave(32, 3)  # [B, T, HV, K]
+        for name, a, b in zip(("dq", "dk", "dg"), (got[0], got[1], got[3]), (pin[0], pin[1], pin[3])):
+            assert torch.isnan(a[per_row]).all(), (design, name)
+            assert torch.equal(a[~per_row], b[~per_row]), (design, name)
+
+
 @pytest.mark.parametrize("p", chain_problems(), ids=lambda p: p.name)
 def test_chain_with_our_b7_against_the_oracle(p):
     """B7's launcher takes the chain's stage contract as registered: with it in the chain
