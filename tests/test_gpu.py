@@ -448,7 +448,7 @@ def test_b7_on_the_chain_s_inputs_matches_fla_stage(p, gates):
     above = (col[None, :] > pos[:, None]).view(1, -1, 1, 64)
     assert not (inputs["dAkk"] * (above | (col == pos[:, None]).view(1, -1, 1, 64))).any()
     assert not (inputs["dAqk"] * above).any()
-    for design in intra_bwd.DESIGNS:
+    for design in intra_bwd.DESIGNS + intra_bwd.GLUON_DESIGNS:  # (the Gluon ones: packed sequences too)
         misses = _b7_verdict(inputs, f"{p.name}-{gates}", design)
         assert not misses, (design, misses)
 
@@ -475,7 +475,7 @@ def test_b7_tail_matches_fla_b7_b8_b9(p):
                                exact=True)
     names = ("dq", "dk", "db", "dg", "dA_log", "ddt_bias")
     fla_exact = {n: ref.rel_rms(a, b) for n, a, b in zip(names, theirs, exact) if b is not None}
-    for design in intra_bwd.DESIGNS:
+    for design in intra_bwd.DESIGNS + intra_bwd.GLUON_DESIGNS:
         ours = intra_bwd.intra_bwd_tail(**b7, **gate, design=design)
         vs_fla = {n: ref.rel_rms(a, b) for n, a, b in zip(names, ours, theirs) if b is not None}
         vs_exact = {n: ref.rel_rms(a, b) for n, a, b in zip(names, ours, exact) if b is not None}

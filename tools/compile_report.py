@@ -211,13 +211,14 @@ def gluon_b7_report(K: int, BK: int, H: int = 16, HV: int = 16, tiers: int = 3, 
     sig = {n: "*fp32" for n in ("g", "dAqk", "dAkk", "dq", "dk", "dg", "dq2", "dk2", "dg2", "db_part")}
     sig.update(q="*bf16", k="*bf16", beta="*bf16", T="i32", NT_ROWS="i32", g_raw="*bf16", A_log="*fp32",
                dt_bias="*fp32", dA_part="*fp32", dbias_part="*fp32", lower_bound="fp32", NT_ALL="i32",
-               **dict.fromkeys(("H", "HV", "K", "BT", "BK", "TIERS", "TAIL", "HAS_BIAS", "USE_LOWER_BOUND"),
+               cu_seqlens="constexpr", chunk_indices="constexpr",
+               **dict.fromkeys(("H", "HV", "K", "BT", "BK", "TIERS", "TAIL", "HAS_BIAS", "USE_LOWER_BOUND", "IS_VARLEN"),
                                "constexpr"))
     if tail == 2:
         sig["dg2"] = "*bf16"
     src = GluonASTSource(fn=intra_bwd_gluon.intra_bwd_chunk_gluon_kernel, signature=sig,
                          constexprs=dict(H=H, HV=HV, K=K, BT=64, BK=BK, TIERS=tiers, TAIL=tail, HAS_BIAS=tail == 2,
-                                         USE_LOWER_BOUND=False))
+                                         USE_LOWER_BOUND=False, IS_VARLEN=False, cu_seqlens=None, chunk_indices=None))
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
     log = assemble_ptx(compiled)
     return {"wgmma": compiled.asm["ptx"].count("wgmma.mma_async"), **ptxas_numbers(log),

@@ -431,8 +431,8 @@ DEFAULT_CONFIG = dict(BK=32, num_warps=4, num_stages=1)
 # tail 144 B stored, 152 reloaded against 140). Asking for the raw gate's rows as well
 # spilled 172 B: not done.
 DESIGNS = ("wide", "wide-pairwise", "wide-chunk", "wide-halves", "wide-halves-pf")
-# ``gluon-chunk``, ``gluon-halves`` and ``gluon-blocks`` (candidates, sm_90 and dense
-# batches only; B7 and the B7-B9 unit): the chunk tier's slices, the half-chunk tier's too,
+# ``gluon-chunk``, ``gluon-halves`` and ``gluon-blocks`` (candidates, sm_90 only; B7 and
+# the B7-B9 unit): the chunk tier's slices, the half-chunk tier's too,
 # and the per-block tier's too where no diagonal needs the pairwise form, in
 # intra_bwd_gluon.py's kernel (one CTA a chunk-head); the rest in this kernel as wide-halves
 # with SKIP_CHUNK (SKIP_HALVES, SKIP_BLOCKS). Not in DESIGNS: Gluon does not run in the
@@ -506,7 +506,8 @@ def _gluon_tiers(design, tensors: dict, args: dict, cu_seqlens):
         intra_bwd_gluon.launch(dq2=args["dq2"], dk2=args["dk2"], dg2=args["dg2"], db_part=db_part, BK=args["BK"],
                                tiers=GLUON_TIERS[design], tail=tail, g_raw=gate.get("g"), A_log=gate.get("A_log"),
                                dt_bias=gate.get("dt_bias"), dA_part=dA_part, dbias_part=dbias_part,
-                               lower_bound=gate.get("lower_bound"), **x)
+                               lower_bound=gate.get("lower_bound"), cu_seqlens=args["cu_seqlens"],
+                               chunk_indices=args["chunk_indices"], **x)
     return before
 
 

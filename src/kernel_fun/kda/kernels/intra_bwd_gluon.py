@@ -1,7 +1,8 @@
 """B7's anchored tiers in Gluon: one CTA a chunk-head, dA split once, the K slices looped.
 
 A candidate beside ``intra_bwd.py`` (designs ``gluon-chunk``, ``gluon-halves`` and
-``gluon-blocks``; sm_90 only, dense sequences; B7 alone or the B7-B9 unit; not registered).
+``gluon-blocks``; sm_90 only; dense or packed sequences; B7 alone or the B7-B9 unit; not
+registered).
 The Triton kernel runs one program per (K slice, chunk, head): each of a chunk-head's four
 programs at K=128 reloads the two [64, 64] fp32 dA tiles, splits them into tf32 halves and
 transposes them through shared memory, with its dot operands in registers (255 a thread,
@@ -178,9 +179,10 @@ def _prefetch_rows(ptr, rows):
 @gluon.jit
 def intra_bwd_chunk_gluon_kernel(
     q, k, g, beta, dAqk, dAkk, dq, dk, dg, dq2, dk2, dg2, db_part, T, NT_ROWS,
-    g_raw, A_log, dt_bias, dA_part, dbias_part, lower_bound, NT_ALL,
+    g_raw, A_log, dt_bias, dA_part, dbias_part, lower_bound, NT_ALL, cu_seqlens, chunk_indices,
     H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr,
     TIERS: gl.constexpr, TAIL: gl.constexpr, HAS_BIAS: gl.constexpr, USE_LOWER_BOUND: gl.constexpr,
+    IS_VARLEN: gl.constexpr,
 ):
     """B7's chunk tier on one (chunk, head) of a dense batch: every K slice of BK channels
     whose factors through the chunk's middle row stay within 2^GUARD."""
@@ -192,9 +194,18 @@ def intra_bwd_chunk_gluon_kernel(
     i_b = i_bh // HV
     i_hv = i_bh % HV
     i_h = i_hv // (HV // H)
-    row0 = (i_b * T + i_t * BT).to(gl.int64)
-    n_t = gl.minimum(T - i_t * BT, BT)
-    i_tg = i_b * gl.cdiv(T, BT) + i_t  # the chunk's index in the batch (the tail's partials)
+    if IS_VARLEN:  # packed sequences: the chunk's sequence and place in it (B = 1)
+        i_n = gl.load(chunk_indices + i_t * 2).to(gl.int64)
+        i_c = gl.load(chunk_indices + i_t * 2 + 1).to(gl.int64)
+        bos = gl.load(cu_seqlens + i_n).to(gl.int64)
+        T_seq = (gl.load(cu_seqlens + i_n + 1).to(gl.int64) - bos).to(gl.int32)
+        row0 = bos + i_c * BT
+        n_t = gl.minimum(T_seq - i_c.to(gl.int32) * BT, BT)
+        i_tg = i_t  # the chunk's index in the batch (the tail's partials)
+    else:
+        row0 = (i_b * T + i_t * BT).to(gl.int64)
+        n_t = gl.minimum(T - i_t * BT, BT)
+        i_tg = i_b * gl.cdiv(T, BT) + i_t
 
     # register layouts: [64, 64] for dA, [64, BK] for a K slice (4 warps)
     la: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
@@ -351,26 +362,26 @@ def intra_bwd_chunk_gluon_kernel(
 
 
 def launch(q, k, gc, beta, dAqk, dAkk, dq, dk, dq2, dk2, dg2, db_part, dg, BK: int = 32, tiers: int = 3,
-           tail: int = 0, g_raw=None, A_log=None, dt_bias=None, dA_part=None, dbias_part=None, lower_bound=None):
-    """The CTAs over a dense batch, into the caller's outputs: the chunk tier's slices (tiers
+           tail: int = 0, g_raw=None, A_log=None, dt_bias=None, dA_part=None, dbias_part=None, lower_bound=None,
+           cu_seqlens=None, chunk_indices=None):
+    """The CTAs over a dense or packed batch, into the caller's outputs: the chunk tier's slices (tiers
     1), the half-chunk tier's too (2), and the per-block tier's where no diagonal needs the
     pairwise form (3); ``tail`` as the Triton kernel's (1: B8, 2: B8 and B9)."""
     B, T, H, K = k.shape
     HV = gc.shape[2]
-    NT = -(-T // 64)
+    NT = -(-T // 64) if cu_seqlens is None else len(chunk_indices)
     intra_bwd_chunk_gluon_kernel[(NT, B * HV)](
         q, k, gc, beta, dAqk, dAkk, dq, dk, dg, dq2, dk2, dg2, db_part, T, B * T * HV,
-        g_raw, A_log, dt_bias, dA_part, dbias_part, 0.0 if lower_bound is None else float(lower_bound), B * NT,
+        g_raw, A_log, dt_bias, dA_part, dbias_part, 0.0 if lower_bound is None else float(lower_bound),
+        B * NT if cu_seqlens is None else NT, cu_seqlens, chunk_indices,
         H=H, HV=HV, K=K, BT=64, BK=BK, TIERS=tiers, TAIL=tail, HAS_BIAS=dt_bias is not None,
-        USE_LOWER_BOUND=lower_bound is not None, num_warps=4)
+        USE_LOWER_BOUND=lower_bound is not None, IS_VARLEN=cu_seqlens is not None, num_warps=4)
 
 
-def supports(q, k, gc, cu_seqlens, BK: int = 32) -> str | None:
+def supports(q, k, gc, cu_seqlens=None, BK: int = 32) -> str | None:
     """None where the Gluon tier can run, else why not."""
     if not (q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0)):
         return "the Gluon tier is built for sm_90"
-    if cu_seqlens is not None:
-        return "packed sequences (the Gluon tier takes dense batches)"
     if k.shape[-1] % BK:
         return f"K={k.shape[-1]} is not a multiple of {BK}"
     return None
