@@ -382,7 +382,7 @@ def supports(q, k, gc, cu_seqlens=None, BK: int = 32) -> str | None:
     """None where the Gluon tier can run, else why not."""
     if not (q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0)):
         return "the Gluon tier is built for sm_90"
-    if k.shape[-1] % BK:
-        return f"K={k.shape[-1]} is not a multiple of {BK}"
+    if BK != 32 or k.shape[-1] % BK:
+        return f"K={k.shape[-1]} is not a multiple of the Gluon tier's 32-channel slice"
     return None
 
