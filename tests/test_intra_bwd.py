@@ -199,28 +199,6 @@ def test_gluon_design_is_refused_where_it_cannot_run():
         [(True, False, False, True), (True, True, False, True), (True, True, True, True), (False, False, False, True)]
 
 
-def _tiers(gc: torch.Tensor, BK: int = 32) -> torch.Tensor:
-    """Each (batch, chunk, value head, K slice)'s tier as the kernels' guards pick it, from
-    the chunk cumsum [B, T, HV, K] of a dense batch: 0 the chunk anchor, 1 the half-chunk
-    anchors, 2 the per-block anchors, 3 a block's diagonal pairwise."""
-    B, T, HV, K = gc.shape
-    out = torch.empty(B, -(-T // 64), HV, K // BK, dtype=torch.long)
-    guard = float(intra_bwd.GUARD_SPAN.value)
-    for i_c in range(out.shape[1]):
-        x = gc[:, 64 * i_c:64 * i_c + 64].unflatten(3, (K // BK, BK))  # [B, n_t, HV, NK, BK]
-        n_t = x.shape[1]
-        row = lambda r: x[:, min(r, n_t - 1)]  # noqa: E731
-        whole = torch.maximum(row(0) - row(min(32, n_t) - 1), row(min(32, n_t) - 1) - row(n_t - 1)).amax(-1) <= guard
-        half = [torch.maximum(row(st) - row(st + 15), row(st + 15) - row(st + 31)).amax(-1) if st < n_t
-                else torch.zeros_like(whole, dtype=x.dtype) for st in (0, 32)]
-        halves = torch.maximum(*half) <= guard
-        span = [(row(st) - row(min(st + 16, n_t) - 1)).amax(-1) if st < n_t else torch.zeros_like(half[0])
-                for st in (0, 16, 32, 48)]
-        blocks = torch.stack(span).amax(0) <= guard
-        out[:, i_c] = torch.where(whole, 0, torch.where(halves, 1, torch.where(blocks, 2, 3)))
-    return out
-
-
 @needs_triton
 def test_triton_kernel_leaves_the_gluon_tiers_their_slices():
     """For each Gluon design, the Triton kernel's part (SKIP_CHUNK, SKIP_HALVES,
@@ -237,7 +215,9 @@ def test_triton_kernel_leaves_the_gluon_tiers_their_slices():
     steps = slope[:, None] * scale[None, :]  # [T, K]
     within = torch.cat([steps[64 * c:64 * c + 64].cumsum(0) for c in range(-(-gc.shape[1] // 64))])
     inputs = dict(inputs, gc=(-within)[None, :, None, :].expand_as(gc).contiguous())
-    tiers = _tiers(inputs["gc"])
+    from tools.b7_tiers import tiers as tiers_of  # the guards' arithmetic in torch
+
+    tiers = tiers_of(inputs["gc"])
     assert set(tiers.unique().tolist()) == {0, 1, 2, 3}, tiers
     pin = intra_bwd.intra_bwd(**inputs)
     for design, taken in (("gluon-chunk", {0}), ("gluon-halves", {0, 1}), ("gluon-blocks", {0, 1, 2})):
