@@ -280,13 +280,20 @@ def test_b6_on_packed_sequences_matches_fla_stage():
 def _stage_verdict(bench, inputs: dict, ours: tuple, label: str) -> dict:
     """A stage kernel's outputs against fla's stage and the float64 stage (on the first
     sequence of a dense batch, on all of a packed one), through its bench entry's fla,
-    exact and misses: what the stage bench checks before it times."""
+    exact and misses: what the stage bench checks before it times. Per-token tensors are
+    [B, T, ...] and sliced; per-head ones (A_log, dt_bias, their gradients: sums over every
+    sequence) are not, and are held to the float64 stage only where the batch is one sequence."""
     theirs = bench.fla(**inputs)
     vs_fla = stage_errors(bench.stage, ours, theirs, cu_seqlens=inputs["cu_seqlens"])
-    dense = inputs["cu_seqlens"] is None
-    sub = {n: (t[:1] if dense and isinstance(t, torch.Tensor) else t) for n, t in inputs.items()}
-    first = (lambda out: tuple(None if t is None else t[:1] for t in out)) if dense else tuple  # noqa: E731
-    exact = bench.exact(**sub)
+    sliced = inputs["cu_seqlens"] is None and next(t for t in ours if t is not None).shape[0] > 1
+    sub = {n: (t[:1] if sliced and isinstance(t, torch.Tensor) and t.dim() >= 3 else t) for n, t in inputs.items()}
+
+    def first(out):
+        if not sliced:
+            return tuple(out)
+        return tuple(None if t is None or t.dim() < 3 else t[:1] for t in out)
+
+    exact = first(bench.exact(**sub))
     fla_err, our_err = stage_errors(bench.stage, first(theirs), exact), stage_errors(bench.stage, first(ours), exact)
     print(label, "vs fla", vs_fla, "vs exact", our_err, "fla vs exact", fla_err)
     assert all(torch.isfinite(t).all() for t in ours if t is not None)
@@ -383,7 +390,6 @@ def test_gluon_tiers_with_the_tail_match_the_triton_unit_and_fla(name, design):
     from kernel_fun.kda import reference as ref
 
     inputs = _gluon_inputs(name, stage_b7b9.make_inputs)
-    B = inputs["dq"].shape[0]
     got = intra_bwd.intra_bwd_tail(**inputs, design=design)
     pin = intra_bwd.intra_bwd_tail(**inputs)
     names = ("dq", "dk", "db", "dg", "dA_log", "ddt_bias")
@@ -391,18 +397,7 @@ def test_gluon_tiers_with_the_tail_match_the_triton_unit_and_fla(name, design):
     print(name, design, "unit vs the pin", errors)
     assert all(torch.isfinite(t).all() for t in got if t is not None)
     assert all(errors[n] <= (2e-3 if n == "dg" else 1e-6) for n in errors), errors
-    # the stage bench's verdict: fla's unit on every output; the float64 stages on the first
-    # sequence (the per-head sums only where it is the whole batch)
-    from kernel_fun.kda.parity import stage_errors
-
-    bench = stage.entries()["B7-B9"]
-    theirs = bench.fla(**inputs)
-    sub = {n: (t[:1] if isinstance(t, torch.Tensor) and t.dim() >= 3 else t) for n, t in inputs.items()}
-    first = lambda out: tuple(None if t is None or (t.dim() < 3 and B > 1) else (t[:1] if t.dim() >= 3 else t)  # noqa: E731
-                              for t in out)
-    exact = first(bench.exact(**sub))
-    vs_fla = stage_errors("B7-B9", got, theirs)
-    misses = bench.misses(stage_errors("B7-B9", first(got), exact), stage_errors("B7-B9", first(theirs), exact), vs_fla)
+    misses = _stage_verdict(stage.entries()["B7-B9"], inputs, got, f"{name} {design} unit")
     assert not misses, misses
 
 

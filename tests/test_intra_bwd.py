@@ -45,7 +45,12 @@ def exact(inputs: dict) -> tuple:
     return ref.intra_bwd(**{n: t for n, t in inputs.items() if n not in ("chunk_indices", "safe_gate")}, exact=True)
 
 
-def check(inputs: dict, bound: float = 1e-5, designs=intra_bwd.DESIGNS) -> dict:
+# The designs the interpreter tells apart: wide-halves-pf is the pin with an L2 hint, which
+# the interpreter skips (bit for bit the pin there; the GPU test holds it to the pin).
+INTERPRETED = tuple(d for d in intra_bwd.DESIGNS if d != "wide-halves-pf")
+
+
+def check(inputs: dict, bound: float = 1e-5, designs=INTERPRETED) -> dict:
     """The designs against the float64 stage (both are exact for any gate)."""
     want = exact(inputs)
     for design in designs:
@@ -90,7 +95,7 @@ def test_weak_gates():
     check(stage_inputs(SHAPES[1], gate_scale=1.0, gate_shift=-8.0))
 
 
-@pytest.mark.parametrize("design", intra_bwd.DESIGNS)
+@pytest.mark.parametrize("design", INTERPRETED)
 def test_outputs_are_fresh_and_inputs_untouched(design):
     inputs = stage_inputs(SHAPES[0])
     before = {n: t.clone() for n, t in inputs.items() if isinstance(t, torch.Tensor)}
@@ -329,7 +334,7 @@ def test_tail_matches_the_float64_stages(p):
     b7, b9 = tail_inputs(p)
     want = exact_tail(b7, b9)
     gate = {} if b9 is None else {n: b9[n] for n in ("g", "A_log", "dt_bias", "lower_bound")}
-    for design in intra_bwd.DESIGNS:
+    for design in INTERPRETED:
         dq, dk, db, dg, dA_log, ddt_bias = intra_bwd.intra_bwd_tail(**b7, **gate, design=design)
         alone = intra_bwd.intra_bwd(**b7, design=design)
         assert all(torch.equal(a, b) for a, b in zip((dq, dk, db), alone[:3])), design

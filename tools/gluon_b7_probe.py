@@ -23,11 +23,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia import hopper
 
-
-@gluon.jit
-def _split(x):
-    hi = (x.to(gl.uint32, bitcast=True) & 0xFFFFE000).to(gl.float32, bitcast=True)
-    return hi, x - hi
+from kernel_fun.kda.kernels.intra_bwd_gluon import _split
 
 
 @gluon.jit

@@ -56,7 +56,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia import hopper
 
-GUARD = gl.constexpr(64.0)  # the Triton kernel's GUARD_SPAN
+from kernel_fun._triton import GUARD_SPAN  # the Triton kernel's guard, the same constant
+
 
 
 @gluon.jit
@@ -184,8 +185,9 @@ def intra_bwd_chunk_gluon_kernel(
     TIERS: gl.constexpr, TAIL: gl.constexpr, HAS_BIAS: gl.constexpr, USE_LOWER_BOUND: gl.constexpr,
     IS_VARLEN: gl.constexpr,
 ):
-    """B7's chunk tier on one (chunk, head) of a dense batch: every K slice of BK channels
-    whose factors through the chunk's middle row stay within 2^GUARD."""
+    """B7 (with TAIL 1 B8, with TAIL 2 B8 and B9) on one (chunk, head): every K slice of BK
+    channels that takes one of the first TIERS tiers (the module docstring); the others are
+    left unwritten for the Triton kernel."""
     gl.static_assert(BT == 64, "one warpgroup's M is 64 rows: the chunk")
     NK: gl.constexpr = K // BK
     SK: gl.constexpr = H * K
@@ -265,15 +267,15 @@ def intra_bwd_chunk_gluon_kernel(
         g0 = gl.load(g + c0 + c)
         gm = gl.load(g + mid * SG + c0 + c)
         ge = gl.load(g + (n_t - 1) * SG + c0 + c)
-        whole = gl.maximum(gl.max(g0 - gm, axis=0), gl.max(gm - ge, axis=0)) <= GUARD
+        whole = gl.maximum(gl.max(g0 - gm, axis=0), gl.max(gm - ge, axis=0)) <= GUARD_SPAN
         if TIERS >= 2:
-            halves = gl.maximum(_half_span(g + c0, 0, n_t, c, SG), _half_span(g + c0, 32, n_t, c, SG)) <= GUARD
+            halves = gl.maximum(_half_span(g + c0, 0, n_t, c, SG), _half_span(g + c0, 32, n_t, c, SG)) <= GUARD_SPAN
         else:
             halves = whole
         if TIERS >= 3:  # every 16-row block's own span within the guard: no pairwise diagonal
             blocks = gl.maximum(gl.maximum(_block_span(g + c0, 0, n_t, c, SG), _block_span(g + c0, 16, n_t, c, SG)),
                                 gl.maximum(_block_span(g + c0, 32, n_t, c, SG),
-                                           _block_span(g + c0, 48, n_t, c, SG))) <= GUARD
+                                           _block_span(g + c0, 48, n_t, c, SG))) <= GUARD_SPAN
         else:
             blocks = whole
         if whole | halves | blocks:
