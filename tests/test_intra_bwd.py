@@ -45,9 +45,10 @@ def exact(inputs: dict) -> tuple:
     return ref.intra_bwd(**{n: t for n, t in inputs.items() if n not in ("chunk_indices", "safe_gate")}, exact=True)
 
 
-# The designs the interpreter tells apart: wide-halves-pf is the pin with an L2 hint, which
-# the interpreter skips (bit for bit the pin there; the GPU test holds it to the pin).
-INTERPRETED = tuple(d for d in intra_bwd.DESIGNS if d != "wide-halves-pf")
+# The designs the interpreter tells apart: the pin (wide-halves-pf) is wide-halves with an L2
+# hint, which the interpreter skips (bit for bit there; the GPU test holds the two to each
+# other).
+INTERPRETED = tuple(d for d in intra_bwd.DESIGNS if d != "wide-halves")
 
 
 def check(inputs: dict, bound: float = 1e-5, designs=INTERPRETED) -> dict:
@@ -126,7 +127,7 @@ def test_bench_entry_inputs_run_and_count_bytes():
 
     p = Problem("entry", 1, 100, 2, 4, 64, 16)
     inputs = stage_b7.make_inputs(p, DEVICE, seed=1)
-    got = stage_b7.BENCH.ours(inputs, "wide-halves", stage_b7.BENCH.launch_config(p, "wide-halves", None))
+    got = stage_b7.BENCH.ours(inputs, intra_bwd.PIN, stage_b7.BENCH.launch_config(p, intra_bwd.PIN, None))
     want = stage_b7.BENCH.exact(**inputs)
     errors = {n: ref.rel_rms(a, b) for n, a, b in zip(("dq", "dk", "db", "dg"), got, want)}
     assert all(e <= 1e-5 for e in errors.values()), errors
@@ -134,9 +135,9 @@ def test_bench_entry_inputs_run_and_count_bytes():
 
 
 @pytest.mark.skipif(__import__("triton").__version__ != "3.6.0", reason="spill figures recorded with Triton 3.6.0's ptxas")
-@pytest.mark.parametrize("design,K,spills,extra", [("wide-halves", 128, 144, ()), ("wide-halves", 64, 96, ()),
-                                                   ("wide", 128, 0, ()), ("wide-halves", 128, 144, ("--tail", "2"))],
-                         ids=["wide-halves-K128", "wide-halves-K64", "wide-K128", "B7-B9"])
+@pytest.mark.parametrize("design,K,spills,extra", [("wide-halves-pf", 128, 144, ()), ("wide-halves-pf", 64, 136, ()),
+                                                   ("wide", 128, 0, ()), ("wide-halves-pf", 128, 152, ("--tail", "2"))],
+                         ids=["pin-K128", "pin-K64", "wide-K128", "B7-B9"])
 def test_default_config_compiles_within_its_recorded_spills(design, K, spills, extra):
     """A design's default config as ptxas assembles it for sm_90a (the note at
     intra_bwd.DEFAULT_CONFIG), alone and with the tail (B8, B9), compiled in a
@@ -158,59 +159,15 @@ def test_default_config_compiles_within_its_recorded_spills(design, K, spills, e
     assert row["spill_stores"] <= spills and row["spill_loads"] <= spills, row
 
 
-@pytest.mark.skipif(__import__("triton").__version__ != "3.6.0", reason="figures recorded with Triton 3.6.0's ptxas")
-@pytest.mark.parametrize("design,K,H,wgmma,tail,spills", [
-    ("gluon-b7", 128, 16, 288, 0, 8), ("gluon-b7", 64, 16, 288, 0, 12), ("gluon-b7", 128, 4, 288, 0, 8),
-    ("gluon-b7-chunk", 128, 16, 96, 0, 0), ("gluon-b7-halves", 128, 16, 192, 0, 0), ("gluon-b7", 128, 16, 288, 2, 48)],
-    ids=["K128", "K64", "GVA", "chunk-only", "halves", "B7-B9"])
-def test_gluon_tiers_compile_within_their_recorded_spills(design, K, H, wgmma, tail, spills):
-    """The Gluon tiers (kda/kernels/intra_bwd_gluon.py) as ptxas assembles them for sm_90a,
-    in a process without the interpreter: the chunk tier's twelve wgmma chains of eight
-    (m64n32k8 tf32), the half-chunk tier's twenty-four of four, the per-block tier's
-    forty-eight of two; dA's halves and a slice's operands in shared memory (184 KB: one CTA
-    an SM); alone and with the tail (B8, B9); no more spills than recorded (none without the
-    per-block tier). The operand descriptors hoisted out of the slice loop spilled 784 B."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cmd = [sys.executable, "-m", "tools.compile_report", "--design", design, "--K", str(K), "--H", str(H),
-           "--BV", "32", "--warps", "4", "--stages", "1", "--tail", str(tail)]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=root)
-    row = json.loads(out.stdout.strip().splitlines()[-1])
-    assert "error" not in row and row["wgmma"] == wgmma, row
-    assert row["spill_stores"] <= spills and row["spill_loads"] <= spills and row["shared"] <= 227 * 1024, row
-
-
-def test_gluon_design_is_refused_where_it_cannot_run():
-    """The Gluon designs run on sm_90 only (Gluon has no interpreter), on dense batches:
-    elsewhere the launcher says why instead of launching; the interpreter's designs
-    exclude them; the Triton kernel leaves to them exactly the tiers they take."""
-    inputs = stage_inputs(SHAPES[0])
-    for design in intra_bwd.GLUON_DESIGNS:
-        assert design not in intra_bwd.DESIGNS
-        with pytest.raises(ValueError, match="sm_90"):
-            intra_bwd.intra_bwd(**inputs, design=design)
-        with pytest.raises(ValueError, match="sm_90"):
-            intra_bwd.intra_bwd_tail(**inputs, design=design)
-        for stage in ("B7", "B7-B9"):  # as a whole-op candidate: fla here
-            extra = dict(g=None, A_log=None, dt_bias=None, lower_bound=None) if stage == "B7-B9" else {}
-            assert "sm_90" in intra_bwd.candidate(stage, design)[1](**inputs, **extra)
-    flags = {d: intra_bwd.design_flags(d) for d in ("gluon-chunk", "gluon-halves", "gluon-blocks", "wide-halves")}
-    assert [(f["SKIP_CHUNK"], f["SKIP_HALVES"], f["SKIP_BLOCKS"], f["HALVES"]) for f in flags.values()] == \
-        [(True, False, False, True), (True, True, False, True), (True, True, True, True), (False, False, False, True)]
-
-
 @needs_triton
-def test_triton_kernel_leaves_the_gluon_tiers_their_slices():
-    """For each Gluon design, the Triton kernel's part (SKIP_CHUNK, SKIP_HALVES,
-    SKIP_BLOCKS) writes exactly the slices the Gluon kernel does not take, bit for bit the
-    pin's there, and leaves the others untouched: a gate whose chunks and K slices take each
-    of the four tiers (log-decays a token of 0.01, 3.0, 4.1 and 5.0 in turn: the half span 16
-    steps, the block span 15), T=250 (a last chunk of 58 rows)."""
+def test_the_kernel_takes_the_tier_the_spec_names():
+    """tools.b7_tiers (the guards' arithmetic in torch, what the tier shares on the H200 are
+    counted with) against the kernel: log-decays a token of 0.01, 3.0, 4.1 and 5.0 in turn
+    put the four chunks on the chunk anchor, the half-chunk anchors, the per-block anchors
+    and the pairwise diagonals (the half span 16 steps, the block span 15; the second K
+    slice gentler), T=250 (a last chunk of 58 rows). Where the spec names the chunk anchor
+    the pin's dq, dk and dg are wide-chunk's bit for bit, where it names the per-block form
+    wide's, and where it names the halves neither's."""
     p = Problem("tiers", 1, 250, 2, 2, 64, 16)
     inputs = stage_inputs(p)
     gc = inputs["gc"]
@@ -220,22 +177,22 @@ def test_triton_kernel_leaves_the_gluon_tiers_their_slices():
     steps = slope[:, None] * scale[None, :]  # [T, K]
     within = torch.cat([steps[64 * c:64 * c + 64].cumsum(0) for c in range(-(-gc.shape[1] // 64))])
     inputs = dict(inputs, gc=(-within)[None, :, None, :].expand_as(gc).contiguous())
-    from tools.b7_tiers import tiers as tiers_of  # the guards' arithmetic in torch
+    from tools.b7_tiers import tiers as tiers_of
 
     tiers = tiers_of(inputs["gc"])
+    assert tiers[0, :, 0, 0].tolist() == [0, 1, 2, 3], tiers
     assert set(tiers.unique().tolist()) == {0, 1, 2, 3}, tiers
-    pin = intra_bwd.intra_bwd(**inputs)
-    for design, taken in (("gluon-chunk", {0}), ("gluon-halves", {0, 1}), ("gluon-blocks", {0, 1, 2})):
-        tensors = {n: inputs[n] for n in ("q", "k", "gc", "beta", "dAqk", "dAkk", "dq", "dk", "db", "dg")}
-        args = intra_bwd._launch_args(design, tensors, 64, None, None, None, None, None, None)
-        for n in ("dq2", "dk2", "dg2"):
-            args[n].fill_(float("nan"))
-        got = intra_bwd._launch(args, inputs["db"])
-        gluon = torch.isin(tiers, torch.tensor(sorted(taken)))  # [B, NT, HV, NK]
-        per_row = gluon.repeat_interleave(64, 1)[:, :gc.shape[1]].repeat_interleave(32, 3)  # [B, T, HV, K]
-        for name, a, b in zip(("dq", "dk", "dg"), (got[0], got[1], got[3]), (pin[0], pin[1], pin[3])):
-            assert torch.isnan(a[per_row]).all(), (design, name)
-            assert torch.equal(a[~per_row], b[~per_row]), (design, name)
+    run = {d: intra_bwd.intra_bwd(**inputs, design=d) for d in (intra_bwd.PIN, "wide-chunk", "wide")}
+    per_row = tiers.repeat_interleave(64, 1)[:, :gc.shape[1]].repeat_interleave(32, 3)  # [B, T, HV, K]
+    for i, name in ((0, "dq"), (1, "dk"), (3, "dg")):
+        pin, chunk, wide = (run[d][i] for d in (intra_bwd.PIN, "wide-chunk", "wide"))
+        on = per_row == 0
+        assert torch.equal(pin[on], chunk[on]), name
+        on = per_row >= 2
+        assert torch.equal(pin[on], wide[on]), name
+        on = per_row == 1
+        assert (pin[on] != wide[on]).any() and (pin[on] != chunk[on]).any(), name
+
 
 
 @pytest.mark.parametrize("p", chain_problems(), ids=lambda p: p.name)
@@ -276,12 +233,12 @@ def test_guard_takes_each_path_where_it_should():
     assert not all(torch.equal(a, b) for a, b in zip(intra_bwd.intra_bwd(**inputs, design="wide-chunk"),
                                                       intra_bwd.intra_bwd(**inputs, design="wide")))
     assert all(torch.equal(a, b) for a, b in zip(intra_bwd.intra_bwd(**saturated, design="wide-chunk"), anchored))
-    # the pin (wide-halves) likewise: the per-block form where neither anchor passes the guard
+    # the pin (wide-halves-pf) likewise: the per-block form where neither anchor passes the guard
     assert all(torch.equal(a, b) for a, b in zip(intra_bwd.intra_bwd(**saturated), anchored))
 
 
 def test_the_half_chunk_anchors_take_the_chunks_they_should():
-    """wide-halves: where the whole chunk's anchor passes the guard, wide-chunk's result bit
+    """The pin (the half-chunk tier): where the whole chunk's anchor passes the guard, wide-chunk's result bit
     for bit; where it does not but each 32-row half's does (a log-decay of 3 a token: 96
     through the chunk's middle, 48 through each half's), its own path (not the per-block
     form's bits), and both exact against the float64 stage."""
@@ -291,9 +248,9 @@ def test_the_half_chunk_anchors_take_the_chunks_they_should():
     weak = dict(inputs, gc=(-0.01 * t).expand_as(gc).contiguous())
     steep = dict(inputs, gc=(-3.0 * t).expand_as(gc).contiguous())
     run = lambda x, d: intra_bwd.intra_bwd(**x, design=d)  # noqa: E731
-    assert all(torch.equal(a, b) for a, b in zip(run(weak, "wide-halves"), run(weak, "wide-chunk")))
-    check(steep, designs=("wide-chunk", "wide-halves"))
-    assert not all(torch.equal(a, b) for a, b in zip(run(steep, "wide-halves"), run(steep, "wide-chunk")))
+    assert all(torch.equal(a, b) for a, b in zip(run(weak, intra_bwd.PIN), run(weak, "wide-chunk")))
+    check(steep, designs=("wide-chunk", intra_bwd.PIN))
+    assert not all(torch.equal(a, b) for a, b in zip(run(steep, intra_bwd.PIN), run(steep, "wide-chunk")))
 
 
 # --------------------------------------------------------------------------------------
@@ -387,10 +344,11 @@ def test_b7_b9_bench_entry_runs_and_counts_bytes():
     p = Problem("entry", 1, 100, 2, 4, 64, 16, lower_bound=-5.0, safe_gate=True)
     inputs = stage_b7b9.make_inputs(p, DEVICE, seed=1)
     bench = stage.entries()["B7-B9"]
-    errors = stage_errors("B7-B9", bench.ours(inputs, "wide-halves", bench.launch_config(p, "wide-halves", None)),
+    errors = stage_errors("B7-B9", bench.ours(inputs, intra_bwd.PIN, bench.launch_config(p, intra_bwd.PIN, None)),
                           bench.exact(**inputs))
     assert all(errors[n] <= 1e-5 for n in ("dq", "dk", "db", "dA_log")) and errors["dg"] <= 3e-3, errors
-    assert bench.ships(dict(design="wide-halves", shape="prod8192_gate", config=intra_bwd.DEFAULT_CONFIG))
+    assert bench.ships(dict(design=intra_bwd.PIN, shape="prod8192_gate", config=intra_bwd.DEFAULT_CONFIG))
+    assert not bench.ships(dict(design="wide-halves", shape="prod8192_gate", config=intra_bwd.DEFAULT_CONFIG))
     assert not bench.ships(dict(design="wide-chunk", shape="prod8192_gate", config=intra_bwd.DEFAULT_CONFIG))
     p = problem("prod8192_gate")
     tok = p.B * p.T * p.HV * p.K

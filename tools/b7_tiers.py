@@ -5,10 +5,9 @@
 of slices on each tier as the kernels' guards pick it: the chunk anchor (one [64, 64] dot a
 role and dA), the half-chunk anchors, the per-block anchors, and the per-block form with a
 diagonal pairwise on CUDA cores (a block whose own span passes 2^GUARD_SPAN). These shares
-are what a B7 design's time is made of: the Triton kernel's tiers and the Gluon designs'
-split (``kda/kernels/intra_bwd.py``, ``intra_bwd_gluon.py``) follow them, and the pairwise
-share is the diagonal formulation's CUDA-core work. ``tiers`` is the guards' arithmetic in
-torch; tests/test_intra_bwd.py holds the kernels to it.
+are what B7's time is made of (``kda/kernels/intra_bwd.py``'s tiers follow them), and the
+pairwise share is the diagonal formulation's CUDA-core work. ``tiers`` is the guards'
+arithmetic in torch; tests/test_intra_bwd.py holds the kernel to it.
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ def assemble_sm90(jit, sig: dict, constexprs: dict, num_warps: int, num_stages: 
 
 
 def assemble_ptx(compiled) -> str:
-    """Assemble a kernel compiled for sm_90a (Triton or Gluon) with Triton's ptxas: ptxas's
+    """Assemble a kernel compiled for sm_90a with Triton's ptxas: ptxas's
     -v report; the machine code's fingerprint and instruction count onto ``compiled``."""
     import triton
 
@@ -145,7 +145,7 @@ def b6_report(design: str, K: int, V: int, H: int, HV: int, BV: int, num_warps: 
 
 
 def b7_report(K: int, H: int, HV: int, BK: int, num_warps: int, num_stages: int, dtype: str = "bf16",
-              design: str = "wide-halves", maxnreg: int | None = None, tail: int = 0) -> dict:
+              design: str = "wide-halves-pf", maxnreg: int | None = None, tail: int = 0) -> dict:
     """B7's kernel (kda/kernels/intra_bwd.py), dense sequences, in one of its designs
     (``intra_bwd.DESIGNS``); ``tail`` 1 with B8, 2 with B8 and B9 (dt_bias, softplus form)."""
     from kernel_fun.kda.kernels import intra_bwd
@@ -198,37 +198,7 @@ def cconv_report(D: int, BD: int, num_warps: int, TS: int = 256, backward: bool 
     return compile_sm90(K.causal_conv1d_fwd_kernel, types, constexprs, num_warps, 1, divisible=_STRIDES)
 
 
-def gluon_b7_report(K: int, BK: int, H: int = 16, HV: int = 16, tiers: int = 3, tail: int = 0) -> dict:
-    """B7's anchored tiers in Gluon (kda/kernels/intra_bwd_gluon.py), one CTA a chunk-head,
-    with ``tail`` as the Triton kernel's (2: B8 and B9, dt_bias, the softplus form): its wgmma
-    count, registers, spills and shared memory."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    from kernel_fun.kda.kernels import intra_bwd_gluon
-
-    sig = {n: "*fp32" for n in ("g", "dAqk", "dAkk", "dq", "dk", "dg", "dq2", "dk2", "dg2", "db_part")}
-    sig.update(q="*bf16", k="*bf16", beta="*bf16", T="i32", NT_ROWS="i32", g_raw="*bf16", A_log="*fp32",
-               dt_bias="*fp32", dA_part="*fp32", dbias_part="*fp32", lower_bound="fp32", NT_ALL="i32",
-               cu_seqlens="constexpr", chunk_indices="constexpr",
-               **dict.fromkeys(("H", "HV", "K", "BT", "BK", "TIERS", "TAIL", "HAS_BIAS", "USE_LOWER_BOUND", "IS_VARLEN"),
-                               "constexpr"))
-    if tail == 2:
-        sig["dg2"] = "*bf16"
-    src = GluonASTSource(fn=intra_bwd_gluon.intra_bwd_chunk_gluon_kernel, signature=sig,
-                         constexprs=dict(H=H, HV=HV, K=K, BT=64, BK=BK, TIERS=tiers, TAIL=tail, HAS_BIAS=tail == 2,
-                                         USE_LOWER_BOUND=False, IS_VARLEN=False, cu_seqlens=None, chunk_indices=None))
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-    log = assemble_ptx(compiled)
-    return {"wgmma": compiled.asm["ptx"].count("wgmma.mma_async"), **ptxas_numbers(log),
-            "shared": compiled.metadata.shared, "sass_sha": compiled.sass_sha,
-            "sass_instructions": compiled.sass_instructions, "num_warps": 4}
-
-
 _STRIDES = ("stride_b", "stride_t")
-# the Gluon B7 kernel's builds: its tiers (kda/kernels/intra_bwd.py's gluon-chunk, gluon-halves, gluon-blocks)
-GLUON_B7 = {"gluon-b7-chunk": 1, "gluon-b7-halves": 2, "gluon-b7": 3}
 
 
 def triton_next_pow2(n: int) -> int:
@@ -262,15 +232,13 @@ def main(argv=None):
                        BV=BV,
                        **({"switches": json.loads(args.extra)} if args.extra != "{}" else {}))
             try:
-                if design in GLUON_B7:  # --BV its K slice
-                    row.update(gluon_b7_report(args.K, BV, args.H, args.HV, tiers=GLUON_B7[design], tail=args.tail))
-                elif design.startswith("cconv-"):  # --BV its channel strip
+                if design.startswith("cconv-"):  # --BV its channel strip
                     row.update(cconv_report(args.V if args.V != 256 else 2048, BV, warps,
                                             backward=design == "cconv-bwd"))
                 elif design in ("prep", "prep-fused"):
                     row.update(prep_report(args.K, args.V, args.H, args.HV, args.bks, BV, warps, stages,
                                            fused=design == "prep-fused"))
-                elif design in intra_bwd.DESIGNS + intra_bwd.GLUON_DESIGNS:  # B7 (the Triton kernel): --BV its K slice
+                elif design in intra_bwd.DESIGNS:  # B7: --BV its K slice
                     row.update(b7_report(args.K, args.H, args.HV, BV, warps, stages, design=design, maxnreg=args.maxnreg,
                                          tail=args.tail))
                 else:

@@ -18,18 +18,15 @@ import torch
 
 from kernel_fun.bench.stage import StageBench, main as _stage_main, qk_and_gate
 
-# The configs worth timing (the note at intra_bwd.DEFAULT_CONFIG): the pin (wide-halves: the
-# chunk anchor, the half-chunk anchors, the per-block form) at its build and at 16-channel
-# slices (no spills, twice the programs), and at the pin's build the designs without a tier
-# each: wide-chunk (no half-chunk tier), wide (the per-block form only) and wide-pairwise (every
-# diagonal pairwise: what a saturated gate costs); and the candidates wide-halves-pf (the pin
-# with the epilogue's incoming tiles asked of L2 at the start), gluon-chunk, gluon-halves and
-# gluon-blocks (the chunk tier, the half-chunk tier too, the per-block tier too, in Gluon, one
-# CTA a chunk-head; the rest as the pin).
+# The configs worth timing (the note at intra_bwd.DEFAULT_CONFIG): the pin (wide-halves-pf:
+# the chunk anchor, the half-chunk anchors, the per-block form, the epilogue's incoming tiles
+# asked of L2 at the start), the same without the prefetch (wide-halves) at its build and at
+# 16-channel slices (no spills, twice the programs), and the designs without a tier each:
+# wide-chunk (no half-chunk tier), wide (the per-block form only) and wide-pairwise (every
+# diagonal pairwise: what a saturated gate costs).
 _B = dict(BK=32, num_warps=4, num_stages=1)
 _B16 = dict(BK=16, num_warps=4, num_stages=1)
-SWEEP = {"wide-halves": [_B, _B16], "wide-halves-pf": [_B], "gluon-chunk": [_B], "gluon-halves": [_B],
-         "gluon-blocks": [_B], "wide-chunk": [_B], "wide": [_B], "wide-pairwise": [_B]}
+SWEEP = {"wide-halves-pf": [_B], "wide-halves": [_B, _B16], "wide-chunk": [_B], "wide": [_B], "wide-pairwise": [_B]}
 
 
 def b7_reads(p) -> int:
@@ -86,7 +83,7 @@ def _ours(inputs, design, config):
 def _launch_config(p, design, overrides):
     from kernel_fun.kda.kernels import intra_bwd
 
-    if design not in intra_bwd.DESIGNS + intra_bwd.GLUON_DESIGNS:
+    if design not in intra_bwd.DESIGNS:
         raise ValueError(f"unknown B7 design {design!r}")
     return {**intra_bwd.DEFAULT_CONFIG, **(overrides or {})}
 
@@ -98,7 +95,7 @@ def _misses(vs_exact, fla_exact, vs_fla):
 
 
 BENCH = StageBench(stage="B7", make_inputs=make_inputs, bytes=b7_bytes, fla=_fla, exact=_exact, ours=_ours,
-                   launch_config=_launch_config, misses=_misses, sweep=SWEEP, designs=("wide-halves",))
+                   launch_config=_launch_config, misses=_misses, sweep=SWEEP, designs=("wide-halves-pf",))
 
 
 def main(argv=None) -> int:

@@ -18,10 +18,9 @@ from kernel_fun.bench import stage_b7
 from kernel_fun.bench.stage import StageBench
 from kernel_fun.bench.stage import main as _stage_main
 
-# the pin (wide-halves), the candidates (the epilogue's tiles prefetched; the Gluon tiers),
-# and the form without the half-chunk tier, at the same build
-SWEEP = {d: [stage_b7.SWEEP[d][0]] for d in ("wide-halves", "wide-halves-pf", "gluon-blocks", "gluon-halves",
-                                              "gluon-chunk", "wide-chunk")}
+# the pin (wide-halves-pf), the same without the prefetch, and the form without the
+# half-chunk tier, at the same build
+SWEEP = {d: [stage_b7.SWEEP[d][0]] for d in ("wide-halves-pf", "wide-halves", "wide-chunk")}
 
 
 def b7b9_bytes(p) -> int:
@@ -69,7 +68,7 @@ def _misses(vs_exact, fla_exact, vs_fla):
 
 
 BENCH = StageBench(stage="B7-B9", make_inputs=make_inputs, bytes=b7b9_bytes, fla=_fla, exact=_exact, ours=_ours,
-                   launch_config=stage_b7.BENCH.launch_config, misses=_misses, sweep=SWEEP, designs=("wide-halves",))
+                   launch_config=stage_b7.BENCH.launch_config, misses=_misses, sweep=SWEEP, designs=("wide-halves-pf",))
 
 
 def main(argv=None) -> int:

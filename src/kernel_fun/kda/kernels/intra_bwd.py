@@ -45,22 +45,23 @@ of the float64 stage at prod8192_gate, where fla's (tf32 off the diagonal) is 1.
 there. Outputs are fresh tensors (input + intra part): no output is read back, so
 relaunching is idempotent.
 
-Candidates (the bench's sweep, not yet on the H200; docs/log/b7.md): ``wide-halves-pf``, the
-pin with the epilogue's incoming tiles asked of L2 at the start, and ``gluon-chunk`` /
-``gluon-halves`` / ``gluon-blocks``, the chunk tier's slices (the half-chunk tier's, the
-per-block tier's) in a Gluon kernel of one CTA a chunk-head (intra_bwd_gluon.py), the rest
-here with ``SKIP_CHUNK`` (``SKIP_HALVES``, ``SKIP_BLOCKS``).
+The epilogue's incoming dq, dk and dg are asked of L2 at the program's start (a hint:
+bit for bit the same outputs; the design ``wide-halves-pf``, the pin; ``wide-halves`` is the
+same without it).
 
 Falls back (``supports``): chunk size other than 64. No CTA floor: it measured faster than
 fla's B7 down to grid64 (B1 T256 H16: 0.135 ms against 0.212).
 
-Measured (H200; docs/log/b7.md has every round), B7 alone on the stage bench's inputs:
-7.49 ms at prod8192_gate against fla's 15.26 (2.04x; the two-tier form without the halves
-7.90), 6.36 at prod8192_layer_safe against 7.97 (bench/results/stages.jsonl at fda8f2c).
-As the B7-B9 unit: 9.03 ms against fla's three stages' 16.57 (the two-tier form 9.16;
-stages.jsonl at f047284); in the whole op at prod8192_gate fwd+bwd 33.00 ms against 33.40
-with the two-tier form and 33.78 with B7 alone and fla's B8 and B9 (chunk_kda.jsonl at
-f047284). Predicted ~7 ms alone (the share of programs the halves move onto the tensor
+Measured (H200; docs/log/b7.md has every round; bench/results/stages.jsonl at 85d89bf), B7
+alone on the stage bench's inputs: 7.15 ms at prod8192_gate against fla's 14.90 (2.08x;
+without the prefetch 7.36), 6.24 at prod8192_layer_safe against 8.07. The B7-B9 unit: 8.87
+ms at prod8192_gate against fla's three stages' 16.73 (without the prefetch 9.12), 9.82 at
+kimi against 16.75. The whole op at prod8192_gate: fwd+bwd 32.57 ms (chunk_kda.jsonl at
+85d89bf). The chunk anchor's slices (then the halves', then the per-block anchors' too) in
+a Gluon kernel of one 4-warp CTA a chunk-head, dA's halves in shared memory and async
+wgmma, the rest here, measured 9.43, 10.11 and 11.64 ms (removed): 184 KB of shared memory
+holds one CTA an SM, and each tier it took from this kernel got slower. The three tiers
+against the two-tier form: predicted ~7 ms alone (the share of programs the halves move onto the tensor
 cores); measured 7.49 (-5.2%), -1.4% as the unit, -1.2% of the whole op. B10 in the
 same launch (each chunk-head's last K slice to arrive writing the l2norm's backward of the
 whole rows) measured 0.9 ms slower in the whole op and was removed (docs/log/b7.md). One
@@ -70,8 +71,8 @@ it needs. What the time is (Nsight Compute at prod8192_layer_safe, every program
 chunk anchor, before the hand split): 2 programs an SM (255 registers: 12.5% occupancy),
 3,400 instructions a warp issued every 6.8 cycles, 37% of that waiting on L1; L1 66% busy,
 DRAM 23%; the epilogue's three incoming-gradient loads run in series (sm_90a listing).
-Resources (sm_90a, K=128): 255 registers, 144 B of spills (136 B reloaded; K=64 96 B; the
-same 144 with the tail), 8,248 SASS instructions; the two-tier build 4 B and 6,000; none at
+Resources (sm_90a, K=128): 255 registers, 144 B of spills (the same with the tail; K=64
+136 B, 96 without the prefetch), 8,280 SASS instructions; the two-tier build 4 B and 6,000; none at
 16-channel slices or 8 warps, which measured 10.53 and 13.41 ms.
 """
 
@@ -276,8 +277,7 @@ def intra_bwd_wide_kernel(
     cu_seqlens, chunk_indices, T, NT_ROWS, NT_ALL,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BK: tl.constexpr, IS_VARLEN: tl.constexpr, PAIRWISE: tl.constexpr, CHUNK_ANCHOR: tl.constexpr,
-    HALVES: tl.constexpr, PREFETCH: tl.constexpr, SKIP_CHUNK: tl.constexpr, SKIP_HALVES: tl.constexpr,
-    SKIP_BLOCKS: tl.constexpr,
+    HALVES: tl.constexpr, PREFETCH: tl.constexpr,
     TAIL: tl.constexpr, HAS_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
 ):
     """B7 on one (K slice, chunk, head), the chunk as one [BT, BK] tile per output; with
@@ -329,21 +329,12 @@ def intra_bwd_wide_kernel(
                            tl.max(gm - _row(g, n_t - 1, SG, 0 < n_t, o_k, m_k), axis=0)) <= GUARD_SPAN
     else:
         whole: tl.constexpr = False
-    if SKIP_CHUNK:  # the chunk tier's slices are the Gluon kernel's (intra_bwd_gluon.py)
-        if whole:
-            return
     if HALVES:
         # the chunk's two 32-row halves, each through its own middle row, where the whole
         # chunk's anchor would pass the guard but each half's stays within it
         halves = tl.maximum(_half_span(g, 0, n_t, o_k, m_k, SG), _half_span(g, 2 * BC, n_t, o_k, m_k, SG)) <= GUARD_SPAN
     else:
         halves: tl.constexpr = False
-    if SKIP_HALVES:  # the half-chunk tier's slices are the Gluon kernel's too
-        if halves:
-            return
-    if SKIP_BLOCKS:  # and the per-block tier's where no block takes its diagonal pairwise
-        if d0 & d1 & d2 & d3:
-            return
     if whole:
         acc_q, acc_kr, acc_c = _chunk_sums(q, k, g, beta, dAqk, dAkk, n_t, t, g_c, gm, o_k, m_k, HV, BT, SK, SG)
     elif halves:
@@ -416,41 +407,32 @@ def intra_bwd_wide_kernel(
             tl.store(dbias_part + (i_tg * HV + i_hv) * K + o_k, dbias, mask=m_k)
 
 
-# Compiled for sm_90a offline (``python -m tools.compile_report --design wide-halves --BV 32
-# --warps 4 --stages 1``, K=128, H=HV=16): 255 registers, 144 B of spills (K=64: 96; the
+# Compiled for sm_90a offline (``python -m tools.compile_report --design wide-halves-pf --BV 32
+# --warps 4 --stages 1``, K=128, H=HV=16): 255 registers, 144 B of spills (K=64: 136; the
 # per-block form alone: none). Measured at prod8192_gate: 16-channel slices 10.53 ms and 8
 # warps 13.41 against 7.49 at this config (stages.jsonl at fda8f2c).
 DEFAULT_CONFIG = dict(BK=32, num_warps=4, num_stages=1)
-# ``wide-halves`` (the default) takes the three tiers; ``wide-chunk`` the chunk anchor and
-# the per-block form only (measured slower: the docstring); ``wide`` only the per-block
-# anchors; ``wide-pairwise`` every diagonal pairwise (the guard's other path). The last
-# three are kept for the tests, which hold each tier to the others bit for bit where they
-# take the same path, and for the bench's sweep. ``wide-halves-pf`` (a candidate, not yet on
-# the H200): the pin asking L2 for the epilogue's incoming dq, dk and dg at the program's
-# start (the same arithmetic; sm_90a: the same 144 B of spills, 8,280 instructions; with the
-# tail 144 B stored, 152 reloaded against 140). Asking for the raw gate's rows as well
-# spilled 172 B: not done.
+# ``wide-halves-pf`` (the pin) takes the three tiers and asks L2 for the epilogue's incoming
+# dq, dk and dg at the program's start (sm_90a: the same 144 B of spills as without at K=128,
+# 136 against 96 at K=64, 8,280 instructions; with the tail 144 B stored, 152 reloaded
+# against 140; asking for the raw gate's rows as well spilled 172 B): 7.15 ms at prod8192_gate against 7.36 without
+# (``wide-halves``), 8.87 against 9.12 as the B7-B9 unit, 9.82 against 10.15 at kimi
+# (stages.jsonl at 85d89bf). ``wide-chunk``: the chunk anchor and the per-block form only
+# (measured slower: the docstring); ``wide`` only the per-block anchors; ``wide-pairwise``
+# every diagonal pairwise (the guard's other path). The others are kept for the tests, which
+# hold each tier to the others bit for bit where they take the same path, and for the
+# bench's sweep.
 DESIGNS = ("wide", "wide-pairwise", "wide-chunk", "wide-halves", "wide-halves-pf")
-# ``gluon-chunk``, ``gluon-halves`` and ``gluon-blocks`` (candidates, sm_90 only; B7 and
-# the B7-B9 unit): the chunk tier's slices, the half-chunk tier's too,
-# and the per-block tier's too where no diagonal needs the pairwise form, in
-# intra_bwd_gluon.py's kernel (one CTA a chunk-head); the rest in this kernel as wide-halves
-# with SKIP_CHUNK (SKIP_HALVES, SKIP_BLOCKS). Not in DESIGNS: Gluon does not run in the
-# interpreter.
-GLUON_DESIGNS = ("gluon-chunk", "gluon-halves", "gluon-blocks")
-GLUON_TIERS = {"gluon-chunk": 1, "gluon-halves": 2, "gluon-blocks": 3}
+PIN = "wide-halves-pf"
 
 
 def design_flags(design: str) -> dict:
     """The kernel's constexpr switches of ``design`` (the launcher's and the offline
     compile report's)."""
-    if design not in DESIGNS + GLUON_DESIGNS:
+    if design not in DESIGNS:
         raise ValueError(f"unknown B7 design {design!r}")
-    gluon = design in GLUON_DESIGNS
-    return dict(PAIRWISE=design == "wide-pairwise",
-                CHUNK_ANCHOR=gluon or design.startswith(("wide-chunk", "wide-halves")),
-                HALVES=gluon or design.startswith("wide-halves"), PREFETCH=design.endswith("-pf"), SKIP_CHUNK=gluon,
-                SKIP_HALVES=GLUON_TIERS.get(design, 0) >= 2, SKIP_BLOCKS=GLUON_TIERS.get(design, 0) >= 3)
+    return dict(PAIRWISE=design == "wide-pairwise", CHUNK_ANCHOR=design.startswith(("wide-chunk", "wide-halves")),
+                HALVES=design.startswith("wide-halves"), PREFETCH=design.endswith("-pf"))
 
 
 def _launch_args(design, tensors: dict, chunk_size, cu_seqlens, chunk_indices, BK, num_warps, num_stages,
@@ -481,40 +463,19 @@ def _n_chunks(args: dict) -> int:
 
 def intra_bwd(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens, chunk_indices, safe_gate,
               BK: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-              maxnreg: int | None = None, design: str = "wide-halves"):
+              maxnreg: int | None = None, design: str = PIN):
     """B7 with fla's contract: returns (dq, dk, db, dg), fp32, at value heads: the inputs
     plus the vector-Jacobian product of Aqk and Akk with dAqk and dAkk. Exact for any gate
     (``safe_gate`` changes nothing here)."""
     tensors = dict(q=q, k=k, gc=gc, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db, dg=dg)
     args = _launch_args(design, tensors, chunk_size, cu_seqlens, chunk_indices, BK, num_warps, num_stages, maxnreg)
-    return _launch(args, db, before=_gluon_tiers(design, tensors, args, cu_seqlens))[:4]
-
-
-def _gluon_tiers(design, tensors: dict, args: dict, cu_seqlens):
-    """For a Gluon design, the launch of its tiers before the Triton kernel's (``_launch``'s
-    ``before``); None for the others. Refuses a call the Gluon kernel cannot take."""
-    if design not in GLUON_DESIGNS:
-        return None
-    from kernel_fun.kda.kernels import intra_bwd_gluon
-
-    why = intra_bwd_gluon.supports(tensors["q"], tensors["k"], tensors["gc"], cu_seqlens, args["BK"])
-    if why is not None:
-        raise ValueError(f"B7 design {design!r}: {why}")
-    x = {n: tensors[n] for n in ("q", "k", "gc", "beta", "dAqk", "dAkk", "dq", "dk", "dg")}
-
-    def before(db_part, tail, gate, dA_part, dbias_part):
-        intra_bwd_gluon.launch(dq2=args["dq2"], dk2=args["dk2"], dg2=args["dg2"], db_part=db_part, BK=args["BK"],
-                               tiers=GLUON_TIERS[design], tail=tail, g_raw=gate.get("g"), A_log=gate.get("A_log"),
-                               dt_bias=gate.get("dt_bias"), dA_part=dA_part, dbias_part=dbias_part,
-                               lower_bound=gate.get("lower_bound"), cu_seqlens=args["cu_seqlens"],
-                               chunk_indices=args["chunk_indices"], **x)
-    return before
+    return _launch(args, db)[:4]
 
 
 def intra_bwd_tail(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens, chunk_indices, safe_gate,
                    g=None, A_log=None, dt_bias=None, lower_bound=None, BK: int | None = None,
                    num_warps: int | None = None, num_stages: int | None = None, maxnreg: int | None = None,
-                   design: str = "wide-halves"):
+                   design: str = PIN):
     """B7 + B8 (+ B9) in one pass: (dq, dk, db, dg, dA_log, ddt_bias). Without ``A_log`` dg
     is B8's (the intra-chunk reverse cumsum of B7's dg, fp32) and the last two are None;
     with it (the gate in the op: ``g`` the raw gate, ``dt_bias`` or None, ``lower_bound``
@@ -523,14 +484,12 @@ def intra_bwd_tail(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_se
                    A_log=A_log, dt_bias=dt_bias)
     args = _launch_args(design, tensors, chunk_size, cu_seqlens, chunk_indices, BK, num_warps, num_stages, maxnreg)
     gate = dict(g=g, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound) if A_log is not None else None
-    return _launch(args, db, tail=2 if gate else 1, gate=gate, before=_gluon_tiers(design, tensors, args, cu_seqlens))
+    return _launch(args, db, tail=2 if gate else 1, gate=gate)
 
 
-def _launch(args: dict, db, tail: int = 0, gate: dict | None = None, before=None):
-    """Launch the kernel (after ``before(db_part, tail, gate, dA_part, dbias_part)``, a Gluon
-    design's tiers, where given);
-    (dq, dk, db, dg, dA_log, ddt_bias), the last two None unless the tail includes the
-    gate's backward."""
+def _launch(args: dict, db, tail: int = 0, gate: dict | None = None):
+    """Launch the kernel: (dq, dk, db, dg, dA_log, ddt_bias), the last two None unless the
+    tail includes the gate's backward."""
     B, T, HV, K, BK = db.shape[0], db.shape[1], args["HV"], args["K"], args["BK"]
     NK, NT = triton.cdiv(K, BK), _n_chunks(args)
     dev = db.device
@@ -545,8 +504,6 @@ def _launch(args: dict, db, tail: int = 0, gate: dict | None = None, before=None
         args["dg2"] = torch.empty(B, T, HV, K, device=dev, dtype=g_raw.dtype)
         dA_part = torch.empty(NK, NT_ALL, HV, device=dev, dtype=torch.float32)
         dbias_part = torch.empty(NT_ALL, HV, K, device=dev, dtype=torch.float32) if dt_bias is not None else None
-    if before is not None:
-        before(db_part, tail, gate, dA_part, dbias_part)
     intra_bwd_wide_kernel[(NK, NT, B * HV)](
         **args, db_part=db_part, NT_ROWS=B * T * HV, NT_ALL=NT_ALL,
         g_raw=g_raw, A_log=A_log, dt_bias=dt_bias, dA_part=dA_part, dbias_part=dbias_part,
@@ -581,20 +538,12 @@ def candidate(stage: str, design: str):
     (``python -m kernel_fun.bench --candidate B7-B9=wide-pairwise``)."""
     import functools
 
-    if design not in DESIGNS + GLUON_DESIGNS:
+    if design not in DESIGNS:
         raise ValueError(f"unknown {stage} design {design!r}")
     units = {"B7": (intra_bwd, supports), "B7-B9": (intra_bwd_tail, supports_tail)}
     if stage not in units:
         raise ValueError(f"intra_bwd has candidates for {sorted(units)}, not {stage!r}")
     fn, sup = units[stage]
-    if design in GLUON_DESIGNS:  # where the Gluon tiers cannot run, the stage stays on fla
-        plain = sup
-
-        def sup(**inputs):
-            from kernel_fun.kda.kernels import intra_bwd_gluon
-
-            return plain(**inputs) or intra_bwd_gluon.supports(inputs["q"], inputs["k"], inputs["gc"],
-                                                               inputs["cu_seqlens"])
     return functools.partial(fn, design=design), sup
 
 add_impl("B7", "ours", intra_bwd, supports)
