@@ -7,7 +7,7 @@ chain's registered unit) against fla's three stages on the same inputs.
 Inputs: B7's (``stage_b7.make_inputs``) with the raw gate (bf16), A_log and dt_bias
 initialised as Kimi-Linear does and the problem's lower bound. Timed beside ``--stage B7``
 on the same shapes it separates what the tail costs in the pass from B7's own time
-(prod8192_gate, wide-halves: the unit 9.03 ms, B7 alone 7.49).
+(prod8192_gate, wide-halves-pf: the unit 8.87 ms, B7 alone 7.15).
 """
 
 from __future__ import annotations

@@ -56,8 +56,9 @@ Measured (H200; docs/log/b7.md has every round; bench/results/stages.jsonl at 85
 alone on the stage bench's inputs: 7.15 ms at prod8192_gate against fla's 14.90 (2.08x;
 without the prefetch 7.36), 6.24 at prod8192_layer_safe against 8.07. The B7-B9 unit: 8.87
 ms at prod8192_gate against fla's three stages' 16.73 (without the prefetch 9.12), 9.82 at
-kimi against 16.75. The whole op at prod8192_gate: fwd+bwd 32.57 ms (chunk_kda.jsonl at
-85d89bf). The chunk anchor's slices (then the halves', then the per-block anchors' too) in
+kimi against 16.75, 4.81 at b8 against 8.55, 0.452 at grid1024 against 0.769. The whole
+op at prod8192_gate: fwd+bwd 32.49 ms against fla's 47.04 (1.45x; chunk_kda.jsonl at
+6bd93d3). The chunk anchor's slices (then the halves', then the per-block anchors' too) in
 a Gluon kernel of one 4-warp CTA a chunk-head, dA's halves in shared memory and async
 wgmma, the rest here, measured 9.43, 10.11 and 11.64 ms (removed): 184 KB of shared memory
 holds one CTA an SM, and each tier it took from this kernel got slower. The three tiers
