@@ -152,8 +152,14 @@ def test_disable_recompute_equals_recomputing(p):
     assert {"B2", "B3"} <= set(last_record().backward)
     saved = run_fwd_bwd(chunk_kda, dict(kwargs, disable_recompute=True), grid=p.dtype)
     assert not {"B1", "B2", "B3"} & set(last_record().backward)
-    for name, want in recomputed.items():
-        assert (want is None and saved[name] is None) or torch.equal(saved[name], want), name
+    # The saved h and v_new are the F7-F8 kernel's, the recomputed ones B3's: the same fp32
+    # sums, whose order under the interpreter follows the CPU build of torch's matmul, so a
+    # value rounded to fp16 can land one unit apart (4.9e-4 relative) and carry that into the
+    # gradients: a few such elements at these sizes stay under 1e-4 relative RMS, where a
+    # wrong or stale saved tensor moves them by O(1).
+    errors = {n: ref.rel_rms(saved[n].float(), want.float()) for n, want in recomputed.items() if want is not None}
+    assert all(saved[n] is None for n, want in recomputed.items() if want is None)
+    assert all(e <= 1e-4 for e in errors.values()), errors
 
 
 def test_safe_gate_reaches_the_stages_it_changes():

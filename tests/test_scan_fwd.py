@@ -150,15 +150,16 @@ def test_bench_entry_inputs_run_and_count_bytes():
 @pytest.mark.parametrize("p", SHAPES, ids=lambda p: p.name)
 def test_scan_states_match_b3(p):
     """The backward's B3 (F7 recomputed: h and v_new) by the same kernel without o, on the
-    inputs the reference chain gives B3: bit for bit the reference's h and v_new under the
-    interpreter, as with o."""
+    inputs the reference chain gives B3: the reference's h and v_new to fp32 rounding under
+    the interpreter (the state's sums in the order of the CPU build of torch's matmul: bit
+    for bit with some builds, a last bit apart in places with others)."""
     kw = make_inputs(p, device=DEVICE, seed=20)
     with use_impls("reference"), capture_stages() as log:
         run_fwd_bwd(chunk_kda, kw, grid=p.dtype)
     (inputs, (h, v_new, _)), = [(x, out) for name, _, x, out in log if name == "B3"]
     got_h, got_vn, got_ht = scan_fwd.scan_states(**inputs)
     assert got_ht is None and got_h.dtype == h.dtype and got_h.shape == h.shape
-    bound = 1e-6 if INTERPRETING else 2e-3
+    bound = 1e-5 if INTERPRETING else 2e-3
     errors = {"h": ref.rel_rms(got_h, h), "v_new": ref.rel_rms(got_vn, v_new)}
     assert all(e <= bound for e in errors.values()), errors
 

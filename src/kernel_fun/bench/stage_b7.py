@@ -17,6 +17,7 @@ import sys
 import torch
 
 from kernel_fun.bench.stage import StageBench, main as _stage_main, qk_and_gate
+from kernel_fun.kda.kernels.intra_bwd import PIN
 
 # The configs worth timing (the note at intra_bwd.DEFAULT_CONFIG): the pin (wide-halves-pf:
 # the chunk anchor, the half-chunk anchors, the per-block form, the epilogue's incoming tiles
@@ -95,7 +96,7 @@ def _misses(vs_exact, fla_exact, vs_fla):
 
 
 BENCH = StageBench(stage="B7", make_inputs=make_inputs, bytes=b7_bytes, fla=_fla, exact=_exact, ours=_ours,
-                   launch_config=_launch_config, misses=_misses, sweep=SWEEP, designs=("wide-halves-pf",))
+                   launch_config=_launch_config, misses=_misses, sweep=SWEEP, designs=(PIN,))
 
 
 def main(argv=None) -> int:

@@ -17,6 +17,7 @@ import torch
 from kernel_fun.bench import stage_b7
 from kernel_fun.bench.stage import StageBench
 from kernel_fun.bench.stage import main as _stage_main
+from kernel_fun.kda.kernels.intra_bwd import PIN
 
 # the pin (wide-halves-pf), the same without the prefetch, and the form without the
 # half-chunk tier, at the same build
@@ -68,7 +69,7 @@ def _misses(vs_exact, fla_exact, vs_fla):
 
 
 BENCH = StageBench(stage="B7-B9", make_inputs=make_inputs, bytes=b7b9_bytes, fla=_fla, exact=_exact, ours=_ours,
-                   launch_config=stage_b7.BENCH.launch_config, misses=_misses, sweep=SWEEP, designs=("wide-halves-pf",))
+                   launch_config=stage_b7.BENCH.launch_config, misses=_misses, sweep=SWEEP, designs=(PIN,))
 
 
 def main(argv=None) -> int:
