@@ -320,16 +320,21 @@ def test_b7_matches_fla_stage(shape):
 
 
 def test_b7_prefetch_changes_no_bit():
-    """The pin (wide-halves-pf) asks L2 for the epilogue's incoming tiles early, a hint only:
-    its outputs equal wide-halves' bit for bit, alone and with the tail (b8, the chain's gate)."""
+    """The pin (wide-halves-pf) asks L2 for the epilogue's incoming tiles early, and the -pfa
+    designs also for the tiles of the program a wave later, hints only: their outputs equal
+    wide-halves' bit for bit, alone and with the tail (b8, the chain's gate)."""
     from kernel_fun.bench import stage_b7, stage_b7b9
 
+    hinted = (intra_bwd.PIN, *sorted(intra_bwd.AHEAD_WAVES))
     inputs = stage_b7.make_inputs(problem("b8"), "cuda", seed=2)
-    plain, pin = (intra_bwd.intra_bwd(**inputs, design=d) for d in ("wide-halves", intra_bwd.PIN))
-    assert all(torch.equal(a, b) for a, b in zip(plain, pin))
+    plain = intra_bwd.intra_bwd(**inputs, design="wide-halves")
+    for d in hinted:
+        assert all(torch.equal(a, b) for a, b in zip(plain, intra_bwd.intra_bwd(**inputs, design=d))), d
     inputs = stage_b7b9.make_inputs(problem("b8"), "cuda", seed=2)
-    plain, pin = (intra_bwd.intra_bwd_tail(**inputs, design=d) for d in ("wide-halves", intra_bwd.PIN))
-    assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(plain, pin))
+    plain = intra_bwd.intra_bwd_tail(**inputs, design="wide-halves")
+    for d in hinted:
+        got = intra_bwd.intra_bwd_tail(**inputs, design=d)
+        assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(plain, got)), d
 
 
 @pytest.mark.parametrize("shape", ["grid1024", "b8"])

@@ -46,9 +46,9 @@ def exact(inputs: dict) -> tuple:
 
 
 # The designs the interpreter tells apart: the pin (wide-halves-pf) is wide-halves with an L2
-# hint, which the interpreter skips (bit for bit there; the GPU test holds the two to each
-# other).
-INTERPRETED = tuple(d for d in intra_bwd.DESIGNS if d != "wide-halves")
+# hint, and the -pfa designs the pin with more hints, which the interpreter skips (bit for
+# bit there; the GPU test holds them to each other).
+INTERPRETED = tuple(d for d in intra_bwd.DESIGNS if d != "wide-halves" and d not in intra_bwd.AHEAD_WAVES)
 
 
 def check(inputs: dict, bound: float = 1e-5, designs=INTERPRETED) -> dict:
@@ -107,6 +107,20 @@ def test_outputs_are_fresh_and_inputs_untouched(design):
     for a, b in zip(out, again):
         assert torch.equal(a, b)
         assert all(a.data_ptr() != t.data_ptr() for t in before.values())
+
+
+@pytest.mark.parametrize("design", sorted(intra_bwd.AHEAD_WAVES))
+def test_prefetch_ahead_designs_run_and_equal_the_pin(design):
+    """The -pfa designs locate the program a wave later (its chunk from fla's chunk index on
+    packed sequences, none past the grid's end) and only hint at its tiles: the interpreter
+    runs that arithmetic and skips the hint, so the outputs are the pin's bit for bit."""
+    for p in (SHAPES[1], SHAPES[5]):
+        inputs = stage_inputs(p)
+        pin = intra_bwd.intra_bwd(**inputs)
+        got = intra_bwd.intra_bwd(**inputs, design=design)
+        assert all(torch.equal(a, b) for a, b in zip(pin, got)), (p.name, design)
+    assert intra_bwd._ahead_n(design, torch.device("cpu")) == intra_bwd.AHEAD_WAVES[design] * 2 * 132
+    assert intra_bwd._ahead_n(intra_bwd.PIN, torch.device("cpu")) == 0
 
 
 def test_supports():

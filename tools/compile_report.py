@@ -150,7 +150,7 @@ def b7_report(K: int, H: int, HV: int, BK: int, num_warps: int, num_stages: int,
     (``intra_bwd.DESIGNS``); ``tail`` 1 with B8, 2 with B8 and B9 (dt_bias, softplus form)."""
     from kernel_fun.kda.kernels import intra_bwd
 
-    types = {"q": _PTR[dtype], "k": _PTR[dtype], "beta": _PTR[dtype], "NT_ROWS": "i32", "NT_ALL": "i32",
+    types = {"q": _PTR[dtype], "k": _PTR[dtype], "beta": _PTR[dtype], "NT_ROWS": "i32", "NT_ALL": "i32", "AHEAD_N": "i32",
              "lower_bound": "fp32", **{n: "*fp32" for n in ("g", "dAqk", "dAkk", "dq", "dk", "dg", "dq2", "dk2",
                                                              "dg2", "db_part")}}
     gate = dict(g_raw=_PTR[dtype], A_log="*fp32", dt_bias="*fp32", dA_part="*fp32", dbias_part="*fp32")

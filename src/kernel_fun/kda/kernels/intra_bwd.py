@@ -271,14 +271,48 @@ def _span(g, st, n_t, o_k, m_k, SG: tl.constexpr, BC: tl.constexpr, PAIRWISE: tl
 
 
 @triton.jit
+def _prefetch_ahead(q, k, g, dAqk, dAkk, dq, dk, dg, cu_seqlens, chunk_indices, T, AHEAD_N,
+                    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                    IS_VARLEN: tl.constexpr):
+    """Asks L2 for the tiles of the program AHEAD_N launch places after this one (a wave of
+    resident programs later): its slice of q, k, g and of the incoming dq, dk, dg, and its
+    share of the chunk's dAqk and dAkk rows (rows r with r % NK its slice, so the chunk's
+    slices together ask for each row once). A hint, as ``prefetch_rows``: no value changes."""
+    nk, nt, nbh = tl.num_programs(0), tl.num_programs(1), tl.num_programs(2)
+    lin = tl.program_id(0) + nk * (tl.program_id(1) + nt * tl.program_id(2)).to(tl.int64) + AHEAD_N
+    a_k = (lin % nk).to(tl.int32)
+    a_t = ((lin // nk) % nt).to(tl.int32)
+    a_bh = (lin // nk // nt).to(tl.int32)
+    if a_bh < nbh:
+        a_hv = a_bh % HV
+        a_h = a_hv // (HV // H)
+        a_c, _, a_bos, a_T = chunk_coords(a_t, a_bh, cu_seqlens, chunk_indices, T, HV, BT, IS_VARLEN)
+        a_row0 = a_bos + a_c * BT
+        t = tl.arange(0, BT)
+        m_t = t < tl.minimum(a_T - a_c * BT, BT)
+        o_qk = (a_row0 * H + a_h) * K + a_k * BK
+        o_g = (a_row0 * HV + a_hv) * K + a_k * BK
+        prefetch_rows(q + o_qk, t, H * K, m_t, BK)
+        prefetch_rows(k + o_qk, t, H * K, m_t, BK)
+        prefetch_rows(g + o_g, t, HV * K, m_t, BK)
+        prefetch_rows(dq + o_g, t, HV * K, m_t, BK)
+        prefetch_rows(dk + o_g, t, HV * K, m_t, BK)
+        prefetch_rows(dg + o_g, t, HV * K, m_t, BK)
+        o_a = (a_row0 * HV + a_hv) * BT
+        m_a = m_t & (t % nk == a_k)
+        prefetch_rows(dAqk + o_a, t, HV * BT, m_a, BT)
+        prefetch_rows(dAkk + o_a, t, HV * BT, m_a, BT)
+
+
+@triton.jit
 def intra_bwd_wide_kernel(
     q, k, g, beta, dAqk, dAkk, dq, dk, dg,
     dq2, dk2, dg2, db_part,
     g_raw, A_log, dt_bias, dA_part, dbias_part, lower_bound,
-    cu_seqlens, chunk_indices, T, NT_ROWS, NT_ALL,
+    cu_seqlens, chunk_indices, T, NT_ROWS, NT_ALL, AHEAD_N,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BK: tl.constexpr, IS_VARLEN: tl.constexpr, PAIRWISE: tl.constexpr, CHUNK_ANCHOR: tl.constexpr,
-    HALVES: tl.constexpr, PREFETCH: tl.constexpr,
+    HALVES: tl.constexpr, PREFETCH: tl.constexpr, AHEAD: tl.constexpr,
     TAIL: tl.constexpr, HAS_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
 ):
     """B7 on one (K slice, chunk, head), the chunk as one [BT, BK] tile per output; with
@@ -286,6 +320,9 @@ def intra_bwd_wide_kernel(
     B9 (the raw gate's gradient into dg2 in its dtype; dA_log's and dt_bias's per-chunk
     partials into dA_part [NK, NT_ALL, HV] and dbias_part [NT_ALL, HV, K])."""
     i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if AHEAD:  # the tiles of the program a wave later, into L2 before this one's loads
+        _prefetch_ahead(q, k, g, dAqk, dAkk, dq, dk, dg, cu_seqlens, chunk_indices, T, AHEAD_N,
+                        H, HV, K, BT, BK, IS_VARLEN)
     i_hv = i_bh % HV
     i_h = i_hv // (HV // H)
     i_c, i_tg, bos, T = chunk_coords(i_t, i_bh, cu_seqlens, chunk_indices, T, HV, BT, IS_VARLEN)
@@ -423,8 +460,14 @@ DEFAULT_CONFIG = dict(BK=32, num_warps=4, num_stages=1)
 # every diagonal pairwise (the guard's other path). The others are kept for the tests, which
 # hold each tier to the others bit for bit where they take the same path, and for the
 # bench's sweep.
-DESIGNS = ("wide", "wide-pairwise", "wide-chunk", "wide-halves", "wide-halves-pf")
+DESIGNS = ("wide", "wide-pairwise", "wide-chunk", "wide-halves", "wide-halves-pf", "wide-halves-pfa",
+           "wide-halves-pfa2")
 PIN = "wide-halves-pf"
+# ``wide-halves-pfa`` also asks L2, at the program's start, for the tiles of the program one
+# wave of resident programs later (``_prefetch_ahead``); ``-pfa2`` two waves later.
+AHEAD_WAVES = {"wide-halves-pfa": 1, "wide-halves-pfa2": 2}
+# programs an SM at the pinned build (255 registers, 4 warps: two CTAs of 128 threads)
+RESIDENT_PER_SM = 2
 
 
 def design_flags(design: str) -> dict:
@@ -433,7 +476,18 @@ def design_flags(design: str) -> dict:
     if design not in DESIGNS:
         raise ValueError(f"unknown B7 design {design!r}")
     return dict(PAIRWISE=design == "wide-pairwise", CHUNK_ANCHOR=design.startswith(("wide-chunk", "wide-halves")),
-                HALVES=design.startswith("wide-halves"), PREFETCH=design.endswith("-pf"))
+                HALVES=design.startswith("wide-halves"), PREFETCH=design.endswith(("-pf", "-pfa", "-pfa2")),
+                AHEAD=design in AHEAD_WAVES)
+
+
+def _ahead_n(design: str, device) -> int:
+    """How many launch places ahead ``_prefetch_ahead`` reaches: the design's waves of
+    resident programs (0 without it)."""
+    waves = AHEAD_WAVES.get(design, 0)
+    if not waves:
+        return 0
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    return waves * RESIDENT_PER_SM * sms
 
 
 def _launch_args(design, tensors: dict, chunk_size, cu_seqlens, chunk_indices, BK, num_warps, num_stages,
@@ -451,7 +505,7 @@ def _launch_args(design, tensors: dict, chunk_size, cu_seqlens, chunk_indices, B
     return dict(
         q=q, k=k, g=gc, beta=tensors["beta"], dAqk=tensors["dAqk"], dAkk=tensors["dAkk"], dq=tensors["dq"],
         dk=tensors["dk"], dg=tensors["dg"], dq2=dq2, dk2=torch.empty_like(dq2), dg2=torch.empty_like(dq2),
-        cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, T=T, H=H, HV=HV, K=K, BT=chunk_size, BC=BC,
+        cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, T=T, AHEAD_N=_ahead_n(design, k.device), H=H, HV=HV, K=K, BT=chunk_size, BC=BC,
         BK=BK or min(cfg["BK"], triton.next_power_of_2(K)), IS_VARLEN=cu_seqlens is not None,
         **flags,
         num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"],
