@@ -320,12 +320,13 @@ def test_b7_matches_fla_stage(shape):
 
 
 def test_b7_prefetch_changes_no_bit():
-    """The pin (wide-halves-pf) asks L2 for the epilogue's incoming tiles early, and the -pfa
-    designs also for the tiles of the program a wave later, hints only: their outputs equal
-    wide-halves' bit for bit, alone and with the tail (b8, the chain's gate)."""
+    """The pin (wide-halves-pf) asks L2 for the epilogue's incoming tiles early, a hint only,
+    and its variants (intra_bwd.VARIANTS) add hints or read the same dA values another way:
+    their outputs equal wide-halves' bit for bit, alone and with the tail (b8, the chain's
+    gate)."""
     from kernel_fun.bench import stage_b7, stage_b7b9
 
-    hinted = (intra_bwd.PIN, *sorted(intra_bwd.AHEAD_WAVES))
+    hinted = (intra_bwd.PIN, *sorted(intra_bwd.VARIANTS))
     inputs = stage_b7.make_inputs(problem("b8"), "cuda", seed=2)
     plain = intra_bwd.intra_bwd(**inputs, design="wide-halves")
     for d in hinted:

@@ -46,9 +46,10 @@ def exact(inputs: dict) -> tuple:
 
 
 # The designs the interpreter tells apart: the pin (wide-halves-pf) is wide-halves with an L2
-# hint, and the -pfa designs the pin with more hints, which the interpreter skips (bit for
-# bit there; the GPU test holds them to each other).
-INTERPRETED = tuple(d for d in intra_bwd.DESIGNS if d != "wide-halves" and d not in intra_bwd.AHEAD_WAVES)
+# hint, which the interpreter skips, and its variants (intra_bwd.VARIANTS) the pin with more
+# hints or the same values read another way: bit for bit the pin's (the test below; on the
+# GPU test_gpu.py holds them to each other).
+INTERPRETED = tuple(d for d in intra_bwd.DESIGNS if d != "wide-halves" and d not in intra_bwd.VARIANTS)
 
 
 def check(inputs: dict, bound: float = 1e-5, designs=INTERPRETED) -> dict:
@@ -109,17 +110,19 @@ def test_outputs_are_fresh_and_inputs_untouched(design):
         assert all(a.data_ptr() != t.data_ptr() for t in before.values())
 
 
-@pytest.mark.parametrize("design", sorted(intra_bwd.AHEAD_WAVES))
-def test_prefetch_ahead_designs_run_and_equal_the_pin(design):
-    """The -pfa designs locate the program a wave later (its chunk from fla's chunk index on
-    packed sequences, none past the grid's end) and only hint at its tiles: the interpreter
-    runs that arithmetic and skips the hint, so the outputs are the pin's bit for bit."""
+@pytest.mark.parametrize("design", sorted(intra_bwd.VARIANTS))
+def test_variants_of_the_pin_equal_it_bit_for_bit(design):
+    """The pin's variants: -pfa locates the program a wave later (its chunk from fla's chunk
+    index on packed sequences, none past the grid's end) and only hints at its tiles, which
+    the interpreter skips; -pft reads the chunk tier's transposed dA tiles from memory, the
+    same values into the same dots. Outputs the pin's bit for bit, on chunks of every tier."""
     for p in (SHAPES[1], SHAPES[5]):
         inputs = stage_inputs(p)
         pin = intra_bwd.intra_bwd(**inputs)
         got = intra_bwd.intra_bwd(**inputs, design=design)
         assert all(torch.equal(a, b) for a, b in zip(pin, got)), (p.name, design)
-    assert intra_bwd._ahead_n(design, torch.device("cpu")) == intra_bwd.AHEAD_WAVES[design] * 2 * 132
+    waves = intra_bwd.VARIANTS[design].get("AHEAD", 0)
+    assert intra_bwd._ahead_n(design, torch.device("cpu")) == waves * 2 * 132
     assert intra_bwd._ahead_n(intra_bwd.PIN, torch.device("cpu")) == 0
 
 

@@ -17,6 +17,7 @@ import sys
 import torch
 
 from kernel_fun.bench.stage import StageBench, main as _stage_main, qk_and_gate
+from kernel_fun.kda.kernels import intra_bwd
 from kernel_fun.kda.kernels.intra_bwd import PIN
 
 # The configs worth timing (the note at intra_bwd.DEFAULT_CONFIG): the pin (wide-halves-pf:
@@ -24,10 +25,11 @@ from kernel_fun.kda.kernels.intra_bwd import PIN
 # asked of L2 at the start), the same without the prefetch (wide-halves) at its build and at
 # 16-channel slices (no spills, twice the programs), and the designs without a tier each:
 # wide-chunk (no half-chunk tier), wide (the per-block form only) and wide-pairwise (every
-# diagonal pairwise: what a saturated gate costs).
+# diagonal pairwise: what a saturated gate costs); the pin's variants (intra_bwd.VARIANTS).
 _B = dict(BK=32, num_warps=4, num_stages=1)
 _B16 = dict(BK=16, num_warps=4, num_stages=1)
-SWEEP = {"wide-halves-pf": [_B], "wide-halves": [_B, _B16], "wide-chunk": [_B], "wide": [_B], "wide-pairwise": [_B]}
+SWEEP = {"wide-halves-pf": [_B], "wide-halves": [_B, _B16], "wide-chunk": [_B], "wide": [_B], "wide-pairwise": [_B],
+         **{d: [_B] for d in intra_bwd.VARIANTS}}
 
 
 def b7_reads(p) -> int:
@@ -76,14 +78,10 @@ def _exact(**inputs):
 
 
 def _ours(inputs, design, config):
-    from kernel_fun.kda.kernels import intra_bwd
-
     return intra_bwd.intra_bwd(**inputs, **(config or intra_bwd.DEFAULT_CONFIG), design=design)
 
 
 def _launch_config(p, design, overrides):
-    from kernel_fun.kda.kernels import intra_bwd
-
     if design not in intra_bwd.DESIGNS:
         raise ValueError(f"unknown B7 design {design!r}")
     return {**intra_bwd.DEFAULT_CONFIG, **(overrides or {})}

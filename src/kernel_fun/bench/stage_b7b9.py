@@ -17,11 +17,12 @@ import torch
 from kernel_fun.bench import stage_b7
 from kernel_fun.bench.stage import StageBench
 from kernel_fun.bench.stage import main as _stage_main
+from kernel_fun.kda.kernels import intra_bwd
 from kernel_fun.kda.kernels.intra_bwd import PIN
 
-# the pin (wide-halves-pf), the same without the prefetch, and the form without the
-# half-chunk tier, at the same build
-SWEEP = {d: [stage_b7.SWEEP[d][0]] for d in ("wide-halves-pf", "wide-halves", "wide-chunk")}
+# the pin (wide-halves-pf), the same without the prefetch, the form without the half-chunk
+# tier, and the pin's variants (intra_bwd.VARIANTS), at the same build
+SWEEP = {d: [stage_b7.SWEEP[d][0]] for d in ("wide-halves-pf", "wide-halves", "wide-chunk", *intra_bwd.VARIANTS)}
 
 
 def b7b9_bytes(p) -> int:
@@ -57,8 +58,6 @@ def _exact(**inputs):
 
 
 def _ours(inputs, design, config):
-    from kernel_fun.kda.kernels import intra_bwd
-
     return intra_bwd.intra_bwd_tail(**inputs, **(config or intra_bwd.DEFAULT_CONFIG), design=design)
 
 

@@ -232,7 +232,7 @@ def _wide_diag_step(jj, q, k, g, beta, dAqk, dAkk, n_t, g_c, pair, o_k, m_k, acc
 
 @triton.jit
 def _chunk_sums(q, k, g, beta, dAqk, dAkk, n_t, t, g_c, gm, o_k, m_k,
-                HV: tl.constexpr, BT: tl.constexpr, SK: tl.constexpr, SG: tl.constexpr):
+                HV: tl.constexpr, BT: tl.constexpr, SK: tl.constexpr, SG: tl.constexpr, READ_T: tl.constexpr):
     """B7's three sums through one anchor for the whole chunk, its middle row gm (the caller
     checked every factor exp2(+-(g - gm)) within 2^GUARD_SPAN): each role one [BT, BT] x
     [BT, BK] dot per dA, the factor's other half applied once after."""
@@ -248,14 +248,26 @@ def _chunk_sums(q, k, g, beta, dAqk, dAkk, n_t, t, g_c, gm, o_k, m_k,
     strict = m_2 & (t[:, None] > t[None, :])
     p_A = t[:, None] * (HV * BT) + t[None, :]
     kx = k_c * up
-    # each dA tile read once, along its rows, for both roles: the column role's from it
-    # transposed on chip ([s, r]); one tile live at a time
-    a = tl.load(dAqk + p_A, mask=lower, other=0)
-    acc_q = down * dot3(a, kx)
-    acc_c = dot3(tl.trans(a), q_c * down)
-    a = tl.load(dAkk + p_A, mask=strict, other=0)
-    acc_kr = down * dot3(a, kx)
-    acc_c = up * dot3(tl.trans(a), (b_c[:, None] * k_c) * down, acc_c)
+    if READ_T:
+        # the row role of both tiles first, then the column role's transposed tiles read as
+        # such ([s, r], from lines the row role just brought into L1): each tile's split
+        # halves die after its row dot
+        a = tl.load(dAqk + p_A, mask=lower, other=0)
+        acc_q = down * dot3(a, kx)
+        a = tl.load(dAkk + p_A, mask=strict, other=0)
+        acc_kr = down * dot3(a, kx)
+        p_T = t[None, :] * (HV * BT) + t[:, None]
+        acc_c = dot3(tl.load(dAqk + p_T, mask=tl.trans(lower), other=0), q_c * down)
+        acc_c = up * dot3(tl.load(dAkk + p_T, mask=tl.trans(strict), other=0), (b_c[:, None] * k_c) * down, acc_c)
+    else:
+        # each dA tile read once, along its rows, for both roles: the column role's from it
+        # transposed on chip ([s, r]); one tile live at a time
+        a = tl.load(dAqk + p_A, mask=lower, other=0)
+        acc_q = down * dot3(a, kx)
+        acc_c = dot3(tl.trans(a), q_c * down)
+        a = tl.load(dAkk + p_A, mask=strict, other=0)
+        acc_kr = down * dot3(a, kx)
+        acc_c = up * dot3(tl.trans(a), (b_c[:, None] * k_c) * down, acc_c)
     return acc_q, acc_kr, acc_c
 
 
@@ -312,7 +324,7 @@ def intra_bwd_wide_kernel(
     cu_seqlens, chunk_indices, T, NT_ROWS, NT_ALL, AHEAD_N,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BK: tl.constexpr, IS_VARLEN: tl.constexpr, PAIRWISE: tl.constexpr, CHUNK_ANCHOR: tl.constexpr,
-    HALVES: tl.constexpr, PREFETCH: tl.constexpr, AHEAD: tl.constexpr,
+    HALVES: tl.constexpr, PREFETCH: tl.constexpr, AHEAD: tl.constexpr, READ_T: tl.constexpr,
     TAIL: tl.constexpr, HAS_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
 ):
     """B7 on one (K slice, chunk, head), the chunk as one [BT, BK] tile per output; with
@@ -374,7 +386,8 @@ def intra_bwd_wide_kernel(
     else:
         halves: tl.constexpr = False
     if whole:
-        acc_q, acc_kr, acc_c = _chunk_sums(q, k, g, beta, dAqk, dAkk, n_t, t, g_c, gm, o_k, m_k, HV, BT, SK, SG)
+        acc_q, acc_kr, acc_c = _chunk_sums(q, k, g, beta, dAqk, dAkk, n_t, t, g_c, gm, o_k, m_k, HV, BT, SK, SG,
+                                           READ_T)
     elif halves:
         acc_q = tl.zeros([BT, BK], dtype=tl.float32)
         acc_kr = tl.zeros([BT, BK], dtype=tl.float32)
@@ -460,12 +473,15 @@ DEFAULT_CONFIG = dict(BK=32, num_warps=4, num_stages=1)
 # every diagonal pairwise (the guard's other path). The others are kept for the tests, which
 # hold each tier to the others bit for bit where they take the same path, and for the
 # bench's sweep.
-DESIGNS = ("wide", "wide-pairwise", "wide-chunk", "wide-halves", "wide-halves-pf", "wide-halves-pfa",
-           "wide-halves-pfa2")
+# The pin with more switches, candidates: ``-pfa`` also asks L2, at the program's start, for
+# the tiles of the program one wave of resident programs later (``_prefetch_ahead``), ``-pfa2``
+# two waves later; ``-pft`` has the chunk tier read the column role's transposed dA tiles from
+# memory (L1) after both row dots instead of transposing each tile on chip (sm_90a: 76 B of
+# spills against 144, 8,504 instructions); ``-pfat`` both.
+VARIANTS = {"wide-halves-pfa": dict(AHEAD=1), "wide-halves-pfa2": dict(AHEAD=2), "wide-halves-pft": dict(READ_T=True),
+            "wide-halves-pfat": dict(AHEAD=1, READ_T=True)}
+DESIGNS = ("wide", "wide-pairwise", "wide-chunk", "wide-halves", "wide-halves-pf", *VARIANTS)
 PIN = "wide-halves-pf"
-# ``wide-halves-pfa`` also asks L2, at the program's start, for the tiles of the program one
-# wave of resident programs later (``_prefetch_ahead``); ``-pfa2`` two waves later.
-AHEAD_WAVES = {"wide-halves-pfa": 1, "wide-halves-pfa2": 2}
 # programs an SM at the pinned build (255 registers, 4 warps: two CTAs of 128 threads)
 RESIDENT_PER_SM = 2
 
@@ -475,15 +491,17 @@ def design_flags(design: str) -> dict:
     compile report's)."""
     if design not in DESIGNS:
         raise ValueError(f"unknown B7 design {design!r}")
-    return dict(PAIRWISE=design == "wide-pairwise", CHUNK_ANCHOR=design.startswith(("wide-chunk", "wide-halves")),
-                HALVES=design.startswith("wide-halves"), PREFETCH=design.endswith(("-pf", "-pfa", "-pfa2")),
-                AHEAD=design in AHEAD_WAVES)
+    extra = VARIANTS.get(design, {})
+    base = PIN if extra else design
+    return dict(PAIRWISE=base == "wide-pairwise", CHUNK_ANCHOR=base.startswith(("wide-chunk", "wide-halves")),
+                HALVES=base.startswith("wide-halves"), PREFETCH=base == PIN, AHEAD=bool(extra.get("AHEAD")),
+                READ_T=bool(extra.get("READ_T")))
 
 
 def _ahead_n(design: str, device) -> int:
     """How many launch places ahead ``_prefetch_ahead`` reaches: the design's waves of
     resident programs (0 without it)."""
-    waves = AHEAD_WAVES.get(design, 0)
+    waves = VARIANTS.get(design, {}).get("AHEAD", 0)
     if not waves:
         return 0
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
