@@ -502,6 +502,72 @@ def test_fused_prep_matches_fla_f1_f2_f3_f6(p):
 
 
 # --------------------------------------------------------------------------------------
+# F1, F2 and F4 in one kernel, fla's F5 and F6 after it: the F1-F6 unit (a candidate)
+# --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("p", SMALL + [FLAGGED[1], FLAGGED[2], PROD], ids=lambda p: p.name)
+@pytest.mark.parametrize("gates", ["kimi", "strong"])
+def test_diag_unit_matches_fla_f1_f2_f3_f6(p, gates):
+    """The F1-F6 unit on the F1-F4 kernel (diag_fwd.prep_f1_f6) from the raw q, k and gate,
+    against fla's F1, F2 and F3-F6 on the same inputs (T=500 with h0, packed sequences,
+    safe_gate, disable_recompute's qg, prod8192_gate; gates strong enough that every block
+    goes pairwise): the normalized q and k, their rstds and the cumsum within 2e-3 of fla's;
+    w, u, kg, Aqk and Akk_inv through F3-F6's bars against fla's stage and the float64 stage."""
+    from kernel_fun.bench import stage_f3f6
+    from kernel_fun.kda.chain import _fla_prep
+    from kernel_fun.kda.kernels import diag_fwd
+
+    if gates == "strong" and (p.safe_gate or p is PROD):
+        pytest.skip("safe_gate bounds the gate; the strong gate is covered at the small shapes")
+    kwargs = make_inputs(p, device="cuda", seed=18, requires_grad=False)
+    if gates == "strong":
+        kwargs["g"] = kwargs["g"] * 8 + 12
+    with torch.no_grad(), use_impls("fla"), capture_stages() as log:
+        chunk_kda(**kwargs)
+    (f36,) = [x for name, _, x, _ in log if name == "F3-F6"]
+    unit = dict(q=kwargs["q"], k=kwargs["k"], v=f36["v"], g=kwargs["g"], beta=f36["beta"], A_log=kwargs.get("A_log"),
+                dt_bias=kwargs.get("dt_bias"), lower_bound=p.lower_bound, use_gate_in_kernel=p.gate_in_kernel,
+                use_qk_l2norm_in_kernel=p.l2norm_in_kernel, scale=f36["scale"], safe_gate=p.safe_gate,
+                disable_recompute=p.disable_recompute, chunk_size=64, cu_seqlens=f36["cu_seqlens"],
+                chunk_indices=f36["chunk_indices"])
+    ours, theirs = diag_fwd.prep_f1_f6(**unit), _fla_prep(**unit)
+    assert all(torch.isfinite(t).all() for t in ours if t is not None)
+    errors = stage_errors("F1-F6", ours, theirs, cu_seqlens=f36["cu_seqlens"])
+    print(p.name, gates, "diag unit vs fla F1+F2+F3-F6", errors)
+    f12 = {n: e for n, e in errors.items() if n in ("q", "q_rstd", "k", "k_rstd", "gc")}
+    assert all(e <= 2e-3 for e in f12.values()), f12
+    wy = (ours[5], ours[6], ours[7], ours[8], ours[9], ours[10])  # w, u, kg, Aqk, Akk_inv, qg
+    misses = _stage_verdict(stage_f3f6.BENCH, f36, wy, f"{p.name} {gates} diag")
+    assert not misses, misses
+
+
+def test_diag_unit_launch_witness_in_the_whole_op(monkeypatch):
+    """The candidate registered as F1-F6 in the whole op at b8: the record shows the unit,
+    the F1-F4 kernel ran and fla's F1 and F4 kernels did not (F5 and F6 are fla's), and the
+    result tracks fla's chunk_kda."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from conftest import register_for_test
+    from kernel_fun.kda import reference as ref
+    from kernel_fun.kda.kernels import diag_fwd
+
+    register_for_test(monkeypatch, "F1-F6", *diag_fwd.candidate("F1-F6", "diag"))
+    p = SHAPES["b8"]
+    kwargs = make_inputs(p, device="cuda", seed=9)
+    theirs = run_fwd_bwd(_fla(), kwargs, grid=p.dtype)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        ours = run_fwd_bwd(chunk_kda, kwargs, grid=p.dtype)
+        torch.cuda.synchronize()
+    kernels = {evt.name for evt in prof.events() if evt.device_type == torch.autograd.DeviceType.CUDA}
+    record = last_record()
+    assert record.forward["F1-F6"] == "ours" and not {"F1", "F2", "F3-F6"} & set(record.forward), record
+    assert "prep_diag_kernel" in kernels and "chunk_kda_fwd_kernel_inter_solve_fused" in kernels, sorted(kernels)
+    assert not {"l2norm_fwd_kernel", "chunk_kda_fwd_kernel_intra_token_parallel"} & kernels, sorted(kernels)
+    errors = {n: ref.rel_rms(ours[n], theirs[n]) for n in theirs if theirs[n] is not None}
+    print("whole op with the diag unit vs fla", errors)
+    assert all(e <= 5e-3 for e in errors.values()), errors
+
+
+# --------------------------------------------------------------------------------------
 # causal_conv1d against fla's
 # --------------------------------------------------------------------------------------
 CONV_CASES = {  # name: (B, T, D, W, dtype, bias, residual, h0, seqlens)

@@ -163,6 +163,19 @@ def b7_report(K: int, H: int, HV: int, BK: int, num_warps: int, num_stages: int,
     return compile_sm90(intra_bwd.intra_bwd_wide_kernel, types, constexprs, num_warps, num_stages, maxnreg)
 
 
+def diag_report(K: int, H: int, HV: int, BKS: int, num_warps: int, num_stages: int, dtype: str = "bf16",
+                maxnreg: int | None = None) -> dict:
+    """The F1-F4 kernel (kda/kernels/diag_fwd.py) at dense sequences, with the l2norm and the
+    softplus gate with dt_bias."""
+    from kernel_fun.kda.kernels import diag_fwd
+
+    types = {n: _PTR[dtype] for n in ("q_raw", "k_raw", "g_raw", "beta", "q", "k", "Aqk")}
+    types.update({n: "*fp32" for n in ("A_log", "dt_bias", "q_rstd", "k_rstd", "gc", "Akkd")}, lower_bound="fp32")
+    constexprs = dict(cu_seqlens=None, chunk_indices=None, H=H, HV=HV, K=K, BT=64, BC=diag_fwd.BC, BKS=BKS,
+                      IS_VARLEN=False, L2NORM=True, GATE=2, HAS_BIAS=True, PAIRWISE=False)
+    return compile_sm90(diag_fwd.prep_diag_kernel, types, constexprs, num_warps, num_stages, maxnreg)
+
+
 def prep_report(K: int, V: int, H: int, HV: int, BKS: int, BV: int, num_warps: int, num_stages: int,
                 fused: bool = False, dtype: str = "bf16") -> dict:
     """The F3-F6 kernel (kda/kernels/prep_fwd.py) at dense sequences; ``fused`` with F1 and
@@ -235,6 +248,8 @@ def main(argv=None):
                 if design.startswith("cconv-"):  # --BV its channel strip
                     row.update(cconv_report(args.V if args.V != 256 else 2048, BV, warps,
                                             backward=design == "cconv-bwd"))
+                elif design == "diag":  # --BV its K slice
+                    row.update(diag_report(args.K, args.H, args.HV, BV, warps, stages, maxnreg=args.maxnreg))
                 elif design in ("prep", "prep-fused"):
                     row.update(prep_report(args.K, args.V, args.H, args.HV, args.bks, BV, warps, stages,
                                            fused=design == "prep-fused"))

@@ -119,6 +119,18 @@ PREP_VS_FLA = dict.fromkeys(PREP_OUTPUTS, ref.BUDGETS["o"])
 PREP_BUDGETS = dict.fromkeys(PREP_OUTPUTS, ref.BUDGETS["o"])
 
 
+# The F1-F6 unit: F3-F6's bars for its outputs, and for the normalized rows, their rstds and
+# the gate's cumsum 2e-3 against fla's (a bf16 value one unit off in its last place) and o's
+# budget against the float64 stages.
+UNIT_VS_FLA = {**PREP_VS_FLA, **dict.fromkeys(("q", "q_rstd", "k", "k_rstd", "gc"), 2e-3)}
+UNIT_BUDGETS = {**PREP_BUDGETS, **dict.fromkeys(("q", "q_rstd", "k", "k_rstd", "gc"), ref.BUDGETS["o"])}
+
+
+def unit_misses(vs_exact: dict, baseline_exact: dict, vs_fla: dict | None = None) -> dict[str, tuple]:
+    """The F1-F6 unit's misses (``bar_misses``)."""
+    return bar_misses(vs_exact, baseline_exact, vs_fla, UNIT_VS_FLA, UNIT_BUDGETS)
+
+
 def prep_misses(vs_exact: dict, baseline_exact: dict, vs_fla: dict | None = None) -> dict[str, tuple]:
     """The F3-F6 unit's misses (``bar_misses``): ``PREP_VS_FLA`` against fla's stage,
     ``PREP_BUDGETS`` against the float64 stage."""

@@ -377,7 +377,16 @@ def gate_cumsum(
 
 
 # F3-F6: intra-chunk scores, their solve, and the WY vectors ---------------------------------
-def _intra_dense(q, k, gc, beta, scale, BT, exact=False):
+def _diag_blocks(x: torch.Tensor, BT: int, BC: int = 16) -> torch.Tensor:
+    """``[B, HV, NT, BT, BC]`` rows in block-local columns -> ``[B, HV, NT, BT, BT]`` with each
+    row's values at its own block's columns (0 elsewhere)."""
+    r = torch.arange(BT, device=x.device)
+    col = ((r // BC) * BC)[:, None] + torch.arange(BC, device=x.device)[None, :]
+    full = x.new_zeros(*x.shape[:4], BT)
+    return full.scatter_(-1, col.expand(*x.shape[:3], BT, BC), x)
+
+
+def _intra_dense(q, k, gc, beta, scale, BT, exact=False, Aqk_diag=None, Akk_diag=None):
     B, T, H, K = q.shape
     HV = gc.shape[2]
     f = (lambda x: x.double()) if exact else (lambda x: x.float())
@@ -395,6 +404,11 @@ def _intra_dense(q, k, gc, beta, scale, BT, exact=False):
         Aqk[:, :, sl] = scale * torch.einsum("bhnrk,bhnsk,bhnrsk->bhnrs", qc[:, :, sl], kc[:, :, sl], E)
         kk = torch.einsum("bhnrk,bhnsk,bhnrsk->bhnrs", kc[:, :, sl], kc[:, :, sl], E)
         Akk[:, :, sl] = torch.where(m_strict[sl], kk * bc[:, :, sl, :, None], 0.0)
+    if Aqk_diag is not None:  # F5 on given diagonal blocks (F4's): the blocks replaced by them
+        r = torch.arange(BT, device=q.device)
+        same = (r[:, None] // 16) == (r[None, :] // 16)
+        Aqk = torch.where(same & m_incl, _diag_blocks(to_chunks(f(Aqk_diag), BT), BT), Aqk)
+        Akk = torch.where(same & m_strict, _diag_blocks(to_chunks(f(Akk_diag), BT), BT), Akk)
     eye = torch.eye(BT, device=q.device, dtype=Akk.dtype)
     Akk_inv = torch.linalg.solve_triangular(eye + Akk, eye.expand_as(Akk), upper=False, unitriangular=True)
     Akk_inv = Akk_inv * m_incl.to(Akk_inv.dtype)  # rows/columns of padding rows are not tokens
@@ -412,17 +426,37 @@ def intra_scores(
     chunk_size: int = CHUNK,
     cu_seqlens: torch.Tensor | None = None,
     exact: bool = False,
+    Aqk_diag: torch.Tensor | None = None,
+    Akk_diag: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """F3-F5: ``Aqk`` (scaled, s <= r; 0 above) and ``Akk_inv = (I + Akk)^-1`` (lower, unit
     diagonal), both ``[B, T, HV, BT]`` in k.dtype, with
     ``Akk[r, s] = beta_r * sum_i k_ri k_si exp2(gc_ri - gc_si)`` for s < r. ``exact=True``:
-    float64 throughout, returned unrounded."""
+    float64 throughout, returned unrounded. With ``Aqk_diag`` ([B, T, HV, BT] whose rows hold
+    their 16-row block's entries at the block's columns) and ``Akk_diag`` ([B, T, HV, 16],
+    block-local columns), F5 alone on those diagonal blocks (F4's, as fla's F5 takes them):
+    the off-diagonal blocks computed, the solve on the given diagonal."""
+    if Aqk_diag is not None:  # block-local columns, as Akk_diag's
+        Aqk_diag = local_blocks(Aqk_diag, chunk_size, cu_seqlens)
     if cu_seqlens is not None:
         return per_sequence(
-            _intra_dense, cu_seqlens, dict(q=q, k=k, gc=gc, beta=beta, scale=scale, BT=chunk_size, exact=exact),
-            {"q": "token", "k": "token", "gc": "token", "beta": "token"}, ("token", "token"), chunk_size,
+            _intra_dense, cu_seqlens, dict(q=q, k=k, gc=gc, beta=beta, scale=scale, BT=chunk_size, exact=exact,
+                                           Aqk_diag=Aqk_diag, Akk_diag=Akk_diag),
+            {"q": "token", "k": "token", "gc": "token", "beta": "token", "Aqk_diag": "token", "Akk_diag": "token"},
+            ("token", "token"), chunk_size,
         )
-    return _intra_dense(q, k, gc, beta, scale, chunk_size, exact)
+    return _intra_dense(q, k, gc, beta, scale, chunk_size, exact, Aqk_diag, Akk_diag)
+
+
+def local_blocks(A: torch.Tensor, BT: int, cu_seqlens: torch.Tensor | None, BC: int = 16) -> torch.Tensor:
+    """``[B, T, HV, BT]`` rows -> each row's own 16-row block's columns, ``[B, T, HV, BC]``
+    (chunks restart at every sequence)."""
+    T = A.shape[1]
+    t = torch.arange(T, device=A.device)
+    if cu_seqlens is not None:
+        t = t - cu_seqlens[torch.searchsorted(cu_seqlens, t, right=True) - 1]
+    col = ((t % BT) // BC * BC)[:, None] + torch.arange(BC, device=A.device)[None, :]
+    return torch.gather(A, 3, col.view(1, T, 1, BC).expand(A.shape[0], T, A.shape[2], BC))
 
 
 def _wy_dense(k, v, beta, A, gc, q, BT, exact=False):

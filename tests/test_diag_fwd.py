@@ -1,0 +1,278 @@
+"""F1, F2 and F4 in one kernel (kda/kernels/diag_fwd.py) through the interpreter, on the
+inputs the reference chain gives those stages: the normalized rows, their rstds and the
+gate's cumsum against the reference stages, the diagonal blocks against a float64 sum on
+the kernel's own rows; K 64, 128 and 100, T not a multiple of 64, GVA, packed sequences,
+fp16 and fp32, the softplus, lower-bounded and pre-computed gates, weak and very strong
+gates (the blocks past the guard go pairwise)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from conftest import DEVICE, chain_problems, needs_triton, register_for_test
+from kernel_fun.kda import chunk_kda
+from kernel_fun.kda import reference as ref
+from kernel_fun.kda.kernels import diag_fwd
+from kernel_fun.kda.problems import Problem, make_inputs, run_fwd_bwd
+from kernel_fun.kda.stages import capture_stages, use_impls
+
+pytestmark = needs_triton
+GUARD = float(diag_fwd.GUARD_SPAN.value)
+
+SHAPES = [
+    Problem("T63-K64", 2, 63, 2, 2, 64, 16),
+    Problem("T130-K128-gva", 1, 130, 1, 2, 128, 16),
+    Problem("T70-K100-fp16", 1, 70, 2, 2, 100, 16, dtype=torch.float16),
+    Problem("varlen-K64-gva", 1, 150, 1, 2, 64, 16, cu_seqlens=(0, 1, 65, 150)),
+    Problem("T100-K64-lower-bound", 1, 100, 2, 2, 64, 16, lower_bound=-5.0, safe_gate=True),
+    Problem("T80-K64-pregated-fp32", 1, 80, 2, 2, 64, 16, gate_in_kernel=False, dtype=torch.float32),
+]
+
+
+def unit_inputs(p: Problem, gate_scale: float = 1.0, gate_shift: float = 0.0):
+    """The F1-F4 kernel's arguments from the reference chain's F1, F2 and F3-F6 inputs, and
+    those stages' outputs: (kwargs, F1's (q, q_rstd, k, k_rstd), F2's gc)."""
+    kw = make_inputs(p, device=DEVICE, seed=3, requires_grad=False)
+    kw["g"] = kw["g"] * gate_scale + gate_shift
+    with torch.no_grad(), use_impls("reference"), capture_stages() as log:
+        chunk_kda(**kw)
+    runs = {name: (x, out) for name, _, x, out in log if name in ("F1", "F2", "F3-F6")}
+    (f2, gc), (f36, _) = runs["F2"], runs["F3-F6"]
+    f1, f1_out = runs["F1"]
+    args = dict(q=f1["q"], k=f1["k"], g=f2["g"], beta=f36["beta"], A_log=f2["A_log"], dt_bias=f2["dt_bias"],
+                lower_bound=f2["lower_bound"], use_gate_in_kernel=f2["use_gate_in_kernel"],
+                use_qk_l2norm_in_kernel=True, scale=f36["scale"], chunk_size=f36["chunk_size"],
+                cu_seqlens=f36["cu_seqlens"], chunk_indices=f36["chunk_indices"])
+    return args, f1_out, gc
+
+
+def exact_blocks(q, k, gc, beta, scale, cu_seqlens, BT: int = 64, BC: int = 16):
+    """The diagonal 16x16 blocks in float64 from the given rows: (Aqk's [B, T, HV, 16] with
+    s <= r, scaled; Akk's with s < r, times beta_r), in each row's block-local columns."""
+    B, T, H, K = q.shape
+    HV = gc.shape[2]
+    G = HV // H
+    qf, kf = (x.double().repeat_interleave(G, dim=2) for x in (q, k))
+    gf, bf = gc.double(), beta.double()
+    a_q = torch.zeros(B, T, HV, BC, dtype=torch.float64, device=q.device)
+    a_k = torch.zeros_like(a_q)
+    bounds = [(0, T)] if cu_seqlens is None else list(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()))
+    for lo, hi in bounds:
+        for c in range(lo, hi, BT):
+            for st in range(c, min(c + BT, hi), BC):
+                en = min(st + BC, hi)
+                dec = torch.exp2(gf[:, st:en, None] - gf[:, None, st:en])  # [B, r, s, HV, K]
+                sq = torch.einsum("brhk,bshk,brshk->brhs", qf[:, st:en], kf[:, st:en], dec)
+                sk = torch.einsum("brhk,bshk,brshk->brhs", kf[:, st:en], kf[:, st:en], dec)
+                n = en - st
+                pos = torch.arange(n, device=q.device)
+                low = (pos[None, :] <= pos[:, None]).view(1, n, 1, n)
+                strict = (pos[None, :] < pos[:, None]).view(1, n, 1, n)
+                a_q[:, st:en, :, :n] = torch.where(low, sq * scale, 0.0)
+                a_k[:, st:en, :, :n] = torch.where(strict, sk * bf[:, st:en, :, None], 0.0)
+    return a_q, a_k
+
+
+def local_blocks(Aqk: torch.Tensor, cu_seqlens) -> torch.Tensor:
+    return ref.local_blocks(Aqk, 64, cu_seqlens)
+
+
+def check(args, f1_out, gc_ref, pairwise: bool = False, bound: float = 1e-5):
+    qn, q_rstd, kn, k_rstd, gc, Aqk, Akkd = diag_fwd.prep_diag(**args, pairwise=pairwise)
+    want_q, want_qr, want_k, want_kr = f1_out
+    # F1 and F2 as the reference stages form them (a sum in another order can move a rounded
+    # value by one unit in the last place)
+    for got, want in ((qn, want_q), (kn, want_k)):
+        assert got.dtype == want.dtype
+        if got.dtype == torch.float32:
+            assert ref.rel_rms(got, want) <= 1e-6
+        else:
+            assert ref.rel_rms(got, want) <= 1e-3 and (got != want).float().mean() <= 0.01
+    assert ref.rel_rms(q_rstd, want_qr) <= 1e-6 and ref.rel_rms(k_rstd, want_kr) <= 1e-6
+    assert ref.rel_rms(gc, gc_ref) <= 1e-6
+    # the blocks, against float64 on the kernel's own rows
+    cu = args["cu_seqlens"]
+    e_q, e_k = exact_blocks(qn, kn, gc, args["beta"], args["scale"], cu)
+    got_q = local_blocks(Aqk, cu).double()
+    rounding = 0 if Aqk.dtype == torch.float32 else 4e-3  # Aqk in the input dtype
+    err = {"Aqk": ref.rel_rms(got_q, e_q), "Akkd": ref.rel_rms(Akkd.double(), e_k)}
+    assert torch.isfinite(got_q).all() and torch.isfinite(Akkd).all()  # (off the blocks Aqk is left for F5)
+    assert err["Aqk"] <= max(bound, rounding) and err["Akkd"] <= bound, err
+    # zero above the diagonal inside a block
+    r_in = local_row(Aqk.shape[1], cu, Aqk.device)
+    pos = torch.arange(16, device=Aqk.device)
+    assert not (got_q * (pos[None, :] > r_in[:, None]).view(1, -1, 1, 16)).any()
+    assert not (Akkd * (pos[None, :] >= r_in[:, None]).view(1, -1, 1, 16)).any()
+    # zeros past the row's block: Aqk's only unwritten entries are the blocks below (F5's)
+    col = torch.arange(64, device=Aqk.device)
+    upper = (col[None, :] >= (r_in_chunk(Aqk.shape[1], cu, Aqk.device) // 16 * 16 + 16)[:, None]).view(1, -1, 1, 64)
+    assert (torch.where(upper, Aqk, 0) == 0).all()
+    return err
+
+
+def r_in_chunk(T: int, cu_seqlens, device) -> torch.Tensor:
+    """Each token's row inside its 64-token chunk (chunks restart at every sequence)."""
+    t = torch.arange(T, device=device)
+    if cu_seqlens is not None:
+        t = t - cu_seqlens[torch.searchsorted(cu_seqlens, t, right=True) - 1]
+    return t % 64
+
+
+def local_row(T: int, cu_seqlens, device) -> torch.Tensor:
+    """Each token's row inside its 16-row block (blocks restart at every sequence)."""
+    t = torch.arange(T, device=device)
+    if cu_seqlens is not None:
+        t = t - cu_seqlens[torch.searchsorted(cu_seqlens, t, right=True) - 1]
+    return t % 16
+
+
+@pytest.mark.parametrize("p", SHAPES, ids=lambda p: p.name)
+def test_kernel_matches_reference_stages(p):
+    check(*unit_inputs(p))
+
+
+@pytest.mark.parametrize("p", [SHAPES[1], SHAPES[3]], ids=lambda p: p.name)
+def test_pairwise_form_matches(p):
+    """Every block pairwise (the guard's other path) on the same inputs."""
+    check(*unit_inputs(p), pairwise=True)
+
+
+def block_spans(gc: torch.Tensor) -> torch.Tensor:
+    """Each (sequence, 16-row block, value head)'s span as the kernel's guard takes it: the
+    largest |g - g_first| over the block's rows and the channels (dense sequences)."""
+    B, T, HV, K = gc.shape
+    return torch.stack([(gc[:, st:st + 16] - gc[:, st:st + 1]).abs().amax(dim=(1, 3)) for st in range(0, T, 16)], 1)
+
+
+def test_the_chain_s_gate_takes_both_paths():
+    """The default gate at T63: some blocks within the guard, some past it (pairwise)."""
+    args, f1_out, gc = unit_inputs(SHAPES[0])
+    spans = block_spans(gc)
+    assert (spans <= GUARD).any() and (spans > GUARD).any()
+    check(args, f1_out, gc)
+
+
+def test_very_strong_gates_go_pairwise_and_stay_exact():
+    """softplus(8x + 12) makes log-decays of 4-28 nats a token: every block's span passes
+    the guard, so the blocks run pairwise; no factor above 1 is formed."""
+    args, f1_out, gc = unit_inputs(SHAPES[0], gate_scale=8.0, gate_shift=12.0)
+    assert (block_spans(gc) > GUARD).all()
+    check(args, f1_out, gc)
+
+
+def test_weak_gates_take_the_anchored_blocks():
+    args, f1_out, gc = unit_inputs(SHAPES[1], gate_scale=1.0, gate_shift=-8.0)
+    assert (block_spans(gc) <= GUARD).all()
+    check(args, f1_out, gc)
+
+
+def test_outputs_are_fresh_and_inputs_untouched():
+    args, _, _ = unit_inputs(SHAPES[0])
+    before = {n: t.clone() for n, t in args.items() if isinstance(t, torch.Tensor)}
+    out = list(diag_fwd.prep_diag(**args))
+    again = list(diag_fwd.prep_diag(**args))
+    for n, t in before.items():
+        assert torch.equal(args[n], t), n
+    for got in (out, again):  # Aqk: its diagonal blocks (the rest is F5's to write)
+        got[5] = local_blocks(got[5], args["cu_seqlens"])
+    for a, b in zip(out, again):
+        assert torch.equal(a, b)
+        assert all(a.data_ptr() != t.data_ptr() for t in before.values())
+
+
+def test_without_the_l2norm_rows_pass_through():
+    args, f1_out, gc_ref = unit_inputs(SHAPES[0])
+    qn, kn = f1_out[0], f1_out[2]
+    got = diag_fwd.prep_diag(**dict(args, q=qn, k=kn, use_qk_l2norm_in_kernel=False))
+    assert got[0] is qn and got[2] is kn and got[1] is None and got[3] is None
+    full = diag_fwd.prep_diag(**args)
+    # the same blocks from the same rows (the kernel's own normalized rows equal the reference's here)
+    if torch.equal(full[0], qn) and torch.equal(full[2], kn):
+        cu = args["cu_seqlens"]
+        assert torch.equal(local_blocks(got[5], cu), local_blocks(full[5], cu)) and torch.equal(got[6], full[6])
+
+
+def test_supports():
+    args, _, _ = unit_inputs(SHAPES[0])
+    assert diag_fwd.supports(**args) is None
+    assert "chunk_size" in diag_fwd.supports(**dict(args, chunk_size=32))
+    assert "K=" in diag_fwd.supports(**dict(args, k=torch.empty(1, 1, 1, 512)))
+
+
+def test_pairwise_switch_is_honoured():
+    """The PAIRWISE build and the anchored one agree to fp32 rounding on a gate whose blocks
+    all pass the guard, so the two paths are really two (tested: neither is the other)."""
+    args, _, _ = unit_inputs(dataclasses.replace(SHAPES[0], dtype=torch.float32))
+    anchored = diag_fwd.prep_diag(**args)
+    pairwise = diag_fwd.prep_diag(**args, pairwise=True)
+    assert not torch.equal(anchored[6], pairwise[6])
+    assert ref.rel_rms(anchored[6], pairwise[6]) <= 1e-5
+
+
+def test_the_reference_f5_takes_the_given_blocks():
+    """The CPU stand-in for fla's F5 (``chain._ref_f5_f6``) solves on the diagonal blocks it
+    is given: the reference's own blocks give the reference's F3-F6; other blocks change
+    Akk_inv."""
+    from kernel_fun.kda.chain import _ref_f5_f6, _ref_intra
+
+    p = SHAPES[3]
+    args, _, _ = unit_inputs(p)
+    qn, _, kn, _, gc, Aqk, Akkd = diag_fwd.prep_diag(**args)
+    v = torch.rand(1, p.T, p.HV, p.V, dtype=p.dtype)
+    common = dict(scale=args["scale"], chunk_size=64, cu_seqlens=args["cu_seqlens"],
+                  chunk_indices=args["chunk_indices"], safe_gate=False, disable_recompute=True)
+    want = _ref_intra(qn, kn, v, gc, args["beta"], **common)
+    got = _ref_f5_f6(qn, kn, v, gc, args["beta"], Aqk, Akkd, **common)
+    for name, a, b in zip(("w", "u", "kg", "Aqk", "Akk", "qg"), got, want):
+        assert ref.rel_rms(a, b) <= 2e-3, name
+    other = _ref_f5_f6(qn, kn, v, gc, args["beta"], Aqk, Akkd * 2, **common)
+    assert ref.rel_rms(other[4], want[4]) > 1e-2
+
+
+@pytest.mark.parametrize("p", chain_problems() + [
+    Problem("chain-pregated-no-l2norm-fp32", 1, 70, 2, 2, 64, 16, gate_in_kernel=False, l2norm_in_kernel=False,
+            dtype=torch.float32),
+    # fp16: in bf16 the reference chain itself is past the budgets here (dk 0.013)
+    Problem("chain-lower-bound-gva-fp16", 1, 130, 1, 2, 64, 16, lower_bound=-5.0, beta_sigmoid_in_kernel=True,
+            dtype=torch.float16),
+], ids=lambda p: p.name)
+def test_chain_with_the_unit_against_the_oracle(p, monkeypatch):
+    """The kernel as the chain's F1-F6 unit (F5 and F6 the reference's on its blocks, as
+    fla's are on the GPU): the record shows the unit in place of F1, F2 and F3-F6, and the
+    forward and every gradient stay within fla's budgets of the float64 recurrence (the
+    backward reads the q, k, rstds, Aqk and Akk_inv the unit gave)."""
+    from kernel_fun.kda import last_record
+    from kernel_fun.kda.problems import as_oracle_inputs
+
+    register_for_test(monkeypatch, "F1-F6", *diag_fwd.candidate("F1-F6", "diag"))
+    kwargs = make_inputs(p, device=DEVICE, seed=17)
+    result = run_fwd_bwd(chunk_kda, kwargs, grid=p.dtype)
+    forward = last_record().forward
+    assert forward["F1-F6"] == "ours" and not {"F1", "F2", "F3-F6"} & set(forward), forward
+    oracle = run_fwd_bwd(ref.recurrent_kda, as_oracle_inputs(kwargs), grid=p.dtype)
+    errors = {n: ref.rel_rms(result[n], oracle[n]) for n in oracle if oracle[n] is not None}
+    assert all(errors[n] <= ref.BUDGETS[n] for n in errors), errors
+
+
+def test_bench_entry_inputs_run_and_count_bytes():
+    """The F1-F6 stage bench entry: the chain's own inputs, our unit (on the CPU the
+    reference's F5 and F6 after the kernel) against the float64 stages, and the bytes."""
+    from kernel_fun.bench import stage_f1f6
+    from kernel_fun.kda.parity import stage_errors
+    from kernel_fun.kda.problems import problem
+
+    p = Problem("entry", 1, 100, 2, 4, 64, 32)
+    inputs = stage_f1f6.make_inputs(p, DEVICE, seed=1)
+    assert inputs["use_qk_l2norm_in_kernel"] and inputs["use_gate_in_kernel"]
+    bench = stage_f1f6.BENCH
+    got = bench.ours(inputs, "diag", bench.launch_config(p, "diag", None))
+    exact = bench.exact(**inputs)
+    assert exact[0].dtype == torch.float64
+    errors = stage_errors("F1-F6", got, exact)
+    # the bf16 outputs against the float64 stages: their rounding, inside the budget
+    assert set(errors) == {"q", "q_rstd", "k", "k_rstd", "gc", "w", "u", "kg", "Aqk", "Akk"}, errors
+    assert all(e <= 5e-3 for e in errors.values()), errors
+    assert abs(stage_f1f6.unit_bytes(problem("prod8192_gate")) / 1e9 - 7.54) < 0.01
