@@ -276,3 +276,10 @@ def test_bench_entry_inputs_run_and_count_bytes():
     assert set(errors) == {"q", "q_rstd", "k", "k_rstd", "gc", "w", "u", "kg", "Aqk", "Akk"}, errors
     assert all(e <= 5e-3 for e in errors.values()), errors
     assert abs(stage_f1f6.unit_bytes(problem("prod8192_gate")) / 1e9 - 7.54) < 0.01
+
+
+def test_softplus_gate_without_dt_bias():
+    args, f1_out, _ = unit_inputs(SHAPES[0])
+    args = dict(args, dt_bias=None)
+    gc = ref.gate_cumsum(args["g"], True, args["A_log"], None, None, 64, args["cu_seqlens"])
+    check(args, f1_out, gc)
