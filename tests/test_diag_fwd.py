@@ -283,3 +283,24 @@ def test_softplus_gate_without_dt_bias():
     args = dict(args, dt_bias=None)
     gc = ref.gate_cumsum(args["g"], True, args["A_log"], None, None, 64, args["cu_seqlens"])
     check(args, f1_out, gc)
+
+
+@pytest.mark.skipif(__import__("triton").__version__ != "3.6.0", reason="figures recorded with Triton 3.6.0's ptxas")
+@pytest.mark.parametrize("bks,warps", [(32, 4), (16, 8)])
+def test_builds_compile_without_spills_or_n8_tf32_wgmma(bks, warps):
+    """The default build and the leanest as ptxas assembles them for sm_90a, in a process
+    without the interpreter: no N=8 tf32 wgmma (the H200 reads their unpadded shared operand
+    out of bounds) and no spills (diag_fwd.DEFAULT_CONFIG's note)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-m", "tools.compile_report", "--design", "diag", "--BV", str(bks), "--warps", str(warps),
+           "--stages", "1"]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=root)
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "error" not in row, row
+    assert row["wgmma_tf32_n8"] == 0 and row["spill_stores"] == 0, row

@@ -18,9 +18,11 @@ import sys
 
 from kernel_fun.bench.stage import StageBench, chain_inputs, main as _stage_main
 
-# The configs worth timing: 32-channel slices at 4 warps (two programs an SM at 255
-# registers, 48 B of spills) and 8 warps (229 registers, none), 16-channel slices at each.
+# The configs worth timing (the note at diag_fwd.DEFAULT_CONFIG): 32- and 16-channel slices
+# at 4 warps (two programs an SM), each with the slice loop's loads pipelined (two stages),
+# and at 8 warps.
 SWEEP = {"diag": [dict(BKS=32, num_warps=4, num_stages=1), dict(BKS=16, num_warps=4, num_stages=1),
+                  dict(BKS=32, num_warps=4, num_stages=2), dict(BKS=16, num_warps=4, num_stages=2),
                   dict(BKS=32, num_warps=8, num_stages=1), dict(BKS=16, num_warps=8, num_stages=1)]}
 
 

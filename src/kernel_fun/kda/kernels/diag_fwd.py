@@ -123,7 +123,7 @@ def prep_diag_kernel(
     if L2NORM:
         ss_q = tl.zeros([BT], dtype=tl.float32)
         ss_k = tl.zeros([BT], dtype=tl.float32)
-        for i_s in tl.static_range(NKS):
+        for i_s in range(0, NKS):
             o_k = i_s * BKS + tl.arange(0, BKS)
             m_tk = m_t[:, None] & (o_k < K)[None, :]
             p = o_qk + t[:, None] * SK + o_k[None, :]
@@ -140,7 +140,7 @@ def prep_diag_kernel(
     s_q = tl.zeros([BT, BT], dtype=tl.float32)
     s_k = tl.zeros([BT, BT], dtype=tl.float32)
     span = tl.zeros([BT, BKS], dtype=tl.float32)  # per row: its block's span, the slices' largest
-    for i_s in tl.static_range(NKS):
+    for i_s in range(0, NKS):  # (pipelined at num_stages > 1)
         o_k = i_s * BKS + tl.arange(0, BKS)
         m_k = o_k < K
         m_tk = m_t[:, None] & m_k[None, :]
@@ -190,7 +190,7 @@ def prep_diag_kernel(
             on = pair & (o <= t)
             v_q = tl.zeros([BT], dtype=tl.float32)
             v_k = tl.zeros([BT], dtype=tl.float32)
-            for i_s in tl.static_range(NKS):
+            for i_s in range(0, NKS):
                 o_k = i_s * BKS + tl.arange(0, BKS)
                 m_ok = on[:, None] & (o_k < K)[None, :]
                 q_r = tl.load(p_q + o_qk + t[:, None] * SK + o_k[None, :], mask=m_ok, other=0).to(tl.float32)
@@ -222,10 +222,12 @@ def prep_diag_kernel(
 
 
 # Compiled for sm_90a offline (``python -m tools.compile_report --design diag --BV 32 --warps 4``,
-# K=128, H=HV=16, the l2norm and the softplus gate): 255 registers, 48 B of spills, 15,384
-# instructions; 16-channel slices 4 B; 8 warps 229 registers (16-channel: 196), no spills.
-# Not yet timed: the default is the build that holds two programs an SM (B7's lesson: two
-# 4-warp programs beat one 8-warp one), the stage bench's sweep times the other three.
+# K=128, H=HV=16, the l2norm and the softplus gate): 255 registers, no spills, 4,792
+# instructions (the slice loops unrolled: 48 B of spills, 15,384); 16-channel slices 211
+# registers, 2,568; at 8 warps 205 and 132 registers; two stages (the slice loop's loads
+# pipelined) 4 B of spills and 45 KB of shared memory at the default. Not yet timed: the
+# default is the build that holds two programs an SM (B7's lesson: two 4-warp programs beat
+# one 8-warp one); the stage bench's sweep times the others.
 DEFAULT_CONFIG = dict(BKS=32, num_warps=4, num_stages=1)
 
 
