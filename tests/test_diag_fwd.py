@@ -212,24 +212,27 @@ def test_pairwise_switch_is_honoured():
     assert ref.rel_rms(anchored[6], pairwise[6]) <= 1e-5
 
 
-def test_the_reference_f5_takes_the_given_blocks():
-    """The CPU stand-in for fla's F5 (``chain._ref_f5_f6``) solves on the diagonal blocks it
-    is given: the reference's own blocks give the reference's F3-F6; other blocks change
-    Akk_inv."""
-    from kernel_fun.kda.chain import _ref_f5_f6, _ref_intra
+@pytest.mark.parametrize("design", diag_fwd.DESIGNS)
+def test_the_unit_on_the_reference_s_blocks_is_the_reference_s_f3_f6(design):
+    """The unit's F5 (the reference's, standing in for fla's on the CPU, or the module's
+    own) and F6 after the F1-F4 kernel give what the reference's F3-F6 gives on the same
+    rows; other diagonal blocks change Akk_inv (the F5 reads them)."""
+    from kernel_fun.kda.chain import _ref_f5, _ref_intra
 
     p = SHAPES[3]
     args, _, _ = unit_inputs(p)
-    qn, _, kn, _, gc, Aqk, Akkd = diag_fwd.prep_diag(**args)
     v = torch.rand(1, p.T, p.HV, p.V, dtype=p.dtype)
-    common = dict(scale=args["scale"], chunk_size=64, cu_seqlens=args["cu_seqlens"],
-                  chunk_indices=args["chunk_indices"], safe_gate=False, disable_recompute=True)
-    want = _ref_intra(qn, kn, v, gc, args["beta"], **common)
-    got = _ref_f5_f6(qn, kn, v, gc, args["beta"], Aqk, Akkd, **common)
-    for name, a, b in zip(("w", "u", "kg", "Aqk", "Akk", "qg"), got, want):
+    unit = dict(args, v=v, safe_gate=False, disable_recompute=True)
+    got = diag_fwd.candidate("F1-F6", design)[0](**unit)
+    qn, kn, gc = got[0], got[2], got[4]
+    want = _ref_intra(qn, kn, v, gc, args["beta"], args["scale"], 64, args["cu_seqlens"], args["chunk_indices"],
+                      False, True)
+    for name, a, b in zip(("w", "u", "kg", "Aqk", "Akk", "qg"), got[5:], want):
         assert ref.rel_rms(a, b) <= 2e-3, name
-    other = _ref_f5_f6(qn, kn, v, gc, args["beta"], Aqk, Akkd * 2, **common)
-    assert ref.rel_rms(other[4], want[4]) > 1e-2
+    _, _, _, _, _, Aqk, Akkd = diag_fwd.prep_diag(**args)
+    other = _ref_f5(qn, kn, gc, args["beta"], Aqk, Akkd * 2, args["scale"], 64, args["cu_seqlens"],
+                    args["chunk_indices"], False)
+    assert ref.rel_rms(other, want[4]) > 1e-2
 
 
 @pytest.mark.parametrize("p", chain_problems() + [
@@ -239,7 +242,8 @@ def test_the_reference_f5_takes_the_given_blocks():
     Problem("chain-lower-bound-gva-fp16", 1, 130, 1, 2, 64, 16, lower_bound=-5.0, beta_sigmoid_in_kernel=True,
             dtype=torch.float16),
 ], ids=lambda p: p.name)
-def test_chain_with_the_unit_against_the_oracle(p, monkeypatch):
+@pytest.mark.parametrize("design", diag_fwd.DESIGNS)
+def test_chain_with_the_unit_against_the_oracle(p, design, monkeypatch):
     """The kernel as the chain's F1-F6 unit (F5 and F6 the reference's on its blocks, as
     fla's are on the GPU): the record shows the unit in place of F1, F2 and F3-F6, and the
     forward and every gradient stay within fla's budgets of the float64 recurrence (the
@@ -247,7 +251,7 @@ def test_chain_with_the_unit_against_the_oracle(p, monkeypatch):
     from kernel_fun.kda import last_record
     from kernel_fun.kda.problems import as_oracle_inputs
 
-    register_for_test(monkeypatch, "F1-F6", *diag_fwd.candidate("F1-F6", "diag"))
+    register_for_test(monkeypatch, "F1-F6", *diag_fwd.candidate("F1-F6", design))
     kwargs = make_inputs(p, device=DEVICE, seed=17)
     result = run_fwd_bwd(chunk_kda, kwargs, grid=p.dtype)
     forward = last_record().forward
@@ -257,9 +261,11 @@ def test_chain_with_the_unit_against_the_oracle(p, monkeypatch):
     assert all(errors[n] <= ref.BUDGETS[n] for n in errors), errors
 
 
-def test_bench_entry_inputs_run_and_count_bytes():
+@pytest.mark.parametrize("design,config", [("diag", None), ("diag-solve", {"SOLVE_BKS": 32, "SOLVE_STAGES": 2})])
+def test_bench_entry_inputs_run_and_count_bytes(design, config):
     """The F1-F6 stage bench entry: the chain's own inputs, our unit (on the CPU the
-    reference's F5 and F6 after the kernel) against the float64 stages, and the bytes."""
+    reference's F5, or the module's, and the reference's F6 after the kernel) against the
+    float64 stages, and the bytes."""
     from kernel_fun.bench import stage_f1f6
     from kernel_fun.kda.parity import stage_errors
     from kernel_fun.kda.problems import problem
@@ -268,7 +274,7 @@ def test_bench_entry_inputs_run_and_count_bytes():
     inputs = stage_f1f6.make_inputs(p, DEVICE, seed=1)
     assert inputs["use_qk_l2norm_in_kernel"] and inputs["use_gate_in_kernel"]
     bench = stage_f1f6.BENCH
-    got = bench.ours(inputs, "diag", bench.launch_config(p, "diag", None))
+    got = bench.ours(inputs, design, bench.launch_config(p, design, config))
     exact = bench.exact(**inputs)
     assert exact[0].dtype == torch.float64
     errors = stage_errors("F1-F6", got, exact)
@@ -304,3 +310,48 @@ def test_builds_compile_without_spills_or_n8_tf32_wgmma(bks, warps):
     row = json.loads(out.stdout.strip().splitlines()[-1])
     assert "error" not in row, row
     assert row["wgmma_tf32_n8"] == 0 and row["spill_stores"] == 0, row
+
+
+@pytest.mark.parametrize("p", SHAPES + [dataclasses.replace(SHAPES[3], name="varlen-K64-gva-fp32", dtype=torch.float32)],
+                         ids=lambda p: p.name)
+def test_inter_solve_matches_the_reference_f5(p):
+    """The F5 kernel on the F1-F4 kernel's blocks against the reference's F5 on the same
+    blocks: Aqk below the diagonal and Akk_inv (lower, zeros above) within the input dtype's
+    rounding (fp32: 1e-5), the diagonal blocks of Aqk untouched."""
+    args, _, _ = unit_inputs(p)
+    qn, _, kn, _, gc, Aqk, Akkd = diag_fwd.prep_diag(**args)
+    diag_before = local_blocks(Aqk, args["cu_seqlens"]).clone()
+    cu = args["cu_seqlens"]
+    want_aqk, want_inv = ref.intra_scores(qn, kn, gc, args["beta"], args["scale"], 64, cu, Aqk_diag=Aqk.clone(),
+                                          Akk_diag=Akkd)
+    inv = diag_fwd.inter_solve(qn, kn, gc, args["beta"], Aqk, Akkd, args["scale"], 64, cu, args["chunk_indices"])
+    assert torch.equal(local_blocks(Aqk, cu), diag_before)
+    tril = r_in_chunk(Aqk.shape[1], cu, Aqk.device)[:, None] >= torch.arange(64)[None, :]
+    tril = tril.view(1, -1, 1, 64)
+    assert torch.isfinite(torch.where(tril, Aqk, 0)).all() and torch.isfinite(inv).all()
+    bound = 1e-5 if p.dtype == torch.float32 else 5e-3
+    err = {"Aqk": ref.rel_rms(torch.where(tril, Aqk, 0).float(), torch.where(tril, want_aqk, 0).float()),
+           "Akk_inv": ref.rel_rms(inv.float(), want_inv.float())}
+    assert all(e <= bound for e in err.values()), err
+    assert not torch.where(tril, 0, inv).any()  # zeros above the diagonal
+
+
+@pytest.mark.skipif(__import__("triton").__version__ != "3.6.0", reason="figures recorded with Triton 3.6.0's ptxas")
+@pytest.mark.parametrize("bks", [16, 32])
+def test_f5_builds_compile_without_spills_or_n8_tf32_wgmma(bks):
+    """The F5 kernel at its 4 warps, both slices the sweep times, as ptxas assembles them for
+    sm_90a: no N=8 tf32 wgmma (which 8 warps would make) and no spills."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-m", "tools.compile_report", "--design", "solve", "--BV", str(bks), "--warps", "4",
+           "--stages", "1,2"]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=root)
+    rows = [json.loads(line) for line in out.stdout.strip().splitlines()[-2:]]
+    for row in rows:
+        assert "error" not in row, row
+        assert row["wgmma"] > 0 and row["wgmma_tf32_n8"] == 0 and row["spill_stores"] == 0, row

@@ -506,12 +506,14 @@ def test_fused_prep_matches_fla_f1_f2_f3_f6(p):
 # --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("p", SMALL + [FLAGGED[1], FLAGGED[2], PROD], ids=lambda p: p.name)
 @pytest.mark.parametrize("gates", ["kimi", "strong"])
-def test_diag_unit_matches_fla_f1_f2_f3_f6(p, gates):
-    """The F1-F6 unit on the F1-F4 kernel (diag_fwd.prep_f1_f6) from the raw q, k and gate,
-    against fla's F1, F2 and F3-F6 on the same inputs (T=500 with h0, packed sequences,
-    safe_gate, disable_recompute's qg, prod8192_gate; gates strong enough that every block
-    goes pairwise): the normalized q and k, their rstds and the cumsum within 2e-3 of fla's;
-    w, u, kg, Aqk and Akk_inv through F3-F6's bars against fla's stage and the float64 stage."""
+@pytest.mark.parametrize("design", ["diag", "diag-solve"])
+def test_diag_unit_matches_fla_f1_f2_f3_f6(p, gates, design):
+    """The F1-F6 unit on the F1-F4 kernel (diag_fwd.prep_f1_f6, with fla's F5 or the
+    module's) from the raw q, k and gate, against fla's F1, F2 and F3-F6 on the same inputs
+    (T=500 with h0, packed sequences, safe_gate, disable_recompute's qg, prod8192_gate; gates
+    strong enough that every block goes pairwise): the normalized q and k, their rstds and
+    the cumsum within 2e-3 of fla's; w, u, kg, Aqk and Akk_inv through F3-F6's bars against
+    fla's stage and the float64 stage."""
     from kernel_fun.bench import stage_f3f6
     from kernel_fun.kda.chain import _fla_prep
     from kernel_fun.kda.kernels import diag_fwd
@@ -530,28 +532,77 @@ def test_diag_unit_matches_fla_f1_f2_f3_f6(p, gates):
                 use_qk_l2norm_in_kernel=p.l2norm_in_kernel, scale=f36["scale"], safe_gate=p.safe_gate,
                 disable_recompute=p.disable_recompute, chunk_size=64, cu_seqlens=f36["cu_seqlens"],
                 chunk_indices=f36["chunk_indices"])
-    ours, theirs = diag_fwd.prep_f1_f6(**unit), _fla_prep(**unit)
+    ours, theirs = diag_fwd.prep_f1_f6(**unit, own_f5=design == "diag-solve"), _fla_prep(**unit)
     assert all(torch.isfinite(t).all() for t in ours if t is not None)
     errors = stage_errors("F1-F6", ours, theirs, cu_seqlens=f36["cu_seqlens"])
-    print(p.name, gates, "diag unit vs fla F1+F2+F3-F6", errors)
+    print(p.name, gates, design, "unit vs fla F1+F2+F3-F6", errors)
     f12 = {n: e for n, e in errors.items() if n in ("q", "q_rstd", "k", "k_rstd", "gc")}
     assert all(e <= 2e-3 for e in f12.values()), f12
     wy = (ours[5], ours[6], ours[7], ours[8], ours[9], ours[10])  # w, u, kg, Aqk, Akk_inv, qg
-    misses = _stage_verdict(stage_f3f6.BENCH, f36, wy, f"{p.name} {gates} diag")
+    misses = _stage_verdict(stage_f3f6.BENCH, f36, wy, f"{p.name} {gates} {design}")
     assert not misses, misses
 
 
-def test_diag_unit_launch_witness_in_the_whole_op(monkeypatch):
+@pytest.mark.parametrize("p", SMALL[:2] + [FLAGGED[1], PROD], ids=lambda p: p.name)
+@pytest.mark.parametrize("gates", ["kimi", "strong"])
+def test_inter_solve_matches_fla_f5_on_the_same_blocks(p, gates):
+    """The module's F5 (diag_fwd.inter_solve) and fla's (chunk_kda_fwd_kernel_inter_solve_fused)
+    on the same diagonal blocks (the F1-F4 kernel's, on the chain's inputs): Aqk below the
+    diagonal and Akk_inv within F3-F6's bar of fla's (o's budget: bf16 units in the last
+    place) and against the float64 F5 on the same blocks no further than fla's by more than
+    10%; Aqk's diagonal blocks untouched."""
+    from kernel_fun.kda import reference as ref
+    from kernel_fun.kda.chain import _fla_f5
+    from kernel_fun.kda.kernels import diag_fwd
+
+    if gates == "strong" and (p.safe_gate or p is PROD):
+        pytest.skip("safe_gate bounds the gate; the strong gate is covered at the small shapes")
+    kwargs = make_inputs(p, device="cuda", seed=21, requires_grad=False)
+    if gates == "strong":
+        kwargs["g"] = kwargs["g"] * 8 + 12
+    with torch.no_grad(), use_impls("fla"), capture_stages() as log:
+        chunk_kda(**kwargs)
+    (f36,) = [x for name, _, x, _ in log if name == "F3-F6"]
+    cu, ci = f36["cu_seqlens"], f36["chunk_indices"]
+    _, _, _, _, _, Aqk, Akkd = diag_fwd.prep_diag(
+        kwargs["q"], kwargs["k"], kwargs["g"], f36["beta"], kwargs.get("A_log"), kwargs.get("dt_bias"), p.lower_bound,
+        p.gate_in_kernel, p.l2norm_in_kernel, f36["scale"], 64, cu, ci)
+    q, k, gc, beta, scale = f36["q"], f36["k"], f36["gc"], f36["beta"], f36["scale"]
+    a_ours, a_fla = Aqk.clone(), Aqk.clone()
+    inv_ours = diag_fwd.inter_solve(q, k, gc, beta, a_ours, Akkd, scale, 64, cu, ci)
+    inv_fla = _fla_f5(q, k, gc, beta, a_fla, Akkd, scale, 64, cu, ci, p.safe_gate)
+    nb = 1 if cu is None else None  # the float64 F5 on the first sequence of a dense batch
+    sl = (lambda t: t[:nb]) if nb else (lambda t: t)
+    e_aqk, e_inv = ref.intra_scores(sl(q), sl(k), sl(gc), sl(beta), scale, 64, cu, exact=True,
+                                    Aqk_diag=sl(Aqk), Akk_diag=sl(Akkd))
+    tril = torch.tril(torch.ones(64, 64, dtype=torch.bool, device="cuda"))
+    pos = torch.arange(Aqk.shape[1], device="cuda")
+    if cu is not None:
+        pos = pos - cu[torch.searchsorted(cu, pos, right=True) - 1]
+    low = tril[pos % 64].view(1, -1, 1, 64)
+    rows = {"Aqk": (a_ours, a_fla, e_aqk), "Akk_inv": (inv_ours, inv_fla, e_inv)}
+    for name, (ours, theirs, exact) in rows.items():
+        ours, theirs = torch.where(low, ours, 0).float(), torch.where(low, theirs, 0).float()
+        vs_fla = ref.rel_rms(ours, theirs)
+        our_err = ref.rel_rms(sl(ours).double(), torch.where(sl(low), exact, 0))
+        fla_err = ref.rel_rms(sl(theirs).double(), torch.where(sl(low), exact, 0))
+        print(p.name, gates, name, "vs fla", vs_fla, "vs exact", our_err, "fla vs exact", fla_err)
+        assert torch.isfinite(ours).all() and vs_fla <= 5e-3 and our_err <= 1.1 * fla_err + 1e-7, name
+    assert torch.equal(ref.local_blocks(a_ours, 64, cu), ref.local_blocks(Aqk, 64, cu))
+
+
+@pytest.mark.parametrize("design", ["diag", "diag-solve"])
+def test_diag_unit_launch_witness_in_the_whole_op(design, monkeypatch):
     """The candidate registered as F1-F6 in the whole op at b8: the record shows the unit,
-    the F1-F4 kernel ran and fla's F1 and F4 kernels did not (F5 and F6 are fla's), and the
-    result tracks fla's chunk_kda."""
+    the F1-F4 kernel ran and fla's F1 and F4 kernels did not (F5 fla's or ours, F6 fla's),
+    and the result tracks fla's chunk_kda."""
     from torch.profiler import ProfilerActivity, profile
 
     from conftest import register_for_test
     from kernel_fun.kda import reference as ref
     from kernel_fun.kda.kernels import diag_fwd
 
-    register_for_test(monkeypatch, "F1-F6", *diag_fwd.candidate("F1-F6", "diag"))
+    register_for_test(monkeypatch, "F1-F6", *diag_fwd.candidate("F1-F6", design))
     p = SHAPES["b8"]
     kwargs = make_inputs(p, device="cuda", seed=9)
     theirs = run_fwd_bwd(_fla(), kwargs, grid=p.dtype)
@@ -561,7 +612,12 @@ def test_diag_unit_launch_witness_in_the_whole_op(monkeypatch):
     kernels = {evt.name for evt in prof.events() if evt.device_type == torch.autograd.DeviceType.CUDA}
     record = last_record()
     assert record.forward["F1-F6"] == "ours" and not {"F1", "F2", "F3-F6"} & set(record.forward), record
-    assert "prep_diag_kernel" in kernels and "chunk_kda_fwd_kernel_inter_solve_fused" in kernels, sorted(kernels)
+    mine, theirs_f5 = "prep_diag_kernel", "chunk_kda_fwd_kernel_inter_solve_fused"
+    assert mine in kernels and "recompute_w_u_fwd_kda_kernel" in kernels, sorted(kernels)
+    if design == "diag-solve":
+        assert "inter_solve_kernel" in kernels and theirs_f5 not in kernels, sorted(kernels)
+    else:
+        assert theirs_f5 in kernels, sorted(kernels)
     assert not {"l2norm_fwd_kernel", "chunk_kda_fwd_kernel_intra_token_parallel"} & kernels, sorted(kernels)
     errors = {n: ref.rel_rms(ours[n], theirs[n]) for n in theirs if theirs[n] is not None}
     print("whole op with the diag unit vs fla", errors)

@@ -176,6 +176,18 @@ def diag_report(K: int, H: int, HV: int, BKS: int, num_warps: int, num_stages: i
     return compile_sm90(diag_fwd.prep_diag_kernel, types, constexprs, num_warps, num_stages, maxnreg)
 
 
+def solve_report(K: int, H: int, HV: int, BKS: int, num_warps: int, num_stages: int, dtype: str = "bf16",
+                 maxnreg: int | None = None) -> dict:
+    """The F5 kernel (diag_fwd.inter_solve_kernel) at dense sequences."""
+    from kernel_fun.kda.kernels import diag_fwd
+
+    types = {n: _PTR[dtype] for n in ("q", "k", "beta", "Aqk", "Akk")}
+    types.update(gc="*fp32", Akkd="*fp32")
+    constexprs = dict(cu_seqlens=None, chunk_indices=None, H=H, HV=HV, K=K, BT=64, BC=diag_fwd.BC, BKS=BKS,
+                      IS_VARLEN=False)
+    return compile_sm90(diag_fwd.inter_solve_kernel, types, constexprs, num_warps, num_stages, maxnreg)
+
+
 def prep_report(K: int, V: int, H: int, HV: int, BKS: int, BV: int, num_warps: int, num_stages: int,
                 fused: bool = False, dtype: str = "bf16") -> dict:
     """The F3-F6 kernel (kda/kernels/prep_fwd.py) at dense sequences; ``fused`` with F1 and
@@ -250,6 +262,8 @@ def main(argv=None):
                                             backward=design == "cconv-bwd"))
                 elif design == "diag":  # --BV its K slice
                     row.update(diag_report(args.K, args.H, args.HV, BV, warps, stages, maxnreg=args.maxnreg))
+                elif design == "solve":  # --BV its K slice
+                    row.update(solve_report(args.K, args.H, args.HV, BV, warps, stages, maxnreg=args.maxnreg))
                 elif design in ("prep", "prep-fused"):
                     row.update(prep_report(args.K, args.V, args.H, args.HV, args.bks, BV, warps, stages,
                                            fused=design == "prep-fused"))

@@ -1,6 +1,7 @@
 """The F1-F6 unit's entry in the stage bench (``kernel_fun.bench.stage``): from the raw q, k
-and gate to w, u, kg, Aqk and Akk_inv, kernel-fun's F1-F4 kernel with fla's F5 and F6 after
-it (``kda/kernels/diag_fwd.py``'s ``prep_f1_f6``) against fla's F1, F2 and F3-F6 in turn.
+and gate to w, u, kg, Aqk and Akk_inv, kernel-fun's F1-F4 kernel with fla's F5 (``diag``)
+or kernel-fun's (``diag-solve``) and fla's F6 after it (``kda/kernels/diag_fwd.py``'s
+``prep_f1_f6``) against fla's F1, F2 and F3-F6 in turn.
 
 ``python -m kernel_fun.bench.stage --stage F1-F6 --shapes prod8192_gate,prod8192_layer_safe --configs sweep``
 
@@ -18,12 +19,14 @@ import sys
 
 from kernel_fun.bench.stage import StageBench, chain_inputs, main as _stage_main
 
-# The configs worth timing (the note at diag_fwd.DEFAULT_CONFIG): 32- and 16-channel slices
-# at 4 warps (two programs an SM), each with the slice loop's loads pipelined (two stages),
-# and at 8 warps.
-SWEEP = {"diag": [dict(BKS=32, num_warps=4, num_stages=1), dict(BKS=16, num_warps=4, num_stages=1),
-                  dict(BKS=32, num_warps=4, num_stages=2), dict(BKS=16, num_warps=4, num_stages=2),
-                  dict(BKS=32, num_warps=8, num_stages=1), dict(BKS=16, num_warps=8, num_stages=1)]}
+# The configs worth timing (the notes at diag_fwd.DEFAULT_CONFIG and SOLVE_CONFIG): the F1-F4
+# kernel at 32- and 16-channel slices at 4 warps (two programs an SM), each with the slice
+# loop's loads pipelined (two stages), and at 8 warps, with fla's F5 (diag); with this
+# module's F5 too (diag-solve) at its 16-channel default and 32-channel slices.
+_F14 = [dict(BKS=32, num_warps=4, num_stages=1), dict(BKS=16, num_warps=4, num_stages=1),
+        dict(BKS=32, num_warps=4, num_stages=2), dict(BKS=16, num_warps=4, num_stages=2),
+        dict(BKS=32, num_warps=8, num_stages=1), dict(BKS=16, num_warps=8, num_stages=1)]
+SWEEP = {"diag": _F14, "diag-solve": [dict(_F14[0]), dict(_F14[0], SOLVE_BKS=32), dict(_F14[0], SOLVE_STAGES=2)]}
 
 
 def unit_bytes(p) -> int:
@@ -71,13 +74,13 @@ def _exact(q, k, v, g, beta, A_log, dt_bias, lower_bound, use_gate_in_kernel, us
 def _ours(inputs, design, config):
     from kernel_fun.kda.kernels import diag_fwd
 
-    return diag_fwd.prep_f1_f6(**inputs, **(config or diag_fwd.DEFAULT_CONFIG))
+    return diag_fwd.prep_f1_f6(**inputs, **(config or diag_fwd.DEFAULT_CONFIG), own_f5=design == "diag-solve")
 
 
 def _launch_config(p, design, overrides):
     from kernel_fun.kda.kernels import diag_fwd
 
-    if design != "diag":
+    if design not in diag_fwd.DESIGNS:
         raise ValueError(f"unknown F1-F6 design {design!r}")
     return {**diag_fwd.DEFAULT_CONFIG, **(overrides or {})}
 
@@ -89,7 +92,7 @@ def _misses(vs_exact, fla_exact, vs_fla):
 
 
 BENCH = StageBench(stage="F1-F6", make_inputs=make_inputs, bytes=unit_bytes, fla=_fla, exact=_exact, ours=_ours,
-                   launch_config=_launch_config, misses=_misses, sweep=SWEEP, designs=("diag",))
+                   launch_config=_launch_config, misses=_misses, sweep=SWEEP, designs=("diag", "diag-solve"))
 
 
 def main(argv=None) -> int:

@@ -99,15 +99,12 @@ def _fla_intra(q, k, v, gc, beta, scale, chunk_size, cu_seqlens, chunk_indices, 
     return w, u, kg, Aqk, Akk, qg
 
 
-def _fla_f5_f6(q, k, v, gc, beta, Aqk, Akkd, scale, chunk_size, cu_seqlens, chunk_indices, safe_gate,
-               disable_recompute):
-    """fla's F5 (``chunk_kda_fwd_kernel_inter_solve_fused``: Aqk's off-diagonal blocks, in
-    place, and Akk_inv) on given diagonal blocks (F4's: Aqk's, Akkd), launched as
-    ``chunk_kda_fwd_intra`` launches it, then its F6 (``recompute_w_u_fwd``): (w, u, kg, Aqk,
-    Akk_inv, qg) as ``_fla_intra`` returns them."""
+def _fla_f5(q, k, gc, beta, Aqk, Akkd, scale, chunk_size, cu_seqlens, chunk_indices, safe_gate):
+    """fla's F5 (``chunk_kda_fwd_kernel_inter_solve_fused``) on given diagonal blocks (F4's:
+    Aqk's, Akkd), launched as ``chunk_kda_fwd_intra`` launches it: fills Aqk's blocks below
+    the diagonal in place and returns Akk_inv."""
     import triton
     from fla.ops.kda.chunk_intra import chunk_kda_fwd_kernel_inter_solve_fused
-    from fla.ops.kda.wy_fast import recompute_w_u_fwd
 
     B, T, H, K = k.shape
     HV = gc.shape[2]
@@ -119,18 +116,28 @@ def _fla_f5_f6(q, k, v, gc, beta, Aqk, Akkd, scale, chunk_size, cu_seqlens, chun
         chunk_indices=chunk_indices, T=T, H=H, HV=HV, K=K, BT=BT, BC=BC, NC=triton.cdiv(BT, BC),
         USE_SAFE_GATE=safe_gate,
     )
-    w, u, qg, kg = recompute_w_u_fwd(k=k, v=v, beta=beta, A=Akk, q=q if disable_recompute else None, gk=gc,
-                                     cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
-    return w, u, kg, Aqk, Akk, qg
+    return Akk
 
 
-def _ref_f5_f6(q, k, v, gc, beta, Aqk, Akkd, scale, chunk_size, cu_seqlens, chunk_indices, safe_gate,
-               disable_recompute):
-    """``_fla_f5_f6`` in torch (the stand-in where fla's kernels cannot run): the reference's
-    F5 on the given diagonal blocks, then its F6."""
-    Aqk, Akk = ref.intra_scores(q, k, gc, beta, scale, chunk_size, cu_seqlens, Aqk_diag=Aqk, Akk_diag=Akkd)
-    w, u, qg, kg = ref.wy_fwd(k, v, beta, Akk, gc, q if disable_recompute else None, chunk_size, cu_seqlens)
-    return w, u, kg, Aqk, Akk, qg
+def _fla_f6(q, k, v, beta, Akk, gc, chunk_size, cu_seqlens, chunk_indices, disable_recompute):
+    """fla's F6 (``recompute_w_u_fwd``) as ``chunk_kda_fwd_intra`` calls it: (w, u, qg, kg),
+    qg only with ``disable_recompute``."""
+    from fla.ops.kda.wy_fast import recompute_w_u_fwd
+
+    return recompute_w_u_fwd(k=k, v=v, beta=beta, A=Akk, q=q if disable_recompute else None, gk=gc,
+                             cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
+
+
+def _ref_f5(q, k, gc, beta, Aqk, Akkd, scale, chunk_size, cu_seqlens, chunk_indices, safe_gate):
+    """``_fla_f5`` in torch (the stand-in where fla's kernels cannot run): the reference's F5
+    on the given diagonal blocks; Aqk's blocks below the diagonal written into Aqk."""
+    full, Akk = ref.intra_scores(q, k, gc, beta, scale, chunk_size, cu_seqlens, Aqk_diag=Aqk, Akk_diag=Akkd)
+    Aqk.copy_(full)
+    return Akk
+
+
+def _ref_f6(q, k, v, beta, Akk, gc, chunk_size, cu_seqlens, chunk_indices, disable_recompute):
+    return ref.wy_fwd(k, v, beta, Akk, gc, q if disable_recompute else None, chunk_size, cu_seqlens)
 
 
 def _fla_h(kg, w, u, gc, initial_state, output_final_state, chunk_size, cu_seqlens, cu_seqlens_cpu, chunk_indices,

@@ -1,7 +1,7 @@
-"""F1, F2 and F4 in one kernel: the l2norm of q and k, the gate's activation and chunk
-cumsum, and the diagonal 16x16 blocks of Aqk and Akk, for one chunk of one value head per
-program; fla's F5 (the off-diagonal blocks and the solve) and F6 (w, u, kg) follow on its
-outputs (``prep_f1_f6``, the F1-F6 unit).
+"""The forward's F1-F6 unit in kernel-fun's kernels: F1, F2 and F4 in one kernel (the l2norm
+of q and k, the gate's activation and chunk cumsum, the diagonal 16x16 blocks of Aqk and
+Akk), then F5 (the blocks below the diagonal and the solve: fla's, or ``inter_solve``
+here), then fla's F6 (w, u, kg); one program a (chunk, value head) each (``prep_f1_f6``).
 
 Replaces fla's ``l2norm_fwd`` (F1, 0.81 ms inside the op at prod8192_gate on the H200),
 ``kda_gate_chunk_cumsum`` (F2, 0.42) and ``chunk_kda_fwd_kernel_intra_token_parallel`` (F4,
@@ -24,21 +24,34 @@ CUDA cores instead (16 steps, one exp2(g_r - g_s) <= 1 a pair and channel): exac
 gate, so ``safe_gate`` changes nothing here (fla's safe_gate F4 is an anchored product
 valid for a bounded gate).
 
+F5 (``inter_solve``, fla's ``chunk_kda_fwd_kernel_inter_solve_fused``'s contract): the
+blocks below the diagonal through each column block's last row (both factors at most 1 for
+any gate), [64, BKS] x [BKS, 16] dots in three tf32 products; the solve in fp32 on CUDA
+cores, the diagonal blocks' inverses by substitution (four at once in block-local form,
+15 steps) and the six blocks below by X_mj = -Dinv_m sum_p L_mp X_pj in three dependent
+levels of 16x16 products, each block stored as it is made (fla: the same structure, tf32
+products).
+
 Numerics: the normalized rows, their rstds and the cumsum as fla's F1 and F2 form them
 (fp32, rounded to the input dtype where fla's are); the blocks in fp32 from the rounded
-rows, Aqk rounded to the input dtype, Akk's blocks kept in fp32 for F5's solve, as fla's.
-Outputs are fresh tensors: relaunching is idempotent.
+rows, Aqk and Akk_inv rounded to the input dtype, Akk's diagonal blocks kept in fp32 for
+the solve, as fla's. Outputs are fresh tensors (Aqk's blocks below the diagonal F5's, in
+place): relaunching is idempotent.
 
 Falls back (``supports``): chunk size other than 64, K > 256.
 
-Not measured on the H200 yet, not dispatched: ``candidate`` registers the F1-F6 unit for a
-bench run (``python -m kernel_fun.bench --candidate F1-F6=diag``; the stage bench's entry
-``F1-F6``). Predicted from its bytes (4.2 GB at prod8192_gate, 0.9 ms at the memory floor)
-and the latency of two 4-warp programs an SM: 1.3-1.8 ms against fla's 2.86 for F1 + F2 + F4
-inside the op, the F1-F6 unit 4.2-4.7 ms against fla's 5.80 (docs/log/prep.md).
+Not measured on the H200 yet, not dispatched: ``candidate`` registers the unit for a bench
+run (``python -m kernel_fun.bench --candidate F1-F6=diag`` or ``=diag-solve``; the stage
+bench's entry ``F1-F6``). Predicted from the bytes (the F1-F4 kernel 4.2 GB at
+prod8192_gate, 0.9 ms at the floor; F5 2.9 GB, 0.6 ms) and the latency of two or three
+4-warp programs an SM: the F1-F4 kernel 1.3-1.8 ms against fla's 2.86 for F1 + F2 + F4
+inside the op, F5 0.9-1.3 against fla's 1.53; the unit 4.2-4.7 ms (diag) and 3.6-4.5
+(diag-solve) against fla's 5.80 (docs/log/prep.md).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -221,6 +234,156 @@ def prep_diag_kernel(
     tl.store(Akkd + p_d, tl.where(pos[None, :] < r_in[:, None], d_k * b_c[:, None], 0.0), mask=m_w)
 
 
+@triton.jit
+def _rows_of_block(x, i, BT: tl.constexpr, BC: tl.constexpr, W: tl.constexpr):
+    """[BT, W] -> the rows of 16-row block i, [BC, W]."""
+    x3 = tl.reshape(x, (BT // BC, BC, W))
+    blk = tl.arange(0, BT // BC)
+    return tl.sum(tl.where(blk[:, None, None] == i, x3, 0.0), axis=0)
+
+
+@triton.jit
+def _mm(a, b):
+    """[M, J] x [J, N] in fp32 on CUDA cores (the solve's 16x16 blocks)."""
+    return tl.sum(a[:, :, None] * b[None, :, :], axis=1)
+
+
+@triton.jit
+def _diag_inverses(D, BT: tl.constexpr, BC: tl.constexpr):
+    """(I + D_b)^-1 for every 16x16 diagonal block b at once, D in block-local form [BT, BC]
+    (strictly lower in each block): forward substitution, row i = e_i - sum_m D[i, m] X[m]."""
+    NB: tl.constexpr = BT // BC
+    D3 = tl.reshape(D, (NB, BC, BC))
+    pos = tl.arange(0, BC)
+    X3 = tl.broadcast_to(tl.where(pos[:, None] == pos[None, :], 1.0, 0.0)[None, :, :], (NB, BC, BC))
+    for i in range(1, BC):
+        sel = pos[None, :, None] == i
+        d_i = tl.sum(tl.where(sel, D3, 0.0), axis=1)  # [NB, BC]: row i of each block
+        X3 = tl.where(sel, X3 - tl.sum(d_i[:, :, None] * X3, axis=1)[:, None, :], X3)
+    return tl.reshape(X3, (BT, BC))
+
+
+@triton.jit
+def _col_block(q_s, k_s, g_s, k, gc, st, n_t, t, o_k, m_k, acc_q, acc_k, SK: tl.constexpr, SG: tl.constexpr,
+               BC: tl.constexpr):
+    """Column block st's part of both scores for the rows below it, through the block's last
+    row e: k_s exp2(e - g_s) <= 1 on its columns, q_r exp2(g_r - e) <= 1 below it (any gate)."""
+    cols = st + tl.arange(0, BC)
+    m_c = cols < n_t
+    last = tl.minimum(st + BC, n_t) - 1
+    e = tl.load(gc + last * SG + o_k, mask=m_k & (st < n_t), other=0)
+    m_ck = m_c[:, None] & m_k[None, :]
+    k_j = tl.load(k + cols[:, None] * SK + o_k[None, :], mask=m_ck, other=0).to(tl.float32)
+    g_j = tl.load(gc + cols[:, None] * SG + o_k[None, :], mask=m_ck, other=0)
+    kx = tl.trans(k_j * tl.exp2(tl.where(m_ck, e[None, :] - g_j, float("-inf"))))
+    below = (t >= st + BC) & (t < n_t)
+    f = tl.exp2(tl.where(below[:, None] & m_k[None, :], g_s - e[None, :], float("-inf")))
+    acc_q = dot3(q_s * f, kx, acc_q)
+    acc_k = dot3(k_s * f, kx, acc_k)
+    return acc_q, acc_k
+
+
+@triton.jit
+def inter_solve_kernel(
+    q, k, gc, beta, Aqk, Akkd, Akk, cu_seqlens, chunk_indices, scale, T,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    BKS: tl.constexpr, IS_VARLEN: tl.constexpr,
+):
+    """F5 on one (chunk, value head), from the diagonal blocks F4 left (Aqk's, Akkd): Aqk's
+    blocks below the diagonal (scaled, in the input dtype) and Akk_inv = (I + Akk)^-1 (lower,
+    in the input dtype, zeros above the diagonal blocks). The scores through each column
+    block's last row, K in slices of BKS (three tf32 products a dot); the solve on CUDA cores
+    in fp32: the diagonal blocks' inverses by substitution, the blocks below by
+    X_mj = -Dinv_m sum_p L_mp X_pj, each stored as it is made."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_hv = i_bh % HV
+    i_h = i_hv // (HV // H)
+    i_c, i_tg, bos, T = chunk_coords(i_t, i_bh, cu_seqlens, chunk_indices, T, HV, BT, IS_VARLEN)
+    row0 = bos + i_c * BT
+    n_t = tl.minimum(T - i_c * BT, BT).to(tl.int32)
+    tl.static_assert(BT == 4 * BC, "written for four blocks a chunk")
+    SK: tl.constexpr = H * K
+    SG: tl.constexpr = HV * K
+    NKS: tl.constexpr = (K + BKS - 1) // BKS
+    q += (row0 * H + i_h) * K
+    k += (row0 * H + i_h) * K
+    gc += (row0 * HV + i_hv) * K
+    t = tl.arange(0, BT)
+    m_t = t < n_t
+    pos = tl.arange(0, BC)
+    b_c = tl.load(beta + (row0 + t) * HV + i_hv, mask=m_t, other=0).to(tl.float32)
+
+    sq0 = tl.zeros([BT, BC], dtype=tl.float32)
+    sk0 = tl.zeros([BT, BC], dtype=tl.float32)
+    sq1 = tl.zeros([BT, BC], dtype=tl.float32)
+    sk1 = tl.zeros([BT, BC], dtype=tl.float32)
+    sq2 = tl.zeros([BT, BC], dtype=tl.float32)
+    sk2 = tl.zeros([BT, BC], dtype=tl.float32)
+    for i_s in range(0, NKS):
+        o_k = i_s * BKS + tl.arange(0, BKS)
+        m_k = o_k < K
+        m_tk = m_t[:, None] & m_k[None, :]
+        q_s = tl.load(q + t[:, None] * SK + o_k[None, :], mask=m_tk, other=0).to(tl.float32)
+        k_s = tl.load(k + t[:, None] * SK + o_k[None, :], mask=m_tk, other=0).to(tl.float32)
+        g_s = tl.load(gc + t[:, None] * SG + o_k[None, :], mask=m_tk, other=0)
+        sq0, sk0 = _col_block(q_s, k_s, g_s, k, gc, 0, n_t, t, o_k, m_k, sq0, sk0, SK, SG, BC)
+        sq1, sk1 = _col_block(q_s, k_s, g_s, k, gc, BC, n_t, t, o_k, m_k, sq1, sk1, SK, SG, BC)
+        sq2, sk2 = _col_block(q_s, k_s, g_s, k, gc, 2 * BC, n_t, t, o_k, m_k, sq2, sk2, SK, SG, BC)
+
+    # Aqk below the diagonal, column block j at its columns for the rows below it
+    p_row = (row0 + t)[:, None] * (HV * BT) + i_hv * BT
+    dt = Aqk.dtype.element_ty
+    blk = t // BC
+    tl.store(Aqk + p_row + pos[None, :], to(sq0 * scale, dt), mask=m_t[:, None] & (blk >= 1)[:, None])
+    tl.store(Aqk + p_row + BC + pos[None, :], to(sq1 * scale, dt), mask=m_t[:, None] & (blk >= 2)[:, None])
+    tl.store(Aqk + p_row + 2 * BC + pos[None, :], to(sq2 * scale, dt), mask=m_t[:, None] & (blk >= 3)[:, None])
+
+    # the solve: L = beta_r Akk (strictly lower), its diagonal blocks from Akkd
+    l0 = sk0 * b_c[:, None]
+    l1 = sk1 * b_c[:, None]
+    l2 = sk2 * b_c[:, None]
+    dinv = _diag_inverses(tl.load(Akkd + (row0 + t)[:, None] * (HV * BC) + i_hv * BC + pos[None, :],
+                                  mask=m_t[:, None], other=0), BT, BC)
+    # the diagonal blocks of the inverse, and zeros above them
+    dta = Akk.dtype.element_ty
+    tl.store(Akk + p_row + (blk * BC)[:, None] + pos[None, :], to(dinv, dta), mask=m_t[:, None])
+    above = m_t[:, None] & (t[None, :] >= ((blk + 1) * BC)[:, None])
+    tl.store(Akk + p_row + t[None, :], tl.zeros([BT, BT], dtype=dta), mask=above)
+    d0 = _rows_of_block(dinv, 0, BT, BC, BC)
+    d1 = _rows_of_block(dinv, 1, BT, BC, BC)
+    d2 = _rows_of_block(dinv, 2, BT, BC, BC)
+    d3 = _rows_of_block(dinv, 3, BT, BC, BC)
+    # L's blocks below the diagonal: L_mp = rows of block m of column block p
+    l10 = _rows_of_block(l0, 1, BT, BC, BC)
+    l20 = _rows_of_block(l0, 2, BT, BC, BC)
+    l30 = _rows_of_block(l0, 3, BT, BC, BC)
+    l21 = _rows_of_block(l1, 2, BT, BC, BC)
+    l31 = _rows_of_block(l1, 3, BT, BC, BC)
+    l32 = _rows_of_block(l2, 3, BT, BC, BC)
+    x10 = -_mm(d1, _mm(l10, d0))
+    x21 = -_mm(d2, _mm(l21, d1))
+    x32 = -_mm(d3, _mm(l32, d2))
+    x20 = -_mm(d2, _mm(l20, d0) + _mm(l21, x10))
+    x31 = -_mm(d3, _mm(l31, d1) + _mm(l32, x21))
+    x30 = -_mm(d3, _mm(l30, d0) + _mm(l31, x10) + _mm(l32, x20))
+    r_b = row0 + tl.arange(0, BC)
+    _store_block(Akk, x10, r_b + BC, 0, n_t - BC, i_hv, HV, BT, BC)
+    _store_block(Akk, x20, r_b + 2 * BC, 0, n_t - 2 * BC, i_hv, HV, BT, BC)
+    _store_block(Akk, x21, r_b + 2 * BC, BC, n_t - 2 * BC, i_hv, HV, BT, BC)
+    _store_block(Akk, x30, r_b + 3 * BC, 0, n_t - 3 * BC, i_hv, HV, BT, BC)
+    _store_block(Akk, x31, r_b + 3 * BC, BC, n_t - 3 * BC, i_hv, HV, BT, BC)
+    _store_block(Akk, x32, r_b + 3 * BC, 2 * BC, n_t - 3 * BC, i_hv, HV, BT, BC)
+
+
+@triton.jit
+def _store_block(A, x, rows, c0, n_rows, i_hv, HV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """A 16x16 block of the inverse at (rows, columns c0 ..), rounded to A's dtype; the
+    block's first n_rows rows are tokens."""
+    pos = tl.arange(0, BC)
+    m = (pos < n_rows)[:, None] & (pos[None, :] < BC)
+    tl.store(A + rows[:, None] * (HV * BT) + i_hv * BT + c0 + pos[None, :], to(x, A.dtype.element_ty), mask=m)
+
+
 # Compiled for sm_90a offline (``python -m tools.compile_report --design diag --BV 32 --warps 4``,
 # K=128, H=HV=16, the l2norm and the softplus gate): 255 registers, no spills, 4,792
 # instructions (the slice loops unrolled: 48 B of spills, 15,384); 16-channel slices 211
@@ -268,30 +431,72 @@ def prep_diag(q, k, g, beta, A_log, dt_bias, lower_bound, use_gate_in_kernel, us
     return qn, q_rstd, kn, k_rstd, gc, Aqk, Akkd
 
 
-def prep_f1_f6(q, k, v, g, beta, A_log, dt_bias, lower_bound, use_gate_in_kernel, use_qk_l2norm_in_kernel, scale,
-               safe_gate, disable_recompute, chunk_size, cu_seqlens, chunk_indices, **config):
-    """The F1-F6 unit: F1, F2 and F4 here, then fla's F5 and F6 on their outputs (on the
-    CPU, where fla's kernels do not run, the reference's F5 on the same diagonal blocks and
-    its F6): (q, q_rstd, k, k_rstd, gc, w, u, kg, Aqk, Akk_inv, qg) as the chain's stages
-    give them."""
-    from kernel_fun.kda.chain import _fla_f5_f6, _ref_f5_f6
+# The F5 kernel at 4 warps (sm_90a, K=128): 16-channel slices 158 registers (three programs
+# an SM), no spills, 2,248 instructions; 32-channel 202 and 2,608. At 8 warps Triton 3.6
+# builds its [64, 16] score dots as N=8 tf32 wgmmas, which the H200 runs out of bounds
+# (tools/compile_report.py): refused.
+SOLVE_CONFIG = dict(BKS=16, num_stages=1)
 
+
+def inter_solve(q, k, gc, beta, Aqk, Akkd, scale, chunk_size, cu_seqlens, chunk_indices,
+                BKS: int = SOLVE_CONFIG["BKS"], num_stages: int = SOLVE_CONFIG["num_stages"]):
+    """F5 with the contract of fla's ``chunk_kda_fwd_kernel_inter_solve_fused``: fills Aqk's
+    blocks below the diagonal (in place; the diagonal blocks are F4's) and returns Akk_inv
+    [B, T, HV, 64] in k's dtype (lower, zeros above). Always 4 warps."""
+    num_warps = 4
+    for name, t in dict(q=q, k=k, gc=gc, beta=beta, Aqk=Aqk, Akkd=Akkd).items():
+        if not t.is_contiguous():
+            raise ValueError(f"the F5 kernel indexes {name} as a dense tensor; got strides {t.stride()}")
+    B, T, H, K = k.shape
+    HV = gc.shape[2]
+    BT = chunk_size
+    Akk = torch.empty(B, T, HV, BT, device=k.device, dtype=k.dtype)
+    NT = triton.cdiv(T, BT) if cu_seqlens is None else len(chunk_indices)
+    inter_solve_kernel[(NT, B * HV)](
+        q=q, k=k, gc=gc, beta=beta, Aqk=Aqk, Akkd=Akkd, Akk=Akk, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
+        scale=scale, T=T, H=H, HV=HV, K=K, BT=BT, BC=BC, BKS=min(BKS, max(16, triton.next_power_of_2(K))),
+        IS_VARLEN=cu_seqlens is not None, num_warps=num_warps, num_stages=num_stages,
+    )
+    return Akk
+
+
+def prep_f1_f6(q, k, v, g, beta, A_log, dt_bias, lower_bound, use_gate_in_kernel, use_qk_l2norm_in_kernel, scale,
+               safe_gate, disable_recompute, chunk_size, cu_seqlens, chunk_indices, own_f5: bool = False, **config):
+    """The F1-F6 unit: F1, F2 and F4 here, then F5 (fla's, or with ``own_f5`` this module's
+    ``inter_solve``) and fla's F6 on their outputs (on the CPU, where fla's kernels do not
+    run, the reference's F5 on the same diagonal blocks and its F6): (q, q_rstd, k, k_rstd,
+    gc, w, u, kg, Aqk, Akk_inv, qg) as the chain's stages give them."""
+    from kernel_fun.kda import chain
+
+    # SOLVE_BKS / SOLVE_STAGES: the F5 kernel's slice and stages; the rest the F1-F4 kernel's
+    config = dict(config)
+    solve = dict(BKS=config.pop("SOLVE_BKS", SOLVE_CONFIG["BKS"]),
+                 num_stages=config.pop("SOLVE_STAGES", SOLVE_CONFIG["num_stages"]))
     qn, q_rstd, kn, k_rstd, gc, Aqk, Akkd = prep_diag(q, k, g, beta, A_log, dt_bias, lower_bound, use_gate_in_kernel,
                                                       use_qk_l2norm_in_kernel, scale, chunk_size, cu_seqlens,
                                                       chunk_indices, **config)
-    rest = _fla_f5_f6 if k.device.type == "cuda" else _ref_f5_f6
-    w, u, kg, Aqk, Akk, qg = rest(qn, kn, v, gc, beta, Aqk, Akkd, scale, chunk_size, cu_seqlens, chunk_indices,
-                                  safe_gate, disable_recompute)
+    on_gpu = k.device.type == "cuda"
+    if own_f5:
+        Akk = inter_solve(qn, kn, gc, beta, Aqk, Akkd, scale, chunk_size, cu_seqlens, chunk_indices, **solve)
+    else:
+        Akk = (chain._fla_f5 if on_gpu else chain._ref_f5)(qn, kn, gc, beta, Aqk, Akkd, scale, chunk_size,
+                                                           cu_seqlens, chunk_indices, safe_gate)
+    w, u, qg, kg = (chain._fla_f6 if on_gpu else chain._ref_f6)(qn, kn, v, beta, Akk, gc, chunk_size, cu_seqlens,
+                                                                chunk_indices, disable_recompute)
     return qn, q_rstd, kn, k_rstd, gc, w, u, kg, Aqk, Akk, qg
 
 
 def candidate(stage: str, design: str):
-    """(implementation, supports) of the F1-F6 unit on this kernel, for a bench run that
-    measures it in the whole op before it is registered (``python -m kernel_fun.bench
-    --candidate F1-F6=diag``)."""
-    if stage != "F1-F6" or design != "diag":
-        raise ValueError(f"diag_fwd has the candidate F1-F6=diag, not {stage}={design}")
-    return prep_f1_f6, supports
+    """(implementation, supports) of the F1-F6 unit on this module's kernels, for a bench
+    run that measures it in the whole op before it is registered (``python -m
+    kernel_fun.bench --candidate F1-F6=diag``): ``diag`` the F1-F4 kernel with fla's F5,
+    ``diag-solve`` with this module's F5 too."""
+    if stage != "F1-F6" or design not in DESIGNS:
+        raise ValueError(f"diag_fwd has the candidates F1-F6={'/'.join(DESIGNS)}, not {stage}={design}")
+    return functools.partial(prep_f1_f6, own_f5=design == "diag-solve"), supports
+
+
+DESIGNS = ("diag", "diag-solve")
 
 
 def supports(q, k, chunk_size, **_) -> str | None:
