@@ -355,3 +355,17 @@ def test_f5_builds_compile_without_spills_or_n8_tf32_wgmma(bks):
     for row in rows:
         assert "error" not in row, row
         assert row["wgmma"] > 0 and row["wgmma_tf32_n8"] == 0 and row["spill_stores"] == 0, row
+
+
+def test_inter_solve_reads_only_the_strictly_lower_diagonal_blocks():
+    """fla's F4 leaves Akkd's entries on and above each row's diagonal unwritten: the F5
+    kernel gives the same Akk_inv with NaN there."""
+    args, _, _ = unit_inputs(SHAPES[3])
+    qn, _, kn, _, gc, Aqk, Akkd = diag_fwd.prep_diag(**args)
+    cu, ci = args["cu_seqlens"], args["chunk_indices"]
+    clean = diag_fwd.inter_solve(qn, kn, gc, args["beta"], Aqk.clone(), Akkd, args["scale"], 64, cu, ci)
+    r_in = local_row(Akkd.shape[1], cu, Akkd.device)
+    upper = (torch.arange(16)[None, :] >= r_in[:, None]).view(1, -1, 1, 16)
+    dirty = diag_fwd.inter_solve(qn, kn, gc, args["beta"], Aqk.clone(), torch.where(upper, float("nan"), Akkd),
+                                 args["scale"], 64, cu, ci)
+    assert torch.equal(clean, dirty)

@@ -253,8 +253,9 @@ def _diag_inverses(D, BT: tl.constexpr, BC: tl.constexpr):
     """(I + D_b)^-1 for every 16x16 diagonal block b at once, D in block-local form [BT, BC]
     (strictly lower in each block): forward substitution, row i = e_i - sum_m D[i, m] X[m]."""
     NB: tl.constexpr = BT // BC
-    D3 = tl.reshape(D, (NB, BC, BC))
     pos = tl.arange(0, BC)
+    # only the strictly lower part is read (fla's F4 leaves the rest of Akkd unwritten)
+    D3 = tl.where(pos[None, :, None] > pos[None, None, :], tl.reshape(D, (NB, BC, BC)), 0.0)
     X3 = tl.broadcast_to(tl.where(pos[:, None] == pos[None, :], 1.0, 0.0)[None, :, :], (NB, BC, BC))
     for i in range(1, BC):
         sel = pos[None, :, None] == i
