@@ -218,15 +218,15 @@ def test_b6_pair_stores_equal_plain_stores():
             assert (got[offset + 41 * 128:] == -7.0).all() and (got[offset:offset + 41 * 128] != -7.0).all()
 
 
-def _whole_op_at_prod():
-    """fla's chunk_kda and ours at prod8192_gate on the same inputs: (ours, fla's, our
-    call's record, the names of the CUDA kernels our call launched)."""
+def _whole_op(p: Problem = PROD):
+    """fla's chunk_kda and ours at ``p`` (default prod8192_gate) on the same inputs: (ours, fla's,
+    our call's record, the names of the CUDA kernels our call launched)."""
     from torch.profiler import ProfilerActivity, profile
 
-    kwargs = make_inputs(PROD, device="cuda", seed=9)
-    theirs = run_fwd_bwd(_fla(), kwargs, grid=PROD.dtype)
+    kwargs = make_inputs(p, device="cuda", seed=9)
+    theirs = run_fwd_bwd(_fla(), kwargs, grid=p.dtype)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        ours = run_fwd_bwd(chunk_kda, kwargs, grid=PROD.dtype)
+        ours = run_fwd_bwd(chunk_kda, kwargs, grid=p.dtype)
         torch.cuda.synchronize()
     kernels = {evt.name for evt in prof.events() if evt.device_type == torch.autograd.DeviceType.CUDA}
     return ours, theirs, last_record(), kernels
@@ -236,7 +236,7 @@ def test_launch_witness_at_prod8192_gate():
     """The whole op at prod8192_gate: the F7-F8 unit, B6 and the B7-B9 unit ran kernel-fun's
     kernels and not fla's, every other stage ran fla's, and the result tracks fla's
     chunk_kda (o bit for bit: the scan rounds where fla's two stages do)."""
-    ours, theirs, record, kernels = _whole_op_at_prod()
+    ours, theirs, record, kernels = _whole_op()
     assert record.engaged and record.forward["F7-F8"] == "ours"
     assert record.backward["B6"] == "ours" and record.backward["B7-B9"] == "ours"
     assert not {"F7", "F8"} & set(record.forward) and not {"B7", "B8", "B9"} & set(record.backward), record
@@ -468,6 +468,18 @@ def test_scan_with_output_matches_fla_f7_f8(p):
 # --------------------------------------------------------------------------------------
 # F3-F6 in one kernel against fla's chunk_kda_fwd_intra (not dispatched yet)
 # --------------------------------------------------------------------------------------
+def _f3f6_inputs(p: Problem, seed: int, gates: str = "kimi") -> tuple[dict, dict]:
+    """A call's inputs (the gate scaled to 8x + 12 with ``gates="strong"``: every block's
+    exp2 differences past 100) and the inputs fla's chain gives F3-F6 on them."""
+    kwargs = make_inputs(p, device="cuda", seed=seed, requires_grad=False)
+    if gates == "strong":
+        kwargs["g"] = kwargs["g"] * 8 + 12
+    with torch.no_grad(), use_impls("fla"), capture_stages() as log:
+        chunk_kda(**kwargs)
+    (f36,) = [x for name, _, x, _ in log if name == "F3-F6"]
+    return kwargs, f36
+
+
 @pytest.mark.parametrize("p", SMALL[:2] + [FLAGGED[1], FLAGGED[2], PROD], ids=lambda p: p.name)
 @pytest.mark.parametrize("gates", ["kimi", "strong"])
 def test_prep_matches_fla_f3_f6(p, gates):
@@ -480,12 +492,7 @@ def test_prep_matches_fla_f3_f6(p, gates):
 
     if gates == "strong" and (p.safe_gate or p is PROD):
         pytest.skip("safe_gate bounds the gate; the strong gate is covered at the small shapes")
-    kwargs = make_inputs(p, device="cuda", seed=15, requires_grad=False)
-    if gates == "strong":
-        kwargs["g"] = kwargs["g"] * 8 + 12
-    with torch.no_grad(), use_impls("fla"), capture_stages() as log:
-        chunk_kda(**kwargs)
-    (inputs,) = [x for name, _, x, _ in log if name == "F3-F6"]
+    _, inputs = _f3f6_inputs(p, 15, gates)
     misses = _stage_verdict(stage_f3f6.BENCH, inputs, prep_fwd.prep_fwd(**inputs), f"{p.name}-{gates}")
     assert not misses, misses
 
@@ -497,28 +504,33 @@ def test_fused_prep_matches_fla_f1_f2_f3_f6(p):
     cumsum within 2e-3 of fla's (a bf16 value one unit off in its last place); w, u, kg, Aqk
     and Akk_inv through F3-F6's bars (``prep_misses``: within fla's budget of fla's, and
     against the float64 F3-F6 on fla's F1 and F2 outputs no more than 10% worse than fla's)."""
-    from kernel_fun.bench import stage_f3f6
-    from kernel_fun.kda.chain import _fla_prep
     from kernel_fun.kda.kernels import prep_fwd
 
-    kwargs = make_inputs(p, device="cuda", seed=18, requires_grad=False)
-    with torch.no_grad(), use_impls("fla"), capture_stages() as log:
-        chunk_kda(**kwargs)
-    (f36,) = [x for name, _, x, _ in log if name == "F3-F6"]
+    misses = _f1_f6_verdict(p, *_f3f6_inputs(p, 18), prep_fwd.prep_fwd_fused, f"{p.name} fused")
+    assert not misses, misses
+
+
+def _f1_f6_verdict(p: Problem, kwargs: dict, f36: dict, unit_fn, label: str) -> dict:
+    """An F1-F6 unit from the raw q, k and gate against fla's F1, F2 and F3-F6 on the same
+    inputs (``f36``: what fla's chain gave F3-F6): the normalized q and k, their rstds and the
+    cumsum within 2e-3 of fla's (asserted); w, u, kg, Aqk and Akk_inv through F3-F6's bars,
+    the misses."""
+    from kernel_fun.bench import stage_f3f6
+    from kernel_fun.kda.chain import _fla_prep
+
     unit = dict(q=kwargs["q"], k=kwargs["k"], v=f36["v"], g=kwargs["g"], beta=f36["beta"], A_log=kwargs.get("A_log"),
                 dt_bias=kwargs.get("dt_bias"), lower_bound=p.lower_bound, use_gate_in_kernel=p.gate_in_kernel,
                 use_qk_l2norm_in_kernel=p.l2norm_in_kernel, scale=f36["scale"], safe_gate=p.safe_gate,
                 disable_recompute=p.disable_recompute, chunk_size=64, cu_seqlens=f36["cu_seqlens"],
                 chunk_indices=f36["chunk_indices"])
-    ours, theirs = prep_fwd.prep_fwd_fused(**unit), _fla_prep(**unit)
+    ours, theirs = unit_fn(**unit), _fla_prep(**unit)
     assert all(torch.isfinite(t).all() for t in ours if t is not None)
     errors = stage_errors("F1-F6", ours, theirs, cu_seqlens=f36["cu_seqlens"])
-    print(p.name, "fused prep vs fla F1+F2+F3-F6", errors)
+    print(label, "vs fla F1+F2+F3-F6", errors)
     f12 = {n: e for n, e in errors.items() if n in ("q", "q_rstd", "k", "k_rstd", "gc")}
     assert all(e <= 2e-3 for e in f12.values()), f12
     wy = (ours[5], ours[6], ours[7], ours[8], ours[9], ours[10])  # w, u, kg, Aqk, Akk_inv, qg
-    misses = _stage_verdict(stage_f3f6.BENCH, f36, wy, f"{p.name} fused")
-    assert not misses, misses
+    return _stage_verdict(stage_f3f6.BENCH, f36, wy, label)
 
 
 # --------------------------------------------------------------------------------------
@@ -534,32 +546,13 @@ def test_diag_unit_matches_fla_f1_f2_f3_f6(p, gates, design):
     strong enough that every block goes pairwise): the normalized q and k, their rstds and
     the cumsum within 2e-3 of fla's; w, u, kg, Aqk and Akk_inv through F3-F6's bars against
     fla's stage and the float64 stage."""
-    from kernel_fun.bench import stage_f3f6
-    from kernel_fun.kda.chain import _fla_prep
     from kernel_fun.kda.kernels import diag_fwd
 
     if gates == "strong" and (p.safe_gate or p is PROD or not p.gate_in_kernel):
         pytest.skip("safe_gate bounds the gate, a given gate scaled up grows; the strong gate is covered at the "
                     "small shapes")
-    kwargs = make_inputs(p, device="cuda", seed=18, requires_grad=False)
-    if gates == "strong":
-        kwargs["g"] = kwargs["g"] * 8 + 12
-    with torch.no_grad(), use_impls("fla"), capture_stages() as log:
-        chunk_kda(**kwargs)
-    (f36,) = [x for name, _, x, _ in log if name == "F3-F6"]
-    unit = dict(q=kwargs["q"], k=kwargs["k"], v=f36["v"], g=kwargs["g"], beta=f36["beta"], A_log=kwargs.get("A_log"),
-                dt_bias=kwargs.get("dt_bias"), lower_bound=p.lower_bound, use_gate_in_kernel=p.gate_in_kernel,
-                use_qk_l2norm_in_kernel=p.l2norm_in_kernel, scale=f36["scale"], safe_gate=p.safe_gate,
-                disable_recompute=p.disable_recompute, chunk_size=64, cu_seqlens=f36["cu_seqlens"],
-                chunk_indices=f36["chunk_indices"])
-    ours, theirs = diag_fwd.prep_f1_f6(**unit, own_f5=design == "diag-solve"), _fla_prep(**unit)
-    assert all(torch.isfinite(t).all() for t in ours if t is not None)
-    errors = stage_errors("F1-F6", ours, theirs, cu_seqlens=f36["cu_seqlens"])
-    print(p.name, gates, design, "unit vs fla F1+F2+F3-F6", errors)
-    f12 = {n: e for n, e in errors.items() if n in ("q", "q_rstd", "k", "k_rstd", "gc")}
-    assert all(e <= 2e-3 for e in f12.values()), f12
-    wy = (ours[5], ours[6], ours[7], ours[8], ours[9], ours[10])  # w, u, kg, Aqk, Akk_inv, qg
-    misses = _stage_verdict(stage_f3f6.BENCH, f36, wy, f"{p.name} {gates} {design}")
+    unit_fn, _ = diag_fwd.candidate("F1-F6", design)
+    misses = _f1_f6_verdict(p, *_f3f6_inputs(p, 18, gates), unit_fn, f"{p.name} {gates} {design}")
     assert not misses, misses
 
 
@@ -577,12 +570,7 @@ def test_inter_solve_matches_fla_f5_on_the_same_blocks(p, gates):
 
     if gates == "strong" and (p.safe_gate or p is PROD):
         pytest.skip("safe_gate bounds the gate; the strong gate is covered at the small shapes")
-    kwargs = make_inputs(p, device="cuda", seed=21, requires_grad=False)
-    if gates == "strong":
-        kwargs["g"] = kwargs["g"] * 8 + 12
-    with torch.no_grad(), use_impls("fla"), capture_stages() as log:
-        chunk_kda(**kwargs)
-    (f36,) = [x for name, _, x, _ in log if name == "F3-F6"]
+    kwargs, f36 = _f3f6_inputs(p, 21, gates)
     cu, ci = f36["cu_seqlens"], f36["chunk_indices"]
     _, _, _, _, _, Aqk, Akkd = diag_fwd.prep_diag(
         kwargs["q"], kwargs["k"], kwargs["g"], f36["beta"], kwargs.get("A_log"), kwargs.get("dt_bias"), p.lower_bound,
@@ -616,21 +604,12 @@ def test_diag_unit_launch_witness_in_the_whole_op(design, monkeypatch):
     """The candidate registered as F1-F6 in the whole op at b8: the record shows the unit,
     the F1-F4 kernel ran and fla's F1 and F4 kernels did not (F5 fla's or ours, F6 fla's),
     and the result tracks fla's chunk_kda."""
-    from torch.profiler import ProfilerActivity, profile
-
     from conftest import register_for_test
     from kernel_fun.kda import reference as ref
     from kernel_fun.kda.kernels import diag_fwd
 
     register_for_test(monkeypatch, "F1-F6", *diag_fwd.candidate("F1-F6", design))
-    p = SHAPES["b8"]
-    kwargs = make_inputs(p, device="cuda", seed=9)
-    theirs = run_fwd_bwd(_fla(), kwargs, grid=p.dtype)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        ours = run_fwd_bwd(chunk_kda, kwargs, grid=p.dtype)
-        torch.cuda.synchronize()
-    kernels = {evt.name for evt in prof.events() if evt.device_type == torch.autograd.DeviceType.CUDA}
-    record = last_record()
+    ours, theirs, record, kernels = _whole_op(SHAPES["b8"])
     assert record.forward["F1-F6"] == "ours" and not {"F1", "F2", "F3-F6"} & set(record.forward), record
     mine, theirs_f5 = "prep_diag_kernel", "chunk_kda_fwd_kernel_inter_solve_fused"
     assert mine in kernels and "recompute_w_u_fwd_kda_kernel" in kernels, sorted(kernels)

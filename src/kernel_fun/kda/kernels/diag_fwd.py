@@ -102,6 +102,17 @@ def _local(S, t, BT: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
+def _chunk_head(cu_seqlens, chunk_indices, T, H: tl.constexpr, HV: tl.constexpr, BT: tl.constexpr,
+                BC: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """The program's (value head, q/k head, the chunk's first token row, its token count)."""
+    tl.static_assert(BT == 4 * BC, "written for four blocks a chunk")
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_hv = i_bh % HV
+    i_c, i_tg, bos, T = chunk_coords(i_t, i_bh, cu_seqlens, chunk_indices, T, HV, BT, IS_VARLEN)
+    return i_hv, i_hv // (HV // H), bos + i_c * BT, tl.minimum(T - i_c * BT, BT).to(tl.int32)
+
+
+@triton.jit
 def prep_diag_kernel(
     q_raw, k_raw, g_raw, beta, A_log, dt_bias, lower_bound,
     q, k, q_rstd, k_rstd, gc, Aqk, Akkd, cu_seqlens, chunk_indices, scale, T,
@@ -111,13 +122,7 @@ def prep_diag_kernel(
 ):
     """F1 (with L2NORM), F2 and F4 on one (chunk, value head), K in slices of BKS channels.
     PAIRWISE sends every diagonal block to the pairwise form (the tests' other path)."""
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_hv = i_bh % HV
-    i_h = i_hv // (HV // H)
-    i_c, i_tg, bos, T = chunk_coords(i_t, i_bh, cu_seqlens, chunk_indices, T, HV, BT, IS_VARLEN)
-    row0 = bos + i_c * BT
-    n_t = tl.minimum(T - i_c * BT, BT).to(tl.int32)
-    tl.static_assert(BT == 4 * BC, "written for four blocks a chunk")
+    i_hv, i_h, row0, n_t = _chunk_head(cu_seqlens, chunk_indices, T, H, HV, BT, BC, IS_VARLEN)
     SK: tl.constexpr = H * K
     SG: tl.constexpr = HV * K
     NKS: tl.constexpr = (K + BKS - 1) // BKS
@@ -296,13 +301,7 @@ def inter_solve_kernel(
     block's last row, K in slices of BKS (three tf32 products a dot); the solve on CUDA cores
     in fp32: the diagonal blocks' inverses by substitution, the blocks below by
     X_mj = -Dinv_m sum_p L_mp X_pj, each stored as it is made."""
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_hv = i_bh % HV
-    i_h = i_hv // (HV // H)
-    i_c, i_tg, bos, T = chunk_coords(i_t, i_bh, cu_seqlens, chunk_indices, T, HV, BT, IS_VARLEN)
-    row0 = bos + i_c * BT
-    n_t = tl.minimum(T - i_c * BT, BT).to(tl.int32)
-    tl.static_assert(BT == 4 * BC, "written for four blocks a chunk")
+    i_hv, i_h, row0, n_t = _chunk_head(cu_seqlens, chunk_indices, T, H, HV, BT, BC, IS_VARLEN)
     SK: tl.constexpr = H * K
     SG: tl.constexpr = HV * K
     NKS: tl.constexpr = (K + BKS - 1) // BKS
