@@ -47,7 +47,9 @@ relaunching is idempotent.
 
 The epilogue's incoming dq, dk and dg are asked of L2 at the program's start (a hint:
 bit for bit the same outputs; the design ``wide-halves-pf``, the pin; ``wide-halves`` is the
-same without it).
+same without it). Four variants of the pin (``VARIANTS``: the next wave's tiles asked of L2,
+the chunk tier's transposed dA tiles read from memory; 76-136 B of spills against 144) are
+built and tested, not yet timed (docs/log/b7.md).
 
 Falls back (``supports``): chunk size other than 64. No CTA floor: it measured faster than
 fla's B7 down to grid64 (B1 T256 H16: 0.135 ms against 0.212).
