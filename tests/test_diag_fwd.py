@@ -261,7 +261,8 @@ def test_chain_with_the_unit_against_the_oracle(p, design, monkeypatch):
     assert all(errors[n] <= ref.BUDGETS[n] for n in errors), errors
 
 
-@pytest.mark.parametrize("design,config", [("diag", None), ("diag-solve", {"SOLVE_BKS": 32, "SOLVE_STAGES": 2})])
+@pytest.mark.parametrize("design,config", [("diag", None), ("diag-solve", {"SOLVE_BKS": 32, "SOLVE_STAGES": 2}),
+                                           ("diag-solve-wy", None)])
 def test_bench_entry_inputs_run_and_count_bytes(design, config):
     """The F1-F6 stage bench entry: the chain's own inputs, our unit (on the CPU the
     reference's F5, or the module's, and the reference's F6 after the kernel) against the
@@ -338,9 +339,10 @@ def test_inter_solve_matches_the_reference_f5(p):
 
 @pytest.mark.skipif(__import__("triton").__version__ != "3.6.0", reason="figures recorded with Triton 3.6.0's ptxas")
 @pytest.mark.parametrize("bks", [16, 32])
-def test_f5_builds_compile_without_spills_or_n8_tf32_wgmma(bks):
-    """The F5 kernel at its 4 warps, both slices the sweep times, as ptxas assembles them for
-    sm_90a: no N=8 tf32 wgmma (which 8 warps would make) and no spills."""
+@pytest.mark.parametrize("design", ["solve", "solve-wy"])
+def test_f5_builds_compile_without_spills_or_n8_tf32_wgmma(bks, design):
+    """The F5 kernel at its 4 warps, alone and with F6, both slices the sweep times, as ptxas
+    assembles them for sm_90a: no N=8 tf32 wgmma (which 8 warps would make) and no spills."""
     import json
     import os
     import subprocess
@@ -348,7 +350,7 @@ def test_f5_builds_compile_without_spills_or_n8_tf32_wgmma(bks):
 
     env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cmd = [sys.executable, "-m", "tools.compile_report", "--design", "solve", "--BV", str(bks), "--warps", "4",
+    cmd = [sys.executable, "-m", "tools.compile_report", "--design", design, "--BV", str(bks), "--warps", "4",
            "--stages", "1,2"]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=root)
     rows = [json.loads(line) for line in out.stdout.strip().splitlines()[-2:]]

@@ -538,22 +538,24 @@ def _f1_f6_verdict(p: Problem, kwargs: dict, f36: dict, unit_fn, label: str) -> 
 # --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("p", SMALL + [FLAGGED[1], FLAGGED[2], PROD], ids=lambda p: p.name)
 @pytest.mark.parametrize("gates", ["kimi", "strong"])
-@pytest.mark.parametrize("design", ["diag", "diag-solve"])
-def test_diag_unit_matches_fla_f1_f2_f3_f6(p, gates, design):
-    """The F1-F6 unit on the F1-F4 kernel (diag_fwd.prep_f1_f6, with fla's F5 or the
-    module's) from the raw q, k and gate, against fla's F1, F2 and F3-F6 on the same inputs
-    (T=500 with h0, packed sequences, safe_gate, disable_recompute's qg, prod8192_gate; gates
-    strong enough that every block goes pairwise): the normalized q and k, their rstds and
-    the cumsum within 2e-3 of fla's; w, u, kg, Aqk and Akk_inv through F3-F6's bars against
-    fla's stage and the float64 stage."""
+def test_diag_unit_matches_fla_f1_f2_f3_f6(p, gates):
+    """The F1-F6 unit on the F1-F4 kernel (diag_fwd.prep_f1_f6, every design: fla's F5 and
+    F6 after it, the module's F5, the module's F5 and F6 in one program) from the raw q, k
+    and gate, against fla's F1, F2 and F3-F6 on the same inputs (T=500 with h0, packed
+    sequences, safe_gate, disable_recompute's qg, prod8192_gate; gates strong enough that
+    every block goes pairwise): the normalized q and k, their rstds and the cumsum within
+    2e-3 of fla's; w, u, kg, Aqk and Akk_inv through F3-F6's bars against fla's stage and
+    the float64 stage."""
     from kernel_fun.kda.kernels import diag_fwd
 
     if gates == "strong" and (p.safe_gate or p is PROD or not p.gate_in_kernel):
         pytest.skip("safe_gate bounds the gate, a given gate scaled up grows; the strong gate is covered at the "
                     "small shapes")
-    unit_fn, _ = diag_fwd.candidate("F1-F6", design)
-    misses = _f1_f6_verdict(p, *_f3f6_inputs(p, 18, gates), unit_fn, f"{p.name} {gates} {design}")
-    assert not misses, misses
+    kwargs, f36 = _f3f6_inputs(p, 18, gates)
+    for design in diag_fwd.DESIGNS:
+        unit_fn, _ = diag_fwd.candidate("F1-F6", design)
+        misses = _f1_f6_verdict(p, kwargs, f36, unit_fn, f"{p.name} {gates} {design}")
+        assert not misses, (design, misses)
 
 
 @pytest.mark.parametrize("p", SMALL[:2] + [FLAGGED[1], PROD], ids=lambda p: p.name)
@@ -599,7 +601,7 @@ def test_inter_solve_matches_fla_f5_on_the_same_blocks(p, gates):
     assert torch.equal(ref.local_blocks(a_ours, 64, cu), ref.local_blocks(Aqk, 64, cu))
 
 
-@pytest.mark.parametrize("design", ["diag", "diag-solve"])
+@pytest.mark.parametrize("design", ["diag", "diag-solve", "diag-solve-wy"])
 def test_diag_unit_launch_witness_in_the_whole_op(design, monkeypatch):
     """The candidate registered as F1-F6 in the whole op at b8: the record shows the unit,
     the F1-F4 kernel ran and fla's F1 and F4 kernels did not (F5 fla's or ours, F6 fla's),
@@ -612,11 +614,11 @@ def test_diag_unit_launch_witness_in_the_whole_op(design, monkeypatch):
     ours, theirs, record, kernels = _whole_op(SHAPES["b8"])
     assert record.forward["F1-F6"] == "ours" and not {"F1", "F2", "F3-F6"} & set(record.forward), record
     mine, theirs_f5 = "prep_diag_kernel", "chunk_kda_fwd_kernel_inter_solve_fused"
-    assert mine in kernels and "recompute_w_u_fwd_kda_kernel" in kernels, sorted(kernels)
-    if design == "diag-solve":
-        assert "inter_solve_kernel" in kernels and theirs_f5 not in kernels, sorted(kernels)
-    else:
+    assert mine in kernels and "recompute_w_u_fwd_kda_kernel" in kernels, sorted(kernels)  # (B2's, at least)
+    if design == "diag":
         assert theirs_f5 in kernels, sorted(kernels)
+    else:
+        assert "inter_solve_kernel" in kernels and theirs_f5 not in kernels, sorted(kernels)
     assert not {"l2norm_fwd_kernel", "chunk_kda_fwd_kernel_intra_token_parallel"} & kernels, sorted(kernels)
     errors = {n: ref.rel_rms(ours[n], theirs[n]) for n in theirs if theirs[n] is not None}
     print("whole op with the diag unit vs fla", errors)

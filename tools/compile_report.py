@@ -176,15 +176,19 @@ def diag_report(K: int, H: int, HV: int, BKS: int, num_warps: int, num_stages: i
     return compile_sm90(diag_fwd.prep_diag_kernel, types, constexprs, num_warps, num_stages, maxnreg)
 
 
-def solve_report(K: int, H: int, HV: int, BKS: int, num_warps: int, num_stages: int, dtype: str = "bf16",
-                 maxnreg: int | None = None) -> dict:
-    """The F5 kernel (diag_fwd.inter_solve_kernel) at dense sequences."""
+def solve_report(K: int, V: int, H: int, HV: int, BKS: int, num_warps: int, num_stages: int, dtype: str = "bf16",
+                 maxnreg: int | None = None, wy: bool = False) -> dict:
+    """The F5 kernel (diag_fwd.inter_solve_kernel) at dense sequences; ``wy`` with F6 (w,
+    u, kg; no qg) in the same program."""
     from kernel_fun.kda.kernels import diag_fwd
 
     types = {n: _PTR[dtype] for n in ("q", "k", "beta", "Aqk", "Akk")}
     types.update(gc="*fp32", Akkd="*fp32")
-    constexprs = dict(cu_seqlens=None, chunk_indices=None, H=H, HV=HV, K=K, BT=64, BC=diag_fwd.BC, BKS=BKS,
-                      IS_VARLEN=False)
+    if wy:
+        types.update({n: _PTR[dtype] for n in ("v", "w", "u", "kg")})
+    constexprs = dict(cu_seqlens=None, chunk_indices=None, H=H, HV=HV, K=K, V=V, BT=64, BC=diag_fwd.BC, BKS=BKS,
+                      BV=64, IS_VARLEN=False, WY=wy, STORE_QG=False, qg=None,
+                      **({} if wy else dict(v=None, w=None, u=None, kg=None)))
     return compile_sm90(diag_fwd.inter_solve_kernel, types, constexprs, num_warps, num_stages, maxnreg)
 
 
@@ -262,8 +266,9 @@ def main(argv=None):
                                             backward=design == "cconv-bwd"))
                 elif design == "diag":  # --BV its K slice
                     row.update(diag_report(args.K, args.H, args.HV, BV, warps, stages, maxnreg=args.maxnreg))
-                elif design == "solve":  # --BV its K slice
-                    row.update(solve_report(args.K, args.H, args.HV, BV, warps, stages, maxnreg=args.maxnreg))
+                elif design in ("solve", "solve-wy"):  # --BV its K slice
+                    row.update(solve_report(args.K, args.V, args.H, args.HV, BV, warps, stages, maxnreg=args.maxnreg,
+                                            wy=design == "solve-wy"))
                 elif design in ("prep", "prep-fused"):
                     row.update(prep_report(args.K, args.V, args.H, args.HV, args.bks, BV, warps, stages,
                                            fused=design == "prep-fused"))

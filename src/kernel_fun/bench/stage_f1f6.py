@@ -1,7 +1,8 @@
 """The F1-F6 unit's entry in the stage bench (``kernel_fun.bench.stage``): from the raw q, k
 and gate to w, u, kg, Aqk and Akk_inv, kernel-fun's F1-F4 kernel with fla's F5 (``diag``)
-or kernel-fun's (``diag-solve``) and fla's F6 after it (``kda/kernels/diag_fwd.py``'s
-``prep_f1_f6``) against fla's F1, F2 and F3-F6 in turn.
+or kernel-fun's (``diag-solve``) and fla's F6 after it, or F5 and F6 in one kernel-fun
+kernel (``diag-solve-wy``) (``kda/kernels/diag_fwd.py``'s ``prep_f1_f6``) against fla's F1,
+F2 and F3-F6 in turn.
 
 ``python -m kernel_fun.bench.stage --stage F1-F6 --shapes prod8192_gate,prod8192_layer_safe --configs sweep``
 
@@ -26,7 +27,8 @@ from kernel_fun.bench.stage import StageBench, chain_inputs, main as _stage_main
 _F14 = [dict(BKS=32, num_warps=4, num_stages=1), dict(BKS=16, num_warps=4, num_stages=1),
         dict(BKS=32, num_warps=4, num_stages=2), dict(BKS=16, num_warps=4, num_stages=2),
         dict(BKS=32, num_warps=8, num_stages=1), dict(BKS=16, num_warps=8, num_stages=1)]
-SWEEP = {"diag": _F14, "diag-solve": [dict(_F14[0]), dict(_F14[0], SOLVE_BKS=32), dict(_F14[0], SOLVE_STAGES=2)]}
+SWEEP = {"diag": _F14, "diag-solve": [dict(_F14[0]), dict(_F14[0], SOLVE_BKS=32), dict(_F14[0], SOLVE_STAGES=2)],
+         "diag-solve-wy": [dict(_F14[0]), dict(_F14[0], SOLVE_BKS=32)]}
 
 
 def unit_bytes(p) -> int:
@@ -74,7 +76,8 @@ def _exact(q, k, v, g, beta, A_log, dt_bias, lower_bound, use_gate_in_kernel, us
 def _ours(inputs, design, config):
     from kernel_fun.kda.kernels import diag_fwd
 
-    return diag_fwd.prep_f1_f6(**inputs, **(config or diag_fwd.DEFAULT_CONFIG), own_f5=design == "diag-solve")
+    fn, _ = diag_fwd.candidate("F1-F6", design)
+    return fn(**inputs, **(config or diag_fwd.DEFAULT_CONFIG))
 
 
 def _launch_config(p, design, overrides):
@@ -92,7 +95,8 @@ def _misses(vs_exact, fla_exact, vs_fla):
 
 
 BENCH = StageBench(stage="F1-F6", make_inputs=make_inputs, bytes=unit_bytes, fla=_fla, exact=_exact, ours=_ours,
-                   launch_config=_launch_config, misses=_misses, sweep=SWEEP, designs=("diag", "diag-solve"))
+                   launch_config=_launch_config, misses=_misses, sweep=SWEEP,
+                   designs=("diag", "diag-solve", "diag-solve-wy"))
 
 
 def main(argv=None) -> int:

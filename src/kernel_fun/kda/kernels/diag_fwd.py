@@ -30,7 +30,9 @@ any gate), [64, BKS] x [BKS, 16] dots in three tf32 products; the solve in fp32 
 cores, the diagonal blocks' inverses by substitution (four at once in block-local form,
 15 steps) and the six blocks below by X_mj = -Dinv_m sum_p L_mp X_pj in three dependent
 levels of 16x16 products, each block stored as it is made (fla: the same structure, tf32
-products).
+products). With F6 in the same program (``diag-solve-wy``) Akk_inv is read back as the
+[64, 64] operand after a barrier and ``prep_fwd``'s WY code (``wy_k``, ``wy_v``, fla's
+roundings) runs slice by slice.
 
 Numerics: the normalized rows, their rstds and the cumsum as fla's F1 and F2 form them
 (fp32, rounded to the input dtype where fla's are); the blocks in fp32 from the rounded
@@ -45,8 +47,9 @@ run (``python -m kernel_fun.bench --candidate F1-F6=diag`` or ``=diag-solve``; t
 bench's entry ``F1-F6``). Predicted from the bytes (the F1-F4 kernel 4.2 GB at
 prod8192_gate, 0.9 ms at the floor; F5 2.9 GB, 0.6 ms) and the latency of two or three
 4-warp programs an SM: the F1-F4 kernel 1.3-1.8 ms against fla's 2.86 for F1 + F2 + F4
-inside the op, F5 0.9-1.3 against fla's 1.53; the unit 4.2-4.7 ms (diag) and 3.6-4.5
-(diag-solve) against fla's 5.80 (docs/log/prep.md).
+inside the op, F5 0.9-1.3 against fla's 1.53; the unit 4.2-4.7 ms (diag), 3.6-4.5
+(diag-solve) and 3.3-4.3 (diag-solve-wy: F6's re-read of k, g and Akk_inv gone) against
+fla's 5.80 (docs/log/prep.md).
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ import triton
 import triton.language as tl
 
 from kernel_fun._triton import GUARD_SPAN, chunk_coords, dot3, to
+from kernel_fun.kda.kernels.prep_fwd import wy_k, wy_v
 from kernel_fun.kda.reference import RCP_LN2 as _RCP_LN2
 
 BC = 16  # the diagonal block
@@ -291,9 +295,9 @@ def _col_block(q_s, k_s, g_s, k, gc, st, n_t, t, o_k, m_k, acc_q, acc_k, SK: tl.
 
 @triton.jit
 def inter_solve_kernel(
-    q, k, gc, beta, Aqk, Akkd, Akk, cu_seqlens, chunk_indices, scale, T,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    BKS: tl.constexpr, IS_VARLEN: tl.constexpr,
+    q, k, gc, beta, Aqk, Akkd, Akk, v, w, u, kg, qg, cu_seqlens, chunk_indices, scale, T,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    BKS: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr, WY: tl.constexpr, STORE_QG: tl.constexpr,
 ):
     """F5 on one (chunk, value head), from the diagonal blocks F4 left (Aqk's, Akkd): Aqk's
     blocks below the diagonal (scaled, in the input dtype) and Akk_inv = (I + Akk)^-1 (lower,
@@ -373,6 +377,15 @@ def inter_solve_kernel(
     _store_block(Akk, x30, r_b + 3 * BC, 0, n_t - 3 * BC, i_hv, HV, BT, BC)
     _store_block(Akk, x31, r_b + 3 * BC, BC, n_t - 3 * BC, i_hv, HV, BT, BC)
     _store_block(Akk, x32, r_b + 3 * BC, 2 * BC, n_t - 3 * BC, i_hv, HV, BT, BC)
+    if WY:
+        # F6 in the same program: Akk_inv read back as the dot's [BT, BT] operand (this
+        # program's stores, after a barrier), then prep_fwd's WY code slice by slice
+        tl.debug_barrier()
+        x_b = tl.load(Akk + p_row + t[None, :], mask=m_t[:, None], other=0)
+        for i_s in range(0, NKS):
+            o_k = i_s * BKS + tl.arange(0, BKS)
+            wy_k(x_b, q, k, gc, beta, b_c, w, kg, qg, row0, t, m_t, n_t, o_k, o_k < K, i_hv, K, SK, SG, STORE_QG)
+        wy_v(x_b, v, b_c, u, row0, t, m_t, i_hv, HV, V, BV)
 
 
 @triton.jit
@@ -432,40 +445,54 @@ def prep_diag(q, k, g, beta, A_log, dt_bias, lower_bound, use_gate_in_kernel, us
 
 
 # The F5 kernel at 4 warps (sm_90a, K=128): 16-channel slices 158 registers (three programs
-# an SM), no spills, 2,248 instructions; 32-channel 202 and 2,608. At 8 warps Triton 3.6
+# an SM), no spills, 2,272 instructions; 32-channel 202 and 2,624; with F6 (V=256) 168 and
+# 2,728 (still three an SM), 224 and 3,096. At 8 warps Triton 3.6
 # builds its [64, 16] score dots as N=8 tf32 wgmmas, which the H200 runs out of bounds
 # (tools/compile_report.py): refused.
 SOLVE_CONFIG = dict(BKS=16, num_stages=1)
 
 
 def inter_solve(q, k, gc, beta, Aqk, Akkd, scale, chunk_size, cu_seqlens, chunk_indices,
-                BKS: int = SOLVE_CONFIG["BKS"], num_stages: int = SOLVE_CONFIG["num_stages"]):
+                BKS: int = SOLVE_CONFIG["BKS"], num_stages: int = SOLVE_CONFIG["num_stages"], v=None,
+                disable_recompute: bool = False):
     """F5 with the contract of fla's ``chunk_kda_fwd_kernel_inter_solve_fused``: fills Aqk's
     blocks below the diagonal (in place; the diagonal blocks are F4's) and returns Akk_inv
-    [B, T, HV, 64] in k's dtype (lower, zeros above). Always 4 warps."""
+    [B, T, HV, 64] in k's dtype (lower, zeros above). With ``v``, F6 in the same program
+    too: returns (Akk_inv, w, u, qg, kg) as fla's ``recompute_w_u_fwd`` (qg only with
+    ``disable_recompute``). Always 4 warps."""
     num_warps = 4
-    for name, t in dict(q=q, k=k, gc=gc, beta=beta, Aqk=Aqk, Akkd=Akkd).items():
-        if not t.is_contiguous():
+    for name, t in dict(q=q, k=k, gc=gc, beta=beta, Aqk=Aqk, Akkd=Akkd, v=v).items():
+        if t is not None and not t.is_contiguous():
             raise ValueError(f"the F5 kernel indexes {name} as a dense tensor; got strides {t.stride()}")
     B, T, H, K = k.shape
     HV = gc.shape[2]
     BT = chunk_size
     Akk = torch.empty(B, T, HV, BT, device=k.device, dtype=k.dtype)
+    wy = v is not None
+    w = torch.empty(B, T, HV, K, device=k.device, dtype=k.dtype) if wy else None
+    kg = torch.empty_like(w) if wy else None
+    qg = torch.empty_like(w) if wy and disable_recompute else None
+    u = torch.empty_like(v) if wy else None
+    V = v.shape[-1] if wy else 16
     NT = triton.cdiv(T, BT) if cu_seqlens is None else len(chunk_indices)
     inter_solve_kernel[(NT, B * HV)](
-        q=q, k=k, gc=gc, beta=beta, Aqk=Aqk, Akkd=Akkd, Akk=Akk, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
-        scale=scale, T=T, H=H, HV=HV, K=K, BT=BT, BC=BC, BKS=min(BKS, max(16, triton.next_power_of_2(K))),
-        IS_VARLEN=cu_seqlens is not None, num_warps=num_warps, num_stages=num_stages,
+        q=q, k=k, gc=gc, beta=beta, Aqk=Aqk, Akkd=Akkd, Akk=Akk, v=v, w=w, u=u, kg=kg, qg=qg, cu_seqlens=cu_seqlens,
+        chunk_indices=chunk_indices, scale=scale, T=T, H=H, HV=HV, K=K, V=V, BT=BT, BC=BC,
+        BKS=min(BKS, max(16, triton.next_power_of_2(K))), BV=min(64, max(16, triton.next_power_of_2(V))),
+        IS_VARLEN=cu_seqlens is not None, WY=wy, STORE_QG=qg is not None, num_warps=num_warps,
+        num_stages=num_stages,
     )
-    return Akk
+    return (Akk, w, u, qg, kg) if wy else Akk
 
 
 def prep_f1_f6(q, k, v, g, beta, A_log, dt_bias, lower_bound, use_gate_in_kernel, use_qk_l2norm_in_kernel, scale,
-               safe_gate, disable_recompute, chunk_size, cu_seqlens, chunk_indices, own_f5: bool = False, **config):
+               safe_gate, disable_recompute, chunk_size, cu_seqlens, chunk_indices, own_f5: bool = False,
+               own_f6: bool = False, **config):
     """The F1-F6 unit: F1, F2 and F4 here, then F5 (fla's, or with ``own_f5`` this module's
-    ``inter_solve``) and fla's F6 on their outputs (on the CPU, where fla's kernels do not
-    run, the reference's F5 on the same diagonal blocks and its F6): (q, q_rstd, k, k_rstd,
-    gc, w, u, kg, Aqk, Akk_inv, qg) as the chain's stages give them."""
+    ``inter_solve``) and F6 (fla's, or with ``own_f6`` in the F5 kernel's program) on their
+    outputs (on the CPU, where fla's kernels do not run, the reference's F5 on the same
+    diagonal blocks and its F6): (q, q_rstd, k, k_rstd, gc, w, u, kg, Aqk, Akk_inv, qg) as
+    the chain's stages give them."""
     from kernel_fun.kda import chain
 
     # SOLVE_BKS / SOLVE_STAGES: the F5 kernel's slice and stages; the rest the F1-F4 kernel's
@@ -476,6 +503,10 @@ def prep_f1_f6(q, k, v, g, beta, A_log, dt_bias, lower_bound, use_gate_in_kernel
                                                       use_qk_l2norm_in_kernel, scale, chunk_size, cu_seqlens,
                                                       chunk_indices, **config)
     on_gpu = k.device.type == "cuda"
+    if own_f6:
+        Akk, w, u, qg, kg = inter_solve(qn, kn, gc, beta, Aqk, Akkd, scale, chunk_size, cu_seqlens, chunk_indices,
+                                        **solve, v=v, disable_recompute=disable_recompute)
+        return qn, q_rstd, kn, k_rstd, gc, w, u, kg, Aqk, Akk, qg
     if own_f5:
         Akk = inter_solve(qn, kn, gc, beta, Aqk, Akkd, scale, chunk_size, cu_seqlens, chunk_indices, **solve)
     else:
@@ -489,14 +520,14 @@ def prep_f1_f6(q, k, v, g, beta, A_log, dt_bias, lower_bound, use_gate_in_kernel
 def candidate(stage: str, design: str):
     """(implementation, supports) of the F1-F6 unit on this module's kernels, for a bench
     run that measures it in the whole op before it is registered (``python -m
-    kernel_fun.bench --candidate F1-F6=diag``): ``diag`` the F1-F4 kernel with fla's F5,
-    ``diag-solve`` with this module's F5 too."""
+    kernel_fun.bench --candidate F1-F6=diag``): ``diag`` the F1-F4 kernel with fla's F5 and
+    F6, ``diag-solve`` with this module's F5, ``diag-solve-wy`` with F6 in the F5 kernel."""
     if stage != "F1-F6" or design not in DESIGNS:
         raise ValueError(f"diag_fwd has the candidates F1-F6={'/'.join(DESIGNS)}, not {stage}={design}")
-    return functools.partial(prep_f1_f6, own_f5=design == "diag-solve"), supports
+    return functools.partial(prep_f1_f6, own_f5=design != "diag", own_f6=design == "diag-solve-wy"), supports
 
 
-DESIGNS = ("diag", "diag-solve")
+DESIGNS = ("diag", "diag-solve", "diag-solve-wy")
 
 
 def supports(q, k, chunk_size, **_) -> str | None:

@@ -237,7 +237,19 @@ def prep_fwd_kernel(
         tl.store(Akk + p_a, x_b, mask=m_a)
 
     # F6: w = Akk_inv (beta k exp2 g), u = Akk_inv (beta v), kg = k exp2(g_last - g)
+    wy_k(x_b, q, k, g, beta, b_c, w, kg, qg, row0, t, m_t, n_t, o_k, m_k, i_hv, K, SK, SG, STORE_QG)
+    wy_v(x_b, v, b_c, u, row0, t, m_t, i_hv, HV, V, BV)
+
+
+@triton.jit
+def wy_k(x_b, q, k, g, beta, b_c, w, kg, qg, row0, t, m_t, n_t, o_k, m_k, i_hv, K: tl.constexpr,
+         SK: tl.constexpr, SG: tl.constexpr, STORE_QG: tl.constexpr):
+    """F6's K side on the chunk's channels o_k, from Akk_inv ``x_b`` ([BT, BT] in the input
+    dtype): w = Akk_inv (beta k exp2 g), kg = k exp2(g_last - g) and with STORE_QG qg = q
+    exp2 g, each rounded where fla's ``recompute_w_u_fwd`` rounds (q, k, g at the program's
+    chunk and head; w, kg, qg indexed from row0)."""
     dt = k.dtype.element_ty
+    m_tk = m_t[:, None] & m_k[None, :]
     p_k = (row0 + t)[:, None] * SG + i_hv * K + o_k[None, :]
     k_c = tl.load(k + t[:, None] * SK + o_k[None, :], mask=m_tk, other=0).to(tl.float32)
     g_c = tl.load(g + t[:, None] * SG + o_k[None, :], mask=m_tk, other=0)
@@ -252,6 +264,11 @@ def prep_fwd_kernel(
     if STORE_QG:
         q_c = tl.load(q + t[:, None] * SK + o_k[None, :], mask=m_tk, other=0).to(tl.float32)
         tl.store(qg + p_k, to(q_c * tl.exp2(g_c), qg.dtype.element_ty), mask=m_tk)
+
+
+@triton.jit
+def wy_v(x_b, v, b_c, u, row0, t, m_t, i_hv, HV: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
+    """F6's V side: u = Akk_inv (beta v), V in tiles of BV (v and u indexed from row0)."""
     for i_v in range(0, tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_tv = m_t[:, None] & (o_v < V)[None, :]
