@@ -16,6 +16,7 @@ from conftest import DEVICE, chain_problems, needs_triton, register_for_test
 from kernel_fun.kda import chunk_kda
 from kernel_fun.kda import reference as ref
 from kernel_fun.kda.kernels import diag_fwd
+from kernel_fun.kda.parity import tril_mask
 from kernel_fun.kda.problems import Problem, make_inputs, run_fwd_bwd
 from kernel_fun.kda.stages import capture_stages, use_impls
 
@@ -102,31 +103,16 @@ def check(args, f1_out, gc_ref, pairwise: bool = False, bound: float = 1e-5):
     assert torch.isfinite(got_q).all() and torch.isfinite(Akkd).all()  # (off the blocks Aqk is left for F5)
     assert err["Aqk"] <= max(bound, rounding) and err["Akkd"] <= bound, err
     # zero above the diagonal inside a block
-    r_in = local_row(Aqk.shape[1], cu, Aqk.device)
+    r_in = ref.sequence_positions(Aqk.shape[1], cu, Aqk.device) % 16
     pos = torch.arange(16, device=Aqk.device)
     assert not (got_q * (pos[None, :] > r_in[:, None]).view(1, -1, 1, 16)).any()
     assert not (Akkd * (pos[None, :] >= r_in[:, None]).view(1, -1, 1, 16)).any()
     # zeros past the row's block: Aqk's only unwritten entries are the blocks below (F5's)
     col = torch.arange(64, device=Aqk.device)
-    upper = (col[None, :] >= (r_in_chunk(Aqk.shape[1], cu, Aqk.device) // 16 * 16 + 16)[:, None]).view(1, -1, 1, 64)
+    row = ref.sequence_positions(Aqk.shape[1], cu, Aqk.device) % 64
+    upper = (col[None, :] >= (row // 16 * 16 + 16)[:, None]).view(1, -1, 1, 64)
     assert (torch.where(upper, Aqk, 0) == 0).all()
     return err
-
-
-def r_in_chunk(T: int, cu_seqlens, device) -> torch.Tensor:
-    """Each token's row inside its 64-token chunk (chunks restart at every sequence)."""
-    t = torch.arange(T, device=device)
-    if cu_seqlens is not None:
-        t = t - cu_seqlens[torch.searchsorted(cu_seqlens, t, right=True) - 1]
-    return t % 64
-
-
-def local_row(T: int, cu_seqlens, device) -> torch.Tensor:
-    """Each token's row inside its 16-row block (blocks restart at every sequence)."""
-    t = torch.arange(T, device=device)
-    if cu_seqlens is not None:
-        t = t - cu_seqlens[torch.searchsorted(cu_seqlens, t, right=True) - 1]
-    return t % 16
 
 
 @pytest.mark.parametrize("p", SHAPES, ids=lambda p: p.name)
@@ -184,15 +170,16 @@ def test_outputs_are_fresh_and_inputs_untouched():
 
 
 def test_without_the_l2norm_rows_pass_through():
-    args, f1_out, gc_ref = unit_inputs(SHAPES[0])
-    qn, kn = f1_out[0], f1_out[2]
+    """Given normalized rows (no l2norm in the op), the kernel returns them as they are, no
+    rstds, and the blocks and cumsum it forms from its own normalized rows with the l2norm."""
+    args, _, _ = unit_inputs(SHAPES[0])
+    full = diag_fwd.prep_diag(**args)
+    qn, kn = full[0], full[2]
     got = diag_fwd.prep_diag(**dict(args, q=qn, k=kn, use_qk_l2norm_in_kernel=False))
     assert got[0] is qn and got[2] is kn and got[1] is None and got[3] is None
-    full = diag_fwd.prep_diag(**args)
-    # the same blocks from the same rows (the kernel's own normalized rows equal the reference's here)
-    if torch.equal(full[0], qn) and torch.equal(full[2], kn):
-        cu = args["cu_seqlens"]
-        assert torch.equal(local_blocks(got[5], cu), local_blocks(full[5], cu)) and torch.equal(got[6], full[6])
+    cu = args["cu_seqlens"]
+    assert torch.equal(got[4], full[4]) and torch.equal(got[6], full[6])
+    assert torch.equal(local_blocks(got[5], cu), local_blocks(full[5], cu))
 
 
 def test_supports():
@@ -327,8 +314,7 @@ def test_inter_solve_matches_the_reference_f5(p):
                                           Akk_diag=Akkd)
     inv = diag_fwd.inter_solve(qn, kn, gc, args["beta"], Aqk, Akkd, args["scale"], 64, cu, args["chunk_indices"])
     assert torch.equal(local_blocks(Aqk, cu), diag_before)
-    tril = r_in_chunk(Aqk.shape[1], cu, Aqk.device)[:, None] >= torch.arange(64)[None, :]
-    tril = tril.view(1, -1, 1, 64)
+    tril = tril_mask(Aqk, 64, cu)
     assert torch.isfinite(torch.where(tril, Aqk, 0)).all() and torch.isfinite(inv).all()
     bound = 1e-5 if p.dtype == torch.float32 else 5e-3
     err = {"Aqk": ref.rel_rms(torch.where(tril, Aqk, 0).float(), torch.where(tril, want_aqk, 0).float()),
@@ -366,7 +352,7 @@ def test_inter_solve_reads_only_the_strictly_lower_diagonal_blocks():
     qn, _, kn, _, gc, Aqk, Akkd = diag_fwd.prep_diag(**args)
     cu, ci = args["cu_seqlens"], args["chunk_indices"]
     clean = diag_fwd.inter_solve(qn, kn, gc, args["beta"], Aqk.clone(), Akkd, args["scale"], 64, cu, ci)
-    r_in = local_row(Akkd.shape[1], cu, Akkd.device)
+    r_in = ref.sequence_positions(Akkd.shape[1], cu, Akkd.device) % 16
     upper = (torch.arange(16)[None, :] >= r_in[:, None]).view(1, -1, 1, 16)
     dirty = diag_fwd.inter_solve(qn, kn, gc, args["beta"], Aqk.clone(), torch.where(upper, float("nan"), Akkd),
                                  args["scale"], 64, cu, ci)

@@ -23,9 +23,10 @@ import triton
 import triton.language as tl
 
 from kernel_fun.kda import chunk_kda, last_record, use_impls
+from kernel_fun.kda import reference as ref
 from kernel_fun._triton import store_pairs
 from kernel_fun.kda.kernels import intra_bwd, wy_bwd
-from kernel_fun.kda.parity import B6_VS_FLA, stage_errors
+from kernel_fun.kda.parity import B6_VS_FLA, stage_errors, tril_mask
 from kernel_fun.kda.problems import SHAPES, Problem, make_inputs, problem, run_fwd_bwd
 from kernel_fun.kda.stages import capture_stages, stages
 
@@ -87,7 +88,6 @@ def test_flagged_chain_with_our_b6_tracks_fla(p: Problem):
     the forward is fla's stages (o bitwise fla's; with ``state_v_first`` bitwise fla's
     [K, V] call, whose layout the chain keeps inside), every gradient within fla's budgets
     of fla's call with the caller's flags."""
-    from kernel_fun.kda import reference as ref
 
     kwargs = make_inputs(p, device="cuda", seed=6)
     theirs = run_fwd_bwd(_fla(), kwargs, grid=p.dtype)
@@ -247,7 +247,6 @@ def test_launch_witness_at_prod8192_gate():
     assert mine <= kernels, sorted(kernels)
     assert not {"chunk_gla_fwd_kernel_o", "chunk_kda_bwd_kernel_wy_dqkg_fused", "chunk_kda_bwd_kernel_intra"} & kernels, \
         sorted(kernels)
-    from kernel_fun.kda import reference as ref
 
     errors = {n: ref.rel_rms(ours[n], theirs[n]) for n in theirs if theirs[n] is not None}
     print("whole op vs fla", errors)
@@ -332,7 +331,6 @@ def test_b7_prefetch_changes_no_bit(shape):
     the same dots), alone and with the tail (the chain's gate). The tier-by-tier parity tests
     above run the designs the variants build on."""
     from kernel_fun.bench import stage_b7, stage_b7b9
-    from kernel_fun.kda import reference as ref
 
     def same(d, a, b):
         if a is None or b is None:
@@ -371,15 +369,6 @@ def test_b7_matches_fla_stage_with_safe_gate(shape):
         assert not misses, (design, misses)
 
 
-def _chunk_positions(cu_seqlens, T: int, device) -> torch.Tensor:
-    """Each token's row inside its 64-token chunk (chunks restart at every sequence)."""
-    t = torch.arange(T, device=device)
-    if cu_seqlens is None:
-        return t % 64
-    starts = cu_seqlens[torch.searchsorted(cu_seqlens, t, right=True) - 1]
-    return (t - starts) % 64
-
-
 @pytest.mark.parametrize("p", SMALL[:2] + [FLAGGED[1]], ids=lambda p: p.name)
 @pytest.mark.parametrize("gates", ["kimi", "strong"])
 def test_b7_on_the_chain_s_inputs_matches_fla_stage(p, gates):
@@ -395,7 +384,7 @@ def test_b7_on_the_chain_s_inputs_matches_fla_stage(p, gates):
     (inputs,) = [x for name, _, x, _ in log if name == "B7"]
     # B6 writes dAkk zero on and above the diagonal and dAqk above it: fla's B7 reads dAkk's
     # diagonal and relies on the zero, ours reads only s < r (stage_b7.make_inputs draws the same).
-    pos = _chunk_positions(inputs["cu_seqlens"], inputs["dAkk"].shape[1], inputs["dAkk"].device)
+    pos = ref.sequence_positions(inputs["dAkk"].shape[1], inputs["cu_seqlens"], inputs["dAkk"].device) % 64
     col = torch.arange(64, device=pos.device)
     above = (col[None, :] > pos[:, None]).view(1, -1, 1, 64)
     assert not (inputs["dAkk"] * (above | (col == pos[:, None]).view(1, -1, 1, 64))).any()
@@ -410,7 +399,6 @@ def test_b7_tail_matches_fla_b7_b8_b9(p):
     """B7 + B8 + B9 in one pass (intra_bwd_tail) on the chain's inputs:
     against fla's three stages within fla's budgets, and against the float64 stages no
     worse than 10% past fla's own error (dg, dA_log and dt_bias's gradient at 0.02)."""
-    from kernel_fun.kda import reference as ref
     from kernel_fun.kda.chain import _fla_gate_bwd, _fla_intra_bwd, _fla_reverse_cumsum
     from kernel_fun.kda.parity import tail_misses
 
@@ -445,7 +433,6 @@ def test_b7_tail_matches_fla_b7_b8_b9(p):
 def test_scan_with_output_matches_fla_f7_f8(p):
     """On the inputs fla's chain gives F7 and F8: o, the final state, and with
     save_states h and v_new, against fla's stages' outputs."""
-    from kernel_fun.kda import reference as ref
     from kernel_fun.kda.kernels import scan_fwd
 
     kwargs = make_inputs(p, device="cuda", seed=7)
@@ -566,7 +553,6 @@ def test_inter_solve_matches_fla_f5_on_the_same_blocks(p, gates):
     diagonal and Akk_inv within F3-F6's bar of fla's (o's budget: bf16 units in the last
     place) and against the float64 F5 on the same blocks no further than fla's by more than
     10%; Aqk's diagonal blocks untouched."""
-    from kernel_fun.kda import reference as ref
     from kernel_fun.kda.chain import _fla_f5
     from kernel_fun.kda.kernels import diag_fwd
 
@@ -585,11 +571,7 @@ def test_inter_solve_matches_fla_f5_on_the_same_blocks(p, gates):
     sl = (lambda t: t[:nb]) if nb else (lambda t: t)
     e_aqk, e_inv = ref.intra_scores(sl(q), sl(k), sl(gc), sl(beta), scale, 64, cu, exact=True,
                                     Aqk_diag=sl(Aqk), Akk_diag=sl(Akkd))
-    tril = torch.tril(torch.ones(64, 64, dtype=torch.bool, device="cuda"))
-    pos = torch.arange(Aqk.shape[1], device="cuda")
-    if cu is not None:
-        pos = pos - cu[torch.searchsorted(cu, pos, right=True) - 1]
-    low = tril[pos % 64].view(1, -1, 1, 64)
+    low = tril_mask(Aqk, 64, cu)
     rows = {"Aqk": (a_ours, a_fla, e_aqk), "Akk_inv": (inv_ours, inv_fla, e_inv)}
     for name, (ours, theirs, exact) in rows.items():
         ours, theirs = torch.where(low, ours, 0).float(), torch.where(low, theirs, 0).float()
@@ -607,7 +589,6 @@ def test_diag_unit_launch_witness_in_the_whole_op(design, monkeypatch):
     the F1-F4 kernel ran and fla's F1 and F4 kernels did not (F5 fla's or ours, F6 fla's),
     and the result tracks fla's chunk_kda."""
     from conftest import register_for_test
-    from kernel_fun.kda import reference as ref
     from kernel_fun.kda.kernels import diag_fwd
 
     register_for_test(monkeypatch, "F1-F6", *diag_fwd.candidate("F1-F6", design))

@@ -76,8 +76,7 @@ def _exact(q, k, v, g, beta, A_log, dt_bias, lower_bound, use_gate_in_kernel, us
 def _ours(inputs, design, config):
     from kernel_fun.kda.kernels import diag_fwd
 
-    fn, _ = diag_fwd.candidate("F1-F6", design)
-    return fn(**inputs, **(config or diag_fwd.DEFAULT_CONFIG))
+    return diag_fwd.prep_f1_f6(**inputs, **(config or diag_fwd.DEFAULT_CONFIG), design=design)
 
 
 def _launch_config(p, design, overrides):

@@ -8,14 +8,10 @@ from kernel_fun.kda import reference as ref
 from kernel_fun.kda.stages import stages
 
 
-def _tril_mask(A: torch.Tensor, chunk: int, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+def tril_mask(A: torch.Tensor, chunk: int, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
     """[B, T, HV, BT] score layout: True where the column is at or before the row in its chunk
     (chunks restart at every sequence start of a packed batch)."""
-    T = A.shape[1]
-    pos = torch.arange(T, device=A.device)
-    if cu_seqlens is not None:
-        starts = cu_seqlens.to(A.device)
-        pos = pos - starts[torch.searchsorted(starts, pos, right=True) - 1]
+    pos = ref.sequence_positions(A.shape[1], cu_seqlens, A.device)
     col = torch.arange(A.shape[-1], device=A.device)
     return (col[None, :] <= (pos % chunk)[:, None])[None, :, None, :]
 
@@ -36,7 +32,7 @@ def stage_errors(stage: str, out, want, chunk: int = 64, cu_seqlens: torch.Tenso
                 errors[name] = float("inf")
             continue
         if name == "Aqk":
-            mask = _tril_mask(b, chunk, cu_seqlens)
+            mask = tril_mask(b, chunk, cu_seqlens)
             a, b = torch.where(mask, a, 0), torch.where(mask, b, 0)
         errors[name] = ref.rel_rms(a, b)
     return errors

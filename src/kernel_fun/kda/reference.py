@@ -448,13 +448,21 @@ def intra_scores(
     return _intra_dense(q, k, gc, beta, scale, chunk_size, exact, Aqk_diag, Akk_diag)
 
 
+def sequence_positions(T: int, cu_seqlens: torch.Tensor | None, device) -> torch.Tensor:
+    """``[T]``: each token's index inside its sequence (a packed batch's sequences restart at
+    their ``cu_seqlens`` offsets; a dense batch's at 0), so ``% BT`` is its row in its chunk."""
+    t = torch.arange(T, device=device)
+    if cu_seqlens is None:
+        return t
+    starts = cu_seqlens.to(device)
+    return t - starts[torch.searchsorted(starts, t, right=True) - 1]
+
+
 def local_blocks(A: torch.Tensor, BT: int, cu_seqlens: torch.Tensor | None, BC: int = 16) -> torch.Tensor:
     """``[B, T, HV, BT]`` rows -> each row's own 16-row block's columns, ``[B, T, HV, BC]``
     (chunks restart at every sequence)."""
     T = A.shape[1]
-    t = torch.arange(T, device=A.device)
-    if cu_seqlens is not None:
-        t = t - cu_seqlens[torch.searchsorted(cu_seqlens, t, right=True) - 1]
+    t = sequence_positions(T, cu_seqlens, A.device)
     col = ((t % BT) // BC * BC)[:, None] + torch.arange(BC, device=A.device)[None, :]
     return torch.gather(A, 3, col.view(1, T, 1, BC).expand(A.shape[0], T, A.shape[2], BC))
 

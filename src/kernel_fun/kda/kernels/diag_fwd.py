@@ -486,13 +486,14 @@ def inter_solve(q, k, gc, beta, Aqk, Akkd, scale, chunk_size, cu_seqlens, chunk_
 
 
 def prep_f1_f6(q, k, v, g, beta, A_log, dt_bias, lower_bound, use_gate_in_kernel, use_qk_l2norm_in_kernel, scale,
-               safe_gate, disable_recompute, chunk_size, cu_seqlens, chunk_indices, own_f5: bool = False,
-               own_f6: bool = False, **config):
-    """The F1-F6 unit: F1, F2 and F4 here, then F5 (fla's, or with ``own_f5`` this module's
-    ``inter_solve``) and F6 (fla's, or with ``own_f6`` in the F5 kernel's program) on their
-    outputs (on the CPU, where fla's kernels do not run, the reference's F5 on the same
-    diagonal blocks and its F6): (q, q_rstd, k, k_rstd, gc, w, u, kg, Aqk, Akk_inv, qg) as
-    the chain's stages give them."""
+               safe_gate, disable_recompute, chunk_size, cu_seqlens, chunk_indices, design: str = "diag", **config):
+    """The F1-F6 unit: F1, F2 and F4 here, then by ``design`` (``DESIGNS``) fla's F5 and F6
+    (``diag``), this module's F5 (``inter_solve``) and fla's F6 (``diag-solve``), or F5 and F6
+    in this module's one program (``diag-solve-wy``); on the CPU, where fla's kernels do not
+    run, the reference's F5 on the same diagonal blocks and its F6 stand in for fla's: (q,
+    q_rstd, k, k_rstd, gc, w, u, kg, Aqk, Akk_inv, qg) as the chain's stages give them."""
+    if design not in DESIGNS:
+        raise ValueError(f"unknown F1-F6 design {design!r}; expected one of {DESIGNS}")
     from kernel_fun.kda import chain
 
     # SOLVE_BKS / SOLVE_STAGES: the F5 kernel's slice and stages; the rest the F1-F4 kernel's
@@ -503,11 +504,11 @@ def prep_f1_f6(q, k, v, g, beta, A_log, dt_bias, lower_bound, use_gate_in_kernel
                                                       use_qk_l2norm_in_kernel, scale, chunk_size, cu_seqlens,
                                                       chunk_indices, **config)
     on_gpu = k.device.type == "cuda"
-    if own_f6:
+    if design == "diag-solve-wy":
         Akk, w, u, qg, kg = inter_solve(qn, kn, gc, beta, Aqk, Akkd, scale, chunk_size, cu_seqlens, chunk_indices,
                                         **solve, v=v, disable_recompute=disable_recompute)
         return qn, q_rstd, kn, k_rstd, gc, w, u, kg, Aqk, Akk, qg
-    if own_f5:
+    if design == "diag-solve":
         Akk = inter_solve(qn, kn, gc, beta, Aqk, Akkd, scale, chunk_size, cu_seqlens, chunk_indices, **solve)
     else:
         Akk = (chain._fla_f5 if on_gpu else chain._ref_f5)(qn, kn, gc, beta, Aqk, Akkd, scale, chunk_size,
@@ -524,7 +525,7 @@ def candidate(stage: str, design: str):
     F6, ``diag-solve`` with this module's F5, ``diag-solve-wy`` with F6 in the F5 kernel."""
     if stage != "F1-F6" or design not in DESIGNS:
         raise ValueError(f"diag_fwd has the candidates F1-F6={'/'.join(DESIGNS)}, not {stage}={design}")
-    return functools.partial(prep_f1_f6, own_f5=design != "diag", own_f6=design == "diag-solve-wy"), supports
+    return functools.partial(prep_f1_f6, design=design), supports
 
 
 DESIGNS = ("diag", "diag-solve", "diag-solve-wy")

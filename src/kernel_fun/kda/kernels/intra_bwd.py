@@ -250,26 +250,23 @@ def _chunk_sums(q, k, g, beta, dAqk, dAkk, n_t, t, g_c, gm, o_k, m_k,
     strict = m_2 & (t[:, None] > t[None, :])
     p_A = t[:, None] * (HV * BT) + t[None, :]
     kx = k_c * up
+    # each dA tile read along its rows for the row role; the column role's tiles ([s, r]) are
+    # those transposed on chip, one tile live at a time, or with READ_T read as such after
+    # both row dots (from lines the row role just brought into L1), so each tile's split
+    # halves die after its row dot
+    a = tl.load(dAqk + p_A, mask=lower, other=0)
+    acc_q = down * dot3(a, kx)
+    if not READ_T:
+        acc_c = dot3(tl.trans(a), q_c * down)
+    a = tl.load(dAkk + p_A, mask=strict, other=0)
+    acc_kr = down * dot3(a, kx)
     if READ_T:
-        # the row role of both tiles first, then the column role's transposed tiles read as
-        # such ([s, r], from lines the row role just brought into L1): each tile's split
-        # halves die after its row dot
-        a = tl.load(dAqk + p_A, mask=lower, other=0)
-        acc_q = down * dot3(a, kx)
-        a = tl.load(dAkk + p_A, mask=strict, other=0)
-        acc_kr = down * dot3(a, kx)
         p_T = t[None, :] * (HV * BT) + t[:, None]
         acc_c = dot3(tl.load(dAqk + p_T, mask=tl.trans(lower), other=0), q_c * down)
-        acc_c = up * dot3(tl.load(dAkk + p_T, mask=tl.trans(strict), other=0), (b_c[:, None] * k_c) * down, acc_c)
+        a = tl.load(dAkk + p_T, mask=tl.trans(strict), other=0)
     else:
-        # each dA tile read once, along its rows, for both roles: the column role's from it
-        # transposed on chip ([s, r]); one tile live at a time
-        a = tl.load(dAqk + p_A, mask=lower, other=0)
-        acc_q = down * dot3(a, kx)
-        acc_c = dot3(tl.trans(a), q_c * down)
-        a = tl.load(dAkk + p_A, mask=strict, other=0)
-        acc_kr = down * dot3(a, kx)
-        acc_c = up * dot3(tl.trans(a), (b_c[:, None] * k_c) * down, acc_c)
+        a = tl.trans(a)
+    acc_c = up * dot3(a, (b_c[:, None] * k_c) * down, acc_c)
     return acc_q, acc_kr, acc_c
 
 
