@@ -27,7 +27,7 @@ from kernel_fun.kda import reference as ref
 from kernel_fun._triton import store_pairs
 from kernel_fun.kda.kernels import intra_bwd, wy_bwd
 from kernel_fun.kda.parity import B6_VS_FLA, stage_errors, tril_mask
-from kernel_fun.kda.problems import SHAPES, Problem, make_inputs, problem, run_fwd_bwd
+from kernel_fun.kda.problems import SHAPES, Problem, as_oracle_inputs, make_inputs, problem, run_fwd_bwd
 from kernel_fun.kda.stages import capture_stages, stages
 
 pytestmark = pytest.mark.gpu
@@ -299,9 +299,8 @@ def _stage_verdict(bench, inputs: dict, ours: tuple, label: str) -> dict:
     return bench.misses(our_err, fla_err, vs_fla)
 
 
-# The designs whose tiers differ (the pin's variants are held to it by
-# test_b7_prefetch_changes_no_bit): each against fla's stage and the float64 stage.
-B7_TIERED = tuple(d for d in intra_bwd.DESIGNS if d not in intra_bwd.VARIANTS)
+# Every design, each against fla's stage and the float64 stage.
+B7_TIERED = intra_bwd.DESIGNS
 
 
 def _b7_verdict(inputs: dict, label: str, design: str) -> dict:
@@ -325,35 +324,16 @@ def test_b7_matches_fla_stage(shape):
 
 @pytest.mark.parametrize("shape", ["b8", "k64"])
 def test_b7_prefetch_changes_no_bit(shape):
-    """The pin (wide-halves-pf) asks L2 for the epilogue's incoming tiles early, a hint only,
-    and its variants (intra_bwd.VARIANTS) add hints (bit for bit wide-halves' outputs) or read
-    the same dA values another way (-pft, -pfat: within 1e-6 of them, the same values into
-    the same dots), alone and with the tail (the chain's gate). The tier-by-tier parity tests
-    above run the designs the variants build on."""
+    """The pin (wide-halves-pf) asks L2 for the epilogue's incoming tiles early, a hint only:
+    its outputs equal wide-halves' bit for bit, alone and with the tail (the chain's gate)."""
     from kernel_fun.bench import stage_b7, stage_b7b9
 
-    def same(d, a, b):
-        if a is None or b is None:
-            return a is None and b is None
-        return torch.equal(a, b) if not intra_bwd.VARIANTS.get(d, {}).get("READ_T") else ref.rel_rms(a, b) <= 1e-6
-
-    hinted = (intra_bwd.PIN, *sorted(intra_bwd.VARIANTS))
     inputs = stage_b7.make_inputs(problem(shape), "cuda", seed=2)
-    plain = intra_bwd.intra_bwd(**inputs, design="wide-halves")
-    for d in hinted:
-        got = intra_bwd.intra_bwd(**inputs, design=d)
-        print(shape, d, "bit for bit" if all(torch.equal(a, b) for a, b in zip(plain, got)) else "not bit for bit")
-        assert all(same(d, a, b) for a, b in zip(plain, got)), d
+    plain, pin = (intra_bwd.intra_bwd(**inputs, design=d) for d in ("wide-halves", intra_bwd.PIN))
+    assert all(torch.equal(a, b) for a, b in zip(plain, pin))
     inputs = stage_b7b9.make_inputs(problem(shape), "cuda", seed=2)
-    plain = intra_bwd.intra_bwd_tail(**inputs, design="wide-halves")
-    for d in hinted:
-        got = intra_bwd.intra_bwd_tail(**inputs, design=d)
-        assert all(same(d, a, b) for a, b in zip(plain, got)), d
-    # the 16-channel build capped at three programs an SM (the sweep's)
-    capped = intra_bwd.intra_bwd(**stage_b7.make_inputs(problem(shape), "cuda", seed=2), design="wide-halves-pft",
-                                 BK=16, maxnreg=168)
-    uncapped = intra_bwd.intra_bwd(**stage_b7.make_inputs(problem(shape), "cuda", seed=2), design="wide-halves", BK=16)
-    assert all(ref.rel_rms(a, b) <= 1e-6 for a, b in zip(capped, uncapped))
+    plain, pin = (intra_bwd.intra_bwd_tail(**inputs, design=d) for d in ("wide-halves", intra_bwd.PIN))
+    assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(plain, pin))
 
 
 @pytest.mark.parametrize("shape", ["grid1024", "b8"])
@@ -566,7 +546,7 @@ def test_inter_solve_matches_fla_f5_on_the_same_blocks(p, gates):
     q, k, gc, beta, scale = f36["q"], f36["k"], f36["gc"], f36["beta"], f36["scale"]
     a_ours, a_fla = Aqk.clone(), Aqk.clone()
     inv_ours = diag_fwd.inter_solve(q, k, gc, beta, a_ours, Akkd, scale, 64, cu, ci)
-    inv_fla = _fla_f5(q, k, gc, beta, a_fla, Akkd, scale, 64, cu, ci, p.safe_gate)
+    inv_fla = _fla_f5(q, k, gc, beta, a_fla, Akkd, scale, 64, cu, ci)
     nb = 1 if cu is None else None  # the float64 F5 on the first sequence of a dense batch
     sl = (lambda t: t[:nb]) if nb else (lambda t: t)
     e_aqk, e_inv = ref.intra_scores(sl(q), sl(k), sl(gc), sl(beta), scale, 64, cu, exact=True,
@@ -586,8 +566,13 @@ def test_inter_solve_matches_fla_f5_on_the_same_blocks(p, gates):
 @pytest.mark.parametrize("design", ["diag", "diag-solve", "diag-solve-wy"])
 def test_diag_unit_launch_witness_in_the_whole_op(design, monkeypatch):
     """The candidate registered as F1-F6 in the whole op at b8: the record shows the unit,
-    the F1-F4 kernel ran and fla's F1 and F4 kernels did not (F5 fla's or ours, F6 fla's),
-    and the result tracks fla's chunk_kda."""
+    the F1-F4 kernel ran and fla's F1 and F4 kernels did not (F5 fla's or ours, F6 fla's).
+    Numerics against the float64 oracle at B1 T512 (the whole-op bench's oracle shape):
+    every output within fla's budget or within 10% of fla's own error. Not against fla's
+    result: the unit rounds w, u, Aqk and Akk_inv independently of fla's F3-F6 (each within
+    bf16's rounding of fla's, the unit test's bar), and through the backward the two
+    results part by up to 0.007 at b8 (dk; measured), the sum of two errors of ~0.008
+    each against the oracle."""
     from conftest import register_for_test
     from kernel_fun.kda.kernels import diag_fwd
 
@@ -601,9 +586,18 @@ def test_diag_unit_launch_witness_in_the_whole_op(design, monkeypatch):
     else:
         assert "inter_solve_kernel" in kernels and theirs_f5 not in kernels, sorted(kernels)
     assert not {"l2norm_fwd_kernel", "chunk_kda_fwd_kernel_intra_token_parallel"} & kernels, sorted(kernels)
-    errors = {n: ref.rel_rms(ours[n], theirs[n]) for n in theirs if theirs[n] is not None}
-    print("whole op with the diag unit vs fla", errors)
-    assert all(e <= 5e-3 for e in errors.values()), errors
+    assert all(torch.isfinite(t).all() for t in ours.values() if t is not None)
+    small = dataclasses.replace(SHAPES["b8"], B=1, T=512)
+    kw = make_inputs(small, device="cuda", seed=10)
+    oracle = run_fwd_bwd(ref.recurrent_kda, as_oracle_inputs(kw), grid=small.dtype)
+    got = run_fwd_bwd(chunk_kda, kw, grid=small.dtype)
+    assert last_record().forward["F1-F6"] == "ours"
+    base = run_fwd_bwd(_fla(), kw, grid=small.dtype)
+    mine = {n: ref.rel_rms(got[n], oracle[n]) for n in oracle if oracle[n] is not None}
+    fla_err = {n: ref.rel_rms(base[n], oracle[n]) for n in oracle if oracle[n] is not None}
+    print("whole op with the diag unit vs the oracle", mine, "fla's", fla_err)
+    worse = {n: (mine[n], fla_err[n]) for n in mine if not (mine[n] <= ref.BUDGETS[n] or mine[n] <= 1.1 * fla_err[n])}
+    assert not worse, worse
 
 
 # --------------------------------------------------------------------------------------

@@ -46,10 +46,9 @@ def exact(inputs: dict) -> tuple:
 
 
 # The designs the interpreter tells apart: the pin (wide-halves-pf) is wide-halves with an L2
-# hint, which the interpreter skips, and its variants (intra_bwd.VARIANTS) the pin with more
-# hints or the same values read another way: bit for bit the pin's (the test below; on the
-# GPU test_gpu.py holds them to each other).
-INTERPRETED = tuple(d for d in intra_bwd.DESIGNS if d != "wide-halves" and d not in intra_bwd.VARIANTS)
+# hint, which the interpreter skips (bit for bit there; the GPU test holds the two to each
+# other).
+INTERPRETED = tuple(d for d in intra_bwd.DESIGNS if d != "wide-halves")
 
 
 def check(inputs: dict, bound: float = 1e-5, designs=INTERPRETED) -> dict:
@@ -108,22 +107,6 @@ def test_outputs_are_fresh_and_inputs_untouched(design):
     for a, b in zip(out, again):
         assert torch.equal(a, b)
         assert all(a.data_ptr() != t.data_ptr() for t in before.values())
-
-
-@pytest.mark.parametrize("design", sorted(intra_bwd.VARIANTS))
-def test_variants_of_the_pin_equal_it_bit_for_bit(design):
-    """The pin's variants: -pfa locates the program a wave later (its chunk from fla's chunk
-    index on packed sequences, none past the grid's end) and only hints at its tiles, which
-    the interpreter skips; -pft reads the chunk tier's transposed dA tiles from memory, the
-    same values into the same dots. Outputs the pin's bit for bit, on chunks of every tier."""
-    for p in (SHAPES[1], SHAPES[5]):
-        inputs = stage_inputs(p)
-        pin = intra_bwd.intra_bwd(**inputs)
-        got = intra_bwd.intra_bwd(**inputs, design=design)
-        assert all(torch.equal(a, b) for a, b in zip(pin, got)), (p.name, design)
-    waves = intra_bwd.VARIANTS[design].get("AHEAD", 0)
-    assert intra_bwd._ahead_n(design, torch.device("cpu")) == waves * 2 * 132
-    assert intra_bwd._ahead_n(intra_bwd.PIN, torch.device("cpu")) == 0
 
 
 def test_supports():

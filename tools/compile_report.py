@@ -115,6 +115,12 @@ def compile_sm90(kernel, pointer_types: dict[str, str], constexprs: dict, num_wa
         # N=8 tf32 wgmmas: Triton 3.6 leaves their shared operand unpadded and the H200 reads
         # past its end (an illegal address; triton-lang/triton#10629). A kernel must have none.
         "wgmma_tf32_n8": len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n8k8\.f32\.tf32", compiled.asm["ptx"])),
+        # the same hazard at 16-bit operands: N=16 bf16/fp16 wgmmas (32-byte rows too), which
+        # compute-sanitizer caught reading shared memory past the allocation in the F5+F6 kernel
+        "wgmma_32B_rows": len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(?:m64n8k8\.f32\.tf32|m64n16k16\.f32\.[bf]+16)",
+                                         compiled.asm["ptx"])),
+        # every wgmma shape (m64nNkK.f32.<a>.<b>) and its count, for the hazards below
+        "wgmma_shapes": wgmma_shapes(compiled.asm["ptx"]),
         "sass_sha": compiled.sass_sha,
         "sass_instructions": compiled.sass_instructions,
         "num_warps": num_warps,
@@ -150,7 +156,7 @@ def b7_report(K: int, H: int, HV: int, BK: int, num_warps: int, num_stages: int,
     (``intra_bwd.DESIGNS``); ``tail`` 1 with B8, 2 with B8 and B9 (dt_bias, softplus form)."""
     from kernel_fun.kda.kernels import intra_bwd
 
-    types = {"q": _PTR[dtype], "k": _PTR[dtype], "beta": _PTR[dtype], "NT_ROWS": "i32", "NT_ALL": "i32", "AHEAD_N": "i32",
+    types = {"q": _PTR[dtype], "k": _PTR[dtype], "beta": _PTR[dtype], "NT_ROWS": "i32", "NT_ALL": "i32",
              "lower_bound": "fp32", **{n: "*fp32" for n in ("g", "dAqk", "dAkk", "dq", "dk", "dg", "dq2", "dk2",
                                                              "dg2", "db_part")}}
     gate = dict(g_raw=_PTR[dtype], A_log="*fp32", dt_bias="*fp32", dA_part="*fp32", dbias_part="*fp32")
@@ -187,7 +193,7 @@ def solve_report(K: int, V: int, H: int, HV: int, BKS: int, num_warps: int, num_
     if wy:
         types.update({n: _PTR[dtype] for n in ("v", "w", "u", "kg")})
     constexprs = dict(cu_seqlens=None, chunk_indices=None, H=H, HV=HV, K=K, V=V, BT=64, BC=diag_fwd.BC, BKS=BKS,
-                      BV=64, IS_VARLEN=False, WY=wy, STORE_QG=False, qg=None,
+                      BV=64, WY_BK=diag_fwd.WY_BK, IS_VARLEN=False, WY=wy, STORE_QG=False, qg=None,
                       **({} if wy else dict(v=None, w=None, u=None, kg=None)))
     return compile_sm90(diag_fwd.inter_solve_kernel, types, constexprs, num_warps, num_stages, maxnreg)
 
@@ -228,6 +234,13 @@ def cconv_report(D: int, BD: int, num_warps: int, TS: int = 256, backward: bool 
 
 
 _STRIDES = ("stride_b", "stride_t")
+
+
+def wgmma_shapes(ptx: str) -> dict[str, int]:
+    shapes: dict[str, int] = {}
+    for m in re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k\d+\.f32\.\w+\.\w+)", ptx):
+        shapes[m] = shapes.get(m, 0) + 1
+    return shapes
 
 
 def triton_next_pow2(n: int) -> int:

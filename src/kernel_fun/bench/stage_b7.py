@@ -25,14 +25,10 @@ from kernel_fun.kda.kernels.intra_bwd import PIN
 # asked of L2 at the start), the same without the prefetch (wide-halves) at its build and at
 # 16-channel slices (no spills, twice the programs), and the designs without a tier each:
 # wide-chunk (no half-chunk tier), wide (the per-block form only) and wide-pairwise (every
-# diagonal pairwise: what a saturated gate costs); the pin's variants (intra_bwd.VARIANTS).
+# diagonal pairwise: what a saturated gate costs).
 _B = dict(BK=32, num_warps=4, num_stages=1)
 _B16 = dict(BK=16, num_warps=4, num_stages=1)
-SWEEP = {"wide-halves-pf": [_B], "wide-halves": [_B, _B16], "wide-chunk": [_B], "wide": [_B], "wide-pairwise": [_B],
-         **{d: [_B] for d in intra_bwd.VARIANTS},
-         # 16-channel slices capped at three programs an SM (sm_90a: 96 B of spills; 233
-         # registers uncapped, so two; the pin's build at the cap spills 244)
-         "wide-halves-pft": [_B, dict(_B16, maxnreg=168)]}
+SWEEP = {"wide-halves-pf": [_B], "wide-halves": [_B, _B16], "wide-chunk": [_B], "wide": [_B], "wide-pairwise": [_B]}
 
 
 def b7_reads(p) -> int:

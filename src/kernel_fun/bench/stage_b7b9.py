@@ -20,9 +20,9 @@ from kernel_fun.bench.stage import main as _stage_main
 from kernel_fun.kda.kernels import intra_bwd
 from kernel_fun.kda.kernels.intra_bwd import PIN
 
-# the pin (wide-halves-pf), the same without the prefetch, the form without the half-chunk
-# tier, and the pin's variants (intra_bwd.VARIANTS), at the same build
-SWEEP = {d: [stage_b7.SWEEP[d][0]] for d in ("wide-halves-pf", "wide-halves", "wide-chunk", *intra_bwd.VARIANTS)}
+# the pin (wide-halves-pf), the same without the prefetch, and the form without the
+# half-chunk tier, at the same build
+SWEEP = {d: [stage_b7.SWEEP[d][0]] for d in ("wide-halves-pf", "wide-halves", "wide-chunk")}
 
 
 def b7b9_bytes(p) -> int:

@@ -99,10 +99,12 @@ def _fla_intra(q, k, v, gc, beta, scale, chunk_size, cu_seqlens, chunk_indices, 
     return w, u, kg, Aqk, Akk, qg
 
 
-def _fla_f5(q, k, gc, beta, Aqk, Akkd, scale, chunk_size, cu_seqlens, chunk_indices, safe_gate):
+def _fla_f5(q, k, gc, beta, Aqk, Akkd, scale, chunk_size, cu_seqlens, chunk_indices):
     """fla's F5 (``chunk_kda_fwd_kernel_inter_solve_fused``) on given diagonal blocks (F4's:
     Aqk's, Akkd), launched as ``chunk_kda_fwd_intra`` launches it: fills Aqk's blocks below
-    the diagonal in place and returns Akk_inv."""
+    the diagonal in place and returns Akk_inv. Akkd holds the blocks themselves, as fla's F4
+    leaves them without ``safe_gate``; with it fla's F4 stores their inverses and its F5 skips
+    the substitution (``USE_SAFE_GATE``), so the flag is off here whatever the gate."""
     import triton
     from fla.ops.kda.chunk_intra import chunk_kda_fwd_kernel_inter_solve_fused
 
@@ -114,7 +116,7 @@ def _fla_f5(q, k, gc, beta, Aqk, Akkd, scale, chunk_size, cu_seqlens, chunk_indi
     chunk_kda_fwd_kernel_inter_solve_fused[(NT, B * HV)](
         q=q, k=k, g=gc, beta=beta, Aqk=Aqk, Akkd=Akkd, Akk=Akk, scale=scale, cu_seqlens=cu_seqlens,
         chunk_indices=chunk_indices, T=T, H=H, HV=HV, K=K, BT=BT, BC=BC, NC=triton.cdiv(BT, BC),
-        USE_SAFE_GATE=safe_gate,
+        USE_SAFE_GATE=False,
     )
     return Akk
 
@@ -128,7 +130,7 @@ def _fla_f6(q, k, v, beta, Akk, gc, chunk_size, cu_seqlens, chunk_indices, disab
                              cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
 
 
-def _ref_f5(q, k, gc, beta, Aqk, Akkd, scale, chunk_size, cu_seqlens, chunk_indices, safe_gate):
+def _ref_f5(q, k, gc, beta, Aqk, Akkd, scale, chunk_size, cu_seqlens, chunk_indices):
     """``_fla_f5`` in torch (the stand-in where fla's kernels cannot run): the reference's F5
     on the given diagonal blocks; Aqk's blocks below the diagonal written into Aqk."""
     full, Akk = ref.intra_scores(q, k, gc, beta, scale, chunk_size, cu_seqlens, Aqk_diag=Aqk, Akk_diag=Akkd)

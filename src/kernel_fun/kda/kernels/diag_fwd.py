@@ -32,7 +32,13 @@ cores, the diagonal blocks' inverses by substitution (four at once in block-loca
 levels of 16x16 products, each block stored as it is made (fla: the same structure, tf32
 products). With F6 in the same program (``diag-solve-wy``) Akk_inv is read back as the
 [64, 64] operand after a barrier and ``prep_fwd``'s WY code (``wy_k``, ``wy_v``, fla's
-roundings) runs slice by slice.
+roundings) runs in 64-channel slices (``WY_BK``: at the scores' 16-channel slices its bf16
+products read shared memory past the allocation on the H200, compute-sanitizer's finding).
+
+fla's F5 takes the blocks as this kernel leaves them (the blocks themselves, fla's F4's
+form without ``safe_gate``) whatever the gate: with ``safe_gate`` fla's F4 stores the
+diagonal blocks' inverses and its F5 skips the substitution, so ``chain._fla_f5`` launches
+it with that switch off.
 
 Numerics: the normalized rows, their rstds and the cumsum as fla's F1 and F2 form them
 (fp32, rounded to the input dtype where fla's are); the blocks in fp32 from the rounded
@@ -42,7 +48,11 @@ place): relaunching is idempotent.
 
 Falls back (``supports``): chunk size other than 64, K > 256.
 
-Not measured on the H200 yet, not dispatched: ``candidate`` registers the unit for a bench
+On the H200 (2026-12-02, e13f2c7 and after): every design runs clean under
+compute-sanitizer at B1 T256 and passes the GPU parity tests at T=500 (with h0, without
+recompute), packed sequences, strong gates and prod8192_gate; the layer-safe case failed
+on the ``safe_gate`` switch above, fixed after the run. Not timed yet, not dispatched:
+``candidate`` registers the unit for a bench
 run (``python -m kernel_fun.bench --candidate F1-F6=diag`` or ``=diag-solve``; the stage
 bench's entry ``F1-F6``). Predicted from the bytes (the F1-F4 kernel 4.2 GB at
 prod8192_gate, 0.9 ms at the floor; F5 2.9 GB, 0.6 ms) and the latency of two or three
@@ -297,7 +307,8 @@ def _col_block(q_s, k_s, g_s, k, gc, st, n_t, t, o_k, m_k, acc_q, acc_k, SK: tl.
 def inter_solve_kernel(
     q, k, gc, beta, Aqk, Akkd, Akk, v, w, u, kg, qg, cu_seqlens, chunk_indices, scale, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    BKS: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr, WY: tl.constexpr, STORE_QG: tl.constexpr,
+    BKS: tl.constexpr, BV: tl.constexpr, WY_BK: tl.constexpr, IS_VARLEN: tl.constexpr, WY: tl.constexpr,
+    STORE_QG: tl.constexpr,
 ):
     """F5 on one (chunk, value head), from the diagonal blocks F4 left (Aqk's, Akkd): Aqk's
     blocks below the diagonal (scaled, in the input dtype) and Akk_inv = (I + Akk)^-1 (lower,
@@ -380,10 +391,13 @@ def inter_solve_kernel(
     if WY:
         # F6 in the same program: Akk_inv read back as the dot's [BT, BT] operand (this
         # program's stores, after a barrier), then prep_fwd's WY code slice by slice
+        # slice by slice in WY_BK channels, not the scores' BKS: at 16 bf16 channels the
+        # product's shared operand has 32-byte rows, which Triton 3.6 reads past its end on
+        # the H200 (compute-sanitizer: an invalid shared read; the N=8 tf32 hazard's kind)
         tl.debug_barrier()
         x_b = tl.load(Akk + p_row + t[None, :], mask=m_t[:, None], other=0)
-        for i_s in range(0, NKS):
-            o_k = i_s * BKS + tl.arange(0, BKS)
+        for i_s in range(0, (K + WY_BK - 1) // WY_BK):
+            o_k = i_s * WY_BK + tl.arange(0, WY_BK)
             wy_k(x_b, q, k, gc, beta, b_c, w, kg, qg, row0, t, m_t, n_t, o_k, o_k < K, i_hv, K, SK, SG, STORE_QG)
         wy_v(x_b, v, b_c, u, row0, t, m_t, i_hv, HV, V, BV)
 
@@ -445,11 +459,14 @@ def prep_diag(q, k, g, beta, A_log, dt_bias, lower_bound, use_gate_in_kernel, us
 
 
 # The F5 kernel at 4 warps (sm_90a, K=128): 16-channel slices 158 registers (three programs
-# an SM), no spills, 2,272 instructions; 32-channel 202 and 2,624; with F6 (V=256) 168 and
-# 2,728 (still three an SM), 224 and 3,096. At 8 warps Triton 3.6
-# builds its [64, 16] score dots as N=8 tf32 wgmmas, which the H200 runs out of bounds
+# an SM), no spills, 2,272 instructions; 32-channel 202 and 2,624; with F6 (V=256, its K side
+# in WY_BK=64 slices) 194 and 3,000 (two an SM), 234 and 3,336. At 8 warps Triton 3.6 builds
+# its [64, 16] score dots as N=8 tf32 wgmmas, which the H200 runs out of bounds
 # (tools/compile_report.py): refused.
 SOLVE_CONFIG = dict(BKS=16, num_stages=1)
+# F6's K side in the F5 program: 64-channel slices (bf16 N=64 products, prep_fwd's measured
+# shape), whatever the scores' slice
+WY_BK = 64
 
 
 def inter_solve(q, k, gc, beta, Aqk, Akkd, scale, chunk_size, cu_seqlens, chunk_indices,
@@ -479,7 +496,7 @@ def inter_solve(q, k, gc, beta, Aqk, Akkd, scale, chunk_size, cu_seqlens, chunk_
         q=q, k=k, gc=gc, beta=beta, Aqk=Aqk, Akkd=Akkd, Akk=Akk, v=v, w=w, u=u, kg=kg, qg=qg, cu_seqlens=cu_seqlens,
         chunk_indices=chunk_indices, scale=scale, T=T, H=H, HV=HV, K=K, V=V, BT=BT, BC=BC,
         BKS=min(BKS, max(16, triton.next_power_of_2(K))), BV=min(64, max(16, triton.next_power_of_2(V))),
-        IS_VARLEN=cu_seqlens is not None, WY=wy, STORE_QG=qg is not None, num_warps=num_warps,
+        WY_BK=WY_BK, IS_VARLEN=cu_seqlens is not None, WY=wy, STORE_QG=qg is not None, num_warps=num_warps,
         num_stages=num_stages,
     )
     return (Akk, w, u, qg, kg) if wy else Akk
@@ -512,7 +529,7 @@ def prep_f1_f6(q, k, v, g, beta, A_log, dt_bias, lower_bound, use_gate_in_kernel
         Akk = inter_solve(qn, kn, gc, beta, Aqk, Akkd, scale, chunk_size, cu_seqlens, chunk_indices, **solve)
     else:
         Akk = (chain._fla_f5 if on_gpu else chain._ref_f5)(qn, kn, gc, beta, Aqk, Akkd, scale, chunk_size,
-                                                           cu_seqlens, chunk_indices, safe_gate)
+                                                           cu_seqlens, chunk_indices)
     w, u, qg, kg = (chain._fla_f6 if on_gpu else chain._ref_f6)(qn, kn, v, beta, Akk, gc, chunk_size, cu_seqlens,
                                                                 chunk_indices, disable_recompute)
     return qn, q_rstd, kn, k_rstd, gc, w, u, kg, Aqk, Akk, qg

@@ -47,9 +47,9 @@ relaunching is idempotent.
 
 The epilogue's incoming dq, dk and dg are asked of L2 at the program's start (a hint:
 bit for bit the same outputs; the design ``wide-halves-pf``, the pin; ``wide-halves`` is the
-same without it). Four variants of the pin (``VARIANTS``: the next wave's tiles asked of L2,
-the chunk tier's transposed dA tiles read from memory; 76-136 B of spills against 144) are
-built and tested, not yet timed (docs/log/b7.md).
+same without it). Asking L2 for the next wave's tiles as well, or reading the chunk tier's
+transposed dA tiles from memory (76 B of spills against 144), measured 1-10% slower
+(7.20-7.86 ms against 7.13 in the same run; docs/log/b7.md).
 
 Falls back (``supports``): chunk size other than 64. No CTA floor: it measured faster than
 fla's B7 down to grid64 (B1 T256 H16: 0.135 ms against 0.212).
@@ -234,7 +234,7 @@ def _wide_diag_step(jj, q, k, g, beta, dAqk, dAkk, n_t, g_c, pair, o_k, m_k, acc
 
 @triton.jit
 def _chunk_sums(q, k, g, beta, dAqk, dAkk, n_t, t, g_c, gm, o_k, m_k,
-                HV: tl.constexpr, BT: tl.constexpr, SK: tl.constexpr, SG: tl.constexpr, READ_T: tl.constexpr):
+                HV: tl.constexpr, BT: tl.constexpr, SK: tl.constexpr, SG: tl.constexpr):
     """B7's three sums through one anchor for the whole chunk, its middle row gm (the caller
     checked every factor exp2(+-(g - gm)) within 2^GUARD_SPAN): each role one [BT, BT] x
     [BT, BK] dot per dA, the factor's other half applied once after."""
@@ -251,22 +251,13 @@ def _chunk_sums(q, k, g, beta, dAqk, dAkk, n_t, t, g_c, gm, o_k, m_k,
     p_A = t[:, None] * (HV * BT) + t[None, :]
     kx = k_c * up
     # each dA tile read along its rows for the row role; the column role's tiles ([s, r]) are
-    # those transposed on chip, one tile live at a time, or with READ_T read as such after
-    # both row dots (from lines the row role just brought into L1), so each tile's split
-    # halves die after its row dot
+    # those transposed on chip, one tile live at a time
     a = tl.load(dAqk + p_A, mask=lower, other=0)
     acc_q = down * dot3(a, kx)
-    if not READ_T:
-        acc_c = dot3(tl.trans(a), q_c * down)
+    acc_c = dot3(tl.trans(a), q_c * down)
     a = tl.load(dAkk + p_A, mask=strict, other=0)
     acc_kr = down * dot3(a, kx)
-    if READ_T:
-        p_T = t[None, :] * (HV * BT) + t[:, None]
-        acc_c = dot3(tl.load(dAqk + p_T, mask=tl.trans(lower), other=0), q_c * down)
-        a = tl.load(dAkk + p_T, mask=tl.trans(strict), other=0)
-    else:
-        a = tl.trans(a)
-    acc_c = up * dot3(a, (b_c[:, None] * k_c) * down, acc_c)
+    acc_c = up * dot3(tl.trans(a), (b_c[:, None] * k_c) * down, acc_c)
     return acc_q, acc_kr, acc_c
 
 
@@ -282,48 +273,14 @@ def _span(g, st, n_t, o_k, m_k, SG: tl.constexpr, BC: tl.constexpr, PAIRWISE: tl
 
 
 @triton.jit
-def _prefetch_ahead(q, k, g, dAqk, dAkk, dq, dk, dg, cu_seqlens, chunk_indices, T, AHEAD_N,
-                    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                    IS_VARLEN: tl.constexpr):
-    """Asks L2 for the tiles of the program AHEAD_N launch places after this one (a wave of
-    resident programs later): its slice of q, k, g and of the incoming dq, dk, dg, and its
-    share of the chunk's dAqk and dAkk rows (rows r with r % NK its slice, so the chunk's
-    slices together ask for each row once). A hint, as ``prefetch_rows``: no value changes."""
-    nk, nt, nbh = tl.num_programs(0), tl.num_programs(1), tl.num_programs(2)
-    lin = tl.program_id(0) + nk * (tl.program_id(1) + nt * tl.program_id(2)).to(tl.int64) + AHEAD_N
-    a_k = (lin % nk).to(tl.int32)
-    a_t = ((lin // nk) % nt).to(tl.int32)
-    a_bh = (lin // nk // nt).to(tl.int32)
-    if a_bh < nbh:
-        a_hv = a_bh % HV
-        a_h = a_hv // (HV // H)
-        a_c, _, a_bos, a_T = chunk_coords(a_t, a_bh, cu_seqlens, chunk_indices, T, HV, BT, IS_VARLEN)
-        a_row0 = a_bos + a_c * BT
-        t = tl.arange(0, BT)
-        m_t = t < tl.minimum(a_T - a_c * BT, BT)
-        o_qk = (a_row0 * H + a_h) * K + a_k * BK
-        o_g = (a_row0 * HV + a_hv) * K + a_k * BK
-        prefetch_rows(q + o_qk, t, H * K, m_t, BK)
-        prefetch_rows(k + o_qk, t, H * K, m_t, BK)
-        prefetch_rows(g + o_g, t, HV * K, m_t, BK)
-        prefetch_rows(dq + o_g, t, HV * K, m_t, BK)
-        prefetch_rows(dk + o_g, t, HV * K, m_t, BK)
-        prefetch_rows(dg + o_g, t, HV * K, m_t, BK)
-        o_a = (a_row0 * HV + a_hv) * BT
-        m_a = m_t & (t % nk == a_k)
-        prefetch_rows(dAqk + o_a, t, HV * BT, m_a, BT)
-        prefetch_rows(dAkk + o_a, t, HV * BT, m_a, BT)
-
-
-@triton.jit
 def intra_bwd_wide_kernel(
     q, k, g, beta, dAqk, dAkk, dq, dk, dg,
     dq2, dk2, dg2, db_part,
     g_raw, A_log, dt_bias, dA_part, dbias_part, lower_bound,
-    cu_seqlens, chunk_indices, T, NT_ROWS, NT_ALL, AHEAD_N,
+    cu_seqlens, chunk_indices, T, NT_ROWS, NT_ALL,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BK: tl.constexpr, IS_VARLEN: tl.constexpr, PAIRWISE: tl.constexpr, CHUNK_ANCHOR: tl.constexpr,
-    HALVES: tl.constexpr, PREFETCH: tl.constexpr, AHEAD: tl.constexpr, READ_T: tl.constexpr,
+    HALVES: tl.constexpr, PREFETCH: tl.constexpr,
     TAIL: tl.constexpr, HAS_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
 ):
     """B7 on one (K slice, chunk, head), the chunk as one [BT, BK] tile per output; with
@@ -331,9 +288,6 @@ def intra_bwd_wide_kernel(
     B9 (the raw gate's gradient into dg2 in its dtype; dA_log's and dt_bias's per-chunk
     partials into dA_part [NK, NT_ALL, HV] and dbias_part [NT_ALL, HV, K])."""
     i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    if AHEAD:  # the tiles of the program a wave later, into L2 before this one's loads
-        _prefetch_ahead(q, k, g, dAqk, dAkk, dq, dk, dg, cu_seqlens, chunk_indices, T, AHEAD_N,
-                        H, HV, K, BT, BK, IS_VARLEN)
     i_hv = i_bh % HV
     i_h = i_hv // (HV // H)
     i_c, i_tg, bos, T = chunk_coords(i_t, i_bh, cu_seqlens, chunk_indices, T, HV, BT, IS_VARLEN)
@@ -385,8 +339,7 @@ def intra_bwd_wide_kernel(
     else:
         halves: tl.constexpr = False
     if whole:
-        acc_q, acc_kr, acc_c = _chunk_sums(q, k, g, beta, dAqk, dAkk, n_t, t, g_c, gm, o_k, m_k, HV, BT, SK, SG,
-                                           READ_T)
+        acc_q, acc_kr, acc_c = _chunk_sums(q, k, g, beta, dAqk, dAkk, n_t, t, g_c, gm, o_k, m_k, HV, BT, SK, SG)
     elif halves:
         acc_q = tl.zeros([BT, BK], dtype=tl.float32)
         acc_kr = tl.zeros([BT, BK], dtype=tl.float32)
@@ -472,17 +425,12 @@ DEFAULT_CONFIG = dict(BK=32, num_warps=4, num_stages=1)
 # every diagonal pairwise (the guard's other path). The others are kept for the tests, which
 # hold each tier to the others bit for bit where they take the same path, and for the
 # bench's sweep.
-# The pin with more switches, candidates: ``-pfa`` also asks L2, at the program's start, for
-# the tiles of the program one wave of resident programs later (``_prefetch_ahead``), ``-pfa2``
-# two waves later; ``-pft`` has the chunk tier read the column role's transposed dA tiles from
-# memory (L1) after both row dots instead of transposing each tile on chip (sm_90a: 76 B of
-# spills against 144, 8,504 instructions); ``-pfat`` both.
-VARIANTS = {"wide-halves-pfa": dict(AHEAD=1), "wide-halves-pfa2": dict(AHEAD=2), "wide-halves-pft": dict(READ_T=True),
-            "wide-halves-pfat": dict(AHEAD=1, READ_T=True)}
-DESIGNS = ("wide", "wide-pairwise", "wide-chunk", "wide-halves", "wide-halves-pf", *VARIANTS)
+# Measured slower than the pin and removed (docs/log/b7.md, stages.jsonl at e13f2c7): asking
+# L2 for the tiles of the program one or two waves later (7.83 / 7.86 ms against 7.13), the
+# chunk tier reading its transposed dA tiles from memory (7.20; at 16-channel slices capped
+# at 168 registers 8.58), both (8.04).
+DESIGNS = ("wide", "wide-pairwise", "wide-chunk", "wide-halves", "wide-halves-pf")
 PIN = "wide-halves-pf"
-# programs an SM at the pinned build (255 registers, 4 warps: two CTAs of 128 threads)
-RESIDENT_PER_SM = 2
 
 
 def design_flags(design: str) -> dict:
@@ -490,21 +438,8 @@ def design_flags(design: str) -> dict:
     compile report's)."""
     if design not in DESIGNS:
         raise ValueError(f"unknown B7 design {design!r}")
-    extra = VARIANTS.get(design, {})
-    base = PIN if extra else design
-    return dict(PAIRWISE=base == "wide-pairwise", CHUNK_ANCHOR=base.startswith(("wide-chunk", "wide-halves")),
-                HALVES=base.startswith("wide-halves"), PREFETCH=base == PIN, AHEAD=bool(extra.get("AHEAD")),
-                READ_T=bool(extra.get("READ_T")))
-
-
-def _ahead_n(design: str, device) -> int:
-    """How many launch places ahead ``_prefetch_ahead`` reaches: the design's waves of
-    resident programs (0 without it)."""
-    waves = VARIANTS.get(design, {}).get("AHEAD", 0)
-    if not waves:
-        return 0
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-    return waves * RESIDENT_PER_SM * sms
+    return dict(PAIRWISE=design == "wide-pairwise", CHUNK_ANCHOR=design.startswith(("wide-chunk", "wide-halves")),
+                HALVES=design.startswith("wide-halves"), PREFETCH=design == PIN)
 
 
 def _launch_args(design, tensors: dict, chunk_size, cu_seqlens, chunk_indices, BK, num_warps, num_stages,
@@ -522,7 +457,7 @@ def _launch_args(design, tensors: dict, chunk_size, cu_seqlens, chunk_indices, B
     return dict(
         q=q, k=k, g=gc, beta=tensors["beta"], dAqk=tensors["dAqk"], dAkk=tensors["dAkk"], dq=tensors["dq"],
         dk=tensors["dk"], dg=tensors["dg"], dq2=dq2, dk2=torch.empty_like(dq2), dg2=torch.empty_like(dq2),
-        cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, T=T, AHEAD_N=_ahead_n(design, k.device), H=H, HV=HV, K=K, BT=chunk_size, BC=BC,
+        cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, T=T, H=H, HV=HV, K=K, BT=chunk_size, BC=BC,
         BK=BK or min(cfg["BK"], triton.next_power_of_2(K)), IS_VARLEN=cu_seqlens is not None,
         **flags,
         num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"],
