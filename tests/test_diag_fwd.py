@@ -359,3 +359,115 @@ def test_inter_solve_reads_only_the_strictly_lower_diagonal_blocks():
     dirty = diag_fwd.inter_solve(qn, kn, gc, args["beta"], Aqk.clone(), torch.where(upper, float("nan"), Akkd),
                                  args["scale"], 64, cu, ci)
     assert torch.equal(clean, dirty)
+
+
+# --------------------------------------------------------------------------------------
+# The backward's B1-B2 unit (recompute_kernel)
+# --------------------------------------------------------------------------------------
+def recompute_inputs(p: Problem, gate_scale: float = 1.0):
+    """The B1-B2 unit's arguments from the reference chain's backward (B1's and B2's inputs)
+    and those stages' outputs: (kwargs, B1's gc, B2's (w, u, qg, kg))."""
+    kw = make_inputs(p, device=DEVICE, seed=5)
+    with torch.no_grad():
+        kw["g"].mul_(gate_scale)
+    with use_impls("reference"), capture_stages() as log:
+        run_fwd_bwd(chunk_kda, kw, grid=p.dtype)
+    runs = {name: (x, out) for name, _, x, out in log if name in ("B1", "B2")}
+    (b1, gc), (b2, wy) = runs["B1"], runs["B2"]
+    args = dict(g=b1["g"], use_gate_in_kernel=True, A_log=b1["A_log"], dt_bias=b1["dt_bias"],
+                lower_bound=b1["lower_bound"], q=b2["q"], k=b2["k"], v=b2["v"], beta=b2["beta"], A=b2["A"],
+                chunk_size=b2["chunk_size"], cu_seqlens=b2["cu_seqlens"], chunk_indices=b2["chunk_indices"])
+    return {n: (t.detach() if isinstance(t, torch.Tensor) else t) for n, t in args.items()}, gc, wy
+
+
+RECOMPUTE_SHAPES = [p for p in SHAPES if p.gate_in_kernel]
+
+
+@pytest.mark.parametrize("p", RECOMPUTE_SHAPES, ids=lambda p: p.name)
+def test_recompute_matches_the_reference_b1_b2(p):
+    """The B1-B2 kernel against the reference's B1 and B2 on the chain's backward inputs
+    (K 64, 128 and 100, T not a multiple of 64, GVA, packed, fp16, the lower-bounded gate):
+    the cumsum within fp32 rounding (1e-5), w, u, qg and kg within their dtype's rounding of
+    the reference's (2e-3, the F1-F6 unit's bar); the cumsum bit for bit the F1-F4 kernel's
+    on the same raw gate (the backward recomputes the forward's gc)."""
+    args, gc_want, wy_want = recompute_inputs(p)
+    gc, *wy = diag_fwd.recompute_b1_b2(**args)
+    assert ref.rel_rms(gc, gc_want) <= 1e-5
+    for name, a, b in zip(("w", "u", "qg", "kg"), wy, wy_want):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert torch.isfinite(a).all() and ref.rel_rms(a, b) <= 2e-3, (name, ref.rel_rms(a, b))
+    q_raw = torch.randn_like(args["q"])
+    fwd = diag_fwd.prep_diag(q_raw, q_raw, args["g"], args["beta"], args["A_log"], args["dt_bias"], args["lower_bound"],
+                             True, True, 1.0, 64, args["cu_seqlens"], args["chunk_indices"])
+    assert torch.equal(fwd[4], gc)
+
+
+def test_recompute_under_a_very_strong_gate_stays_finite_and_exact():
+    """A gate scaled 200x (cumsums far past 2^64 within a chunk): kg's factor exp2(g_last - g)
+    <= 1 and w's exp2(g) as fla forms them, the same values as the reference's."""
+    p = SHAPES[0]
+    args, gc_want, wy_want = recompute_inputs(p, gate_scale=200.0)
+    gc, *wy = diag_fwd.recompute_b1_b2(**args)
+    assert gc.min() < -1000 and ref.rel_rms(gc, gc_want) <= 1e-5
+    for name, a, b in zip(("w", "u", "qg", "kg"), wy, wy_want):
+        assert torch.isfinite(a).all() and ref.rel_rms(a, b) <= 2e-3, name
+
+
+def test_recompute_supports_and_refuses():
+    args, _, _ = recompute_inputs(SHAPES[0])
+    assert diag_fwd.supports_recompute(**args) is None
+    assert "pre-computed" in diag_fwd.supports_recompute(**dict(args, use_gate_in_kernel=False))
+    assert "chunk_size" in diag_fwd.supports_recompute(**dict(args, chunk_size=32))
+    with pytest.raises(ValueError, match="use_gate_in_kernel"):
+        diag_fwd.recompute_b1_b2(**dict(args, use_gate_in_kernel=False))
+    with pytest.raises(ValueError, match="dense"):
+        diag_fwd.recompute_b1_b2(**dict(args, v=args["v"].transpose(1, 2).contiguous().transpose(1, 2)))
+    with pytest.raises(ValueError, match="B1-B2=recompute"):
+        diag_fwd.candidate("B1-B2", "diag")
+
+
+@pytest.mark.parametrize("p", [SHAPES[1], SHAPES[3], SHAPES[4],
+                               Problem("T90-K64-h0-v-first", 1, 90, 2, 2, 64, 32, initial_state=True,
+                                       state_v_first=True)], ids=lambda p: p.name)
+def test_chain_with_the_recompute_unit_against_the_oracle(p, monkeypatch):
+    """The kernel as the chain's B1-B2 unit: the record shows it in place of B1 and B2, and
+    every output stays within fla's budgets of the float64 recurrence, or within 10% of the
+    reference chain's own error in the input dtype (the stand-in for fla's on the CPU: in
+    bf16 at the packed GVA shape its dk is at the budget, 0.0080)."""
+    from kernel_fun.kda import last_record
+    from kernel_fun.kda.problems import as_oracle_inputs
+
+    register_for_test(monkeypatch, "B1-B2", *diag_fwd.candidate("B1-B2", "recompute"))
+    kwargs = make_inputs(p, device=DEVICE, seed=19)
+    result = run_fwd_bwd(chunk_kda, kwargs, grid=p.dtype)
+    backward = last_record().backward
+    assert backward["B1-B2"] == "ours" and not {"B1", "B2"} & set(backward), backward
+    with use_impls("reference"):
+        base = run_fwd_bwd(chunk_kda, kwargs, grid=p.dtype)
+    oracle = run_fwd_bwd(ref.recurrent_kda, as_oracle_inputs(kwargs), grid=p.dtype)
+    errors = {n: ref.rel_rms(result[n], oracle[n]) for n in oracle if oracle[n] is not None}
+    theirs = {n: ref.rel_rms(base[n], oracle[n]) for n in errors}
+    worse = {n: (e, theirs[n]) for n, e in errors.items() if not (e <= ref.BUDGETS[n] or e <= 1.1 * theirs[n])}
+    assert not worse, worse
+
+
+@pytest.mark.skipif(__import__("triton").__version__ != "3.6.0", reason="figures recorded with Triton 3.6.0's ptxas")
+def test_recompute_build_compiles_without_spills_or_32_byte_row_wgmma():
+    """The B1-B2 kernel at its config (K=128, V=256) as ptxas assembles it for sm_90a: no
+    spills, no wgmma with 32-byte operand rows (the hazard compute-sanitizer caught in the
+    F5+F6 kernel), at most 192 registers (two programs an SM)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg = diag_fwd.RECOMPUTE_CONFIG
+    cmd = [sys.executable, "-m", "tools.compile_report", "--design", "recompute", "--BV", str(cfg["BKS"]),
+           "--warps", str(cfg["num_warps"]), "--stages", "1"]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=root)
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "error" not in row, row
+    assert row["wgmma"] > 0 and row["wgmma_32B_rows"] == 0 and row["spill_stores"] == 0, row
+    assert row["registers"] <= 192, row

@@ -600,6 +600,82 @@ def test_diag_unit_launch_witness_in_the_whole_op(design, monkeypatch):
     assert not worse, worse
 
 
+GVA_PACKED = Problem("gva-packed", 1, 3000, 4, 8, 128, 128, cu_seqlens=(0, 700, 2999, 3000), lower_bound=-5.0)
+
+
+@pytest.mark.parametrize("shape", ["b8", "grid1024", "k64", "gva-packed"])
+def test_recompute_matches_fla_b1_b2(shape):
+    """The backward's B1-B2 kernel (diag_fwd.recompute_b1_b2) against fla's B1 and B2 on the
+    inputs the chain gives them (a whole fwd+bwd at the shape): the cumsum within fp32
+    rounding of fla's, w, u, qg and kg within F3-F6's bar of fla's (o's budget) and against
+    the float64 WY on the same inputs no further than fla's by more than 10%; the cumsum
+    bit for bit the F1-F4 kernel's on the same raw gate (the forward's, when the F1-F6 unit
+    runs)."""
+    from kernel_fun.kda.kernels import diag_fwd
+
+    p = GVA_PACKED if shape == GVA_PACKED.name else problem(shape)
+    kwargs = make_inputs(p, device="cuda", seed=23)
+    with capture_stages() as log:
+        run_fwd_bwd(chunk_kda, kwargs, grid=p.dtype)
+    runs = {name: (x, out) for name, _, x, out in log if name in ("B1", "B2")}
+    (b1, gc_fla), (b2, wy_fla) = runs["B1"], runs["B2"]
+    args = dict(g=b1["g"], use_gate_in_kernel=True, A_log=b1["A_log"], dt_bias=b1["dt_bias"],
+                lower_bound=b1["lower_bound"], q=b2["q"], k=b2["k"], v=b2["v"], beta=b2["beta"], A=b2["A"],
+                chunk_size=b2["chunk_size"], cu_seqlens=b2["cu_seqlens"], chunk_indices=b2["chunk_indices"])
+    args = {n: (t.detach() if isinstance(t, torch.Tensor) else t) for n, t in args.items()}
+    gc, *wy = diag_fwd.recompute_b1_b2(**args)
+    e_gc = ref.rel_rms(gc, gc_fla)
+    print(shape, "gc vs fla", e_gc)
+    assert e_gc <= 1e-5
+    nb, cu = (1, None) if args["cu_seqlens"] is None else (None, args["cu_seqlens"])  # the float64 WY on the
+    exact = ref.wy_fwd(*(t[:nb] for t in (args["k"], args["v"], args["beta"], args["A"], gc_fla)),  # first sequence
+                       args["q"][:nb], 64, cu, exact=True)
+    for name, a, b, e in zip(("w", "u", "qg", "kg"), wy, wy_fla, exact):
+        vs_fla, mine, theirs = ref.rel_rms(a, b), ref.rel_rms(a[:nb].double(), e), ref.rel_rms(b[:nb].double(), e)
+        print(shape, name, "vs fla", vs_fla, "vs exact", mine, "fla vs exact", theirs)
+        assert torch.isfinite(a).all() and vs_fla <= 5e-3 and mine <= 1.1 * theirs + 1e-6, name
+    fwd = diag_fwd.prep_diag(args["q"], args["k"], args["g"], args["beta"], args["A_log"], args["dt_bias"],
+                             args["lower_bound"], True, True, 1.0, 64, args["cu_seqlens"], args["chunk_indices"])
+    assert torch.equal(fwd[4], gc)
+
+
+def test_recompute_unit_launch_witness_in_the_whole_op(monkeypatch):
+    """The B1-B2 candidate registered in the whole op at b8: the record shows the unit in
+    B1's and B2's place, the kernel ran, fla's gate kernel and WY kernel ran once each (the
+    forward's F2 and F6) instead of twice, and the whole op stays within fla's budgets of
+    the float64 oracle at B1 T512 or within 10% of fla's own error there."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from conftest import register_for_test
+    from kernel_fun.kda.kernels import diag_fwd
+
+    register_for_test(monkeypatch, "B1-B2", *diag_fwd.candidate("B1-B2", "recompute"))
+    p = SHAPES["b8"]
+    kwargs = make_inputs(p, device="cuda", seed=9)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run_fwd_bwd(chunk_kda, kwargs, grid=p.dtype)
+        torch.cuda.synchronize()
+    record = last_record()
+    assert record.backward["B1-B2"] == "ours" and not {"B1", "B2"} & set(record.backward), record
+    launches: dict[str, int] = {}
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            launches[evt.name] = launches.get(evt.name, 0) + 1
+    assert launches.get("recompute_kernel") == 1, launches
+    assert launches.get("kda_gate_chunk_cumsum_vector_kernel") == 1, launches
+    assert launches.get("recompute_w_u_fwd_kda_kernel") == 1, launches
+    small = dataclasses.replace(p, B=1, T=512)
+    kw = make_inputs(small, device="cuda", seed=10)
+    oracle = run_fwd_bwd(ref.recurrent_kda, as_oracle_inputs(kw), grid=small.dtype)
+    got = run_fwd_bwd(chunk_kda, kw, grid=small.dtype)
+    base = run_fwd_bwd(_fla(), kw, grid=small.dtype)
+    mine = {n: ref.rel_rms(got[n], oracle[n]) for n in oracle if oracle[n] is not None}
+    fla_err = {n: ref.rel_rms(base[n], oracle[n]) for n in mine}
+    print("whole op with the B1-B2 unit vs the oracle", mine, "fla's", fla_err)
+    worse = {n: (mine[n], fla_err[n]) for n in mine if not (mine[n] <= ref.BUDGETS[n] or mine[n] <= 1.1 * fla_err[n])}
+    assert not worse, worse
+
+
 # --------------------------------------------------------------------------------------
 # causal_conv1d against fla's
 # --------------------------------------------------------------------------------------

@@ -198,6 +198,20 @@ def solve_report(K: int, V: int, H: int, HV: int, BKS: int, num_warps: int, num_
     return compile_sm90(diag_fwd.inter_solve_kernel, types, constexprs, num_warps, num_stages, maxnreg)
 
 
+def recompute_report(K: int, V: int, H: int, HV: int, BKS: int, num_warps: int, num_stages: int,
+                     dtype: str = "bf16") -> dict:
+    """The backward's B1-B2 kernel (diag_fwd.recompute_kernel) at dense sequences, the
+    softplus gate with dt_bias."""
+    from kernel_fun.kda.kernels import diag_fwd
+
+    types = {n: _PTR[dtype] for n in ("g_raw", "q", "k", "v", "beta", "Akk", "w", "u", "kg", "qg")}
+    types.update(A_log="*fp32", dt_bias="*fp32", gc="*fp32", lower_bound="fp32")
+    constexprs = dict(cu_seqlens=None, chunk_indices=None, H=H, HV=HV, K=K, V=V, BT=64, BC=diag_fwd.BC,
+                      GBKS=diag_fwd.DEFAULT_CONFIG["BKS"], BKS=BKS, BV=diag_fwd.RECOMPUTE_CONFIG["BV"],
+                      IS_VARLEN=False, GATE=2, HAS_BIAS=True)
+    return compile_sm90(diag_fwd.recompute_kernel, types, constexprs, num_warps, num_stages)
+
+
 def prep_report(K: int, V: int, H: int, HV: int, BKS: int, BV: int, num_warps: int, num_stages: int,
                 fused: bool = False, dtype: str = "bf16") -> dict:
     """The F3-F6 kernel (kda/kernels/prep_fwd.py) at dense sequences; ``fused`` with F1 and
@@ -251,7 +265,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--design", default="fullk",
                         help="fullk (B6), one of B7's designs (--BV its K slice), prep or prep-fused (F3-F6; --BV its "
-                             "V tile, --bks its K slice), cconv-fwd or cconv-bwd (--BV "
+                             "V tile, --bks its K slice), diag, solve, solve-wy (F1-F6) or recompute (B1-B2; --BV "
+                             "their K slice), cconv-fwd or cconv-bwd (--BV "
                              "the channel strip, --V the channels: 2048 by default)")
     parser.add_argument("--bks", type=int, default=64, help="the prep kernel's K slice")
     parser.add_argument("--K", type=int, default=128)
@@ -282,6 +297,8 @@ def main(argv=None):
                 elif design in ("solve", "solve-wy"):  # --BV its K slice
                     row.update(solve_report(args.K, args.V, args.H, args.HV, BV, warps, stages, maxnreg=args.maxnreg,
                                             wy=design == "solve-wy"))
+                elif design == "recompute":  # --BV its K slice
+                    row.update(recompute_report(args.K, args.V, args.H, args.HV, BV, warps, stages))
                 elif design in ("prep", "prep-fused"):
                     row.update(prep_report(args.K, args.V, args.H, args.HV, args.bks, BV, warps, stages,
                                            fused=design == "prep-fused"))

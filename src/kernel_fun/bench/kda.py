@@ -148,7 +148,7 @@ def profile_stages(variant: Variant, kwargs: dict, do: torch.Tensor) -> tuple[di
 
 CANDIDATES = {"B7": "kernel_fun.kda.kernels.intra_bwd", "B7-B9": "kernel_fun.kda.kernels.intra_bwd",
               "F7-F8": "kernel_fun.kda.kernels.scan_fwd", "B3": "kernel_fun.kda.kernels.scan_fwd",
-              "F1-F6": "kernel_fun.kda.kernels.diag_fwd"}
+              "F1-F6": "kernel_fun.kda.kernels.diag_fwd", "B1-B2": "kernel_fun.kda.kernels.diag_fwd"}
 
 
 def stages_off(names: list[str]) -> dict[str, str]:

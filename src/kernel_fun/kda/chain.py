@@ -347,6 +347,15 @@ def _ref_l2norm_bwd(q, q_rstd, dq, k, k_rstd, dk):
     return ref.l2norm_bwd(q, q_rstd, dq), ref.l2norm_bwd(k, k_rstd, dk)
 
 
+def _recompute_in_turn(gate, wy):
+    """The B1-B2 unit as its two stages in turn (fla's, or the references)."""
+    def recompute(g, use_gate_in_kernel, A_log, dt_bias, lower_bound, q, k, v, beta, A, chunk_size, cu_seqlens,
+                  chunk_indices):
+        gc = gate(g, use_gate_in_kernel, A_log, dt_bias, lower_bound, chunk_size, cu_seqlens, chunk_indices)
+        return (gc,) + tuple(wy(q, k, v, beta, A, gc, chunk_size, cu_seqlens, chunk_indices))
+    return recompute
+
+
 def _stage(name, covers, title, inputs, outputs, fla, reference):
     register(Stage(name=name, covers=covers, title=title, inputs=tuple(inputs.split()), outputs=outputs,
                    impls={"fla": fla, "reference": reference}))
@@ -378,6 +387,12 @@ _stage("F7-F8", ("F7", "F8"), "state scan with the output (one pass)",
        ("o", "final_state", "h", "v_new"), _fla_scan_output, _ref_scan_output)
 _stage("B1", ("B1",), "gate + chunk cumsum (recompute)", _GATE_IN, ("gc",), _fla_gate, _ref_gate)
 _stage("B2", ("B2",), "w/u/qg/kg (recompute)", f"q k v beta A gc {_C}", ("w", "u", "qg", "kg"), _fla_wy, _ref_wy)
+# B1 and B2 as one unit (the gate's cumsum and the WY recompute from the raw gate and the
+# saved Akk_inv): run in their place when kernel-fun's kernel for it takes the call; fla's
+# side is fla's two stages in turn.
+_stage("B1-B2", ("B1", "B2"), "gate + chunk cumsum, w/u/qg/kg (recompute, one pass)",
+       f"g use_gate_in_kernel A_log dt_bias lower_bound q k v beta A {_C}", ("gc", "w", "u", "qg", "kg"),
+       _recompute_in_turn(_fla_gate, _fla_wy), _recompute_in_turn(_ref_gate, _ref_wy))
 _stage("B3", ("B3",), "state scan (recompute)", _SCAN_IN, ("h", "v_new", "final_state"), _fla_h, _ref_h)
 _stage("B4", ("B4",), "dAqk, dv through Aqk", f"q k v_new do Aqk scale {_C}", ("dAqk", "dv"), _fla_dav, _ref_dav)
 _stage("B5", ("B5",), "reverse state scan", f"qg kg w gc h0 dht do dv scale state_v_first {_C}",
@@ -571,12 +586,18 @@ def _backward(ctx, do, dht):
     if opts.disable_recompute:  # fla's mode: the forward kept them, B1-B3 do not run
         w, qg, kg, v_new, h = s["w"], s["qg"], s["kg"], s["v_new"], s["h"]
     else:
-        if opts.use_gate_in_kernel:
-            gc = run.run(
-                "B1", "backward", g=g_input, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
-                lower_bound=opts.lower_bound, **common,
-            )
-        w, u, qg, kg = run.run("B2", "backward", q=q, k=k, v=v, beta=beta, A=Akk, gc=gc, **common)
+        unit = dict(g=g_input, use_gate_in_kernel=opts.use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+                    lower_bound=opts.lower_bound, q=q, k=k, v=v, beta=beta, A=Akk, **common)
+        if opts.use_gate_in_kernel and run.takes_ours("B1-B2", **unit):
+            gc, w, u, qg, kg = run.run("B1-B2", "backward", **unit)
+        else:
+            if opts.use_gate_in_kernel:
+                gc = run.run(
+                    "B1", "backward", g=g_input, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+                    lower_bound=opts.lower_bound, **common,
+                )
+            w, u, qg, kg = run.run("B2", "backward", q=q, k=k, v=v, beta=beta, A=Akk, gc=gc, **common)
+        del unit
         h, v_new, _ = run.run(
             "B3", "backward", kg=kg, w=w, u=u, gc=gc, initial_state=initial_state, output_final_state=False,
             cu_seqlens_cpu=None, **common, **layout,

@@ -46,7 +46,16 @@ rows, Aqk and Akk_inv rounded to the input dtype, Akk's diagonal blocks kept in 
 the solve, as fla's. Outputs are fresh tensors (Aqk's blocks below the diagonal F5's, in
 place): relaunching is idempotent.
 
-Falls back (``supports``): chunk size other than 64, K > 256.
+The backward's recompute (``recompute_b1_b2``, the B1-B2 unit): B1 (the gate's cumsum from
+the raw gate, with the gate in the op) and B2 (w, u, qg, kg from the saved Akk_inv) in one
+program a (chunk, value head): the F1-F4 kernel's gate code writes gc, and after a barrier
+prep_fwd's WY code reads it back from the lines just written (fla: two passes, B2 re-reading
+gc's 1.07 GB at prod8192_gate from DRAM). Predicted from the bytes (6.7 GB, 1.40 ms at the
+floor) at fla's B2 efficiency (77% of its floor): 1.7-1.9 ms against fla's B1 + B2 2.09
+inside the op. Not yet on the H200; a candidate (``--candidate B1-B2=recompute``).
+
+Falls back (``supports``): chunk size other than 64, K > 256; the B1-B2 unit also a
+pre-computed gate (its cumsum is saved: B1 does not run).
 
 On the H200 (2026-12-02, e13f2c7 and after): every design runs clean under
 compute-sanitizer at B1 T256 and passes the GPU parity tests at T=500 (with h0, without
@@ -535,13 +544,112 @@ def prep_f1_f6(q, k, v, g, beta, A_log, dt_bias, lower_bound, use_gate_in_kernel
     return qn, q_rstd, kn, k_rstd, gc, w, u, kg, Aqk, Akk, qg
 
 
+@triton.jit
+def recompute_kernel(
+    g_raw, A_log, dt_bias, lower_bound, q, k, v, beta, Akk, gc, w, u, kg, qg, cu_seqlens, chunk_indices, T,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    GBKS: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr, GATE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    """B1 and B2 on one (chunk, value head): the gate's activation and chunk cumsum from the
+    raw gate, the F1-F4 kernel's code on slices of its width (GBKS), written; then, after a
+    barrier, w, u, kg and qg from the saved Akk_inv by prep_fwd's WY code, reading the
+    cumsum back from the lines just written, K and V in slices of BKS and BV."""
+    i_hv, i_h, row0, n_t = _chunk_head(cu_seqlens, chunk_indices, T, H, HV, BT, BC, IS_VARLEN)
+    SK: tl.constexpr = H * K
+    SG: tl.constexpr = HV * K
+    NKS: tl.constexpr = (K + BKS - 1) // BKS
+    t = tl.arange(0, BT)
+    m_t = t < n_t
+    o_g = (row0 * HV + i_hv) * K
+    if GATE > 1:
+        A = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+    else:
+        A = 0.0
+    for i_s in range(0, (K + GBKS - 1) // GBKS):
+        o_k = i_s * GBKS + tl.arange(0, GBKS)
+        m_k = o_k < K
+        m_tk = m_t[:, None] & m_k[None, :]
+        x = tl.load(g_raw + o_g + t[:, None] * SG + o_k[None, :], mask=m_tk, other=0).to(tl.float32)
+        if HAS_BIAS:
+            x += tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0).to(tl.float32)[None, :]
+        a = tl.where(m_tk, _log_decay(x, A, lower_bound, GATE), 0.0)
+        tl.store(gc + o_g + t[:, None] * SG + o_k[None, :], tl.cumsum(a, axis=0) * RCP_LN2, mask=m_tk)
+    tl.debug_barrier()
+    b_c = tl.load(beta + (row0 + t) * HV + i_hv, mask=m_t, other=0).to(tl.float32)
+    x_b = tl.load(Akk + (row0 + t)[:, None] * (HV * BT) + i_hv * BT + t[None, :], mask=m_t[:, None], other=0)
+    q_h = q + (row0 * H + i_h) * K
+    k_h = k + (row0 * H + i_h) * K
+    for i_s in range(0, NKS):
+        o_k = i_s * BKS + tl.arange(0, BKS)
+        wy_k(x_b, q_h, k_h, gc + o_g, beta, b_c, w, kg, qg, row0, t, m_t, n_t, o_k, o_k < K, i_hv, K, SK, SG, True)
+    wy_v(x_b, v, b_c, u, row0, t, m_t, i_hv, HV, V, BV)
+
+
+# Compiled for sm_90a offline (``python -m tools.compile_report --design recompute --BV 64
+# --warps 4 --stages 1``, K=128, V=256, H=HV=16, the softplus gate): 184 registers (two
+# programs an SM), no spills, 2,112 instructions. 64-channel WY slices: bf16 N=64 products,
+# the shape prep_fwd's kernel ran on the H200 (no 32-byte operand rows); the gate's slices
+# the F1-F4 kernel's default width and warps, so its scan is laid out as that kernel's (the
+# GPU test holds the two cumsums to each other bit for bit).
+RECOMPUTE_CONFIG = dict(BKS=64, BV=64, num_warps=4)
+
+
+def recompute_b1_b2(g, use_gate_in_kernel, A_log, dt_bias, lower_bound, q, k, v, beta, A, chunk_size, cu_seqlens,
+                    chunk_indices, BKS: int = RECOMPUTE_CONFIG["BKS"], BV: int = RECOMPUTE_CONFIG["BV"],
+                    num_warps: int = RECOMPUTE_CONFIG["num_warps"]):
+    """The backward's B1-B2 unit with the contract of fla's ``kda_gate_chunk_cumsum`` then
+    ``recompute_w_u_fwd`` (q given): (gc, w, u, qg, kg), gc fp32 [B, T, HV, K] in log2
+    units, the rest in k's (v's for u) dtype, from the raw gate and the saved Akk_inv ``A``.
+    Only with the gate in the op (``supports_recompute``)."""
+    if not use_gate_in_kernel:
+        raise ValueError("the B1-B2 unit recomputes the gate's cumsum from the raw gate: use_gate_in_kernel only")
+    for name, t in dict(g=g, q=q, k=k, v=v, beta=beta, A=A).items():
+        if not t.is_contiguous():
+            raise ValueError(f"the B1-B2 kernel indexes {name} as a dense tensor; got strides {t.stride()}")
+    B, T, H, K = k.shape
+    HV, V = v.shape[2], v.shape[3]
+    BT = chunk_size
+    dev = k.device
+    gc = torch.empty(B, T, HV, K, device=dev, dtype=torch.float32)
+    w = torch.empty(B, T, HV, K, device=dev, dtype=k.dtype)
+    kg, qg = torch.empty_like(w), torch.empty_like(w)
+    u = torch.empty_like(v)
+    NT = triton.cdiv(T, BT) if cu_seqlens is None else len(chunk_indices)
+    recompute_kernel[(NT, B * HV)](
+        g_raw=g, A_log=A_log, dt_bias=dt_bias, lower_bound=0.0 if lower_bound is None else float(lower_bound),
+        q=q, k=k, v=v, beta=beta, Akk=A, gc=gc, w=w, u=u, kg=kg, qg=qg, cu_seqlens=cu_seqlens,
+        chunk_indices=chunk_indices, T=T, H=H, HV=HV, K=K, V=V, BT=BT, BC=BC,
+        GBKS=min(DEFAULT_CONFIG["BKS"], max(16, triton.next_power_of_2(K))),
+        BKS=min(BKS, max(16, triton.next_power_of_2(K))), BV=min(BV, max(16, triton.next_power_of_2(V))),
+        IS_VARLEN=cu_seqlens is not None, GATE=2 if lower_bound is None else 3, HAS_BIAS=dt_bias is not None,
+        num_warps=num_warps,
+    )
+    return gc, w, u, qg, kg
+
+
+def supports_recompute(k, v, use_gate_in_kernel, chunk_size, **_) -> str | None:
+    """None when the B1-B2 kernel takes the call, else why B1 and B2 stay on fla."""
+    if not use_gate_in_kernel:
+        return "a pre-computed gate (its cumsum is saved; B1 does not run)"
+    if chunk_size != 64:
+        return f"chunk_size={chunk_size} (the kernel is built for 64)"
+    if k.shape[-1] > 256:
+        return f"K={k.shape[-1]} > 256"
+    return None
+
+
 def candidate(stage: str, design: str):
-    """(implementation, supports) of the F1-F6 unit on this module's kernels, for a bench
-    run that measures it in the whole op before it is registered (``python -m
-    kernel_fun.bench --candidate F1-F6=diag``): ``diag`` the F1-F4 kernel with fla's F5 and
-    F6, ``diag-solve`` with this module's F5, ``diag-solve-wy`` with F6 in the F5 kernel."""
+    """(implementation, supports) of a unit on this module's kernels, for a bench run that
+    measures it in the whole op before it is registered (``python -m kernel_fun.bench
+    --candidate F1-F6=diag``): F1-F6 ``diag`` the F1-F4 kernel with fla's F5 and F6,
+    ``diag-solve`` with this module's F5, ``diag-solve-wy`` with F6 in the F5 kernel; B1-B2
+    ``recompute`` the backward's gate cumsum and WY recompute in one kernel."""
+    if stage == "B1-B2" and design == "recompute":
+        return recompute_b1_b2, supports_recompute
     if stage != "F1-F6" or design not in DESIGNS:
-        raise ValueError(f"diag_fwd has the candidates F1-F6={'/'.join(DESIGNS)}, not {stage}={design}")
+        raise ValueError(f"diag_fwd has the candidates F1-F6={'/'.join(DESIGNS)} and B1-B2=recompute, "
+                         f"not {stage}={design}")
     return functools.partial(prep_f1_f6, design=design), supports
 
 
