@@ -365,19 +365,16 @@ def test_inter_solve_reads_only_the_strictly_lower_diagonal_blocks():
 # The backward's B1-B2 unit (recompute_kernel)
 # --------------------------------------------------------------------------------------
 def recompute_inputs(p: Problem, gate_scale: float = 1.0):
-    """The B1-B2 unit's arguments from the reference chain's backward (B1's and B2's inputs)
-    and those stages' outputs: (kwargs, B1's gc, B2's (w, u, qg, kg))."""
-    kw = make_inputs(p, device=DEVICE, seed=5)
-    with torch.no_grad():
-        kw["g"].mul_(gate_scale)
-    with use_impls("reference"), capture_stages() as log:
-        run_fwd_bwd(chunk_kda, kw, grid=p.dtype)
-    runs = {name: (x, out) for name, _, x, out in log if name in ("B1", "B2")}
-    (b1, gc), (b2, wy) = runs["B1"], runs["B2"]
-    args = dict(g=b1["g"], use_gate_in_kernel=True, A_log=b1["A_log"], dt_bias=b1["dt_bias"],
-                lower_bound=b1["lower_bound"], q=b2["q"], k=b2["k"], v=b2["v"], beta=b2["beta"], A=b2["A"],
-                chunk_size=b2["chunk_size"], cu_seqlens=b2["cu_seqlens"], chunk_indices=b2["chunk_indices"])
-    return {n: (t.detach() if isinstance(t, torch.Tensor) else t) for n, t in args.items()}, gc, wy
+    """The B1-B2 unit's arguments as the stage bench forms them (the reference forward's F2
+    and F3-F6 inputs, its Akk_inv; the raw gate scaled by ``gate_scale``) and the reference
+    B1 and B2 on them: (kwargs, gc, (w, u, qg, kg))."""
+    from kernel_fun.bench import stage_b1b2
+    from kernel_fun.kda.chain import _ref_gate, _ref_wy, _recompute_in_turn
+
+    args = stage_b1b2.make_inputs(p, DEVICE, seed=5)
+    args["g"] = args["g"] * gate_scale
+    gc, *wy = _recompute_in_turn(_ref_gate, _ref_wy)(**args)
+    return args, gc, wy
 
 
 RECOMPUTE_SHAPES = [p for p in SHAPES if p.gate_in_kernel]
@@ -471,3 +468,26 @@ def test_recompute_build_compiles_without_spills_or_32_byte_row_wgmma():
     assert "error" not in row, row
     assert row["wgmma"] > 0 and row["wgmma_32B_rows"] == 0 and row["spill_stores"] == 0, row
     assert row["registers"] <= 192, row
+
+
+def test_recompute_bench_entry_inputs_run_and_count_bytes():
+    """The B1-B2 stage bench entry: the chain's own inputs, the kernel against the float64
+    stages within the entry's bars (the reference's B1 and B2 standing in for fla's), and
+    the bytes; a pre-computed gate refused (B1 does not run)."""
+    from kernel_fun.bench import stage_b1b2
+    from kernel_fun.kda.parity import stage_errors
+
+    p = SHAPES[3]
+    inputs = stage_b1b2.make_inputs(p, DEVICE, seed=1)
+    got = stage_b1b2.BENCH.ours(inputs, "recompute", stage_b1b2.BENCH.launch_config(p, "recompute", None))
+    exact = stage_b1b2.BENCH.exact(**inputs)
+    theirs = stage_errors("B1-B2", recompute_inputs(p)[1:2] + tuple(recompute_inputs(p)[2]), exact)
+    mine = stage_errors("B1-B2", got, exact)
+    assert set(mine) == {"gc", "w", "u", "qg", "kg"}
+    assert not stage_b1b2.BENCH.misses(mine, theirs, None), (mine, theirs)
+    tok, tok_qk = p.B * p.T * p.HV, p.B * p.T * p.H  # GVA: q and k at their own heads
+    reads = tok * p.K * 2 + tok_qk * p.K * 4 + tok * p.V * 2 + tok * 2 + tok * 64 * 2  # g, q, k, v, beta, Akk_inv
+    writes = tok * p.K * 4 + tok * p.K * 6 + tok * p.V * 2  # gc; w, qg, kg; u
+    assert stage_b1b2.BENCH.bytes(p) == reads + writes
+    with pytest.raises(ValueError, match="pre-computed"):
+        stage_b1b2.make_inputs(SHAPES[5], DEVICE)

@@ -606,37 +606,21 @@ GVA_PACKED = Problem("gva-packed", 1, 3000, 4, 8, 128, 128, cu_seqlens=(0, 700, 
 @pytest.mark.parametrize("shape", ["b8", "grid1024", "k64", "gva-packed"])
 def test_recompute_matches_fla_b1_b2(shape):
     """The backward's B1-B2 kernel (diag_fwd.recompute_b1_b2) against fla's B1 and B2 on the
-    inputs the chain gives them (a whole fwd+bwd at the shape): the cumsum within fp32
-    rounding of fla's, w, u, qg and kg within F3-F6's bar of fla's (o's budget) and against
-    the float64 WY on the same inputs no further than fla's by more than 10%; the cumsum
-    bit for bit the F1-F4 kernel's on the same raw gate (the forward's, when the F1-F6 unit
-    runs)."""
+    chain's inputs (the stage bench's entry): the cumsum within fp32 rounding of fla's, w,
+    u, qg and kg within F3-F6's bars of fla's and against the float64 WY no further than
+    fla's by more than 10%; the cumsum bit for bit the F1-F4 kernel's on the same raw gate
+    (the forward's, when the F1-F6 unit runs)."""
+    from kernel_fun.bench import stage_b1b2
     from kernel_fun.kda.kernels import diag_fwd
 
     p = GVA_PACKED if shape == GVA_PACKED.name else problem(shape)
-    kwargs = make_inputs(p, device="cuda", seed=23)
-    with capture_stages() as log:
-        run_fwd_bwd(chunk_kda, kwargs, grid=p.dtype)
-    runs = {name: (x, out) for name, _, x, out in log if name in ("B1", "B2")}
-    (b1, gc_fla), (b2, wy_fla) = runs["B1"], runs["B2"]
-    args = dict(g=b1["g"], use_gate_in_kernel=True, A_log=b1["A_log"], dt_bias=b1["dt_bias"],
-                lower_bound=b1["lower_bound"], q=b2["q"], k=b2["k"], v=b2["v"], beta=b2["beta"], A=b2["A"],
-                chunk_size=b2["chunk_size"], cu_seqlens=b2["cu_seqlens"], chunk_indices=b2["chunk_indices"])
-    args = {n: (t.detach() if isinstance(t, torch.Tensor) else t) for n, t in args.items()}
-    gc, *wy = diag_fwd.recompute_b1_b2(**args)
-    e_gc = ref.rel_rms(gc, gc_fla)
-    print(shape, "gc vs fla", e_gc)
-    assert e_gc <= 1e-5
-    nb, cu = (1, None) if args["cu_seqlens"] is None else (None, args["cu_seqlens"])  # the float64 WY on the
-    exact = ref.wy_fwd(*(t[:nb] for t in (args["k"], args["v"], args["beta"], args["A"], gc_fla)),  # first sequence
-                       args["q"][:nb], 64, cu, exact=True)
-    for name, a, b, e in zip(("w", "u", "qg", "kg"), wy, wy_fla, exact):
-        vs_fla, mine, theirs = ref.rel_rms(a, b), ref.rel_rms(a[:nb].double(), e), ref.rel_rms(b[:nb].double(), e)
-        print(shape, name, "vs fla", vs_fla, "vs exact", mine, "fla vs exact", theirs)
-        assert torch.isfinite(a).all() and vs_fla <= 5e-3 and mine <= 1.1 * theirs + 1e-6, name
+    args = stage_b1b2.make_inputs(p, "cuda", seed=23)
+    ours = diag_fwd.recompute_b1_b2(**args)
+    misses = _stage_verdict(stage_b1b2.BENCH, args, ours, shape)
+    assert not misses, misses
     fwd = diag_fwd.prep_diag(args["q"], args["k"], args["g"], args["beta"], args["A_log"], args["dt_bias"],
                              args["lower_bound"], True, True, 1.0, 64, args["cu_seqlens"], args["chunk_indices"])
-    assert torch.equal(fwd[4], gc)
+    assert torch.equal(fwd[4], ours[0])
 
 
 def test_recompute_unit_launch_witness_in_the_whole_op(monkeypatch):

@@ -131,3 +131,15 @@ def prep_misses(vs_exact: dict, baseline_exact: dict, vs_fla: dict | None = None
     """The F3-F6 unit's misses (``bar_misses``): ``PREP_VS_FLA`` against fla's stage,
     ``PREP_BUDGETS`` against the float64 stage."""
     return bar_misses(vs_exact, baseline_exact, vs_fla, PREP_VS_FLA, PREP_BUDGETS)
+
+
+# The backward's B1-B2 unit (the gate's cumsum, the WY recompute): F3-F6's bars for w, u,
+# qg and kg, and the cumsum within fp32 rounding of fla's (1e-5: the same sums in another
+# order) and within o's budget of the float64 stage.
+RECOMPUTE_VS_FLA = {**PREP_VS_FLA, "gc": 1e-5}
+RECOMPUTE_BUDGETS = {**PREP_BUDGETS, "gc": ref.BUDGETS["o"]}
+
+
+def recompute_misses(vs_exact: dict, baseline_exact: dict, vs_fla: dict | None = None) -> dict[str, tuple]:
+    """The B1-B2 unit's misses (``bar_misses``)."""
+    return bar_misses(vs_exact, baseline_exact, vs_fla, RECOMPUTE_VS_FLA, RECOMPUTE_BUDGETS)

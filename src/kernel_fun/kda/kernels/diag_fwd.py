@@ -52,7 +52,8 @@ program a (chunk, value head): the F1-F4 kernel's gate code writes gc, and after
 prep_fwd's WY code reads it back from the lines just written (fla: two passes, B2 re-reading
 gc's 1.07 GB at prod8192_gate from DRAM). Predicted from the bytes (6.7 GB, 1.40 ms at the
 floor) at fla's B2 efficiency (77% of its floor): 1.7-1.9 ms against fla's B1 + B2 2.09
-inside the op. Not yet on the H200; a candidate (``--candidate B1-B2=recompute``).
+inside the op. Not yet on the H200; a candidate (``--candidate B1-B2=recompute``; the
+stage bench's entry ``B1-B2``).
 
 Falls back (``supports``): chunk size other than 64, K > 256; the B1-B2 unit also a
 pre-computed gate (its cumsum is saved: B1 does not run).
