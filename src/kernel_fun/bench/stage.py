@@ -22,6 +22,7 @@ import dataclasses
 import json
 import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -155,6 +156,7 @@ def bench_shape(bench: StageBench, name: str, candidates, reps: int, rounds: int
 
     timer = timer or cuda_times
     p = problem(name)
+    t0 = time.perf_counter()
     inputs = bench.make_inputs(p, device)
     floor_ms = bench.bytes(p) / BANDWIDTH * 1e3
     fla_out = bench.fla(**inputs)
@@ -172,6 +174,8 @@ def bench_shape(bench: StageBench, name: str, candidates, reps: int, rounds: int
 
     exact = first(bench.exact(**sub))
     fla_exact = stage_errors(bench.stage, first(fla_out), exact)
+    # (where a run's time goes: the chain's inputs, fla's stage and the float64 one)
+    print(f"{name}: inputs, fla's stage and the float64 stage in {time.perf_counter() - t0:.0f} s", flush=True)
 
     impls = {"fla": (lambda: bench.fla(**inputs), None)}
     checks = {"fla": {"ok": True, "vs_exact": fla_exact}}
@@ -260,8 +264,9 @@ def main(argv=None, stage: str | None = None) -> int:
             if key not in families:
                 families.add(key)
                 jobs.append((bench.stage, s, d, c))
+    t0 = time.perf_counter()
     precompile(jobs, args.workers)
-    print(f"compiled {len(jobs)} kernel configs", flush=True)
+    print(f"compiled {len(jobs)} kernel configs in {time.perf_counter() - t0:.0f} s", flush=True)
     out = args.out or results.RESULTS / "stages.jsonl"
     rows = []
     for name in shapes:
