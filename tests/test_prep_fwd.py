@@ -259,5 +259,5 @@ def test_pinned_config_compiles_without_n8_tf32_wgmma(design, spills):
            "--BV", str(cfg["BV"]), "--warps", str(cfg["num_warps"]), "--stages", str(cfg["num_stages"])]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=root)
     row = json.loads(out.stdout.strip().splitlines()[-1])
-    assert "error" not in row and row["wgmma"] > 0 and row["wgmma_tf32_n8"] == 0, row
+    assert "error" not in row and row["wgmma"] > 0 and row["wgmma_32B_rows"] == 0, row
     assert row["spill_stores"] <= spills and row["spill_loads"] <= spills, row

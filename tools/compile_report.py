@@ -112,11 +112,10 @@ def compile_sm90(kernel, pointer_types: dict[str, str], constexprs: dict, num_wa
         **ptxas_numbers(log),
         "shared": compiled.metadata.shared,
         "wgmma": compiled.asm["ptx"].count("wgmma.mma_async"),
-        # N=8 tf32 wgmmas: Triton 3.6 leaves their shared operand unpadded and the H200 reads
-        # past its end (an illegal address; triton-lang/triton#10629). A kernel must have none.
-        "wgmma_tf32_n8": len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n8k8\.f32\.tf32", compiled.asm["ptx"])),
-        # the same hazard at 16-bit operands: N=16 bf16/fp16 wgmmas (32-byte rows too), which
-        # compute-sanitizer caught reading shared memory past the allocation in the F5+F6 kernel
+        # wgmmas whose shared operand has 32-byte rows: N=8 tf32 (Triton 3.6 leaves it
+        # unpadded and the H200 reads past its end: an illegal address, triton-lang/triton#10629)
+        # and N=16 bf16/fp16 (compute-sanitizer caught the same read past the allocation in the
+        # F5+F6 kernel). A kernel must have none.
         "wgmma_32B_rows": len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(?:m64n8k8\.f32\.tf32|m64n16k16\.f32\.[bf]+16)",
                                          compiled.asm["ptx"])),
         # every wgmma shape (m64nNkK.f32.<a>.<b>) and its count, for the hazards below

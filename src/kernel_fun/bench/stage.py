@@ -90,8 +90,8 @@ def qk_and_gate(p: Problem, device, seed: int):
     return randn, q, k, gc.contiguous()
 
 
-def chain_inputs(p: Problem, device, seed: int, names: tuple[str, ...]) -> dict[str, dict]:
-    """The inputs the chain gives the named stages: one forward through the reference stages
+def chain_runs(p: Problem, device, seed: int, names: tuple[str, ...]) -> dict[str, tuple[dict, tuple]]:
+    """(inputs, outputs) of the named stages in one forward through the reference stages
     (torch, on ``device``) at problem ``p``, so a stage's inputs are a real chain's (w and u a
     real WY transform's, the state bounded)."""
     from kernel_fun.kda import chunk_kda
@@ -101,7 +101,12 @@ def chain_inputs(p: Problem, device, seed: int, names: tuple[str, ...]) -> dict[
     kwargs = call_inputs(p, device=device, seed=seed, requires_grad=False)
     with torch.no_grad(), use_impls("reference"), capture_stages() as log:
         chunk_kda(**kwargs)
-    return {name: x for name, _, x, _ in log if name in names}
+    return {name: (x, out) for name, _, x, out in log if name in names}
+
+
+def chain_inputs(p: Problem, device, seed: int, names: tuple[str, ...]) -> dict[str, dict]:
+    """The inputs the chain gives the named stages (``chain_runs``)."""
+    return {name: x for name, (x, _) in chain_runs(p, device, seed, names).items()}
 
 
 def entries() -> dict[str, StageBench]:
@@ -109,8 +114,8 @@ def entries() -> dict[str, StageBench]:
     from kernel_fun.bench import (stage_b1b2, stage_b3, stage_b6, stage_b7, stage_b7b9, stage_f1f6, stage_f3f6,
                                   stage_f7f8)
 
-    return {"B1-B2": stage_b1b2.BENCH, "B3": stage_b3.BENCH, "B6": stage_b6.BENCH, "B7": stage_b7.BENCH, "B7-B9": stage_b7b9.BENCH,
-            "F1-F6": stage_f1f6.BENCH, "F3-F6": stage_f3f6.BENCH, "F7-F8": stage_f7f8.BENCH}
+    return {"B1-B2": stage_b1b2.BENCH, "B3": stage_b3.BENCH, "B6": stage_b6.BENCH, "B7": stage_b7.BENCH,
+            "B7-B9": stage_b7b9.BENCH, "F1-F6": stage_f1f6.BENCH, "F3-F6": stage_f3f6.BENCH, "F7-F8": stage_f7f8.BENCH}
 
 
 def config_label(design: str, config: dict) -> str:

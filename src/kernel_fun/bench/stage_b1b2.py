@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import sys
 
-from kernel_fun.bench.stage import StageBench, main as _stage_main
+from kernel_fun.bench.stage import StageBench, chain_runs, main as _stage_main
 
 SWEEP = {"recompute": [dict(BKS=64, BV=64, num_warps=4), dict(BKS=64, BV=64, num_warps=8),
                        dict(BKS=64, BV=32, num_warps=4)]}
@@ -40,20 +40,11 @@ def recompute_args(f2: dict, f36: dict, Akk) -> dict:
 
 
 def make_inputs(p, device, seed: int = 0) -> dict:
-    import torch
-
-    from kernel_fun.kda import chunk_kda
-    from kernel_fun.kda.problems import make_inputs as call_inputs
-    from kernel_fun.kda.stages import capture_stages, use_impls
-
     if not p.gate_in_kernel:
         raise ValueError(f"{p.name}: a pre-computed gate (B1 does not run)")
-    kwargs = call_inputs(p, device=device, seed=seed, requires_grad=False)
-    with torch.no_grad(), use_impls("reference"), capture_stages() as log:
-        chunk_kda(**kwargs)
-    runs = {name: (x, out) for name, _, x, out in log if name in ("F2", "F3-F6")}
+    runs = chain_runs(p, device, seed, ("F2", "F3-F6"))
     (f2, _), (f36, out) = runs["F2"], runs["F3-F6"]
-    return recompute_args(f2, f36, out[4])
+    return recompute_args(f2, f36, out[4])  # F3-F6's outputs (w, u, kg, Aqk, Akk_inv, qg)
 
 
 def _fla(**inputs):

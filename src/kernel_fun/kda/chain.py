@@ -121,25 +121,12 @@ def _fla_f5(q, k, gc, beta, Aqk, Akkd, scale, chunk_size, cu_seqlens, chunk_indi
     return Akk
 
 
-def _fla_f6(q, k, v, beta, Akk, gc, chunk_size, cu_seqlens, chunk_indices, disable_recompute):
-    """fla's F6 (``recompute_w_u_fwd``) as ``chunk_kda_fwd_intra`` calls it: (w, u, qg, kg),
-    qg only with ``disable_recompute``."""
-    from fla.ops.kda.wy_fast import recompute_w_u_fwd
-
-    return recompute_w_u_fwd(k=k, v=v, beta=beta, A=Akk, q=q if disable_recompute else None, gk=gc,
-                             cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
-
-
 def _ref_f5(q, k, gc, beta, Aqk, Akkd, scale, chunk_size, cu_seqlens, chunk_indices):
     """``_fla_f5`` in torch (the stand-in where fla's kernels cannot run): the reference's F5
     on the given diagonal blocks; Aqk's blocks below the diagonal written into Aqk."""
     full, Akk = ref.intra_scores(q, k, gc, beta, scale, chunk_size, cu_seqlens, Aqk_diag=Aqk, Akk_diag=Akkd)
     Aqk.copy_(full)
     return Akk
-
-
-def _ref_f6(q, k, v, beta, Akk, gc, chunk_size, cu_seqlens, chunk_indices, disable_recompute):
-    return ref.wy_fwd(k, v, beta, Akk, gc, q if disable_recompute else None, chunk_size, cu_seqlens)
 
 
 def _fla_h(kg, w, u, gc, initial_state, output_final_state, chunk_size, cu_seqlens, cu_seqlens_cpu, chunk_indices,
@@ -597,7 +584,6 @@ def _backward(ctx, do, dht):
                     lower_bound=opts.lower_bound, **common,
                 )
             w, u, qg, kg = run.run("B2", "backward", q=q, k=k, v=v, beta=beta, A=Akk, gc=gc, **common)
-        del unit
         h, v_new, _ = run.run(
             "B3", "backward", kg=kg, w=w, u=u, gc=gc, initial_state=initial_state, output_final_state=False,
             cu_seqlens_cpu=None, **common, **layout,

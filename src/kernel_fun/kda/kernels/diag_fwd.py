@@ -62,9 +62,8 @@ On the H200 (2026-12-02, e13f2c7 and after): every design runs clean under
 compute-sanitizer at B1 T256 and passes the GPU parity tests at T=500 (with h0, without
 recompute), packed sequences, strong gates and prod8192_gate; the layer-safe case failed
 on the ``safe_gate`` switch above, fixed after the run. Not timed yet, not dispatched:
-``candidate`` registers the unit for a bench
-run (``python -m kernel_fun.bench --candidate F1-F6=diag`` or ``=diag-solve``; the stage
-bench's entry ``F1-F6``). Predicted from the bytes (the F1-F4 kernel 4.2 GB at
+``candidate`` registers the unit for a bench run (``python -m kernel_fun.bench --candidate
+F1-F6=diag``, ``=diag-solve`` or ``=diag-solve-wy``; the stage bench's entry ``F1-F6``). Predicted from the bytes (the F1-F4 kernel 4.2 GB at
 prod8192_gate, 0.9 ms at the floor; F5 2.9 GB, 0.6 ms) and the latency of two or three
 4-warp programs an SM: the F1-F4 kernel 1.3-1.8 ms against fla's 2.86 for F1 + F2 + F4
 inside the op, F5 0.9-1.3 against fla's 1.53; the unit 4.2-4.7 ms (diag), 3.6-4.5
@@ -102,6 +101,20 @@ def _log_decay(x, A, lower_bound, GATE: tl.constexpr):
         return -A * tl.where(x > 20.0, x, log1p)
     else:
         return lower_bound * tl.sigmoid(A * x)
+
+
+@triton.jit
+def _gate_cumsum(g_raw, dt_bias, A, lower_bound, t, o_k, m_k, m_tk, i_hv, K: tl.constexpr, SG: tl.constexpr,
+                 GATE: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """The chunk's gate on channels o_k (``g_raw`` at its first row and head): the raw input
+    plus dt_bias through ``_log_decay``, cumsummed down the chunk in log2 units (the chain's
+    gc), zero on masked entries. The forward's F1-F4 kernel and the backward's B1-B2 kernel
+    both form gc here."""
+    x = tl.load(g_raw + t[:, None] * SG + o_k[None, :], mask=m_tk, other=0).to(tl.float32)
+    if HAS_BIAS:
+        x += tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0).to(tl.float32)[None, :]
+    a = tl.where(m_tk, _log_decay(x, A, lower_bound, GATE), 0.0)
+    return tl.cumsum(a, axis=0) * RCP_LN2
 
 
 @triton.jit
@@ -196,11 +209,7 @@ def prep_diag_kernel(
             tl.store(k + p, k_s, mask=m_tk)
         q_s = q_s.to(tl.float32)
         k_s = k_s.to(tl.float32)
-        x = tl.load(g_raw + o_g + t[:, None] * SG + o_k[None, :], mask=m_tk, other=0).to(tl.float32)
-        if HAS_BIAS:
-            x += tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0).to(tl.float32)[None, :]
-        a = tl.where(m_tk, _log_decay(x, A, lower_bound, GATE), 0.0)
-        g_s = tl.cumsum(a, axis=0) * RCP_LN2
+        g_s = _gate_cumsum(g_raw + o_g, dt_bias, A, lower_bound, t, o_k, m_k, m_tk, i_hv, K, SG, GATE, HAS_BIAS)
         tl.store(gc + o_g + t[:, None] * SG + o_k[None, :], g_s, mask=m_tk)
         # through each row's block's first row: <= 1 for the block's rows, <= 2^span for its
         # columns (span: the largest |g_a - g| in the block, so a given gate that grows is
@@ -400,10 +409,10 @@ def inter_solve_kernel(
     _store_block(Akk, x32, r_b + 3 * BC, 2 * BC, n_t - 3 * BC, i_hv, HV, BT, BC)
     if WY:
         # F6 in the same program: Akk_inv read back as the dot's [BT, BT] operand (this
-        # program's stores, after a barrier), then prep_fwd's WY code slice by slice
-        # slice by slice in WY_BK channels, not the scores' BKS: at 16 bf16 channels the
-        # product's shared operand has 32-byte rows, which Triton 3.6 reads past its end on
-        # the H200 (compute-sanitizer: an invalid shared read; the N=8 tf32 hazard's kind)
+        # program's stores, after a barrier), then prep_fwd's WY code in slices of WY_BK
+        # channels, not the scores' BKS: at 16 bf16 channels the product's shared operand has
+        # 32-byte rows, which Triton 3.6 reads past its end on the H200 (compute-sanitizer:
+        # an invalid shared read; the N=8 tf32 hazard's kind)
         tl.debug_barrier()
         x_b = tl.load(Akk + p_row + t[None, :], mask=m_t[:, None], other=0)
         for i_s in range(0, (K + WY_BK - 1) // WY_BK):
@@ -431,6 +440,11 @@ def _store_block(A, x, rows, c0, n_rows, i_hv, HV: tl.constexpr, BT: tl.constexp
 DEFAULT_CONFIG = dict(BKS=32, num_warps=4, num_stages=1)
 
 
+def _gate_form(use_gate_in_kernel: bool, lower_bound) -> int:
+    """``_log_decay``'s GATE: 1 a pre-computed gate, 2 the softplus form, 3 the lower-bounded."""
+    return 1 if not use_gate_in_kernel else (2 if lower_bound is None else 3)
+
+
 def prep_diag(q, k, g, beta, A_log, dt_bias, lower_bound, use_gate_in_kernel, use_qk_l2norm_in_kernel, scale,
               chunk_size, cu_seqlens, chunk_indices, pairwise: bool = False, **config):
     """F1, F2 and F4: (q, q_rstd, k, k_rstd, gc, Aqk, Akkd) with Aqk [B, T, HV, 64] in q's
@@ -455,7 +469,7 @@ def prep_diag(q, k, g, beta, A_log, dt_bias, lower_bound, use_gate_in_kernel, us
     Aqk = torch.empty(B, T, HV, BT, device=dev, dtype=k.dtype)
     Akkd = torch.empty(B, T, HV, BC, device=dev, dtype=torch.float32)
     NT = triton.cdiv(T, BT) if cu_seqlens is None else len(chunk_indices)
-    gate = 1 if not use_gate_in_kernel else (2 if lower_bound is None else 3)
+    gate = _gate_form(use_gate_in_kernel, lower_bound)
     prep_diag_kernel[(NT, B * HV)](
         q_raw=q, k_raw=k, g_raw=g, beta=beta, A_log=A_log, dt_bias=dt_bias,
         lower_bound=0.0 if lower_bound is None else float(lower_bound),
@@ -540,8 +554,9 @@ def prep_f1_f6(q, k, v, g, beta, A_log, dt_bias, lower_bound, use_gate_in_kernel
     else:
         Akk = (chain._fla_f5 if on_gpu else chain._ref_f5)(qn, kn, gc, beta, Aqk, Akkd, scale, chunk_size,
                                                            cu_seqlens, chunk_indices)
-    w, u, qg, kg = (chain._fla_f6 if on_gpu else chain._ref_f6)(qn, kn, v, beta, Akk, gc, chunk_size, cu_seqlens,
-                                                                chunk_indices, disable_recompute)
+    # F6: the WY stage (B2's), qg only where fla's F6 makes it
+    w, u, qg, kg = (chain._fla_wy if on_gpu else chain._ref_wy)(qn if disable_recompute else None, kn, v, beta, Akk,
+                                                                gc, chunk_size, cu_seqlens, chunk_indices)
     return qn, q_rstd, kn, k_rstd, gc, w, u, kg, Aqk, Akk, qg
 
 
@@ -571,11 +586,8 @@ def recompute_kernel(
         o_k = i_s * GBKS + tl.arange(0, GBKS)
         m_k = o_k < K
         m_tk = m_t[:, None] & m_k[None, :]
-        x = tl.load(g_raw + o_g + t[:, None] * SG + o_k[None, :], mask=m_tk, other=0).to(tl.float32)
-        if HAS_BIAS:
-            x += tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0).to(tl.float32)[None, :]
-        a = tl.where(m_tk, _log_decay(x, A, lower_bound, GATE), 0.0)
-        tl.store(gc + o_g + t[:, None] * SG + o_k[None, :], tl.cumsum(a, axis=0) * RCP_LN2, mask=m_tk)
+        g_s = _gate_cumsum(g_raw + o_g, dt_bias, A, lower_bound, t, o_k, m_k, m_tk, i_hv, K, SG, GATE, HAS_BIAS)
+        tl.store(gc + o_g + t[:, None] * SG + o_k[None, :], g_s, mask=m_tk)
     tl.debug_barrier()
     b_c = tl.load(beta + (row0 + t) * HV + i_hv, mask=m_t, other=0).to(tl.float32)
     x_b = tl.load(Akk + (row0 + t)[:, None] * (HV * BT) + i_hv * BT + t[None, :], mask=m_t[:, None], other=0)
@@ -623,7 +635,7 @@ def recompute_b1_b2(g, use_gate_in_kernel, A_log, dt_bias, lower_bound, q, k, v,
         chunk_indices=chunk_indices, T=T, H=H, HV=HV, K=K, V=V, BT=BT, BC=BC,
         GBKS=min(DEFAULT_CONFIG["BKS"], max(16, triton.next_power_of_2(K))),
         BKS=min(BKS, max(16, triton.next_power_of_2(K))), BV=min(BV, max(16, triton.next_power_of_2(V))),
-        IS_VARLEN=cu_seqlens is not None, GATE=2 if lower_bound is None else 3, HAS_BIAS=dt_bias is not None,
+        IS_VARLEN=cu_seqlens is not None, GATE=_gate_form(True, lower_bound), HAS_BIAS=dt_bias is not None,
         num_warps=num_warps,
     )
     return gc, w, u, qg, kg
