@@ -430,6 +430,24 @@ def test_scan_with_output_matches_fla_f7_f8(p):
     print(p.name, "scan vs fla F7+F8", errors)
     assert all(torch.isfinite(t).all() for t in (got_o, got_h, got_vn))
     assert all(e <= 2e-3 for e in errors.values()), errors
+    # reading fla's F6's qg (F3-F6 asked for it, as the chain asks when the scan runs) in
+    # place of q and the cumsum: the same o and states bit for bit
+    from kernel_fun.kda.chain import _fla_intra
+
+    (f36,) = [x for name, _, x, _ in log if name == "F3-F6"]
+    qg = _fla_intra(**{**f36, "disable_recompute": True})[5]
+    unit = dict(q=f8["q"], qg=qg, kg=f7["kg"], w=f7["w"], u=f7["u"], gc=f7["gc"], Aqk=f8["Aqk"], scale=f8["scale"],
+                initial_state=f7["initial_state"], output_final_state=f7["output_final_state"], save_states=True,
+                cu_seqlens_cpu=None, state_v_first=False, chunk_size=64, cu_seqlens=f7["cu_seqlens"],
+                chunk_indices=None)
+    read = scan_fwd.scan_output(**unit, **scan_fwd.DEFAULT_CONFIG)  # the config of the forming run above
+    assert torch.equal(read[0], got_o) and torch.equal(read[2], got_h) and torch.equal(read[3], got_vn)
+    if ht is not None:
+        assert torch.equal(read[1], got_ht)
+    # and at the config the unit picks when reading qg
+    auto = scan_fwd.scan_output(**unit)
+    errors = {"o": ref.rel_rms(auto[0], o), "h": ref.rel_rms(auto[2], h), "v_new": ref.rel_rms(auto[3], v_new)}
+    assert all(e <= 2e-3 for e in errors.values()), errors
 
 
 # --------------------------------------------------------------------------------------

@@ -138,12 +138,14 @@ def test_bench_entry_inputs_run_and_count_bytes():
     p = Problem("entry", 1, 100, 2, 4, 64, 32, initial_state=True, output_final_state=True)
     inputs = stage_f7f8.make_inputs(p, DEVICE, seed=1)
     bench = stage_f7f8.BENCH
-    got = bench.ours(inputs, "scan", bench.launch_config(p, "scan", None))
     exact = bench.exact(**inputs)
-    errors = stage_errors("F7-F8", got, exact)
-    assert set(errors) == {"o", "final_state"} and all(e <= 5e-3 for e in errors.values()), errors
-    # the bf16 stage against its float64 self: the roundings' error, well inside the budget
-    assert all(e > 0 for e in errors.values()), errors
+    assert bench.designs == ("scan", "scan-forms-qg") and inputs["qg"].shape == inputs["kg"].shape
+    for design in bench.designs:
+        got = bench.ours(inputs, design, bench.launch_config(p, design, None))
+        errors = stage_errors("F7-F8", got, exact)
+        assert set(errors) == {"o", "final_state"} and all(e <= 5e-3 for e in errors.values()), (design, errors)
+        # the bf16 stage against its float64 self: the roundings' error, well inside the budget
+        assert all(e > 0 for e in errors.values()), errors
     assert abs(stage_f7f8.scan_bytes(problem("prod8192_gate")) / 1e9 - 5.1) < 0.05  # q, kg, w, u, gc, Aqk, o once
 
 
@@ -183,3 +185,27 @@ def test_launch_picks_the_v_slice_by_grid():
     assert scan_fwd.launch_config(256, 256, 132)["BV"] == 128
     assert scan_fwd.launch_config(1, 256, 132)["BV"] == 32
     assert scan_fwd.launch_config(1, 16, 132)["BV"] == 32  # never wider than V needs
+
+
+@pytest.mark.parametrize("p", [SHAPES[1], SHAPES[3]], ids=lambda p: p.name)
+def test_scan_reading_qg_matches_the_scan_forming_it(p):
+    """With ``qg`` (q exp2(g) rounded to q's dtype, as F6 writes it when asked) the scan reads
+    it instead of q and g; o is the same up to the one-ulp differences of torch's exp2 and
+    the kernel's in qg's rounding (GVA and packed sequences: qg at value heads)."""
+    f7, f8, _, _ = f7_f8_inputs(p)
+    q, gc = f8["q"], f7["gc"]
+    qv = q.repeat_interleave(gc.shape[2] // q.shape[2], dim=2)
+    qg = (qv.float() * torch.exp2(gc)).to(q.dtype)
+    plain = run_ours(f7, f8, save_states=False)
+    read = scan_fwd.scan_fwd(
+        q=q, kg=f7["kg"], w=f7["w"], u=f7["u"], gc=gc, Aqk=f8["Aqk"], scale=f8["scale"],
+        initial_state=f7["initial_state"], output_final_state=f7["output_final_state"],
+        chunk_size=f7["chunk_size"], cu_seqlens=f7["cu_seqlens"], qg=qg)
+    assert ref.rel_rms(read[0], plain[0]) <= 2e-3
+    assert ref.rel_rms(read[1], plain[1]) <= 1e-6
+    # a qg that differs shows: the kernel read it
+    wrong = scan_fwd.scan_fwd(
+        q=q, kg=f7["kg"], w=f7["w"], u=f7["u"], gc=gc, Aqk=f8["Aqk"], scale=f8["scale"],
+        initial_state=f7["initial_state"], output_final_state=False,
+        chunk_size=f7["chunk_size"], cu_seqlens=f7["cu_seqlens"], qg=qg * 2)
+    assert ref.rel_rms(wrong[0], plain[0]) > 0.05

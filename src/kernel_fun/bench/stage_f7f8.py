@@ -17,15 +17,20 @@ from __future__ import annotations
 
 import sys
 
+import torch
+
 from kernel_fun.bench.stage import StageBench, chain_inputs, main as _stage_main
 
 # The configs worth timing (the note at scan_fwd.DEFAULT_CONFIG): the default (BV=128 at 8
 # warps, the prod8192_gate winner), BV=64 at 8 warps and BV=32 at 4 (the one-head winner),
 # all one program an SM; and BV=64 and BV=32 at 4 warps and one stage, two an SM (the
 # pipeliner's buffers gone: 57 and 45 KB of shared memory).
-SWEEP = {"scan": [dict(BV=128, num_warps=8, num_stages=2), dict(BV=64, num_warps=8, num_stages=2),
-                  dict(BV=32, num_warps=4, num_stages=2), dict(BV=64, num_warps=4, num_stages=1),
-                  dict(BV=32, num_warps=4, num_stages=1)]}
+# ``scan`` reads F6's qg (q exp2(g) in q's dtype; here formed in torch from the chain's q and
+# cumsum), ``scan-forms-qg`` forms it from q and the cumsum in the chunk loop.
+_CONFIGS = [dict(BV=128, num_warps=8, num_stages=2), dict(BV=64, num_warps=8, num_stages=2),
+            dict(BV=32, num_warps=4, num_stages=2), dict(BV=64, num_warps=4, num_stages=1),
+            dict(BV=32, num_warps=4, num_stages=1)]
+SWEEP = {"scan": _CONFIGS, "scan-forms-qg": _CONFIGS}
 
 
 def scan_bytes(p) -> int:
@@ -39,7 +44,9 @@ def scan_bytes(p) -> int:
 def make_inputs(p, device, seed: int = 0) -> dict:
     found = chain_inputs(p, device, seed, ("F7", "F8"))
     f7, f8 = found["F7"], found["F8"]
-    return dict(q=f8["q"], Aqk=f8["Aqk"], scale=f8["scale"], save_states=False,
+    q, gc = f8["q"], f7["gc"]
+    qg = (q.repeat_interleave(gc.shape[2] // q.shape[2], dim=2).float() * torch.exp2(gc)).to(q.dtype)
+    return dict(q=q, qg=qg, Aqk=f8["Aqk"], scale=f8["scale"], save_states=False,
                 **{n: f7[n] for n in ("kg", "w", "u", "gc", "initial_state", "output_final_state", "cu_seqlens_cpu",
                                       "state_v_first", "chunk_size", "cu_seqlens", "chunk_indices")})
 
@@ -59,16 +66,22 @@ def _exact(**inputs):
 def _ours(inputs, design, config):
     from kernel_fun.kda.kernels import scan_fwd
 
-    return scan_fwd.scan_output(**inputs, **(config or scan_fwd.DEFAULT_CONFIG))
+    if design == "scan-forms-qg":
+        inputs = {**inputs, "qg": None}
+    return scan_fwd.scan_output(**inputs, **(config or _launch_config(None, design, None, inputs)))
 
 
-def _launch_config(p, design, overrides):
+def _launch_config(p, design, overrides, inputs=None):
     from kernel_fun.kda.kernels import scan_fwd
 
-    if design != "scan":
+    if design not in SWEEP:
         raise ValueError(f"unknown F7-F8 design {design!r}")
-    sequences = p.B if p.cu_seqlens is None else len(p.cu_seqlens) - 1
-    return {**scan_fwd.launch_config(sequences * p.HV, p.V), **(overrides or {})}
+    if p is None:  # from the inputs (a direct call without a config)
+        kg, cu = inputs["kg"], inputs["cu_seqlens"]
+        chains, V = (kg.shape[0] if cu is None else len(cu) - 1) * kg.shape[2], inputs["u"].shape[3]
+    else:
+        chains, V = (p.B if p.cu_seqlens is None else len(p.cu_seqlens) - 1) * p.HV, p.V
+    return {**scan_fwd.launch_config(chains, V, reads_qg=design == "scan"), **(overrides or {})}
 
 
 def _misses(vs_exact, fla_exact, vs_fla):
@@ -78,7 +91,7 @@ def _misses(vs_exact, fla_exact, vs_fla):
 
 
 BENCH = StageBench(stage="F7-F8", make_inputs=make_inputs, bytes=scan_bytes, fla=_fla, exact=_exact, ours=_ours,
-                   launch_config=_launch_config, misses=_misses, sweep=SWEEP, designs=("scan",))
+                   launch_config=_launch_config, misses=_misses, sweep=SWEEP, designs=tuple(SWEEP))
 
 
 def main(argv=None) -> int:

@@ -220,8 +220,9 @@ def _prep_in_turn(l2norm_fwd, gate, intra):
     return prep
 
 
-def _fla_scan_output(q, kg, w, u, gc, Aqk, scale, initial_state, output_final_state, save_states, cu_seqlens_cpu,
+def _fla_scan_output(q, qg, kg, w, u, gc, Aqk, scale, initial_state, output_final_state, save_states, cu_seqlens_cpu,
                      state_v_first, chunk_size, cu_seqlens, chunk_indices):
+    # (fla's F8 forms q exp2(g) itself: qg, when given, is not read)
     h, v_new, final_state = _fla_h(kg, w, u, gc, initial_state, output_final_state, chunk_size, cu_seqlens,
                                    cu_seqlens_cpu, chunk_indices, state_v_first)
     o = _fla_o(q, v_new, gc, Aqk, h, scale, chunk_size, cu_seqlens, chunk_indices, state_v_first)
@@ -289,8 +290,9 @@ def _ref_o(q, v_new, gc, Aqk, h, scale, chunk_size, cu_seqlens, chunk_indices, s
     return ref.o_fwd(q, v_new, gc, Aqk, h, scale, chunk_size, cu_seqlens, state_v_first)
 
 
-def _ref_scan_output(q, kg, w, u, gc, Aqk, scale, initial_state, output_final_state, save_states, cu_seqlens_cpu,
+def _ref_scan_output(q, qg, kg, w, u, gc, Aqk, scale, initial_state, output_final_state, save_states, cu_seqlens_cpu,
                      state_v_first, chunk_size, cu_seqlens, chunk_indices, exact=False):
+    # (the reference's F8 forms q exp2(g) itself: qg, when given, is not read)
     h, v_new, final_state = ref.h_fwd(kg, w, u, gc, initial_state, output_final_state, chunk_size, cu_seqlens,
                                       state_v_first, exact=exact)
     o = ref.o_fwd(q, v_new, gc, Aqk, h, scale, chunk_size, cu_seqlens, state_v_first, exact=exact)
@@ -370,7 +372,7 @@ _stage("F8", ("F8",), "output", f"q v_new gc Aqk h scale state_v_first {_C}", ("
 # saved): run in their place when kernel-fun's kernel for it takes the call; fla's side is
 # fla's two stages in turn.
 _stage("F7-F8", ("F7", "F8"), "state scan with the output (one pass)",
-       f"q kg w u gc Aqk scale initial_state output_final_state save_states cu_seqlens_cpu state_v_first {_C}",
+       f"q qg kg w u gc Aqk scale initial_state output_final_state save_states cu_seqlens_cpu state_v_first {_C}",
        ("o", "final_state", "h", "v_new"), _fla_scan_output, _ref_scan_output)
 _stage("B1", ("B1",), "gate + chunk cumsum (recompute)", _GATE_IN, ("gc",), _fla_gate, _ref_gate)
 _stage("B2", ("B2",), "w/u/qg/kg (recompute)", f"q k v beta A gc {_C}", ("w", "u", "qg", "kg"), _fla_wy, _ref_wy)
@@ -497,9 +499,19 @@ def run_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, opts: Options, 
     q_rstd = k_rstd = None
     beta_raw = beta
     common["chunk_indices"] = chunk_indices = _chunk_indices(opts)
+    keep = opts.disable_recompute
+    scan = dict(initial_state=initial_state, output_final_state=opts.output_final_state,
+                cu_seqlens_cpu=opts.cu_seqlens_cpu, **common, **layout)
+    unit = dict(q=q, Aqk=None, scale=opts.scale, save_states=keep or opts.return_intermediate_states, qg=None,
+                kg=None, w=None, u=None, gc=None, **scan)
+    # kernel-fun's F7-F8 scan reads q exp2(g) as F6 rounds it instead of forming it from q and
+    # the cumsum in its chain of chunk steps; F6 writes qg only on request (fla's
+    # disable_recompute switch of F3-F6, which changes nothing else there), so it is asked
+    # for qg whenever that scan will run
+    want_qg = keep or run.wants("F7-F8", "reads_qg", **unit)
     prep = dict(q=q, k=k, v=v, g=g, beta=beta_raw, A_log=A_log, dt_bias=dt_bias, lower_bound=opts.lower_bound,
                 use_gate_in_kernel=opts.use_gate_in_kernel, use_qk_l2norm_in_kernel=opts.use_qk_l2norm_in_kernel,
-                scale=opts.scale, safe_gate=opts.safe_gate, disable_recompute=opts.disable_recompute, **common)
+                scale=opts.scale, safe_gate=opts.safe_gate, disable_recompute=want_qg, **common)
     if run.takes_ours("F1-F6", **prep):  # (beta's values do not enter the choice)
         if opts.use_beta_sigmoid_in_kernel:
             beta = prep["beta"] = run.run("F1b", "forward", beta=beta_raw, scale=opts.beta_scale)
@@ -515,13 +527,11 @@ def run_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, opts: Options, 
         )
         w, u, kg, Aqk, Akk, qg = run.run(
             "F3-F6", "forward", q=q, k=k, v=v, gc=gc, beta=beta, scale=opts.scale, safe_gate=opts.safe_gate,
-            disable_recompute=opts.disable_recompute, **common,
+            disable_recompute=want_qg, **common,
         )
     del prep
-    keep = opts.disable_recompute
-    scan = dict(kg=kg, w=w, u=u, gc=gc, initial_state=initial_state, output_final_state=opts.output_final_state,
-                cu_seqlens_cpu=opts.cu_seqlens_cpu, **common, **layout)
-    unit = dict(q=q, Aqk=Aqk, scale=opts.scale, save_states=keep or opts.return_intermediate_states, **scan)
+    scan = dict(kg=kg, w=w, u=u, gc=gc, **scan)
+    unit = dict(unit, q=q, Aqk=Aqk, qg=qg, **scan)
     o = None
     if run.takes_ours("F7-F8", **unit):
         o, final_state, h, v_new = run.run("F7-F8", "forward", **unit)

@@ -249,6 +249,12 @@ class Dispatcher:
         their own choices, fla's control chain included)."""
         return "ours" in _REGISTRY[name].impls and self.choose(name, **inputs) == "ours"
 
+    def wants(self, name: str, attr: str, **inputs) -> bool:
+        """Whether the implementation ``name`` would run on these inputs declares ``attr``:
+        how a stage asks its producer for an optional input the producer makes only on
+        request (kernel-fun's F7-F8 scan reads F6's q exp2(g), ``reads_qg``)."""
+        return bool(getattr(_REGISTRY[name].impls[self.choose(name, **inputs)], attr, False))
+
     def _cannot_run(self, stage: Stage, impl: str, inputs: dict) -> str | None:
         if impl not in stage.impls:
             return "not implemented"

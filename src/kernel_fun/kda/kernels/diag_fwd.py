@@ -79,7 +79,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernel_fun._triton import GUARD_SPAN, chunk_coords, dot3, to
+from kernel_fun._triton import GUARD_SPAN, chunk_coords, dot3, softplus, to
 from kernel_fun.kda.kernels.prep_fwd import wy_k, wy_v
 from kernel_fun.kda.reference import RCP_LN2 as _RCP_LN2
 
@@ -95,10 +95,7 @@ def _log_decay(x, A, lower_bound, GATE: tl.constexpr):
     if GATE == 1:
         return x
     elif GATE == 2:
-        y = tl.exp(tl.minimum(x, 20.0))
-        one = 1.0 + y
-        log1p = tl.where(one == 1.0, y, tl.log(one) * (y / (one - 1.0)))
-        return -A * tl.where(x > 20.0, x, log1p)
+        return -A * softplus(x)
     else:
         return lower_bound * tl.sigmoid(A * x)
 

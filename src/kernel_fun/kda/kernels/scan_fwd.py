@@ -51,10 +51,10 @@ from kernel_fun.kda.stages import add_impl
 
 @triton.jit
 def scan_fwd_kernel(
-    q, kg, w, u, g, Aqk, h0, o, ht, h, v_new, cu_seqlens, chunk_offsets, scale, T,
+    q, qg, kg, w, u, g, Aqk, h0, o, ht, h, v_new, cu_seqlens, chunk_offsets, scale, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr,
-    STORE_HT: tl.constexpr, SAVE_STATES: tl.constexpr, WITH_O: tl.constexpr = True,
+    STORE_HT: tl.constexpr, SAVE_STATES: tl.constexpr, WITH_O: tl.constexpr = True, QG: tl.constexpr = False,
 ):
     """The scan on one (sequence, value head, V slice); without WITH_O (the backward's B3)
     only the states: h and v_new written, o's loads and dots compiled out."""
@@ -102,9 +102,12 @@ def scan_fwd_kernel(
             tl.store(v_new + p_hv, b_vn, mask=m_tv)
 
         if WITH_O:
-            b_q = tl.load(q + (row0 + o_t)[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_tk, other=0)
-            b_g = tl.load(g + p_hk, mask=m_tk, other=0).to(tl.float32)
-            b_qg = to(b_q.to(tl.float32) * tl.exp2(b_g), q.dtype.element_ty)
+            if QG:  # q exp2(g) as F6 rounded it, read instead of q and g
+                b_qg = tl.load(qg + p_hk, mask=m_tk, other=0)
+            else:
+                b_q = tl.load(q + (row0 + o_t)[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_tk, other=0)
+                b_g = tl.load(g + p_hk, mask=m_tk, other=0).to(tl.float32)
+                b_qg = to(b_q.to(tl.float32) * tl.exp2(b_g), q.dtype.element_ty)
             m_A = m_t[:, None] & (o_t[None, :] <= o_t[:, None])
             b_A = to(tl.load(Aqk + (row0 + o_t)[:, None] * (HV * BT) + i_hv * BT + o_t[None, :], mask=m_A, other=0),
                      u.dtype.element_ty)
@@ -133,31 +136,44 @@ STEP_CONFIGS = {32: (dict(BV=32, num_warps=4, num_stages=2), 3.2), 64: (dict(BV=
                 128: (dict(BV=128, num_warps=8, num_stages=2), 6.2)}
 
 
-def launch_config(sequence_heads: int, V: int, sms: int = 132) -> dict:
+# Reading F6's qg (q exp2(g) in q's dtype) instead of q and the fp32 cumsum: 72 KB a chunk
+# step at BV=64 against 104, and no exp2 in the chain. Measured (H200, synthetic prod8192_gate
+# inputs, docs/log/scan.md): BV=64 at 4 warps and one stage (two programs an SM) 2.37 ms
+# against 3.58 forming qg, and against the forming pin's 3.19 (BV=128); o bit for bit the
+# same. Step latency at one chain (us), and programs an SM:
+QG_STEP_CONFIGS = {32: (dict(BV=32, num_warps=4, num_stages=2), 2.8, 1),
+                   64: (dict(BV=64, num_warps=4, num_stages=1), 3.9, 2),
+                   128: (dict(BV=128, num_warps=8, num_stages=2), 5.0, 1)}
+
+
+def launch_config(sequence_heads: int, V: int, sms: int = 132, reads_qg: bool = False) -> dict:
     """The config for ``sequence_heads`` chains of V columns on ``sms`` SMs: the V slice
-    whose waves (one program an SM) times its step latency is least (prod8192_gate: 256
-    chains, BV=128; one chain: BV=32). ``sms`` defaults to the H200's 132."""
+    whose waves times its step latency is least (forming qg, one program an SM:
+    prod8192_gate's 256 chains BV=128, one chain BV=32; reading qg: BV=64 at two programs
+    an SM, one chain BV=32). ``sms`` defaults to the H200's 132."""
+    table = QG_STEP_CONFIGS if reads_qg else {bv: (c, us, 1) for bv, (c, us) in STEP_CONFIGS.items()}
+
     def cost(bv):
-        return -(-sequence_heads * -(-V // bv) // sms) * STEP_CONFIGS[bv][1]
-    return dict(STEP_CONFIGS[min((bv for bv in STEP_CONFIGS if bv <= max(32, V)), key=cost)][0])
+        return -(-sequence_heads * -(-V // bv) // (sms * table[bv][2])) * table[bv][1]
+    return dict(table[min((bv for bv in table if bv <= max(32, V)), key=cost)][0])
 
 
 def scan_fwd(q, kg, w, u, gc, Aqk, scale, initial_state, output_final_state, chunk_size, cu_seqlens,
              save_states: bool = False, BV: int = DEFAULT_CONFIG["BV"], num_warps: int = DEFAULT_CONFIG["num_warps"],
-             num_stages: int = DEFAULT_CONFIG["num_stages"]):
+             num_stages: int = DEFAULT_CONFIG["num_stages"], qg=None):
     """F7 + F8 with fla's contracts: returns (o in u's dtype, the final state fp32 or None,
     h [B, NT, HV, K, V] and v_new when ``save_states``, else None, None). States in [K, V]."""
     return _scan(q, kg, w, u, gc, Aqk, scale, initial_state, output_final_state, chunk_size, cu_seqlens, save_states,
-                 BV, num_warps, num_stages)
+                 BV, num_warps, num_stages, qg=qg)
 
 
 def _scan(q, kg, w, u, gc, Aqk, scale, initial_state, output_final_state, chunk_size, cu_seqlens, save_states,
-          BV, num_warps, num_stages, with_o: bool = True):
+          BV, num_warps, num_stages, with_o: bool = True, qg=None):
     B, T, HV, K = kg.shape
     H = q.shape[2] if with_o else HV
     V = u.shape[3]
     BT = chunk_size
-    for name, t in dict(q=q, kg=kg, w=w, u=u, gc=gc, Aqk=Aqk).items():
+    for name, t in dict(q=q, qg=qg, kg=kg, w=w, u=u, gc=gc, Aqk=Aqk).items():
         if t is not None and not t.is_contiguous():
             raise ValueError(f"the scan kernel indexes {name} as a dense tensor; got strides {t.stride()}")
     if cu_seqlens is None:
@@ -175,27 +191,38 @@ def _scan(q, kg, w, u, gc, Aqk, scale, initial_state, output_final_state, chunk_
         v_new = torch.empty_like(u)
     BV = min(BV, triton.next_power_of_2(V))
     scan_fwd_kernel[(triton.cdiv(V, BV), N * HV)](
-        q=q, kg=kg, w=w, u=u, g=gc, Aqk=Aqk, h0=initial_state, o=o, ht=ht, h=h, v_new=v_new,
+        q=q, qg=qg, kg=kg, w=w, u=u, g=gc, Aqk=Aqk, h0=initial_state, o=o, ht=ht, h=h, v_new=v_new,
         cu_seqlens=cu_seqlens, chunk_offsets=chunk_offsets, scale=scale, T=T,
         H=H, HV=HV, K=K, V=V, BT=BT, BK=triton.next_power_of_2(K), BV=BV, IS_VARLEN=cu_seqlens is not None,
         HAS_H0=initial_state is not None, STORE_HT=output_final_state, SAVE_STATES=save_states, WITH_O=with_o,
+        QG=qg is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
     return o, ht, h, v_new
 
 
-def scan_output(q, kg, w, u, gc, Aqk, scale, initial_state, output_final_state, save_states, cu_seqlens_cpu,
+def scan_output(q, qg, kg, w, u, gc, Aqk, scale, initial_state, output_final_state, save_states, cu_seqlens_cpu,
                 state_v_first, chunk_size, cu_seqlens, chunk_indices, **config):
-    """The chain's F7-F8 unit (fla's two stages' contracts in one): (o, the final state,
-    h and v_new when ``save_states``, else None, None); states in [K, V]."""
+    """The chain's F7-F8 unit (fla's two stages' contracts in one, and F6's qg: q exp2(g) in
+    q's dtype, read in place of q and the cumsum when given): (o, the final state, h and
+    v_new when ``save_states``, else None, None); states in [K, V]."""
     if state_v_first:
         raise ValueError("the scan kernel keeps its states in [K, V]; the chain passes them so")
     if not config:
         N = kg.shape[0] if cu_seqlens is None else len(cu_seqlens) - 1
         sms = {"sms": torch.cuda.get_device_properties(kg.device).multi_processor_count} if kg.is_cuda else {}
-        config = launch_config(N * kg.shape[2], u.shape[3], **sms)
+        config = launch_config(N * kg.shape[2], u.shape[3], reads_qg=qg is not None, **sms)
     return scan_fwd(q, kg, w, u, gc, Aqk, scale, initial_state, output_final_state, chunk_size, cu_seqlens,
-                    save_states=save_states, **config)
+                    save_states=save_states, qg=qg, **config)
+
+
+scan_output.reads_qg = True  # the chain has F6 write qg for it (Dispatcher.wants)
+
+
+def scan_output_forming_qg(**inputs):
+    """The unit forming q exp2(g) from q and the cumsum itself (the design before
+    ``scan_output`` read F6's qg; a candidate for measuring the two side by side)."""
+    return scan_output(**{**inputs, "qg": None})
 
 
 # B3's pin (without o a program holds less): BV=64 at 4 warps, two programs an SM, measured
@@ -231,9 +258,10 @@ def candidate(stage: str, design: str):
     """(implementation, supports) of the scan as the ``ours`` of ``stage`` ("F7-F8" with o,
     "B3" without), for a bench run that measures it in the whole op before it is registered
     (``python -m kernel_fun.bench --candidate F7-F8=scan``)."""
-    if design != "scan":
-        raise ValueError(f"unknown scan design {design!r}")
-    units = {"F7-F8": (scan_output, supports), "B3": (scan_states, lambda kg, **kw: supports(q=kg, **kw))}
+    if design not in ("scan", "scan-forms-qg") or (design == "scan-forms-qg" and stage != "F7-F8"):
+        raise ValueError(f"unknown scan design {design!r} for {stage}")
+    f7f8 = scan_output if design == "scan" else scan_output_forming_qg
+    units = {"F7-F8": (f7f8, supports), "B3": (scan_states, lambda kg, **kw: supports(q=kg, **kw))}
     if stage not in units:
         raise ValueError(f"scan_fwd has candidates for {sorted(units)}, not {stage!r}")
     return units[stage]
