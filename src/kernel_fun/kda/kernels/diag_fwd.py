@@ -52,23 +52,24 @@ program a (chunk, value head): the F1-F4 kernel's gate code writes gc, and after
 prep_fwd's WY code reads it back from the lines just written (fla: two passes, B2 re-reading
 gc's 1.07 GB at prod8192_gate from DRAM). Predicted from the bytes (6.7 GB, 1.40 ms at the
 floor) at fla's B2 efficiency (77% of its floor): 1.7-1.9 ms against fla's B1 + B2 2.09
-inside the op. Not yet on the H200; a candidate (``--candidate B1-B2=recompute``; the
-stage bench's entry ``B1-B2``).
+inside the op; measured 3.03 against fla's 2.21 (below). A candidate
+(``--candidate B1-B2=recompute``; the stage bench's entry ``B1-B2``).
 
 Falls back (``supports``): chunk size other than 64, K > 256; the B1-B2 unit also a
 pre-computed gate (its cumsum is saved: B1 does not run).
 
-On the H200 (2026-12-02, e13f2c7 and after): every design runs clean under
-compute-sanitizer at B1 T256 and passes the GPU parity tests at T=500 (with h0, without
-recompute), packed sequences, strong gates and prod8192_gate; the layer-safe case failed
-on the ``safe_gate`` switch above, fixed after the run. Not timed yet, not dispatched:
-``candidate`` registers the unit for a bench run (``python -m kernel_fun.bench --candidate
-F1-F6=diag``, ``=diag-solve`` or ``=diag-solve-wy``; the stage bench's entry ``F1-F6``). Predicted from the bytes (the F1-F4 kernel 4.2 GB at
-prod8192_gate, 0.9 ms at the floor; F5 2.9 GB, 0.6 ms) and the latency of two or three
-4-warp programs an SM: the F1-F4 kernel 1.3-1.8 ms against fla's 2.86 for F1 + F2 + F4
-inside the op, F5 0.9-1.3 against fla's 1.53; the unit 4.2-4.7 ms (diag), 3.6-4.5
-(diag-solve) and 3.3-4.3 (diag-solve-wy: F6's re-read of k, g and Akk_inv gone) against
-fla's 5.80 (docs/log/prep.md).
+On the H200 (2026-12-02; stages.jsonl at 13572cf, docs/log/prep.md): every design runs
+clean under compute-sanitizer at B1 T256 and passes the GPU parity tests (T=500 with h0,
+with and without recompute, packed sequences, strong gates, layer-safe, prod8192_gate), and
+every one is slower than fla: at prod8192_gate the unit 8.83 ms (``diag``), 11.54
+(``diag-solve``), 12.08 (``diag-solve-wy``) against fla's F1-F6 5.76; B1-B2 3.03 against
+fla's 2.21 (predicted 4.2-4.7, 3.3-4.5 and 1.7-1.9). Not dispatched: ``candidate`` registers
+a unit for a bench run (``python -m kernel_fun.bench --candidate F1-F6=diag``). What the
+time is (Nsight Compute): the F1-F4 kernel issues 14,800 instructions a warp at two 4-warp
+programs an SM (255 registers), and 20% of chunk-heads on the chain's gate take the
+pairwise path (the guard over the whole K), ~1.1 ms of its 5.6; the softplus through
+``tl.log`` was 28% of its instructions, now the ``softplus`` helper (5.58 -> 4.93 ms). B1-B2's
+time is prep_fwd's WY code, not the gate.
 """
 
 from __future__ import annotations
@@ -428,12 +429,12 @@ def _store_block(A, x, rows, c0, n_rows, i_hv, HV: tl.constexpr, BT: tl.constexp
 
 
 # Compiled for sm_90a offline (``python -m tools.compile_report --design diag --BV 32 --warps 4``,
-# K=128, H=HV=16, the l2norm and the softplus gate): 255 registers, no spills, 4,792
-# instructions (the slice loops unrolled: 48 B of spills, 15,384); 16-channel slices 211
-# registers, 2,568; at 8 warps 205 and 132 registers; two stages (the slice loop's loads
-# pipelined) 4 B of spills and 45 KB of shared memory at the default. Not yet timed: the
-# default is the build that holds two programs an SM (B7's lesson: two 4-warp programs beat
-# one 8-warp one); the stage bench's sweep times the others.
+# K=128, H=HV=16, the l2norm and the softplus gate): 255 registers, no spills, 3,928
+# instructions (4,792 with the softplus through tl.log; the slice loops unrolled: 48 B of
+# spills, 15,384); 16-channel slices 211 registers; at 8 warps 205 and 132 registers; two
+# stages 4 B of spills and 45 KB of shared memory. Measured alone at prod8192_gate: 4.93 ms
+# on the chain's gate (5.58 with tl.log), 4.14 on a gate that sends no block pairwise;
+# 16-channel slices and two stages 4.69 and 4.68 against 4.51 at this config (tl.log builds).
 DEFAULT_CONFIG = dict(BKS=32, num_warps=4, num_stages=1)
 
 
@@ -598,7 +599,8 @@ def recompute_kernel(
 
 # Compiled for sm_90a offline (``python -m tools.compile_report --design recompute --BV 64
 # --warps 4 --stages 1``, K=128, V=256, H=HV=16, the softplus gate): 184 registers (two
-# programs an SM), no spills, 2,112 instructions. 64-channel WY slices: bf16 N=64 products,
+# programs an SM), no spills, 1,736 instructions (2,112 with tl.log's softplus; 3.00 and
+# 3.01 ms at prod8192_gate: its time is the WY part). 64-channel WY slices: bf16 N=64 products,
 # the shape prep_fwd's kernel ran on the H200 (no 32-byte operand rows); the gate's slices
 # the F1-F4 kernel's default width and warps, so its scan is laid out as that kernel's (the
 # GPU test holds the two cumsums to each other bit for bit).
