@@ -34,8 +34,11 @@ SWEEP = {"scan": _CONFIGS, "scan-forms-qg": _CONFIGS}
 
 
 def scan_bytes(p) -> int:
-    """The fewest bytes F7 + F8 move as one pass: q, kg, w, u (bf16), gc (fp32) and Aqk
-    (bf16) read once, o written once; the states in and out where the problem has them."""
+    """The fewest bytes F7 + F8 move as one pass over fla's stage inputs: q, kg, w, u
+    (bf16), gc (fp32) and Aqk (bf16) read once, o written once; the states in and out where
+    the problem has them. Kept as the unit's floor for both designs (reading F6's qg in
+    place of q and gc moves fewer here, but F6 pays for writing it; the whole op counts
+    both)."""
     tok_h, tok_hv, states = p.B * p.T * p.H, p.B * p.T * p.HV, p.B * p.HV * p.K * p.V * 4
     reads = tok_h * p.K * 2 + 2 * tok_hv * p.K * 2 + tok_hv * p.V * 2 + tok_hv * p.K * 4 + tok_hv * 64 * 2
     return reads + tok_hv * p.V * 2 + states * (int(p.initial_state) + int(p.output_final_state))

@@ -11,32 +11,29 @@ V slice) carries the state S [K, BV] in fp32 through the sequence's chunks and p
     S   = exp2(g_last) * S + kg^T v_new
 
 with the roundings where fla's two kernels make them (h, v_new, q*exp2(g) and Aqk in the
-input dtype before their dots; fp32 accumulation). ``save_states`` also writes h and
-v_new (``disable_recompute``'s saved tensors); ``scan_states`` is the backward's B3 (F7
-recomputed) from the same kernel with o compiled out (BV=64 at 4 warps: 200-206 registers,
-two programs an SM; not yet measured).
+input dtype before their dots; fp32 accumulation). The chain's unit reads F6's qg (q exp2(g)
+in q's dtype, which fla's F3-F6 writes when asked: ``scan_output.reads_qg``) in place of q
+and the fp32 cumsum: less to load a step and no exp2 before its first dot, so BV=64 fits at
+4 warps and one stage, two programs an SM. The kernel that forms qg itself stays as the
+candidate ``scan-forms-qg``. ``save_states`` also writes h and v_new
+(``disable_recompute``'s saved tensors); ``scan_states`` is the backward's B3 (F7
+recomputed) from the same kernel with o compiled out (a candidate: no gain in the op).
 
 Numerics: the chunk loop is the sequential recurrence, in fla's order; only the blocking
-inside each dot reassociates fp32 sums.
+inside each dot reassociates fp32 sums. o is bit for bit fla's on the H200.
 
 Falls back (``supports``): chunk size other than 64, K > 256. No CTA floor: at the V slice
-the launch picks it measured at least fla's F7 + F8 down to one chain (step8192 below).
+the launch picks (``launch_config``: the least waves x measured step latency, from
+``QG_STEP_CONFIGS`` / ``STEP_CONFIGS``) it measured at least fla's F7 + F8 down to one
+chain.
 
-Measured (H200, bench/results/stages.jsonl at 8d2bba8, the stage bench's F7-F8 entry; the
-rounds in docs/log/scan.md): o bit for bit fla's; prod8192_gate 3.28 ms at BV=128 (8
-warps) against fla's F7 + F8 3.94 (1.20x; BV=64 4.77, BV=32 6.75); one head (step8192,
-128 chunk steps) 0.411 ms at BV=32 against 0.440, 3.2 us a step (BV=128: 6.2 us). The time
-is waves x steps x the step's latency (3.9 x 128 x 6.2 us at prod8192_gate), not the
-5.1 GB it moves (1.20 ms): one program an SM (the pipeliner's shared-memory buffers and
-~250 registers), each step a chain of dependent dots.
-
-The unit's launch picks the V slice by grid (``launch_config``: the least waves x measured
-step latency); at that pick it is at least fla's time at every bench shape (kimi 1.21x,
-small 1.01x, grid1024 1.18x, step8192 1.07x). Registered as the chain's F7-F8 unit: in the
-whole op at prod8192_gate (chunk_kda.jsonl at fda8f2c, with B3 from the same kernel) 3.20
-ms against fla's F7 + F8 3.69, the forward 9.16 against 9.68 and fwd+bwd 33.45 against
-33.84, o bit for bit fla's. B3 (``scan_states``) is a candidate only: 1.77 ms in that run
-against fla's 1.76 (``python -m kernel_fun.bench --candidate B3=scan``).
+Measured (H200, bench/results/stages.jsonl and chunk_kda.jsonl at 6a72acf; the rounds in
+docs/log/scan.md): alone, prod8192_gate 2.59 ms (BV=64) against fla's F7 + F8 4.04 (1.56x;
+forming qg 3.40), kimi 1.46 against 2.38, step8192 (one head, 128 chunk steps) 0.299 against
+0.318. In the whole op the unit takes 2.42 ms, F3-F6 pays 0.35 for writing qg, and fwd+bwd
+is 32.39 against 32.83 with the forming kernel. The time is waves x steps x the step's
+latency (~5 us a step), not the 5.1 GB it moves (1.20 ms floor): each step is a chain of
+dependent dots waiting on its own loads.
 """
 
 from __future__ import annotations
