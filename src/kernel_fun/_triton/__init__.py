@@ -78,6 +78,27 @@ def dot3(a, b, acc=None):
 
 
 @triton.jit
+def tf32_round(x):
+    """fp32 x rounded to the nearest tf32 value (half an ulp of the 19-bit form added to the
+    magnitude, then truncated: ties away from zero), |x - round(x)| <= 2^-11 |x|, unbiased.
+    Finite x only (the callers' operands are bounded)."""
+    return ((x.to(tl.uint32, bitcast=True) + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def dot2(a, b, acc=None):
+    """acc + a b for fp32 a, b on the tensor cores in two tf32 products, a_lo b' + a_hi b'
+    with a split exactly (``tf32_split``) and b' = b rounded to the nearest tf32: the
+    product's relative error is b's rounding, <= 2^-11 and unbiased (one tf32 product
+    truncates both operands: up to 2^-10 each, the same sign). One B operand for both
+    products, against dot3's two."""
+    a_hi, a_lo = tf32_split(a)
+    b_r = tf32_round(b)
+    acc = tl.dot(a_lo, b_r, acc, input_precision="tf32")
+    return tl.dot(a_hi, b_r, acc, input_precision="tf32")
+
+
+@triton.jit
 def to(x, dtype: tl.constexpr):
     if INTERPRETING:
         if dtype == tl.bfloat16:

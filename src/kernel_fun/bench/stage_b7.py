@@ -28,7 +28,7 @@ from kernel_fun.kda.kernels.intra_bwd import PIN
 # diagonal pairwise: what a saturated gate costs).
 _B = dict(BK=32, num_warps=4, num_stages=1)
 _B16 = dict(BK=16, num_warps=4, num_stages=1)
-SWEEP = {"wide-halves-pf": [_B], "wide-halves": [_B, _B16], "wide-chunk": [_B], "wide": [_B], "wide-pairwise": [_B]}
+SWEEP = {"wide-halves-pf": [_B], "wide-halves-pf-x2": [_B], "wide-halves": [_B, _B16], "wide-chunk": [_B], "wide": [_B], "wide-pairwise": [_B]}
 
 
 def b7_reads(p) -> int:

@@ -22,7 +22,7 @@ from kernel_fun.kda.kernels.intra_bwd import PIN
 
 # the pin (wide-halves-pf), the same without the prefetch, and the form without the
 # half-chunk tier, at the same build
-SWEEP = {d: [stage_b7.SWEEP[d][0]] for d in ("wide-halves-pf", "wide-halves", "wide-chunk")}
+SWEEP = {d: [stage_b7.SWEEP[d][0]] for d in ("wide-halves-pf", "wide-halves-pf-x2", "wide-halves", "wide-chunk")}
 
 
 def b7b9_bytes(p) -> int:

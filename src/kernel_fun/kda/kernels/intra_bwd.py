@@ -85,10 +85,19 @@ import torch
 import triton
 import triton.language as tl
 
-from kernel_fun._triton import GUARD_SPAN, chunk_coords, dot3, prefetch_rows, to
+from kernel_fun._triton import GUARD_SPAN, chunk_coords, dot2, dot3, prefetch_rows, to
 from kernel_fun.kda.stages import add_impl
 
 BC = 16  # the anchor block
+
+
+@triton.jit
+def _dot(a, b, acc, P: tl.constexpr):
+    """acc + a b in P tf32 products: 3 (``dot3``, fp32-level) or 2 (``dot2``: b rounded to
+    tf32)."""
+    if P == 2:
+        return dot2(a, b, acc)
+    return dot3(a, b, acc)
 
 
 @triton.jit
@@ -141,7 +150,8 @@ def _gate_bwd(st, n_t, dy, g_raw, dt_bias, dg_out, A, lower_bound, o_k, m_k,
 
 @triton.jit
 def _wide_rows(dAqk, dAkk, k, g, st, lo, ar, n_t, o_k, m_k, g_c, acc_q, acc_kr,
-               HV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, SK: tl.constexpr, SG: tl.constexpr):
+               HV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, SK: tl.constexpr, SG: tl.constexpr,
+               P: tl.constexpr = 3):
     """The row role of column block j (columns st .. st + BC - 1) for every row r >= lo,
     through the block's row ar, e_j: sum_s dA[r, s] k_s exp2(e_j - g_s) as one [BT, BC] x
     [BC, BK] dot, times exp2(g_r - e_j). With ar the block's last row every k factor is <= 1
@@ -164,14 +174,15 @@ def _wide_rows(dAqk, dAkk, k, g, st, lo, ar, n_t, o_k, m_k, g_c, acc_q, acc_kr,
     a_q = tl.load(dAqk + p_A, mask=m_q, other=0)
     a_k = tl.load(dAkk + p_A, mask=m_q & (rows[:, None] > cols[None, :]), other=0)
     f = tl.exp2(tl.where(m_r[:, None] & m_k[None, :], g_c - e[None, :], float("-inf")))
-    acc_q += f * dot3(a_q, kx)
-    acc_kr += f * dot3(a_k, kx)
+    acc_q += f * _dot(a_q, kx, None, P)
+    acc_kr += f * _dot(a_k, kx, None, P)
     return acc_q, acc_kr
 
 
 @triton.jit
 def _wide_cols(dAqk, dAkk, q, k, g, beta, st, hi, ar, n_t, o_k, m_k, g_c, acc_c,
-               HV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, SK: tl.constexpr, SG: tl.constexpr):
+               HV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, SK: tl.constexpr, SG: tl.constexpr,
+               P: tl.constexpr = 3):
     """The column role of row block i (rows st .. st + BC - 1) for every column s < hi,
     through the block's row ar, a_i: sum_r dA[r, s] (q_r, beta_r k_r) exp2(g_r - a_i) as
     [BT, BC] x [BC, BK] dots of dA's rows of block i transposed, times exp2(a_i - g_s).
@@ -193,9 +204,9 @@ def _wide_cols(dAqk, dAkk, q, k, g, beta, st, hi, ar, n_t, o_k, m_k, g_c, acc_c,
     # dA's rows of block i, read along its rows (coalesced) and transposed on chip: [s, r]
     m_q = m_r[:, None] & m_s[None, :] & (rows[:, None] >= cols[None, :])
     p_A = rows[:, None] * (HV * BT) + cols[None, :]
-    part = dot3(tl.trans(tl.load(dAqk + p_A, mask=m_q, other=0)), q_i * f)
-    part = dot3(tl.trans(tl.load(dAkk + p_A, mask=m_q & (rows[:, None] > cols[None, :]), other=0)),
-                (b_i[:, None] * k_i) * f, part)
+    part = _dot(tl.trans(tl.load(dAqk + p_A, mask=m_q, other=0)), q_i * f, None, P)
+    part = _dot(tl.trans(tl.load(dAkk + p_A, mask=m_q & (rows[:, None] > cols[None, :]), other=0)),
+                (b_i[:, None] * k_i) * f, part, P)
     h = tl.exp2(tl.where(m_s[:, None] & m_k[None, :], a[None, :] - g_c, float("-inf")))
     acc_c += h * part
     return acc_c
@@ -234,7 +245,7 @@ def _wide_diag_step(jj, q, k, g, beta, dAqk, dAkk, n_t, g_c, pair, o_k, m_k, acc
 
 @triton.jit
 def _chunk_sums(q, k, g, beta, dAqk, dAkk, n_t, t, g_c, gm, o_k, m_k,
-                HV: tl.constexpr, BT: tl.constexpr, SK: tl.constexpr, SG: tl.constexpr):
+                HV: tl.constexpr, BT: tl.constexpr, SK: tl.constexpr, SG: tl.constexpr, P: tl.constexpr = 3):
     """B7's three sums through one anchor for the whole chunk, its middle row gm (the caller
     checked every factor exp2(+-(g - gm)) within 2^GUARD_SPAN): each role one [BT, BT] x
     [BT, BK] dot per dA, the factor's other half applied once after."""
@@ -253,11 +264,11 @@ def _chunk_sums(q, k, g, beta, dAqk, dAkk, n_t, t, g_c, gm, o_k, m_k,
     # each dA tile read along its rows for the row role; the column role's tiles ([s, r]) are
     # those transposed on chip, one tile live at a time
     a = tl.load(dAqk + p_A, mask=lower, other=0)
-    acc_q = down * dot3(a, kx)
-    acc_c = dot3(tl.trans(a), q_c * down)
+    acc_q = down * _dot(a, kx, None, P)
+    acc_c = _dot(tl.trans(a), q_c * down, None, P)
     a = tl.load(dAkk + p_A, mask=strict, other=0)
-    acc_kr = down * dot3(a, kx)
-    acc_c = up * dot3(tl.trans(a), (b_c[:, None] * k_c) * down, acc_c)
+    acc_kr = down * _dot(a, kx, None, P)
+    acc_c = up * _dot(tl.trans(a), (b_c[:, None] * k_c) * down, acc_c, P)
     return acc_q, acc_kr, acc_c
 
 
@@ -281,6 +292,7 @@ def intra_bwd_wide_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BK: tl.constexpr, IS_VARLEN: tl.constexpr, PAIRWISE: tl.constexpr, CHUNK_ANCHOR: tl.constexpr,
     HALVES: tl.constexpr, PREFETCH: tl.constexpr,
+    PRODUCTS: tl.constexpr,
     TAIL: tl.constexpr, HAS_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
 ):
     """B7 on one (K slice, chunk, head), the chunk as one [BT, BK] tile per output; with
@@ -339,42 +351,42 @@ def intra_bwd_wide_kernel(
     else:
         halves: tl.constexpr = False
     if whole:
-        acc_q, acc_kr, acc_c = _chunk_sums(q, k, g, beta, dAqk, dAkk, n_t, t, g_c, gm, o_k, m_k, HV, BT, SK, SG)
+        acc_q, acc_kr, acc_c = _chunk_sums(q, k, g, beta, dAqk, dAkk, n_t, t, g_c, gm, o_k, m_k, HV, BT, SK, SG, PRODUCTS)
     elif halves:
         acc_q = tl.zeros([BT, BK], dtype=tl.float32)
         acc_kr = tl.zeros([BT, BK], dtype=tl.float32)
         acc_c = tl.zeros([BT, BK], dtype=tl.float32)
         m0, m1 = tl.minimum(15, n_t - 1), tl.minimum(2 * BC + 15, n_t - 1)
         acc_q, acc_kr = _wide_rows(dAqk, dAkk, k, g, 0, 0, m0, n_t, o_k, m_k, g_c, acc_q, acc_kr,
-                                   HV, BT, 2 * BC, SK, SG)
+                                   HV, BT, 2 * BC, SK, SG, PRODUCTS)
         acc_q, acc_kr = _wide_rows(dAqk, dAkk, k, g, 2 * BC, 2 * BC, m1, n_t, o_k, m_k, g_c, acc_q, acc_kr,
-                                   HV, BT, 2 * BC, SK, SG)
-        acc_c = _wide_cols(dAqk, dAkk, q, k, g, beta, 0, 2 * BC, m0, n_t, o_k, m_k, g_c, acc_c, HV, BT, 2 * BC, SK, SG)
+                                   HV, BT, 2 * BC, SK, SG, PRODUCTS)
+        acc_c = _wide_cols(dAqk, dAkk, q, k, g, beta, 0, 2 * BC, m0, n_t, o_k, m_k, g_c, acc_c, HV, BT, 2 * BC, SK, SG, PRODUCTS)
         acc_c = _wide_cols(dAqk, dAkk, q, k, g, beta, 2 * BC, 4 * BC, m1, n_t, o_k, m_k, g_c, acc_c,
-                           HV, BT, 2 * BC, SK, SG)
+                           HV, BT, 2 * BC, SK, SG, PRODUCTS)
     else:
         acc_q = tl.zeros([BT, BK], dtype=tl.float32)
         acc_kr = tl.zeros([BT, BK], dtype=tl.float32)
         acc_c = tl.zeros([BT, BK], dtype=tl.float32)
         # row role: column block j's columns for rows from j's own block (guard passed) or the next
         acc_q, acc_kr = _wide_rows(dAqk, dAkk, k, g, 0, tl.where(d0, 0, BC), _last(0, BC, n_t), n_t, o_k, m_k, g_c, acc_q, acc_kr,
-                                   HV, BT, BC, SK, SG)
+                                   HV, BT, BC, SK, SG, PRODUCTS)
         acc_q, acc_kr = _wide_rows(dAqk, dAkk, k, g, BC, tl.where(d1, BC, 2 * BC), _last(BC, BC, n_t), n_t, o_k, m_k, g_c, acc_q, acc_kr,
-                                   HV, BT, BC, SK, SG)
+                                   HV, BT, BC, SK, SG, PRODUCTS)
         acc_q, acc_kr = _wide_rows(dAqk, dAkk, k, g, 2 * BC, tl.where(d2, 2 * BC, 3 * BC), _last(2 * BC, BC, n_t), n_t, o_k, m_k, g_c, acc_q,
-                                   acc_kr, HV, BT, BC, SK, SG)
+                                   acc_kr, HV, BT, BC, SK, SG, PRODUCTS)
         if d3:
             acc_q, acc_kr = _wide_rows(dAqk, dAkk, k, g, 3 * BC, 3 * BC, _last(3 * BC, BC, n_t), n_t, o_k, m_k, g_c, acc_q, acc_kr,
-                                       HV, BT, BC, SK, SG)
+                                       HV, BT, BC, SK, SG, PRODUCTS)
         # column role: row block i's rows for columns up to i's own block (guard passed) or before it
         acc_c = _wide_cols(dAqk, dAkk, q, k, g, beta, BC, tl.where(d1, 2 * BC, BC), BC, n_t, o_k, m_k, g_c, acc_c,
-                           HV, BT, BC, SK, SG)
+                           HV, BT, BC, SK, SG, PRODUCTS)
         acc_c = _wide_cols(dAqk, dAkk, q, k, g, beta, 2 * BC, tl.where(d2, 3 * BC, 2 * BC), 2 * BC, n_t, o_k, m_k, g_c, acc_c,
-                           HV, BT, BC, SK, SG)
+                           HV, BT, BC, SK, SG, PRODUCTS)
         acc_c = _wide_cols(dAqk, dAkk, q, k, g, beta, 3 * BC, tl.where(d3, 4 * BC, 3 * BC), 3 * BC, n_t, o_k, m_k, g_c, acc_c,
-                           HV, BT, BC, SK, SG)
+                           HV, BT, BC, SK, SG, PRODUCTS)
         if d0:
-            acc_c = _wide_cols(dAqk, dAkk, q, k, g, beta, 0, BC, 0, n_t, o_k, m_k, g_c, acc_c, HV, BT, BC, SK, SG)
+            acc_c = _wide_cols(dAqk, dAkk, q, k, g, beta, 0, BC, 0, n_t, o_k, m_k, g_c, acc_c, HV, BT, BC, SK, SG, PRODUCTS)
         if tl.maximum(tl.maximum(s0, s1), tl.maximum(s2, s3)) > GUARD_SPAN:
             blk = t // BC
             pair = tl.where(blk == 0, s0, tl.where(blk == 1, s1, tl.where(blk == 2, s2, s3))) > GUARD_SPAN
@@ -429,7 +441,7 @@ DEFAULT_CONFIG = dict(BK=32, num_warps=4, num_stages=1)
 # L2 for the tiles of the program one or two waves later (7.83 / 7.86 ms against 7.13), the
 # chunk tier reading its transposed dA tiles from memory (7.20; at 16-channel slices capped
 # at 168 registers 8.58), both (8.04).
-DESIGNS = ("wide", "wide-pairwise", "wide-chunk", "wide-halves", "wide-halves-pf")
+DESIGNS = ("wide", "wide-pairwise", "wide-chunk", "wide-halves", "wide-halves-pf", "wide-halves-pf-x2")
 PIN = "wide-halves-pf"
 
 
@@ -439,7 +451,8 @@ def design_flags(design: str) -> dict:
     if design not in DESIGNS:
         raise ValueError(f"unknown B7 design {design!r}")
     return dict(PAIRWISE=design == "wide-pairwise", CHUNK_ANCHOR=design.startswith(("wide-chunk", "wide-halves")),
-                HALVES=design.startswith("wide-halves"), PREFETCH=design == PIN)
+                HALVES=design.startswith("wide-halves"), PREFETCH=design.startswith(PIN),
+                PRODUCTS=2 if design.endswith("-x2") else 3)
 
 
 def _launch_args(design, tensors: dict, chunk_size, cu_seqlens, chunk_indices, BK, num_warps, num_stages,
