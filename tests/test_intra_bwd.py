@@ -51,6 +51,7 @@ def exact(inputs: dict) -> tuple:
 # wide-halves-pf-x2 (two tf32 products a dot) is exact only to its operand's rounding: its own
 # test below.
 INTERPRETED = tuple(d for d in intra_bwd.DESIGNS if d not in ("wide-halves", "wide-halves-pf-x2"))
+PIN3 = "wide-halves-pf"  # the pin's tiers with fp32-level (three-product) dots: the tier tests' bits
 
 
 def check(inputs: dict, bound: float = 1e-5, designs=INTERPRETED) -> dict:
@@ -98,21 +99,31 @@ def test_weak_gates():
     check(stage_inputs(SHAPES[1], gate_scale=1.0, gate_shift=-8.0))
 
 
-@pytest.mark.parametrize("p", SHAPES[:2], ids=lambda p: p.name)
-def test_two_product_dots_round_one_operand(p):
-    """wide-halves-pf-x2 takes every dot as a_lo b' + a_hi b', b' = b rounded to the
-    nearest tf32 (|b - b'| <= 2^-11 |b|, unbiased): on the chain's fp32 inputs its error
-    against the float64 stage is that rounding's, ~1e-4 relative RMS (measured 1.4e-4 to
-    2.8e-4), half of what truncating b (as one tf32 product does) gives and far from the
-    pin's 1e-7."""
-    inputs = stage_inputs(p)
+X2_CASES = [(p, 1.0, 0.0) for p in SHAPES] + [(SHAPES[0], 8.0, 12.0), (SHAPES[4], 0.0, 30.0)]
+
+
+@pytest.mark.parametrize("p,scale,shift", X2_CASES,
+                         ids=[p.name for p in SHAPES] + ["T63-K64-strong", "T100-K64-safe-saturated"])
+def test_two_product_dots_round_one_operand(p, scale, shift):
+    """The pin (wide-halves-pf-x2) takes every dot as a_lo b' + a_hi b', b' = b rounded to
+    the nearest tf32 (|b - b'| <= 2^-11 |b|, unbiased): on the chain's fp32 inputs its error
+    against the float64 stage is that rounding's, within 2^-11 / sqrt(3) = 2.8e-4 a product
+    (measured 2e-5 to 2.8e-4), far from its tiers' 1e-7 with three
+    products (so the two-product path ran). At the saturated lower-bounded gate (every
+    diagonal pairwise) dg's intra part cancels (q dq + k dk_row - k dk_col): the three-product
+    form is 1e-5 there, this one 5.8e-3, under fla's dg budget (0.02). On the H200 its error
+    is 0.13-0.39 of fla's stage at prod8192_gate and prod8192_layer_safe (stages.jsonl at
+    3c7ec7f), and tests/test_gpu.py holds it to fla's own error on the chain's gates."""
+    inputs = stage_inputs(p, gate_scale=scale, gate_shift=shift)
     want = exact(inputs)
     got = intra_bwd.intra_bwd(**inputs, design="wide-halves-pf-x2")
-    pin = intra_bwd.intra_bwd(**inputs, design=intra_bwd.PIN)
-    for n, a, b, c in zip(("dq", "dk", "db", "dg"), got, want, pin):
-        err, pin_err = ref.rel_rms(a, b), ref.rel_rms(c, b)
-        assert torch.isfinite(a).all() and err <= 4e-4, (n, err)  # 2^-11 / sqrt(3) = 2.8e-4 a product
-        assert err > 10 * pin_err, (n, err, pin_err)  # the two-product path ran
+    three = intra_bwd.intra_bwd(**inputs, design=PIN3)
+    saturated = scale == 0.0
+    for n, a, b, c in zip(("dq", "dk", "db", "dg"), got, want, three):
+        err, three_err = ref.rel_rms(a, b), ref.rel_rms(c, b)
+        bound = 8e-3 if (saturated and n == "dg") else 4e-4
+        assert torch.isfinite(a).all() and err <= bound, (n, err)
+        assert err > 10 * three_err or (saturated and n == "db"), (n, err, three_err)  # the two-product path ran
 
 
 @pytest.mark.parametrize("design", INTERPRETED)
@@ -146,17 +157,22 @@ def test_bench_entry_inputs_run_and_count_bytes():
 
     p = Problem("entry", 1, 100, 2, 4, 64, 16)
     inputs = stage_b7.make_inputs(p, DEVICE, seed=1)
-    got = stage_b7.BENCH.ours(inputs, intra_bwd.PIN, stage_b7.BENCH.launch_config(p, intra_bwd.PIN, None))
     want = stage_b7.BENCH.exact(**inputs)
-    errors = {n: ref.rel_rms(a, b) for n, a, b in zip(("dq", "dk", "db", "dg"), got, want)}
-    assert all(e <= 1e-5 for e in errors.values()), errors
+    # the pin's dots in two tf32 products: under fla's own error against the float64 stage on
+    # these inputs' magnitudes (1.3e-5 to 2.3e-5 at prod8192_gate; the pin's 0.28-0.39 of it
+    # there, stages.jsonl at 3c7ec7f); its tiers with three-product dots at fp32 level
+    for design, bound in ((intra_bwd.PIN, 1.2e-5), (PIN3, 1e-6)):
+        got = stage_b7.BENCH.ours(inputs, design, stage_b7.BENCH.launch_config(p, design, None))
+        errors = {n: ref.rel_rms(a, b) for n, a, b in zip(("dq", "dk", "db", "dg"), got, want)}
+        assert all(e <= bound for e in errors.values()), (design, errors)
     assert abs(stage_b7.b7_bytes(problem("prod8192_gate")) / 1e9 - 9.7) < 0.1  # the roofline's 9.7 GB
 
 
 @pytest.mark.skipif(__import__("triton").__version__ != "3.6.0", reason="spill figures recorded with Triton 3.6.0's ptxas")
-@pytest.mark.parametrize("design,K,spills,extra", [("wide-halves-pf", 128, 144, ()), ("wide-halves-pf", 64, 136, ()),
-                                                   ("wide", 128, 0, ()), ("wide-halves-pf", 128, 152, ("--tail", "2"))],
-                         ids=["pin-K128", "pin-K64", "wide-K128", "B7-B9"])
+@pytest.mark.parametrize("design,K,spills,extra", [("wide-halves-pf-x2", 128, 96, ()), ("wide-halves-pf-x2", 64, 88, ()),
+                                                   ("wide-halves-pf-x2", 128, 88, ("--tail", "2")),
+                                                   ("wide-halves-pf", 128, 144, ()), ("wide", 128, 0, ())],
+                         ids=["pin-K128", "pin-K64", "B7-B9", "pin3-K128", "wide-K128"])
 def test_default_config_compiles_within_its_recorded_spills(design, K, spills, extra):
     """A design's default config as ptxas assembles it for sm_90a (the note at
     intra_bwd.DEFAULT_CONFIG), alone and with the tail (B8, B9), compiled in a
@@ -185,7 +201,7 @@ def test_the_kernel_takes_the_tier_the_spec_names():
     put the four chunks on the chunk anchor, the half-chunk anchors, the per-block anchors
     and the pairwise diagonals (the half span 16 steps, the block span 15; the second K
     slice gentler), T=250 (a last chunk of 58 rows). Where the spec names the chunk anchor
-    the pin's dq, dk and dg are wide-chunk's bit for bit, where it names the per-block form
+    the pin's tiers' (wide-halves-pf) dq, dk and dg are wide-chunk's bit for bit, where it names the per-block form
     wide's, and where it names the halves neither's."""
     p = Problem("tiers", 1, 250, 2, 2, 64, 16)
     inputs = stage_inputs(p)
@@ -201,10 +217,10 @@ def test_the_kernel_takes_the_tier_the_spec_names():
     tiers = tiers_of(inputs["gc"])
     assert tiers[0, :, 0, 0].tolist() == [0, 1, 2, 3], tiers
     assert set(tiers.unique().tolist()) == {0, 1, 2, 3}, tiers
-    run = {d: intra_bwd.intra_bwd(**inputs, design=d) for d in (intra_bwd.PIN, "wide-chunk", "wide")}
+    run = {d: intra_bwd.intra_bwd(**inputs, design=d) for d in (PIN3, "wide-chunk", "wide")}
     per_row = tiers.repeat_interleave(64, 1)[:, :gc.shape[1]].repeat_interleave(32, 3)  # [B, T, HV, K]
     for i, name in ((0, "dq"), (1, "dk"), (3, "dg")):
-        pin, chunk, wide = (run[d][i] for d in (intra_bwd.PIN, "wide-chunk", "wide"))
+        pin, chunk, wide = (run[d][i] for d in (PIN3, "wide-chunk", "wide"))
         on = per_row == 0
         assert torch.equal(pin[on], chunk[on]), name
         on = per_row >= 2
@@ -252,12 +268,12 @@ def test_guard_takes_each_path_where_it_should():
     assert not all(torch.equal(a, b) for a, b in zip(intra_bwd.intra_bwd(**inputs, design="wide-chunk"),
                                                       intra_bwd.intra_bwd(**inputs, design="wide")))
     assert all(torch.equal(a, b) for a, b in zip(intra_bwd.intra_bwd(**saturated, design="wide-chunk"), anchored))
-    # the pin (wide-halves-pf) likewise: the per-block form where neither anchor passes the guard
-    assert all(torch.equal(a, b) for a, b in zip(intra_bwd.intra_bwd(**saturated), anchored))
+    # the pin's tiers (wide-halves-pf) likewise: the per-block form where neither anchor passes the guard
+    assert all(torch.equal(a, b) for a, b in zip(intra_bwd.intra_bwd(**saturated, design=PIN3), anchored))
 
 
 def test_the_half_chunk_anchors_take_the_chunks_they_should():
-    """The pin (the half-chunk tier): where the whole chunk's anchor passes the guard, wide-chunk's result bit
+    """The pin's tiers (wide-halves-pf, the half-chunk tier): where the whole chunk's anchor passes the guard, wide-chunk's result bit
     for bit; where it does not but each 32-row half's does (a log-decay of 3 a token: 96
     through the chunk's middle, 48 through each half's), its own path (not the per-block
     form's bits), and both exact against the float64 stage."""
@@ -267,9 +283,9 @@ def test_the_half_chunk_anchors_take_the_chunks_they_should():
     weak = dict(inputs, gc=(-0.01 * t).expand_as(gc).contiguous())
     steep = dict(inputs, gc=(-3.0 * t).expand_as(gc).contiguous())
     run = lambda x, d: intra_bwd.intra_bwd(**x, design=d)  # noqa: E731
-    assert all(torch.equal(a, b) for a, b in zip(run(weak, intra_bwd.PIN), run(weak, "wide-chunk")))
-    check(steep, designs=("wide-chunk", intra_bwd.PIN))
-    assert not all(torch.equal(a, b) for a, b in zip(run(steep, intra_bwd.PIN), run(steep, "wide-chunk")))
+    assert all(torch.equal(a, b) for a, b in zip(run(weak, PIN3), run(weak, "wide-chunk")))
+    check(steep, designs=("wide-chunk", PIN3))
+    assert not all(torch.equal(a, b) for a, b in zip(run(steep, PIN3), run(steep, "wide-chunk")))
 
 
 # --------------------------------------------------------------------------------------
@@ -353,7 +369,8 @@ def test_chain_with_the_fused_tail_against_the_oracle(p):
 @needs_triton
 def test_b7_b9_bench_entry_runs_and_counts_bytes():
     """The B7-B9 unit's stage-bench entry: its kernel on the entry's inputs (GVA, lower
-    bound) within 1e-5 of the float64 stages where fp32 (dq, dk, db, dA_log) and within the
+    bound) within 1.2e-5 of the float64 stages where fp32 (dq, dk, db, dA_log; 1e-6 with
+    three-product dots) and within the
     written rounding where bf16 (the raw gate's gradient); the pin ships; its floor is B7's
     reads plus the raw gate, with dg written in the gate's dtype."""
     from kernel_fun.bench import stage, stage_b7, stage_b7b9
@@ -363,9 +380,10 @@ def test_b7_b9_bench_entry_runs_and_counts_bytes():
     p = Problem("entry", 1, 100, 2, 4, 64, 16, lower_bound=-5.0, safe_gate=True)
     inputs = stage_b7b9.make_inputs(p, DEVICE, seed=1)
     bench = stage.entries()["B7-B9"]
-    errors = stage_errors("B7-B9", bench.ours(inputs, intra_bwd.PIN, bench.launch_config(p, intra_bwd.PIN, None)),
-                          bench.exact(**inputs))
-    assert all(errors[n] <= 1e-5 for n in ("dq", "dk", "db", "dA_log")) and errors["dg"] <= 3e-3, errors
+    for design, bound in ((intra_bwd.PIN, 1.2e-5), (PIN3, 1e-6)):  # as B7's entry test
+        errors = stage_errors("B7-B9", bench.ours(inputs, design, bench.launch_config(p, design, None)),
+                              bench.exact(**inputs))
+        assert all(errors[n] <= bound for n in ("dq", "dk", "db", "dA_log")) and errors["dg"] <= 3e-3, errors
     assert bench.ships(dict(design=intra_bwd.PIN, shape="prod8192_gate", config=intra_bwd.DEFAULT_CONFIG))
     assert not bench.ships(dict(design="wide-halves", shape="prod8192_gate", config=intra_bwd.DEFAULT_CONFIG))
     assert not bench.ships(dict(design="wide-chunk", shape="prod8192_gate", config=intra_bwd.DEFAULT_CONFIG))
