@@ -20,10 +20,10 @@ from kernel_fun.bench.stage import StageBench, main as _stage_main, qk_and_gate
 from kernel_fun.kda.kernels import intra_bwd
 from kernel_fun.kda.kernels.intra_bwd import PIN
 
-# The configs worth timing (the note at intra_bwd.DEFAULT_CONFIG): the pin (wide-halves-pf-x2:
+# The configs worth timing (the note at intra_bwd.DEFAULT_CONFIG): the pin (wide-halves-pf:
 # the chunk anchor, the half-chunk anchors, the per-block form, the epilogue's incoming tiles
-# asked of L2 at the start, each dot in two tf32 products), the same in three products
-# (wide-halves-pf), that without the prefetch (wide-halves) at its build and at
+# asked of L2 at the start), the same with two-product dots (wide-halves-pf-x2), the pin
+# without the prefetch (wide-halves) at its build and at
 # 16-channel slices (no spills, twice the programs), and the designs without a tier each:
 # wide-chunk (no half-chunk tier), wide (the per-block form only) and wide-pairwise (every
 # diagonal pairwise: what a saturated gate costs).

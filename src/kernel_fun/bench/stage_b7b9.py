@@ -7,7 +7,7 @@ chain's registered unit) against fla's three stages on the same inputs.
 Inputs: B7's (``stage_b7.make_inputs``) with the raw gate (bf16), A_log and dt_bias
 initialised as Kimi-Linear does and the problem's lower bound. Timed beside ``--stage B7``
 on the same shapes it separates what the tail costs in the pass from B7's own time
-(prod8192_gate, the pin wide-halves-pf-x2: the unit 7.88 ms, B7 alone 6.39; stages.jsonl at
+(prod8192_gate, the pin wide-halves-pf: the unit 8.93 ms, B7 alone 7.30; stages.jsonl at
 3c7ec7f).
 """
 
@@ -21,8 +21,8 @@ from kernel_fun.bench.stage import main as _stage_main
 from kernel_fun.kda.kernels import intra_bwd
 from kernel_fun.kda.kernels.intra_bwd import PIN
 
-# the pin (wide-halves-pf-x2), the same in three-product dots (wide-halves-pf), that without
-# the prefetch, and the form without the half-chunk tier, at the same build
+# the pin (wide-halves-pf), the same with two-product dots (wide-halves-pf-x2), the pin
+# without the prefetch, and the form without the half-chunk tier, at the same build
 SWEEP = {d: [stage_b7.SWEEP[d][0]] for d in ("wide-halves-pf", "wide-halves-pf-x2", "wide-halves", "wide-chunk")}
 
 

@@ -32,45 +32,51 @@ tiers, each taken per program from the slice's gate:
   cores (16 steps, one exp2(g_r - g_s) <= 1 per pair and role). So any gate is exact.
 On the chain's gate at prod8192_gate the chunk anchor takes 31-52% of the programs, the
 halves lift the anchored share to 80%; a lower-bounded gate (safe_gate) takes the chunk
-anchor everywhere. The pin's dots are two tf32 products each (``kernel_fun._triton.dot2``:
-the dA side split by hand into a truncated tf32 half and its exact remainder, the other
-operand rounded to the nearest tf32, so one B operand serves both products);
-``wide-halves-pf`` is the same kernel with three (``dot3``: both sides split, fp32-level).
-db is summed over the K slices' partials in slice order; with the tail, dg's reverse
-cumsum runs over the chunk tile in registers and B9 writes the raw gate's gradient, with
-dA_log's and dt_bias's per-chunk partials summed in order (no atomics).
+anchor everywhere. The dots are three tf32 products each, the operands split by hand into
+a truncated tf32 half and its exact remainder (``kernel_fun._triton.dot3``: two
+instructions an element where Triton's tf32x3 takes ~8). db is summed over the K slices'
+partials in slice order; with the tail, dg's reverse cumsum runs over the chunk tile in
+registers and B9 writes the raw gate's gradient, with dA_log's and dt_bias's per-chunk
+partials summed in order (no atomics).
 
-Numerics: fp32 throughout; each product's relative error is the rounding of one operand to
-tf32 (<= 2^-11, unbiased). Against the float64 stage at prod8192_gate 4.9e-6 to 6.4e-6
-relative RMS where fla's stage (tf32 off the diagonal, both operands truncated) is 1.3e-5
-to 2.3e-5: 0.28-0.39 of fla's error (0.13-0.16 at prod8192_layer_safe); three products give
-2.8e-8, one product (both truncated) measured 35% past fla's. Outputs are fresh tensors
-(input + intra part): no output is read back, so relaunching is idempotent.
+Numerics: fp32 throughout, the dots in three tf32 products: 2.8e-8 to 4.5e-8 relative RMS
+of the float64 stage at prod8192_gate, where fla's (tf32 off the diagonal) is 1.3e-5 to
+2.3e-5. Outputs are fresh tensors (input + intra part): no output is read back, so
+relaunching is idempotent.
+
+The candidate ``wide-halves-pf-x2`` takes each dot in two products (``dot2``: the dA side
+split, the other operand rounded to the nearest tf32, <= 2^-11 and unbiased; one B operand
+for both): 12% faster (stages.jsonl at 3c7ec7f: 6.39 ms against 7.30 at prod8192_gate, the
+B7-B9 unit 7.88 against 8.93; the whole op 31.01 against fla's 47.13, chunk_kda.jsonl at
+615a16a), 0.28-0.39 of fla's stage error on the bench's inputs, but in the whole op its
+gate gradients sit at fla's error rather than below it: dA_log 1.108x fla's at the oracle
+shape (the three-product pin 1.01x), dg and dt_bias's 5-9% above the pin's (interpreter, B1
+T512 H16). Not registered: past the 10% line on one gradient (docs/log/b7.md).
 
 The epilogue's incoming dq, dk and dg are asked of L2 at the program's start (a hint:
-bit for bit the same outputs; ``wide-halves`` is ``wide-halves-pf`` without it). Asking L2
-for the next wave's tiles as well, or reading the chunk tier's transposed dA tiles from
-memory, measured 1-10% slower (docs/log/b7.md).
+bit for bit the same outputs; ``wide-halves`` is the same without it). Asking L2 for the
+next wave's tiles as well, or reading the chunk tier's transposed dA tiles from memory,
+measured 1-10% slower (docs/log/b7.md).
 
 Falls back (``supports``): chunk size other than 64. No CTA floor: it measured faster than
 fla's B7 down to grid64 (B1 T256 H16: 0.135 ms against 0.212).
 
-Measured (H200; docs/log/b7.md has every round; bench/results/stages.jsonl and
-chunk_kda.jsonl at 3c7ec7f), B7 alone on the stage bench's inputs: 6.39 ms at
-prod8192_gate against fla's 15.10 (2.36x; three products 7.30), 5.39 at
-prod8192_layer_safe against 8.21 (6.36). The B7-B9 unit: 7.88 ms at prod8192_gate against
-fla's three stages' 16.93 (three products 8.93). The whole op at prod8192_gate with it:
-fwd+bwd 31.38 ms against fla's 47.47 in the same run (1.51x; 32.39 with three products).
-What the time is: two 255-register programs an SM, each a dependent chain of dots (every
-dot's B operand staged through shared memory, a fence, the wgmma, a wait before its result
-is read: 56 such groups with two products, 84 with three); a warp issues every ~6.8 cycles.
-Measured slower and removed (docs/log/b7.md): a Gluon kernel of one 4-warp CTA a
-chunk-head with dA's halves in shared memory (9.43-11.64 ms: one CTA an SM), one 8-warp
-program a chunk-head holding dA across the K slices (16.24), B10 in the same launch (+0.9 ms
-in the op), 16-channel slices (10.53) and 8 warps (13.41).
-Resources (sm_90a, K=128): 255 registers, 96 B of spills (with the tail 88; K=64 88),
-7,504 SASS instructions, 192 wgmma, 32 KB of shared memory; with three products 144 B,
-8,280, 288 and 40 KB.
+Measured (H200; docs/log/b7.md has every round; bench/results/stages.jsonl at 3c7ec7f), B7
+alone on the stage bench's inputs: 7.30 ms at prod8192_gate against fla's 15.10 (2.07x),
+6.36 at prod8192_layer_safe against 8.21. The B7-B9 unit: 8.93 ms at prod8192_gate against
+fla's three stages' 16.93; 9.82 at kimi against 16.75, 4.81 at b8 against 8.55, 0.452 at
+grid1024 against 0.769 (at 85d89bf and 6bd93d3). The whole op at prod8192_gate: fwd+bwd
+32.39 ms against fla's 47.38 (1.46x; chunk_kda.jsonl at 6a72acf). What the time is: two
+255-register programs an SM, each a dependent chain of dots (every dot's B operand staged
+through shared memory, a fence, the wgmma, a wait before its result is read: 84 such
+groups, 56 with two products); a warp issues every ~6.8 cycles. Measured slower and
+removed (docs/log/b7.md): a Gluon kernel of one 4-warp CTA a chunk-head with dA's halves in
+shared memory (9.43-11.64 ms: one CTA an SM), one 8-warp program a chunk-head holding dA
+across the K slices (16.24), B10 in the same launch (+0.9 ms in the op), 16-channel slices
+(10.53) and 8 warps (13.41).
+Resources (sm_90a, K=128): 255 registers, 144 B of spills (with the tail 144 stored, 152
+reloaded; K=64 136), 8,280 SASS instructions, 288 wgmma, 40 KB of shared memory; the
+two-product candidate 96 B, 7,504, 192 and 32 KB.
 """
 
 from __future__ import annotations
@@ -421,10 +427,10 @@ def intra_bwd_wide_kernel(
 # per-block form alone: none). Measured at prod8192_gate: 16-channel slices 10.53 ms and 8
 # warps 13.41 against 7.49 at this config (stages.jsonl at fda8f2c).
 DEFAULT_CONFIG = dict(BK=32, num_warps=4, num_stages=1)
-# ``wide-halves-pf-x2`` (the pin) is ``wide-halves-pf`` with two-product dots: 6.39 ms at
+# ``wide-halves-pf-x2`` (a candidate) is the pin with two-product dots: 6.39 ms at
 # prod8192_gate against 7.30, 7.88 against 8.93 as the B7-B9 unit, 5.39 against 6.36 at
 # prod8192_layer_safe (stages.jsonl at 3c7ec7f; sm_90a 96 B of spills, 7,504 instructions).
-# ``wide-halves-pf`` takes the three tiers and asks L2 for the epilogue's incoming
+# ``wide-halves-pf`` (the pin) takes the three tiers and asks L2 for the epilogue's incoming
 # dq, dk and dg at the program's start (sm_90a: the same 144 B of spills as without at K=128,
 # 136 against 96 at K=64, 8,280 instructions; with the tail 144 B stored, 152 reloaded
 # against 140; asking for the raw gate's rows as well spilled 172 B): 7.15 ms at prod8192_gate against 7.36 without
@@ -439,7 +445,7 @@ DEFAULT_CONFIG = dict(BK=32, num_warps=4, num_stages=1)
 # chunk tier reading its transposed dA tiles from memory (7.20; at 16-channel slices capped
 # at 168 registers 8.58), both (8.04).
 DESIGNS = ("wide", "wide-pairwise", "wide-chunk", "wide-halves", "wide-halves-pf", "wide-halves-pf-x2")
-PIN = "wide-halves-pf-x2"
+PIN = "wide-halves-pf"
 
 
 def design_flags(design: str) -> dict:
