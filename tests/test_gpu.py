@@ -324,16 +324,15 @@ def test_b7_matches_fla_stage(shape):
 
 @pytest.mark.parametrize("shape", ["b8", "k64"])
 def test_b7_prefetch_changes_no_bit(shape):
-    """wide-halves-pf (the pin's tiers and prefetch, three-product dots) asks L2 for the
-    epilogue's incoming tiles early, a hint only: its outputs equal wide-halves' bit for bit,
-    alone and with the tail (the chain's gate)."""
+    """The pin (wide-halves-pf) asks L2 for the epilogue's incoming tiles early, a hint only:
+    its outputs equal wide-halves' bit for bit, alone and with the tail (the chain's gate)."""
     from kernel_fun.bench import stage_b7, stage_b7b9
 
     inputs = stage_b7.make_inputs(problem(shape), "cuda", seed=2)
-    plain, pin = (intra_bwd.intra_bwd(**inputs, design=d) for d in ("wide-halves", "wide-halves-pf"))
+    plain, pin = (intra_bwd.intra_bwd(**inputs, design=d) for d in ("wide-halves", intra_bwd.PIN))
     assert all(torch.equal(a, b) for a, b in zip(plain, pin))
     inputs = stage_b7b9.make_inputs(problem(shape), "cuda", seed=2)
-    plain, pin = (intra_bwd.intra_bwd_tail(**inputs, design=d) for d in ("wide-halves", "wide-halves-pf"))
+    plain, pin = (intra_bwd.intra_bwd_tail(**inputs, design=d) for d in ("wide-halves", intra_bwd.PIN))
     assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(plain, pin))
 
 

@@ -51,7 +51,6 @@ def exact(inputs: dict) -> tuple:
 # wide-halves-pf-x2 (two tf32 products a dot) is exact only to its operand's rounding: its own
 # test below.
 INTERPRETED = tuple(d for d in intra_bwd.DESIGNS if d not in ("wide-halves", "wide-halves-pf-x2"))
-PIN3 = "wide-halves-pf"  # the pin's tiers with three-product dots, which the tier tests' bits assume
 
 
 def check(inputs: dict, bound: float = 1e-5, designs=INTERPRETED) -> dict:
@@ -112,9 +111,9 @@ def test_two_product_dots_round_one_operand(p, scale, shift):
     """The candidate wide-halves-pf-x2 takes every dot as a_lo b' + a_hi b', b' = b rounded to
     the nearest tf32 (|b - b'| <= 2^-11 |b|, unbiased): on the chain's fp32 inputs its error
     against the float64 stage is that rounding's, within 2^-11 / sqrt(3) = 2.8e-4 a product
-    (measured 2e-5 to 2.8e-4), far from its tiers' 1e-7 with three
-    products (the pin: so the two-product path ran). At the saturated lower-bounded gate (every
-    diagonal pairwise) dg's intra part cancels (q dq + k dk_row - k dk_col): the three-product
+    (measured 2e-5 to 2.8e-4), far from the pin's 1e-7 with three products (so the
+    two-product path ran). At the saturated lower-bounded gate (every diagonal pairwise)
+    dg's intra part cancels (q dq + k dk_row - k dk_col): the three-product
     form is 1e-5 there, this one 5.8e-3, under fla's dg budget (0.02). On the H200 its error
     is 0.13-0.39 of fla's stage at prod8192_gate and prod8192_layer_safe (stages.jsonl at
     3c7ec7f), and tests/test_gpu.py holds it to fla's own error on the chain's gates; in the
@@ -122,7 +121,7 @@ def test_two_product_dots_round_one_operand(p, scale, shift):
     inputs = stage_inputs(p, gate_scale=scale, gate_shift=shift)
     want = exact(inputs)
     got = intra_bwd.intra_bwd(**inputs, design="wide-halves-pf-x2")
-    three = intra_bwd.intra_bwd(**inputs, design=PIN3)
+    three = intra_bwd.intra_bwd(**inputs, design=intra_bwd.PIN)
     saturated = scale == 0.0
     for n, a, b, c in zip(("dq", "dk", "db", "dg"), got, want, three):
         err, three_err = ref.rel_rms(a, b), ref.rel_rms(c, b)
@@ -205,7 +204,7 @@ def test_the_kernel_takes_the_tier_the_spec_names():
     put the four chunks on the chunk anchor, the half-chunk anchors, the per-block anchors
     and the pairwise diagonals (the half span 16 steps, the block span 15; the second K
     slice gentler), T=250 (a last chunk of 58 rows). Where the spec names the chunk anchor
-    the pin's tiers' (wide-halves-pf) dq, dk and dg are wide-chunk's bit for bit, where it names the per-block form
+    the pin's dq, dk and dg are wide-chunk's bit for bit, where it names the per-block form
     wide's, and where it names the halves neither's."""
     p = Problem("tiers", 1, 250, 2, 2, 64, 16)
     inputs = stage_inputs(p)
@@ -221,10 +220,10 @@ def test_the_kernel_takes_the_tier_the_spec_names():
     tiers = tiers_of(inputs["gc"])
     assert tiers[0, :, 0, 0].tolist() == [0, 1, 2, 3], tiers
     assert set(tiers.unique().tolist()) == {0, 1, 2, 3}, tiers
-    run = {d: intra_bwd.intra_bwd(**inputs, design=d) for d in (PIN3, "wide-chunk", "wide")}
+    run = {d: intra_bwd.intra_bwd(**inputs, design=d) for d in (intra_bwd.PIN, "wide-chunk", "wide")}
     per_row = tiers.repeat_interleave(64, 1)[:, :gc.shape[1]].repeat_interleave(32, 3)  # [B, T, HV, K]
     for i, name in ((0, "dq"), (1, "dk"), (3, "dg")):
-        pin, chunk, wide = (run[d][i] for d in (PIN3, "wide-chunk", "wide"))
+        pin, chunk, wide = (run[d][i] for d in (intra_bwd.PIN, "wide-chunk", "wide"))
         on = per_row == 0
         assert torch.equal(pin[on], chunk[on]), name
         on = per_row >= 2
@@ -272,12 +271,12 @@ def test_guard_takes_each_path_where_it_should():
     assert not all(torch.equal(a, b) for a, b in zip(intra_bwd.intra_bwd(**inputs, design="wide-chunk"),
                                                       intra_bwd.intra_bwd(**inputs, design="wide")))
     assert all(torch.equal(a, b) for a, b in zip(intra_bwd.intra_bwd(**saturated, design="wide-chunk"), anchored))
-    # the pin's tiers (wide-halves-pf) likewise: the per-block form where neither anchor passes the guard
-    assert all(torch.equal(a, b) for a, b in zip(intra_bwd.intra_bwd(**saturated, design=PIN3), anchored))
+    # the pin (wide-halves-pf) likewise: the per-block form where neither anchor passes the guard
+    assert all(torch.equal(a, b) for a, b in zip(intra_bwd.intra_bwd(**saturated), anchored))
 
 
 def test_the_half_chunk_anchors_take_the_chunks_they_should():
-    """The pin's tiers (wide-halves-pf, the half-chunk tier): where the whole chunk's anchor passes the guard, wide-chunk's result bit
+    """The pin (the half-chunk tier): where the whole chunk's anchor passes the guard, wide-chunk's result bit
     for bit; where it does not but each 32-row half's does (a log-decay of 3 a token: 96
     through the chunk's middle, 48 through each half's), its own path (not the per-block
     form's bits), and both exact against the float64 stage."""
@@ -287,9 +286,9 @@ def test_the_half_chunk_anchors_take_the_chunks_they_should():
     weak = dict(inputs, gc=(-0.01 * t).expand_as(gc).contiguous())
     steep = dict(inputs, gc=(-3.0 * t).expand_as(gc).contiguous())
     run = lambda x, d: intra_bwd.intra_bwd(**x, design=d)  # noqa: E731
-    assert all(torch.equal(a, b) for a, b in zip(run(weak, PIN3), run(weak, "wide-chunk")))
-    check(steep, designs=("wide-chunk", PIN3))
-    assert not all(torch.equal(a, b) for a, b in zip(run(steep, PIN3), run(steep, "wide-chunk")))
+    assert all(torch.equal(a, b) for a, b in zip(run(weak, intra_bwd.PIN), run(weak, "wide-chunk")))
+    check(steep, designs=("wide-chunk", intra_bwd.PIN))
+    assert not all(torch.equal(a, b) for a, b in zip(run(steep, intra_bwd.PIN), run(steep, "wide-chunk")))
 
 
 # --------------------------------------------------------------------------------------

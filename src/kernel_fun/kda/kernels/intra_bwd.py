@@ -151,7 +151,7 @@ def _gate_bwd(st, n_t, dy, g_raw, dt_bias, dg_out, A, lower_bound, o_k, m_k,
 @triton.jit
 def _wide_rows(dAqk, dAkk, k, g, st, lo, ar, n_t, o_k, m_k, g_c, acc_q, acc_kr,
                HV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, SK: tl.constexpr, SG: tl.constexpr,
-               P: tl.constexpr = 3):
+               P: tl.constexpr):
     """The row role of column block j (columns st .. st + BC - 1) for every row r >= lo,
     through the block's row ar, e_j: sum_s dA[r, s] k_s exp2(e_j - g_s) as one [BT, BC] x
     [BC, BK] dot, times exp2(g_r - e_j). With ar the block's last row every k factor is <= 1
@@ -182,7 +182,7 @@ def _wide_rows(dAqk, dAkk, k, g, st, lo, ar, n_t, o_k, m_k, g_c, acc_q, acc_kr,
 @triton.jit
 def _wide_cols(dAqk, dAkk, q, k, g, beta, st, hi, ar, n_t, o_k, m_k, g_c, acc_c,
                HV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, SK: tl.constexpr, SG: tl.constexpr,
-               P: tl.constexpr = 3):
+               P: tl.constexpr):
     """The column role of row block i (rows st .. st + BC - 1) for every column s < hi,
     through the block's row ar, a_i: sum_r dA[r, s] (q_r, beta_r k_r) exp2(g_r - a_i) as
     [BT, BC] x [BC, BK] dots of dA's rows of block i transposed, times exp2(a_i - g_s).
@@ -245,7 +245,7 @@ def _wide_diag_step(jj, q, k, g, beta, dAqk, dAkk, n_t, g_c, pair, o_k, m_k, acc
 
 @triton.jit
 def _chunk_sums(q, k, g, beta, dAqk, dAkk, n_t, t, g_c, gm, o_k, m_k,
-                HV: tl.constexpr, BT: tl.constexpr, SK: tl.constexpr, SG: tl.constexpr, P: tl.constexpr = 3):
+                HV: tl.constexpr, BT: tl.constexpr, SK: tl.constexpr, SG: tl.constexpr, P: tl.constexpr):
     """B7's three sums through one anchor for the whole chunk, its middle row gm (the caller
     checked every factor exp2(+-(g - gm)) within 2^GUARD_SPAN): each role one [BT, BT] x
     [BT, BK] dot per dA, the factor's other half applied once after."""
