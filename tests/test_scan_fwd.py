@@ -65,6 +65,32 @@ def test_scan_with_output_matches_f7_then_f8(p):
     assert errors.get("ht", 0.0) <= (1e-6 if INTERPRETING else 1e-4), errors
 
 
+@pytest.mark.parametrize("p", [SHAPES[0], SHAPES[2], SHAPES[3], SHAPES[5]], ids=lambda p: p.name)
+@pytest.mark.parametrize("design", ["scan-hoist", "scan-pf", "scan-hoist-pf"])
+def test_load_schedules_compute_the_same(p, design):
+    """The designs that only move loads (every load of a chunk before the step's first dot;
+    the next chunk's rows asked of L2) give the plain scan's o, states and final state bit
+    for bit, reading qg or forming it, and as B3 without o (T not a multiple of 64, packed
+    ragged sequences, GVA with h0, fp16, K and V of no power of two)."""
+    f7, f8, _, _ = f7_f8_inputs(p)
+    flags = scan_fwd.DESIGNS[design]
+    q, gc = f8["q"], f7["gc"]
+    qg = (q.repeat_interleave(gc.shape[2] // q.shape[2], dim=2).float() * torch.exp2(gc)).to(q.dtype)
+    common = dict(q=q, kg=f7["kg"], w=f7["w"], u=f7["u"], gc=gc, Aqk=f8["Aqk"], scale=f8["scale"],
+                  initial_state=f7["initial_state"], output_final_state=f7["output_final_state"],
+                  chunk_size=f7["chunk_size"], cu_seqlens=f7["cu_seqlens"], save_states=True, BV=32, num_warps=4,
+                  num_stages=1)
+    for reads in (qg, None):
+        plain = scan_fwd.scan_fwd(**common, qg=reads)
+        moved = scan_fwd.scan_fwd(**common, qg=reads, **flags)
+        for a, b in zip(plain, moved):
+            assert (a is None and b is None) or torch.equal(a, b)
+    b3 = {n: f7[n] for n in ("kg", "w", "u", "gc", "initial_state", "output_final_state", "chunk_size", "cu_seqlens",
+                             "cu_seqlens_cpu", "chunk_indices", "state_v_first")}
+    for a, b in zip(scan_fwd.scan_states(**b3), scan_fwd.scan_states(**b3, **flags)):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
 def test_without_saving_states_o_is_the_same():
     f7, f8, _, _ = f7_f8_inputs(SHAPES[0])
     saved = run_ours(f7, f8, save_states=True)

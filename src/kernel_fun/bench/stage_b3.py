@@ -20,6 +20,7 @@ from kernel_fun.bench.stage import StageBench, main as _stage_main
 # one stage (206 registers, 41 KB) and at two (200, 98 KB); BV=128 at 8 warps, one.
 SWEEP = {"scan": [dict(BV=64, num_warps=4, num_stages=2), dict(BV=64, num_warps=4, num_stages=1),
                   dict(BV=128, num_warps=8, num_stages=2), dict(BV=32, num_warps=4, num_stages=2)]}
+SWEEP.update({d: SWEEP["scan"] for d in ("scan-pf", "scan-hoist", "scan-hoist-pf")})
 _SCAN = ("kg", "w", "u", "gc", "initial_state", "output_final_state", "chunk_size", "cu_seqlens", "cu_seqlens_cpu",
          "chunk_indices", "state_v_first")
 
@@ -53,13 +54,13 @@ def _exact(**inputs):
 def _ours(inputs, design, config):
     from kernel_fun.kda.kernels import scan_fwd
 
-    return scan_fwd.scan_states(**inputs, **(config or {}))
+    return scan_fwd.scan_states(**inputs, **(config or {}), **scan_fwd.DESIGNS[design])
 
 
 def _launch_config(p, design, overrides):
     from kernel_fun.kda.kernels import scan_fwd
 
-    if design != "scan":
+    if design not in ("scan", "scan-pf", "scan-hoist", "scan-hoist-pf"):
         raise ValueError(f"unknown B3 design {design!r}")
     return {**scan_fwd.STATES_CONFIG, **(overrides or {})}
 

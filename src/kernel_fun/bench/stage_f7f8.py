@@ -30,7 +30,8 @@ from kernel_fun.bench.stage import StageBench, chain_inputs, main as _stage_main
 _CONFIGS = [dict(BV=128, num_warps=8, num_stages=2), dict(BV=64, num_warps=8, num_stages=2),
             dict(BV=32, num_warps=4, num_stages=2), dict(BV=64, num_warps=4, num_stages=1),
             dict(BV=32, num_warps=4, num_stages=1)]
-SWEEP = {"scan": _CONFIGS, "scan-forms-qg": _CONFIGS}
+SWEEP = {"scan": _CONFIGS, "scan-forms-qg": _CONFIGS, "scan-hoist": _CONFIGS, "scan-pf": _CONFIGS,
+         "scan-hoist-pf": _CONFIGS}
 
 
 def scan_bytes(p) -> int:
@@ -71,7 +72,8 @@ def _ours(inputs, design, config):
 
     if design == "scan-forms-qg":
         inputs = {**inputs, "qg": None}
-    return scan_fwd.scan_output(**inputs, **(config or _launch_config(None, design, None, inputs)))
+    return scan_fwd.scan_output(**inputs, **(config or _launch_config(None, design, None, inputs)),
+                                **scan_fwd.DESIGNS[design])
 
 
 def _launch_config(p, design, overrides, inputs=None):
@@ -84,7 +86,7 @@ def _launch_config(p, design, overrides, inputs=None):
         chains, V = (kg.shape[0] if cu is None else len(cu) - 1) * kg.shape[2], inputs["u"].shape[3]
     else:
         chains, V = (p.B if p.cu_seqlens is None else len(p.cu_seqlens) - 1) * p.HV, p.V
-    return {**scan_fwd.launch_config(chains, V, reads_qg=design == "scan"), **(overrides or {})}
+    return {**scan_fwd.launch_config(chains, V, reads_qg=design != "scan-forms-qg"), **(overrides or {})}
 
 
 def _misses(vs_exact, fla_exact, vs_fla):
@@ -94,7 +96,7 @@ def _misses(vs_exact, fla_exact, vs_fla):
 
 
 BENCH = StageBench(stage="F7-F8", make_inputs=make_inputs, bytes=scan_bytes, fla=_fla, exact=_exact, ours=_ours,
-                   launch_config=_launch_config, misses=_misses, sweep=SWEEP, designs=tuple(SWEEP))
+                   launch_config=_launch_config, misses=_misses, sweep=SWEEP, designs=("scan", "scan-forms-qg"))
 
 
 def main(argv=None) -> int:

@@ -38,11 +38,13 @@ dependent dots waiting on its own loads.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from kernel_fun._triton import dot, to
+from kernel_fun._triton import dot, prefetch_rows, to
 from kernel_fun.kda.stages import add_impl
 
 
@@ -52,6 +54,7 @@ def scan_fwd_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr,
     STORE_HT: tl.constexpr, SAVE_STATES: tl.constexpr, WITH_O: tl.constexpr = True, QG: tl.constexpr = False,
+    HOIST: tl.constexpr = False, PREFETCH: tl.constexpr = False,
 ):
     """The scan on one (sequence, value head, V slice); without WITH_O (the backward's B3)
     only the states: h and v_new written, o's loads and dots compiled out."""
@@ -88,32 +91,66 @@ def scan_fwd_kernel(
         m_tv = m_t[:, None] & m_v[None, :]
         p_hk = (row0 + o_t)[:, None] * (HV * K) + i_hv * K + o_k[None, :]
         p_hv = (row0 + o_t)[:, None] * (HV * V) + i_hv * V + o_v[None, :]
+        i_last = tl.minimum(n_t, BT) - 1
+        if HOIST:  # every load of the chunk issued before the step's first dot
+            b_w = tl.load(w + p_hk, mask=m_tk, other=0)
+            b_u = tl.load(u + p_hv, mask=m_tv, other=0)
+            if WITH_O:
+                if QG:
+                    b_qg = tl.load(qg + p_hk, mask=m_tk, other=0)
+                else:
+                    b_q = tl.load(q + (row0 + o_t)[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_tk, other=0)
+                    b_g = tl.load(g + p_hk, mask=m_tk, other=0).to(tl.float32)
+                    b_qg = to(b_q.to(tl.float32) * tl.exp2(b_g), q.dtype.element_ty)
+                b_A = tl.load(Aqk + (row0 + o_t)[:, None] * (HV * BT) + i_hv * BT + o_t[None, :], mask=m_t[:, None],
+                              other=0)
+            b_gl = tl.load(g + (row0 + i_last) * (HV * K) + i_hv * K + o_k, mask=m_k, other=0).to(tl.float32)
+            b_kg = tl.load(kg + p_hk, mask=m_tk, other=0)
+        if PREFETCH:  # the next chunk's rows asked of L2 while this step runs
+            r_n = row0 + BT + o_t
+            m_n = o_t < n_t - BT
+            prefetch_rows(w + i_hv * K, r_n, HV * K, m_n, K)
+            prefetch_rows(kg + i_hv * K, r_n, HV * K, m_n, K)
+            prefetch_rows(u + i_hv * V + i_v * BV, r_n, HV * V, m_n, BV)
+            if WITH_O:
+                if QG:
+                    prefetch_rows(qg + i_hv * K, r_n, HV * K, m_n, K)
+                else:
+                    prefetch_rows(q + i_h * K, r_n, H * K, m_n, K)
+                    prefetch_rows(g + i_hv * K, r_n, HV * K, m_n, K)
+                prefetch_rows(Aqk + i_hv * BT, r_n, HV * BT, m_n, BT)
+            r_gl = row0 + BT + tl.minimum(n_t - BT, BT) - 1 + tl.zeros([1], dtype=tl.int64)
+            prefetch_rows(g + i_hv * K, r_gl, HV * K, r_gl < bos + T_seq, K)
 
         b_Sb = to(b_S, kg.dtype.element_ty)
         if SAVE_STATES:
             tl.store(h + ((boh + i_c) * HV + i_hv) * K * V + p_kv, b_Sb, mask=m_kv)
-        b_w = tl.load(w + p_hk, mask=m_tk, other=0)
-        b_u = tl.load(u + p_hv, mask=m_tv, other=0).to(tl.float32)
-        b_vn = to(b_u - dot(b_w, b_Sb), u.dtype.element_ty)
+        if not HOIST:
+            b_w = tl.load(w + p_hk, mask=m_tk, other=0)
+            b_u = tl.load(u + p_hv, mask=m_tv, other=0)
+        b_vn = to(b_u.to(tl.float32) - dot(b_w, b_Sb), u.dtype.element_ty)
         if SAVE_STATES:
             tl.store(v_new + p_hv, b_vn, mask=m_tv)
 
         if WITH_O:
-            if QG:  # q exp2(g) as F6 rounded it, read instead of q and g
-                b_qg = tl.load(qg + p_hk, mask=m_tk, other=0)
+            if HOIST:
+                b_A = to(tl.where(o_t[None, :] <= o_t[:, None], b_A, 0), u.dtype.element_ty)
             else:
-                b_q = tl.load(q + (row0 + o_t)[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_tk, other=0)
-                b_g = tl.load(g + p_hk, mask=m_tk, other=0).to(tl.float32)
-                b_qg = to(b_q.to(tl.float32) * tl.exp2(b_g), q.dtype.element_ty)
-            m_A = m_t[:, None] & (o_t[None, :] <= o_t[:, None])
-            b_A = to(tl.load(Aqk + (row0 + o_t)[:, None] * (HV * BT) + i_hv * BT + o_t[None, :], mask=m_A, other=0),
-                     u.dtype.element_ty)
+                if QG:  # q exp2(g) as F6 rounded it, read instead of q and g
+                    b_qg = tl.load(qg + p_hk, mask=m_tk, other=0)
+                else:
+                    b_q = tl.load(q + (row0 + o_t)[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_tk, other=0)
+                    b_g = tl.load(g + p_hk, mask=m_tk, other=0).to(tl.float32)
+                    b_qg = to(b_q.to(tl.float32) * tl.exp2(b_g), q.dtype.element_ty)
+                m_A = m_t[:, None] & (o_t[None, :] <= o_t[:, None])
+                b_A = to(tl.load(Aqk + (row0 + o_t)[:, None] * (HV * BT) + i_hv * BT + o_t[None, :], mask=m_A,
+                                 other=0), u.dtype.element_ty)
             b_o = scale * dot(b_qg, b_Sb) + dot(b_A, b_vn)
             tl.store(o + p_hv, to(b_o, o.dtype.element_ty), mask=m_tv)
 
-        i_last = tl.minimum(n_t, BT) - 1
-        b_gl = tl.load(g + (row0 + i_last) * (HV * K) + i_hv * K + o_k, mask=m_k, other=0).to(tl.float32)
-        b_kg = tl.load(kg + p_hk, mask=m_tk, other=0)
+        if not HOIST:
+            b_gl = tl.load(g + (row0 + i_last) * (HV * K) + i_hv * K + o_k, mask=m_k, other=0).to(tl.float32)
+            b_kg = tl.load(kg + p_hk, mask=m_tk, other=0)
         b_S = b_S * tl.exp2(b_gl)[:, None] + dot(tl.trans(b_kg), b_vn)
 
     if STORE_HT:
@@ -157,15 +194,17 @@ def launch_config(sequence_heads: int, V: int, sms: int = 132, reads_qg: bool = 
 
 def scan_fwd(q, kg, w, u, gc, Aqk, scale, initial_state, output_final_state, chunk_size, cu_seqlens,
              save_states: bool = False, BV: int = DEFAULT_CONFIG["BV"], num_warps: int = DEFAULT_CONFIG["num_warps"],
-             num_stages: int = DEFAULT_CONFIG["num_stages"], qg=None):
+             num_stages: int = DEFAULT_CONFIG["num_stages"], qg=None, hoist: bool = False, prefetch: bool = False):
     """F7 + F8 with fla's contracts: returns (o in u's dtype, the final state fp32 or None,
-    h [B, NT, HV, K, V] and v_new when ``save_states``, else None, None). States in [K, V]."""
+    h [B, NT, HV, K, V] and v_new when ``save_states``, else None, None). States in [K, V].
+    ``hoist``: every load of a chunk issued before its step's first dot; ``prefetch``: the
+    next chunk's rows asked of L2 at the top of each step."""
     return _scan(q, kg, w, u, gc, Aqk, scale, initial_state, output_final_state, chunk_size, cu_seqlens, save_states,
-                 BV, num_warps, num_stages, qg=qg)
+                 BV, num_warps, num_stages, qg=qg, hoist=hoist, prefetch=prefetch)
 
 
 def _scan(q, kg, w, u, gc, Aqk, scale, initial_state, output_final_state, chunk_size, cu_seqlens, save_states,
-          BV, num_warps, num_stages, with_o: bool = True, qg=None):
+          BV, num_warps, num_stages, with_o: bool = True, qg=None, hoist: bool = False, prefetch: bool = False):
     B, T, HV, K = kg.shape
     H = q.shape[2] if with_o else HV
     V = u.shape[3]
@@ -192,7 +231,7 @@ def _scan(q, kg, w, u, gc, Aqk, scale, initial_state, output_final_state, chunk_
         cu_seqlens=cu_seqlens, chunk_offsets=chunk_offsets, scale=scale, T=T,
         H=H, HV=HV, K=K, V=V, BT=BT, BK=triton.next_power_of_2(K), BV=BV, IS_VARLEN=cu_seqlens is not None,
         HAS_H0=initial_state is not None, STORE_HT=output_final_state, SAVE_STATES=save_states, WITH_O=with_o,
-        QG=qg is not None,
+        QG=qg is not None, HOIST=hoist, PREFETCH=prefetch,
         num_warps=num_warps, num_stages=num_stages,
     )
     return o, ht, h, v_new
@@ -205,12 +244,13 @@ def scan_output(q, qg, kg, w, u, gc, Aqk, scale, initial_state, output_final_sta
     v_new when ``save_states``, else None, None); states in [K, V]."""
     if state_v_first:
         raise ValueError("the scan kernel keeps its states in [K, V]; the chain passes them so")
+    flags = {f: config.pop(f) for f in ("hoist", "prefetch") if f in config}
     if not config:
         N = kg.shape[0] if cu_seqlens is None else len(cu_seqlens) - 1
         sms = {"sms": torch.cuda.get_device_properties(kg.device).multi_processor_count} if kg.is_cuda else {}
         config = launch_config(N * kg.shape[2], u.shape[3], reads_qg=qg is not None, **sms)
     return scan_fwd(q, kg, w, u, gc, Aqk, scale, initial_state, output_final_state, chunk_size, cu_seqlens,
-                    save_states=save_states, qg=qg, **config)
+                    save_states=save_states, qg=qg, **config, **flags)
 
 
 scan_output.reads_qg = True  # the chain has F6 write qg for it (Dispatcher.wants)
@@ -236,7 +276,8 @@ def scan_states(kg, w, u, gc, initial_state, output_final_state, chunk_size, cu_
         raise ValueError("the scan kernel keeps its states in [K, V]; the chain passes them so")
     cfg = {**STATES_CONFIG, **config}
     _, ht, h, v_new = _scan(None, kg, w, u, gc, None, 1.0, initial_state, output_final_state, chunk_size, cu_seqlens,
-                            True, cfg["BV"], cfg["num_warps"], cfg["num_stages"], with_o=False)
+                            True, cfg["BV"], cfg["num_warps"], cfg["num_stages"], with_o=False,
+                            hoist=cfg.get("hoist", False), prefetch=cfg.get("prefetch", False))
     return h, v_new, ht
 
 
@@ -251,14 +292,24 @@ def supports(q, chunk_size, state_v_first=False, **_) -> str | None:
     return None
 
 
+# The designs by their load schedule (the flags of ``scan_fwd``): ``scan`` as the source
+# reads (sm_90a: a step's loads issued in three groups, each after the last group's dots),
+# ``-hoist`` every load of the chunk before the first dot, ``-pf`` the next chunk's rows
+# asked of L2 a step ahead.
+DESIGNS = {"scan": {}, "scan-forms-qg": {}, "scan-hoist": dict(hoist=True), "scan-pf": dict(prefetch=True),
+           "scan-hoist-pf": dict(hoist=True, prefetch=True)}
+
+
 def candidate(stage: str, design: str):
     """(implementation, supports) of the scan as the ``ours`` of ``stage`` ("F7-F8" with o,
     "B3" without), for a bench run that measures it in the whole op before it is registered
     (``python -m kernel_fun.bench --candidate F7-F8=scan``)."""
-    if design not in ("scan", "scan-forms-qg") or (design == "scan-forms-qg" and stage != "F7-F8"):
+    if design not in DESIGNS or (design == "scan-forms-qg" and stage != "F7-F8"):
         raise ValueError(f"unknown scan design {design!r} for {stage}")
-    f7f8 = scan_output if design == "scan" else scan_output_forming_qg
-    units = {"F7-F8": (f7f8, supports), "B3": (scan_states, lambda kg, **kw: supports(q=kg, **kw))}
+    flags = DESIGNS[design]
+    f7f8 = scan_output_forming_qg if design == "scan-forms-qg" else functools.partial(scan_output, **flags)
+    units = {"F7-F8": (f7f8, supports),
+             "B3": (functools.partial(scan_states, **flags), lambda kg, **kw: supports(q=kg, **kw))}
     if stage not in units:
         raise ValueError(f"scan_fwd has candidates for {sorted(units)}, not {stage!r}")
     return units[stage]
