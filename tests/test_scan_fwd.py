@@ -165,8 +165,8 @@ def test_bench_entry_inputs_run_and_count_bytes():
     inputs = stage_f7f8.make_inputs(p, DEVICE, seed=1)
     bench = stage_f7f8.BENCH
     exact = bench.exact(**inputs)
-    assert bench.designs == ("scan", "scan-forms-qg") and inputs["qg"].shape == inputs["kg"].shape
-    for design in bench.designs:
+    assert bench.designs == ("scan-hoist",) and inputs["qg"].shape == inputs["kg"].shape
+    for design in scan_fwd.DESIGNS:
         got = bench.ours(inputs, design, bench.launch_config(p, design, None))
         errors = stage_errors("F7-F8", got, exact)
         assert set(errors) == {"o", "final_state"} and all(e <= 5e-3 for e in errors.values()), (design, errors)

@@ -96,7 +96,7 @@ def _misses(vs_exact, fla_exact, vs_fla):
 
 
 BENCH = StageBench(stage="F7-F8", make_inputs=make_inputs, bytes=scan_bytes, fla=_fla, exact=_exact, ours=_ours,
-                   launch_config=_launch_config, misses=_misses, sweep=SWEEP, designs=("scan", "scan-forms-qg"))
+                   launch_config=_launch_config, misses=_misses, sweep=SWEEP, designs=("scan-hoist",))
 
 
 def main(argv=None) -> int:

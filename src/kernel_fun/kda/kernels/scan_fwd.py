@@ -171,13 +171,13 @@ STEP_CONFIGS = {32: (dict(BV=32, num_warps=4, num_stages=2), 3.2), 64: (dict(BV=
 
 
 # Reading F6's qg (q exp2(g) in q's dtype) instead of q and the fp32 cumsum: 72 KB a chunk
-# step at BV=64 against 104, and no exp2 in the chain. Measured (H200, synthetic prod8192_gate
-# inputs, docs/log/scan.md): BV=64 at 4 warps and one stage (two programs an SM) 2.37 ms
-# against 3.58 forming qg, and against the forming pin's 3.19 (BV=128); o bit for bit the
-# same. Step latency at one chain (us), and programs an SM:
-QG_STEP_CONFIGS = {32: (dict(BV=32, num_warps=4, num_stages=2), 2.8, 1),
-                   64: (dict(BV=64, num_warps=4, num_stages=1), 3.9, 2),
-                   128: (dict(BV=128, num_warps=8, num_stages=2), 5.0, 1)}
+# step at BV=64 against 104, and no exp2 in the chain; every load of the chunk issued before
+# the step's first dot (``hoist``, the pin). Step latency at one chain (us, step8192 / 128,
+# H200, stages.jsonl at 9a888c5) and programs an SM (sm_90a: BV=32 192 registers, BV=64 255
+# with 44 B of spills, both 4 warps and one stage; BV=128 8 warps, 255):
+QG_STEP_CONFIGS = {32: (dict(BV=32, num_warps=4, num_stages=1), 2.2, 2),
+                   64: (dict(BV=64, num_warps=4, num_stages=1), 2.7, 2),
+                   128: (dict(BV=128, num_warps=8, num_stages=1), 4.7, 1)}
 
 
 def launch_config(sequence_heads: int, V: int, sms: int = 132, reads_qg: bool = False) -> dict:
@@ -244,7 +244,7 @@ def scan_output(q, qg, kg, w, u, gc, Aqk, scale, initial_state, output_final_sta
     v_new when ``save_states``, else None, None); states in [K, V]."""
     if state_v_first:
         raise ValueError("the scan kernel keeps its states in [K, V]; the chain passes them so")
-    flags = {f: config.pop(f) for f in ("hoist", "prefetch") if f in config}
+    flags = dict(hoist=config.pop("hoist", True), prefetch=config.pop("prefetch", False))  # the pin: scan-hoist
     if not config:
         N = kg.shape[0] if cu_seqlens is None else len(cu_seqlens) - 1
         sms = {"sms": torch.cuda.get_device_properties(kg.device).multi_processor_count} if kg.is_cuda else {}
@@ -259,7 +259,7 @@ scan_output.reads_qg = True  # the chain has F6 write qg for it (Dispatcher.want
 def scan_output_forming_qg(**inputs):
     """The unit forming q exp2(g) from q and the cumsum itself (the design before
     ``scan_output`` read F6's qg; a candidate for measuring the two side by side)."""
-    return scan_output(**{**inputs, "qg": None})
+    return scan_output(**{**inputs, "qg": None, **DESIGNS["scan-forms-qg"]})
 
 
 # B3's pin (without o a program holds less): BV=64 at 4 warps, two programs an SM, measured
@@ -296,7 +296,8 @@ def supports(q, chunk_size, state_v_first=False, **_) -> str | None:
 # reads (sm_90a: a step's loads issued in three groups, each after the last group's dots),
 # ``-hoist`` every load of the chunk before the first dot, ``-pf`` the next chunk's rows
 # asked of L2 a step ahead.
-DESIGNS = {"scan": {}, "scan-forms-qg": {}, "scan-hoist": dict(hoist=True), "scan-pf": dict(prefetch=True),
+DESIGNS = {"scan": dict(hoist=False, prefetch=False), "scan-forms-qg": dict(hoist=False, prefetch=False),
+           "scan-hoist": dict(hoist=True, prefetch=False), "scan-pf": dict(hoist=False, prefetch=True),
            "scan-hoist-pf": dict(hoist=True, prefetch=True)}
 
 
