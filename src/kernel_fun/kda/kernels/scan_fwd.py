@@ -14,26 +14,32 @@ with the roundings where fla's two kernels make them (h, v_new, q*exp2(g) and Aq
 input dtype before their dots; fp32 accumulation). The chain's unit reads F6's qg (q exp2(g)
 in q's dtype, which fla's F3-F6 writes when asked: ``scan_output.reads_qg``) in place of q
 and the fp32 cumsum: less to load a step and no exp2 before its first dot, so BV=64 fits at
-4 warps and one stage, two programs an SM. The kernel that forms qg itself stays as the
-candidate ``scan-forms-qg``. ``save_states`` also writes h and v_new
-(``disable_recompute``'s saved tensors); ``scan_states`` is the backward's B3 (F7
-recomputed) from the same kernel with o compiled out (a candidate: no gain in the op).
+4 warps and one stage, two programs an SM. The pinned load schedule (``HOIST``) issues
+every load of a chunk (w, u, qg, Aqk by rows with the causal mask applied after, g's last
+row, kg) before the step's first dot, so no load waits behind a dot; ``PREFETCH`` (asking
+L2 for the next chunk's rows a step ahead) and the in-order schedule stay as candidates
+(``DESIGNS``). The kernel that forms qg itself stays as the candidate ``scan-forms-qg``.
+``save_states`` also writes h and v_new (``disable_recompute``'s saved tensors);
+``scan_states`` is the backward's B3 (F7 recomputed) from the same kernel with o compiled
+out (a candidate: no gain in the op).
 
 Numerics: the chunk loop is the sequential recurrence, in fla's order; only the blocking
-inside each dot reassociates fp32 sums. o is bit for bit fla's on the H200.
+inside each dot reassociates fp32 sums. o is bit for bit fla's on the H200, in every load
+schedule.
 
 Falls back (``supports``): chunk size other than 64, K > 256. No CTA floor: at the V slice
 the launch picks (``launch_config``: the least waves x measured step latency, from
 ``QG_STEP_CONFIGS`` / ``STEP_CONFIGS``) it measured at least fla's F7 + F8 down to one
 chain.
 
-Measured (H200, bench/results/stages.jsonl and chunk_kda.jsonl at 6a72acf; the rounds in
-docs/log/scan.md): alone, prod8192_gate 2.59 ms (BV=64) against fla's F7 + F8 4.04 (1.56x;
-forming qg 3.40), kimi 1.46 against 2.38, step8192 (one head, 128 chunk steps) 0.299 against
-0.318. In the whole op the unit takes 2.42 ms, F3-F6 pays 0.35 for writing qg, and fwd+bwd
-is 32.39 against 32.83 with the forming kernel. The time is waves x steps x the step's
-latency (~5 us a step), not the 5.1 GB it moves (1.20 ms floor): each step is a chain of
-dependent dots waiting on its own loads.
+Measured (H200, bench/results/stages.jsonl at 9a888c5, chunk_kda.jsonl at adf203d; the
+rounds in docs/log/scan.md): alone, prod8192_gate 2.42 ms (BV=64, 4w/1s; sm_90a 255
+registers, 44 B spilled) against fla's F7 + F8 3.94 (1.63x; in order 2.61), step8192 (one
+head, 128 chunk steps) 0.279 at BV=32 against 0.300. In the whole op: forward 8.40 ms
+against 9.28 with the in-order schedule, fwd+bwd 31.81 (fla 47.02). The unit is 2x its
+1.20 ms floor and bound by L2 bandwidth (ncu: 88% of L2 throughput with prefetching): each
+of a head's V-slice programs reads the chunk's qg, kg and w itself, ~9.4 GB from L2 for
+5.1 GB of distinct data.
 """
 
 from __future__ import annotations
