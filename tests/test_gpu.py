@@ -448,6 +448,30 @@ def test_scan_with_output_matches_fla_f7_f8(p):
     auto = scan_fwd.scan_output(**unit)
     errors = {"o": ref.rel_rms(auto[0], o), "h": ref.rel_rms(auto[2], h), "v_new": ref.rel_rms(auto[3], v_new)}
     assert all(e <= 2e-3 for e in errors.values()), errors
+    # the load schedules at the pin's config: the in-order kernel's results bit for bit
+    pin = dict(BV=64, num_warps=4, num_stages=1)
+    plain = scan_fwd.scan_output(**unit, **pin, **scan_fwd.DESIGNS["scan"])
+    for design in ("scan-hoist", "scan-pf", "scan-hoist-pf"):
+        moved = scan_fwd.scan_output(**unit, **pin, **scan_fwd.DESIGNS[design])
+        assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(plain, moved)), design
+    # the transposed state at each config the stage bench times, against fla's F7 + F8 and
+    # as B3 against fla's F7's h and v_new
+    b3 = {n: unit[n] for n in ("kg", "w", "u", "gc", "initial_state", "output_final_state", "chunk_size",
+                               "cu_seqlens", "cu_seqlens_cpu", "chunk_indices", "state_v_first")}
+    for cfg in (dict(BV=64, num_warps=4, num_stages=2), dict(BV=128, num_warps=8, num_stages=2),
+                dict(BV=128, num_warps=8, num_stages=1), dict(BV=256, num_warps=16, num_stages=2)):
+        vk = scan_fwd.scan_output(**unit, **cfg, **scan_fwd.DESIGNS["scan-vk"])
+        errors = {"o": ref.rel_rms(vk[0], o), "h": ref.rel_rms(vk[2], h), "v_new": ref.rel_rms(vk[3], v_new)}
+        if ht is not None:
+            errors["ht"] = ref.rel_rms(vk[1], ht)
+        print(p.name, "scan-vk", cfg, "vs fla F7+F8", errors)
+        assert all(torch.isfinite(t).all() for t in (vk[0], vk[2], vk[3]))
+        assert all(e <= 2e-3 for e in errors.values()), (cfg, errors)
+        bh, bv, bht = scan_fwd.scan_states(**b3, **cfg, vk=True)
+        errors = {"h": ref.rel_rms(bh, h), "v_new": ref.rel_rms(bv, v_new)}
+        if ht is not None:
+            errors["ht"] = ref.rel_rms(bht, ht)
+        assert all(e <= 2e-3 for e in errors.values()), ("B3", cfg, errors)
 
 
 # --------------------------------------------------------------------------------------

@@ -91,6 +91,42 @@ def test_load_schedules_compute_the_same(p, design):
         assert (a is None and b is None) or torch.equal(a, b)
 
 
+@pytest.mark.parametrize("p", SHAPES, ids=lambda p: p.name)
+def test_transposed_state_computes_the_same(p):
+    """The kernel holding the state transposed (S^T: the V slice on every dot's M side)
+    against the plain scan: o, h, v_new and the final state reading qg or forming it, and
+    as B3 without o, at one and two V slices (T not a multiple of 64, packed ragged
+    sequences, GVA with h0, fp16, K and V of no power of two). Under the interpreter the
+    transposed products sum in the same order: the same to fp32 rounding."""
+    f7, f8, _, _ = f7_f8_inputs(p)
+    q, gc = f8["q"], f7["gc"]
+    qg = (q.repeat_interleave(gc.shape[2] // q.shape[2], dim=2).float() * torch.exp2(gc)).to(q.dtype)
+    common = dict(q=q, kg=f7["kg"], w=f7["w"], u=f7["u"], gc=gc, Aqk=f8["Aqk"], scale=f8["scale"],
+                  initial_state=f7["initial_state"], output_final_state=f7["output_final_state"],
+                  chunk_size=f7["chunk_size"], cu_seqlens=f7["cu_seqlens"], save_states=True, num_warps=4,
+                  num_stages=1)
+    bound = 1e-6 if INTERPRETING else 2e-3
+    for reads in (qg, None):
+        plain = scan_fwd.scan_fwd(**common, qg=reads, BV=32)
+        for bv in (16, 32):
+            vk = scan_fwd.scan_fwd(**common, qg=reads, BV=bv, vk=True)
+            for name, a, b in zip(("o", "ht", "h", "v_new"), plain, vk):
+                assert (a is None) == (b is None), name
+                if a is not None:
+                    assert a.dtype == b.dtype and a.shape == b.shape, name
+                    assert ref.rel_rms(b, a) <= bound, (name, bv, ref.rel_rms(b, a))
+    b3 = {n: f7[n] for n in ("kg", "w", "u", "gc", "initial_state", "output_final_state", "chunk_size", "cu_seqlens",
+                             "cu_seqlens_cpu", "chunk_indices", "state_v_first")}
+    for name, a, b in zip(("h", "v_new", "ht"), scan_fwd.scan_states(**b3), scan_fwd.scan_states(**b3, vk=True)):
+        assert (a is None) == (b is None), name
+        if a is not None:
+            assert ref.rel_rms(b, a) <= bound, (name, ref.rel_rms(b, a))
+    # a wrong state in shows: the kernel read h0
+    if f7["initial_state"] is not None:
+        moved = scan_fwd.scan_fwd(**{**common, "initial_state": f7["initial_state"] * 2}, qg=qg, BV=32, vk=True)
+        assert ref.rel_rms(moved[0], plain[0]) > 1e-3
+
+
 def test_without_saving_states_o_is_the_same():
     f7, f8, _, _ = f7_f8_inputs(SHAPES[0])
     saved = run_ours(f7, f8, save_states=True)

@@ -31,7 +31,13 @@ _CONFIGS = [dict(BV=128, num_warps=8, num_stages=2), dict(BV=64, num_warps=8, nu
             dict(BV=32, num_warps=4, num_stages=2), dict(BV=64, num_warps=4, num_stages=1),
             dict(BV=32, num_warps=4, num_stages=1)]
 SWEEP = {"scan": _CONFIGS, "scan-forms-qg": _CONFIGS, "scan-hoist": _CONFIGS, "scan-pf": _CONFIGS,
-         "scan-hoist-pf": _CONFIGS}
+         "scan-hoist-pf": _CONFIGS,
+         # the transposed state (offline, the note at scan_fwd.VK_CONFIG: no spills at BV=64/4
+         # warps and BV=128/8 at one or two stages; BV=256 at 16 warps, one program a head,
+         # 668 B spilled)
+         "scan-vk": [dict(BV=64, num_warps=4, num_stages=2), dict(BV=64, num_warps=4, num_stages=1),
+                     dict(BV=128, num_warps=8, num_stages=2), dict(BV=128, num_warps=8, num_stages=1),
+                     dict(BV=256, num_warps=16, num_stages=2), dict(BV=32, num_warps=4, num_stages=2)]}
 
 
 def scan_bytes(p) -> int:
@@ -81,6 +87,8 @@ def _launch_config(p, design, overrides, inputs=None):
 
     if design not in SWEEP:
         raise ValueError(f"unknown F7-F8 design {design!r}")
+    if design == "scan-vk":
+        return {**scan_fwd.VK_CONFIG, **(overrides or {})}
     if p is None:  # from the inputs (a direct call without a config)
         kg, cu = inputs["kg"], inputs["cu_seqlens"]
         chains, V = (kg.shape[0] if cu is None else len(cu) - 1) * kg.shape[2], inputs["u"].shape[3]

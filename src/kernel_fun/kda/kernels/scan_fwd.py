@@ -163,6 +163,85 @@ def scan_fwd_kernel(
         tl.store(ht + i_nh.to(tl.int64) * K * V + p_kv, b_S, mask=m_kv)
 
 
+@triton.jit
+def scan_vk_kernel(
+    q, qg, kg, w, u, g, Aqk, h0, o, ht, h, v_new, cu_seqlens, chunk_offsets, scale, T,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr,
+    STORE_HT: tl.constexpr, SAVE_STATES: tl.constexpr, WITH_O: tl.constexpr, QG: tl.constexpr,
+):
+    """The same scan with the state held transposed, S^T [V slice, K]: the V slice is every
+    dot's M side, so h^T = bf16(S^T) and v_new^T are register (A) operands and only the
+    chunk's rows (w, qg, Aqk, kg) go through shared memory, where the pipeliner stages the
+    next chunk's while this one runs:
+
+        v_new^T = u^T - h^T w^T;  o^T = scale h^T qg^T + v_new^T tril(Aqk)^T
+        S^T     = S^T exp2(g_last) + v_new^T kg
+
+    The same roundings at the same points as ``scan_fwd_kernel``."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    i_h = i_hv // (HV // H)
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T_seq = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
+        boh = tl.load(chunk_offsets + i_n).to(tl.int64)
+    else:
+        bos = i_n.to(tl.int64) * T
+        T_seq = T
+        boh = i_n.to(tl.int64) * tl.cdiv(T, BT)
+    NT = tl.cdiv(T_seq, BT)
+
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    m_vk = m_v[:, None] & m_k[None, :]
+    p_vk = o_v[:, None] + o_k[None, :] * V  # S^T[v, k] of a [K, V] state
+
+    b_S = tl.zeros([BV, BK], dtype=tl.float32)
+    if HAS_H0:
+        b_S += tl.load(h0 + i_nh.to(tl.int64) * K * V + p_vk, mask=m_vk, other=0).to(tl.float32)
+
+    for i_c in range(0, NT):
+        row0 = bos + i_c * BT
+        n_t = T_seq - i_c * BT
+        m_t = o_t < n_t
+        m_kt = m_k[:, None] & m_t[None, :]
+        m_vt = m_v[:, None] & m_t[None, :]
+        p_kt = (row0 + o_t)[None, :] * (HV * K) + i_hv * K + o_k[:, None]  # [BK, BT] views of [T, K] rows
+        p_vt = (row0 + o_t)[None, :] * (HV * V) + i_hv * V + o_v[:, None]  # [BV, BT] views of [T, V] rows
+        i_last = tl.minimum(n_t, BT) - 1
+
+        b_wt = tl.load(w + p_kt, mask=m_kt, other=0)
+        b_ut = tl.load(u + p_vt, mask=m_vt, other=0)
+        b_Hb = to(b_S, kg.dtype.element_ty)  # h^T
+        if SAVE_STATES:
+            tl.store(h + ((boh + i_c) * HV + i_hv) * K * V + p_vk, b_Hb, mask=m_vk)
+        b_vn = to(b_ut.to(tl.float32) - dot(b_Hb, b_wt), u.dtype.element_ty)  # v_new^T
+        if SAVE_STATES:
+            tl.store(v_new + p_vt, b_vn, mask=m_vt)
+        if WITH_O:
+            if QG:
+                b_qgt = tl.load(qg + p_kt, mask=m_kt, other=0)
+            else:
+                b_qt = tl.load(q + (row0 + o_t)[None, :] * (H * K) + i_h * K + o_k[:, None], mask=m_kt, other=0)
+                b_gt = tl.load(g + p_kt, mask=m_kt, other=0).to(tl.float32)
+                b_qgt = to(b_qt.to(tl.float32) * tl.exp2(b_gt), q.dtype.element_ty)
+            m_A = m_t[None, :] & (o_t[:, None] <= o_t[None, :])  # Aqk^T[s, t] = Aqk[t, s] for s <= t
+            b_At = tl.load(Aqk + (row0 + o_t)[None, :] * (HV * BT) + i_hv * BT + o_t[:, None], mask=m_A, other=0)
+            b_o = scale * dot(b_Hb, b_qgt) + dot(b_vn, to(b_At, u.dtype.element_ty))
+            tl.store(o + p_vt, to(b_o, o.dtype.element_ty), mask=m_vt)
+        b_gl = tl.load(g + (row0 + i_last) * (HV * K) + i_hv * K + o_k, mask=m_k, other=0).to(tl.float32)
+        b_kg = tl.load(kg + (row0 + o_t)[:, None] * (HV * K) + i_hv * K + o_k[None, :],
+                       mask=m_t[:, None] & m_k[None, :], other=0)
+        b_S = b_S * tl.exp2(b_gl)[None, :] + dot(b_vn, b_kg)
+
+    if STORE_HT:
+        tl.store(ht + i_nh.to(tl.int64) * K * V + p_vk, b_S, mask=m_vk)
+
+
 # Compiled for sm_90a offline (K=128, V=256, H=HV=16; tools' compile_sm90), no spills:
 # num_stages=2 BV=128/8 warps 246 registers and 188 KB of shared memory, BV=64/8 242 and
 # 156 KB, BV=64/4 255 and 156 KB, BV=32/4 252 and 139 KB (one program an SM, every one);
@@ -186,6 +265,14 @@ QG_STEP_CONFIGS = {32: (dict(BV=32, num_warps=4, num_stages=1), 2.2, 2),
                    128: (dict(BV=128, num_warps=8, num_stages=1), 4.7, 1)}
 
 
+# The transposed kernel's config until its own step latencies are measured. sm_90a, K=128,
+# V=256, reading qg: BV=64 at 4 warps 251 registers and 104 KB of shared memory at two
+# stages (255 and 24 KB at one), no spills; BV=128 at 8 warps 238 at either (no spills);
+# BV=256 at 16 warps (one program a head) 128 registers and 668 B spilled; BV=32 has no
+# wgmma (an M side of 32).
+VK_CONFIG = dict(BV=64, num_warps=4, num_stages=2)
+
+
 def launch_config(sequence_heads: int, V: int, sms: int = 132, reads_qg: bool = False) -> dict:
     """The config for ``sequence_heads`` chains of V columns on ``sms`` SMs: the V slice
     whose waves times its step latency is least (forming qg, one program an SM:
@@ -200,17 +287,20 @@ def launch_config(sequence_heads: int, V: int, sms: int = 132, reads_qg: bool = 
 
 def scan_fwd(q, kg, w, u, gc, Aqk, scale, initial_state, output_final_state, chunk_size, cu_seqlens,
              save_states: bool = False, BV: int = DEFAULT_CONFIG["BV"], num_warps: int = DEFAULT_CONFIG["num_warps"],
-             num_stages: int = DEFAULT_CONFIG["num_stages"], qg=None, hoist: bool = False, prefetch: bool = False):
+             num_stages: int = DEFAULT_CONFIG["num_stages"], qg=None, hoist: bool = False, prefetch: bool = False,
+             vk: bool = False):
     """F7 + F8 with fla's contracts: returns (o in u's dtype, the final state fp32 or None,
     h [B, NT, HV, K, V] and v_new when ``save_states``, else None, None). States in [K, V].
     ``hoist``: every load of a chunk issued before its step's first dot; ``prefetch``: the
-    next chunk's rows asked of L2 at the top of each step."""
+    next chunk's rows asked of L2 at the top of each step; ``vk``: the kernel holding the
+    state transposed (``scan_vk_kernel``; hoist and prefetch do not apply to it)."""
     return _scan(q, kg, w, u, gc, Aqk, scale, initial_state, output_final_state, chunk_size, cu_seqlens, save_states,
-                 BV, num_warps, num_stages, qg=qg, hoist=hoist, prefetch=prefetch)
+                 BV, num_warps, num_stages, qg=qg, hoist=hoist, prefetch=prefetch, vk=vk)
 
 
 def _scan(q, kg, w, u, gc, Aqk, scale, initial_state, output_final_state, chunk_size, cu_seqlens, save_states,
-          BV, num_warps, num_stages, with_o: bool = True, qg=None, hoist: bool = False, prefetch: bool = False):
+          BV, num_warps, num_stages, with_o: bool = True, qg=None, hoist: bool = False, prefetch: bool = False,
+          vk: bool = False):
     B, T, HV, K = kg.shape
     H = q.shape[2] if with_o else HV
     V = u.shape[3]
@@ -232,14 +322,16 @@ def _scan(q, kg, w, u, gc, Aqk, scale, initial_state, output_final_state, chunk_
         h = torch.empty(B, NT_total // B, HV, K, V, device=u.device, dtype=kg.dtype)  # B = 1 when packed
         v_new = torch.empty_like(u)
     BV = min(BV, triton.next_power_of_2(V))
-    scan_fwd_kernel[(triton.cdiv(V, BV), N * HV)](
-        q=q, qg=qg, kg=kg, w=w, u=u, g=gc, Aqk=Aqk, h0=initial_state, o=o, ht=ht, h=h, v_new=v_new,
-        cu_seqlens=cu_seqlens, chunk_offsets=chunk_offsets, scale=scale, T=T,
-        H=H, HV=HV, K=K, V=V, BT=BT, BK=triton.next_power_of_2(K), BV=BV, IS_VARLEN=cu_seqlens is not None,
-        HAS_H0=initial_state is not None, STORE_HT=output_final_state, SAVE_STATES=save_states, WITH_O=with_o,
-        QG=qg is not None, HOIST=hoist, PREFETCH=prefetch,
-        num_warps=num_warps, num_stages=num_stages,
-    )
+    args = dict(q=q, qg=qg, kg=kg, w=w, u=u, g=gc, Aqk=Aqk, h0=initial_state, o=o, ht=ht, h=h, v_new=v_new,
+                cu_seqlens=cu_seqlens, chunk_offsets=chunk_offsets, scale=scale, T=T, H=H, HV=HV, K=K, V=V, BT=BT,
+                BK=triton.next_power_of_2(K), BV=BV, IS_VARLEN=cu_seqlens is not None,
+                HAS_H0=initial_state is not None, STORE_HT=output_final_state, SAVE_STATES=save_states,
+                WITH_O=with_o, QG=qg is not None, num_warps=num_warps, num_stages=num_stages)
+    grid = (triton.cdiv(V, BV), N * HV)
+    if vk:
+        scan_vk_kernel[grid](**args)
+    else:
+        scan_fwd_kernel[grid](**args, HOIST=hoist, PREFETCH=prefetch)
     return o, ht, h, v_new
 
 
@@ -250,8 +342,11 @@ def scan_output(q, qg, kg, w, u, gc, Aqk, scale, initial_state, output_final_sta
     v_new when ``save_states``, else None, None); states in [K, V]."""
     if state_v_first:
         raise ValueError("the scan kernel keeps its states in [K, V]; the chain passes them so")
-    flags = dict(hoist=config.pop("hoist", True), prefetch=config.pop("prefetch", False))  # the pin: scan-hoist
-    if not config:
+    flags = dict(hoist=config.pop("hoist", True), prefetch=config.pop("prefetch", False),  # the pin: scan-hoist
+                 vk=config.pop("vk", False))
+    if not config and flags["vk"]:
+        config = dict(VK_CONFIG)
+    elif not config:
         N = kg.shape[0] if cu_seqlens is None else len(cu_seqlens) - 1
         sms = {"sms": torch.cuda.get_device_properties(kg.device).multi_processor_count} if kg.is_cuda else {}
         config = launch_config(N * kg.shape[2], u.shape[3], reads_qg=qg is not None, **sms)
@@ -283,7 +378,8 @@ def scan_states(kg, w, u, gc, initial_state, output_final_state, chunk_size, cu_
     cfg = {**STATES_CONFIG, **config}
     _, ht, h, v_new = _scan(None, kg, w, u, gc, None, 1.0, initial_state, output_final_state, chunk_size, cu_seqlens,
                             True, cfg["BV"], cfg["num_warps"], cfg["num_stages"], with_o=False,
-                            hoist=cfg.get("hoist", False), prefetch=cfg.get("prefetch", False))
+                            hoist=cfg.get("hoist", False), prefetch=cfg.get("prefetch", False),
+                            vk=cfg.get("vk", False))
     return h, v_new, ht
 
 
@@ -301,10 +397,10 @@ def supports(q, chunk_size, state_v_first=False, **_) -> str | None:
 # The designs by their load schedule (the flags of ``scan_fwd``): ``scan`` as the source
 # reads (sm_90a: a step's loads issued in three groups, each after the last group's dots),
 # ``-hoist`` every load of the chunk before the first dot, ``-pf`` the next chunk's rows
-# asked of L2 a step ahead.
+# asked of L2 a step ahead; ``scan-vk`` the kernel holding the state transposed.
 DESIGNS = {"scan": dict(hoist=False, prefetch=False), "scan-forms-qg": dict(hoist=False, prefetch=False),
            "scan-hoist": dict(hoist=True, prefetch=False), "scan-pf": dict(hoist=False, prefetch=True),
-           "scan-hoist-pf": dict(hoist=True, prefetch=True)}
+           "scan-hoist-pf": dict(hoist=True, prefetch=True), "scan-vk": dict(hoist=False, prefetch=False, vk=True)}
 
 
 def candidate(stage: str, design: str):
