@@ -23,10 +23,10 @@ INTERPRETING = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
 @triton.jit
-def dot(a, b):
+def dot(a, b, acc=None):
     if INTERPRETING:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32))
-    return tl.dot(a, b)
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    return tl.dot(a, b, acc)
 
 
 # An anchored factor exp2(g_r - g_anchor) may pass 1 only while the gate's span through the

@@ -21,8 +21,7 @@ from kernel_fun.bench.stage import StageBench, main as _stage_main
 SWEEP = {"scan": [dict(BV=64, num_warps=4, num_stages=2), dict(BV=64, num_warps=4, num_stages=1),
                   dict(BV=128, num_warps=8, num_stages=2), dict(BV=32, num_warps=4, num_stages=2)]}
 SWEEP.update({d: SWEEP["scan"] for d in ("scan-pf", "scan-hoist", "scan-hoist-pf")})
-SWEEP["scan-vk"] = [dict(BV=64, num_warps=4, num_stages=2), dict(BV=128, num_warps=8, num_stages=2),
-                    dict(BV=128, num_warps=8, num_stages=1), dict(BV=256, num_warps=16, num_stages=2)]
+SWEEP["scan-vk"] = [dict(BV=64, num_warps=4, num_stages=2), dict(BV=128, num_warps=8, num_stages=2)]
 _SCAN = ("kg", "w", "u", "gc", "initial_state", "output_final_state", "chunk_size", "cu_seqlens", "cu_seqlens_cpu",
          "chunk_indices", "state_v_first")
 

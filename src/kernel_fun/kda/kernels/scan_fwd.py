@@ -164,16 +164,33 @@ def scan_fwd_kernel(
 
 
 @triton.jit
+def _vk_side_rows(Aqk, g, row0, n_t, i_hv, o_t, o_k1, o_k2, m_k1, m_k2, HV: tl.constexpr, K: tl.constexpr,
+                  BT: tl.constexpr, WITH_O: tl.constexpr):
+    """A chunk's Aqk^T [s, t] (its rows t < n_t, unmasked above the diagonal) and g's last
+    row in two halves of K; zeros past the sequence (n_t <= 0)."""
+    m_t = o_t < n_t
+    if WITH_O:
+        b_At = tl.load(Aqk + (row0 + o_t)[None, :] * (HV * BT) + i_hv * BT + o_t[:, None], mask=m_t[None, :], other=0)
+    else:
+        b_At = tl.zeros([1, 1], dtype=tl.float32)
+    r_l = (row0 + tl.maximum(tl.minimum(n_t, BT) - 1, 0)) * (HV * K) + i_hv * K
+    b_g1 = tl.load(g + r_l + o_k1, mask=m_k1 & (n_t > 0), other=0).to(tl.float32)
+    b_g2 = tl.load(g + r_l + o_k2, mask=m_k2 & (n_t > 0), other=0).to(tl.float32)
+    return b_At, b_g1, b_g2
+
+
+@triton.jit
 def scan_vk_kernel(
     q, qg, kg, w, u, g, Aqk, h0, o, ht, h, v_new, cu_seqlens, chunk_offsets, scale, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr,
     STORE_HT: tl.constexpr, SAVE_STATES: tl.constexpr, WITH_O: tl.constexpr, QG: tl.constexpr,
 ):
-    """The same scan with the state held transposed, S^T [V slice, K]: the V slice is every
-    dot's M side, so h^T = bf16(S^T) and v_new^T are register (A) operands and only the
-    chunk's rows (w, qg, Aqk, kg) go through shared memory, where the pipeliner stages the
-    next chunk's while this one runs:
+    """The same scan with the state held transposed, S^T [V slice, K], in two halves of K
+    (BK/2 channels each, K <= 128): the V slice is every dot's M side and every dot's N side
+    is 64, so h^T = bf16(S^T) and v_new^T are register (A) operands in their accumulators'
+    layout and only the chunk's rows (w, qg, Aqk, kg) go through shared memory, where the
+    pipeliner stages the next chunk's while this one runs:
 
         v_new^T = u^T - h^T w^T;  o^T = scale h^T qg^T + v_new^T tril(Aqk)^T
         S^T     = S^T exp2(g_last) + v_new^T kg
@@ -191,56 +208,73 @@ def scan_vk_kernel(
         T_seq = T
         boh = i_n.to(tl.int64) * tl.cdiv(T, BT)
     NT = tl.cdiv(T_seq, BT)
+    BKH: tl.constexpr = BK // 2
 
     o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
+    o_k1 = tl.arange(0, BKH)
+    o_k2 = BKH + tl.arange(0, BKH)
+    m_k1, m_k2 = o_k1 < K, o_k2 < K
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
-    m_vk = m_v[:, None] & m_k[None, :]
-    p_vk = o_v[:, None] + o_k[None, :] * V  # S^T[v, k] of a [K, V] state
+    p_vk1, p_vk2 = o_v[:, None] + o_k1[None, :] * V, o_v[:, None] + o_k2[None, :] * V  # S^T[v, k] of [K, V]
+    m_vk1, m_vk2 = m_v[:, None] & m_k1[None, :], m_v[:, None] & m_k2[None, :]
 
-    b_S = tl.zeros([BV, BK], dtype=tl.float32)
+    b_S1 = tl.zeros([BV, BKH], dtype=tl.float32)
+    b_S2 = tl.zeros([BV, BKH], dtype=tl.float32)
     if HAS_H0:
-        b_S += tl.load(h0 + i_nh.to(tl.int64) * K * V + p_vk, mask=m_vk, other=0).to(tl.float32)
+        p_h0 = h0 + i_nh.to(tl.int64) * K * V
+        b_S1 += tl.load(p_h0 + p_vk1, mask=m_vk1, other=0).to(tl.float32)
+        b_S2 += tl.load(p_h0 + p_vk2, mask=m_vk2, other=0).to(tl.float32)
 
     for i_c in range(0, NT):
         row0 = bos + i_c * BT
         n_t = T_seq - i_c * BT
         m_t = o_t < n_t
-        m_kt = m_k[:, None] & m_t[None, :]
+        # Aqk's rows and g's last row first (their latency behind the step's first dots:
+        # neither depends on the state)
+        b_At, b_g1, b_g2 = _vk_side_rows(Aqk, g, row0, n_t, i_hv, o_t, o_k1, o_k2, m_k1, m_k2, HV, K, BT, WITH_O)
         m_vt = m_v[:, None] & m_t[None, :]
-        p_kt = (row0 + o_t)[None, :] * (HV * K) + i_hv * K + o_k[:, None]  # [BK, BT] views of [T, K] rows
+        r_t = (row0 + o_t) * (HV * K) + i_hv * K  # the chunk's rows of [T, HV, K]
         p_vt = (row0 + o_t)[None, :] * (HV * V) + i_hv * V + o_v[:, None]  # [BV, BT] views of [T, V] rows
-        i_last = tl.minimum(n_t, BT) - 1
 
-        b_wt = tl.load(w + p_kt, mask=m_kt, other=0)
+        b_w1 = tl.load(w + r_t[None, :] + o_k1[:, None], mask=m_k1[:, None] & m_t[None, :], other=0)  # w^T
+        b_w2 = tl.load(w + r_t[None, :] + o_k2[:, None], mask=m_k2[:, None] & m_t[None, :], other=0)
         b_ut = tl.load(u + p_vt, mask=m_vt, other=0)
-        b_Hb = to(b_S, kg.dtype.element_ty)  # h^T
+        b_H1 = to(b_S1, kg.dtype.element_ty)  # h^T
+        b_H2 = to(b_S2, kg.dtype.element_ty)
         if SAVE_STATES:
-            tl.store(h + ((boh + i_c) * HV + i_hv) * K * V + p_vk, b_Hb, mask=m_vk)
-        b_vn = to(b_ut.to(tl.float32) - dot(b_Hb, b_wt), u.dtype.element_ty)  # v_new^T
+            p_h = h + ((boh + i_c) * HV + i_hv) * K * V
+            tl.store(p_h + p_vk1, b_H1, mask=m_vk1)
+            tl.store(p_h + p_vk2, b_H2, mask=m_vk2)
+        b_vn = to(b_ut.to(tl.float32) - dot(b_H2, b_w2, dot(b_H1, b_w1)), u.dtype.element_ty)  # v_new^T
         if SAVE_STATES:
             tl.store(v_new + p_vt, b_vn, mask=m_vt)
         if WITH_O:
             if QG:
-                b_qgt = tl.load(qg + p_kt, mask=m_kt, other=0)
+                b_q1 = tl.load(qg + r_t[None, :] + o_k1[:, None], mask=m_k1[:, None] & m_t[None, :], other=0)
+                b_q2 = tl.load(qg + r_t[None, :] + o_k2[:, None], mask=m_k2[:, None] & m_t[None, :], other=0)
             else:
-                b_qt = tl.load(q + (row0 + o_t)[None, :] * (H * K) + i_h * K + o_k[:, None], mask=m_kt, other=0)
-                b_gt = tl.load(g + p_kt, mask=m_kt, other=0).to(tl.float32)
-                b_qgt = to(b_qt.to(tl.float32) * tl.exp2(b_gt), q.dtype.element_ty)
-            m_A = m_t[None, :] & (o_t[:, None] <= o_t[None, :])  # Aqk^T[s, t] = Aqk[t, s] for s <= t
-            b_At = tl.load(Aqk + (row0 + o_t)[None, :] * (HV * BT) + i_hv * BT + o_t[:, None], mask=m_A, other=0)
-            b_o = scale * dot(b_Hb, b_qgt) + dot(b_vn, to(b_At, u.dtype.element_ty))
+                r_q = (row0 + o_t) * (H * K) + i_h * K
+                b_q1 = to(tl.load(q + r_q[None, :] + o_k1[:, None], mask=m_k1[:, None] & m_t[None, :], other=0)
+                          .to(tl.float32) * tl.exp2(tl.load(g + r_t[None, :] + o_k1[:, None],
+                                                            mask=m_k1[:, None] & m_t[None, :], other=0)),
+                          q.dtype.element_ty)
+                b_q2 = to(tl.load(q + r_q[None, :] + o_k2[:, None], mask=m_k2[:, None] & m_t[None, :], other=0)
+                          .to(tl.float32) * tl.exp2(tl.load(g + r_t[None, :] + o_k2[:, None],
+                                                            mask=m_k2[:, None] & m_t[None, :], other=0)),
+                          q.dtype.element_ty)
+            b_A = tl.where(o_t[:, None] <= o_t[None, :], b_At, 0).to(u.dtype.element_ty)  # Aqk^T, s <= t
+            b_o = scale * dot(b_H2, b_q2, dot(b_H1, b_q1)) + dot(b_vn, b_A)
             tl.store(o + p_vt, to(b_o, o.dtype.element_ty), mask=m_vt)
-        b_gl = tl.load(g + (row0 + i_last) * (HV * K) + i_hv * K + o_k, mask=m_k, other=0).to(tl.float32)
-        b_kg = tl.load(kg + (row0 + o_t)[:, None] * (HV * K) + i_hv * K + o_k[None, :],
-                       mask=m_t[:, None] & m_k[None, :], other=0)
-        b_S = b_S * tl.exp2(b_gl)[None, :] + dot(b_vn, b_kg)
+        b_k1 = tl.load(kg + r_t[:, None] + o_k1[None, :], mask=m_t[:, None] & m_k1[None, :], other=0)
+        b_k2 = tl.load(kg + r_t[:, None] + o_k2[None, :], mask=m_t[:, None] & m_k2[None, :], other=0)
+        b_S1 = b_S1 * tl.exp2(b_g1)[None, :] + dot(b_vn, b_k1)
+        b_S2 = b_S2 * tl.exp2(b_g2)[None, :] + dot(b_vn, b_k2)
 
     if STORE_HT:
-        tl.store(ht + i_nh.to(tl.int64) * K * V + p_vk, b_S, mask=m_vk)
-
+        p_ht = ht + i_nh.to(tl.int64) * K * V
+        tl.store(p_ht + p_vk1, b_S1, mask=m_vk1)
+        tl.store(p_ht + p_vk2, b_S2, mask=m_vk2)
 
 # Compiled for sm_90a offline (K=128, V=256, H=HV=16; tools' compile_sm90), no spills:
 # num_stages=2 BV=128/8 warps 246 registers and 188 KB of shared memory, BV=64/8 242 and
@@ -266,10 +300,9 @@ QG_STEP_CONFIGS = {32: (dict(BV=32, num_warps=4, num_stages=1), 2.2, 2),
 
 
 # The transposed kernel's config until its own step latencies are measured. sm_90a, K=128,
-# V=256, reading qg: BV=64 at 4 warps 251 registers and 104 KB of shared memory at two
-# stages (255 and 24 KB at one), no spills; BV=128 at 8 warps 238 at either (no spills);
-# BV=256 at 16 warps (one program a head) 128 registers and 668 B spilled; BV=32 has no
-# wgmma (an M side of 32).
+# V=256, reading qg: BV=64 at 4 warps 242 registers and 112 KB of shared memory at two
+# stages, no spills (255 and 72 B spilled at one); BV=128 at 8 warps 246 and 112 KB (255
+# and 36 B at one); BV=32 has no wgmma (an M side of 32).
 VK_CONFIG = dict(BV=64, num_warps=4, num_stages=2)
 
 
@@ -328,8 +361,10 @@ def _scan(q, kg, w, u, gc, Aqk, scale, initial_state, output_final_state, chunk_
                 HAS_H0=initial_state is not None, STORE_HT=output_final_state, SAVE_STATES=save_states,
                 WITH_O=with_o, QG=qg is not None, num_warps=num_warps, num_stages=num_stages)
     grid = (triton.cdiv(V, BV), N * HV)
-    if vk:
-        scan_vk_kernel[grid](**args)
+    if vk:  # two halves of K, each at least 32 channels wide (no 32-byte wgmma operand rows)
+        if K > 128:
+            raise ValueError(f"the transposed-state scan holds K <= 128 in two halves; got K={K}")
+        scan_vk_kernel[grid](**{**args, "BK": max(64, args["BK"])})
     else:
         scan_fwd_kernel[grid](**args, HOIST=hoist, PREFETCH=prefetch)
     return o, ht, h, v_new
