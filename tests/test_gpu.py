@@ -235,7 +235,8 @@ def _whole_op(p: Problem = PROD):
 def test_launch_witness_at_prod8192_gate():
     """The whole op at prod8192_gate: the F7-F8 unit, B6 and the B7-B9 unit ran kernel-fun's
     kernels and not fla's, every other stage ran fla's, and the result tracks fla's
-    chunk_kda (o bit for bit: the scan rounds where fla's two stages do)."""
+    chunk_kda (o within 2e-3: the scan rounds where fla's two stages do, its dots blocked
+    otherwise)."""
     ours, theirs, record, kernels = _whole_op()
     assert record.engaged and record.forward["F7-F8"] == "ours"
     assert record.backward["B6"] == "ours" and record.backward["B7-B9"] == "ours"
@@ -243,14 +244,14 @@ def test_launch_witness_at_prod8192_gate():
     mine_stages = ("F7-F8", "B6", "B7-B9")
     others = {impl for name, impl in {**record.forward, **record.backward}.items() if name not in mine_stages}
     assert others == {"fla"}
-    mine = {"scan_fwd_kernel", "wy_dqkg_fullk_kernel", "intra_bwd_wide_kernel"}
+    mine = {"scan_vk_kernel", "wy_dqkg_fullk_kernel", "intra_bwd_wide_kernel"}
     assert mine <= kernels, sorted(kernels)
     assert not {"chunk_gla_fwd_kernel_o", "chunk_kda_bwd_kernel_wy_dqkg_fused", "chunk_kda_bwd_kernel_intra"} & kernels, \
         sorted(kernels)
 
     errors = {n: ref.rel_rms(ours[n], theirs[n]) for n in theirs if theirs[n] is not None}
     print("whole op vs fla", errors)
-    assert errors["o"] == 0.0  # fla's stages but F7-F8, whose o is fla's bit for bit
+    assert errors["o"] <= 2e-3  # fla's stages but F7-F8, whose o rounds where fla's does
     # B6 and B7 reassociate fp32 sums, so a bf16 rounding downstream can land one ulp apart: the
     # accuracy verdict is the bench's oracle check; this bounds the drift from fla.
     assert all(e <= 5e-3 for e in errors.values()), errors
@@ -440,7 +441,8 @@ def test_scan_with_output_matches_fla_f7_f8(p):
                 initial_state=f7["initial_state"], output_final_state=f7["output_final_state"], save_states=True,
                 cu_seqlens_cpu=None, state_v_first=False, chunk_size=64, cu_seqlens=f7["cu_seqlens"],
                 chunk_indices=None)
-    read = scan_fwd.scan_output(**unit, **scan_fwd.DEFAULT_CONFIG)  # the config of the forming run above
+    # the in-order kernel at the config of the forming run above
+    read = scan_fwd.scan_output(**unit, **scan_fwd.DEFAULT_CONFIG, **scan_fwd.DESIGNS["scan"])
     assert torch.equal(read[0], got_o) and torch.equal(read[2], got_h) and torch.equal(read[3], got_vn)
     if ht is not None:
         assert torch.equal(read[1], got_ht)

@@ -201,7 +201,7 @@ def test_bench_entry_inputs_run_and_count_bytes():
     inputs = stage_f7f8.make_inputs(p, DEVICE, seed=1)
     bench = stage_f7f8.BENCH
     exact = bench.exact(**inputs)
-    assert bench.designs == ("scan-hoist",) and inputs["qg"].shape == inputs["kg"].shape
+    assert bench.designs == ("scan-vk",) and inputs["qg"].shape == inputs["kg"].shape
     for design in scan_fwd.DESIGNS:
         got = bench.ours(inputs, design, bench.launch_config(p, design, None))
         errors = stage_errors("F7-F8", got, exact)
@@ -247,6 +247,9 @@ def test_launch_picks_the_v_slice_by_grid():
     assert scan_fwd.launch_config(256, 256, 132)["BV"] == 128
     assert scan_fwd.launch_config(1, 256, 132)["BV"] == 32
     assert scan_fwd.launch_config(1, 16, 132)["BV"] == 32  # never wider than V needs
+    # the transposed kernel: BV=64 at two programs an SM for 256 chains, BV=32 for one
+    assert scan_fwd.launch_config(256, 256, 132, reads_qg=True, vk=True) == dict(BV=64, num_warps=4, num_stages=2)
+    assert scan_fwd.launch_config(1, 256, 132, reads_qg=True, vk=True)["BV"] == 32
 
 
 @pytest.mark.parametrize("p", [SHAPES[1], SHAPES[3]], ids=lambda p: p.name)

@@ -86,14 +86,13 @@ def _launch_config(p, design, overrides, inputs=None):
 
     if design not in SWEEP:
         raise ValueError(f"unknown F7-F8 design {design!r}")
-    if design == "scan-vk":
-        return {**scan_fwd.VK_CONFIG, **(overrides or {})}
     if p is None:  # from the inputs (a direct call without a config)
         kg, cu = inputs["kg"], inputs["cu_seqlens"]
         chains, V = (kg.shape[0] if cu is None else len(cu) - 1) * kg.shape[2], inputs["u"].shape[3]
     else:
         chains, V = (p.B if p.cu_seqlens is None else len(p.cu_seqlens) - 1) * p.HV, p.V
-    return {**scan_fwd.launch_config(chains, V, reads_qg=design != "scan-forms-qg"), **(overrides or {})}
+    return {**scan_fwd.launch_config(chains, V, reads_qg=design != "scan-forms-qg", vk=design == "scan-vk"),
+            **(overrides or {})}
 
 
 def _misses(vs_exact, fla_exact, vs_fla):
@@ -103,7 +102,7 @@ def _misses(vs_exact, fla_exact, vs_fla):
 
 
 BENCH = StageBench(stage="F7-F8", make_inputs=make_inputs, bytes=scan_bytes, fla=_fla, exact=_exact, ours=_ours,
-                   launch_config=_launch_config, misses=_misses, sweep=SWEEP, designs=("scan-hoist",))
+                   launch_config=_launch_config, misses=_misses, sweep=SWEEP, designs=("scan-vk",))
 
 
 def main(argv=None) -> int:

@@ -299,19 +299,25 @@ QG_STEP_CONFIGS = {32: (dict(BV=32, num_warps=4, num_stages=1), 2.2, 2),
                    128: (dict(BV=128, num_warps=8, num_stages=1), 4.7, 1)}
 
 
-# The transposed kernel's config until its own step latencies are measured. sm_90a, K=128,
-# V=256, reading qg: BV=64 at 4 warps 242 registers and 112 KB of shared memory at two
-# stages, no spills (255 and 72 B spilled at one); BV=128 at 8 warps 246 and 112 KB (255
-# and 36 B at one); BV=32 has no wgmma (an M side of 32).
-VK_CONFIG = dict(BV=64, num_warps=4, num_stages=2)
+# The transposed kernel (``scan-vk``, the pin where K <= 128) by V slice: its config, its
+# chunk step's latency at one chain (us, step8192 / 128, H200, stages.jsonl at e203f26) and
+# programs an SM (sm_90a, K=128, V=256, reading qg, no spills: BV=32 244 registers, 68 KB of
+# shared memory, mma.sync (an M side of 32); BV=64 at 4 warps 242 and 112 KB; BV=128 at 8
+# warps 246, 112 KB). Measured at prod8192_gate: BV=64 1.75 ms, BV=128 1.77, BV=32 3.18.
+VK_STEP_CONFIGS = {32: (dict(BV=32, num_warps=4, num_stages=2), 2.1, 2),
+                   64: (dict(BV=64, num_warps=4, num_stages=2), 2.2, 2),
+                   128: (dict(BV=128, num_warps=8, num_stages=2), 3.0, 1)}
+VK_CONFIG = VK_STEP_CONFIGS[64][0]
 
 
-def launch_config(sequence_heads: int, V: int, sms: int = 132, reads_qg: bool = False) -> dict:
+def launch_config(sequence_heads: int, V: int, sms: int = 132, reads_qg: bool = False, vk: bool = False) -> dict:
     """The config for ``sequence_heads`` chains of V columns on ``sms`` SMs: the V slice
     whose waves times its step latency is least (forming qg, one program an SM:
     prod8192_gate's 256 chains BV=128, one chain BV=32; reading qg: BV=64 at two programs
-    an SM, one chain BV=32). ``sms`` defaults to the H200's 132."""
-    table = QG_STEP_CONFIGS if reads_qg else {bv: (c, us, 1) for bv, (c, us) in STEP_CONFIGS.items()}
+    an SM, one chain BV=32; the transposed kernel likewise). ``sms`` defaults to the H200's
+    132."""
+    table = (VK_STEP_CONFIGS if vk else QG_STEP_CONFIGS if reads_qg
+             else {bv: (c, us, 1) for bv, (c, us) in STEP_CONFIGS.items()})
 
     def cost(bv):
         return -(-sequence_heads * -(-V // bv) // (sms * table[bv][2])) * table[bv][1]
@@ -377,14 +383,14 @@ def scan_output(q, qg, kg, w, u, gc, Aqk, scale, initial_state, output_final_sta
     v_new when ``save_states``, else None, None); states in [K, V]."""
     if state_v_first:
         raise ValueError("the scan kernel keeps its states in [K, V]; the chain passes them so")
-    flags = dict(hoist=config.pop("hoist", True), prefetch=config.pop("prefetch", False),  # the pin: scan-hoist
-                 vk=config.pop("vk", False))
-    if not config and flags["vk"]:
-        config = dict(VK_CONFIG)
-    elif not config:
+    # the pin: scan-vk where it holds K (<= 128) and q exp2(g) is given, else scan-hoist
+    pin_vk = qg is not None and kg.shape[3] <= 128
+    flags = dict(hoist=config.pop("hoist", not pin_vk), prefetch=config.pop("prefetch", False),
+                 vk=config.pop("vk", pin_vk))
+    if not config:
         N = kg.shape[0] if cu_seqlens is None else len(cu_seqlens) - 1
         sms = {"sms": torch.cuda.get_device_properties(kg.device).multi_processor_count} if kg.is_cuda else {}
-        config = launch_config(N * kg.shape[2], u.shape[3], reads_qg=qg is not None, **sms)
+        config = launch_config(N * kg.shape[2], u.shape[3], reads_qg=qg is not None, vk=flags["vk"], **sms)
     return scan_fwd(q, kg, w, u, gc, Aqk, scale, initial_state, output_final_state, chunk_size, cu_seqlens,
                     save_states=save_states, qg=qg, **config, **flags)
 
