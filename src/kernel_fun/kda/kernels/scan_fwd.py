@@ -13,33 +13,34 @@ V slice) carries the state S [K, BV] in fp32 through the sequence's chunks and p
 with the roundings where fla's two kernels make them (h, v_new, q*exp2(g) and Aqk in the
 input dtype before their dots; fp32 accumulation). The chain's unit reads F6's qg (q exp2(g)
 in q's dtype, which fla's F3-F6 writes when asked: ``scan_output.reads_qg``) in place of q
-and the fp32 cumsum: less to load a step and no exp2 before its first dot, so BV=64 fits at
-4 warps and one stage, two programs an SM. The pinned load schedule (``HOIST``) issues
-every load of a chunk (w, u, qg, Aqk by rows with the causal mask applied after, g's last
-row, kg) before the step's first dot, so no load waits behind a dot; ``PREFETCH`` (asking
-L2 for the next chunk's rows a step ahead) and the in-order schedule stay as candidates
-(``DESIGNS``). The kernel that forms qg itself stays as the candidate ``scan-forms-qg``.
-``save_states`` also writes h and v_new (``disable_recompute``'s saved tensors);
-``scan_states`` is the backward's B3 (F7 recomputed) from the same kernel with o compiled
-out (a candidate: no gain in the op).
+and the fp32 cumsum.
+
+The pin (``scan-vk``, ``scan_vk_kernel``) holds the state transposed, S^T [V slice, K], in
+two halves of K: the V slice is every dot's M side and every dot's N side is 64, so h^T and
+v_new^T feed the tensor cores from registers in their accumulators' layout, and only the
+chunk's rows (w, qg, kg, g's last row: staged a chunk ahead by the pipeliner; Aqk at the
+top of the step) pass through shared memory. The kernel before it (``scan_fwd_kernel``, S
+[K, V slice]) stages h and v_new through shared memory as B operands every step; it stays for K > 128 (``scan-hoist``: a chunk's loads
+before the step's first dot) and as the candidates ``scan``, ``scan-pf``, ``scan-hoist-pf``
+and ``scan-forms-qg`` (``DESIGNS``). ``save_states`` also writes h and v_new
+(``disable_recompute``'s saved tensors); ``scan_states`` is the backward's B3 (F7
+recomputed) from the same kernels with o compiled out (a candidate).
 
 Numerics: the chunk loop is the sequential recurrence, in fla's order; only the blocking
-inside each dot reassociates fp32 sums. o is bit for bit fla's on the H200, in every load
-schedule.
+inside each dot reassociates fp32 sums (o within 2e-3 of fla's on the H200; the in-order
+kernel's o is bit for bit fla's).
 
 Falls back (``supports``): chunk size other than 64, K > 256. No CTA floor: at the V slice
 the launch picks (``launch_config``: the least waves x measured step latency, from
-``QG_STEP_CONFIGS`` / ``STEP_CONFIGS``) it measured at least fla's F7 + F8 down to one
-chain.
+``VK_STEP_CONFIGS`` / ``QG_STEP_CONFIGS`` / ``STEP_CONFIGS``) it measured at least fla's
+F7 + F8 down to one chain.
 
-Measured (H200, bench/results/stages.jsonl at 9a888c5, chunk_kda.jsonl at adf203d; the
-rounds in docs/log/scan.md): alone, prod8192_gate 2.42 ms (BV=64, 4w/1s; sm_90a 255
-registers, 44 B spilled) against fla's F7 + F8 3.94 (1.63x; in order 2.61), step8192 (one
-head, 128 chunk steps) 0.279 at BV=32 against 0.300. In the whole op: forward 8.40 ms
-against 9.28 with the in-order schedule, fwd+bwd 31.81 (fla 47.02). The unit is 2x its
-1.20 ms floor and bound by L2 bandwidth (ncu: 88% of L2 throughput with prefetching): each
-of a head's V-slice programs reads the chunk's qg, kg and w itself, ~9.4 GB from L2 for
-5.1 GB of distinct data.
+Measured (H200, bench/results/stages.jsonl at e203f26; the rounds in docs/log/scan.md):
+alone, prod8192_gate 1.75 ms (BV=64, 4 warps, two stages; sm_90a 242 registers, no spills,
+112 KB of shared memory) against fla's F7 + F8 3.81 (2.18x) and scan-hoist's 2.26;
+step8192 (one head, 128 chunk steps) 0.272 at BV=32 against 0.275. The unit is 1.46x its
+1.20 ms floor; a step at one chain takes ~2.1 us, a chain of seven waited wgmma groups and
+the layout conversions of u^T in and o out (barrier rounds through shared memory).
 """
 
 from __future__ import annotations
