@@ -38,7 +38,9 @@ F7 + F8 down to one chain.
 Measured (H200, bench/results/stages.jsonl at e203f26; the rounds in docs/log/scan.md):
 alone, prod8192_gate 1.75 ms (BV=64, 4 warps, two stages; sm_90a 242 registers, no spills,
 112 KB of shared memory) against fla's F7 + F8 3.81 (2.18x) and scan-hoist's 2.26;
-step8192 (one head, 128 chunk steps) 0.272 at BV=32 against 0.275. The unit is 1.46x its
+step8192 (one head, 128 chunk steps) 0.272 at BV=32 against 0.275; kimi 1.04 against 2.35
+(stages.jsonl at f5e9618). In the whole op (chunk_kda.jsonl at f5e9618) the unit takes 1.69
+ms, the forward 8.28 against fla's 9.78, fwd+bwd 31.68 against 47.43. The unit is 1.46x its
 1.20 ms floor; a step at one chain takes ~2.1 us, a chain of seven waited wgmma groups and
 the layout conversions of u^T in and o out (barrier rounds through shared memory).
 """
