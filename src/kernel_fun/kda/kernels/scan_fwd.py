@@ -58,6 +58,20 @@ from kernel_fun.kda.stages import add_impl
 
 
 @triton.jit
+def _sequence(i_n, cu_seqlens, chunk_offsets, T, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Sequence i_n's first token row, its length and its first chunk's index."""
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T_seq = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
+        boh = tl.load(chunk_offsets + i_n).to(tl.int64)
+    else:
+        bos = i_n.to(tl.int64) * T
+        T_seq = T
+        boh = i_n.to(tl.int64) * tl.cdiv(T, BT)
+    return bos, T_seq, boh
+
+
+@triton.jit
 def scan_fwd_kernel(
     q, qg, kg, w, u, g, Aqk, h0, o, ht, h, v_new, cu_seqlens, chunk_offsets, scale, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
@@ -70,14 +84,7 @@ def scan_fwd_kernel(
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T_seq = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
-        boh = tl.load(chunk_offsets + i_n).to(tl.int64)
-    else:
-        bos = i_n.to(tl.int64) * T
-        T_seq = T
-        boh = i_n.to(tl.int64) * tl.cdiv(T, BT)
+    bos, T_seq, boh = _sequence(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
     NT = tl.cdiv(T_seq, BT)
 
     o_t = tl.arange(0, BT)
@@ -202,14 +209,7 @@ def scan_vk_kernel(
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T_seq = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
-        boh = tl.load(chunk_offsets + i_n).to(tl.int64)
-    else:
-        bos = i_n.to(tl.int64) * T
-        T_seq = T
-        boh = i_n.to(tl.int64) * tl.cdiv(T, BT)
+    bos, T_seq, boh = _sequence(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
     NT = tl.cdiv(T_seq, BT)
     BKH: tl.constexpr = BK // 2
 
