@@ -140,6 +140,10 @@ def test_supports():
     assert scan_fwd.supports(q=f8["q"], chunk_size=64) is None
     assert "chunk_size" in scan_fwd.supports(q=f8["q"], chunk_size=32)
     assert "[K, V]" in scan_fwd.supports(q=f8["q"], chunk_size=64, state_v_first=True)
+    wide = torch.empty(1, 64, 1, 192)
+    assert scan_fwd.supports(q=wide, chunk_size=64) is None  # the pinned unit: the other kernel past K=128
+    assert "> 128" in scan_fwd.candidate("F7-F8", "scan-vk")[1](q=wide, chunk_size=64)
+    assert "> 128" in scan_fwd.candidate("B3", "scan-vk")[1](kg=wide, chunk_size=64)
 
 
 def test_registered_as_the_f7_f8_unit_only():

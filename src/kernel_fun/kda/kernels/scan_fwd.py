@@ -427,12 +427,16 @@ def scan_states(kg, w, u, gc, initial_state, output_final_state, chunk_size, cu_
     return h, v_new, ht
 
 
-def supports(q, chunk_size, state_v_first=False, **_) -> str | None:
-    """None when ``scan_fwd`` takes the call, else why F7 and F8 stay on fla."""
+def supports(q, chunk_size, state_v_first=False, vk=False, **_) -> str | None:
+    """None when ``scan_fwd`` takes the call, else why F7 and F8 stay on fla (``vk``: the
+    transposed-state kernel forced, as a candidate; the pinned unit takes K > 128 with the
+    other kernel)."""
     if chunk_size != 64:
         return f"chunk_size={chunk_size} (the scan kernel is built for 64)"
     if q.shape[-1] > 256:
         return f"K={q.shape[-1]} > 256"
+    if vk and q.shape[-1] > 128:
+        return f"K={q.shape[-1]} > 128 (the transposed-state scan holds K in two halves of at most 64)"
     if state_v_first:
         return "states in [V, K] (the kernel's are [K, V])"
     return None
@@ -455,8 +459,8 @@ def candidate(stage: str, design: str):
         raise ValueError(f"unknown scan design {design!r} for {stage}")
     flags = DESIGNS[design]
     f7f8 = scan_output_forming_qg if design == "scan-forms-qg" else functools.partial(scan_output, **flags)
-    units = {"F7-F8": (f7f8, supports),
-             "B3": (functools.partial(scan_states, **flags), lambda kg, **kw: supports(q=kg, **kw))}
+    units = {"F7-F8": (f7f8, functools.partial(supports, vk=flags["vk"])),
+             "B3": (functools.partial(scan_states, **flags), lambda kg, **kw: supports(q=kg, vk=flags["vk"], **kw))}
     if stage not in units:
         raise ValueError(f"scan_fwd has candidates for {sorted(units)}, not {stage!r}")
     return units[stage]
