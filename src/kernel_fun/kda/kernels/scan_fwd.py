@@ -458,9 +458,10 @@ def candidate(stage: str, design: str):
     if design not in DESIGNS or (design == "scan-forms-qg" and stage != "F7-F8"):
         raise ValueError(f"unknown scan design {design!r} for {stage}")
     flags = DESIGNS[design]
+    vk = flags.get("vk", False)
     f7f8 = scan_output_forming_qg if design == "scan-forms-qg" else functools.partial(scan_output, **flags)
-    units = {"F7-F8": (f7f8, functools.partial(supports, vk=flags["vk"])),
-             "B3": (functools.partial(scan_states, **flags), lambda kg, **kw: supports(q=kg, vk=flags["vk"], **kw))}
+    units = {"F7-F8": (f7f8, functools.partial(supports, vk=vk)),
+             "B3": (functools.partial(scan_states, **flags), lambda kg, **kw: supports(q=kg, vk=vk, **kw))}
     if stage not in units:
         raise ValueError(f"scan_fwd has candidates for {sorted(units)}, not {stage!r}")
     return units[stage]
