@@ -20,9 +20,9 @@ two halves of K: the V slice is every dot's M side and every dot's N side is 64,
 v_new^T feed the tensor cores from registers in their accumulators' layout, and only the
 chunk's rows (w, qg, kg, g's last row: staged a chunk ahead by the pipeliner; Aqk at the
 top of the step) pass through shared memory. The kernel before it (``scan_fwd_kernel``, S
-[K, V slice]) stages h and v_new through shared memory as B operands every step; it stays for K > 128 (``scan-hoist``: a chunk's loads
-before the step's first dot) and as the candidates ``scan``, ``scan-pf``, ``scan-hoist-pf``
-and ``scan-forms-qg`` (``DESIGNS``). ``save_states`` also writes h and v_new
+[K, V slice]) stages h and v_new through shared memory as B operands every step; it stays
+for K > 128 (``scan-hoist``: a chunk's loads before the step's first dot) and as the
+candidates ``scan``, ``scan-pf``, ``scan-hoist-pf`` and ``scan-forms-qg`` (``DESIGNS``). ``save_states`` also writes h and v_new
 (``disable_recompute``'s saved tensors); ``scan_states`` is the backward's B3 (F7
 recomputed) from the same kernels with o compiled out (a candidate).
 
