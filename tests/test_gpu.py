@@ -450,11 +450,11 @@ def test_scan_with_output_matches_fla_f7_f8(p):
     auto = scan_fwd.scan_output(**unit)
     errors = {"o": ref.rel_rms(auto[0], o), "h": ref.rel_rms(auto[2], h), "v_new": ref.rel_rms(auto[3], v_new)}
     assert all(e <= 2e-3 for e in errors.values()), errors
-    # the load schedules at the pin's config: the in-order kernel's results bit for bit
-    pin = dict(BV=64, num_warps=4, num_stages=1)
-    plain = scan_fwd.scan_output(**unit, **pin, **scan_fwd.DESIGNS["scan"])
+    # the load schedules at scan-hoist's config: the in-order kernel's results bit for bit
+    hoisted = dict(BV=64, num_warps=4, num_stages=1)
+    plain = scan_fwd.scan_output(**unit, **hoisted, **scan_fwd.DESIGNS["scan"])
     for design in ("scan-hoist", "scan-pf", "scan-hoist-pf"):
-        moved = scan_fwd.scan_output(**unit, **pin, **scan_fwd.DESIGNS[design])
+        moved = scan_fwd.scan_output(**unit, **hoisted, **scan_fwd.DESIGNS[design])
         assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(plain, moved)), design
     # the transposed state at each config the stage bench times, against fla's F7 + F8 and
     # as B3 against fla's F7's h and v_new

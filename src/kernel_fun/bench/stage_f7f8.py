@@ -32,8 +32,9 @@ _CONFIGS = [dict(BV=128, num_warps=8, num_stages=2), dict(BV=64, num_warps=8, nu
             dict(BV=32, num_warps=4, num_stages=1)]
 SWEEP = {"scan": _CONFIGS, "scan-forms-qg": _CONFIGS, "scan-hoist": _CONFIGS, "scan-pf": _CONFIGS,
          "scan-hoist-pf": _CONFIGS,
-         # the transposed state (offline, the note at scan_fwd.VK_CONFIG; BV=256 at 16 warps,
-         # one program a head, spilled and measured 4.28 ms at prod8192_gate)
+         # the transposed state (offline, the note at scan_fwd.VK_STEP_CONFIGS: no spills at two
+         # stages, 36-72 B at one; BV=256 at 16 warps, one program a head, spilled and measured
+         # 4.28 ms at prod8192_gate)
          "scan-vk": [dict(BV=64, num_warps=4, num_stages=2), dict(BV=128, num_warps=8, num_stages=2),
                      dict(BV=64, num_warps=4, num_stages=1), dict(BV=128, num_warps=8, num_stages=1),
                      dict(BV=32, num_warps=4, num_stages=2)]}

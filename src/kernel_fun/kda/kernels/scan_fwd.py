@@ -177,7 +177,9 @@ def scan_fwd_kernel(
 def _vk_side_rows(Aqk, g, row0, n_t, i_hv, o_t, o_k1, o_k2, m_k1, m_k2, HV: tl.constexpr, K: tl.constexpr,
                   BT: tl.constexpr, WITH_O: tl.constexpr):
     """A chunk's Aqk^T [s, t] (its rows t < n_t, unmasked above the diagonal) and g's last
-    row in two halves of K; zeros past the sequence (n_t <= 0)."""
+    row in two halves of K. The n_t <= 0 guards are inert at its one call (the current
+    chunk); without them sm_90a code differs from the build measured on the H200 (sass
+    e6bb8af5c61f82a7 at BV=64), so they go with the next measured build."""
     m_t = o_t < n_t
     if WITH_O:
         b_At = tl.load(Aqk + (row0 + o_t)[None, :] * (HV * BT) + i_hv * BT + o_t[:, None], mask=m_t[None, :], other=0)
@@ -310,7 +312,6 @@ QG_STEP_CONFIGS = {32: (dict(BV=32, num_warps=4, num_stages=1), 2.2, 2),
 VK_STEP_CONFIGS = {32: (dict(BV=32, num_warps=4, num_stages=2), 2.1, 2),
                    64: (dict(BV=64, num_warps=4, num_stages=2), 2.2, 2),
                    128: (dict(BV=128, num_warps=8, num_stages=2), 3.0, 1)}
-VK_CONFIG = VK_STEP_CONFIGS[64][0]
 
 
 def launch_config(sequence_heads: int, V: int, sms: int = 132, reads_qg: bool = False, vk: bool = False) -> dict:
