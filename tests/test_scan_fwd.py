@@ -146,10 +146,66 @@ def test_supports():
     assert "> 128" in scan_fwd.candidate("B3", "scan-vk")[1](kg=wide, chunk_size=64)
 
 
-def test_registered_as_the_f7_f8_unit_only():
-    """The scan is the chain's F7-F8 unit; F7 and F8 alone, and B3 (a candidate), stay fla's."""
+def test_registered_as_the_f7_f8_unit_and_b3():
+    """The scan is the chain's F7-F8 unit and its B3; F7 and F8 alone stay fla's."""
     assert stages()["F7-F8"].impls["ours"] is scan_fwd.scan_output
-    assert not {"F7", "F8", "B3"} & {name for name, s in stages().items() if "ours" in s.impls}
+    assert stages()["B3"].impls["ours"] is scan_fwd.scan_states
+    assert scan_fwd.scan_output.forms_u and scan_fwd.scan_states.forms_u and scan_fwd.scan_output.reads_qg
+    assert not {"F7", "F8"} & {name for name, s in stages().items() if "ours" in s.impls}
+
+
+def u_sources(p: Problem, seed: int = 8) -> dict:
+    """v, beta and Akk_inv as the reference chain gives F3-F6 and takes from it (F6's u is
+    Akk_inv bf16(beta v)), for the same call as ``f7_f8_inputs``."""
+    kw = make_inputs(p, device=DEVICE, seed=seed)
+    with use_impls("reference"), capture_stages() as log:
+        run_fwd_bwd(chunk_kda, kw, grid=p.dtype)
+    (x, out), = [(x, out) for name, _, x, out in log if name == "F3-F6"]
+    return dict(v=x["v"], beta=x["beta"], Akk=out[4])
+
+
+@pytest.mark.parametrize("p", SHAPES, ids=lambda p: p.name)
+def test_scan_forming_u_computes_the_same(p):
+    """Both kernels forming u from v, beta and Akk_inv (F6 writing none) against the same
+    kernel reading the reference F6's u: o, h, v_new and the final state, reading qg, and as
+    B3 without o, at one and two V slices (T not a multiple of 64, packed ragged sequences,
+    GVA with h0, fp16, K and V of no power of two). Under the interpreter u's dot sums in
+    the reference's order: the same to fp32 rounding."""
+    f7, f8, _, _ = f7_f8_inputs(p)
+    src = u_sources(p)
+    q, gc = f8["q"], f7["gc"]
+    qg = (q.repeat_interleave(gc.shape[2] // q.shape[2], dim=2).float() * torch.exp2(gc)).to(q.dtype)
+    common = dict(q=q, qg=qg, kg=f7["kg"], w=f7["w"], gc=gc, Aqk=f8["Aqk"], scale=f8["scale"],
+                  initial_state=f7["initial_state"], output_final_state=f7["output_final_state"],
+                  chunk_size=f7["chunk_size"], cu_seqlens=f7["cu_seqlens"], save_states=True, num_warps=4,
+                  num_stages=1)
+    bound = 1e-5 if INTERPRETING else 2e-3
+    for vk, bvs in ((True, (16, 32)), (False, (32,))):
+        for bv in bvs:
+            reading = scan_fwd.scan_fwd(**common, u=f7["u"], BV=bv, vk=vk)
+            forming = scan_fwd.scan_fwd(**common, u=None, **src, BV=bv, vk=vk)
+            for name, a, b in zip(("o", "ht", "h", "v_new"), reading, forming):
+                assert (a is None) == (b is None), name
+                if a is not None:
+                    assert a.dtype == b.dtype and a.shape == b.shape, name
+                    assert ref.rel_rms(b, a) <= bound, (name, vk, bv, ref.rel_rms(b, a))
+    b3 = {n: f7[n] for n in ("kg", "w", "gc", "initial_state", "output_final_state", "chunk_size", "cu_seqlens",
+                             "cu_seqlens_cpu", "chunk_indices", "state_v_first")}
+    for vk in (True, False):
+        reading = scan_fwd.scan_states(**b3, u=f7["u"], vk=vk)
+        forming = scan_fwd.scan_states(**b3, u=None, **src, vk=vk)
+        for name, a, b in zip(("h", "v_new", "ht"), reading, forming):
+            assert (a is None) == (b is None), name
+            if a is not None:
+                assert ref.rel_rms(b, a) <= bound, (name, vk, ref.rel_rms(b, a))
+    # the kernels read beta and Akk_inv: a wrong one shows
+    for vk in (True, False):
+        base = scan_fwd.scan_fwd(**common, u=f7["u"], BV=32, vk=vk)[3]
+        for wrong in (dict(src, beta=(src["beta"] * 2).contiguous()), dict(src, Akk=(src["Akk"] * 0.5).contiguous())):
+            moved = scan_fwd.scan_fwd(**common, u=None, **wrong, BV=32, vk=vk)
+            assert ref.rel_rms(moved[3], base) > 1e-2, vk
+    with pytest.raises(ValueError, match="v, beta and Akk_inv"):
+        scan_fwd.scan_fwd(**common, u=None, v=src["v"], BV=32)
 
 
 @pytest.mark.parametrize("p", [SHAPES[1], SHAPES[3], SHAPES[5],
@@ -205,8 +261,8 @@ def test_bench_entry_inputs_run_and_count_bytes():
     inputs = stage_f7f8.make_inputs(p, DEVICE, seed=1)
     bench = stage_f7f8.BENCH
     exact = bench.exact(**inputs)
-    assert bench.designs == ("scan-vk",) and inputs["qg"].shape == inputs["kg"].shape
-    for design in scan_fwd.DESIGNS:
+    assert bench.designs == ("scan-vk-u",) and inputs["qg"].shape == inputs["kg"].shape
+    for design in list(scan_fwd.DESIGNS) + ["scan-vk-u"]:
         got = bench.ours(inputs, design, bench.launch_config(p, design, None))
         errors = stage_errors("F7-F8", got, exact)
         assert set(errors) == {"o", "final_state"} and all(e <= 5e-3 for e in errors.values()), (design, errors)
@@ -240,9 +296,11 @@ def test_b3_bench_entry_inputs_run_and_count_bytes():
     p = Problem("entry", 1, 100, 2, 4, 64, 32, initial_state=True, output_final_state=True)
     inputs = stage_b3.make_inputs(p, DEVICE, seed=2)
     bench = stage_b3.BENCH
-    got = bench.ours(inputs, "scan", bench.launch_config(p, "scan", None))
-    errors = stage_errors("B3", got, bench.exact(**inputs))
-    assert set(errors) == {"h", "v_new", "final_state"} and all(0 < e <= 5e-3 for e in errors.values()), errors
+    for design in ("scan", "scan-vk", "scan-vk-u", "scan-u"):
+        got = bench.ours(inputs, design, bench.launch_config(p, design, None))
+        errors = stage_errors("B3", got, bench.exact(**inputs))
+        assert set(errors) == {"h", "v_new", "final_state"} and all(0 < e <= 5e-3 for e in errors.values()), \
+            (design, errors)
     assert abs(stage_b3.b3_bytes(problem("prod8192_gate")) / 1e9 - 6.4) < 0.05
 
 
@@ -254,6 +312,10 @@ def test_launch_picks_the_v_slice_by_grid():
     # the transposed kernel: BV=64 at two programs an SM for 256 chains, BV=32 for one
     assert scan_fwd.launch_config(256, 256, 132, reads_qg=True, vk=True) == dict(BV=64, num_warps=4, num_stages=2)
     assert scan_fwd.launch_config(1, 256, 132, reads_qg=True, vk=True)["BV"] == 32
+    # forming u (one program an SM at BV=64 and 128): BV=128 for 256 chains, BV=32 for one
+    assert scan_fwd.launch_config(256, 256, 132, reads_qg=True, vk=True, forms_u=True) == \
+        dict(BV=128, num_warps=8, num_stages=2)
+    assert scan_fwd.launch_config(1, 256, 132, reads_qg=True, vk=True, forms_u=True)["BV"] == 32
 
 
 @pytest.mark.parametrize("p", [SHAPES[1], SHAPES[3]], ids=lambda p: p.name)

@@ -111,10 +111,10 @@ def chain_inputs(p: Problem, device, seed: int, names: tuple[str, ...]) -> dict[
 
 def entries() -> dict[str, StageBench]:
     """Every stage with a bench entry, by stage name."""
-    from kernel_fun.bench import (stage_b1b2, stage_b3, stage_b6, stage_b7, stage_b7b9, stage_f1f6, stage_f3f6,
-                                  stage_f7f8)
+    from kernel_fun.bench import (stage_b1b2, stage_b2, stage_b3, stage_b6, stage_b7, stage_b7b9, stage_f1f6,
+                                  stage_f3f6, stage_f7f8)
 
-    return {"B1-B2": stage_b1b2.BENCH, "B3": stage_b3.BENCH, "B6": stage_b6.BENCH, "B7": stage_b7.BENCH,
+    return {"B1-B2": stage_b1b2.BENCH, "B2": stage_b2.BENCH, "B3": stage_b3.BENCH, "B6": stage_b6.BENCH, "B7": stage_b7.BENCH,
             "B7-B9": stage_b7b9.BENCH, "F1-F6": stage_f1f6.BENCH, "F3-F6": stage_f3f6.BENCH, "F7-F8": stage_f7f8.BENCH}
 
 

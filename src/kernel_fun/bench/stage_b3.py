@@ -22,6 +22,11 @@ SWEEP = {"scan": [dict(BV=64, num_warps=4, num_stages=2), dict(BV=64, num_warps=
                   dict(BV=128, num_warps=8, num_stages=2), dict(BV=32, num_warps=4, num_stages=2)]}
 SWEEP.update({d: SWEEP["scan"] for d in ("scan-pf", "scan-hoist", "scan-hoist-pf")})
 SWEEP["scan-vk"] = [dict(BV=64, num_warps=4, num_stages=2), dict(BV=128, num_warps=8, num_stages=2)]
+# forming u from v, beta and Akk_inv (B2 writing none, the pin): BV=64 at 4 warps two programs
+# an SM (90 KB), BV=128 at 8 warps one
+SWEEP["scan-vk-u"] = [dict(BV=64, num_warps=4, num_stages=2), dict(BV=128, num_warps=8, num_stages=2)]
+SWEEP["scan-u"] = [dict(BV=64, num_warps=4, num_stages=2)]
+FORMS_U = {"scan-vk-u": "scan-vk", "scan-u": "scan"}
 _SCAN = ("kg", "w", "u", "gc", "initial_state", "output_final_state", "chunk_size", "cu_seqlens", "cu_seqlens_cpu",
          "chunk_indices", "state_v_first")
 
@@ -35,7 +40,7 @@ def b3_bytes(p) -> int:
 
 def make_inputs(p, device, seed: int = 0) -> dict:
     unit = stage_f7f8.make_inputs(p, device, seed)
-    return {n: unit[n] for n in _SCAN}
+    return {n: unit[n] for n in _SCAN + ("v", "beta", "Akk")}
 
 
 def _fla(**inputs):
@@ -55,7 +60,10 @@ def _exact(**inputs):
 def _ours(inputs, design, config):
     from kernel_fun.kda.kernels import scan_fwd
 
-    return scan_fwd.scan_states(**inputs, **(config or {}), **scan_fwd.DESIGNS[design])
+    if design in FORMS_U:
+        inputs, design = {**inputs, "u": None}, FORMS_U[design]
+    flags = {"vk": False, **scan_fwd.DESIGNS[design]}  # (the kernel a design names, whatever the pin's)
+    return scan_fwd.scan_states(**inputs, **(config or {}), **flags)
 
 
 def _launch_config(p, design, overrides):
@@ -63,7 +71,8 @@ def _launch_config(p, design, overrides):
 
     if design not in SWEEP:
         raise ValueError(f"unknown B3 design {design!r}")
-    return {**scan_fwd.STATES_CONFIG, **(overrides or {})}
+    base = scan_fwd.STATES_U_CONFIG if design == "scan-vk-u" else scan_fwd.STATES_CONFIG
+    return {k: v for k, v in {**base, **(overrides or {})}.items() if k != "vk"}
 
 
 def _misses(vs_exact, fla_exact, vs_fla):
@@ -73,7 +82,7 @@ def _misses(vs_exact, fla_exact, vs_fla):
 
 
 BENCH = StageBench(stage="B3", make_inputs=make_inputs, bytes=b3_bytes, fla=_fla, exact=_exact, ours=_ours,
-                   launch_config=_launch_config, misses=_misses, sweep=SWEEP, designs=("scan",))
+                   launch_config=_launch_config, misses=_misses, sweep=SWEEP, designs=("scan-vk-u",))
 
 
 def main(argv=None) -> int:

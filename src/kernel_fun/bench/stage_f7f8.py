@@ -6,8 +6,8 @@ against fla's F7 then F8.
 
 The inputs are the chain's own: one forward through the reference stages (torch, on the
 same device) at the shape, and F7's and F8's inputs taken from it (kg, w, u, gc, q, Aqk,
-the initial state where the problem has one), so w and u are a real WY transform's and the
-state stays bounded. step8192 (one sequence, one head: 2-8 programs, one a V slice, each
+the initial state where the problem has one; v, beta and Akk_inv from F3-F6's, for the
+designs forming u), so w and u are a real WY transform's and the state stays bounded. step8192 (one sequence, one head: 2-8 programs, one a V slice, each
 of 128 dependent chunk steps) times the scan's step latency: its time over 128 is one step's.
 Parity (``kda.parity.scan_misses``): o and the final state against fla's within 2e-3 and
 against the float64 stage within fla's budget (0.005) and within 10% of fla's own error.
@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from kernel_fun.bench.stage import StageBench, chain_inputs, main as _stage_main
+from kernel_fun.bench.stage import StageBench, chain_runs, main as _stage_main
 
 # The configs worth timing (the note at scan_fwd.DEFAULT_CONFIG): the default (BV=128 at 8
 # warps, the prod8192_gate winner), BV=64 at 8 warps and BV=32 at 4 (the one-head winner),
@@ -38,6 +38,12 @@ SWEEP = {"scan": _CONFIGS, "scan-forms-qg": _CONFIGS, "scan-hoist": _CONFIGS, "s
          "scan-vk": [dict(BV=64, num_warps=4, num_stages=2), dict(BV=128, num_warps=8, num_stages=2),
                      dict(BV=64, num_warps=4, num_stages=1), dict(BV=128, num_warps=8, num_stages=1),
                      dict(BV=32, num_warps=4, num_stages=2)]}
+# ``scan-vk-u``: the transposed kernel forming u from v, beta and Akk_inv (F6 writing none, the
+# pin); offline one program an SM at BV=64 and 128 (136 and 144 KB of shared memory), two at
+# BV=32 (80 KB)
+SWEEP["scan-vk-u"] = [dict(BV=128, num_warps=8, num_stages=2), dict(BV=64, num_warps=4, num_stages=2),
+                      dict(BV=32, num_warps=4, num_stages=2)]
+FORMS_U = {"scan-vk-u": "scan-vk"}  # design -> the load schedule it runs
 
 
 def scan_bytes(p) -> int:
@@ -52,11 +58,12 @@ def scan_bytes(p) -> int:
 
 
 def make_inputs(p, device, seed: int = 0) -> dict:
-    found = chain_inputs(p, device, seed, ("F7", "F8"))
-    f7, f8 = found["F7"], found["F8"]
+    found = chain_runs(p, device, seed, ("F3-F6", "F7", "F8"))
+    (f36, f36_out), (f7, _), (f8, _) = found["F3-F6"], found["F7"], found["F8"]
     q, gc = f8["q"], f7["gc"]
     qg = (q.repeat_interleave(gc.shape[2] // q.shape[2], dim=2).float() * torch.exp2(gc)).to(q.dtype)
-    return dict(q=q, qg=qg, Aqk=f8["Aqk"], scale=f8["scale"], save_states=False,
+    return dict(q=q, qg=qg, Aqk=f8["Aqk"], scale=f8["scale"], save_states=False, v=f36["v"], beta=f36["beta"],
+                Akk=f36_out[4],
                 **{n: f7[n] for n in ("kg", "w", "u", "gc", "initial_state", "output_final_state", "cu_seqlens_cpu",
                                       "state_v_first", "chunk_size", "cu_seqlens", "chunk_indices")})
 
@@ -78,8 +85,10 @@ def _ours(inputs, design, config):
 
     if design == "scan-forms-qg":
         inputs = {**inputs, "qg": None}
-    return scan_fwd.scan_output(**inputs, **(config or _launch_config(None, design, None, inputs)),
-                                **scan_fwd.DESIGNS[design])
+    config = config or _launch_config(None, design, None, inputs)
+    if design in FORMS_U:
+        inputs, design = {**inputs, "u": None}, FORMS_U[design]
+    return scan_fwd.scan_output(**inputs, **config, **scan_fwd.DESIGNS[design])
 
 
 def _launch_config(p, design, overrides, inputs=None):
@@ -92,7 +101,8 @@ def _launch_config(p, design, overrides, inputs=None):
         chains, V = (kg.shape[0] if cu is None else len(cu) - 1) * kg.shape[2], inputs["u"].shape[3]
     else:
         chains, V = (p.B if p.cu_seqlens is None else len(p.cu_seqlens) - 1) * p.HV, p.V
-    return {**scan_fwd.launch_config(chains, V, reads_qg=design != "scan-forms-qg", vk=design == "scan-vk"),
+    return {**scan_fwd.launch_config(chains, V, reads_qg=design != "scan-forms-qg",
+                                     vk=design in ("scan-vk", "scan-vk-u"), forms_u=design in FORMS_U),
             **(overrides or {})}
 
 
@@ -103,7 +113,7 @@ def _misses(vs_exact, fla_exact, vs_fla):
 
 
 BENCH = StageBench(stage="F7-F8", make_inputs=make_inputs, bytes=scan_bytes, fla=_fla, exact=_exact, ours=_ours,
-                   launch_config=_launch_config, misses=_misses, sweep=SWEEP, designs=("scan-vk",))
+                   launch_config=_launch_config, misses=_misses, sweep=SWEEP, designs=("scan-vk-u",))
 
 
 def main(argv=None) -> int:

@@ -50,20 +50,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kernel_fun._triton import GUARD_SPAN, chunk_coords, dot, dot3, to
+from kernel_fun._triton import GUARD_SPAN, chunk_coords, dot3, to
+from kernel_fun.kda.kernels.wy_fwd import wy_k, wy_v
 from kernel_fun.kda.reference import RCP_LN2 as _RCP_LN2
 
 BC = 16  # the anchor block
 RCP_LN2 = tl.constexpr(_RCP_LN2)  # the chunk cumsum in log2 units, as the chain's gc
-
-
-@triton.jit
-def _dot_in(a, b):
-    """The WY products: bf16/fp16 operands on the tensor cores (exact products, fp32 sums);
-    fp32 operands in tf32x3, fp32-level like the reference's."""
-    if a.dtype == tl.float32:
-        return dot3(a, b)
-    return dot(a, b)
 
 
 @triton.jit
@@ -239,43 +231,6 @@ def prep_fwd_kernel(
     # F6: w = Akk_inv (beta k exp2 g), u = Akk_inv (beta v), kg = k exp2(g_last - g)
     wy_k(x_b, q, k, g, beta, b_c, w, kg, qg, row0, t, m_t, n_t, o_k, m_k, i_hv, K, SK, SG, STORE_QG)
     wy_v(x_b, v, b_c, u, row0, t, m_t, i_hv, HV, V, BV)
-
-
-@triton.jit
-def wy_k(x_b, q, k, g, beta, b_c, w, kg, qg, row0, t, m_t, n_t, o_k, m_k, i_hv, K: tl.constexpr,
-         SK: tl.constexpr, SG: tl.constexpr, STORE_QG: tl.constexpr):
-    """F6's K side on the chunk's channels o_k, from Akk_inv ``x_b`` ([BT, BT] in the input
-    dtype): w = Akk_inv (beta k exp2 g), kg = k exp2(g_last - g) and with STORE_QG qg = q
-    exp2 g, each rounded where fla's ``recompute_w_u_fwd`` rounds (q, k, g at the program's
-    chunk and head; w, kg, qg indexed from row0)."""
-    dt = k.dtype.element_ty
-    m_tk = m_t[:, None] & m_k[None, :]
-    p_k = (row0 + t)[:, None] * SG + i_hv * K + o_k[None, :]
-    k_c = tl.load(k + t[:, None] * SK + o_k[None, :], mask=m_tk, other=0).to(tl.float32)
-    g_c = tl.load(g + t[:, None] * SG + o_k[None, :], mask=m_tk, other=0)
-    kb = k_c * b_c[:, None]
-    if beta.dtype.element_ty == dt:  # k beta rounds to their dtype (fp32 when they differ), as in torch
-        kb = to(kb, dt).to(tl.float32)
-    kbg = to(kb * tl.exp2(g_c), dt)
-    tl.store(w + p_k, to(_dot_in(x_b, kbg), w.dtype.element_ty), mask=m_tk)
-    g_last = tl.load(g + (n_t - 1) * SG + o_k, mask=m_k, other=0)
-    kgv = k_c * tl.exp2(tl.where(m_tk, g_last[None, :] - g_c, float("-inf")))
-    tl.store(kg + p_k, to(kgv, kg.dtype.element_ty), mask=m_tk)
-    if STORE_QG:
-        q_c = tl.load(q + t[:, None] * SK + o_k[None, :], mask=m_tk, other=0).to(tl.float32)
-        tl.store(qg + p_k, to(q_c * tl.exp2(g_c), qg.dtype.element_ty), mask=m_tk)
-
-
-@triton.jit
-def wy_v(x_b, v, b_c, u, row0, t, m_t, i_hv, HV: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
-    """F6's V side: u = Akk_inv (beta v), V in tiles of BV (v and u indexed from row0)."""
-    for i_v in range(0, tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_tv = m_t[:, None] & (o_v < V)[None, :]
-        p_v = (row0 + t)[:, None] * (HV * V) + i_hv * V + o_v[None, :]
-        v_c = tl.load(v + p_v, mask=m_tv, other=0).to(tl.float32)
-        vb = to(v_c * b_c[:, None], v.dtype.element_ty)
-        tl.store(u + p_v, to(_dot_in(x_b, vb), u.dtype.element_ty), mask=m_tv)
 
 
 # Compiled for sm_90a offline (K=128, V=256, H=HV=16): 255 registers at every config; the

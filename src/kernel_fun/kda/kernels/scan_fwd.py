@@ -72,15 +72,31 @@ def _sequence(i_n, cu_seqlens, chunk_offsets, T, BT: tl.constexpr, IS_VARLEN: tl
 
 
 @triton.jit
+def _u_rows(u, v, beta, Akk, row0, o_t, m_t, p_hv, m_tv, i_hv, HV: tl.constexpr, BT: tl.constexpr,
+            U_FROM_V: tl.constexpr):
+    """The chunk's u [BT, BV slice]: read (F6's), or with U_FROM_V formed as F6 forms it,
+    u = bf16(Akk_inv bf16(beta v)) (fp32 sums), from v's rows in the slice, beta and Akk_inv."""
+    if U_FROM_V:
+        b_v = tl.load(v + p_hv, mask=m_tv, other=0)
+        b_b = tl.load(beta + (row0 + o_t) * HV + i_hv, mask=m_t, other=0).to(tl.float32)
+        b_vb = to(b_v.to(tl.float32) * b_b[:, None], v.dtype.element_ty)
+        b_X = tl.load(Akk + (row0 + o_t)[:, None] * (HV * BT) + i_hv * BT + o_t[None, :], mask=m_t[:, None], other=0)
+        return to(dot(b_X, b_vb), v.dtype.element_ty)
+    return tl.load(u + p_hv, mask=m_tv, other=0)
+
+
+@triton.jit
 def scan_fwd_kernel(
     q, qg, kg, w, u, g, Aqk, h0, o, ht, h, v_new, cu_seqlens, chunk_offsets, scale, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr,
     STORE_HT: tl.constexpr, SAVE_STATES: tl.constexpr, WITH_O: tl.constexpr = True, QG: tl.constexpr = False,
-    HOIST: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+    HOIST: tl.constexpr = False, PREFETCH: tl.constexpr = False, v=None, beta=None, Akk=None,
+    U_FROM_V: tl.constexpr = False,
 ):
     """The scan on one (sequence, value head, V slice); without WITH_O (the backward's B3)
-    only the states: h and v_new written, o's loads and dots compiled out."""
+    only the states: h and v_new written, o's loads and dots compiled out. With U_FROM_V the
+    chunk's u is formed here from v, beta and Akk_inv (``_u_rows``) instead of read."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
@@ -110,7 +126,7 @@ def scan_fwd_kernel(
         i_last = tl.minimum(n_t, BT) - 1
         if HOIST:  # every load of the chunk issued before the step's first dot
             b_w = tl.load(w + p_hk, mask=m_tk, other=0)
-            b_u = tl.load(u + p_hv, mask=m_tv, other=0)
+            b_u = _u_rows(u, v, beta, Akk, row0, o_t, m_t, p_hv, m_tv, i_hv, HV, BT, U_FROM_V)
             if WITH_O:
                 if QG:
                     b_qg = tl.load(qg + p_hk, mask=m_tk, other=0)
@@ -127,7 +143,10 @@ def scan_fwd_kernel(
             m_n = o_t < n_t - BT
             prefetch_rows(w + i_hv * K, r_n, HV * K, m_n, K)
             prefetch_rows(kg + i_hv * K, r_n, HV * K, m_n, K)
-            prefetch_rows(u + i_hv * V + i_v * BV, r_n, HV * V, m_n, BV)
+            if U_FROM_V:
+                prefetch_rows(v + i_hv * V + i_v * BV, r_n, HV * V, m_n, BV)
+            else:
+                prefetch_rows(u + i_hv * V + i_v * BV, r_n, HV * V, m_n, BV)
             if WITH_O:
                 if QG:
                     prefetch_rows(qg + i_hv * K, r_n, HV * K, m_n, K)
@@ -143,14 +162,14 @@ def scan_fwd_kernel(
             tl.store(h + ((boh + i_c) * HV + i_hv) * K * V + p_kv, b_Sb, mask=m_kv)
         if not HOIST:
             b_w = tl.load(w + p_hk, mask=m_tk, other=0)
-            b_u = tl.load(u + p_hv, mask=m_tv, other=0)
-        b_vn = to(b_u.to(tl.float32) - dot(b_w, b_Sb), u.dtype.element_ty)
+            b_u = _u_rows(u, v, beta, Akk, row0, o_t, m_t, p_hv, m_tv, i_hv, HV, BT, U_FROM_V)
+        b_vn = to(b_u.to(tl.float32) - dot(b_w, b_Sb), b_u.dtype)
         if SAVE_STATES:
             tl.store(v_new + p_hv, b_vn, mask=m_tv)
 
         if WITH_O:
             if HOIST:
-                b_A = to(tl.where(o_t[None, :] <= o_t[:, None], b_A, 0), u.dtype.element_ty)
+                b_A = to(tl.where(o_t[None, :] <= o_t[:, None], b_A, 0), b_u.dtype)
             else:
                 if QG:  # q exp2(g) as F6 rounded it, read instead of q and g
                     b_qg = tl.load(qg + p_hk, mask=m_tk, other=0)
@@ -160,7 +179,7 @@ def scan_fwd_kernel(
                     b_qg = to(b_q.to(tl.float32) * tl.exp2(b_g), q.dtype.element_ty)
                 m_A = m_t[:, None] & (o_t[None, :] <= o_t[:, None])
                 b_A = to(tl.load(Aqk + (row0 + o_t)[:, None] * (HV * BT) + i_hv * BT + o_t[None, :], mask=m_A,
-                                 other=0), u.dtype.element_ty)
+                                 other=0), b_u.dtype)
             b_o = scale * dot(b_qg, b_Sb) + dot(b_A, b_vn)
             tl.store(o + p_hv, to(b_o, o.dtype.element_ty), mask=m_tv)
 
@@ -196,7 +215,8 @@ def scan_vk_kernel(
     q, qg, kg, w, u, g, Aqk, h0, o, ht, h, v_new, cu_seqlens, chunk_offsets, scale, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr,
-    STORE_HT: tl.constexpr, SAVE_STATES: tl.constexpr, WITH_O: tl.constexpr, QG: tl.constexpr,
+    STORE_HT: tl.constexpr, SAVE_STATES: tl.constexpr, WITH_O: tl.constexpr, QG: tl.constexpr, v=None,
+    beta=None, Akk=None, U_FROM_V: tl.constexpr = False,
 ):
     """The same scan with the state held transposed, S^T [V slice, K], in two halves of K
     (BK/2 channels each, K <= 128): the V slice is every dot's M side and every dot's N side
@@ -207,7 +227,8 @@ def scan_vk_kernel(
         v_new^T = u^T - h^T w^T;  o^T = scale h^T qg^T + v_new^T tril(Aqk)^T
         S^T     = S^T exp2(g_last) + v_new^T kg
 
-    The same roundings at the same points as ``scan_fwd_kernel``."""
+    The same roundings at the same points as ``scan_fwd_kernel``; with U_FROM_V u^T is
+    formed here, bf16(bf16(beta v)^T Akk_inv^T), v^T a register operand as u^T was."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
@@ -244,14 +265,21 @@ def scan_vk_kernel(
 
         b_w1 = tl.load(w + r_t[None, :] + o_k1[:, None], mask=m_k1[:, None] & m_t[None, :], other=0)  # w^T
         b_w2 = tl.load(w + r_t[None, :] + o_k2[:, None], mask=m_k2[:, None] & m_t[None, :], other=0)
-        b_ut = tl.load(u + p_vt, mask=m_vt, other=0)
+        if U_FROM_V:  # u^T = (Akk_inv bf16(beta v))^T, rounded as F6 rounds u
+            b_bt = tl.load(beta + (row0 + o_t) * HV + i_hv, mask=m_t, other=0).to(tl.float32)
+            b_vb = to(tl.load(v + p_vt, mask=m_vt, other=0).to(tl.float32) * b_bt[None, :], v.dtype.element_ty)
+            b_Xt = tl.load(Akk + (row0 + o_t)[None, :] * (HV * BT) + i_hv * BT + o_t[:, None], mask=m_t[None, :],
+                           other=0)  # Akk_inv^T [s, t]
+            b_ut = to(dot(b_vb, b_Xt), v.dtype.element_ty)
+        else:
+            b_ut = tl.load(u + p_vt, mask=m_vt, other=0)
         b_H1 = to(b_S1, kg.dtype.element_ty)  # h^T
         b_H2 = to(b_S2, kg.dtype.element_ty)
         if SAVE_STATES:
             p_h = h + ((boh + i_c) * HV + i_hv) * K * V
             tl.store(p_h + p_vk1, b_H1, mask=m_vk1)
             tl.store(p_h + p_vk2, b_H2, mask=m_vk2)
-        b_vn = to(b_ut.to(tl.float32) - dot(b_H2, b_w2, dot(b_H1, b_w1)), u.dtype.element_ty)  # v_new^T
+        b_vn = to(b_ut.to(tl.float32) - dot(b_H2, b_w2, dot(b_H1, b_w1)), b_ut.dtype)  # v_new^T
         if SAVE_STATES:
             tl.store(v_new + p_vt, b_vn, mask=m_vt)
         if WITH_O:
@@ -268,7 +296,7 @@ def scan_vk_kernel(
                           .to(tl.float32) * tl.exp2(tl.load(g + r_t[None, :] + o_k2[:, None],
                                                             mask=m_k2[:, None] & m_t[None, :], other=0)),
                           q.dtype.element_ty)
-            b_A = tl.where(o_t[:, None] <= o_t[None, :], b_At, 0).to(u.dtype.element_ty)  # Aqk^T, s <= t
+            b_A = tl.where(o_t[:, None] <= o_t[None, :], b_At, 0).to(b_ut.dtype)  # Aqk^T, s <= t
             b_o = scale * dot(b_H2, b_q2, dot(b_H1, b_q1)) + dot(b_vn, b_A)
             tl.store(o + p_vt, to(b_o, o.dtype.element_ty), mask=m_vt)
         b_k1 = tl.load(kg + r_t[:, None] + o_k1[None, :], mask=m_t[:, None] & m_k1[None, :], other=0)
@@ -314,13 +342,24 @@ VK_STEP_CONFIGS = {32: (dict(BV=32, num_warps=4, num_stages=2), 2.1, 2),
                    128: (dict(BV=128, num_warps=8, num_stages=2), 3.0, 1)}
 
 
-def launch_config(sequence_heads: int, V: int, sms: int = 132, reads_qg: bool = False, vk: bool = False) -> dict:
+# Forming u (``U_FROM_V``: v, beta and Akk_inv read instead of F6's u) in the transposed
+# kernel, by V slice: the config, its step latency at one chain (us; provisional: the
+# u-reading kernel's, until measured) and programs an SM (sm_90a, K=128, V=256, reading qg,
+# no spills: BV=64 at 4 warps 242 registers and 136 KB of shared memory, BV=128 at 8 warps
+# 242 and 144 KB, one program an SM each; BV=32 255 and 80 KB, two).
+VKU_STEP_CONFIGS = {32: (dict(BV=32, num_warps=4, num_stages=2), 2.1, 2),
+                    64: (dict(BV=64, num_warps=4, num_stages=2), 2.2, 1),
+                    128: (dict(BV=128, num_warps=8, num_stages=2), 3.0, 1)}
+
+
+def launch_config(sequence_heads: int, V: int, sms: int = 132, reads_qg: bool = False, vk: bool = False,
+                  forms_u: bool = False) -> dict:
     """The config for ``sequence_heads`` chains of V columns on ``sms`` SMs: the V slice
     whose waves times its step latency is least (forming qg, one program an SM:
     prod8192_gate's 256 chains BV=128, one chain BV=32; reading qg: BV=64 at two programs
-    an SM, one chain BV=32; the transposed kernel likewise). ``sms`` defaults to the H200's
-    132."""
-    table = (VK_STEP_CONFIGS if vk else QG_STEP_CONFIGS if reads_qg
+    an SM, one chain BV=32; the transposed kernel likewise, and forming u BV=128). ``sms``
+    defaults to the H200's 132."""
+    table = ((VKU_STEP_CONFIGS if forms_u else VK_STEP_CONFIGS) if vk else QG_STEP_CONFIGS if reads_qg
              else {bv: (c, us, 1) for bv, (c, us) in STEP_CONFIGS.items()})
 
     def cost(bv):
@@ -331,24 +370,30 @@ def launch_config(sequence_heads: int, V: int, sms: int = 132, reads_qg: bool = 
 def scan_fwd(q, kg, w, u, gc, Aqk, scale, initial_state, output_final_state, chunk_size, cu_seqlens,
              save_states: bool = False, BV: int = DEFAULT_CONFIG["BV"], num_warps: int = DEFAULT_CONFIG["num_warps"],
              num_stages: int = DEFAULT_CONFIG["num_stages"], qg=None, hoist: bool = False, prefetch: bool = False,
-             vk: bool = False):
-    """F7 + F8 with fla's contracts: returns (o in u's dtype, the final state fp32 or None,
+             vk: bool = False, v=None, beta=None, Akk=None):
+    """F7 + F8 with fla's contracts: returns (o in v's dtype, the final state fp32 or None,
     h [B, NT, HV, K, V] and v_new when ``save_states``, else None, None). States in [K, V].
+    ``u`` None: formed in the scan from ``v``, ``beta`` and Akk_inv ``Akk`` as F6 forms it.
     ``hoist``: every load of a chunk issued before its step's first dot; ``prefetch``: the
     next chunk's rows asked of L2 at the top of each step; ``vk``: the kernel holding the
     state transposed (``scan_vk_kernel``; hoist and prefetch do not apply to it)."""
     return _scan(q, kg, w, u, gc, Aqk, scale, initial_state, output_final_state, chunk_size, cu_seqlens, save_states,
-                 BV, num_warps, num_stages, qg=qg, hoist=hoist, prefetch=prefetch, vk=vk)
+                 BV, num_warps, num_stages, qg=qg, hoist=hoist, prefetch=prefetch, vk=vk, v=v, beta=beta, Akk=Akk)
 
 
 def _scan(q, kg, w, u, gc, Aqk, scale, initial_state, output_final_state, chunk_size, cu_seqlens, save_states,
           BV, num_warps, num_stages, with_o: bool = True, qg=None, hoist: bool = False, prefetch: bool = False,
-          vk: bool = False):
+          vk: bool = False, v=None, beta=None, Akk=None):
     B, T, HV, K = kg.shape
     H = q.shape[2] if with_o else HV
-    V = u.shape[3]
+    u_from_v = u is None
+    if u_from_v and (v is None or beta is None or Akk is None):
+        raise ValueError("the scan forms u from v, beta and Akk_inv when u is not given: pass all three")
+    vals = v if u_from_v else u  # u's shape and dtype are v's
+    V = vals.shape[3]
     BT = chunk_size
-    for name, t in dict(q=q, qg=qg, kg=kg, w=w, u=u, gc=gc, Aqk=Aqk).items():
+    for name, t in dict(q=q, qg=qg, kg=kg, w=w, u=u, gc=gc, Aqk=Aqk, v=v if u_from_v else None,
+                        beta=beta if u_from_v else None, Akk=Akk if u_from_v else None).items():
         if t is not None and not t.is_contiguous():
             raise ValueError(f"the scan kernel indexes {name} as a dense tensor; got strides {t.stride()}")
     if cu_seqlens is None:
@@ -358,18 +403,20 @@ def _scan(q, kg, w, u, gc, Aqk, scale, initial_state, output_final_state, chunk_
         counts = (lens + BT - 1) // BT
         chunk_offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
         N, NT_total = len(cu_seqlens) - 1, int(chunk_offsets[-1])
-    o = torch.empty_like(u) if with_o else None
-    ht = torch.empty(N, HV, K, V, device=u.device, dtype=torch.float32) if output_final_state else None
+    o = torch.empty_like(vals) if with_o else None
+    ht = torch.empty(N, HV, K, V, device=vals.device, dtype=torch.float32) if output_final_state else None
     h = v_new = None
     if save_states:
-        h = torch.empty(B, NT_total // B, HV, K, V, device=u.device, dtype=kg.dtype)  # B = 1 when packed
-        v_new = torch.empty_like(u)
+        h = torch.empty(B, NT_total // B, HV, K, V, device=vals.device, dtype=kg.dtype)  # B = 1 when packed
+        v_new = torch.empty_like(vals)
     BV = min(BV, triton.next_power_of_2(V))
     args = dict(q=q, qg=qg, kg=kg, w=w, u=u, g=gc, Aqk=Aqk, h0=initial_state, o=o, ht=ht, h=h, v_new=v_new,
                 cu_seqlens=cu_seqlens, chunk_offsets=chunk_offsets, scale=scale, T=T, H=H, HV=HV, K=K, V=V, BT=BT,
                 BK=triton.next_power_of_2(K), BV=BV, IS_VARLEN=cu_seqlens is not None,
                 HAS_H0=initial_state is not None, STORE_HT=output_final_state, SAVE_STATES=save_states,
                 WITH_O=with_o, QG=qg is not None, num_warps=num_warps, num_stages=num_stages)
+    if u_from_v:  # (absent otherwise: the u-reading builds are the ones measured)
+        args.update(v=v, beta=beta, Akk=Akk, U_FROM_V=True)
     grid = (triton.cdiv(V, BV), N * HV)
     if vk:  # two halves of K, each at least 32 channels wide (no 32-byte wgmma operand rows)
         if K > 128:
@@ -381,10 +428,11 @@ def _scan(q, kg, w, u, gc, Aqk, scale, initial_state, output_final_state, chunk_
 
 
 def scan_output(q, qg, kg, w, u, gc, Aqk, scale, initial_state, output_final_state, save_states, cu_seqlens_cpu,
-                state_v_first, chunk_size, cu_seqlens, chunk_indices, **config):
+                state_v_first, chunk_size, cu_seqlens, chunk_indices, v=None, beta=None, Akk=None, **config):
     """The chain's F7-F8 unit (fla's two stages' contracts in one, and F6's qg: q exp2(g) in
-    q's dtype, read in place of q and the cumsum when given): (o, the final state, h and
-    v_new when ``save_states``, else None, None); states in [K, V]."""
+    q's dtype, read in place of q and the cumsum when given; u formed from v, beta and
+    Akk_inv when F6 wrote none): (o, the final state, h and v_new when ``save_states``, else
+    None, None); states in [K, V]."""
     if state_v_first:
         raise ValueError("the scan kernel keeps its states in [K, V]; the chain passes them so")
     # the pin: scan-vk where it holds K (<= 128) and q exp2(g) is given, else scan-hoist
@@ -394,12 +442,14 @@ def scan_output(q, qg, kg, w, u, gc, Aqk, scale, initial_state, output_final_sta
     if not config:
         N = kg.shape[0] if cu_seqlens is None else len(cu_seqlens) - 1
         sms = {"sms": torch.cuda.get_device_properties(kg.device).multi_processor_count} if kg.is_cuda else {}
-        config = launch_config(N * kg.shape[2], u.shape[3], reads_qg=qg is not None, vk=flags["vk"], **sms)
+        config = launch_config(N * kg.shape[2], (v if u is None else u).shape[3], reads_qg=qg is not None,
+                               vk=flags["vk"], forms_u=u is None, **sms)
     return scan_fwd(q, kg, w, u, gc, Aqk, scale, initial_state, output_final_state, chunk_size, cu_seqlens,
-                    save_states=save_states, qg=qg, **config, **flags)
+                    save_states=save_states, qg=qg, **config, **flags, v=v, beta=beta, Akk=Akk)
 
 
 scan_output.reads_qg = True  # the chain has F6 write qg for it (Dispatcher.wants)
+scan_output.forms_u = True  # and no u
 
 
 def scan_output_forming_qg(**inputs):
@@ -412,20 +462,27 @@ def scan_output_forming_qg(**inputs):
 # best at prod8192_gate (1.87 ms against fla's 1.95; BV=128 at 8 warps 2.06). At one chain
 # BV=32 is (step8192: 0.213 ms against fla's 0.345); not picked by grid yet.
 STATES_CONFIG = dict(BV=64, num_warps=4, num_stages=2)
+# Forming u (B2 writes none): the transposed kernel, BV=64 at 4 warps (sm_90a, K=128, V=256:
+# 246 registers, no spills, 90 KB of shared memory: two programs an SM).
+STATES_U_CONFIG = dict(BV=64, num_warps=4, num_stages=2, vk=True)
 
 
 def scan_states(kg, w, u, gc, initial_state, output_final_state, chunk_size, cu_seqlens, cu_seqlens_cpu,
-                chunk_indices, state_v_first, **config):
+                chunk_indices, state_v_first, v=None, beta=None, Akk=None, **config):
     """B3 (F7 recomputed in the backward) with fla's contract: (h [B, NT, HV, K, V], v_new,
-    the final state or None), from the same kernel without o. States in [K, V]."""
+    the final state or None), from the same kernel without o; u formed from v, beta and
+    Akk_inv when B2 wrote none. States in [K, V]."""
     if state_v_first:
         raise ValueError("the scan kernel keeps its states in [K, V]; the chain passes them so")
-    cfg = {**STATES_CONFIG, **config}
+    cfg = {**(STATES_U_CONFIG if u is None and kg.shape[3] <= 128 else STATES_CONFIG), **config}
     _, ht, h, v_new = _scan(None, kg, w, u, gc, None, 1.0, initial_state, output_final_state, chunk_size, cu_seqlens,
                             True, cfg["BV"], cfg["num_warps"], cfg["num_stages"], with_o=False,
                             hoist=cfg.get("hoist", False), prefetch=cfg.get("prefetch", False),
-                            vk=cfg.get("vk", False))
+                            vk=cfg.get("vk", False), v=v, beta=beta, Akk=Akk)
     return h, v_new, ht
+
+
+scan_states.forms_u = True  # the chain has B2 write no u for it (Dispatcher.wants)
 
 
 def supports(q, chunk_size, state_v_first=False, vk=False, **_) -> str | None:
@@ -468,4 +525,10 @@ def candidate(stage: str, design: str):
     return units[stage]
 
 
+def supports_states(kg, chunk_size, state_v_first, **_) -> str | None:
+    """None when ``scan_states`` takes B3, else why B3 stays on fla."""
+    return supports(q=kg, chunk_size=chunk_size, state_v_first=state_v_first)
+
+
 add_impl("F7-F8", "ours", scan_output, supports)
+add_impl("B3", "ours", scan_states, supports_states)
