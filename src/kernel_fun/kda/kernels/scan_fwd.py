@@ -211,6 +211,19 @@ def _vk_side_rows(Aqk, g, row0, n_t, i_hv, o_t, o_k1, o_k2, m_k1, m_k2, HV: tl.c
 
 
 @triton.jit
+def _vk_u(v, beta, Akk, row0, n_t, i_hv, o_t, o_v, m_v, HV: tl.constexpr, V: tl.constexpr, BT: tl.constexpr):
+    """u^T [V slice, BT] of the chunk at row0 (its rows t < n_t; none past the sequence) as F6
+    forms u, unrounded: (Akk_inv bf16(beta v))^T = bf16(beta v)^T Akk_inv^T, fp32 sums."""
+    m_t = o_t < n_t
+    b_b = tl.load(beta + (row0 + o_t) * HV + i_hv, mask=m_t, other=0).to(tl.float32)
+    p_vt = (row0 + o_t)[None, :] * (HV * V) + i_hv * V + o_v[:, None]
+    b_vb = to(tl.load(v + p_vt, mask=m_v[:, None] & m_t[None, :], other=0).to(tl.float32) * b_b[None, :],
+              v.dtype.element_ty)
+    b_Xt = tl.load(Akk + (row0 + o_t)[None, :] * (HV * BT) + i_hv * BT + o_t[:, None], mask=m_t[None, :], other=0)
+    return dot(b_vb, b_Xt)
+
+
+@triton.jit
 def scan_vk_kernel(
     q, qg, kg, w, u, g, Aqk, h0, o, ht, h, v_new, cu_seqlens, chunk_offsets, scale, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
@@ -228,7 +241,8 @@ def scan_vk_kernel(
         S^T     = S^T exp2(g_last) + v_new^T kg
 
     The same roundings at the same points as ``scan_fwd_kernel``; with U_FROM_V u^T is
-    formed here, bf16(bf16(beta v)^T Akk_inv^T), v^T a register operand as u^T was."""
+    formed here (``_vk_u``), each chunk's during the step before, after that step's last
+    dots on the chain are issued, and rounded as F6 rounds u where it is used."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
@@ -252,6 +266,8 @@ def scan_vk_kernel(
         b_S1 += tl.load(p_h0 + p_vk1, mask=m_vk1, other=0).to(tl.float32)
         b_S2 += tl.load(p_h0 + p_vk2, mask=m_vk2, other=0).to(tl.float32)
 
+    if U_FROM_V:
+        b_Un = _vk_u(v, beta, Akk, bos, T_seq, i_hv, o_t, o_v, m_v, HV, V, BT)
     for i_c in range(0, NT):
         row0 = bos + i_c * BT
         n_t = T_seq - i_c * BT
@@ -265,12 +281,8 @@ def scan_vk_kernel(
 
         b_w1 = tl.load(w + r_t[None, :] + o_k1[:, None], mask=m_k1[:, None] & m_t[None, :], other=0)  # w^T
         b_w2 = tl.load(w + r_t[None, :] + o_k2[:, None], mask=m_k2[:, None] & m_t[None, :], other=0)
-        if U_FROM_V:  # u^T = (Akk_inv bf16(beta v))^T, rounded as F6 rounds u
-            b_bt = tl.load(beta + (row0 + o_t) * HV + i_hv, mask=m_t, other=0).to(tl.float32)
-            b_vb = to(tl.load(v + p_vt, mask=m_vt, other=0).to(tl.float32) * b_bt[None, :], v.dtype.element_ty)
-            b_Xt = tl.load(Akk + (row0 + o_t)[None, :] * (HV * BT) + i_hv * BT + o_t[:, None], mask=m_t[None, :],
-                           other=0)  # Akk_inv^T [s, t]
-            b_ut = to(dot(b_vb, b_Xt), v.dtype.element_ty)
+        if U_FROM_V:  # this chunk's u^T, formed during the step before (off the chain)
+            b_ut = to(b_Un, v.dtype.element_ty)
         else:
             b_ut = tl.load(u + p_vt, mask=m_vt, other=0)
         b_H1 = to(b_S1, kg.dtype.element_ty)  # h^T
@@ -301,6 +313,8 @@ def scan_vk_kernel(
             tl.store(o + p_vt, to(b_o, o.dtype.element_ty), mask=m_vt)
         b_k1 = tl.load(kg + r_t[:, None] + o_k1[None, :], mask=m_t[:, None] & m_k1[None, :], other=0)
         b_k2 = tl.load(kg + r_t[:, None] + o_k2[None, :], mask=m_t[:, None] & m_k2[None, :], other=0)
+        if U_FROM_V:  # the next chunk's u^T, its dot behind this step's state update
+            b_Un = _vk_u(v, beta, Akk, row0 + BT, n_t - BT, i_hv, o_t, o_v, m_v, HV, V, BT)
         b_S1 = b_S1 * tl.exp2(b_g1)[None, :] + dot(b_vn, b_k1)
         b_S2 = b_S2 * tl.exp2(b_g2)[None, :] + dot(b_vn, b_k2)
 
