@@ -20,7 +20,10 @@ from kernel_fun.bench.stage import StageBench, chain_runs, main as _stage_main
 # The configs worth timing (sm_90a offline, K=128, V=256, no spills): BK=64 at 4 warps 174
 # registers (2 stages, 40 KB) and 180 (3 stages, 64 KB); BK=64 at 8 warps 97; BK=32 at 4
 # warps 89 (3 stages, 36 KB); BK=128 at 8 warps and one stage 143.
-SWEEP = {"wy": [dict(BK=64, num_warps=4, num_stages=2), dict(BK=64, num_warps=8, num_stages=2),
+# ``wy-u`` the same kernel writing u too (fla's contract in full: timed with u, compared without
+# it here; the GPU test holds its u to fla's)
+SWEEP = {"wy-u": [dict(BK=128, num_warps=8, num_stages=1), dict(BK=64, num_warps=4, num_stages=3)],
+         "wy": [dict(BK=64, num_warps=4, num_stages=2), dict(BK=64, num_warps=8, num_stages=2),
                 dict(BK=32, num_warps=4, num_stages=3), dict(BK=64, num_warps=4, num_stages=3),
                 dict(BK=128, num_warps=8, num_stages=1), dict(BK=32, num_warps=8, num_stages=2)]}
 
@@ -59,13 +62,15 @@ def _exact(**inputs):
 def _ours(inputs, design, config):
     from kernel_fun.kda.kernels import wy_fwd
 
+    if design == "wy-u":
+        return _without_u(wy_fwd.wy_vectors(**{**inputs, "want_u": True}, **(config or wy_fwd.DEFAULT_CONFIG)), False)
     return wy_fwd.wy_vectors(**inputs, **(config or wy_fwd.DEFAULT_CONFIG))
 
 
 def _launch_config(p, design, overrides):
     from kernel_fun.kda.kernels import wy_fwd
 
-    if design != "wy":
+    if design not in SWEEP:
         raise ValueError(f"unknown B2 design {design!r}")
     return {**wy_fwd.DEFAULT_CONFIG, **(overrides or {})}
 

@@ -463,7 +463,7 @@ def scan_output(q, qg, kg, w, u, gc, Aqk, scale, initial_state, output_final_sta
 
 
 scan_output.reads_qg = True  # the chain has F6 write qg for it (Dispatcher.wants)
-scan_output.forms_u = True  # and no u
+# (the unit reads F6's u: forming it here measured slower than F6 writing it, STEP note)
 
 
 def scan_output_forming_qg(**inputs):

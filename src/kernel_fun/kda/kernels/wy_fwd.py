@@ -111,7 +111,7 @@ def wy_fwd_kernel(
 
 # Compiled for sm_90a offline (K=128, V=256, H=HV=16, bf16; ``python -m tools.compile_report
 # --design wy``): see CONFIGS' note once measured.
-DEFAULT_CONFIG = dict(BK=64, BV=64, num_warps=4, num_stages=2)
+DEFAULT_CONFIG = dict(BK=128, BV=64, num_warps=8, num_stages=1)
 
 
 def wy_vectors(q, k, v, beta, A, gc, want_u, chunk_size, cu_seqlens, chunk_indices, **config):
