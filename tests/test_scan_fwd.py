@@ -150,7 +150,8 @@ def test_registered_as_the_f7_f8_unit_and_b3():
     """The scan is the chain's F7-F8 unit and its B3; F7 and F8 alone stay fla's."""
     assert stages()["F7-F8"].impls["ours"] is scan_fwd.scan_output
     assert stages()["B3"].impls["ours"] is scan_fwd.scan_states
-    assert scan_fwd.scan_output.forms_u and scan_fwd.scan_states.forms_u and scan_fwd.scan_output.reads_qg
+    assert scan_fwd.scan_states.forms_u and scan_fwd.scan_output.reads_qg
+    assert not getattr(scan_fwd.scan_output, "forms_u", False)  # F7-F8 reads F6's u (measured faster)
     assert not {"F7", "F8"} & {name for name, s in stages().items() if "ours" in s.impls}
 
 
@@ -166,9 +167,9 @@ def u_sources(p: Problem, seed: int = 8) -> dict:
 
 @pytest.mark.parametrize("p", SHAPES, ids=lambda p: p.name)
 def test_scan_forming_u_computes_the_same(p):
-    """Both kernels forming u from v, beta and Akk_inv (F6 writing none) against the same
-    kernel reading the reference F6's u: o, h, v_new and the final state, reading qg, and as
-    B3 without o, at one and two V slices (T not a multiple of 64, packed ragged sequences,
+    """The transposed-state kernel forming u from v, beta and Akk_inv (F6 / B2 writing none)
+    against the same kernel reading the reference F6's u: o, h, v_new and the final state,
+    reading qg, and as B3 without o, at one and two V slices (T not a multiple of 64, packed ragged sequences,
     GVA with h0, fp16, K and V of no power of two). Under the interpreter u's dot sums in
     the reference's order: the same to fp32 rounding."""
     f7, f8, _, _ = f7_f8_inputs(p)
@@ -180,32 +181,31 @@ def test_scan_forming_u_computes_the_same(p):
                   chunk_size=f7["chunk_size"], cu_seqlens=f7["cu_seqlens"], save_states=True, num_warps=4,
                   num_stages=1)
     bound = 1e-5 if INTERPRETING else 2e-3
-    for vk, bvs in ((True, (16, 32)), (False, (32,))):
-        for bv in bvs:
-            reading = scan_fwd.scan_fwd(**common, u=f7["u"], BV=bv, vk=vk)
-            forming = scan_fwd.scan_fwd(**common, u=None, **src, BV=bv, vk=vk)
-            for name, a, b in zip(("o", "ht", "h", "v_new"), reading, forming):
-                assert (a is None) == (b is None), name
-                if a is not None:
-                    assert a.dtype == b.dtype and a.shape == b.shape, name
-                    assert ref.rel_rms(b, a) <= bound, (name, vk, bv, ref.rel_rms(b, a))
-    b3 = {n: f7[n] for n in ("kg", "w", "gc", "initial_state", "output_final_state", "chunk_size", "cu_seqlens",
-                             "cu_seqlens_cpu", "chunk_indices", "state_v_first")}
-    for vk in (True, False):
-        reading = scan_fwd.scan_states(**b3, u=f7["u"], vk=vk)
-        forming = scan_fwd.scan_states(**b3, u=None, **src, vk=vk)
-        for name, a, b in zip(("h", "v_new", "ht"), reading, forming):
+    for bv in (16, 32):
+        reading = scan_fwd.scan_fwd(**common, u=f7["u"], BV=bv, vk=True)
+        forming = scan_fwd.scan_fwd(**common, u=None, **src, BV=bv, vk=True)
+        for name, a, b in zip(("o", "ht", "h", "v_new"), reading, forming):
             assert (a is None) == (b is None), name
             if a is not None:
-                assert ref.rel_rms(b, a) <= bound, (name, vk, ref.rel_rms(b, a))
-    # the kernels read beta and Akk_inv: a wrong one shows
-    for vk in (True, False):
-        base = scan_fwd.scan_fwd(**common, u=f7["u"], BV=32, vk=vk)[3]
-        for wrong in (dict(src, beta=(src["beta"] * 2).contiguous()), dict(src, Akk=(src["Akk"] * 0.5).contiguous())):
-            moved = scan_fwd.scan_fwd(**common, u=None, **wrong, BV=32, vk=vk)
-            assert ref.rel_rms(moved[3], base) > 1e-2, vk
+                assert a.dtype == b.dtype and a.shape == b.shape, name
+                assert ref.rel_rms(b, a) <= bound, (name, bv, ref.rel_rms(b, a))
+    b3 = {n: f7[n] for n in ("kg", "w", "gc", "initial_state", "output_final_state", "chunk_size", "cu_seqlens",
+                             "cu_seqlens_cpu", "chunk_indices", "state_v_first")}
+    reading = scan_fwd.scan_states(**b3, u=f7["u"], vk=True)
+    forming = scan_fwd.scan_states(**b3, u=None, **src)  # (its pin: the transposed kernel)
+    for name, a, b in zip(("h", "v_new", "ht"), reading, forming):
+        assert (a is None) == (b is None), name
+        if a is not None:
+            assert ref.rel_rms(b, a) <= bound, (name, ref.rel_rms(b, a))
+    # the kernel reads beta and Akk_inv: a wrong one shows
+    base = scan_fwd.scan_fwd(**common, u=f7["u"], BV=32, vk=True)[3]
+    for wrong in (dict(src, beta=(src["beta"] * 2).contiguous()), dict(src, Akk=(src["Akk"] * 0.5).contiguous())):
+        moved = scan_fwd.scan_fwd(**common, u=None, **wrong, BV=32, vk=True)
+        assert ref.rel_rms(moved[3], base) > 1e-2
     with pytest.raises(ValueError, match="v, beta and Akk_inv"):
-        scan_fwd.scan_fwd(**common, u=None, v=src["v"], BV=32)
+        scan_fwd.scan_fwd(**common, u=None, v=src["v"], BV=32, vk=True)
+    with pytest.raises(ValueError, match="only the transposed-state scan"):
+        scan_fwd.scan_fwd(**common, u=None, **src, BV=32)
 
 
 @pytest.mark.parametrize("p", [SHAPES[1], SHAPES[3], SHAPES[5],
@@ -261,7 +261,7 @@ def test_bench_entry_inputs_run_and_count_bytes():
     inputs = stage_f7f8.make_inputs(p, DEVICE, seed=1)
     bench = stage_f7f8.BENCH
     exact = bench.exact(**inputs)
-    assert bench.designs == ("scan-vk-u",) and inputs["qg"].shape == inputs["kg"].shape
+    assert bench.designs == ("scan-vk",) and inputs["qg"].shape == inputs["kg"].shape
     for design in list(scan_fwd.DESIGNS) + ["scan-vk-u"]:
         got = bench.ours(inputs, design, bench.launch_config(p, design, None))
         errors = stage_errors("F7-F8", got, exact)
@@ -296,7 +296,7 @@ def test_b3_bench_entry_inputs_run_and_count_bytes():
     p = Problem("entry", 1, 100, 2, 4, 64, 32, initial_state=True, output_final_state=True)
     inputs = stage_b3.make_inputs(p, DEVICE, seed=2)
     bench = stage_b3.BENCH
-    for design in ("scan", "scan-vk", "scan-vk-u", "scan-u"):
+    for design in ("scan", "scan-vk", "scan-vk-u"):
         got = bench.ours(inputs, design, bench.launch_config(p, design, None))
         errors = stage_errors("B3", got, bench.exact(**inputs))
         assert set(errors) == {"h", "v_new", "final_state"} and all(0 < e <= 5e-3 for e in errors.values()), \

@@ -1,7 +1,7 @@
-"""F6 / B2 (kda/kernels/wy_fwd.py: w, qg, kg from Akk_inv; u only when asked) through the
+"""B2 (kda/kernels/wy_fwd.py: w, qg, kg from Akk_inv; u only when asked) through the
 interpreter against the reference's WY stage on the inputs the chain gives it, and the chain
-with it in place of fla's WY kernel (F3-F5 then F6 in the forward, B2 in the backward; the
-scans forming u): T not a multiple of 64, GVA, packed sequences, K 64 / 100 / 128, fp16."""
+with it as B2 (no u: kernel-fun's B3 forms it): T not a multiple of 64, GVA, packed
+sequences, K 64 / 100 / 128, fp16, the lower-bounded gate."""
 
 from __future__ import annotations
 
@@ -67,10 +67,10 @@ def test_supports():
     assert "> 256" in wy_fwd.supports(**{**x, "k": torch.empty(1, 64, 1, 320)})
 
 
-def test_registered_for_f6_and_b2():
-    assert stages()["F6"].impls["ours"] is wy_fwd.wy_vectors
+def test_registered_for_b2():
     assert stages()["B2"].impls["ours"] is wy_fwd.wy_vectors
     assert stages()["B3"].impls["ours"] is scan_fwd.scan_states
+    assert "ours" not in stages()["F3-F6"].impls  # the forward's F6 stays fla's (its scan reads u)
 
 
 @pytest.mark.parametrize("p", SHAPES[1:] + [
@@ -80,19 +80,18 @@ def test_registered_for_f6_and_b2():
     Problem("pregated-no-l2norm", 1, 90, 2, 2, 64, 32, gate_in_kernel=False, l2norm_in_kernel=False),
 ], ids=lambda p: p.name)
 def test_chain_without_u_against_the_oracle(p):
-    """The chain runs fla's F3-F6 as F3-F5 then kernel-fun's F6 (no u), the scan forming u, and
-    in the backward kernel-fun's B2 (no u) and B3 (forming u): the record shows it, and the
-    forward and every gradient stay within fla's budgets of the float64 recurrence or within
-    10% of the reference chain's own error (small bf16 shapes take the reference chain past
-    a budget: dk 0.012 at packed-safe-gate)."""
+    """The backward runs kernel-fun's B2 without u and kernel-fun's B3 forming it: the record
+    shows it (and no u in B2's outputs), and the forward and every gradient stay within
+    fla's budgets of the float64 recurrence or within 10% of the reference chain's own error
+    (small bf16 shapes take the reference chain past a budget: dk 0.012 at
+    packed-safe-gate)."""
     kwargs = make_inputs(p, device=DEVICE, seed=14)
     with capture_stages() as log:
         result = run_fwd_bwd(chunk_kda, kwargs, grid=p.dtype)
     record = last_record()
-    assert record.forward["F6"] == "ours" and "F3-F6" not in record.forward, record
     assert record.forward["F7-F8"] == "ours" and record.backward["B2"] == "ours" and record.backward["B3"] == "ours"
-    wy = {name: out for name, _, _, out in log if name in ("F6", "B2")}
-    assert wy["F6"][1] is None and wy["B2"][1] is None  # no u written: the scans formed it
+    (b2,) = [out for name, _, _, out in log if name == "B2"]
+    assert b2[1] is None  # no u written: B3 formed it
     oracle = run_fwd_bwd(ref.recurrent_kda, as_oracle_inputs(kwargs), grid=p.dtype)
     with use_impls("reference"):
         baseline = run_fwd_bwd(chunk_kda, kwargs, grid=p.dtype)
@@ -102,28 +101,30 @@ def test_chain_without_u_against_the_oracle(p):
 
 
 def test_chain_without_u_is_the_chain_with_it():
-    """The scans forming u as F6 rounds it give the outputs and gradients of the chain whose
-    F6 writes u and whose scans read it (fla's F3-F6 and B2 as the reference)."""
+    """B3 forming u as B2 rounds it gives the gradients of the chain whose B2 writes u and
+    whose B3 (the same kernel) reads it."""
     p = SHAPES[3]
     kwargs = make_inputs(p, device=DEVICE, seed=15)
-    with use_impls({"F6": "reference", "B2": "reference"}):  # u written, the same scans reading it
+    with use_impls({"B2": "reference"}):  # u written, kernel-fun's B3 reading it
         want = run_fwd_bwd(chunk_kda, kwargs, grid=p.dtype)
-    assert "F3-F6" in last_record().forward and last_record().backward["B3"] == "ours"
+    assert last_record().backward == {**last_record().backward, "B2": "reference", "B3": "ours"}
     got = run_fwd_bwd(chunk_kda, kwargs, grid=p.dtype)
-    assert last_record().forward["F6"] == "ours"
+    assert last_record().backward["B2"] == "ours"
     errors = {n: ref.rel_rms(got[n], want[n]) for n in want if want[n] is not None}
     assert all(e <= (1e-5 if INTERPRETING else 2e-3) for e in errors.values()), errors
 
 
-def test_saved_u_keeps_fla_s_wy_kernel():
-    """disable_recompute saves u: F6 is asked for it, so kernel-fun's declines and F3-F6 runs
-    whole (the note says why)."""
+def test_a_b3_reading_u_gets_it():
+    """Where B3 is not kernel-fun's (forced onto the reference here) it reads u: B2 is asked
+    for it and kernel-fun's declines, saying why; disable_recompute runs no B2 at all."""
     p = SHAPES[0]
-    kwargs = dict(make_inputs(p, device=DEVICE, seed=16), disable_recompute=True)
-    run_fwd_bwd(chunk_kda, kwargs, grid=p.dtype)
+    kwargs = make_inputs(p, device=DEVICE, seed=16)
+    with use_impls({"B3": "reference"}):
+        run_fwd_bwd(chunk_kda, kwargs, grid=p.dtype)
     record = last_record()
-    assert "F3-F6" in record.forward and "F6" not in record.forward and "B2" not in record.backward, record
-    assert "u is asked for" in record.notes["F6"]
+    assert record.backward["B2"] == "reference" and "u is asked for" in record.notes["B2"], record
+    run_fwd_bwd(chunk_kda, dict(kwargs, disable_recompute=True), grid=p.dtype)
+    assert not {"B2", "B3"} & set(last_record().backward)
 
 
 def test_bench_entry_inputs_run_and_count_bytes():

@@ -25,8 +25,7 @@ SWEEP["scan-vk"] = [dict(BV=64, num_warps=4, num_stages=2), dict(BV=128, num_war
 # forming u from v, beta and Akk_inv (B2 writing none, the pin): BV=64 at 4 warps two programs
 # an SM (90 KB), BV=128 at 8 warps one
 SWEEP["scan-vk-u"] = [dict(BV=64, num_warps=4, num_stages=2), dict(BV=128, num_warps=8, num_stages=2)]
-SWEEP["scan-u"] = [dict(BV=64, num_warps=4, num_stages=2)]
-FORMS_U = {"scan-vk-u": "scan-vk", "scan-u": "scan"}
+FORMS_U = {"scan-vk-u": "scan-vk"}
 _SCAN = ("kg", "w", "u", "gc", "initial_state", "output_final_state", "chunk_size", "cu_seqlens", "cu_seqlens_cpu",
          "chunk_indices", "state_v_first")
 

@@ -23,9 +23,6 @@ F1          l2norm of q and k (``fla.modules.l2norm.l2norm_fwd``)
 F1b         beta = scale * sigmoid(beta_raw) (``fla.ops.common.gate.fused_beta_sigmoid``)
 F2          gate activation + chunk cumsum (``kda_gate_chunk_cumsum`` / ``chunk_local_cumsum``)
 F3-F6       intra-chunk Aqk, Akk, their solve, w/u/kg (``chunk_kda_fwd_intra``)
-F3-F5       its first two kernels: the diagonal blocks, the blocks below them and the solve
-F6          its last: w, u, qg, kg from Akk_inv (``recompute_w_u_fwd``); F3-F5 then F6 run
-            in place of F3-F6 when kernel-fun's F6 takes the call (without u: the scan forms it)
 F1-F6       F1, F2 and F3-F6 as one unit, run in their place when kernel-fun's kernel takes it
 F7          the state scan (``chunk_gated_delta_rule_fwd_h``)
 F8          the output (``chunk_gla_fwd_o_gk``)
@@ -102,13 +99,12 @@ def _fla_intra(q, k, v, gc, beta, scale, chunk_size, cu_seqlens, chunk_indices, 
     return w, u, kg, Aqk, Akk, qg
 
 
-def _fla_f5(q, k, gc, beta, Aqk, Akkd, scale, chunk_size, cu_seqlens, chunk_indices, inverted_blocks=False):
+def _fla_f5(q, k, gc, beta, Aqk, Akkd, scale, chunk_size, cu_seqlens, chunk_indices):
     """fla's F5 (``chunk_kda_fwd_kernel_inter_solve_fused``) on given diagonal blocks (F4's:
     Aqk's, Akkd), launched as ``chunk_kda_fwd_intra`` launches it: fills Aqk's blocks below
     the diagonal in place and returns Akk_inv. Akkd holds the blocks themselves, as fla's F4
     leaves them without ``safe_gate``; with it fla's F4 stores their inverses and its F5 skips
-    the substitution (``USE_SAFE_GATE``): ``inverted_blocks`` says which (kernel-fun's F4
-    writes the blocks, so off for it whatever the gate)."""
+    the substitution (``USE_SAFE_GATE``), so the flag is off here whatever the gate."""
     import triton
     from fla.ops.kda.chunk_intra import chunk_kda_fwd_kernel_inter_solve_fused
 
@@ -120,42 +116,10 @@ def _fla_f5(q, k, gc, beta, Aqk, Akkd, scale, chunk_size, cu_seqlens, chunk_indi
     chunk_kda_fwd_kernel_inter_solve_fused[(NT, B * HV)](
         q=q, k=k, g=gc, beta=beta, Aqk=Aqk, Akkd=Akkd, Akk=Akk, scale=scale, cu_seqlens=cu_seqlens,
         chunk_indices=chunk_indices, T=T, H=H, HV=HV, K=K, BT=BT, BC=BC, NC=triton.cdiv(BT, BC),
-        USE_SAFE_GATE=inverted_blocks,
+        USE_SAFE_GATE=False,
     )
     return Akk
 
-
-def _fla_f3_f5(q, k, gc, beta, scale, safe_gate, chunk_size, cu_seqlens, chunk_indices):
-    """fla's F3-F6 (``chunk_kda_fwd_intra``) up to its WY kernel, its launches as it makes
-    them: the diagonal 16x16 blocks (the sub-chunk kernel with ``safe_gate``, else the
-    token-parallel one), then F5 on them. Returns (Aqk, Akk_inv)."""
-    import triton
-    from fla.ops.kda.chunk_intra import (IS_GATHER_SUPPORTED, chunk_kda_fwd_intra_token_parallel,
-                                         chunk_kda_fwd_kernel_intra_sub_chunk)
-
-    B, T, H, K = k.shape
-    HV = gc.shape[2]
-    BT, BC = chunk_size, 16
-    NT = triton.cdiv(T, BT) if cu_seqlens is None else len(chunk_indices)
-    Aqk = torch.empty(B, T, HV, BT, device=k.device, dtype=k.dtype)
-    Akkd = torch.empty(B, T, HV, BC, device=k.device, dtype=torch.float32)
-    if safe_gate:
-        chunk_kda_fwd_kernel_intra_sub_chunk[(NT, triton.cdiv(BT, BC), B * HV)](
-            q=q, k=k, g=gc, beta=beta, Aqk=Aqk, Akk=Akkd, scale=scale, cu_seqlens=cu_seqlens,
-            chunk_indices=chunk_indices, T=T, H=H, HV=HV, K=K, BT=BT, BC=BC, BK=triton.next_power_of_2(K),
-            USE_GATHER=IS_GATHER_SUPPORTED,
-        )
-    else:
-        Aqk, Akkd = chunk_kda_fwd_intra_token_parallel(
-            q=q, k=k, gk=gc, beta=beta, Aqk=Aqk, Akk=Akkd, scale=scale, cu_seqlens=cu_seqlens, chunk_size=BT,
-            sub_chunk_size=BC,
-        )
-    Akk = _fla_f5(q, k, gc, beta, Aqk, Akkd, scale, chunk_size, cu_seqlens, chunk_indices, inverted_blocks=safe_gate)
-    return Aqk, Akk
-
-
-def _ref_f3_f5(q, k, gc, beta, scale, safe_gate, chunk_size, cu_seqlens, chunk_indices):
-    return ref.intra_scores(q, k, gc, beta, scale, chunk_size, cu_seqlens)
 
 
 def _ref_f5(q, k, gc, beta, Aqk, Akkd, scale, chunk_size, cu_seqlens, chunk_indices):
@@ -266,8 +230,8 @@ def _prep_in_turn(l2norm_fwd, gate, intra):
 
 
 def _fla_scan_output(q, qg, kg, w, u, gc, Aqk, scale, initial_state, output_final_state, save_states, cu_seqlens_cpu,
-                     state_v_first, chunk_size, cu_seqlens, chunk_indices, v=None, beta=None, Akk=None):
-    # (fla's F8 forms q exp2(g) itself: qg, when given, is not read; nor are v, beta, Akk)
+                     state_v_first, chunk_size, cu_seqlens, chunk_indices):
+    # (fla's F8 forms q exp2(g) itself: qg, when given, is not read)
     h, v_new, final_state = _fla_h(kg, w, u, gc, initial_state, output_final_state, chunk_size, cu_seqlens,
                                    cu_seqlens_cpu, chunk_indices, state_v_first)
     o = _fla_o(q, v_new, gc, Aqk, h, scale, chunk_size, cu_seqlens, chunk_indices, state_v_first)
@@ -337,8 +301,8 @@ def _ref_o(q, v_new, gc, Aqk, h, scale, chunk_size, cu_seqlens, chunk_indices, s
 
 
 def _ref_scan_output(q, qg, kg, w, u, gc, Aqk, scale, initial_state, output_final_state, save_states, cu_seqlens_cpu,
-                     state_v_first, chunk_size, cu_seqlens, chunk_indices, v=None, beta=None, Akk=None, exact=False):
-    # (the reference's F8 forms q exp2(g) itself: qg, when given, is not read; nor are v, beta, Akk)
+                     state_v_first, chunk_size, cu_seqlens, chunk_indices, exact=False):
+    # (the reference's F8 forms q exp2(g) itself: qg, when given, is not read)
     _needs_u(u, "the reference state scan")
     h, v_new, final_state = ref.h_fwd(kg, w, u, gc, initial_state, output_final_state, chunk_size, cu_seqlens,
                                       state_v_first, exact=exact)
@@ -412,12 +376,6 @@ _stage("F1-F6", ("F1", "F2", "F3", "F4", "F5", "F6"), "l2norm, gate + cumsum, in
        "q k v g beta A_log dt_bias lower_bound use_gate_in_kernel use_qk_l2norm_in_kernel scale safe_gate "
        f"disable_recompute {_C}", ("q", "q_rstd", "k", "k_rstd", "gc", "w", "u", "kg", "Aqk", "Akk", "qg"),
        _fla_prep, _prep_in_turn(_ref_l2norm_fwd, _ref_gate, _ref_intra))
-# F3-F6 in two parts (fla's first two kernels, then its WY kernel), run in its place when
-# kernel-fun's F6 takes the call: it writes no u (``want_u`` false) where the scan forms u
-_stage("F3-F5", ("F3", "F4", "F5"), "intra scores, solve", f"q k gc beta scale safe_gate {_C}", ("Aqk", "Akk"),
-       _fla_f3_f5, _ref_f3_f5)
-_WY_IN = f"q k v beta A gc want_u {_C}"
-_stage("F6", ("F6",), "w/u/qg/kg", _WY_IN, ("w", "u", "qg", "kg"), _fla_wy, _ref_wy)
 _SCAN_IN = f"kg w u gc initial_state output_final_state cu_seqlens_cpu state_v_first {_C}"
 _stage("F7", ("F7",), "state scan", _SCAN_IN, ("h", "v_new", "final_state"), _fla_h, _ref_h)
 _stage("F8", ("F8",), "output", f"q v_new gc Aqk h scale state_v_first {_C}", ("o",), _fla_o, _ref_o)
@@ -425,11 +383,12 @@ _stage("F8", ("F8",), "output", f"q v_new gc Aqk h scale state_v_first {_C}", ("
 # saved): run in their place when kernel-fun's kernel for it takes the call; fla's side is
 # fla's two stages in turn.
 _stage("F7-F8", ("F7", "F8"), "state scan with the output (one pass)",
-       f"q qg kg w u gc Aqk scale initial_state output_final_state save_states cu_seqlens_cpu state_v_first v beta Akk "
-       f"{_C}",
+       f"q qg kg w u gc Aqk scale initial_state output_final_state save_states cu_seqlens_cpu state_v_first {_C}",
        ("o", "final_state", "h", "v_new"), _fla_scan_output, _ref_scan_output)
 _stage("B1", ("B1",), "gate + chunk cumsum (recompute)", _GATE_IN, ("gc",), _fla_gate, _ref_gate)
-_stage("B2", ("B2",), "w/u/qg/kg (recompute)", _WY_IN, ("w", "u", "qg", "kg"), _fla_wy, _ref_wy)
+# (u only when B3 reads it: kernel-fun's B3 forms it from v, beta and Akk_inv)
+_stage("B2", ("B2",), "w/u/qg/kg (recompute)", f"q k v beta A gc want_u {_C}", ("w", "u", "qg", "kg"), _fla_wy,
+       _ref_wy)
 # B1 and B2 as one unit (the gate's cumsum and the WY recompute from the raw gate and the
 # saved Akk_inv): run in their place when kernel-fun's kernel for it takes the call; fla's
 # side is fla's two stages in turn.
@@ -559,14 +518,12 @@ def run_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, opts: Options, 
     scan = dict(initial_state=initial_state, output_final_state=opts.output_final_state,
                 cu_seqlens_cpu=opts.cu_seqlens_cpu, **common, **layout)
     unit = dict(q=q, Aqk=None, scale=opts.scale, save_states=keep or opts.return_intermediate_states, qg=None,
-                kg=None, w=None, u=None, gc=None, v=v, beta=None, Akk=None, **scan)
+                kg=None, w=None, u=None, gc=None, **scan)
     # kernel-fun's F7-F8 scan reads q exp2(g) as F6 rounds it instead of forming it from q and
     # the cumsum in its chain of chunk steps; F6 writes qg only on request (fla's
     # disable_recompute switch of F3-F6, which changes nothing else there), so it is asked
-    # for qg whenever that scan will run. The same scan forms u from v, beta and Akk_inv in
-    # its V slice, so F6 is asked for u only where another scan reads it or the call saves it.
+    # for qg whenever that scan will run
     want_qg = keep or run.wants("F7-F8", "reads_qg", **unit)
-    want_u = keep or not run.wants("F7-F8", "forms_u", **unit)
     prep = dict(q=q, k=k, v=v, g=g, beta=beta_raw, A_log=A_log, dt_bias=dt_bias, lower_bound=opts.lower_bound,
                 use_gate_in_kernel=opts.use_gate_in_kernel, use_qk_l2norm_in_kernel=opts.use_qk_l2norm_in_kernel,
                 scale=opts.scale, safe_gate=opts.safe_gate, disable_recompute=want_qg, **common)
@@ -583,20 +540,13 @@ def run_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, opts: Options, 
             "F2", "forward", g=g, use_gate_in_kernel=opts.use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
             lower_bound=opts.lower_bound, **common,
         )
-        wy = dict(q=q if want_qg else None, k=k, v=v, beta=beta, A=None, gc=gc, want_u=want_u, **common)
-        if run.takes_ours("F6", **wy):  # fla's F3-F6 up to its WY kernel, then kernel-fun's
-            Aqk, Akk = run.run("F3-F5", "forward", q=q, k=k, gc=gc, beta=beta, scale=opts.scale,
-                               safe_gate=opts.safe_gate, **common)
-            w, u, qg, kg = run.run("F6", "forward", **dict(wy, A=Akk))
-        else:
-            w, u, kg, Aqk, Akk, qg = run.run(
-                "F3-F6", "forward", q=q, k=k, v=v, gc=gc, beta=beta, scale=opts.scale, safe_gate=opts.safe_gate,
-                disable_recompute=want_qg, **common,
-            )
-        del wy
+        w, u, kg, Aqk, Akk, qg = run.run(
+            "F3-F6", "forward", q=q, k=k, v=v, gc=gc, beta=beta, scale=opts.scale, safe_gate=opts.safe_gate,
+            disable_recompute=want_qg, **common,
+        )
     del prep
     scan = dict(kg=kg, w=w, u=u, gc=gc, **scan)
-    unit = dict(unit, q=q, Aqk=Aqk, qg=qg, beta=beta, Akk=Akk, **scan)
+    unit = dict(unit, q=q, Aqk=Aqk, qg=qg, **scan)
     o = None
     if run.takes_ours("F7-F8", **unit):
         o, final_state, h, v_new = run.run("F7-F8", "forward", **unit)

@@ -72,31 +72,15 @@ def _sequence(i_n, cu_seqlens, chunk_offsets, T, BT: tl.constexpr, IS_VARLEN: tl
 
 
 @triton.jit
-def _u_rows(u, v, beta, Akk, row0, o_t, m_t, p_hv, m_tv, i_hv, HV: tl.constexpr, BT: tl.constexpr,
-            U_FROM_V: tl.constexpr):
-    """The chunk's u [BT, BV slice]: read (F6's), or with U_FROM_V formed as F6 forms it,
-    u = bf16(Akk_inv bf16(beta v)) (fp32 sums), from v's rows in the slice, beta and Akk_inv."""
-    if U_FROM_V:
-        b_v = tl.load(v + p_hv, mask=m_tv, other=0)
-        b_b = tl.load(beta + (row0 + o_t) * HV + i_hv, mask=m_t, other=0).to(tl.float32)
-        b_vb = to(b_v.to(tl.float32) * b_b[:, None], v.dtype.element_ty)
-        b_X = tl.load(Akk + (row0 + o_t)[:, None] * (HV * BT) + i_hv * BT + o_t[None, :], mask=m_t[:, None], other=0)
-        return to(dot(b_X, b_vb), v.dtype.element_ty)
-    return tl.load(u + p_hv, mask=m_tv, other=0)
-
-
-@triton.jit
 def scan_fwd_kernel(
     q, qg, kg, w, u, g, Aqk, h0, o, ht, h, v_new, cu_seqlens, chunk_offsets, scale, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr,
     STORE_HT: tl.constexpr, SAVE_STATES: tl.constexpr, WITH_O: tl.constexpr = True, QG: tl.constexpr = False,
-    HOIST: tl.constexpr = False, PREFETCH: tl.constexpr = False, v=None, beta=None, Akk=None,
-    U_FROM_V: tl.constexpr = False,
+    HOIST: tl.constexpr = False, PREFETCH: tl.constexpr = False,
 ):
     """The scan on one (sequence, value head, V slice); without WITH_O (the backward's B3)
-    only the states: h and v_new written, o's loads and dots compiled out. With U_FROM_V the
-    chunk's u is formed here from v, beta and Akk_inv (``_u_rows``) instead of read."""
+    only the states: h and v_new written, o's loads and dots compiled out."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
@@ -126,7 +110,7 @@ def scan_fwd_kernel(
         i_last = tl.minimum(n_t, BT) - 1
         if HOIST:  # every load of the chunk issued before the step's first dot
             b_w = tl.load(w + p_hk, mask=m_tk, other=0)
-            b_u = _u_rows(u, v, beta, Akk, row0, o_t, m_t, p_hv, m_tv, i_hv, HV, BT, U_FROM_V)
+            b_u = tl.load(u + p_hv, mask=m_tv, other=0)
             if WITH_O:
                 if QG:
                     b_qg = tl.load(qg + p_hk, mask=m_tk, other=0)
@@ -143,10 +127,7 @@ def scan_fwd_kernel(
             m_n = o_t < n_t - BT
             prefetch_rows(w + i_hv * K, r_n, HV * K, m_n, K)
             prefetch_rows(kg + i_hv * K, r_n, HV * K, m_n, K)
-            if U_FROM_V:
-                prefetch_rows(v + i_hv * V + i_v * BV, r_n, HV * V, m_n, BV)
-            else:
-                prefetch_rows(u + i_hv * V + i_v * BV, r_n, HV * V, m_n, BV)
+            prefetch_rows(u + i_hv * V + i_v * BV, r_n, HV * V, m_n, BV)
             if WITH_O:
                 if QG:
                     prefetch_rows(qg + i_hv * K, r_n, HV * K, m_n, K)
@@ -162,14 +143,14 @@ def scan_fwd_kernel(
             tl.store(h + ((boh + i_c) * HV + i_hv) * K * V + p_kv, b_Sb, mask=m_kv)
         if not HOIST:
             b_w = tl.load(w + p_hk, mask=m_tk, other=0)
-            b_u = _u_rows(u, v, beta, Akk, row0, o_t, m_t, p_hv, m_tv, i_hv, HV, BT, U_FROM_V)
-        b_vn = to(b_u.to(tl.float32) - dot(b_w, b_Sb), b_u.dtype)
+            b_u = tl.load(u + p_hv, mask=m_tv, other=0)
+        b_vn = to(b_u.to(tl.float32) - dot(b_w, b_Sb), u.dtype.element_ty)
         if SAVE_STATES:
             tl.store(v_new + p_hv, b_vn, mask=m_tv)
 
         if WITH_O:
             if HOIST:
-                b_A = to(tl.where(o_t[None, :] <= o_t[:, None], b_A, 0), b_u.dtype)
+                b_A = to(tl.where(o_t[None, :] <= o_t[:, None], b_A, 0), u.dtype.element_ty)
             else:
                 if QG:  # q exp2(g) as F6 rounded it, read instead of q and g
                     b_qg = tl.load(qg + p_hk, mask=m_tk, other=0)
@@ -179,7 +160,7 @@ def scan_fwd_kernel(
                     b_qg = to(b_q.to(tl.float32) * tl.exp2(b_g), q.dtype.element_ty)
                 m_A = m_t[:, None] & (o_t[None, :] <= o_t[:, None])
                 b_A = to(tl.load(Aqk + (row0 + o_t)[:, None] * (HV * BT) + i_hv * BT + o_t[None, :], mask=m_A,
-                                 other=0), b_u.dtype)
+                                 other=0), u.dtype.element_ty)
             b_o = scale * dot(b_qg, b_Sb) + dot(b_A, b_vn)
             tl.store(o + p_hv, to(b_o, o.dtype.element_ty), mask=m_tv)
 
@@ -403,6 +384,8 @@ def _scan(q, kg, w, u, gc, Aqk, scale, initial_state, output_final_state, chunk_
     u_from_v = u is None
     if u_from_v and (v is None or beta is None or Akk is None):
         raise ValueError("the scan forms u from v, beta and Akk_inv when u is not given: pass all three")
+    if u_from_v and not vk:
+        raise ValueError("only the transposed-state scan (vk) forms u; the other kernel reads it")
     vals = v if u_from_v else u  # u's shape and dtype are v's
     V = vals.shape[3]
     BT = chunk_size
@@ -488,7 +471,7 @@ def scan_states(kg, w, u, gc, initial_state, output_final_state, chunk_size, cu_
     Akk_inv when B2 wrote none. States in [K, V]."""
     if state_v_first:
         raise ValueError("the scan kernel keeps its states in [K, V]; the chain passes them so")
-    cfg = {**(STATES_U_CONFIG if u is None and kg.shape[3] <= 128 else STATES_CONFIG), **config}
+    cfg = {**(STATES_U_CONFIG if u is None else STATES_CONFIG), **config}
     _, ht, h, v_new = _scan(None, kg, w, u, gc, None, 1.0, initial_state, output_final_state, chunk_size, cu_seqlens,
                             True, cfg["BV"], cfg["num_warps"], cfg["num_stages"], with_o=False,
                             hoist=cfg.get("hoist", False), prefetch=cfg.get("prefetch", False),
@@ -540,8 +523,9 @@ def candidate(stage: str, design: str):
 
 
 def supports_states(kg, chunk_size, state_v_first, **_) -> str | None:
-    """None when ``scan_states`` takes B3, else why B3 stays on fla."""
-    return supports(q=kg, chunk_size=chunk_size, state_v_first=state_v_first)
+    """None when ``scan_states`` takes B3 (forming u: the transposed-state kernel, K <= 128),
+    else why B3 stays on fla."""
+    return supports(q=kg, chunk_size=chunk_size, state_v_first=state_v_first, vk=True)
 
 
 add_impl("F7-F8", "ours", scan_output, supports)

@@ -151,5 +151,4 @@ def supports(k, chunk_size, want_u, A, **_) -> str | None:
     return None
 
 
-add_impl("F6", "ours", wy_vectors, supports)
 add_impl("B2", "ours", wy_vectors, supports)
