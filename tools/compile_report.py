@@ -211,6 +211,20 @@ def recompute_report(K: int, V: int, H: int, HV: int, BKS: int, num_warps: int, 
     return compile_sm90(diag_fwd.recompute_kernel, types, constexprs, num_warps, num_stages)
 
 
+def wy_report(K: int, V: int, H: int, HV: int, BK: int, num_warps: int, num_stages: int, store_u: bool = False,
+              dtype: str = "bf16") -> dict:
+    """B2's WY kernel (kda/kernels/wy_fwd.py) at dense sequences, qg written, u only with
+    ``store_u``."""
+    from kernel_fun.kda.kernels import wy_fwd
+
+    types = {n: _PTR[dtype] for n in ("q", "k", "v", "beta", "Akk", "w", "u", "kg", "qg")}
+    types.update(g="*fp32")
+    constexprs = dict(cu_seqlens=None, chunk_indices=None, H=H, HV=HV, K=K, V=V, BT=64, BK=BK,
+                      BV=wy_fwd.DEFAULT_CONFIG["BV"], IS_VARLEN=False, STORE_QG=True, STORE_U=store_u,
+                      **({} if store_u else dict(u=None)))
+    return compile_sm90(wy_fwd.wy_fwd_kernel, types, constexprs, num_warps, num_stages)
+
+
 def prep_report(K: int, V: int, H: int, HV: int, BKS: int, BV: int, num_warps: int, num_stages: int,
                 fused: bool = False, dtype: str = "bf16") -> dict:
     """The F3-F6 kernel (kda/kernels/prep_fwd.py) at dense sequences; ``fused`` with F1 and
@@ -264,8 +278,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--design", default="fullk",
                         help="fullk (B6), one of B7's designs (--BV its K slice), prep or prep-fused (F3-F6; --BV its "
-                             "V tile, --bks its K slice), diag, solve, solve-wy (F1-F6) or recompute (B1-B2; --BV "
-                             "their K slice), cconv-fwd or cconv-bwd (--BV "
+                             "V tile, --bks its K slice), diag, solve, solve-wy (F1-F6), recompute (B1-B2) or wy, wy-u "
+                             "(B2; --BV their K slice), cconv-fwd or cconv-bwd (--BV "
                              "the channel strip, --V the channels: 2048 by default)")
     parser.add_argument("--bks", type=int, default=64, help="the prep kernel's K slice")
     parser.add_argument("--K", type=int, default=128)
@@ -296,6 +310,8 @@ def main(argv=None):
                 elif design in ("solve", "solve-wy"):  # --BV its K slice
                     row.update(solve_report(args.K, args.V, args.H, args.HV, BV, warps, stages, maxnreg=args.maxnreg,
                                             wy=design == "solve-wy"))
+                elif design in ("wy", "wy-u"):  # B2: --BV its K slice
+                    row.update(wy_report(args.K, args.V, args.H, args.HV, BV, warps, stages, store_u=design == "wy-u"))
                 elif design == "recompute":  # --BV its K slice
                     row.update(recompute_report(args.K, args.V, args.H, args.HV, BV, warps, stages))
                 elif design in ("prep", "prep-fused"):

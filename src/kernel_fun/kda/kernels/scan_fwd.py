@@ -23,8 +23,9 @@ top of the step) pass through shared memory. The kernel before it (``scan_fwd_ke
 [K, V slice]) stages h and v_new through shared memory as B operands every step; it stays
 for K > 128 (``scan-hoist``: a chunk's loads before the step's first dot) and as the
 candidates ``scan``, ``scan-pf``, ``scan-hoist-pf`` and ``scan-forms-qg`` (``DESIGNS``). ``save_states`` also writes h and v_new
-(``disable_recompute``'s saved tensors); ``scan_states`` is the backward's B3 (F7
-recomputed) from the same kernels with o compiled out (a candidate).
+(``disable_recompute``'s saved tensors). ``scan_states`` is the backward's B3 (F7
+recomputed): the transposed kernel with o compiled out, forming each chunk's u from v, beta
+and Akk_inv (``U_FROM_V``, during the step before) so that B2 writes no u (``wy_fwd``).
 
 Numerics: the chunk loop is the sequential recurrence, in fla's order; only the blocking
 inside each dot reassociates fp32 sums (o within 2e-3 of fla's on the H200; the in-order
@@ -34,6 +35,12 @@ Falls back (``supports``): chunk size other than 64, K > 256. No CTA floor: at t
 the launch picks (``launch_config``: the least waves x measured step latency, from
 ``VK_STEP_CONFIGS`` / ``QG_STEP_CONFIGS`` / ``STEP_CONFIGS``) it measured at least fla's
 F7 + F8 down to one chain.
+
+B3 (stages.jsonl at f2fd3c0 and 7e65710): 2.16-2.21 ms against fla's 1.92-1.97 and 1.80 reading
+u, but B2 without u saves more (1.26 against 1.77); in the whole op (chunk_kda.jsonl at
+7e65710) B3 2.06 and B2 1.21 against fla's 1.78 and 1.67. F7-F8 forming u measured slower
+than F6 writing it (2.48 ms at BV=128 against 1.82 reading u: VKU_STEP_CONFIGS), so the
+unit reads F6's u.
 
 Measured (H200, bench/results/stages.jsonl at e203f26; the rounds in docs/log/scan.md):
 alone, prod8192_gate 1.75 ms (BV=64, 4 warps, two stages; sm_90a 242 registers, no spills,
@@ -337,14 +344,17 @@ VK_STEP_CONFIGS = {32: (dict(BV=32, num_warps=4, num_stages=2), 2.1, 2),
                    128: (dict(BV=128, num_warps=8, num_stages=2), 3.0, 1)}
 
 
-# Forming u (``U_FROM_V``: v, beta and Akk_inv read instead of F6's u) in the transposed
-# kernel, by V slice: the config, its step latency at one chain (us; provisional: the
-# u-reading kernel's, until measured) and programs an SM (sm_90a, K=128, V=256, reading qg,
-# no spills: BV=64 at 4 warps 242 registers and 136 KB of shared memory, BV=128 at 8 warps
-# 242 and 144 KB, one program an SM each; BV=32 255 and 80 KB, two).
-VKU_STEP_CONFIGS = {32: (dict(BV=32, num_warps=4, num_stages=2), 2.1, 2),
-                    64: (dict(BV=64, num_warps=4, num_stages=2), 2.2, 1),
-                    128: (dict(BV=128, num_warps=8, num_stages=2), 3.0, 1)}
+# Forming u (``U_FROM_V``: v, beta and Akk_inv read instead of F6's u, each chunk's u^T
+# formed during the step before) in the transposed kernel, by V slice: the config, its step
+# latency at one chain (us, step8192 / 128, stages.jsonl at f2fd3c0) and programs an SM
+# (sm_90a, K=128, V=256, reading qg, no spills: BV=64 at 4 warps 246 registers and 136 KB of
+# shared memory, BV=128 at 8 warps 249 and 144 KB, one program an SM each; BV=32 80 KB, two).
+# Measured at prod8192_gate: BV=128 2.48 ms, BV=32 3.38, BV=64 3.63, against 1.82 reading u
+# (BV=64, two programs an SM) and fla's 3.98: the F7-F8 unit reads u. As B3 (no o: 90 KB at
+# BV=64, two programs an SM) it is the pin, B2 then writing no u.
+VKU_STEP_CONFIGS = {32: (dict(BV=32, num_warps=4, num_stages=2), 2.6, 2),
+                    64: (dict(BV=64, num_warps=4, num_stages=2), 3.1, 1),
+                    128: (dict(BV=128, num_warps=8, num_stages=2), 4.1, 1)}
 
 
 def launch_config(sequence_heads: int, V: int, sms: int = 132, reads_qg: bool = False, vk: bool = False,
@@ -455,12 +465,13 @@ def scan_output_forming_qg(**inputs):
     return scan_output(**{**inputs, "qg": None, **DESIGNS["scan-forms-qg"]})
 
 
-# B3's pin (without o a program holds less): BV=64 at 4 warps, two programs an SM, measured
+# B3 reading u (a B2 that wrote it; candidates): BV=64 at 4 warps, two programs an SM, measured
 # best at prod8192_gate (1.87 ms against fla's 1.95; BV=128 at 8 warps 2.06). At one chain
 # BV=32 is (step8192: 0.213 ms against fla's 0.345); not picked by grid yet.
 STATES_CONFIG = dict(BV=64, num_warps=4, num_stages=2)
-# Forming u (B2 writes none): the transposed kernel, BV=64 at 4 warps (sm_90a, K=128, V=256:
-# 246 registers, no spills, 90 KB of shared memory: two programs an SM).
+# B3's pin, forming u (B2 writes none): the transposed kernel, BV=64 at 4 warps (sm_90a, K=128,
+# V=256: 246 registers, no spills, 90 KB of shared memory: two programs an SM). Measured at
+# prod8192_gate 2.16-2.21 ms (BV=128 at 8 warps 2.67; stages.jsonl at cab86c7 and f2fd3c0).
 STATES_U_CONFIG = dict(BV=64, num_warps=4, num_stages=2, vk=True)
 
 

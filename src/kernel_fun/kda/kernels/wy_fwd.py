@@ -1,27 +1,32 @@
-"""F6 and B2, the WY vectors from Akk_inv: w = Akk_inv (beta k exp2 g), kg = k exp2(g_last - g)
-and qg = q exp2 g, for one chunk of one value head per program; u = Akk_inv (beta v) only
-when asked.
+"""B2, the backward's WY recompute from Akk_inv: w = Akk_inv (beta k exp2 g), kg =
+k exp2(g_last - g) and qg = q exp2 g, for one chunk of one value head per program, and u =
+Akk_inv (beta v) only when asked.
 
-Replaces fla's ``recompute_w_u_fwd`` (F6 inside ``chunk_kda_fwd_intra``, and B2: 1.67 ms
-each at prod8192_gate on the H200, 6.2 GB at 87% of the copy rate). fla's kernel always
-writes u [B, T, HV, V] (1.07 GB at prod8192_gate) for the state scan to read back (another
-1.07 GB). kernel-fun's scans (``scan_fwd``, F7-F8 and B3) form u themselves, in the V slice
-each program holds, from v, beta and Akk_inv (``U_FROM_V``): so here u is not written
-(``want_u`` false, what the chain asks when its scan forms u) and the stage moves 4.0 GB
-instead of 6.2 (0.95 ms at the copy rate against fla's 1.46).
+Replaces fla's ``recompute_w_u_fwd`` as B2 (1.67 ms inside the whole op at prod8192_gate on
+the H200, 6.2 GB at 87% of the copy rate). fla's kernel always writes u [B, T, HV, V] (1.07
+GB at prod8192_gate) for B3 to read back; kernel-fun's B3 (``scan_fwd.scan_states``) forms
+u in the V slice each program holds, from v, beta and Akk_inv, so here u is not written
+(``want_u`` false: what the chain asks when its B3 forms u) and the stage moves 4.0 GB
+(0.95 ms at the copy rate) instead of 6.2.
 
 Design: fla's grid, one program a (chunk, value head), Akk_inv [64, 64] loaded once as the
-dot's register operand, K in slices of BK channels (a loop the pipeliner stages), each
-slice's w, kg and qg written as made; u (when asked) in V tiles of BV after.
+dot's register operand, K in slices of BK channels, each slice's w, kg and qg written as
+made; u (when asked) in V tiles of BV after.
 
-Numerics: every rounding where fla's kernel makes it (k beta in beta's dtype when it is k's,
-k beta exp2 g in k's dtype before the dot, fp32 sums, outputs in k's and v's dtypes); the
-dots sum 64 products in the tensor core's order, so w, kg and qg are fla's to the bit where
-the blocking matches (the interpreter tests hold them to the reference's).
+Numerics: every rounding where fla's kernel makes it (k beta in beta's dtype when it is
+k's, k beta exp2 g in k's dtype before the dot, fp32 sums, outputs in k's and v's dtypes);
+on the H200 w, qg and kg within 1e-3 of fla's (tests/test_gpu.py, prod8192_gate among
+them), the float64 errors fla's to three digits (w 0.00425, qg 0.00165, kg 0.00156).
 
 Falls back (``supports``): chunk size other than 64, K > 256, u asked for (fla's kernel
-writes it: with ``disable_recompute`` the forward saves u, and a scan that reads u is not
-kernel-fun's).
+writes it: a B3 that reads u). The forward's F6 stays fla's (inside F3-F6): its scan reads
+u, and this kernel writing u measured slower than fla's (below).
+
+Measured (H200, prod8192_gate, bench/results/stages.jsonl at 7e65710 and cab86c7; the round
+in docs/log/wy.md): 1.256 ms against fla's 1.766 in the same run (1.41x; 1.32x its floor),
+1.358 against 1.953 in another; with u written 1.97 and 2.47 (slower than fla's). In the
+whole op (chunk_kda.jsonl at 7e65710) B2 takes 1.21 ms against fla's 1.67 and B1-B3 3.69
+against 3.87.
 """
 
 from __future__ import annotations
@@ -109,13 +114,17 @@ def wy_fwd_kernel(
         wy_v(x_b, v, b_c, u, row0, t, m_t, i_hv, HV, V, BV)
 
 
-# Compiled for sm_90a offline (K=128, V=256, H=HV=16, bf16; ``python -m tools.compile_report
-# --design wy``): see CONFIGS' note once measured.
+# Compiled for sm_90a offline (K=128, V=256, H=HV=16, bf16, qg written; ``python -m
+# tools.compile_report --design wy``), no spills but at 4 warps with BK=128 (64 B): BK=128 at 8
+# warps 143 registers and 24 KB of shared memory (the pin: one program an SM); BK=64 at 8
+# warps 94-102, at 4 warps 174-182; BK=32 60-93. Measured at prod8192_gate (stages.jsonl at
+# cab86c7): BK=128/8 warps/1 stage 1.358 ms, BK=64/4/3 and BK=32/4/3 1.394, BK=64/8/2 1.443,
+# BK=32/8/2 1.445, BK=64/4/2 1.470 (fla's 1.953 in the same run).
 DEFAULT_CONFIG = dict(BK=128, BV=64, num_warps=8, num_stages=1)
 
 
 def wy_vectors(q, k, v, beta, A, gc, want_u, chunk_size, cu_seqlens, chunk_indices, **config):
-    """F6 / B2 with fla's contract (``recompute_w_u_fwd``): (w, u, qg, kg) at value heads, u
+    """B2 (and F6) with fla's contract (``recompute_w_u_fwd``): (w, u, qg, kg) at value heads, u
     None unless ``want_u``, qg None unless ``q`` is given; from Akk_inv ``A`` and the chunk
     cumsum ``gc`` (fp32, log2 units)."""
     for name, t in dict(q=q, k=k, v=v, beta=beta, A=A, gc=gc).items():
@@ -141,13 +150,13 @@ def wy_vectors(q, k, v, beta, A, gc, want_u, chunk_size, cu_seqlens, chunk_indic
 
 
 def supports(k, chunk_size, want_u, A, **_) -> str | None:
-    """None when ``wy_vectors`` takes the call, else why F6 / B2 stay on fla."""
+    """None when ``wy_vectors`` takes the call, else why B2 stays on fla."""
     if chunk_size != 64:
         return f"chunk_size={chunk_size} (the WY kernel is built for 64)"
     if k.shape[-1] > 256:
         return f"K={k.shape[-1]} > 256"
     if want_u:
-        return "u is asked for (saved, or read by a scan that is not kernel-fun's): fla's kernel writes it"
+        return "u is asked for (read by a B3 that is not kernel-fun's): fla's kernel writes it"
     return None
 
 
