@@ -281,9 +281,14 @@ def test_candidate_designs_register_for_the_run_and_stay_out_of_the_readme(monke
     assert kda.register_candidates(["B7-B9=wide-pairwise", "B7=wide-pairwise"]) == {"B7-B9": "wide-pairwise",
                                                                                        "B7": "wide-pairwise"}
     assert "ours" in registry._REGISTRY["B7-B9"].impls and "ours" in registry._REGISTRY["B7"].impls
-    assert "ours" not in registry._REGISTRY["B3"].impls
+    from kernel_fun.kda.kernels import scan_fwd
+
+    assert "ours" not in registry._REGISTRY["B1-B2"].impls
+    assert kda.register_candidates(["B1-B2=recompute"]) == {"B1-B2": "recompute"}
+    assert "ours" in registry._REGISTRY["B1-B2"].impls
+    assert registry._REGISTRY["B3"].impls["ours"] is scan_fwd.scan_states  # registered: a candidate replaces it
     assert kda.register_candidates(["B3=scan"]) == {"B3": "scan"}
-    assert "ours" in registry._REGISTRY["B3"].impls
+    assert registry._REGISTRY["B3"].impls["ours"] is not scan_fwd.scan_states
     for bad in ("B6=fullk", "B7", "B7=no-such-design", "F7-F8=wide"):
         with pytest.raises((SystemExit, ValueError)):
             kda.register_candidates([bad])

@@ -292,8 +292,8 @@ def test_log_names_every_stage_once_per_shape_and_flags(caplog):
     run_fwd_bwd(chunk_kda, dict(kwargs, disable_recompute=True))
     engaged = [m for m in _messages(caplog) if m.startswith("engaged (")]
     assert len(engaged) == 2, engaged
-    assert engaged[0].endswith("fwd+bwd): forward F1-F6 reference, F7-F8 ours; backward B1-B5 reference, "
-                               "B6-B9 ours, B10 reference"), engaged[0]  # the F7-F8 unit, B6, the B7-B9 unit
+    assert engaged[0].endswith("fwd+bwd): forward F1-F6 reference, F7-F8 ours; backward B1 reference, B2-B3 ours, "
+                               "B4-B5 reference, B6-B9 ours, B10 reference"), engaged[0]  # the F7-F8 unit, B2, B3, B6, B7-B9
     assert "disable_recompute" in engaged[1] and "backward B4-B5 reference, B6-B9 ours" in engaged[1]
 
 
