@@ -31,7 +31,8 @@ Numerics: the chunk loop is the sequential recurrence, in fla's order; only the 
 inside each dot reassociates fp32 sums (o within 2e-3 of fla's on the H200; the in-order
 kernel's o is bit for bit fla's).
 
-Falls back (``supports``): chunk size other than 64, K > 256. No CTA floor: at the V slice
+Falls back (``supports``): chunk size other than 64, K > 256; as B3 (``supports_states``) K
+> 128 too (only the transposed kernel forms u). No CTA floor: at the V slice
 the launch picks (``launch_config``: the least waves x measured step latency, from
 ``VK_STEP_CONFIGS`` / ``QG_STEP_CONFIGS`` / ``STEP_CONFIGS``) it measured at least fla's
 F7 + F8 down to one chain.
