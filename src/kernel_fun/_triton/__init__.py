@@ -148,6 +148,17 @@ def chunk_coords(i_t, i_bh, cu_seqlens, chunk_indices, T, HV: tl.constexpr, BT: 
 
 
 @triton.jit
+def chunk_head(cu_seqlens, chunk_indices, T, H: tl.constexpr, HV: tl.constexpr, BT: tl.constexpr,
+               IS_VARLEN: tl.constexpr):
+    """A (chunk, value head) program's (value head, q/k head, the chunk's first token row,
+    its token count), on fla's grid (chunks, batch x value heads)."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_hv = i_bh % HV
+    i_c, i_tg, bos, T_seq = chunk_coords(i_t, i_bh, cu_seqlens, chunk_indices, T, HV, BT, IS_VARLEN)
+    return i_hv, i_hv // (HV // H), bos + i_c * BT, tl.minimum(T_seq - i_c * BT, BT).to(tl.int32)
+
+
+@triton.jit
 def clock(dep):
     """%globaltimer (ns), read once the [N] vector ``dep`` is ready (0 under the interpreter,
     where there is no clock to read). Only the timeline instrument (TIMELINE) uses it."""

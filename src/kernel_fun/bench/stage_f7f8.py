@@ -68,19 +68,21 @@ def make_inputs(p, device, seed: int = 0) -> dict:
                                       "state_v_first", "chunk_size", "cu_seqlens", "chunk_indices")})
 
 
-_U_SOURCES = ("v", "beta", "Akk")  # read only by the designs forming u
+def _reading_u(inputs: dict) -> dict:
+    """The unit's inputs without v, beta and Akk_inv (read only by the designs forming u)."""
+    return {n: t for n, t in inputs.items() if n not in ("v", "beta", "Akk")}
 
 
 def _fla(**inputs):
     from kernel_fun.kda.chain import _fla_scan_output
 
-    return _fla_scan_output(**{n: t for n, t in inputs.items() if n not in _U_SOURCES})
+    return _fla_scan_output(**_reading_u(inputs))
 
 
 def _exact(**inputs):
     from kernel_fun.kda.chain import _ref_scan_output
 
-    return _ref_scan_output(**{n: t for n, t in inputs.items() if n not in _U_SOURCES}, exact=True)
+    return _ref_scan_output(**_reading_u(inputs), exact=True)
 
 
 def _ours(inputs, design, config):
@@ -92,7 +94,7 @@ def _ours(inputs, design, config):
     if design in FORMS_U:
         inputs, design = {**inputs, "u": None}, FORMS_U[design]
     else:
-        inputs = {n: t for n, t in inputs.items() if n not in _U_SOURCES}
+        inputs = _reading_u(inputs)
     return scan_fwd.scan_output(**inputs, **config, **scan_fwd.DESIGNS[design])
 
 

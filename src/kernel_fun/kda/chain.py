@@ -121,7 +121,6 @@ def _fla_f5(q, k, gc, beta, Aqk, Akkd, scale, chunk_size, cu_seqlens, chunk_indi
     return Akk
 
 
-
 def _ref_f5(q, k, gc, beta, Aqk, Akkd, scale, chunk_size, cu_seqlens, chunk_indices):
     """``_fla_f5`` in torch (the stand-in where fla's kernels cannot run): the reference's F5
     on the given diagonal blocks; Aqk's blocks below the diagonal written into Aqk."""
@@ -303,7 +302,6 @@ def _ref_o(q, v_new, gc, Aqk, h, scale, chunk_size, cu_seqlens, chunk_indices, s
 def _ref_scan_output(q, qg, kg, w, u, gc, Aqk, scale, initial_state, output_final_state, save_states, cu_seqlens_cpu,
                      state_v_first, chunk_size, cu_seqlens, chunk_indices, exact=False):
     # (the reference's F8 forms q exp2(g) itself: qg, when given, is not read)
-    _needs_u(u, "the reference state scan")
     h, v_new, final_state = ref.h_fwd(kg, w, u, gc, initial_state, output_final_state, chunk_size, cu_seqlens,
                                       state_v_first, exact=exact)
     o = ref.o_fwd(q, v_new, gc, Aqk, h, scale, chunk_size, cu_seqlens, state_v_first, exact=exact)

@@ -31,7 +31,7 @@ cores, the diagonal blocks' inverses by substitution (four at once in block-loca
 15 steps) and the six blocks below by X_mj = -Dinv_m sum_p L_mp X_pj in three dependent
 levels of 16x16 products, each block stored as it is made (fla: the same structure, tf32
 products). With F6 in the same program (``diag-solve-wy``) Akk_inv is read back as the
-[64, 64] operand after a barrier and ``prep_fwd``'s WY code (``wy_k``, ``wy_v``, fla's
+[64, 64] operand after a barrier and ``wy_fwd``'s WY code (``wy_k``, ``wy_v``, fla's
 roundings) runs in 64-channel slices (``WY_BK``: at the scores' 16-channel slices its bf16
 products read shared memory past the allocation on the H200, compute-sanitizer's finding).
 
@@ -80,8 +80,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernel_fun._triton import GUARD_SPAN, chunk_coords, dot3, softplus, to
-from kernel_fun.kda.kernels.prep_fwd import wy_k, wy_v
+from kernel_fun._triton import GUARD_SPAN, chunk_head, dot3, softplus, to
+from kernel_fun.kda.kernels.wy_fwd import wy_k, wy_v
 from kernel_fun.kda.reference import RCP_LN2 as _RCP_LN2
 
 BC = 16  # the diagonal block
@@ -141,10 +141,7 @@ def _chunk_head(cu_seqlens, chunk_indices, T, H: tl.constexpr, HV: tl.constexpr,
                 BC: tl.constexpr, IS_VARLEN: tl.constexpr):
     """The program's (value head, q/k head, the chunk's first token row, its token count)."""
     tl.static_assert(BT == 4 * BC, "written for four blocks a chunk")
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_hv = i_bh % HV
-    i_c, i_tg, bos, T = chunk_coords(i_t, i_bh, cu_seqlens, chunk_indices, T, HV, BT, IS_VARLEN)
-    return i_hv, i_hv // (HV // H), bos + i_c * BT, tl.minimum(T - i_c * BT, BT).to(tl.int32)
+    return chunk_head(cu_seqlens, chunk_indices, T, H, HV, BT, IS_VARLEN)
 
 
 @triton.jit

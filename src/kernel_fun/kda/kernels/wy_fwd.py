@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernel_fun._triton import chunk_coords, dot, dot3, to
+from kernel_fun._triton import chunk_head, dot, dot3, to
 from kernel_fun.kda.stages import add_impl
 
 
@@ -92,12 +92,7 @@ def wy_fwd_kernel(
     BV: tl.constexpr, IS_VARLEN: tl.constexpr, STORE_QG: tl.constexpr, STORE_U: tl.constexpr,
 ):
     """w, kg (and qg, u when stored) of one (chunk, value head) from its Akk_inv rows."""
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_hv = i_bh % HV
-    i_h = i_hv // (HV // H)
-    i_c, i_tg, bos, T_seq = chunk_coords(i_t, i_bh, cu_seqlens, chunk_indices, T, HV, BT, IS_VARLEN)
-    row0 = bos + i_c * BT
-    n_t = tl.minimum(T_seq - i_c * BT, BT).to(tl.int32)
+    i_hv, i_h, row0, n_t = chunk_head(cu_seqlens, chunk_indices, T, H, HV, BT, IS_VARLEN)
     SK: tl.constexpr = H * K
     SG: tl.constexpr = HV * K
     t = tl.arange(0, BT)
