@@ -1,6 +1,7 @@
 """Bench of the whole ``chunk_kda`` op: fla's against kernel-fun's, in one process.
 
-For each named shape (``kernel_fun.kda.problems.SHAPES``) and each implementation:
+For each named shape (``kernel_fun.kda.problems.SHAPES``, or a stage shape such as grid1024:
+one 4096-token sequence on the production heads) and each implementation:
 
 1. parity first: every output and gradient against fla's at the bench shape (bitwise for
    the all-fla control), and every implementation against the float64 recurrence at a
@@ -187,9 +188,9 @@ def bench_shape(name: str, names: list[str], reps: int, rounds: int, out_path: P
                 candidate: dict | None = None, off: dict | None = None) -> list[dict]:
     from kernel_fun import versions
     from kernel_fun.bench import results
-    from kernel_fun.kda.problems import SHAPES, cotangents, make_inputs
+    from kernel_fun.kda.problems import cotangents, make_inputs, problem
 
-    p = SHAPES[name]
+    p = problem(name)
     device = torch.device("cuda")
     vs = variants(names, off)
     kw = make_inputs(p, device=device, seed=seed)
@@ -269,11 +270,12 @@ def bench_shape(name: str, names: list[str], reps: int, rounds: int, out_path: P
 
 
 def main(argv=None) -> int:
-    from kernel_fun.kda.problems import SHAPES
+    from kernel_fun.kda.problems import FLOOR_SHAPES, SHAPES
 
     parser = argparse.ArgumentParser(prog="python -m kernel_fun.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", default="prod8192_gate", help=f"comma list of {sorted(SHAPES)} or 'all'")
+    parser.add_argument("--shapes", default="prod8192_gate", help=f"comma list of {sorted(SHAPES)} (or a stage shape: {sorted(FLOOR_SHAPES)}) "
+                                                                        "or 'all' (the first list)")
     parser.add_argument("--impls", default="fla,chain_fla,ours", help="comma list of fla, chain_fla, ours")
     parser.add_argument("--reps", type=int, default=10, help="timed calls per round")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
