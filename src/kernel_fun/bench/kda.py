@@ -312,8 +312,10 @@ def main(argv=None) -> int:
     for name in shapes:
         all_rows += bench_shape(name, impls, args.reps, args.rounds, out, candidate=candidate, off=off)
         torch.cuda.empty_cache()
-    n = fla_configs.dump(args.fla_configs or fla_configs.gpu_dir(gpu))
-    print(f"stored {n} fla autotune entries", flush=True)
+        # after every shape, so a run stopped at a time limit keeps the choices fla's
+        # autotuner made for the shapes it finished (a new head family costs ~3 min)
+        n = fla_configs.dump(args.fla_configs or fla_configs.gpu_dir(gpu))
+        print(f"[{name}] stored {n} fla autotune entries", flush=True)
     print()
     print(results.op_table(all_rows))
     return 0 if all(r["parity"]["ok"] for r in all_rows) else 1
