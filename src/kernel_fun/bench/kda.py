@@ -270,12 +270,13 @@ def bench_shape(name: str, names: list[str], reps: int, rounds: int, out_path: P
 
 
 def main(argv=None) -> int:
-    from kernel_fun.kda.problems import FLOOR_SHAPES, SHAPES
+    from kernel_fun.kda.problems import SHAPES, STAGE_SHAPES
 
     parser = argparse.ArgumentParser(prog="python -m kernel_fun.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", default="prod8192_gate", help=f"comma list of {sorted(SHAPES)} (or a stage shape: {sorted(FLOOR_SHAPES)}) "
-                                                                        "or 'all' (the first list)")
+    parser.add_argument("--shapes", default="prod8192_gate",
+                        help=f"comma list of {sorted(SHAPES)} or stage shapes ({sorted(STAGE_SHAPES)}); "
+                             "'all' is the first list")
     parser.add_argument("--impls", default="fla,chain_fla,ours", help="comma list of fla, chain_fla, ours")
     parser.add_argument("--reps", type=int, default=10, help="timed calls per round")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
