@@ -132,3 +132,10 @@ def test_cli_needs_a_gpu(capsys):
     if torch.cuda.is_available():
         pytest.skip("the harness runs for real on a GPU")
     assert rel.main(["--parts", "extreme"]) == 2
+
+
+def test_cli_names_an_unknown_extreme_case(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        rel.main(["--parts", "extreme", "--extreme", "T1,no-such-case"])
+    assert exit_info.value.code == 2
+    assert "no-such-case" in capsys.readouterr().err
