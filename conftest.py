@@ -7,10 +7,15 @@
   filled with NaN during tests, so a kernel that leaves part of an output unwritten fails
   loudly instead of passing on whatever the allocator returned.
 - Tests marked ``gpu`` are skipped without CUDA.
+- On a GPU, each test's tensors are collected and the caching allocator's free blocks
+  handed back after it: the workers of ``pytest -n`` share one GPU, and a worker that ran
+  a production-size test would otherwise keep that test's reservation for the rest of the
+  session.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 
 import torch
@@ -91,6 +96,14 @@ def clean_switches(monkeypatch):
 
     reset_log_once()
     yield
+
+
+@pytest.fixture(autouse=True)
+def release_gpu_memory():
+    yield
+    if HAS_CUDA and torch.cuda.is_initialized():
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 def pytest_collection_modifyitems(config, items):
