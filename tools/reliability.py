@@ -233,6 +233,7 @@ def _shaped(name: str, **dims):
     return make
 
 
+NAN_CASE = "nan-in-one-token-of-q"  # ``nan_case``: its own check, run before EXTREME's
 EXTREME = {
     "gates-masked-1000": _masked_gates,
     "strong-softplus-gates": _strong_softplus,
@@ -305,7 +306,7 @@ def nan_case(device, fla=None, base: Problem = EXTREME_BASE) -> dict:
     q = kw["q"].detach().clone()
     q[b, t, h, 3] = float("nan")
     kw["q"] = q.requires_grad_(True)
-    row = {"case": "nan-in-one-token-of-q", "problem": p.describe(), "token": [b, t, h]}
+    row = {"case": NAN_CASE, "problem": p.describe(), "token": [b, t, h]}
     ours = run_fwd_bwd(chunk_kda, kw, grid=p.dtype)
     row["escapes"] = nan_escapes(ours, p, b, t, h)
     if fla is not None:
@@ -490,7 +491,7 @@ def main(argv=None) -> int:
     parser.add_argument("--shape", default="prod8192_gate")
     parser.add_argument("--soak-iters", type=int, default=1000)
     parser.add_argument("--soak-seconds", type=float, default=300)
-    parser.add_argument("--extreme", default=",".join(["nan-in-one-token-of-q", *EXTREME]),
+    parser.add_argument("--extreme", default=",".join([NAN_CASE, *EXTREME]),
                         help="the extreme-input cases to run, a comma list")
     parser.add_argument("--sanitizer-timeout", type=float, default=100, help="seconds per sanitizer run")
     parser.add_argument("--out", type=Path, default=None)
@@ -499,7 +500,7 @@ def main(argv=None) -> int:
     parser.add_argument("--child", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--planted", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    unknown = sorted(set(args.extreme.split(",")) - {"nan-in-one-token-of-q", *EXTREME})
+    unknown = sorted(set(args.extreme.split(",")) - {NAN_CASE, *EXTREME})
     if unknown:
         parser.error(f"unknown --extreme cases {unknown}")
     if args.candidate:
@@ -583,8 +584,8 @@ def main(argv=None) -> int:
     if "extreme" in parts:
         fla = _fla()
         cases = args.extreme.split(",")
-        if "nan-in-one-token-of-q" in cases:
-            emit("extreme", "nan-in-one-token-of-q", nan_case(device, fla))
+        if NAN_CASE in cases:
+            emit("extreme", NAN_CASE, nan_case(device, fla))
         for name in EXTREME:
             if name in cases:
                 emit("extreme", name, extreme_case(name, device, fla))
