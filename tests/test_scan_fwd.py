@@ -170,8 +170,12 @@ def test_scan_forming_u_computes_the_same(p):
     """The transposed-state kernel forming u from v, beta and Akk_inv (F6 / B2 writing none)
     against the same kernel reading the reference F6's u: o, h, v_new and the final state,
     reading qg, and as B3 without o, at one and two V slices (T not a multiple of 64, packed ragged sequences,
-    GVA with h0, fp16, K and V of no power of two). Under the interpreter u's dot sums in
-    the reference's order: the same to fp32 rounding."""
+    GVA with h0, fp16, K and V of no power of two). Under the interpreter the two agree to
+    fp32 rounding but where an entry of u lands on a bf16 rounding edge: the kernel's dot and
+    the reference's matmul sum in their BLAS's order, which depends on the CPU, and such an
+    entry rounds a unit apart (seen on an AVX2 machine at varlen-K64-h0, BV=16: o 4.4e-5,
+    v_new 6.7e-6, bitwise elsewhere). The bound, 2e-4, leaves such units room (4x the worst
+    seen) and stays 50x under what a wrong beta or Akk_inv does (v_new moves by over 1e-2)."""
     f7, f8, _, _ = f7_f8_inputs(p)
     src = u_sources(p)
     q, gc = f8["q"], f7["gc"]
@@ -180,7 +184,7 @@ def test_scan_forming_u_computes_the_same(p):
                   initial_state=f7["initial_state"], output_final_state=f7["output_final_state"],
                   chunk_size=f7["chunk_size"], cu_seqlens=f7["cu_seqlens"], save_states=True, num_warps=4,
                   num_stages=1)
-    bound = 1e-5 if INTERPRETING else 2e-3
+    bound = 2e-4 if INTERPRETING else 2e-3
     for bv in (16, 32):
         reading = scan_fwd.scan_fwd(**common, u=f7["u"], BV=bv, vk=True)
         forming = scan_fwd.scan_fwd(**common, u=None, **src, BV=bv, vk=True)
