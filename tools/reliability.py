@@ -500,7 +500,8 @@ def main(argv=None) -> int:
     parser.add_argument("--child", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--planted", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    unknown = sorted(set(args.extreme.split(",")) - {NAN_CASE, *EXTREME})
+    cases = args.extreme.split(",")
+    unknown = sorted(set(cases) - {NAN_CASE, *EXTREME})
     if unknown:
         parser.error(f"unknown --extreme cases {unknown}")
     if args.candidate:
@@ -583,7 +584,6 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
     if "extreme" in parts:
         fla = _fla()
-        cases = args.extreme.split(",")
         if NAN_CASE in cases:
             emit("extreme", NAN_CASE, nan_case(device, fla))
         for name in EXTREME:
