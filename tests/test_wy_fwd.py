@@ -39,18 +39,19 @@ def test_wy_vectors_match_the_reference(p):
     rounding edge), u only when asked for, qg only when q is given."""
     x, (w, u, qg, kg) = b2_inputs(p)
     bound = 1e-5 if INTERPRETING else 2e-3
+    cfg = dict(BK=32, num_warps=4, num_stages=1)  # one config throughout: a K slice sets w's dot order
     for want_u in (False, True):
-        got = wy_fwd.wy_vectors(**{**x, "want_u": want_u}, BK=32, num_warps=4, num_stages=1)
+        got = wy_fwd.wy_vectors(**{**x, "want_u": want_u}, **cfg)
         assert (got[1] is not None) == want_u
         errors = {n: ref.rel_rms(a, b) for n, a, b in zip(("w", "u", "qg", "kg"), got, (w, u, qg, kg))
                   if a is not None}
         assert all(e <= bound for e in errors.values()), (want_u, errors)
         assert all(a.dtype == b.dtype and a.shape == b.shape for a, b in zip(got, (w, u, qg, kg)) if a is not None)
-    # without q, at the same config (another K slice sums w's dot in another order)
-    no_q = wy_fwd.wy_vectors(**{**x, "q": None, "want_u": False}, BK=32, num_warps=4, num_stages=1)
+    # without q
+    no_q = wy_fwd.wy_vectors(**{**x, "q": None, "want_u": False}, **cfg)
     assert no_q[2] is None and torch.equal(no_q[0], got[0]) and torch.equal(no_q[3], got[3])
     # the kernel reads Akk_inv and beta: a wrong one shows
-    wrong = wy_fwd.wy_vectors(**{**x, "beta": (x["beta"] * 2).contiguous(), "want_u": False})
+    wrong = wy_fwd.wy_vectors(**{**x, "beta": (x["beta"] * 2).contiguous(), "want_u": False}, **cfg)
     assert ref.rel_rms(wrong[0], w) > 0.1 and torch.equal(wrong[3], got[3])
 
 
