@@ -116,12 +116,12 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
-def fullk_launches(monkeypatch):
-    """The launch witness for fullk: every launch of ``wy_bwd.wy_dqkg_fullk_kernel`` during
+def b6_launches(monkeypatch):
+    """The launch witness for B6's kernel: every launch of ``b6_wy_bwd.wy_dqkg_kernel`` during
     the test, as (grid, keyword arguments), the kernel still running as it would."""
-    from kernel_fun.kda.kernels import wy_bwd
+    from kernel_fun.kda.kernels import b6_wy_bwd
 
-    launches, real = [], wy_bwd.wy_dqkg_fullk_kernel
+    launches, real = [], b6_wy_bwd.wy_dqkg_kernel
 
     class Spy:
         def __getitem__(self, grid):
@@ -130,15 +130,19 @@ def fullk_launches(monkeypatch):
                 return real[grid](*args, **kwargs)
             return launch
 
-    monkeypatch.setattr(wy_bwd, "wy_dqkg_fullk_kernel", Spy())
+    monkeypatch.setattr(b6_wy_bwd, "wy_dqkg_kernel", Spy())
     return launches
 
 
-def register_for_test(monkeypatch, stage: str, fn, supports=None) -> None:
-    """Register ``fn`` as ``stage``'s ``ours`` for one test: a kernel measured nowhere yet
-    runs in the chain there, and the chain's registry is restored after the test."""
-    import sys
+@pytest.fixture
+def register_ours():
+    """``register_ours(stage, fn, supports=None, caps=())`` registers ``fn`` as ``stage``'s
+    ``ours`` for the test (a candidate's, under research/, runs in the chain there); every
+    registration is undone after it (``kernel_fun.kda.stages.registered``)."""
+    import contextlib
 
-    registry = sys.modules["kernel_fun.kda.stages"]
-    monkeypatch.setitem(registry._REGISTRY, stage, registry._REGISTRY[stage])
-    registry.add_impl(stage, "ours", fn, supports)
+    from kernel_fun.kda.stages import registered
+
+    with contextlib.ExitStack() as stack:
+        yield lambda stage, fn, supports=None, caps=(): stack.enter_context(
+            registered(stage, "ours", fn, supports, caps))

@@ -23,8 +23,8 @@ import pytest
 import torch
 
 import kernel_fun
-from kernel_fun.kda import chunk_kda, is_supported, last_record, reference as ref
-from kernel_fun.kda import chunk as chunk_mod
+from kernel_fun import _fla
+from kernel_fun.kda import chunk_kda, is_supported, last_record, reference as ref, use_impls
 from kernel_fun.kda.problems import Problem, as_oracle_inputs, make_inputs, run_fwd_bwd
 from kernel_fun.kda.stages import capture_stages
 
@@ -89,11 +89,11 @@ B6_SHAPES = [
 @needs_interpreter
 @pytest.mark.parametrize("p", B6_SHAPES, ids=lambda p: p.name)
 @pytest.mark.parametrize("flag", list(FLAGS))
-def test_flag_with_our_b6_matches_the_recurrence(flag, p, fullk_launches):
+def test_flag_with_our_b6_matches_the_recurrence(flag, p, b6_launches):
     p = flagged(p, flag)
     kwargs = make_inputs(p, seed=seed_of(p))
     result = run_fwd_bwd(chunk_kda, kwargs, grid=p.dtype)
-    assert last_record().backward["B6"] == "ours" and len(fullk_launches) == 1
+    assert last_record().backward["B6"] == "ours" and len(b6_launches) == 1
     check_against_oracle(result, oracle_of(kwargs, p.dtype), p.dtype)
 
 
@@ -146,25 +146,21 @@ def test_state_v_first_keeps_the_chain_in_k_first():
 
 
 @pytest.mark.parametrize("p", [SHAPES[2], B6_SHAPES[0]], ids=lambda p: p.name)
-def test_disable_recompute_equals_recomputing(p, monkeypatch):
-    from conftest import INTERPRETING, register_for_test
-    from kernel_fun.kda.kernels import scan_fwd
-
-    # the recompute's B3 from the kernel whose saved states it stands for (the F7-F8 unit's
-    # pin at these shapes), so both sides sum h and v_new in the same order
-    register_for_test(monkeypatch, "B3", *scan_fwd.candidate("B3", "scan-vk"))
+def test_disable_recompute_equals_recomputing(p):
+    """disable_recompute saves what the backward would recompute: the gradients are the
+    recomputing chain's (bitwise here), up to where the recompute's B3, forming u itself,
+    rounds an entry a bf16 unit from F6's u (the two dots' sums in their BLAS's order, which
+    depends on the CPU; bounded at 2e-3, as on the GPU); a wrong or stale saved tensor moves
+    them by O(1)."""
     kwargs = make_inputs(p, seed=8)
     recomputed = run_fwd_bwd(chunk_kda, kwargs, grid=p.dtype)
     assert {"B2", "B3"} <= set(last_record().backward)
     saved = run_fwd_bwd(chunk_kda, dict(kwargs, disable_recompute=True), grid=p.dtype)
     assert not {"B1", "B2", "B3"} & set(last_record().backward)
-    # The saved h and v_new are the F7-F8 kernel's, the recomputed ones the same kernel's
-    # without o: the same fp32 sums in the same order, so the gradients agree to the last
-    # bits (a wrong or stale saved tensor moves them by O(1)).
     errors = {n: ref.rel_rms(saved[n].float(), want.float()) for n, want in recomputed.items() if want is not None}
     assert all(saved[n] is None for n, want in recomputed.items() if want is None)
-    bound = 0.0 if INTERPRETING else 1e-4  # compiled: two builds of the kernel, with and without o
-    assert all(e <= bound for e in errors.values()), errors
+    assert all(e <= 2e-3 for e in errors.values()), errors
+    assert errors["o"] == 0.0 and errors["final_state"] == 0.0  # the same forward either way
 
 
 def test_safe_gate_reaches_the_stages_it_changes():
@@ -298,10 +294,14 @@ def test_log_names_every_stage_once_per_shape_and_flags(caplog):
 
 
 def test_packed_batches_of_other_lengths_log_one_line(caplog):
+    """The log names a packed call by its heads, not its token and sequence counts (which
+    change every step of packed training). Whichever implementations run (here the torch
+    references, the cheapest), the line is the call's."""
     caplog.set_level(logging.INFO, logger="kernel_fun")
     for bounds in ((0, 1, 137, 200), (0, 50, 200), (0, 64, 129)):
         p = dataclasses.replace(SHAPES[2], T=bounds[-1], cu_seqlens=bounds)
-        run_fwd_bwd(chunk_kda, make_inputs(p, seed=16))
+        with use_impls("reference"):
+            run_fwd_bwd(chunk_kda, make_inputs(p, seed=16))
     engaged = [m for m in _messages(caplog) if m.startswith("engaged (")]
     assert len(engaged) == 1 and engaged[0].startswith("engaged (packed H=2 HV=4 K=64 V=32"), engaged
 
@@ -322,7 +322,7 @@ def test_cpu_without_the_interpreter_says_triton_was_skipped(caplog, monkeypatch
     import importlib
 
     stages_mod = importlib.import_module("kernel_fun.kda.stages")  # the attribute is the stages() function
-    monkeypatch.setattr(stages_mod, "_INTERPRETING_AT_IMPORT", False)
+    monkeypatch.setattr(stages_mod, "interpreting", lambda: False)
     caplog.set_level(logging.INFO, logger="kernel_fun")
     kwargs = make_inputs(B6_SHAPES[0], seed=14)
     for _ in range(2):
@@ -358,14 +358,14 @@ def test_patch_fla_routes_every_binding_and_unpatch_restores_it(unpatched, caplo
 
     from kernel_fun import patch
 
-    original = patch.fla_chunk_kda()
+    original = _fla.chunk_kda()
     assert layers.chunk_kda is original and fla.ops.kda.chunk_kda is original
     caplog.set_level(logging.INFO, logger="kernel_fun")
     changed = kernel_fun.patch_fla()
     assert {"fla.layers.kda.chunk_kda", "fla.ops.kda.chunk_kda", "fla.ops.chunk_kda"} <= set(changed)
     assert layers.chunk_kda is chunk_kda and fla.ops.kda.chunk_kda is chunk_kda and fla.ops.chunk_kda is chunk_kda
     assert kernel_fun.patch_fla() == []  # idempotent
-    assert patch.fla_chunk_kda() is original  # the fallback still reaches fla's own function
+    assert _fla.chunk_kda() is original  # the fallback still reaches fla's own function
     assert any(m.startswith("patch_fla: fla's chunk_kda now runs kernel-fun's at") for m in _messages(caplog))
 
     # fla's layer module now calls kernel-fun's chain
@@ -386,21 +386,17 @@ def test_patch_fla_picks_up_a_module_imported_later(unpatched, monkeypatch):
     import sys
     import types
 
-    from kernel_fun import patch
-
     kernel_fun.patch_fla()
     late = types.ModuleType("fla.late_module")
-    late.kda = patch.fla_chunk_kda()
+    late.kda = _fla.chunk_kda()
     monkeypatch.setitem(sys.modules, "fla.late_module", late)
     assert kernel_fun.patch_fla() == ["fla.late_module.kda"]
     assert late.kda is chunk_kda
     kernel_fun.unpatch_fla()
-    assert late.kda is patch.fla_chunk_kda()
+    assert late.kda is _fla.chunk_kda()
 
 
 def test_fallback_under_patch_reaches_fla_not_itself(unpatched, monkeypatch):
     _fla_layers()
-    from kernel_fun import patch
-
     kernel_fun.patch_fla()
-    assert chunk_mod._fla_entry() is patch.fla_chunk_kda() is not chunk_kda
+    assert _fla.chunk_kda() is not chunk_kda

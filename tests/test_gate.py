@@ -37,8 +37,10 @@ class FlaStub:
 def fla_stub(monkeypatch):
     """fla on a CUDA device, as far as the gate can tell: the stub takes the call, and the
     CPU tensors pass the device check a real fallback makes (tested on its own below)."""
+    from kernel_fun import _fla
+
     stub = FlaStub()
-    monkeypatch.setattr(chunk_mod, "_fla_entry", lambda: stub)
+    monkeypatch.setattr(_fla, "chunk_kda", lambda: stub)
     monkeypatch.setattr(chunk_mod, "_require_cuda", lambda reason, args, kwargs: None)
     return stub
 

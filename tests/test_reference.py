@@ -109,7 +109,7 @@ def test_rel_rms_propagates_nan():
 def test_stage_errors_ignore_the_unwritten_upper_triangle_per_sequence():
     """Aqk's upper triangle is never written by fla; the comparison masks it per chunk, with
     chunks restarting at each packed sequence."""
-    from kernel_fun.kda.parity import stage_errors
+    from benchmarks.parity import stage_errors
 
     p = Problem("mask", 1, 150, 1, 1, 16, 16, cu_seqlens=(0, 10, 150))
     kw = make_inputs(p, requires_grad=False)
@@ -149,6 +149,32 @@ def test_every_stage_declares_the_inputs_its_implementations_take():
     with pytest.raises(TypeError, match="stage B8: ours does not take"):
         add_impl("B8", "ours", lambda dg, chunk_size: dg)
     assert "ours" not in stages()["B8"].impls
+
+
+def test_capabilities_are_declared_at_registration():
+    """What an implementation reads or forms beyond its stage's contract is declared where it
+    is registered (``CAPS``), checked by name there and where the chain asks; a registration
+    for a block is undone on the way out, whatever was registered inside."""
+    import pytest
+    import torch
+
+    from kernel_fun.kda import stages
+    from kernel_fun.kda.stages import CAPS, CallRecord, Dispatcher, add_impl, registered
+
+    assert set(CAPS) == {"reads_qg", "forms_u"}
+    assert stages()["F7-F8"].caps["ours"] == {"reads_qg"} and stages()["B3"].caps["ours"] == {"forms_u"}
+    assert stages()["F7-F8"].caps.get("reference", frozenset()) == frozenset()
+    reference = stages()["B8"].impls["reference"]
+    with pytest.raises(ValueError, match="unknown capabilities"):
+        add_impl("B8", "ours", reference, caps=("reads_u",))
+    run = Dispatcher(torch.device("cpu"), CallRecord(engaged=True))
+    with pytest.raises(ValueError, match="unknown capability"):
+        run.wants("B8", "reads_u", dg=None, chunk_size=64, cu_seqlens=None, chunk_indices=None)
+    before = stages()["B8"]
+    with registered("B8", "ours", reference, caps=("forms_u",)):
+        assert stages()["B8"].caps["ours"] == {"forms_u"}
+        add_impl("B8", "ours", reference)  # replaced inside the block: still undone
+    assert stages()["B8"] is before and "ours" not in stages()["B8"].impls
 
 
 def test_the_oracle_takes_every_flag_the_chain_handles():

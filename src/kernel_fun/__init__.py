@@ -30,8 +30,6 @@ def unpatch_fla() -> list[str]:
 
 def versions() -> dict[str, str]:
     """Versions of kernel-fun, torch, triton and fla, and the device a call would run on."""
-    import importlib.metadata
-
     import torch
 
     try:
@@ -40,10 +38,9 @@ def versions() -> dict[str, str]:
         triton_version = triton.__version__
     except ImportError:  # pragma: no cover - triton is a hard dependency
         triton_version = "missing"
-    try:
-        fla_version = importlib.metadata.version("fla-core")
-    except importlib.metadata.PackageNotFoundError:  # pragma: no cover
-        fla_version = "missing"
+    from kernel_fun import _fla
+
+    fla_version = _fla.version()
     if torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability()
         device = f"{torch.cuda.get_device_name()} (sm_{major}{minor})"

@@ -60,8 +60,7 @@ def error_table(p: Problem, device) -> tuple[str, bool]:
 
 
 def time_against_fla(p: Problem) -> str:
-    from fla.ops.kda import chunk_kda as fla_chunk_kda
-
+    from kernel_fun import _fla
     from kernel_fun.bench.timing import cuda_times, summary
     from kernel_fun.kda.problems import cotangents, leaves
 
@@ -73,7 +72,7 @@ def time_against_fla(p: Problem) -> str:
         return torch.autograd.grad(o, list(leaves(kwargs).values()), do)
 
     out = []
-    for name, fn in (("fla", fla_chunk_kda), ("kernel-fun", chunk_kda)):
+    for name, fn in (("fla", _fla.chunk_kda()), ("kernel-fun", chunk_kda)):
         t0 = time.perf_counter()
         fwd_bwd(fn)
         torch.cuda.synchronize()

@@ -15,7 +15,7 @@ already routed is left alone; a module imported since the last call is picked up
 logged; ``unpatch_fla()`` puts back exactly the bindings it changed.
 
 kernel-fun's own fallbacks keep calling fla's original functions, captured before any
-binding changes, so a patched process never calls itself.
+binding changes (``kernel_fun._fla``), so a patched process never calls itself.
 """
 
 from __future__ import annotations
@@ -25,35 +25,15 @@ import importlib
 import sys
 import threading
 
+from kernel_fun import _fla as fla
 from kernel_fun._runtime import logger
 
 _lock = threading.Lock()
-_original = None
-_original_conv = None
 # (module name, attribute) -> (the module object, fla's function it held), for every
 # binding patch_fla rebound
 _patched: dict[tuple[str, str], tuple[object, object]] = {}
 # fla's packages that bind chunk_kda or causal_conv1d, imported (when installed) before the search
 _FLA_PACKAGES = ("fla.ops", "fla.modules", "fla.modules.conv", "fla.modules.convolution", "fla.layers", "fla.models")
-
-
-def fla_chunk_kda():
-    """fla's own ``chunk_kda``, whether or not its bindings are patched."""
-    global _original
-    if _original is None:
-        from fla.ops.kda.chunk import chunk_kda
-
-        _original = chunk_kda
-    return _original
-
-
-def fla_causal_conv1d():
-    """fla's own ``causal_conv1d``, whether or not its bindings are patched."""
-    global _original_conv
-    if _original_conv is None:
-        importlib.import_module("fla.modules.conv.causal_conv1d")
-        _original_conv = sys.modules["fla.modules.conv.causal_conv1d"].causal_conv1d
-    return _original_conv
 
 
 def _bindings(target):
@@ -79,9 +59,9 @@ def patch_fla() -> list[str]:
                 importlib.import_module(package)
             except Exception as err:  # not installed, or broken by its own dependencies: patch the rest
                 missing.append(f"{package} ({type(err).__name__}: {err})")
-        pairs = [("chunk_kda", fla_chunk_kda(), chunk_kda)]
+        pairs = [("chunk_kda", fla.chunk_kda(), chunk_kda)]
         try:
-            pairs.append(("causal_conv1d", fla_causal_conv1d(), causal_conv1d))
+            pairs.append(("causal_conv1d", fla.causal_conv1d(), causal_conv1d))
         except Exception as err:
             missing.append(f"fla.modules.conv.causal_conv1d ({type(err).__name__}: {err})")
         changed = {}
@@ -107,9 +87,9 @@ def unpatch_fla() -> list[str]:
     from kernel_fun.cconv import causal_conv1d
     from kernel_fun.kda import chunk_kda
 
-    ours = {id(fla_chunk_kda()): chunk_kda}
-    if _original_conv is not None:
-        ours[id(_original_conv)] = causal_conv1d
+    ours = {id(fla.chunk_kda()): chunk_kda}
+    if fla.captured_causal_conv1d() is not None:
+        ours[id(fla.captured_causal_conv1d())] = causal_conv1d
     with _lock:
         restored = []
         for (name, attr), (module, original) in list(_patched.items()):

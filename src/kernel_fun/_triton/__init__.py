@@ -1,10 +1,11 @@
-"""Triton helpers any kernel-fun kernel may use: the interpreter shims, pair stores from an
-accumulator's layout, an L2 prefetch hint, layout pins, chunk coordinates of packed
-sequences, and the clock and SM id the timeline instrument stamps.
+"""Triton helpers any kernel-fun kernel may use: the interpreter shims, fp32-level dots on
+tf32 tensor cores, pair stores from an accumulator's layout, an L2 prefetch hint, a layout
+pin, the chunk coordinates of packed sequences, and a launcher's config check.
 
 Each compiles, for the GPU, to exactly what the kernel that first carried it compiled to
-(B6's sm_90a machine code is unchanged by the move; ``tools/compile_report.py`` prints its
-fingerprint). Under the interpreter each has a plain equivalent.
+(the sm_90a machine code of every shipped kernel is held by its fingerprint:
+``python -m benchmarks.compile_report``). Under the interpreter each has a plain
+equivalent.
 """
 
 from __future__ import annotations
@@ -22,6 +23,23 @@ import triton.language as tl
 INTERPRETING = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
+def interpreting() -> bool:
+    """Whether kernel-fun's Triton kernels were defined for the interpreter: Triton decides at
+    a kernel's definition, so what counts is TRITON_INTERPRET as it was when this module was
+    imported (before any kernel of kernel-fun's)."""
+    return bool(INTERPRETING.value)
+
+
+def config_over(pinned: dict, config: dict | None, keys, who: str) -> dict:
+    """A launcher's config: ``pinned`` with ``config`` over it (the benchmarks' sweeps), a
+    key the launcher does not know refused (a misspelt or retired knob would otherwise be
+    ignored without a word)."""
+    unknown = set(config or {}) - set(keys)
+    if unknown:
+        raise ValueError(f"{who} takes no config key {sorted(unknown)}; known: {sorted(keys)}")
+    return {**pinned, **(config or {})}
+
+
 @triton.jit
 def dot(a, b, acc=None):
     if INTERPRETING:
@@ -31,28 +49,8 @@ def dot(a, b, acc=None):
 
 # An anchored factor exp2(g_r - g_anchor) may pass 1 only while the gate's span through the
 # anchor is at most this (log2): factors within 2^+-64, so even gradients of 1e-18 stay
-# normal numbers in the dots (B7's and the prep kernel's diagonal blocks).
+# normal numbers in the dots (B7's diagonal blocks).
 GUARD_SPAN = tl.constexpr(64.0)
-
-
-@triton.jit
-def softplus(x):
-    """log(1 + e^x) in fp32 as torch's softplus (x past 20 passes through), in ~20
-    instructions an element where Triton's tl.log alone is a ~40-instruction polynomial
-    with range handling (the softplus of the F1-F4 kernel took 28% of its dynamic
-    instructions that way): max(x, 0) + log1p(z), z = e^-|x| in (0, 1], log1p(z) = 2
-    atanh(s) with s = z / (2 + z) <= 1/3, the series to s^13 (the next term is under
-    1.4e-8 of the sum: past fp32's 2^-24). Relative error a few ulp for every x."""
-    z = tl.exp2(tl.abs(x) * -1.4426950408889634)
-    s = tl.fdiv(z, 2.0 + z)
-    s2 = s * s
-    p = s2 * (1.0 / 13.0) + (1.0 / 11.0)
-    p = p * s2 + (1.0 / 9.0)
-    p = p * s2 + (1.0 / 7.0)
-    p = p * s2 + (1.0 / 5.0)
-    p = p * s2 + (1.0 / 3.0)
-    p = p * s2 + 1.0
-    return tl.where(x > 20.0, x, tl.maximum(x, 0.0) + 2.0 * s * p)
 
 
 @triton.jit
@@ -75,27 +73,6 @@ def dot3(a, b, acc=None):
     acc = tl.dot(a_hi, b_lo, acc, input_precision="tf32")
     acc = tl.dot(a_lo, b_hi, acc, input_precision="tf32")
     return tl.dot(a_hi, b_hi, acc, input_precision="tf32")
-
-
-@triton.jit
-def tf32_round(x):
-    """fp32 x rounded to the nearest tf32 value (half an ulp of the 19-bit form added to the
-    magnitude, then truncated: ties away from zero), |x - round(x)| <= 2^-11 |x|, unbiased.
-    Finite x only (the callers' operands are bounded)."""
-    return ((x.to(tl.uint32, bitcast=True) + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def dot2(a, b, acc=None):
-    """acc + a b for fp32 a, b on the tensor cores in two tf32 products, a_lo b' + a_hi b'
-    with a split exactly (``tf32_split``) and b' = b rounded to the nearest tf32: the
-    product's relative error is b's rounding, <= 2^-11 and unbiased (one tf32 product
-    truncates both operands: up to 2^-10 each, the same sign). One B operand for both
-    products, against dot3's two."""
-    a_hi, a_lo = tf32_split(a)
-    b_r = tf32_round(b)
-    acc = tl.dot(a_lo, b_r, acc, input_precision="tf32")
-    return tl.dot(a_hi, b_r, acc, input_precision="tf32")
 
 
 @triton.jit
@@ -156,29 +133,6 @@ def chunk_head(cu_seqlens, chunk_indices, T, H: tl.constexpr, HV: tl.constexpr, 
     i_hv = i_bh % HV
     i_c, i_tg, bos, T_seq = chunk_coords(i_t, i_bh, cu_seqlens, chunk_indices, T, HV, BT, IS_VARLEN)
     return i_hv, i_hv // (HV // H), bos + i_c * BT, tl.minimum(T_seq - i_c * BT, BT).to(tl.int32)
-
-
-@triton.jit
-def clock(dep):
-    """%globaltimer (ns), read once the [N] vector ``dep`` is ready (0 under the interpreter,
-    where there is no clock to read). Only the timeline instrument (TIMELINE) uses it."""
-    if INTERPRETING:
-        return tl.max(dep.to(tl.float32) * 0, axis=0).to(tl.int64)
-    else:
-        t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer; // $1", "=l,r", [dep.to(tl.float32)],
-                                      dtype=tl.int64, is_pure=False, pack=1)
-        return tl.max(t, axis=0)
-
-
-@triton.jit
-def smid(dep):
-    """The SM this program runs on (0 under the interpreter)."""
-    if INTERPRETING:
-        return tl.max(dep.to(tl.float32) * 0, axis=0).to(tl.int64)
-    else:
-        s = tl.inline_asm_elementwise("mov.u32 $0, %smid; // $1", "=r,r", [dep.to(tl.float32)],
-                                      dtype=tl.int32, is_pure=False, pack=1)
-        return tl.max(s, axis=0).to(tl.int64)
 
 
 @triton.jit

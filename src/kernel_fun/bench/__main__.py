@@ -1,5 +1,5 @@
 import sys
 
-from kernel_fun.bench.kda import main
+from kernel_fun.bench.op import main
 
 sys.exit(main())

@@ -1,6 +1,6 @@
 """Bench of ``causal_conv1d``: kernel-fun's kernels against fla's, forward and fwd+bwd.
 
-``python -m kernel_fun.bench.cconv --shapes d2048,d4096,packed2048 [--configs sweep | '[{"BD": 128, "num_warps": 1}]']``
+``python -m kernel_fun.bench.cconv --shapes d2048,d4096,packed2048``
 
 Shapes (bf16 x, fp32 weight, W=4, SiLU, no bias: a KimiDeltaAttention layer's q/k and v
 convolutions): d2048 and d4096 are B16 T8192; packed2048 is the same tokens as one packed
@@ -12,28 +12,20 @@ than fla's own error); the launch witness
 (``kernel_fun.cconv.last_route``). Then the median of CUDA-event timings, fla and every
 config interleaved round by round: ``ms`` each call alone (synced, its host time included),
 ``stream_ms`` a call of calls issued back to back (the host running ahead, as in a training
-step: the GPU's time where the host keeps up; the figure the memory floor is held to).
-Rows go to ``bench/results/cconv.jsonl``.
+step: the GPU's time where the host keeps up; the figure the memory floor is held to). One
+row per (shape, phase, implementation); the command prints them.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-from pathlib import Path
 
 import torch
 
 SHAPES = {"d2048": dict(B=16, T=8192, D=2048), "d4096": dict(B=16, T=8192, D=4096),
           "packed2048": dict(B=16, T=8192, D=2048, packed=True), "small": dict(B=2, T=1000, D=512)}
-# The builds worth timing (sm_90a offline, D=2048: none spills): the pin (256-channel strips
-# at 2 warps, 256-token segments: four channels a lane, 8-byte loads and stores), its
-# neighbours (strips and warps, a longer segment), and eight channels a lane (512 at 2 warps,
-# 256 at 1: 16-byte loads and stores; the forward 102 registers, the backward 255).
-SWEEP = [dict(BD=256, num_warps=2), dict(BD=256, num_warps=4), dict(BD=512, num_warps=4), dict(BD=128, num_warps=1),
-         dict(BD=256, num_warps=2, TS=1024), dict(BD=512, num_warps=2), dict(BD=256, num_warps=1)]
 # the parity bars against fla in bf16 (both take SiLU's derivative at the pre-activation
 # rounded to x's dtype); the float64 check holds each output to fla's own error.
 BARS = dict(y=1e-3, dx=1e-3, dw=2e-3, db=2e-3)
@@ -73,34 +65,24 @@ def _run(fn, kw, dy, backward: bool):
     return y, None, None
 
 
-def main(argv=None) -> int:
-    from kernel_fun import versions
-    from kernel_fun.bench import results
-    from kernel_fun.bench.stage import config_label
+def label(config: dict) -> str:
+    """A kernel-fun row's implementation name: its launch config."""
+    return "ours[" + ",".join(f"{k}={v}" for k, v in sorted(config.items())) + "]"
+
+
+def run(shapes: list[str], configs: list[dict] | None = None, reps: int = 20, rounds: int = 3) -> list[dict]:
+    """Rows of fla's and kernel-fun's convolution (each config in ``configs``, over the pinned
+    one; the pinned one alone by default) at each shape, forward and fwd+bwd."""
+    from kernel_fun import _fla, versions
     from kernel_fun.bench.timing import cuda_times, stream_time, summary
     from kernel_fun.cconv import causal_conv1d, kernels as K, last_route
     from kernel_fun.cconv.reference import conv_reference
     from kernel_fun.kda.reference import rel_rms
-    from kernel_fun.patch import fla_causal_conv1d
 
-    parser = argparse.ArgumentParser(prog="python -m kernel_fun.bench.cconv", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", default="d2048,d4096,packed2048")
-    parser.add_argument("--configs", default="pinned",
-                        help="'pinned', 'sweep', or a JSON list of config overrides (each on the pin)")
-    parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
-        return 2
-    out = args.out or results.RESULTS / "cconv.jsonl"
-    fla = fla_causal_conv1d()
-    chosen = {"pinned": [{}], "sweep": SWEEP}.get(args.configs) or json.loads(args.configs)
-    configs = [{**K.DEFAULT_CONFIG, **c} for c in chosen]
-    printed = []
-    for name in args.shapes.split(","):
+    fla = _fla.causal_conv1d()
+    configs = [{**K.DEFAULT_CONFIG, **c} for c in (configs or [{}])]
+    rows = []
+    for name in shapes:
         shape = SHAPES[name]
         kw = make_inputs(shape)
         dy = torch.randn_like(kw["x"])
@@ -126,7 +108,6 @@ def main(argv=None) -> int:
         impls = {"fla": (fla, None)}
         checks = {"fla": {"ok": True, "vs_exact": fla_err}}
         for cfg in configs:
-            label = config_label("ours", cfg)
             fn = ours_with(cfg)
             got = _run(fn, kw, dy, True)
             route = last_route()
@@ -134,46 +115,68 @@ def main(argv=None) -> int:
             our_err = vs_exact(got)
             ok = (route == "kernels" and all(errs[n] <= BARS[n] for n in errs)
                   and all(our_err[n] <= 1.1 * fla_err[n] + 1e-6 for n in our_err))
-            checks[label] = {"ok": ok, "vs_fla": errs, "vs_exact": our_err, "route": route}
-            impls[label] = (fn, cfg)
+            checks[label(cfg)] = {"ok": ok, "vs_fla": errs, "vs_exact": our_err, "route": route}
+            impls[label(cfg)] = (fn, cfg)
             del got
         del exact, vs_exact
-        times = {(label, phase): [] for label in impls for phase in ("fwd", "fwd+bwd")}
-        streams = {(label, phase): [] for label in impls for phase in ("fwd", "fwd+bwd")}
-        for label, (fn, _) in impls.items():  # warm-up
-            if checks[label]["ok"]:
+        times = {(lb, phase): [] for lb in impls for phase in ("fwd", "fwd+bwd")}
+        streams = {(lb, phase): [] for lb in impls for phase in ("fwd", "fwd+bwd")}
+        for lb, (fn, _) in impls.items():  # warm-up
+            if checks[lb]["ok"]:
                 _run(fn, kw, dy, True)
-        for _ in range(args.rounds):
-            for label, (fn, _) in impls.items():
-                if not checks[label]["ok"]:
+        for _ in range(rounds):
+            for lb, (fn, _) in impls.items():
+                if not checks[lb]["ok"]:
                     continue
                 with torch.no_grad():
-                    times[(label, "fwd")] += cuda_times(lambda fn=fn, kw=kw: fn(**kw), args.reps)
-                times[(label, "fwd+bwd")] += cuda_times(lambda fn=fn, kw=kw, dy=dy: _run(fn, kw, dy, True), args.reps)
+                    times[(lb, "fwd")] += cuda_times(lambda fn=fn, kw=kw: fn(**kw), reps)
+                times[(lb, "fwd+bwd")] += cuda_times(lambda fn=fn, kw=kw, dy=dy: _run(fn, kw, dy, True), reps)
                 with torch.no_grad():
-                    streams[(label, "fwd")].append(stream_time(lambda fn=fn, kw=kw: fn(**kw), args.reps))
-                streams[(label, "fwd+bwd")].append(stream_time(lambda fn=fn, kw=kw, dy=dy: _run(fn, kw, dy, True), args.reps))
-        for label, (_, cfg) in impls.items():
+                    streams[(lb, "fwd")].append(stream_time(lambda fn=fn, kw=kw: fn(**kw), reps))
+                streams[(lb, "fwd+bwd")].append(stream_time(lambda fn=fn, kw=kw, dy=dy: _run(fn, kw, dy, True), reps))
+        for lb, (_, cfg) in impls.items():
             for phase in ("fwd", "fwd+bwd"):
-                s = summary(times[(label, phase)]) if times[(label, phase)] else None
-                row = {"kind": "cconv", "shape": name, "problem": shape, "impl": label, "config": cfg, "phase": phase,
-                       "ms": s["median"] if s else None, "spread_ms": [s["p10"], s["p90"]] if s else None,
-                       "stream_ms": statistics.median(streams[(label, phase)]) if streams[(label, phase)] else None,
-                       "floor_ms": nbytes[phase] / 4.25e12 * 1e3, "parity": checks[label],
-                       "gpu": torch.cuda.get_device_name(), "versions": versions(), "commit": results.commit(),
-                       "date": results.now()}
-                results.append(out, row)
-                printed.append(row)
+                s = summary(times[(lb, phase)]) if times[(lb, phase)] else None
+                rows.append({"kind": "cconv", "shape": name, "problem": shape, "impl": lb, "config": cfg,
+                             "phase": phase, "ms": s["median"] if s else None,
+                             "spread_ms": [s["p10"], s["p90"]] if s else None,
+                             "stream_ms": statistics.median(streams[(lb, phase)]) if streams[(lb, phase)] else None,
+                             "floor_ms": nbytes[phase] / 4.25e12 * 1e3, "parity": checks[lb],
+                             "gpu": torch.cuda.get_device_name(), "versions": versions()})
         del kw, dy, theirs
         torch.cuda.empty_cache()
-    base = {(r["shape"], r["phase"]): r["ms"] for r in printed if r["impl"] == "fla"}
-    for r in printed:
+    return rows
+
+
+def format_rows(rows: list[dict]) -> str:
+    base = {(r["shape"], r["phase"]): r["ms"] for r in rows if r["impl"] == "fla"}
+    lines = []
+    for r in rows:
         ms = f"{r['ms']:.3f}" if r["ms"] else "  RED"
         ratio = f"{base[(r['shape'], r['phase'])] / r['ms']:.2f}x" if r["ms"] and base.get((r["shape"], r["phase"])) else ""
         stream = f"{r['stream_ms']:.3f}" if r["stream_ms"] else "  RED"
-        print(f"{r['shape']:<11} {r['phase']:<8} {r['impl']:<52} {ms} ms {ratio:>6} back to back {stream} ms "
-              f"floor {r['floor_ms']:.2f}")
-    return 0
+        lines.append(f"{r['shape']:<11} {r['phase']:<8} {r['impl']:<52} {ms} ms {ratio:>6} back to back {stream} ms "
+                     f"floor {r['floor_ms']:.2f}")
+    return "\n".join(lines)
+
+
+def parser() -> argparse.ArgumentParser:
+    out = argparse.ArgumentParser(prog="python -m kernel_fun.bench.cconv", description=__doc__,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    out.add_argument("--shapes", default="d2048,d4096,packed2048")
+    out.add_argument("--reps", type=int, default=20)
+    out.add_argument("--rounds", type=int, default=3)
+    return out
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    rows = run(args.shapes.split(","), reps=args.reps, rounds=args.rounds)
+    print(format_rows(rows))
+    return 0 if all(r["parity"]["ok"] for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ the same weights and inputs: parity first (the output, the input's gradient and 
 parameter's gradient of the patched layer within fla's budgets of the unpatched one, and
 the record showing kernel-fun's chain engaged), then the median of CUDA-event timings of
 fwd+bwd (``backward`` of a random projection of the output), the two interleaved round by
-round. Rows go to ``bench/results/layer.jsonl``.
+round. One row per side (a dict); the command prints them.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import contextlib
 import copy
 import os
 import sys
-from pathlib import Path
 
 import torch
 
@@ -39,10 +38,10 @@ def parity_bar(name: str) -> float:
 def fla_layer(seed: int = 0, **flags):
     """fla's KimiDeltaAttention at fla's defaults (hidden 2048, 16 heads, head dims 128, short
     convolutions), on the GPU in bf16, its weights drawn from ``seed``."""
-    from fla.layers.kda import KimiDeltaAttention
+    from kernel_fun import _fla
 
     torch.manual_seed(seed)
-    return KimiDeltaAttention(hidden_size=2048, head_dim=128, num_heads=16, **flags).cuda().to(torch.bfloat16)
+    return _fla.kimi_delta_attention()(hidden_size=2048, head_dim=128, num_heads=16, **flags).cuda().to(torch.bfloat16)
 
 
 def _fwd_bwd(layer, x, w, attention_mask=None):
@@ -69,34 +68,21 @@ def parity_misses(ours: dict, fla: dict) -> tuple[dict, dict]:
     return errors, {n: (e, parity_bar(n)) for n, e in errors.items() if not e <= parity_bar(n)}
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kernel_fun.bench.layer", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--B", type=int, default=2)
-    parser.add_argument("--T", type=int, default=8192)
-    parser.add_argument("--safe-gate", action="store_true")
-    parser.add_argument("--reps", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
-        return 2
-    from kernel_fun.bench import fla_configs, results
-
-    fla_configs.use_stored_configs(torch.cuda.get_device_name())
+def run(B: int = 2, T: int = 8192, safe_gate: bool = False, reps: int = 10, rounds: int = 5) -> list[dict]:
+    """fla's layer and the patched one at (B, T): parity first, then the interleaved timings;
+    one row each (fla's first)."""
     from kernel_fun import versions
     from kernel_fun.bench.timing import cuda_times, summary
     from kernel_fun.cconv import last_route
     from kernel_fun.kda import last_record
     from kernel_fun.patch import fla_patched
 
-    flags = dict(safe_gate=True, lower_bound=-5.0) if args.safe_gate else {}
+    flags = dict(safe_gate=True, lower_bound=-5.0) if safe_gate else {}
     fla_side = fla_layer(**flags)
     ours_layer = copy.deepcopy(fla_side)
     gen = torch.Generator(device="cuda").manual_seed(1)
-    x = torch.randn(args.B, args.T, 2048, device="cuda", generator=gen).bfloat16().requires_grad_()
-    w = torch.randn(args.B, args.T, 2048, device="cuda", generator=gen)
+    x = torch.randn(B, T, 2048, device="cuda", generator=gen).bfloat16().requires_grad_()
+    w = torch.randn(B, T, 2048, device="cuda", generator=gen)
     # Each side in its own context, entered once per round: patch_fla() walks every loaded
     # fla module, host time that is no part of a training step's.
     layers = {"fla": (fla_side, contextlib.nullcontext), "ours": (ours_layer, fla_patched)}
@@ -117,35 +103,54 @@ def main(argv=None) -> int:
             for _ in range(3):
                 _fwd_bwd(layer, x, w)
     if ok:
-        for _ in range(args.rounds):
+        for _ in range(rounds):
             for name, (layer, context) in layers.items():
                 with context():
-                    times[name] += cuda_times(lambda: _fwd_bwd(layer, x, w), args.reps)
+                    times[name] += cuda_times(lambda: _fwd_bwd(layer, x, w), reps)
     info = versions()
-    out = args.out or results.RESULTS / "layer.jsonl"
-    shape = f"kda_layer_B{args.B}_T{args.T}" + ("_safe" if args.safe_gate else "")
+    shape = f"kda_layer_B{B}_T{T}" + ("_safe" if safe_gate else "")
     rows = []
     for name in ("fla", "ours"):
         s = summary(times[name]) if times[name] else None
-        row = {
+        rows.append({
             "kind": "layer", "shape": shape, "impl": name,
             "problem": f"fla KimiDeltaAttention hidden 2048, 16 heads, head dims 128, short conv, bf16, "
-                       f"B{args.B} T{args.T}" + (", safe_gate, lower_bound=-5" if args.safe_gate else ""),
+                       f"B{B} T{T}" + (", safe_gate, lower_bound=-5" if safe_gate else ""),
             "fwdbwd_ms": s["median"] if s else None, "fwdbwd_spread_ms": [s["p10"], s["p90"]] if s else None,
             "reps": s["n"] if s else 0,
             "parity": {"ok": ok, "vs_fla": errors, "impls": {**record.forward, **record.backward},
                        "convolutions": conv},
             "gpu": torch.cuda.get_device_name(), "versions": info,
             "fla_cache_mode": os.environ.get("FLA_CACHE_MODE", "disabled"),
-            "commit": results.commit(), "date": results.now(),
-        }
-        results.append(out, row)
-        rows.append(row)
+        })
+    return rows
+
+
+def format_rows(rows: list[dict]) -> str:
     fla_ms = rows[0]["fwdbwd_ms"]
-    for r in rows:
-        ms = r["fwdbwd_ms"]
-        print(f"{shape} {r['impl']:<5} {ms:.2f} ms  {fla_ms / ms:.3f}x" if ms else f"{shape} {r['impl']} RED")
-    return 0 if ok else 1
+    return "\n".join(f"{r['shape']} {r['impl']:<5} {r['fwdbwd_ms']:.2f} ms  {fla_ms / r['fwdbwd_ms']:.3f}x"
+                     if r["fwdbwd_ms"] and fla_ms else f"{r['shape']} {r['impl']} RED" for r in rows)
+
+
+def parser() -> argparse.ArgumentParser:
+    out = argparse.ArgumentParser(prog="python -m kernel_fun.bench.layer", description=__doc__,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    out.add_argument("--B", type=int, default=2)
+    out.add_argument("--T", type=int, default=8192)
+    out.add_argument("--safe-gate", action="store_true")
+    out.add_argument("--reps", type=int, default=10)
+    out.add_argument("--rounds", type=int, default=5)
+    return out
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    rows = run(args.B, args.T, args.safe_gate, args.reps, args.rounds)
+    print(format_rows(rows))
+    return 0 if rows[0]["parity"]["ok"] else 1
 
 
 if __name__ == "__main__":

@@ -1,57 +1,37 @@
 """The short convolution's forward and backward, each one pass over the tokens.
 
 Replaces fla's ``causal_conv1d`` Triton kernels (0.5.2). fla's forward loads each [64, BD]
-tile of x W times, once per tap, shifted by a row; its backward first re-runs the forward
-to get the pre-activation (a full read of x and write of it), then loads dy and that
+tile of x W times, once per tap, shifted by a row; its backward first re-runs the forward to
+get the pre-activation (a full read of x and write of it), then loads dy and that
 pre-activation W times each and evaluates the SiLU derivative W times an element.
 
-Design: a program owns a strip of BD channels over a segment of TS tokens of one sequence
-and walks the segment token by token. Each thread holds its channels' last three rows of x
-as registers that shift by assignment, so a token costs one load of x, W multiply-adds, one
-activation and one store; the taps are padded to four (W < 4 weights the missing taps
-zero). The backward walks the same way: z (the pre-activation) is recomputed from the x it
-holds, g = dy * act'(z) once a token, and dx[t] = sum_k w_k g[t + k] is emitted three
-tokens late from the last four g in registers. It accumulates its strip's dw and db over
-its own tokens (the halo's three extra tokens at the segment's end feed only dx) and writes
-them as one partial per program, summed in a fixed order afterwards (no atomics). The first
-segment of a sequence also forms dh0 (the first W-1 tokens' g against the taps that read
-the initial state); the final state's gradient lands on the last W tokens' dx, and on dh0
-where the sequence is shorter than W.
-
-The loop takes eight tokens an iteration: their x loads (and the residual's, or dy's in the
-backward) are issued together at the top, then their outputs and stores. The compiler cannot
-tell that x and y (dy and dx) do not overlap, so a load written after a store is never
-issued before it; a loop of a token's load, output and store in turn keeps one load in
-flight a thread and pays a memory latency a token (the form measured before this one: d2048
-fwd+bwd 1.707 ms against this form's 1.038; sm_90a listing LDG, STG, LDG, ...). Here the
-sm_90a code has eight LDG.64 a thread (sixteen with a residual and in the backward) before
-the first STG. Issuing the next eight tokens' loads before this eight's outputs as well
-measured no faster forward and a 9% slower fwd+bwd at d2048 (128 and 248 registers; removed,
-docs/log/cconv.md).
+This design: a program owns a strip of BD channels over a segment of TS tokens of one
+sequence and walks the segment, each thread holding its channels' last three rows of x in
+registers that shift by assignment, so a token costs one load of x, W multiply-adds, one
+activation and one store (the taps padded to four). The backward walks the same way: z (the
+pre-activation) is recomputed from the x it holds, g = dy * act'(z) once a token, and dx[t] =
+sum_k w_k g[t + k] is emitted three tokens late from the last four g in registers; each
+program writes its strip's dw and db over its own tokens as one partial, summed in a fixed
+order afterwards (no atomics). The first segment of a sequence also forms dh0; the final
+state's gradient lands on the last W tokens' dx. The loop takes eight tokens an iteration,
+their loads issued together before their outputs and stores: the compiler cannot tell that x
+and y do not overlap, so a load written after a store is never issued before it (a token at
+a time, a memory latency a token: fwd+bwd 1.707 ms at D=2048 against 1.038).
 
 Numerics: fp32 inside, the output rounded once to its dtype (bf16: round to nearest even);
-sigmoid as 1 / (1 + exp2(-z log2 e)) with a fast reciprocal (a few ulp of fp32). The
-backward takes SiLU's derivative at z rounded to x's dtype, as fla's does (fla re-runs the
-forward without the activation and reads that pre-activation back): taken at the fp32 z
-instead, dx sat 1.4e-3 from fla's in bf16 (a little closer to float64, 1.66e-3 against
-fla's 1.75e-3) where the parity bar is 1e-3. Now (H200, d2048): y, dx and dweight within
-1.4e-5, 1.7e-5 and 5e-6 of fla's; against the float64 reference y 1.67e-3, dx 1.75e-3 and
-dweight 5.5e-4 relative RMS, fla's the same to three digits.
+sigmoid as 1 / (1 + exp2(-z log2 e)) with a fast reciprocal (a few ulp of fp32). The backward
+takes SiLU's derivative at z rounded to x's dtype, as fla's does: y, dx and dweight within
+1.4e-5, 1.7e-5 and 5e-6 of fla's in bf16 at D=2048, and their float64 errors fla's to three
+digits.
 
 Packed sequences: segments never cross a sequence's end. The (sequence, segment) list is
 built on the device from ``cu_seqlens`` (a few small torch ops, no host copy or sync), its
-length the host's bound ceil(tokens / TS) + N; the spare slots run no token. The list is
-kept per offsets tensor (``op._segments``), so a layer's q, k and v convolutions build it once.
+length the host's bound ceil(tokens / TS) + N, the spare slots running no token; it is kept
+per offsets tensor (``op.segments``), so a layer's q, k and v convolutions build it once.
 
-Measured (H200, B16 T8192 W4 SiLU bf16, bench/results/cconv.jsonl at ff3890f and b4495f3;
-back to back, the GPU's time, then each call alone with its host time): D=2048 fwd 0.289 ms
-against fla's 0.383 (floor 0.25: 1.14x), 0.437 a call; fwd+bwd 0.823 against 2.311 (floor
-0.63), 1.129 a call. D=4096 fwd 0.556 against 0.767 (floor 0.51: 1.10x); fwd+bwd 1.584
-against 4.615, 1.708 a call. Packed (the d2048 tokens as 20 sequences of 660-15,538): fwd
-0.296 against 0.400, fwd+bwd 0.841 against 2.739 (0.375 and 0.995 a call, the segment list
-reused as a layer's second and third convolution find it). The derivative at the rounded
-pre-activation costs the backward ~4% (d2048 fwd+bwd 0.787 back to back before it, at
-f047284).
+Measured: the README's causal_conv1d table (fwd+bwd 2.8x fla's at D=2048 back to back, the
+forward 1.14x its memory floor); the rounds, and the designs measured slower (a token at a
+time, the next eight tokens' loads ahead, eight channels a lane), are in docs/log/cconv.md.
 """
 
 from __future__ import annotations
@@ -388,11 +368,10 @@ def causal_conv1d_bwd_kernel(
 # Pinned: strips of 256 channels at 2 warps (8 bytes a lane a row in bf16), segments of 256
 # tokens: the best fwd+bwd of the bench's sweep at d2048 (back to back 0.787 ms; 4 warps
 # 0.815, 512 channels at 4 warps 0.795, 128 at 1 warp 0.813, 1024-token segments 0.804,
-# 8 channels a lane 0.886 and 0.870; the forwards within 0.288-0.325; cconv.jsonl at
-# f047284). sm_90a (D=2048, bf16, W=4, SiLU, x dense as a launch specializes it: 8-byte
-# loads and stores): the forward 60 registers, the backward 128, no spills
-# (tests/test_cconv.py holds it); a strided x whose token stride is not a multiple of 16
-# loads 2 bytes a lane.
+# 8 channels a lane 0.886 and 0.870; the forwards within 0.288-0.325; docs/log/cconv.md).
+# sm_90a (D=2048, bf16, W=4, SiLU, x dense as a launch specializes it: 8-byte loads and
+# stores): the forward 60 registers, the backward 128, no spills; a strided x whose token
+# stride is not a multiple of 16 loads 2 bytes a lane.
 DEFAULT_CONFIG = dict(BD=256, TS=256, num_warps=2)
 W_MAX = 4  # the register ring holds four taps
 

@@ -26,7 +26,9 @@ import weakref
 
 import torch
 
+from kernel_fun import _fla as fla
 from kernel_fun._runtime import env_flag, log_once
+from kernel_fun._triton import interpreting
 from kernel_fun.cconv import kernels as K
 from kernel_fun.cconv.reference import conv_reference
 
@@ -39,12 +41,6 @@ def last_route() -> str | None:
     """Where the last ``causal_conv1d`` call ran in this process: "kernels", "reference",
     or "fla: <reason>" (the launch witness tests and benches read)."""
     return _last["route"]
-
-
-def _fla_causal_conv1d():
-    from kernel_fun import patch
-
-    return patch.fla_causal_conv1d()
 
 
 def _validate(x, weight, bias, residual, initial_state, activation, cu_seqlens, cu_seqlens_cpu=None):
@@ -134,13 +130,11 @@ def _require_cuda(x, reason: str) -> None:
                            f"the inputs are on {x.device}")
 
 
-def _uses_kernels(x: torch.Tensor) -> bool:
-    from kernel_fun.kda.stages import interpreting
-
+def uses_kernels(x: torch.Tensor) -> bool:
     return x.is_cuda or interpreting()
 
 
-def _segments(cu_seqlens, total, device):
+def segments(cu_seqlens, total, device):
     """(segment index, segment length): None for dense batches, else the packed sequences'
     segments at the pinned length, indexed on the device (``cu_seqlens_cpu`` and
     ``chunk_indices`` are not needed)."""
@@ -240,19 +234,19 @@ def causal_conv1d(x, weight=None, bias=None, residual=None, initial_state=None, 
         _require_cuda(x, reason)
         log_once(logging.WARNING, f"causal_conv1d: falling back to fla — {reason}")
         _last["route"] = f"fla: {reason}"
-        return _fla_causal_conv1d()(x, weight=weight, bias=bias, residual=residual, initial_state=initial_state,
+        return fla.causal_conv1d()(x, weight=weight, bias=bias, residual=residual, initial_state=initial_state,
                                      output_final_state=output_final_state, activation=activation, backend=backend,
                                      cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices,
                                      cp_context=cp_context, **kwargs)
     silu = activation in ("silu", "swish")
-    if not _uses_kernels(x):
+    if not uses_kernels(x):
         log_once(logging.INFO, "causal_conv1d: on the CPU through kernel-fun's torch reference")
         _last["route"] = "reference"
         return conv_reference(x, weight, bias, residual, initial_state, output_final_state, activation, cu_seqlens)
     shape = x.shape
     D, W = weight.shape
     x3 = x if x.dim() == 3 else x.reshape(shape[0], shape[1], D)
-    seg_index, TS = _segments(cu_seqlens, x3.shape[1], x.device)
+    seg_index, TS = segments(cu_seqlens, x3.shape[1], x.device)
     log_once(logging.INFO, f"causal_conv1d: kernel-fun's kernels (D={D}, W={W}, {x.dtype})")
     _last["route"] = "kernels"
     y, final = CausalConv1dFunction.apply(

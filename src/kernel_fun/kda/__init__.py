@@ -3,13 +3,15 @@
 ``from kernel_fun.kda import chunk_kda`` is the one line a user changes. ``is_supported``
 says whether a call would run kernel-fun's chain; ``last_record`` says what the last call
 ran, stage by stage; ``use_impls`` forces implementations (tests, benchmarks).
+
+Layout: ``chunk.py`` the public function (validation, the gate, fla's fallback),
+``chain.py`` the stages and the autograd Function over them, ``stages.py`` the dispatcher,
+``reference.py`` the torch references and the float64 oracle, ``kernels/`` kernel-fun's
+kernels (one module per stage unit, registered there), ``problems.py`` the named shapes.
 """
 
-from kernel_fun.kda import chain as _chain  # noqa: F401  (registers the stages)
-from kernel_fun.kda.kernels import wy_bwd as _wy_bwd  # noqa: F401  (B6: kernel-fun's kernels)
-from kernel_fun.kda.kernels import intra_bwd as _intra_bwd  # noqa: F401  (B7 and the B7-B9 unit)
-from kernel_fun.kda.kernels import scan_fwd as _scan_fwd  # noqa: F401  (the F7-F8 unit and B3)
-from kernel_fun.kda.kernels import wy_fwd as _wy_fwd  # noqa: F401  (F6 and B2)
+from kernel_fun.kda import chain as _chain  # noqa: F401  (declares the stages)
+from kernel_fun.kda import kernels as _kernels  # noqa: F401  (registers kernel-fun's kernels)
 from kernel_fun.kda.chunk import PARAMETERS, chunk_kda, is_supported
 from kernel_fun.kda.stages import CallRecord, last_record, stages, use_impls
 

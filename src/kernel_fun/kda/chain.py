@@ -23,7 +23,6 @@ F1          l2norm of q and k (``fla.modules.l2norm.l2norm_fwd``)
 F1b         beta = scale * sigmoid(beta_raw) (``fla.ops.common.gate.fused_beta_sigmoid``)
 F2          gate activation + chunk cumsum (``kda_gate_chunk_cumsum`` / ``chunk_local_cumsum``)
 F3-F6       intra-chunk Aqk, Akk, their solve, w/u/kg (``chunk_kda_fwd_intra``)
-F1-F6       F1, F2 and F3-F6 as one unit, run in their place when kernel-fun's kernel takes it
 F7          the state scan (``chunk_gated_delta_rule_fwd_h``)
 F8          the output (``chunk_gla_fwd_o_gk``)
 F7-F8       F7 and F8 as one unit, run in their place when kernel-fun's kernel takes it
@@ -50,201 +49,9 @@ from collections.abc import Callable
 
 import torch
 
+from kernel_fun import _fla as fla
 from kernel_fun.kda import reference as ref
 from kernel_fun.kda.stages import CallRecord, Dispatcher, Stage, register, set_last_record
-
-RCP_LN2 = ref.RCP_LN2
-
-
-# --------------------------------------------------------------------------------------
-# fla's stage functions (imported on first use: fla is the fallback, not an import cost)
-# --------------------------------------------------------------------------------------
-def _fla_l2norm_fwd(q, k):
-    from fla.modules.l2norm import l2norm_fwd
-
-    q, q_rstd = l2norm_fwd(q)
-    k, k_rstd = l2norm_fwd(k)
-    return q, q_rstd, k, k_rstd
-
-
-def _fla_beta_sigmoid(beta, scale):
-    from fla.ops.common.gate import fused_beta_sigmoid
-
-    return fused_beta_sigmoid(beta, scale=scale)
-
-
-def _fla_gate(g, use_gate_in_kernel, A_log, dt_bias, lower_bound, chunk_size, cu_seqlens, chunk_indices):
-    if use_gate_in_kernel:
-        from fla.ops.kda.gate import kda_gate_chunk_cumsum
-
-        return kda_gate_chunk_cumsum(
-            g=g, A_log=A_log, dt_bias=dt_bias, scale=RCP_LN2, chunk_size=chunk_size,
-            cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, lower_bound=lower_bound,
-        )
-    from fla.ops.utils import chunk_local_cumsum
-
-    return chunk_local_cumsum(
-        g=g, scale=RCP_LN2, chunk_size=chunk_size, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
-    )
-
-
-def _fla_intra(q, k, v, gc, beta, scale, chunk_size, cu_seqlens, chunk_indices, safe_gate,
-               disable_recompute):
-    from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
-
-    w, u, qg, kg, Aqk, Akk = chunk_kda_fwd_intra(
-        q=q, k=k, v=v, gk=gc, beta=beta, scale=scale, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
-        chunk_indices=chunk_indices, safe_gate=safe_gate, disable_recompute=disable_recompute,
-    )
-    return w, u, kg, Aqk, Akk, qg
-
-
-def _fla_f5(q, k, gc, beta, Aqk, Akkd, scale, chunk_size, cu_seqlens, chunk_indices):
-    """fla's F5 (``chunk_kda_fwd_kernel_inter_solve_fused``) on given diagonal blocks (F4's:
-    Aqk's, Akkd), launched as ``chunk_kda_fwd_intra`` launches it: fills Aqk's blocks below
-    the diagonal in place and returns Akk_inv. Akkd holds the blocks themselves, as fla's F4
-    leaves them without ``safe_gate``; with it fla's F4 stores their inverses and its F5 skips
-    the substitution (``USE_SAFE_GATE``), so the flag is off here whatever the gate."""
-    import triton
-    from fla.ops.kda.chunk_intra import chunk_kda_fwd_kernel_inter_solve_fused
-
-    B, T, H, K = k.shape
-    HV = gc.shape[2]
-    BT, BC = chunk_size, 16
-    NT = triton.cdiv(T, BT) if cu_seqlens is None else len(chunk_indices)
-    Akk = torch.zeros(B, T, HV, BT, device=k.device, dtype=k.dtype)  # fla's F3: the kernel writes the lower part
-    chunk_kda_fwd_kernel_inter_solve_fused[(NT, B * HV)](
-        q=q, k=k, g=gc, beta=beta, Aqk=Aqk, Akkd=Akkd, Akk=Akk, scale=scale, cu_seqlens=cu_seqlens,
-        chunk_indices=chunk_indices, T=T, H=H, HV=HV, K=K, BT=BT, BC=BC, NC=triton.cdiv(BT, BC),
-        USE_SAFE_GATE=False,
-    )
-    return Akk
-
-
-def _ref_f5(q, k, gc, beta, Aqk, Akkd, scale, chunk_size, cu_seqlens, chunk_indices):
-    """``_fla_f5`` in torch (the stand-in where fla's kernels cannot run): the reference's F5
-    on the given diagonal blocks; Aqk's blocks below the diagonal written into Aqk."""
-    full, Akk = ref.intra_scores(q, k, gc, beta, scale, chunk_size, cu_seqlens, Aqk_diag=Aqk, Akk_diag=Akkd)
-    Aqk.copy_(full)
-    return Akk
-
-
-def _fla_h(kg, w, u, gc, initial_state, output_final_state, chunk_size, cu_seqlens, cu_seqlens_cpu, chunk_indices,
-           state_v_first, v=None, beta=None, Akk=None):
-    # (v, beta and Akk_inv: B3's contract, for a scan that forms u; fla's reads F6's u)
-    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
-
-    _needs_u(u, "fla's state scan")
-    return chunk_gated_delta_rule_fwd_h(
-        k=kg, w=w, u=u, gk=gc, initial_state=initial_state, output_final_state=output_final_state,
-        cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices, chunk_size=chunk_size,
-        state_v_first=state_v_first,
-    )
-
-
-def _fla_o(q, v_new, gc, Aqk, h, scale, chunk_size, cu_seqlens, chunk_indices, state_v_first):
-    from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
-
-    return chunk_gla_fwd_o_gk(
-        q=q, v=v_new, g=gc, A=Aqk, h=h, scale=scale, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
-        chunk_indices=chunk_indices, state_v_first=state_v_first,
-    )
-
-
-def _needs_u(u, who: str) -> None:
-    if u is None:  # the chain asks F6 / B2 for u whenever its scan reads it
-        raise RuntimeError(f"{who} reads u, and F6 / B2 did not write it")
-
-
-def _fla_wy(q, k, v, beta, A, gc, chunk_size, cu_seqlens, chunk_indices, want_u=True):
-    # (fla's kernel writes u whether or not it is wanted)
-    from fla.ops.kda.wy_fast import recompute_w_u_fwd
-
-    return recompute_w_u_fwd(
-        q=q, k=k, v=v, beta=beta, A=A, gk=gc, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
-    )
-
-
-def _fla_dav(q, k, v_new, do, Aqk, scale, chunk_size, cu_seqlens, chunk_indices):
-    from fla.ops.kda.chunk_bwd import chunk_kda_bwd_dAv
-
-    return chunk_kda_bwd_dAv(
-        q=q, k=k, v=v_new, do=do, A=Aqk, scale=scale, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
-        chunk_indices=chunk_indices,
-    )
-
-
-def _fla_dhu(qg, kg, w, gc, h0, dht, do, dv, scale, chunk_size, cu_seqlens, chunk_indices, state_v_first):
-    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu
-
-    return chunk_gated_delta_rule_bwd_dhu(
-        q=qg, k=kg, w=w, gk=gc, h0=h0, dht=dht, do=do, dv=dv, scale=scale, cu_seqlens=cu_seqlens,
-        chunk_size=chunk_size, chunk_indices=chunk_indices, state_v_first=state_v_first,
-    )
-
-
-def _fla_wy_dqkg(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, cu_seqlens, chunk_indices,
-                 state_v_first):
-    from fla.ops.kda.chunk_bwd import chunk_kda_bwd_wy_dqkg_fused
-
-    return chunk_kda_bwd_wy_dqkg_fused(
-        q=q, k=k, v=v, v_new=v_new, g=gc, beta=beta, A=A, h=h, do=do, dh=dh, dv=dv, scale=scale,
-        cu_seqlens=cu_seqlens, chunk_size=chunk_size, chunk_indices=chunk_indices, state_v_first=state_v_first,
-    )
-
-
-def _fla_intra_bwd(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens, chunk_indices,
-                   safe_gate):
-    from fla.ops.kda.chunk_intra import chunk_kda_bwd_intra
-
-    return chunk_kda_bwd_intra(
-        q=q, k=k, g=gc, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db, dg=dg, cu_seqlens=cu_seqlens,
-        chunk_indices=chunk_indices, chunk_size=chunk_size, safe_gate=safe_gate,
-    )
-
-
-def _fla_reverse_cumsum(dg, chunk_size, cu_seqlens, chunk_indices):
-    from fla.ops.utils import chunk_local_cumsum
-
-    return chunk_local_cumsum(dg, chunk_size=chunk_size, reverse=True, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
-
-
-def _fla_gate_bwd(g, A_log, dt_bias, dyg, lower_bound):
-    from fla.ops.kda.gate import kda_gate_bwd
-
-    return kda_gate_bwd(g=g, A_log=A_log, dt_bias=dt_bias, dyg=dyg, lower_bound=lower_bound)
-
-
-def _prep_in_turn(l2norm_fwd, gate, intra):
-    """The F1-F6 unit as its three stages in turn (fla's, or the references)."""
-    def prep(q, k, v, g, beta, A_log, dt_bias, lower_bound, use_gate_in_kernel, use_qk_l2norm_in_kernel, scale,
-             safe_gate, disable_recompute, chunk_size, cu_seqlens, chunk_indices):
-        q_rstd = k_rstd = None
-        if use_qk_l2norm_in_kernel:
-            q, q_rstd, k, k_rstd = l2norm_fwd(q, k)
-        gc = gate(g, use_gate_in_kernel, A_log, dt_bias, lower_bound, chunk_size, cu_seqlens, chunk_indices)
-        return (q, q_rstd, k, k_rstd, gc) + tuple(intra(q, k, v, gc, beta, scale, chunk_size, cu_seqlens,
-                                                        chunk_indices, safe_gate, disable_recompute))
-    return prep
-
-
-def _fla_scan_output(q, qg, kg, w, u, gc, Aqk, scale, initial_state, output_final_state, save_states, cu_seqlens_cpu,
-                     state_v_first, chunk_size, cu_seqlens, chunk_indices):
-    # (fla's F8 forms q exp2(g) itself: qg, when given, is not read)
-    h, v_new, final_state = _fla_h(kg, w, u, gc, initial_state, output_final_state, chunk_size, cu_seqlens,
-                                   cu_seqlens_cpu, chunk_indices, state_v_first)
-    o = _fla_o(q, v_new, gc, Aqk, h, scale, chunk_size, cu_seqlens, chunk_indices, state_v_first)
-    return (o, final_state) + ((h, v_new) if save_states else (None, None))
-
-
-def _fla_intra_tail(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log, dt_bias, lower_bound,
-                    chunk_size, cu_seqlens, chunk_indices):
-    dq, dk, db, dg = _fla_intra_bwd(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens,
-                                    chunk_indices, safe_gate)
-    dg = _fla_reverse_cumsum(dg, chunk_size, cu_seqlens, chunk_indices)
-    if A_log is None:
-        return dq, dk, db, dg, None, None
-    return (dq, dk, db) + tuple(_fla_gate_bwd(g, A_log, dt_bias, dg, lower_bound))
 
 
 def _group_sum(dq, dk, H):
@@ -252,18 +59,6 @@ def _group_sum(dq, dk, H):
     if dq.shape[2] == H:
         return dq, dk
     return tuple(d.view(*d.shape[:2], H, -1, d.shape[-1]).sum(dim=3) for d in (dq, dk))
-
-
-def _fla_l2norm_bwd(q, q_rstd, dq, k, k_rstd, dk):
-    from fla.modules.l2norm import l2norm_bwd
-
-    return l2norm_bwd(q, q_rstd, dq), l2norm_bwd(k, k_rstd, dk)
-
-
-def _fla_beta_sigmoid_bwd(beta, db, scale):
-    from fla.ops.common.gate import fused_beta_sigmoid_bwd
-
-    return fused_beta_sigmoid_bwd(beta, db, scale=scale)
 
 
 # --------------------------------------------------------------------------------------
@@ -279,19 +74,18 @@ def _ref_gate(g, use_gate_in_kernel, A_log, dt_bias, lower_bound, chunk_size, cu
     return ref.gate_cumsum(g, use_gate_in_kernel, A_log, dt_bias, lower_bound, chunk_size, cu_seqlens)
 
 
-def _ref_intra(q, k, v, gc, beta, scale, chunk_size, cu_seqlens, chunk_indices, safe_gate,
-               disable_recompute, exact=False):
+def _ref_intra(q, k, v, gc, beta, scale, chunk_size, cu_seqlens, chunk_indices, safe_gate, disable_recompute):
     # safe_gate changes how fla's kernels form the diagonal blocks (an anchored tensor-core
     # product, valid for a bounded gate), not their values: the reference stays pairwise.
-    Aqk, Akk = ref.intra_scores(q, k, gc, beta, scale, chunk_size, cu_seqlens, exact=exact)
-    w, u, qg, kg = ref.wy_fwd(k, v, beta, Akk, gc, q if disable_recompute else None, chunk_size, cu_seqlens,
-                              exact=exact)
+    Aqk, Akk = ref.intra_scores(q, k, gc, beta, scale, chunk_size, cu_seqlens)
+    w, u, qg, kg = ref.wy_fwd(k, v, beta, Akk, gc, q if disable_recompute else None, chunk_size, cu_seqlens)
     return w, u, kg, Aqk, Akk, qg
 
 
 def _ref_h(kg, w, u, gc, initial_state, output_final_state, chunk_size, cu_seqlens, cu_seqlens_cpu, chunk_indices,
            state_v_first, v=None, beta=None, Akk=None):
-    _needs_u(u, "the reference state scan")
+    if u is None:  # the chain asks F6 / B2 for u whenever the scan that runs reads it
+        raise RuntimeError("the reference state scan reads u, and F6 / B2 did not write it")
     return ref.h_fwd(kg, w, u, gc, initial_state, output_final_state, chunk_size, cu_seqlens, state_v_first)
 
 
@@ -300,11 +94,11 @@ def _ref_o(q, v_new, gc, Aqk, h, scale, chunk_size, cu_seqlens, chunk_indices, s
 
 
 def _ref_scan_output(q, qg, kg, w, u, gc, Aqk, scale, initial_state, output_final_state, save_states, cu_seqlens_cpu,
-                     state_v_first, chunk_size, cu_seqlens, chunk_indices, exact=False):
+                     state_v_first, chunk_size, cu_seqlens, chunk_indices):
     # (the reference's F8 forms q exp2(g) itself: qg, when given, is not read)
     h, v_new, final_state = ref.h_fwd(kg, w, u, gc, initial_state, output_final_state, chunk_size, cu_seqlens,
-                                      state_v_first, exact=exact)
-    o = ref.o_fwd(q, v_new, gc, Aqk, h, scale, chunk_size, cu_seqlens, state_v_first, exact=exact)
+                                      state_v_first)
+    o = ref.o_fwd(q, v_new, gc, Aqk, h, scale, chunk_size, cu_seqlens, state_v_first)
     return (o, final_state) + ((h, v_new) if save_states else (None, None))
 
 
@@ -345,76 +139,57 @@ def _ref_l2norm_bwd(q, q_rstd, dq, k, k_rstd, dk):
     return ref.l2norm_bwd(q, q_rstd, dq), ref.l2norm_bwd(k, k_rstd, dk)
 
 
-def _recompute_in_turn(gate, wy):
-    """The B1-B2 unit as its two stages in turn (fla's, or the references)."""
-    def recompute(g, use_gate_in_kernel, A_log, dt_bias, lower_bound, q, k, v, beta, A, chunk_size, cu_seqlens,
-                  chunk_indices):
-        gc = gate(g, use_gate_in_kernel, A_log, dt_bias, lower_bound, chunk_size, cu_seqlens, chunk_indices)
-        return (gc,) + tuple(wy(q, k, v, beta, A, gc, chunk_size, cu_seqlens, chunk_indices))
-    return recompute
-
-
-def _stage(name, covers, title, inputs, outputs, fla, reference):
+def _stage(name, covers, title, inputs, outputs, fla_impl, reference):
     register(Stage(name=name, covers=covers, title=title, inputs=tuple(inputs.split()), outputs=outputs,
-                   impls={"fla": fla, "reference": reference}))
+                   impls={"fla": fla_impl, "reference": reference}))
 
 
 _C = "chunk_size cu_seqlens chunk_indices"  # every chunked stage's packing inputs
-_stage("F1", ("F1",), "l2norm fwd (q, k)", "q k", ("q", "q_rstd", "k", "k_rstd"), _fla_l2norm_fwd, _ref_l2norm_fwd)
-_stage("F1b", ("F1b",), "beta sigmoid", "beta scale", ("beta",), _fla_beta_sigmoid, ref.beta_sigmoid_fwd)
+_stage("F1", ("F1",), "l2norm fwd (q, k)", "q k", ("q", "q_rstd", "k", "k_rstd"), fla.l2norm_fwd, _ref_l2norm_fwd)
+_stage("F1b", ("F1b",), "beta sigmoid", "beta scale", ("beta",), fla.beta_sigmoid, ref.beta_sigmoid_fwd)
 _GATE_IN = f"g use_gate_in_kernel A_log dt_bias lower_bound {_C}"
-_stage("F2", ("F2",), "gate + chunk cumsum", _GATE_IN, ("gc",), _fla_gate, _ref_gate)
+_stage("F2", ("F2",), "gate + chunk cumsum", _GATE_IN, ("gc",), fla.gate, _ref_gate)
+# (qg only with disable_recompute, which changes nothing else there: what kernel-fun's F7-F8
+# reads, "reads_qg")
 _stage("F3-F6", ("F3", "F4", "F5", "F6"), "intra scores, solve, w/u/kg",
        f"q k v gc beta scale safe_gate disable_recompute {_C}", ("w", "u", "kg", "Aqk", "Akk", "qg"),
-       _fla_intra, _ref_intra)
-# F1, F2 and F3-F6 as one unit (from the raw q, k and gate): run in their place when
-# kernel-fun's kernel for it takes the call; fla's side is fla's three stages in turn.
-_fla_prep = _prep_in_turn(_fla_l2norm_fwd, _fla_gate, _fla_intra)
-_stage("F1-F6", ("F1", "F2", "F3", "F4", "F5", "F6"), "l2norm, gate + cumsum, intra scores, solve, w/u/kg (one pass)",
-       "q k v g beta A_log dt_bias lower_bound use_gate_in_kernel use_qk_l2norm_in_kernel scale safe_gate "
-       f"disable_recompute {_C}", ("q", "q_rstd", "k", "k_rstd", "gc", "w", "u", "kg", "Aqk", "Akk", "qg"),
-       _fla_prep, _prep_in_turn(_ref_l2norm_fwd, _ref_gate, _ref_intra))
+       fla.intra, _ref_intra)
 _SCAN_IN = f"kg w u gc initial_state output_final_state cu_seqlens_cpu state_v_first {_C}"
-_stage("F7", ("F7",), "state scan", _SCAN_IN, ("h", "v_new", "final_state"), _fla_h, _ref_h)
-_stage("F8", ("F8",), "output", f"q v_new gc Aqk h scale state_v_first {_C}", ("o",), _fla_o, _ref_o)
+_stage("F7", ("F7",), "state scan", _SCAN_IN, ("h", "v_new", "final_state"), fla.state_scan, _ref_h)
+_stage("F8", ("F8",), "output", f"q v_new gc Aqk h scale state_v_first {_C}", ("o",), fla.output, _ref_o)
 # F7 and F8 as one unit (the scan computes o from the state it carries; h and v_new only when
 # saved): run in their place when kernel-fun's kernel for it takes the call; fla's side is
 # fla's two stages in turn.
 _stage("F7-F8", ("F7", "F8"), "state scan with the output (one pass)",
        f"q qg kg w u gc Aqk scale initial_state output_final_state save_states cu_seqlens_cpu state_v_first {_C}",
-       ("o", "final_state", "h", "v_new"), _fla_scan_output, _ref_scan_output)
-_stage("B1", ("B1",), "gate + chunk cumsum (recompute)", _GATE_IN, ("gc",), _fla_gate, _ref_gate)
-# (u only when B3 reads it: kernel-fun's B3 forms it from v, beta and Akk_inv)
-_stage("B2", ("B2",), "w/u/qg/kg (recompute)", f"q k v beta A gc want_u {_C}", ("w", "u", "qg", "kg"), _fla_wy,
-       _ref_wy)
-# B1 and B2 as one unit (the gate's cumsum and the WY recompute from the raw gate and the
-# saved Akk_inv): run in their place when kernel-fun's kernel for it takes the call; fla's
-# side is fla's two stages in turn.
-_stage("B1-B2", ("B1", "B2"), "gate + chunk cumsum, w/u/qg/kg (recompute, one pass)",
-       f"g use_gate_in_kernel A_log dt_bias lower_bound q k v beta A {_C}", ("gc", "w", "u", "qg", "kg"),
-       _recompute_in_turn(_fla_gate, _fla_wy), _recompute_in_turn(_ref_gate, _ref_wy))
+       ("o", "final_state", "h", "v_new"), fla.scan_output, _ref_scan_output)
+_stage("B1", ("B1",), "gate + chunk cumsum (recompute)", _GATE_IN, ("gc",), fla.gate, _ref_gate)
+# (u only when B3 reads it: kernel-fun's B3 forms it from v, beta and Akk_inv, "forms_u")
+_stage("B2", ("B2",), "w/u/qg/kg (recompute)", f"q k v beta A gc want_u {_C}", ("w", "u", "qg", "kg"),
+       fla.wy_recompute, _ref_wy)
 # (v, beta and Akk_inv for a scan that forms u itself, B2 then writing none)
-_stage("B3", ("B3",), "state scan (recompute)", _SCAN_IN + " v beta Akk", ("h", "v_new", "final_state"), _fla_h,
-       _ref_h)
-_stage("B4", ("B4",), "dAqk, dv through Aqk", f"q k v_new do Aqk scale {_C}", ("dAqk", "dv"), _fla_dav, _ref_dav)
+_stage("B3", ("B3",), "state scan (recompute)", _SCAN_IN + " v beta Akk", ("h", "v_new", "final_state"),
+       fla.state_scan, _ref_h)
+_stage("B4", ("B4",), "dAqk, dv through Aqk", f"q k v_new do Aqk scale {_C}", ("dAqk", "dv"), fla.dav, _ref_dav)
 _stage("B5", ("B5",), "reverse state scan", f"qg kg w gc h0 dht do dv scale state_v_first {_C}",
-       ("dh", "dh0", "dv2"), _fla_dhu, _ref_dhu)
+       ("dh", "dh0", "dv2"), fla.dhu, _ref_dhu)
 _stage("B6", ("B6",), "WY backward dq/dk/dv/db/dg/dA", f"q k v v_new gc beta A h do dh dv scale state_v_first {_C}",
-       ("dq", "dk", "dv", "db", "dg", "dA"), _fla_wy_dqkg, _ref_wy_dqkg)
+       ("dq", "dk", "dv", "db", "dg", "dA"), fla.wy_dqkg, _ref_wy_dqkg)
 _stage("B7", ("B7",), "intra backward", f"q k gc beta dAqk dAkk dq dk db dg safe_gate {_C}",
-       ("dq", "dk", "db", "dg"), _fla_intra_bwd, _ref_intra_bwd)
-_stage("B8", ("B8",), "reverse chunk cumsum of dg", f"dg {_C}", ("dg",), _fla_reverse_cumsum, _ref_reverse_cumsum)
+       ("dq", "dk", "db", "dg"), fla.intra_bwd, _ref_intra_bwd)
+_stage("B8", ("B8",), "reverse chunk cumsum of dg", f"dg {_C}", ("dg",), fla.reverse_cumsum, _ref_reverse_cumsum)
 _stage("B9", ("B9",), "gate backward", "g A_log dt_bias dyg lower_bound", ("dg", "dA_log", "ddt_bias"),
-       _fla_gate_bwd, ref.gate_bwd)
+       fla.gate_bwd, ref.gate_bwd)
 # B7, B8 and (with the gate in the op) B9 as one unit: the chain runs it in their place only
 # when kernel-fun's kernel for it takes the call (Dispatcher.takes_ours); fla's side is
 # fla's three stages in turn.
 _stage("B7-B9", ("B7", "B8", "B9"), "intra backward, dg cumsum, gate backward (one pass)",
        f"q k gc beta dAqk dAkk dq dk db dg safe_gate g A_log dt_bias lower_bound {_C}",
-       ("dq", "dk", "db", "dg", "dA_log", "ddt_bias"), _fla_intra_tail, _ref_intra_tail)
-_stage("B10", ("B10",), "l2norm bwd (q, k)", "q q_rstd dq k k_rstd dk", ("dq", "dk"), _fla_l2norm_bwd,
+       ("dq", "dk", "db", "dg", "dA_log", "ddt_bias"), fla.intra_bwd_tail, _ref_intra_tail)
+_stage("B10", ("B10",), "l2norm bwd (q, k)", "q q_rstd dq k k_rstd dk", ("dq", "dk"), fla.l2norm_bwd,
        _ref_l2norm_bwd)
-_stage("B10b", ("B10b",), "beta sigmoid bwd", "beta db scale", ("dbeta",), _fla_beta_sigmoid_bwd, ref.beta_sigmoid_bwd)
+_stage("B10b", ("B10b",), "beta sigmoid bwd", "beta db scale", ("dbeta",), fla.beta_sigmoid_bwd,
+       ref.beta_sigmoid_bwd)
 
 
 # --------------------------------------------------------------------------------------
@@ -457,9 +232,7 @@ def _device_scope(t: torch.Tensor):
 def _chunk_indices(opts: Options):
     if opts.cu_seqlens is None:
         return None
-    from fla.ops.utils.index import prepare_chunk_indices
-
-    return prepare_chunk_indices(opts.cu_seqlens, opts.chunk_size, cu_seqlens_cpu=opts.cu_seqlens_cpu)
+    return fla.prepare_chunk_indices(opts.cu_seqlens, opts.chunk_size, cu_seqlens_cpu=opts.cu_seqlens_cpu)
 
 
 @dataclasses.dataclass
@@ -522,27 +295,18 @@ def run_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, opts: Options, 
     # disable_recompute switch of F3-F6, which changes nothing else there), so it is asked
     # for qg whenever that scan will run
     want_qg = keep or run.wants("F7-F8", "reads_qg", **unit)
-    prep = dict(q=q, k=k, v=v, g=g, beta=beta_raw, A_log=A_log, dt_bias=dt_bias, lower_bound=opts.lower_bound,
-                use_gate_in_kernel=opts.use_gate_in_kernel, use_qk_l2norm_in_kernel=opts.use_qk_l2norm_in_kernel,
-                scale=opts.scale, safe_gate=opts.safe_gate, disable_recompute=want_qg, **common)
-    if run.takes_ours("F1-F6", **prep):  # (beta's values do not enter the choice)
-        if opts.use_beta_sigmoid_in_kernel:
-            beta = prep["beta"] = run.run("F1b", "forward", beta=beta_raw, scale=opts.beta_scale)
-        q, q_rstd, k, k_rstd, gc, w, u, kg, Aqk, Akk, qg = run.run("F1-F6", "forward", **prep)
-    else:
-        if opts.use_qk_l2norm_in_kernel:
-            q, q_rstd, k, k_rstd = run.run("F1", "forward", q=q, k=k)
-        if opts.use_beta_sigmoid_in_kernel:
-            beta = run.run("F1b", "forward", beta=beta_raw, scale=opts.beta_scale)
-        gc = run.run(
-            "F2", "forward", g=g, use_gate_in_kernel=opts.use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
-            lower_bound=opts.lower_bound, **common,
-        )
-        w, u, kg, Aqk, Akk, qg = run.run(
-            "F3-F6", "forward", q=q, k=k, v=v, gc=gc, beta=beta, scale=opts.scale, safe_gate=opts.safe_gate,
-            disable_recompute=want_qg, **common,
-        )
-    del prep
+    if opts.use_qk_l2norm_in_kernel:
+        q, q_rstd, k, k_rstd = run.run("F1", "forward", q=q, k=k)
+    if opts.use_beta_sigmoid_in_kernel:
+        beta = run.run("F1b", "forward", beta=beta_raw, scale=opts.beta_scale)
+    gc = run.run(
+        "F2", "forward", g=g, use_gate_in_kernel=opts.use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+        lower_bound=opts.lower_bound, **common,
+    )
+    w, u, kg, Aqk, Akk, qg = run.run(
+        "F3-F6", "forward", q=q, k=k, v=v, gc=gc, beta=beta, scale=opts.scale, safe_gate=opts.safe_gate,
+        disable_recompute=want_qg, **common,
+    )
     scan = dict(kg=kg, w=w, u=u, gc=gc, **scan)
     unit = dict(unit, q=q, Aqk=Aqk, qg=qg, **scan)
     o = None
@@ -601,17 +365,12 @@ def _backward(ctx, do, dht):
         # B2 writes u only where B3 reads it (kernel-fun's B3 forms u, as its F7-F8 does)
         # (asked before B2 makes kg: k stands in for it, the support checks read only K)
         want_u = not run.wants("B3", "forms_u", kg=k, w=None, u=None, gc=None, **b3)
-        unit = dict(g=g_input, use_gate_in_kernel=opts.use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
-                    lower_bound=opts.lower_bound, q=q, k=k, v=v, beta=beta, A=Akk, **common)
-        if opts.use_gate_in_kernel and run.takes_ours("B1-B2", **unit):
-            gc, w, u, qg, kg = run.run("B1-B2", "backward", **unit)
-        else:
-            if opts.use_gate_in_kernel:
-                gc = run.run(
-                    "B1", "backward", g=g_input, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
-                    lower_bound=opts.lower_bound, **common,
-                )
-            w, u, qg, kg = run.run("B2", "backward", q=q, k=k, v=v, beta=beta, A=Akk, gc=gc, want_u=want_u, **common)
+        if opts.use_gate_in_kernel:
+            gc = run.run(
+                "B1", "backward", g=g_input, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+                lower_bound=opts.lower_bound, **common,
+            )
+        w, u, qg, kg = run.run("B2", "backward", q=q, k=k, v=v, beta=beta, A=Akk, gc=gc, want_u=want_u, **common)
         h, v_new, _ = run.run("B3", "backward", kg=kg, w=w, u=u, gc=gc, **b3)
         del u, b3
     dAqk, dv = run.run("B4", "backward", q=q, k=k, v_new=v_new, do=do, Aqk=Aqk, scale=opts.scale, **common)

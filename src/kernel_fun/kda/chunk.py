@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from kernel_fun import _fla as fla
 from kernel_fun._runtime import env_flag, env_int, log_once
 from kernel_fun.kda.chain import ChunkKDAFunction, Options, run_forward
 from kernel_fun.kda.stages import CallRecord, set_last_record
@@ -293,12 +294,6 @@ def _gate(c: _Call) -> str | None:
     return None
 
 
-def _fla_entry():
-    from kernel_fun import patch
-
-    return patch.fla_chunk_kda()
-
-
 def _first_tensor(args, kwargs) -> torch.Tensor | None:
     for t in (*args, *kwargs.values()):
         if isinstance(t, torch.Tensor):
@@ -322,7 +317,7 @@ def _fallback(reason: str, args, kwargs):
     _require_cuda(reason, args, kwargs)
     log_once(logging.WARNING, f"falling back to fla — {reason}")
     set_last_record(CallRecord(engaged=False, reason=reason))
-    return _fla_entry()(*args, **kwargs)
+    return fla.chunk_kda()(*args, **kwargs)
 
 
 def _decide(args, kwargs) -> tuple[_Call | None, str | None]:

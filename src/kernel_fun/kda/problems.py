@@ -65,7 +65,7 @@ class Problem:
                 f"{str(self.dtype).replace('torch.', '')} {'+'.join(flags) or 'pre-gated'}")
 
 
-# The bench's named shapes (anchors.md): production Kimi-Linear-style training calls.
+# The bench's named shapes: production Kimi-Linear-style training calls.
 SHAPES = {
     "prod8192_gate": Problem("prod8192_gate", 16, 8192, 16, 16, 128, 256),
     "prod8192": Problem("prod8192", 16, 8192, 16, 16, 128, 256, gate_in_kernel=False),
@@ -91,7 +91,7 @@ FLOOR_SHAPES = {
     "grid64": dict(B=1, T=256, H=16, HV=16, K=128, V=256),
 }
 # ... and K=64 (the other head size the B6 kernels take) at b8's token count, and V=64 and
-# V=32, where V fits one tile of fullk's pinned BV (docs/log/b6.md, tenth round).
+# V=32, where V fits one tile of B6's pinned BV (docs/log/b6.md, tenth round).
 OTHER_SHAPES = {"k64": dict(B=8, T=8192, H=16, HV=16, K=64, V=128),
                 "v64": dict(B=8, T=8192, H=16, HV=16, K=128, V=64),
                 "v32": dict(B=8, T=8192, H=16, HV=16, K=128, V=32),

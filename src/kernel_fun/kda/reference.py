@@ -7,8 +7,8 @@ Two kinds of reference live here, and every test, the bench and the CPU path sha
     through it.
 
 (b) The stage references -- one torch function per stage of fla's chunked chain (F1-F8,
-    B1-B10; ``docs/`` and ``kda-roofline.md`` name them), each computing that stage's
-    outputs from that stage's inputs, with fla's layouts and dtypes. They compute in
+    B1-B10, named in ``kernel_fun.kda.chain``), each computing that stage's outputs from
+    that stage's inputs, with fla's layouts and dtypes. They compute in
     float32 and round where fla's kernels round (a bf16 operand before a dot, a bf16
     store), so a stage reference and fla's stage agree to accumulation order, and a
     Triton stage can be checked against either. The chain of stage references is what a
@@ -29,8 +29,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-# fla's constant for 1/ln 2 (fla.ops.utils.constant.RCP_LN2); the stored gc carries it.
-RCP_LN2 = 1.4426950216
+from kernel_fun._fla import RCP_LN2  # fla's 1/ln 2: the stored gc carries it
+
 LN2 = math.log(2.0)
 CHUNK = 64
 # Pairwise-decay tensors are [B, HV, chunks, 64, 64, K] floats; process chunks in groups
@@ -377,16 +377,7 @@ def gate_cumsum(
 
 
 # F3-F6: intra-chunk scores, their solve, and the WY vectors ---------------------------------
-def _diag_blocks(x: torch.Tensor, BT: int, BC: int = 16) -> torch.Tensor:
-    """``[B, HV, NT, BT, BC]`` rows in block-local columns -> ``[B, HV, NT, BT, BT]`` with each
-    row's values at its own block's columns (0 elsewhere)."""
-    r = torch.arange(BT, device=x.device)
-    col = ((r // BC) * BC)[:, None] + torch.arange(BC, device=x.device)[None, :]
-    full = x.new_zeros(*x.shape[:4], BT)
-    return full.scatter_(-1, col.expand(*x.shape[:3], BT, BC), x)
-
-
-def _intra_dense(q, k, gc, beta, scale, BT, exact=False, Aqk_diag=None, Akk_diag=None):
+def _intra_dense(q, k, gc, beta, scale, BT, exact=False):
     B, T, H, K = q.shape
     HV = gc.shape[2]
     f = (lambda x: x.double()) if exact else (lambda x: x.float())
@@ -404,11 +395,6 @@ def _intra_dense(q, k, gc, beta, scale, BT, exact=False, Aqk_diag=None, Akk_diag
         Aqk[:, :, sl] = scale * torch.einsum("bhnrk,bhnsk,bhnrsk->bhnrs", qc[:, :, sl], kc[:, :, sl], E)
         kk = torch.einsum("bhnrk,bhnsk,bhnrsk->bhnrs", kc[:, :, sl], kc[:, :, sl], E)
         Akk[:, :, sl] = torch.where(m_strict[sl], kk * bc[:, :, sl, :, None], 0.0)
-    if Aqk_diag is not None:  # F5 on given diagonal blocks (F4's): the blocks replaced by them
-        r = torch.arange(BT, device=q.device)
-        same = (r[:, None] // 16) == (r[None, :] // 16)
-        Aqk = torch.where(same & m_incl, _diag_blocks(to_chunks(f(Aqk_diag), BT), BT), Aqk)
-        Akk = torch.where(same & m_strict, _diag_blocks(to_chunks(f(Akk_diag), BT), BT), Akk)
     eye = torch.eye(BT, device=q.device, dtype=Akk.dtype)
     Akk_inv = torch.linalg.solve_triangular(eye + Akk, eye.expand_as(Akk), upper=False, unitriangular=True)
     Akk_inv = Akk_inv * m_incl.to(Akk_inv.dtype)  # rows/columns of padding rows are not tokens
@@ -426,26 +412,17 @@ def intra_scores(
     chunk_size: int = CHUNK,
     cu_seqlens: torch.Tensor | None = None,
     exact: bool = False,
-    Aqk_diag: torch.Tensor | None = None,
-    Akk_diag: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """F3-F5: ``Aqk`` (scaled, s <= r; 0 above) and ``Akk_inv = (I + Akk)^-1`` (lower, unit
     diagonal), both ``[B, T, HV, BT]`` in k.dtype, with
     ``Akk[r, s] = beta_r * sum_i k_ri k_si exp2(gc_ri - gc_si)`` for s < r. ``exact=True``:
-    float64 throughout, returned unrounded. With ``Aqk_diag`` ([B, T, HV, BT] whose rows hold
-    their 16-row block's entries at the block's columns) and ``Akk_diag`` ([B, T, HV, 16],
-    block-local columns), F5 alone on those diagonal blocks (F4's, as fla's F5 takes them):
-    the off-diagonal blocks computed, the solve on the given diagonal."""
-    if Aqk_diag is not None:  # block-local columns, as Akk_diag's
-        Aqk_diag = local_blocks(Aqk_diag, chunk_size, cu_seqlens)
+    float64 throughout, returned unrounded."""
     if cu_seqlens is not None:
         return per_sequence(
-            _intra_dense, cu_seqlens, dict(q=q, k=k, gc=gc, beta=beta, scale=scale, BT=chunk_size, exact=exact,
-                                           Aqk_diag=Aqk_diag, Akk_diag=Akk_diag),
-            {"q": "token", "k": "token", "gc": "token", "beta": "token", "Aqk_diag": "token", "Akk_diag": "token"},
-            ("token", "token"), chunk_size,
+            _intra_dense, cu_seqlens, dict(q=q, k=k, gc=gc, beta=beta, scale=scale, BT=chunk_size, exact=exact),
+            {"q": "token", "k": "token", "gc": "token", "beta": "token"}, ("token", "token"), chunk_size,
         )
-    return _intra_dense(q, k, gc, beta, scale, chunk_size, exact, Aqk_diag, Akk_diag)
+    return _intra_dense(q, k, gc, beta, scale, chunk_size, exact)
 
 
 def sequence_positions(T: int, cu_seqlens: torch.Tensor | None, device) -> torch.Tensor:
@@ -456,15 +433,6 @@ def sequence_positions(T: int, cu_seqlens: torch.Tensor | None, device) -> torch
         return t
     starts = cu_seqlens.to(device)
     return t - starts[torch.searchsorted(starts, t, right=True) - 1]
-
-
-def local_blocks(A: torch.Tensor, BT: int, cu_seqlens: torch.Tensor | None, BC: int = 16) -> torch.Tensor:
-    """``[B, T, HV, BT]`` rows -> each row's own 16-row block's columns, ``[B, T, HV, BC]``
-    (chunks restart at every sequence)."""
-    T = A.shape[1]
-    t = sequence_positions(T, cu_seqlens, A.device)
-    col = ((t % BT) // BC * BC)[:, None] + torch.arange(BC, device=A.device)[None, :]
-    return torch.gather(A, 3, col.view(1, T, 1, BC).expand(A.shape[0], T, A.shape[2], BC))
 
 
 def _wy_dense(k, v, beta, A, gc, q, BT, exact=False):

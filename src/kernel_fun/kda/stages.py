@@ -26,9 +26,16 @@ from collections.abc import Callable, Iterator, Mapping
 import torch
 
 from kernel_fun._runtime import log_once
-from kernel_fun._triton import INTERPRETING
+from kernel_fun._triton import interpreting
 
 IMPLS = ("ours", "fla", "reference")
+# What an implementation may declare when it is registered (``add_impl(..., caps=...)``):
+# an input it reads or forms beyond the stage's contract, which the chain asks the producing
+# stage for (or spares it) only when this implementation will run.
+CAPS = {
+    "reads_qg": "reads q exp2(g) as F6 rounds it: the chain has F3-F6 write qg",
+    "forms_u": "forms u from v, beta and Akk_inv: the chain has B2 write no u",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +46,8 @@ class Stage:
     the chain passes every implementation (the stage's contract, with ``outputs`` in
     order); ``impls`` maps an implementation name to a callable taking exactly those
     keywords (others only with defaults); ``supports`` maps an implementation name to a
-    predicate taking the same keywords and returning ``None`` (supported) or a reason.
+    predicate taking the same keywords and returning ``None`` (supported) or a reason;
+    ``caps`` maps an implementation name to what it declared of ``CAPS``.
     """
 
     name: str
@@ -49,6 +57,7 @@ class Stage:
     inputs: tuple[str, ...] = ()
     outputs: tuple[str, ...] = ()
     supports: Mapping[str, Callable[..., str | None]] = dataclasses.field(default_factory=dict)
+    caps: Mapping[str, frozenset[str]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -88,10 +97,15 @@ def register(stage: Stage) -> Stage:
     return stage
 
 
-def add_impl(stage: str, impl: str, fn: Callable, supports: Callable[..., str | None] | None = None) -> None:
-    """Attach an implementation (and its support predicate) to a registered stage."""
+def add_impl(stage: str, impl: str, fn: Callable, supports: Callable[..., str | None] | None = None,
+             caps: tuple[str, ...] = ()) -> None:
+    """Attach an implementation to a registered stage, with its support predicate and what it
+    declares of ``CAPS``."""
     if impl not in IMPLS:
         raise ValueError(f"unknown implementation {impl!r}; expected one of {IMPLS}")
+    unknown = set(caps) - set(CAPS)
+    if unknown:
+        raise ValueError(f"unknown capabilities {sorted(unknown)}; known: {sorted(CAPS)}")
     old = _REGISTRY[stage]
     _check_takes_inputs(old, impl, fn)
     if supports is not None:
@@ -99,9 +113,26 @@ def add_impl(stage: str, impl: str, fn: Callable, supports: Callable[..., str | 
     impls = dict(old.impls)
     impls[impl] = fn
     sup = dict(old.supports)
+    sup.pop(impl, None)
     if supports is not None:
         sup[impl] = supports
-    _REGISTRY[stage] = dataclasses.replace(old, impls=impls, supports=sup)
+    declared = dict(old.caps)
+    declared[impl] = frozenset(caps)
+    _REGISTRY[stage] = dataclasses.replace(old, impls=impls, supports=sup, caps=declared)
+
+
+@contextlib.contextmanager
+def registered(stage: str, impl: str, fn: Callable, supports: Callable[..., str | None] | None = None,
+               caps: tuple[str, ...] = ()) -> Iterator[None]:
+    """``add_impl`` for the block only: the stage's registration as it was is restored on the
+    way out, whatever was registered inside (a candidate tested or measured before it is
+    registered for users)."""
+    old = _REGISTRY[stage]
+    add_impl(stage, impl, fn, supports, caps)
+    try:
+        yield
+    finally:
+        _REGISTRY[stage] = old
 
 
 def stages() -> dict[str, Stage]:
@@ -184,17 +215,6 @@ def set_last_record(record: CallRecord) -> None:
     _LAST.record = record
 
 
-# Triton decides at a kernel's definition whether it runs through the interpreter, so what
-# counts is TRITON_INTERPRET as it was when kernel-fun's kernels were defined: the value
-# kernel_fun._triton read at import.
-_INTERPRETING_AT_IMPORT = bool(INTERPRETING.value)
-
-
-def interpreting() -> bool:
-    """Whether kernel-fun's Triton kernels were defined for the interpreter."""
-    return _INTERPRETING_AT_IMPORT
-
-
 class Dispatcher:
     """Runs stages for one call, choosing and recording an implementation for each.
 
@@ -249,11 +269,13 @@ class Dispatcher:
         their own choices, fla's control chain included)."""
         return "ours" in _REGISTRY[name].impls and self.choose(name, **inputs) == "ours"
 
-    def wants(self, name: str, attr: str, **inputs) -> bool:
-        """Whether the implementation ``name`` would run on these inputs declares ``attr``:
-        how a stage asks its producer for an optional input the producer makes only on
-        request (kernel-fun's F7-F8 scan reads F6's q exp2(g), ``reads_qg``)."""
-        return bool(getattr(_REGISTRY[name].impls[self.choose(name, **inputs)], attr, False))
+    def wants(self, name: str, cap: str, **inputs) -> bool:
+        """Whether the implementation of ``name`` that would run on these inputs declared
+        ``cap`` (one of ``CAPS``) when it was registered: how the chain asks a producing stage
+        for an optional output only some consumers read."""
+        if cap not in CAPS:
+            raise ValueError(f"unknown capability {cap!r}; known: {sorted(CAPS)}")
+        return cap in _REGISTRY[name].caps.get(self.choose(name, **inputs), ())
 
     def _cannot_run(self, stage: Stage, impl: str, inputs: dict) -> str | None:
         if impl not in stage.impls:

@@ -1,0 +1,126 @@
+"""The B7-B9 unit's entry (``kda/kernels/b7_b9_intra_bwd.py``): B7 with B8 (dg's reverse chunk
+cumsum) and B9 (the gate's backward) in one launch, against fla's three stages in turn.
+
+Inputs: random, of the magnitudes a real chain gives: unit q/k rows, a Kimi-style gate
+cumsum, beta in (0, 1), fp32 dAqk/dAkk with B6's zeros (dAqk above the diagonal, dAkk on and
+above it), the dq, dk, db, dg B6 hands on, and the raw gate (bf16) with A_log and dt_bias
+initialised as Kimi-Linear does and the problem's lower bound. Parity
+(``parity.tail_misses``): fla's budgets against fla's stages and the float64 stages, and
+within 10% of fla's own error.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from benchmarks.stages.common import StageBench, qk_and_gate
+
+# Beside the pin: 16-channel K slices (no spills, twice the programs) and 8 warps.
+SWEEP = (dict(BK=16, num_warps=4, num_stages=1), dict(BK=32, num_warps=8, num_stages=1))
+
+
+def b7_reads(p) -> int:
+    """The bytes B7 reads at the fewest: q, k, gc, beta, dAqk, dAkk and the incoming dq, dk,
+    db, dg once each."""
+    tok_h, tok_hv = p.B * p.T * p.H, p.B * p.T * p.HV
+    return 2 * tok_h * p.K * 2 + tok_hv * p.K * 4 + tok_hv * 2 + 2 * tok_hv * 64 * 4 + 3 * tok_hv * p.K * 4 + tok_hv * 4
+
+
+def b7_bytes(p) -> int:
+    """The fewest bytes B7 alone moves: its reads, and dq, dk, db, dg (fp32) written once."""
+    tok_hv = p.B * p.T * p.HV
+    return b7_reads(p) + 3 * tok_hv * p.K * 4 + tok_hv * 4
+
+
+def b7b9_bytes(p) -> int:
+    """The fewest bytes the unit moves: B7's reads and the raw gate (bf16) read once; dq, dk
+    and db written in fp32, the raw gate's gradient in its dtype (bf16)."""
+    tok_hv = p.B * p.T * p.HV
+    return b7_reads(p) + tok_hv * p.K * 2 + 2 * tok_hv * p.K * 4 + tok_hv * 4 + tok_hv * p.K * 2
+
+
+def make_inputs(p, device, seed: int = 0) -> dict:
+    randn, q, k, gc = qk_and_gate(p, device, seed)
+    B, T, HV, K = p.B, p.T, p.HV, p.K
+    f32 = torch.float32
+    # dA as B6 writes it: zero above the diagonal, and dAkk on it too (Akk is strictly lower).
+    # fla's B7 reads dAkk's diagonal and relies on that zero; ours reads only s < r.
+    pos = torch.arange(T, device=device) % 64
+    col = torch.arange(64, device=device)
+    lower = (col[None, :] <= pos[:, None]).view(1, T, 1, 64)
+    strict = (col[None, :] < pos[:, None]).view(1, T, 1, 64)
+    gen = torch.Generator(device=device).manual_seed(seed + 1)
+    A_log = torch.log(torch.empty(HV, device=device).uniform_(1, 16, generator=gen))
+    dt = torch.exp(torch.empty(HV * K, device=device).uniform_(-6.9, -2.3, generator=gen))
+    return dict(
+        q=q, k=k, gc=gc, beta=torch.sigmoid(randn(B, T, HV, dtype=f32)).bfloat16(),
+        dAqk=randn(B, T, HV, 64, scale=0.1, dtype=f32) * lower,
+        dAkk=randn(B, T, HV, 64, scale=0.1, dtype=f32) * strict,
+        dq=randn(B, T, HV, K, dtype=f32), dk=randn(B, T, HV, K, dtype=f32), db=randn(B, T, HV, dtype=f32),
+        dg=randn(B, T, HV, K, dtype=f32), safe_gate=p.safe_gate,
+        g=torch.randn(B, T, HV, K, generator=gen, device=device).bfloat16(), A_log=A_log,
+        dt_bias=dt + torch.log(-torch.expm1(-dt)), lower_bound=p.lower_bound,
+        chunk_size=64, cu_seqlens=None, chunk_indices=None,
+    )
+
+
+# The tiers, by the index ``tiers`` gives them.
+TIER_NAMES = ("chunk", "halves", "blocks", "pairwise")
+
+
+def tiers(gc: torch.Tensor, BK: int = 32) -> torch.Tensor:
+    """Each (batch, chunk, value head, K slice)'s tier as the kernels' guards pick it, from
+    the chunk cumsum [B, T, HV, K] of a dense batch: 0 the chunk anchor, 1 the half-chunk
+    anchors, 2 the per-block anchors, 3 a block's diagonal pairwise."""
+    from kernel_fun._triton import GUARD_SPAN
+
+    B, T, HV, K = gc.shape
+    out = torch.empty(B, -(-T // 64), HV, K // BK, dtype=torch.long, device=gc.device)
+    guard = float(GUARD_SPAN.value)
+    for i_c in range(out.shape[1]):
+        x = gc[:, 64 * i_c:64 * i_c + 64].unflatten(3, (K // BK, BK))  # [B, n_t, HV, NK, BK]
+        n_t = x.shape[1]
+
+        def row(r):
+            return x[:, min(r, n_t - 1)]
+
+        whole = torch.maximum(row(0) - row(min(32, n_t) - 1), row(min(32, n_t) - 1) - row(n_t - 1)).amax(-1) <= guard
+        half = [torch.maximum(row(st) - row(st + 15), row(st + 15) - row(st + 31)).amax(-1) if st < n_t
+                else torch.zeros_like(whole, dtype=x.dtype) for st in (0, 32)]
+        halves = torch.maximum(*half) <= guard
+        span = [(row(st) - row(min(st + 16, n_t) - 1)).amax(-1) if st < n_t else torch.zeros_like(half[0])
+                for st in (0, 16, 32, 48)]
+        blocks = torch.stack(span).amax(0) <= guard
+        out[:, i_c] = torch.where(whole, 0, torch.where(halves, 1, torch.where(blocks, 2, 3)))
+    return out
+
+
+def _exact(**inputs):
+    from kernel_fun.kda import reference as ref
+
+    b7 = {n: t for n, t in inputs.items() if n not in ("chunk_indices", "safe_gate", "g", "A_log", "dt_bias",
+                                                         "lower_bound")}
+    return ref.intra_bwd_tail(**b7, g=inputs["g"], A_log=inputs["A_log"], dt_bias=inputs["dt_bias"],
+                              lower_bound=inputs["lower_bound"], exact=True)
+
+
+def _ours(inputs, config):
+    from kernel_fun.kda.kernels import b7_b9_intra_bwd
+
+    return b7_b9_intra_bwd.intra_bwd(**inputs, config=config)
+
+
+def _launch_config(p, overrides):
+    from kernel_fun.kda.kernels import b7_b9_intra_bwd
+
+    return {**b7_b9_intra_bwd.CONFIG, **(overrides or {})}
+
+
+def _misses(vs_exact, fla_exact, vs_fla):
+    from benchmarks.parity import tail_misses
+
+    return tail_misses(vs_exact, fla_exact, vs_fla)
+
+
+BENCH = StageBench(stage="B7-B9", label="wide-halves-pf", make_inputs=make_inputs, bytes=b7b9_bytes, exact=_exact,
+                   ours=_ours, launch_config=_launch_config, misses=_misses, sweep=SWEEP)

@@ -1,0 +1,60 @@
+"""Every shipped kernel build as ptxas assembles it for sm_90a (``benchmarks.compile_report``,
+no GPU needed): it compiles, it spills no more than its committed row says, none of its
+wgmma reads 32-byte operand rows (the H200 runs those out of bounds), and its machine code is
+the committed row's, so a change to a kernel's code shows here before it reaches the H200 and
+its rows are rewritten on purpose (``python -m benchmarks.compile_report --out
+benchmarks/results/compile_sm90.jsonl``). Slow (every build compiled, a few minutes): run by
+``bash scripts/test-research``, not by CI's default run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import triton
+
+from benchmarks import compile_report, rows
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(triton.__version__ != "3.6.0", reason="rows recorded with Triton 3.6.0's ptxas")]
+
+
+def committed() -> dict[str, dict]:
+    """The newest committed row of each shipped build."""
+    found = rows.latest([r for r in rows.load(kind="compile_sm90") if r.get("triton") == triton.__version__], "build")
+    return {r["build"]: r for r in found}
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict[str, dict]:
+    """Every shipped build, compiled in one process without the interpreter."""
+    env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-m", "benchmarks.compile_report"], capture_output=True, text=True, env=env,
+                         timeout=1800, cwd=rows.REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return {r["build"]: r for r in map(json.loads, out.stdout.strip().splitlines())}
+
+
+def test_every_shipped_build_compiles_as_committed(compiled):
+    want = committed()
+    assert set(compiled) == set(compile_report.SHIPPED) == set(want), (sorted(compiled), sorted(want))
+    bad = {}
+    for name, row in compiled.items():
+        if "error" in row:
+            bad[name] = row["error"]
+            continue
+        old = want[name]
+        problems = []
+        if row["spill_stores"] > old["spill_stores"] or row["spill_loads"] > old["spill_loads"]:
+            problems.append(f"spills {row['spill_stores']}/{row['spill_loads']} past {old['spill_stores']}/"
+                            f"{old['spill_loads']}")
+        if row["wgmma_32B_rows"]:
+            problems.append(f"{row['wgmma_32B_rows']} wgmma with 32-byte operand rows")
+        if row["sass_sha"] != old["sass_sha"]:
+            problems.append(f"machine code {row['sass_sha']}, committed {old['sass_sha']}")
+        if problems:
+            bad[name] = problems
+    assert not bad, bad

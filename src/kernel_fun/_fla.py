@@ -1,0 +1,247 @@
+"""fla as kernel-fun calls it: the one module that imports flash-linear-attention.
+
+- ``chunk_kda()`` and ``causal_conv1d()``: fla's own public functions, captured the first
+  time they are asked for and kept, so a fallback calls fla's original even after
+  ``patch_fla()`` has rebound fla's module attributes to kernel-fun's (a patched process
+  never calls itself).
+- The stage functions of fla's KDA chain (fla-core 0.5.2's ``chunk_kda_fwd`` /
+  ``chunk_kda_bwd`` boundaries), each taking the chain's keyword contract for its stage
+  (``kernel_fun.kda.chain`` declares them) and calling fla's function with fla's
+  arguments, so a chain forced onto fla alone launches exactly fla's kernels in fla's order.
+- ``version()``: the installed fla-core's version.
+
+fla is imported on first use, never at import: it is the fallback, not an import cost.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+_originals: dict[str, object] = {}
+
+# fla's 1/ln 2 (fla.ops.utils.constant.RCP_LN2): the chunk cumsum carries it (log2 units)
+RCP_LN2 = 1.4426950216
+
+
+def version() -> str:
+    """fla-core's installed version ("missing" without it)."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("fla-core")
+    except importlib.metadata.PackageNotFoundError:
+        return "missing"
+
+
+def chunk_kda():
+    """fla's own ``chunk_kda``, whether or not its bindings are patched."""
+    if "chunk_kda" not in _originals:
+        from fla.ops.kda.chunk import chunk_kda as original
+
+        _originals["chunk_kda"] = original
+    return _originals["chunk_kda"]
+
+
+def causal_conv1d():
+    """fla's own ``causal_conv1d``, whether or not its bindings are patched."""
+    if "causal_conv1d" not in _originals:
+        importlib.import_module("fla.modules.conv.causal_conv1d")
+        _originals["causal_conv1d"] = sys.modules["fla.modules.conv.causal_conv1d"].causal_conv1d
+    return _originals["causal_conv1d"]
+
+
+def kimi_delta_attention():
+    """fla's ``KimiDeltaAttention`` layer class (``fla.layers``, from the
+    flash-linear-attention package)."""
+    from fla.layers.kda import KimiDeltaAttention
+
+    return KimiDeltaAttention
+
+
+def captured_causal_conv1d():
+    """fla's ``causal_conv1d`` if it was captured already, else None (nothing is imported)."""
+    return _originals.get("causal_conv1d")
+
+
+def prepare_chunk_indices(cu_seqlens, chunk_size, cu_seqlens_cpu=None):
+    """fla's (sequence, chunk) index of a packed batch (``prepare_chunk_indices``)."""
+    from fla.ops.utils.index import prepare_chunk_indices
+
+    return prepare_chunk_indices(cu_seqlens, chunk_size, cu_seqlens_cpu=cu_seqlens_cpu)
+
+
+# --------------------------------------------------------------------------------------
+# fla's stage functions, with the chain's contracts (kernel_fun.kda.chain declares them)
+# --------------------------------------------------------------------------------------
+def l2norm_fwd(q, k):
+    """F1."""
+    from fla.modules.l2norm import l2norm_fwd as fwd
+
+    q, q_rstd = fwd(q)
+    k, k_rstd = fwd(k)
+    return q, q_rstd, k, k_rstd
+
+
+def beta_sigmoid(beta, scale):
+    """F1b."""
+    from fla.ops.common.gate import fused_beta_sigmoid
+
+    return fused_beta_sigmoid(beta, scale=scale)
+
+
+def gate(g, use_gate_in_kernel, A_log, dt_bias, lower_bound, chunk_size, cu_seqlens, chunk_indices):
+    """F2 and B1: the gate's activation (in the op) and the chunk cumsum, log2 units."""
+    if use_gate_in_kernel:
+        from fla.ops.kda.gate import kda_gate_chunk_cumsum
+
+        return kda_gate_chunk_cumsum(
+            g=g, A_log=A_log, dt_bias=dt_bias, scale=RCP_LN2, chunk_size=chunk_size,
+            cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, lower_bound=lower_bound,
+        )
+    from fla.ops.utils import chunk_local_cumsum
+
+    return chunk_local_cumsum(
+        g=g, scale=RCP_LN2, chunk_size=chunk_size, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
+    )
+
+
+def intra(q, k, v, gc, beta, scale, chunk_size, cu_seqlens, chunk_indices, safe_gate, disable_recompute):
+    """F3-F6: (w, u, kg, Aqk, Akk_inv, qg); qg only with ``disable_recompute``."""
+    from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
+
+    w, u, qg, kg, Aqk, Akk = chunk_kda_fwd_intra(
+        q=q, k=k, v=v, gk=gc, beta=beta, scale=scale, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+        chunk_indices=chunk_indices, safe_gate=safe_gate, disable_recompute=disable_recompute,
+    )
+    return w, u, kg, Aqk, Akk, qg
+
+
+def _needs_u(u) -> None:
+    if u is None:  # the chain asks F6 / B2 for u whenever the scan that runs reads it
+        raise RuntimeError("fla's state scan reads u, and F6 / B2 did not write it")
+
+
+def state_scan(kg, w, u, gc, initial_state, output_final_state, chunk_size, cu_seqlens, cu_seqlens_cpu,
+               chunk_indices, state_v_first, v=None, beta=None, Akk=None):
+    """F7 and B3: (h, v_new, final_state). fla's reads F6's u (v, beta and Akk_inv are B3's
+    contract, for a scan that forms u itself)."""
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+
+    _needs_u(u)
+    return chunk_gated_delta_rule_fwd_h(
+        k=kg, w=w, u=u, gk=gc, initial_state=initial_state, output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices, chunk_size=chunk_size,
+        state_v_first=state_v_first,
+    )
+
+
+def output(q, v_new, gc, Aqk, h, scale, chunk_size, cu_seqlens, chunk_indices, state_v_first):
+    """F8."""
+    from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
+
+    return chunk_gla_fwd_o_gk(
+        q=q, v=v_new, g=gc, A=Aqk, h=h, scale=scale, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+        chunk_indices=chunk_indices, state_v_first=state_v_first,
+    )
+
+
+def scan_output(q, qg, kg, w, u, gc, Aqk, scale, initial_state, output_final_state, save_states, cu_seqlens_cpu,
+                state_v_first, chunk_size, cu_seqlens, chunk_indices):
+    """The F7-F8 unit as fla's two stages in turn (fla's F8 forms q exp2(g) itself: qg is
+    not read)."""
+    h, v_new, final_state = state_scan(kg, w, u, gc, initial_state, output_final_state, chunk_size, cu_seqlens,
+                                       cu_seqlens_cpu, chunk_indices, state_v_first)
+    o = output(q, v_new, gc, Aqk, h, scale, chunk_size, cu_seqlens, chunk_indices, state_v_first)
+    return (o, final_state) + ((h, v_new) if save_states else (None, None))
+
+
+def wy_recompute(q, k, v, beta, A, gc, want_u, chunk_size, cu_seqlens, chunk_indices):
+    """B2: (w, u, qg, kg). fla's kernel writes u whether or not it is wanted."""
+    from fla.ops.kda.wy_fast import recompute_w_u_fwd
+
+    return recompute_w_u_fwd(
+        q=q, k=k, v=v, beta=beta, A=A, gk=gc, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
+    )
+
+
+def dav(q, k, v_new, do, Aqk, scale, chunk_size, cu_seqlens, chunk_indices):
+    """B4: (dAqk, dv)."""
+    from fla.ops.kda.chunk_bwd import chunk_kda_bwd_dAv
+
+    return chunk_kda_bwd_dAv(
+        q=q, k=k, v=v_new, do=do, A=Aqk, scale=scale, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+        chunk_indices=chunk_indices,
+    )
+
+
+def dhu(qg, kg, w, gc, h0, dht, do, dv, scale, chunk_size, cu_seqlens, chunk_indices, state_v_first):
+    """B5: (dh, dh0, dv2)."""
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu
+
+    return chunk_gated_delta_rule_bwd_dhu(
+        q=qg, k=kg, w=w, gk=gc, h0=h0, dht=dht, do=do, dv=dv, scale=scale, cu_seqlens=cu_seqlens,
+        chunk_size=chunk_size, chunk_indices=chunk_indices, state_v_first=state_v_first,
+    )
+
+
+def wy_dqkg(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, cu_seqlens, chunk_indices,
+            state_v_first):
+    """B6: (dq, dk, dv, db, dg, dA)."""
+    from fla.ops.kda.chunk_bwd import chunk_kda_bwd_wy_dqkg_fused
+
+    return chunk_kda_bwd_wy_dqkg_fused(
+        q=q, k=k, v=v, v_new=v_new, g=gc, beta=beta, A=A, h=h, do=do, dh=dh, dv=dv, scale=scale,
+        cu_seqlens=cu_seqlens, chunk_size=chunk_size, chunk_indices=chunk_indices, state_v_first=state_v_first,
+    )
+
+
+def intra_bwd(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens, chunk_indices, safe_gate):
+    """B7: (dq, dk, db, dg)."""
+    from fla.ops.kda.chunk_intra import chunk_kda_bwd_intra
+
+    return chunk_kda_bwd_intra(
+        q=q, k=k, g=gc, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db, dg=dg, cu_seqlens=cu_seqlens,
+        chunk_indices=chunk_indices, chunk_size=chunk_size, safe_gate=safe_gate,
+    )
+
+
+def reverse_cumsum(dg, chunk_size, cu_seqlens, chunk_indices):
+    """B8."""
+    from fla.ops.utils import chunk_local_cumsum
+
+    return chunk_local_cumsum(dg, chunk_size=chunk_size, reverse=True, cu_seqlens=cu_seqlens,
+                              chunk_indices=chunk_indices)
+
+
+def gate_bwd(g, A_log, dt_bias, dyg, lower_bound):
+    """B9: (dg, dA_log, ddt_bias)."""
+    from fla.ops.kda.gate import kda_gate_bwd
+
+    return kda_gate_bwd(g=g, A_log=A_log, dt_bias=dt_bias, dyg=dyg, lower_bound=lower_bound)
+
+
+def intra_bwd_tail(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log, dt_bias, lower_bound,
+                   chunk_size, cu_seqlens, chunk_indices):
+    """The B7-B9 unit as fla's three stages in turn: (dq, dk, db, dg, dA_log, ddt_bias), the
+    last two None for a pre-computed gate."""
+    dq, dk, db, dg = intra_bwd(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens, chunk_indices,
+                               safe_gate)
+    dg = reverse_cumsum(dg, chunk_size, cu_seqlens, chunk_indices)
+    if A_log is None:
+        return dq, dk, db, dg, None, None
+    return (dq, dk, db) + tuple(gate_bwd(g, A_log, dt_bias, dg, lower_bound))
+
+
+def l2norm_bwd(q, q_rstd, dq, k, k_rstd, dk):
+    """B10."""
+    from fla.modules.l2norm import l2norm_bwd as bwd
+
+    return bwd(q, q_rstd, dq), bwd(k, k_rstd, dk)
+
+
+def beta_sigmoid_bwd(beta, db, scale):
+    """B10b."""
+    from fla.ops.common.gate import fused_beta_sigmoid_bwd
+
+    return fused_beta_sigmoid_bwd(beta, db, scale=scale)
