@@ -278,6 +278,7 @@ SHIPPED = {
     "b6 K64 V128": lambda: b6_report(K=64, V=128, heads_fast=False),
     "b6 K128 V128 HV32": lambda: b6_report(V=128, HV=32),
     "b6 K128 V64": lambda: b6_report(V=64),
+    "b6 K128 V32": lambda: b6_report(V=32),
     "b6 K128 V256 varlen fp16": lambda: b6_report(varlen=True, dtype="fp16", heads_fast=False),
     "b7-b9 K128 pre-gated": lambda: b7_b9_report(gate=False),
     "b7-b9 K128 gate": lambda: b7_b9_report(),
