@@ -22,7 +22,10 @@ Rows (``kind: reliability``, one per check, ``ok`` true or false) go to ``--out`
    a copy of B6's kernel with one store moved a chunk further (``planted_module``) under
    memcheck and must count errors: the check can fail. PyTorch's caching allocator is off
    in the child so every tensor is its own allocation and an out-of-bounds access cannot
-   land inside a neighbour's block.
+   land inside a neighbour's block. Malformed packed offsets (``BAD_OFFSETS``) under
+   memcheck: the convolution's kernels launched on them directly touch nothing outside
+   their tensors; ``causal_conv1d`` and ``chunk_kda`` given them on the device stop at
+   their device-side assert before any kernel reads them.
 3. **Soak**: ``--soak-iters`` fwd+bwd (default 1,000, at most ``--soak-seconds``) at the
    shape: allocated and reserved memory after warm-up against the end and the maximum, no
    NaN in o or any gradient, per-step times p10/p50/p90.
@@ -385,6 +388,68 @@ def run_captured(path: Path, planted: bool, device: str = "cuda") -> None:
         print("ran", entry["stage"], entry["shape"], flush=True)
 
 
+# Malformed packed-sequence offsets over 40 tokens: past x's end, ending early, falling,
+# negative, one near int32's limit.
+BAD_OFFSETS = {"past-the-end": [0, 5, 90], "ends-early": [0, 5, 12], "falling": [0, 30, 5, 40],
+               "negative": [-64, 5, 40], "huge": [0, 5, 2 ** 31 - 1]}
+OFFSET_CHILDREN = ("cconv-kernels", "cconv-op", "kda-op")
+ASSERT_TEXT = "cu_seqlens must rise from 0"
+
+
+def run_offsets(which: str, device: str = "cuda") -> None:
+    """The sanitized child for malformed offsets. ``cconv-kernels``: the convolution's
+    kernels launched directly on each of ``BAD_OFFSETS`` (they clamp every sequence to x's
+    rows: no access outside x, y or the state, whatever the offsets); ``cconv-op`` and
+    ``kda-op``: the public op on device-only offsets, which a device-side assert stops before
+    any kernel reads them (the first case ends the process: a tripped assert ends the CUDA
+    context)."""
+    from kernel_fun.cconv import causal_conv1d
+    from kernel_fun.cconv import kernels as K
+    from kernel_fun.kda import chunk_kda
+
+    gen = torch.Generator().manual_seed(0)
+    D, W, T = 64, 4, 40
+    x = torch.randn(1, T, D, generator=gen).to(device, torch.bfloat16)
+    w = torch.randn(D, W, generator=gen).to(device)
+    for name, bounds in BAD_OFFSETS.items():
+        cu = torch.tensor(bounds, dtype=torch.int32, device=device)
+        N = len(bounds) - 1
+        if which == "cconv-kernels":
+            TS = K.DEFAULT_CONFIG["TS"]
+            seg = K.segment_index(cu, T, TS)
+            h0 = torch.randn(N, D, W, generator=gen).to(device, torch.bfloat16)
+            K.conv_fwd(x, w, None, None, h0, True, cu, seg, TS)
+            K.conv_bwd(x, w, None, h0, torch.ones_like(x), torch.ones_like(h0), True, cu, seg, TS, True)
+        elif which == "cconv-op":
+            causal_conv1d(x, w, activation="silu", cu_seqlens=cu)
+        else:
+            p = Problem("offsets", 1, T, 1, 1, 64, 32)
+            chunk_kda(**{**make_inputs(p, device=device, requires_grad=False), "cu_seqlens": cu})
+        _sync(device)
+        print("ran", which, name, flush=True)
+
+
+def sanitize_offsets(which: str, timeout: float) -> dict:
+    """memcheck over ``run_offsets(which)``: no invalid access in any case; the kernels run
+    every case, the ops stop at the device assert with its message."""
+    cmd = [sanitizer(), "--tool", "memcheck", "--padding", str(MEMCHECK_PADDING), "--print-limit", "20",
+           sys.executable, "-m", "benchmarks.reliability", "--child-offsets", which]
+    env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1")
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        text = done.stdout + done.stderr
+    except subprocess.TimeoutExpired as err:
+        text = ((err.stdout or b"").decode() if isinstance(err.stdout, bytes) else (err.stdout or "")) + "\n[timed out]"
+    ran = len(re.findall(r"^ran ", text, re.M))
+    invalid = len(re.findall(r"Invalid __global__|Invalid __shared__|out of bounds", text))
+    asserted = ASSERT_TEXT in text
+    ok = invalid == 0 and (ran == len(BAD_OFFSETS) if which == "cconv-kernels" else ran == 0 and asserted)
+    lines = [ln for ln in text.splitlines() if "=========" in ln or ASSERT_TEXT in ln][:30]
+    return {"ok": ok, "invalid_accesses": invalid, "cases_ran": ran, "device_assert": asserted,
+            "seconds": round(time.perf_counter() - start, 1), "summary": lines}
+
+
 def _sync(device: str) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
@@ -500,6 +565,7 @@ def main(argv=None) -> int:
                              "(as benchmarks.op's)")
     parser.add_argument("--child", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--planted", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--child-offsets", choices=OFFSET_CHILDREN, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     cases = args.extreme.split(",")
     unknown = sorted(set(cases) - set(EXTREME_CASES))
@@ -511,6 +577,9 @@ def main(argv=None) -> int:
         register_candidates(args.candidate)
     if args.child is not None:
         run_captured(args.child, args.planted)
+        return 0
+    if args.child_offsets is not None:
+        run_offsets(args.child_offsets)
         return 0
     if not torch.cuda.is_available():
         print("the reliability harness needs a CUDA GPU", file=sys.stderr)
@@ -561,6 +630,9 @@ def main(argv=None) -> int:
                 # the launch then fails, so the child never reports the kernel as done).
                 res["ok"] = bool(res["errors"]) and any(PLANTED_FILE in line for line in res["summary"])
                 emit("sanitize", "planted out-of-bounds store caught", res)
+            for which in OFFSET_CHILDREN:
+                emit("sanitize", f"memcheck malformed offsets, {which}",
+                     sanitize_offsets(which, args.sanitizer_timeout))
     p = problem(args.shape)
     if "determinism" in parts or "soak" in parts:
         kw = make_inputs(p, device=device, seed=0)

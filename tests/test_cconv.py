@@ -223,6 +223,7 @@ def test_public_op_on_the_cpu(path, monkeypatch):
     assert torch.equal(ours["dres"].float(), want["dres"].float())
 
 
+@pytest.mark.every_fla
 def test_invalid_inputs_get_clear_errors():
     x = torch.randn(2, 8, 16)
     w = torch.randn(16, 4)
@@ -247,6 +248,7 @@ def test_invalid_inputs_get_clear_errors():
         assert not ok and reason.startswith("invalid arguments"), name
 
 
+@pytest.mark.every_fla
 def test_outside_the_box_goes_to_fla_with_one_log_line(caplog, monkeypatch):
     """Another backend, context parallel, an unknown argument, W > 4, a switch: fla's own
     function with the caller's arguments (here on a CPU, the clear error that fla's kernels
@@ -279,6 +281,7 @@ def test_outside_the_box_goes_to_fla_with_one_log_line(caplog, monkeypatch):
     assert any("falling back to fla" in r.message and "backend='cuda'" in r.message for r in caplog.records)
 
 
+@pytest.mark.every_fla
 def test_fla_short_convolution_through_patch_fla():
     """fla's ShortConvolution (the layer KimiDeltaAttention builds for q, k and v) after
     kernel_fun.patch_fla(): forward and backward run kernel-fun's op (on the CPU: the
@@ -307,24 +310,31 @@ def test_fla_short_convolution_through_patch_fla():
     assert mod.causal_conv1d is not causal_conv1d  # unpatched on the way out
 
 
+@pytest.mark.every_fla
 def test_patch_fla_routes_every_causal_conv1d_binding():
-    """fla's module, its package's re-export and fla.modules.convolution's: all rebound,
-    all restored; the fallback still reaches fla's own function."""
+    """Every loaded fla module's binding of fla's convolution -- its defining module (fla
+    0.5.2: fla.modules.conv.causal_conv1d; fla 0.6: fla.modules.causal_conv1d.ops, also
+    loaded under the old names as an alias), the packages' re-exports -- rebound, and
+    restored; the fallback still reaches fla's own function (ShortConvolution's route: the
+    test above)."""
     import sys
 
     import kernel_fun
 
+    def bindings(target):
+        return [(n, a) for n, m in list(sys.modules.items()) if m is not None and n.startswith("fla")
+                for a, v in list(vars(m).items()) if v is target]
+
     original = _fla.causal_conv1d()
     try:
         changed = kernel_fun.patch_fla()
-        want = {"fla.modules.conv.causal_conv1d.causal_conv1d", "fla.modules.conv.causal_conv1d",
-                "fla.modules.convolution.causal_conv1d"}
-        assert want <= set(changed), changed
-        assert sys.modules["fla.modules.convolution"].causal_conv1d is causal_conv1d
-        assert _fla.causal_conv1d() is original is not causal_conv1d
+        assert not bindings(original), "a binding of fla's convolution was left"
+        for name in ("fla.modules.convolution", "fla.modules.conv"):
+            assert sys.modules[name].causal_conv1d is causal_conv1d, name
+        assert any(n.endswith(".causal_conv1d") for n in changed) and _fla.causal_conv1d() is original
     finally:
         restored = kernel_fun.unpatch_fla()
-    assert want <= set(restored) and sys.modules["fla.modules.convolution"].causal_conv1d is original
+    assert set(changed) <= set(restored) and sys.modules["fla.modules.convolution"].causal_conv1d is original
 
 
 @pytest.mark.slow  # configs the benchmarks sweep, not the pinned one a call runs
@@ -344,3 +354,41 @@ def test_other_builds_match_the_reference(config):
     want = conv_grads(conv_oracle(**kw), kw, "silu", True)
     errs = {n: rel_rms(ours[n], want[n]) for n in ("y", "final", "dx", "dw", "db", "dh0")}
     assert all(e <= ORACLE_BARS[torch.float32][n] for n, e in errs.items()), errs
+
+
+@pytest.mark.every_fla
+def test_fla_s_own_convolution_backend_switched_on_takes_the_call(monkeypatch):
+    """fla 0.6 runs its convolution on its Gluon kernels when the user switches them on
+    (``FLA_CONV_GLUON=1``): such a call goes to fla, which dispatches it, with the reason
+    (on the CPU: the error naming it). The backend is asked of fla's own registry: one
+    registered, available and switched on is named; under fla 0.5.2 there is none."""
+    monkeypatch.setattr(_fla, "causal_conv1d_backend", lambda: "gluon")
+    x, w = torch.randn(1, 8, 16), torch.randn(16, 4)
+    with pytest.raises(RuntimeError, match=r"goes to fla \(fla's gluon convolution is switched on\)"):
+        causal_conv1d(x, w)
+    assert is_supported(x, w) == (False, "fla's gluon convolution is switched on")
+    monkeypatch.undo()
+    if _fla.version_tuple() < (0, 6):
+        assert _fla.causal_conv1d_backend() is None
+        return
+    import inspect
+
+    import fla.backends as fla_backends
+    from fla.backends import BaseBackend
+    from fla.modules.causal_conv1d.ops import causal_conv1d_fwd
+
+    registry = fla_backends._function_registries[inspect.unwrap(causal_conv1d_fwd)]
+
+    class Fake(BaseBackend):
+        backend_type = "fake_conv"
+        env_var = "KERNEL_FUN_TEST_FAKE_CONV"
+        default_enable = False
+
+    saved = dict(registry._backends)
+    try:
+        registry._backends = {**saved, "fake_conv": Fake()}
+        assert _fla.causal_conv1d_backend() is None  # registered, not switched on
+        monkeypatch.setenv("KERNEL_FUN_TEST_FAKE_CONV", "1")
+        assert _fla.causal_conv1d_backend() == "fake_conv"
+    finally:
+        registry._backends = saved

@@ -196,6 +196,7 @@ def test_return_intermediate_states_returns_h_in_inference_mode():
     ({}, "return_intermediate_states is only allowed in inference mode"),
     ({"disable_recompute": True}, "return_intermediate_states must be used with disable_recompute=False"),
 ])
+@pytest.mark.every_fla
 def test_return_intermediate_states_errors_are_fla_s(extra, message):
     kwargs = make_inputs(SHAPES[0], requires_grad=False)
     kwargs.update(return_intermediate_states=True, **extra)
@@ -236,6 +237,7 @@ def test_strided_inputs_give_the_contiguous_gradients(p):
         assert torch.equal(got[name], want), name
 
 
+@pytest.mark.every_fla
 def test_cu_seqlens_as_a_list_is_a_type_error():
     kwargs = make_inputs(SHAPES[2], requires_grad=False)
     kwargs["cu_seqlens"] = [0, 1, 137, 200]
@@ -263,6 +265,7 @@ def test_cu_seqlens_int32_and_int64_agree(dtype):
     ({}, "KERNEL_FUN_KDA_DISABLE", "KERNEL_FUN_KDA_DISABLE=1"),
     ({}, "KERNEL_FUN_DISABLE", "KERNEL_FUN_DISABLE=1"),
 ])
+@pytest.mark.every_fla
 def test_a_call_for_fla_on_the_cpu_says_why(extra, switch, needle, monkeypatch):
     if switch:
         monkeypatch.setenv(switch, "1")
@@ -351,6 +354,7 @@ def unpatched():
     kernel_fun.unpatch_fla()
 
 
+@pytest.mark.every_fla
 def test_patch_fla_routes_every_binding_and_unpatch_restores_it(unpatched, caplog):
     layers = _fla_layers()
     import fla.ops
@@ -381,6 +385,7 @@ def test_patch_fla_routes_every_binding_and_unpatch_restores_it(unpatched, caplo
     assert layers.chunk_kda is original
 
 
+@pytest.mark.every_fla
 def test_patch_fla_picks_up_a_module_imported_later(unpatched, monkeypatch):
     _fla_layers()
     import sys
@@ -396,6 +401,7 @@ def test_patch_fla_picks_up_a_module_imported_later(unpatched, monkeypatch):
     assert late.kda is _fla.chunk_kda()
 
 
+@pytest.mark.every_fla
 def test_fallback_under_patch_reaches_fla_not_itself(unpatched, monkeypatch):
     _fla_layers()
     kernel_fun.patch_fla()

@@ -13,6 +13,9 @@ from kernel_fun.kda import PARAMETERS, chunk_kda, is_supported, last_record, use
 from kernel_fun.kda import chunk as chunk_mod
 from kernel_fun.kda.problems import Problem, make_inputs
 
+# (the installed fla's validation and errors: run against every fla-core kernel-fun serves)
+pytestmark = pytest.mark.every_fla
+
 # fla 0.6.0 added these to chunk_kda's signature (fla 0.5.2 is what CI installs).
 FLA_060_EXTRA = ("use_graph", "max_num_seqs")
 # Keywords fla 0.5.2 reads out of **kwargs.
@@ -51,14 +54,17 @@ def inputs(**overrides):
     return kw
 
 
-def test_signature_is_fla_0_5_2_plus_0_6():
+def test_signature_is_the_installed_fla_s_plus_0_6():
+    """fla's named parameters in fla's order and defaults, with fla 0.6's two added at the
+    end where the installed fla (0.5.2) lacks them."""
     from fla.ops.kda import chunk_kda as fla_chunk_kda
 
     fla_params = list(inspect.signature(fla_chunk_kda).parameters.values())
     ours = list(inspect.signature(chunk_kda).parameters.values())
     fla_named = [p for p in fla_params if p.kind != p.VAR_KEYWORD]
     ours_named = [p for p in ours if p.kind != p.VAR_KEYWORD]
-    assert [p.name for p in ours_named] == [p.name for p in fla_named] + list(FLA_060_EXTRA)
+    missing = [name for name in FLA_060_EXTRA if name not in {p.name for p in fla_named}]
+    assert [p.name for p in ours_named] == [p.name for p in fla_named] + missing
     for a, b in zip(ours_named, fla_named):
         assert a.default == b.default, a.name
     assert ours[-1].kind == inspect.Parameter.VAR_KEYWORD
@@ -189,3 +195,70 @@ def test_versions():
     import importlib.metadata
 
     assert v["fla"] == importlib.metadata.version("fla-core")
+
+
+def test_a_call_fla_gives_another_backend_goes_to_fla(fla_stub, monkeypatch, caplog):
+    """fla 0.6 hands no-grad bf16 calls to FlashKDA when it is installed (its forward is
+    reported ~2x fla's; kernel-fun's 1.2x): such a call goes to fla, which dispatches it,
+    with the reason logged; the same call with FlashKDA declining it runs the chain."""
+    from kernel_fun import _fla
+
+    caplog.set_level(logging.INFO, logger="kernel_fun")
+    seen = []
+
+    def backend(call):
+        seen.append(call)
+        return "flash_kda"
+
+    monkeypatch.setattr(_fla, "chunk_kda_backend", backend)
+    kw = inputs()
+    assert chunk_kda(**kw) is fla_stub.result
+    assert not last_record().engaged and last_record().reason == "fla gives this call to its flash_kda backend"
+    assert seen[0]["q"] is kw["q"] and seen[0]["A_log"] is kw["A_log"]  # every argument, by name
+    monkeypatch.setattr(_fla, "chunk_kda_backend", lambda call: None)
+    chunk_kda(**kw)
+    assert last_record().engaged
+
+
+def test_fla_backend_is_asked_of_fla_s_own_registry():
+    """fla 0.6: a backend registered for fla's chunk_kda that accepts the call is the one
+    named; one that declines, is unavailable or raises is not. fla 0.5.2 has no dispatch."""
+    from kernel_fun import _fla
+
+    kw = {**inputs(), "scale": None}
+    if _fla.version_tuple() < (0, 6):
+        assert _fla.chunk_kda_backend(kw) is None
+        return
+    import fla.backends as fla_backends
+    from fla.backends import BaseBackend
+    from fla.ops.kda.chunk import chunk_kda as fla_chunk_kda
+
+    registry = fla_backends._function_registries[inspect.unwrap(fla_chunk_kda)]
+
+    def make(kind, accepts, available=True):
+        class Fake(BaseBackend):
+            backend_type = kind
+            priority = 0
+
+            @classmethod
+            def is_available(cls):
+                return available
+
+            def chunk_kda_verifier(self, *args, **kwargs):
+                if accepts == "raise":
+                    raise RuntimeError("cannot tell")
+                return accepts, None if accepts else "declined"
+
+            def chunk_kda(self, *args, **kwargs):  # pragma: no cover - never called here
+                raise AssertionError
+
+        return Fake()
+
+    saved = dict(registry._backends)
+    try:
+        for fake, want in ((make("fake_off", True, available=False), None), (make("fake_no", False), None),
+                           (make("fake_raise", "raise"), None), (make("fake_yes", True), "fake_yes")):
+            registry._backends = {**saved, fake.backend_type: fake}
+            assert _fla.chunk_kda_backend(kw) == want, fake.backend_type
+    finally:
+        registry._backends = saved

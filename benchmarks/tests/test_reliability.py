@@ -148,3 +148,20 @@ def test_cli_names_an_unknown_extreme_case(capsys):
         rel.main(["--parts", "extreme", "--extreme", "T1,no-such-case"])
     assert exit_info.value.code == 2
     assert "no-such-case" in capsys.readouterr().err
+
+
+@needs_interpreter
+def test_offset_child_runs_the_convolution_kernels_on_every_malformed_case(capsys):
+    """The memcheck child's kernel case on the CPU: every malformed offsets list reaches the
+    convolution's kernels (the interpreter would fault on an access outside a tensor) and
+    returns."""
+    rel.run_offsets("cconv-kernels", device="cpu")
+    assert capsys.readouterr().out.count("ran cconv-kernels ") == len(rel.BAD_OFFSETS)
+
+
+@pytest.mark.parametrize("which", ["cconv-op", "kda-op"])
+def test_offset_child_ops_refuse_the_first_malformed_case(which):
+    """On the CPU the ops check host offsets before anything runs (on a GPU, the device
+    assert with the same words)."""
+    with pytest.raises((ValueError, RuntimeError), match="cu_seqlens must rise from 0"):
+        rel.run_offsets(which, device="cpu")

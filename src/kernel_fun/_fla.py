@@ -34,6 +34,67 @@ def version() -> str:
         return "missing"
 
 
+def version_tuple() -> tuple[int, int]:
+    """(major, minor) of the installed fla-core ((0, 0) without it)."""
+    parts = version().split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (ValueError, IndexError):
+        return 0, 0
+
+
+def chunk_kda_backend(call: dict) -> str | None:
+    """The backend fla's ``chunk_kda`` would hand this call to instead of its own Triton
+    chain (fla 0.6: FlashKDA, when the ``flash_kda`` package is installed, enabled and
+    accepts the call), or None: fla 0.5.2 has no such dispatch. ``call``: every argument by
+    name. Asked of fla's own registry for ``chunk_kda``, in fla's order; a registry of
+    another shape (a later fla) is read as none."""
+    if version_tuple() < (0, 6):
+        return None
+    try:
+        from inspect import unwrap
+
+        import fla.backends as backends
+        from fla.ops.kda.chunk import chunk_kda as dispatched
+
+        registry = backends._function_registries.get(unwrap(dispatched))  # fla's own, by function
+        candidates = registry._get_sorted_backends() if registry is not None else []
+    except Exception:  # noqa: BLE001 - another fla: no dispatch kernel-fun knows of
+        return None
+    for backend in candidates:
+        try:
+            if not (backend.is_available() and backend.is_enabled()):
+                continue
+            accepted, _ = backend.verify("chunk_kda", **call)
+        except Exception:  # noqa: BLE001 - a backend that cannot say takes nothing
+            continue
+        if accepted and backend.get_implementation("chunk_kda") is not None:
+            return backend.backend_type
+    return None
+
+
+def causal_conv1d_backend() -> str | None:
+    """The backend fla 0.6's convolution would run its forward on instead of its Triton
+    kernels (its Gluon convolution, registered on NVIDIA GPUs and switched on by the user
+    with ``FLA_CONV_GLUON=1``), or None. fla asks its backend per stage, on the stage's own
+    arguments; this names the first one available and switched on."""
+    if version_tuple() < (0, 6):
+        return None
+    try:
+        from inspect import unwrap
+
+        import fla.backends as backends
+        from fla.modules.causal_conv1d.ops import causal_conv1d_fwd
+
+        registry = backends._function_registries.get(unwrap(causal_conv1d_fwd))  # fla's own, by function
+        for backend in (registry._get_sorted_backends() if registry is not None else []):
+            if backend.is_available() and backend.is_enabled():
+                return backend.backend_type
+    except Exception:  # noqa: BLE001 - another fla: no dispatch kernel-fun knows of
+        return None
+    return None
+
+
 def chunk_kda():
     """fla's own ``chunk_kda``, whether or not its bindings are patched."""
     if "chunk_kda" not in _originals:

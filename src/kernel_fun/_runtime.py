@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import logging
 import os
+import functools
 import threading
+import weakref
+
+import torch
 
 logger = logging.getLogger("kernel_fun")
 
@@ -63,3 +67,52 @@ def env_int(name: str, default: int, minimum: int = 0) -> int:
         )
         return default
     return value
+
+
+# Offsets tensors already checked on the device, each kept while it lives unmodified (the
+# same object at the same version: torch bumps ``_version`` on every in-place write), so a
+# model's layers, which share one cu_seqlens, enqueue the check once a step.
+_checked: dict = {}
+
+
+def offsets_error(bounds: list[int], total: int) -> str | None:
+    """Why host offsets are not packed sequences covering ``total`` tokens, or None."""
+    if bounds[0] != 0 or bounds[-1] != total:
+        return f"must rise from 0 to T={total}"
+    if any(b < a for a, b in zip(bounds, bounds[1:])):
+        return f"must rise from 0 to T={total} without a step down"
+    return None
+
+
+def assert_offsets(cu_seqlens, total: int, who: str) -> None:
+    """Check device offsets without a host synchronization: a device-side assert (the
+    stream stops with ``who``'s message before any kernel reads them) unless cu_seqlens
+    rises from 0 to ``total`` without a step down."""
+    key = (id(cu_seqlens), cu_seqlens._version, total)
+    hit = _checked.get(key)
+    if hit is not None and hit() is cu_seqlens:
+        return
+    cu = cu_seqlens.long()
+    ok = (cu[0] == 0) & (cu[-1] == total) & (cu[1:] >= cu[:-1]).all()
+    torch._assert_async(ok, f"{who}: cu_seqlens must rise from 0 to T={total} without a step down")
+    if len(_checked) >= 8:
+        _checked.pop(next(iter(_checked)))
+    _checked[key] = weakref.ref(cu_seqlens)
+
+
+def first_order_only(who: str):
+    """A custom Function's backward that says so when asked for a graph of itself
+    (``create_graph=True``: autograd runs the backward with grad mode on), instead of
+    returning gradients that silently carry no graph."""
+
+    def wrap(backward):
+        @functools.wraps(backward)
+        def run(ctx, *grads):
+            if torch.is_grad_enabled():
+                raise RuntimeError(f"{who}: double backward (create_graph=True through {who}) is not supported: "
+                                   f"its backward kernels are not differentiable")
+            return backward(ctx, *grads)
+
+        return run
+
+    return wrap

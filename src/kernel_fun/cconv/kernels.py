@@ -78,8 +78,10 @@ def _segment(i_s, i_b, seg_index, cu_seqlens, T, TS: tl.constexpr, IS_VARLEN: tl
     if IS_VARLEN:
         n = tl.load(seg_index + i_s * 2).to(tl.int32)
         s0 = tl.load(seg_index + i_s * 2 + 1).to(tl.int32) * TS
-        bos = tl.load(cu_seqlens + n).to(tl.int64)
-        T_seq = (tl.load(cu_seqlens + n + 1).to(tl.int64) - bos).to(tl.int32)
+        # clamped to x's rows whatever the offsets hold (the op rejects bad ones before a launch)
+        bos = tl.minimum(tl.maximum(tl.load(cu_seqlens + n).to(tl.int64), 0), T)
+        eos = tl.minimum(tl.maximum(tl.load(cu_seqlens + n + 1).to(tl.int64), bos), T)
+        T_seq = (eos - bos).to(tl.int32)
     else:
         n = i_b
         s0 = i_s * TS
@@ -399,7 +401,7 @@ def segment_index(cu_seqlens: torch.Tensor, total: int, TS: int) -> torch.Tensor
     the last sequence at a segment past its end, whose programs run no token (and write
     zero partials)."""
     cu = cu_seqlens.long()
-    counts = (cu[1:] - cu[:-1] + TS - 1) // TS
+    counts = ((cu[1:] - cu[:-1]).clamp(min=0) + TS - 1) // TS
     ends = counts.cumsum(0)
     slot = torch.arange(-(-total // TS) + counts.numel(), device=cu.device)
     n = torch.searchsorted(ends, slot, right=True).clamp_(max=counts.numel() - 1)

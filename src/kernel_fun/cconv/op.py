@@ -1,21 +1,26 @@
-"""The public ``causal_conv1d``: fla-core 0.5.2's signature and contract, kernel-fun's kernels.
+"""The public ``causal_conv1d``: fla's signature and contract (the same in fla-core 0.5.2 and
+0.6), kernel-fun's kernels.
 
 A call is validated first (clear errors where fla would crash inside a kernel, index
 garbage or silently ignore a flag: a missing weight, shapes that disagree, an activation
-other than None / silu / swish, packed sequences with B > 1). Then a whitelist gate: a
-call it knows runs kernel-fun's kernels (``cconv/kernels.py``) on Hopper, or the torch
-reference on a CPU; anything else -- another backend, context parallel, an argument it does
-not know, W > 4, a dtype or device outside the box, a switch -- goes to fla's
-``causal_conv1d`` with the caller's arguments untouched, logged once.
+other than None / silu / swish, packed sequences with B > 1, offsets that do not rise from 0
+to x's T -- checked on the host where a copy is free, else by a device-side assert enqueued
+before the first kernel, and the kernels clamp every sequence to x's rows besides). Then a
+whitelist gate: a call it knows runs kernel-fun's kernels (``cconv/kernels.py``) on Hopper,
+or the torch reference on a CPU; anything else -- another backend, context parallel, an
+argument it does not know, W > 4, a dtype or device outside the box, fla 0.6's Gluon
+convolution switched on (``FLA_CONV_GLUON=1``), a switch -- goes to fla's ``causal_conv1d``
+with the caller's arguments untouched, logged once.
 
 Switches: ``KERNEL_FUN_DISABLE=1`` or ``KERNEL_FUN_CCONV_DISABLE=1`` send every call to fla.
 
-One difference from fla 0.5.2, on purpose: the final state's gradient. fla's backward
-drops the gradient of the final state's slot 0 (x[T - W]), places it on the wrong tokens
-for a sequence shorter than W - 1, and never carries it into the initial state's gradient
-where the final state holds initial-state slots; here it is the derivative of the forward
-(the float64 reference's autograd agrees). With a final-state gradient of zero (the usual
-case: the state feeds decoding, not the loss) the two agree.
+The final state's gradient is the derivative of the forward (the float64 reference's
+autograd agrees), as fla 0.6 computes it. fla 0.5.2's backward differs: it drops the
+gradient of the final state's slot 0 (x[T - W]), places it on the wrong tokens for a
+sequence shorter than W - 1, and never carries it into the initial state's gradient where
+the final state holds initial-state slots. With a final-state gradient of zero (the usual
+case: the state feeds decoding, not the loss) all three agree. The backward is not itself
+differentiable: a double backward raises.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import weakref
 import torch
 
 from kernel_fun import _fla as fla
-from kernel_fun._runtime import env_flag, log_once
+from kernel_fun._runtime import assert_offsets, env_flag, first_order_only, log_once, offsets_error
 from kernel_fun._triton import interpreting
 from kernel_fun.cconv import kernels as K
 from kernel_fun.cconv.reference import conv_reference
@@ -64,18 +69,32 @@ def _validate(x, weight, bias, residual, initial_state, activation, cu_seqlens, 
     if activation not in _ACTIVATIONS:
         raise ValueError(f"causal_conv1d: activation must be None, 'silu' or 'swish'; got {activation!r} "
                          "(fla's kernels would apply none)")
+    for name, t in (("cu_seqlens", cu_seqlens), ("cu_seqlens_cpu", cu_seqlens_cpu)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"causal_conv1d: {name} must be a 1-D int32/int64 torch.Tensor of N+1 offsets, got "
+                            f"{type(t).__name__} (torch.tensor(offsets, dtype=torch.int32, device=x.device))")
     if cu_seqlens is not None:
         if x.shape[0] != 1:
             raise ValueError(f"causal_conv1d: with cu_seqlens x must be [1, total tokens, D]; got batch {x.shape[0]}")
-        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-            raise ValueError(f"causal_conv1d: cu_seqlens must be [N + 1] offsets; got {tuple(cu_seqlens.shape)}")
-        if cu_seqlens_cpu is not None:  # checked where the host copy is free (the device one would sync)
-            cpu = cu_seqlens_cpu.tolist()
-            if len(cpu) != cu_seqlens.numel() or cpu[0] != 0 or any(b < a for a, b in zip(cpu, cpu[1:])) \
-                    or cpu[-1] > x.shape[1]:
-                raise ValueError(f"causal_conv1d: cu_seqlens_cpu must be non-decreasing offsets from 0 to at most "
-                                 f"the {x.shape[1]} tokens of x, as many as cu_seqlens; got {cpu[:8]}"
-                                 f"{'...' if len(cpu) > 8 else ''}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"causal_conv1d: cu_seqlens must be a 1-D int32/int64 tensor of N + 1 >= 2 offsets; "
+                             f"got {tuple(cu_seqlens.shape)} {str(cu_seqlens.dtype).replace('torch.', '')}")
+        if cu_seqlens.device != x.device:
+            raise ValueError(f"causal_conv1d: cu_seqlens is on {cu_seqlens.device}, x on {x.device}")
+        if cu_seqlens_cpu is not None and (cu_seqlens_cpu.dim() != 1 or cu_seqlens_cpu.numel() != cu_seqlens.numel()
+                                           or cu_seqlens_cpu.is_floating_point() or cu_seqlens_cpu.is_complex()):
+            raise ValueError(f"causal_conv1d: cu_seqlens_cpu must be cu_seqlens's {cu_seqlens.numel()} integer "
+                             f"offsets on the host; got {tuple(cu_seqlens_cpu.shape)} {cu_seqlens_cpu.dtype}")
+        # Checked here where the host copy is free (a device one would sync); on the device
+        # by an assert enqueued before the first kernel (``segments``).
+        host = cu_seqlens_cpu if cu_seqlens_cpu is not None else (cu_seqlens if cu_seqlens.device.type == "cpu"
+                                                                  else None)
+        if host is not None:
+            bounds = host.tolist()
+            why = offsets_error(bounds, x.shape[1])
+            if why is not None:
+                raise ValueError(f"causal_conv1d: cu_seqlens {why} (x has T={x.shape[1]} tokens); got {bounds[:8]}"
+                                 f"{'...' if len(bounds) > 8 else ''}")
     N = x.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
     if initial_state is not None and tuple(initial_state.shape) != (N, D, W):
         raise ValueError(f"causal_conv1d: initial_state must be [N, D, W] = [{N}, {D}, {W}]; "
@@ -93,6 +112,9 @@ def _gate(x, weight, bias, residual, initial_state, backend, cp_context, kwargs)
         return f"backend={backend!r} (kernel-fun replaces the 'triton' backend)"
     if kwargs:
         return f"unknown keyword argument(s) {', '.join(sorted(kwargs))}"
+    other = fla.causal_conv1d_backend()
+    if other is not None:  # switched on by the user; kernel-fun's is not measured against it
+        return f"fla's {other} convolution is switched on"
     W = weight.shape[1]
     if W > K.W_MAX:
         return f"W={W} > {K.W_MAX}"
@@ -116,7 +138,7 @@ def is_supported(x, weight=None, bias=None, residual=None, initial_state=None, o
     kernels (or its reference on a CPU), else ``(False, reason)``."""
     try:
         _validate(x, weight, bias, residual, initial_state, activation, cu_seqlens, cu_seqlens_cpu)
-    except ValueError as err:
+    except (TypeError, ValueError) as err:
         return False, f"invalid arguments — {err}"
     reason = _gate(x, weight, bias, residual, initial_state, backend, cp_context, kwargs)
     return reason is None, reason
@@ -145,6 +167,8 @@ def segments(cu_seqlens, total, device):
     hit = _SEGMENTS.get(key)
     if hit is not None and hit[0]() is cu_seqlens:
         return hit[1], TS
+    if cu_seqlens.device.type != "cpu":
+        assert_offsets(cu_seqlens, total, "causal_conv1d")
     seg = K.segment_index(cu_seqlens.to(device), total, TS)
     if len(_SEGMENTS) >= 8:
         _SEGMENTS.pop(next(iter(_SEGMENTS)))
@@ -168,12 +192,12 @@ def _final_state(x3, initial_state, cu_seqlens, W):
     if cu_seqlens is None:
         lens = torch.full((B,), T, device=dev, dtype=torch.long)
         rel = lens[:, None] - W + c[None, :]  # [N, W]: the row within the sequence
-        rows = x3[torch.arange(B, device=dev)[:, None], rel.clamp(min=0)]  # [N, W, D]
+        rows = x3[torch.arange(B, device=dev)[:, None], rel.clamp(min=0)] if T else x3.new_zeros(B, W, D)  # [N, W, D]
     else:
         cu = cu_seqlens.to(device=dev, dtype=torch.long)
         lens = cu[1:] - cu[:-1]
         rel = lens[:, None] - W + c[None, :]
-        rows = x3[0, (cu[:-1, None] + rel).clamp(min=0)]
+        rows = x3[0, (cu[:-1, None] + rel).clamp(min=0)] if T else x3.new_zeros(len(lens), W, D)
     out = torch.where((rel >= 0)[:, None, :], rows.transpose(1, 2), torch.zeros((), dtype=x3.dtype, device=dev))
     if initial_state is not None:
         slot = (lens[:, None] + c[None, :]).clamp(max=W - 1)  # the initial state's slot where rel < 0
@@ -194,6 +218,7 @@ class CausalConv1dFunction(torch.autograd.Function):
         return y, final
 
     @staticmethod
+    @first_order_only("causal_conv1d")
     def backward(ctx, dy, dht):
         x3, weight, bias, initial_state, cu_seqlens, seg_index = ctx.saved_tensors
         dx, dw, db, dh0 = K.conv_bwd(x3, weight, bias, initial_state, dy.contiguous(),

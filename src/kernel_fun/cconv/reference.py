@@ -1,6 +1,6 @@
 """Torch references for the short causal convolution: the CPU path and the float64 oracle.
 
-``conv_reference`` is the math, token by token per sequence, in float32 (float64 when x
+``conv_reference`` is the math, per token, in float32 (float64 when x
 is float64: the oracle; every gradient from torch autograd through it):
 
     y[t, d] = act(sum_i w[d, i] x[t - (W - 1) + i, d] + bias[d]) + residual[t, d]
@@ -37,47 +37,48 @@ class _SiluRoundedGrad(torch.autograd.Function):
         return dy * (s * (1 + zr * (1 - s))), None
 
 
-def _sequences(x3: torch.Tensor, cu_seqlens: torch.Tensor | None):
-    """(sequence index, its [T_n, D] rows) for a dense batch or a packed one."""
-    if cu_seqlens is None:
-        for b in range(x3.shape[0]):
-            yield b, slice(None), x3[b]
-    else:
-        bounds = cu_seqlens.tolist()
-        for n in range(len(bounds) - 1):
-            yield n, slice(bounds[n], bounds[n + 1]), x3[0, bounds[n]:bounds[n + 1]]
+def _apply(stream, w, bias, T: int, activation, dtype):
+    """The convolution over a stream [..., W + T, D] (the W state slots, then T rows of x):
+    its T outputs, before the residual."""
+    W = w.shape[1]
+    z = sum(w[:, i] * stream[..., 1 + i:1 + i + T, :] for i in range(W))  # row t + 1 + i is x[t - W + 1 + i]
+    if bias is not None:
+        z = z + bias.to(w.dtype)
+    if activation in ("silu", "swish"):
+        z = F.silu(z) if dtype in (torch.float32, torch.float64) else _SiluRoundedGrad.apply(z, dtype)
+    return z
 
 
 def conv_reference(x, weight, bias=None, residual=None, initial_state=None, output_final_state=False,
                    activation=None, cu_seqlens=None):
-    """(y in x's shape and dtype, the final state [N, D, W] in x's dtype or None)."""
+    """(y in x's shape and dtype, the final state [N, D, W] in x's dtype or None): a dense
+    batch at once, packed sequences one at a time."""
     shape = x.shape
     D, W = weight.shape
     x3 = x.reshape(shape[0], shape[1], D)
     cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
     w = weight.to(cdt)
-    ys, finals, rows = [], [], []
-    for n, rows_n, xs in _sequences(x3, cu_seqlens):
-        xs = xs.to(cdt)
-        T = xs.shape[0]
-        if initial_state is not None:
-            stream = torch.cat([initial_state[n].to(cdt).t(), xs], 0)  # [W + T, D]: slots 0..W-1, then x
-        else:
-            stream = torch.cat([xs.new_zeros(W, D), xs], 0)
-        z = sum(w[:, i] * stream[1 + i:1 + i + T] for i in range(W))  # row t + 1 + i of the stream is x[t - W + 1 + i]
-        if bias is not None:
-            z = z + bias.to(cdt)
-        if activation in ("silu", "swish"):
-            z = F.silu(z) if x.dtype in (torch.float32, torch.float64) else _SiluRoundedGrad.apply(z, x.dtype)
-        ys.append(z)
-        rows.append(rows_n)
-        if output_final_state:
-            finals.append(stream[T:T + W].t())
+
+    def stream_of(xs, state):  # xs [..., T, D], state [..., D, W] or None
+        head = state.to(cdt).transpose(-1, -2) if state is not None else xs.new_zeros(*xs.shape[:-2], W, D, dtype=cdt)
+        return torch.cat([head, xs.to(cdt)], -2)
+
     if cu_seqlens is None:
-        y = torch.stack(ys, 0)
+        T = x3.shape[1]
+        stream = stream_of(x3, initial_state)
+        y = _apply(stream, w, bias, T, activation, x.dtype)
+        final = stream[:, T:T + W].transpose(1, 2) if output_final_state else None
     else:
+        bounds = cu_seqlens.tolist()
+        ys, finals = [], []
+        for n in range(len(bounds) - 1):
+            xs = x3[0, bounds[n]:bounds[n + 1]]
+            T = xs.shape[0]
+            stream = stream_of(xs, initial_state[n] if initial_state is not None else None)
+            ys.append(_apply(stream, w, bias, T, activation, x.dtype))
+            finals.append(stream[T:T + W].t())
         y = torch.cat(ys, 0)[None]
+        final = torch.stack(finals, 0) if output_final_state else None
     if residual is not None:
         y = y + residual.reshape(y.shape).to(cdt)
-    final = torch.stack(finals, 0).to(x.dtype) if output_final_state else None
-    return y.to(x.dtype).reshape(shape), final
+    return y.to(x.dtype).reshape(shape), (final.to(x.dtype) if final is not None else None)

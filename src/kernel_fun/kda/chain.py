@@ -50,6 +50,7 @@ from collections.abc import Callable
 import torch
 
 from kernel_fun import _fla as fla
+from kernel_fun._runtime import first_order_only
 from kernel_fun.kda import reference as ref
 from kernel_fun.kda.stages import CallRecord, Dispatcher, Stage, register, set_last_record
 
@@ -262,6 +263,7 @@ class ChunkKDAFunction(torch.autograd.Function):
         return res.o, res.final_state
 
     @staticmethod
+    @first_order_only("chunk_kda")
     def backward(ctx, do, dht):
         with _device_scope(do):
             return _backward(ctx, do, dht)
@@ -408,4 +410,8 @@ def _backward(ctx, do, dht):
     set_last_record(record)
     if opts.report is not None:
         opts.report(record)
+    if dA_log is not None:  # in the parameters' own shapes (a [HV, K] dt_bias gets a [HV, K] gradient)
+        dA_log = dA_log.reshape(A_log.shape)
+    if ddt_bias is not None:
+        ddt_bias = ddt_bias.reshape(dt_bias.shape)
     return (dq.to(q), dk.to(k), dv.to(v), dg.to(g_input), db.to(beta_raw), dA_log, ddt_bias, dh0, None, None)

@@ -1,18 +1,19 @@
 """The public ``chunk_kda``: fla's signature and contract, kernel-fun's chain inside.
 
-A call is validated exactly as fla-core 0.5.2 validates it (same exceptions, same
-messages), plus a few clearer checks where fla would fail inside a kernel or silently
-compute on malformed input. Then a whitelist gate decides: a call it knows is supported
-runs kernel-fun's staged chain (``kernel_fun.kda.chain``) with every flag the chain
-carries (``state_v_first``, ``safe_gate``, ``disable_recompute``,
+A call is validated exactly as the installed fla-core (0.5.2 or 0.6.x) validates it (same
+exceptions, same messages), plus clearer checks where fla would fail inside a kernel or
+silently compute on malformed input (offsets: on the host where a copy is free, else by a
+device-side assert enqueued before the first kernel). Then a whitelist gate decides: a call
+it knows is supported runs kernel-fun's staged chain (``kernel_fun.kda.chain``) with every
+flag the chain carries (``state_v_first``, ``safe_gate``, ``disable_recompute``,
 ``return_intermediate_states`` included: a stage that cannot take one falls back alone);
 anything else -- an argument it does not know, ``chunk_size=32``, context parallel, a
-dtype or device outside the box, a switch -- goes to fla's ``chunk_kda`` with the caller's
-arguments untouched, so the fallback is bitwise fla (on a CPU, where fla's kernels cannot
-run, a clear error instead). Inputs of any strides are made dense once, at the entry, as
-fla's ``input_guard`` does. Each distinct decision is logged once on the ``kernel_fun``
-logger, and once per distinct shape and flags one line names the implementation of every
-stage the call ran.
+dtype or device outside the box, a call fla 0.6 would give another backend, a switch --
+goes to fla's ``chunk_kda`` with the caller's arguments untouched, so the fallback is
+bitwise fla (on a CPU, where fla's kernels cannot run, a clear error instead). Inputs of
+any strides are made dense once, at the entry, as fla's ``input_guard`` does. Each
+distinct decision is logged once on the ``kernel_fun`` logger, and once per distinct shape
+and flags one line names the implementation of every stage the call ran.
 
 Switches (environment variables, read on every call; a malformed value warns and keeps
 the default):
@@ -28,13 +29,14 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import numbers
 import warnings
 from typing import Any
 
 import torch
 
 from kernel_fun import _fla as fla
-from kernel_fun._runtime import env_flag, env_int, log_once
+from kernel_fun._runtime import assert_offsets, env_flag, env_int, log_once, offsets_error
 from kernel_fun.kda.chain import ChunkKDAFunction, Options, run_forward
 from kernel_fun.kda.stages import CallRecord, set_last_record
 
@@ -79,7 +81,7 @@ PARAMETERS = {
     "use_qk_l2norm_in_kernel": "handled", "use_gate_in_kernel": "handled",
     "use_beta_sigmoid_in_kernel": "handled", "allow_neg_eigval": "handled",
     "lower_bound": "handled", "cu_seqlens": "handled", "cu_seqlens_cpu": "handled",
-    "A_log": "handled", "dt_bias": "handled",
+    "A_log": "handled (omitted with lower_bound under fla 0.6: the chain runs it)", "dt_bias": "handled",
     "chunk_size": "handled when 64; 32 falls back",
     "safe_gate": "handled (fla's intra forward and B7 take it)",
     "disable_recompute": "handled (the forward saves what fla saves; B1-B3 skipped)",
@@ -146,6 +148,16 @@ def _validate(c: _Call) -> None:
                 f"`{name}` must be a 1-D int32/int64 torch.Tensor of N+1 offsets, got {type(t).__name__}"
                 f" (fla takes a tensor: torch.tensor(offsets, dtype=torch.int32, device=q.device))."
             )
+    for name in ("cu_seqlens", "cu_seqlens_cpu"):  # before fla's len(cu_seqlens), which fails on a 0-d tensor
+        t = c.args[name]
+        if t is not None and (t.dim() != 1 or t.dtype not in (torch.int32, torch.int64) or len(t) < 2):
+            raise ValueError(f"{name} must be a 1-D int32/int64 tensor of N+1 >= 2 offsets, got {_describe(t)}.")
+    if c.cu_seqlens_cpu is not None and (c.cu_seqlens is None or len(c.cu_seqlens_cpu) != len(c.cu_seqlens)):
+        raise ValueError(f"cu_seqlens_cpu must be cu_seqlens's offsets on the host, got {_describe(c.cu_seqlens_cpu)} "
+                         f"beside cu_seqlens {_describe(c.cu_seqlens)}.")
+    if c.scale is not None and (isinstance(c.scale, bool) or not isinstance(c.scale, numbers.Real)):
+        raise TypeError(f"`scale` must be a Python float or None, got {_describe(c.scale)} "
+                        f"(a tensor would reach the kernels as a pointer: pass float(scale)).")
     for name in ("initial_state",):
         t = c.args[name]
         if t is not None and not isinstance(t, torch.Tensor):
@@ -164,11 +176,23 @@ def _validate(c: _Call) -> None:
             )
     if c.initial_state is not None:
         assert c.initial_state.dtype == torch.float32, "initial_state must be in float32."
-    if c.use_gate_in_kernel and c.lower_bound is None:
-        if "A_log" not in kw:
-            raise AssertionError("A_log must be provided when use_gate_in_kernel=True.")
-        if not isinstance(kw["A_log"], torch.Tensor):
-            raise TypeError(f"A_log must be a tensor of HV elements when use_gate_in_kernel=True, got {_describe(kw['A_log'])}.")
+    if c.use_gate_in_kernel:
+        A_log = kw.get("A_log")
+        if fla.version_tuple() >= (0, 6):  # fla 0.6: A_log may be omitted when lower_bound is set
+            if A_log is None and c.lower_bound is None:
+                raise ValueError(
+                    "`A_log` must be provided when `use_gate_in_kernel=True` and `lower_bound` is not set.")
+        else:
+            if "A_log" not in kw:
+                raise AssertionError("A_log must be provided when use_gate_in_kernel=True.")
+            if A_log is None:
+                raise TypeError(f"A_log must be a tensor of HV elements when use_gate_in_kernel=True, got NoneType "
+                                f"(fla-core {fla.version()} needs it; fla 0.6 takes None with lower_bound).")
+        if A_log is not None and not isinstance(A_log, torch.Tensor):
+            raise TypeError(f"A_log must be a tensor of HV elements when use_gate_in_kernel=True, "
+                            f"got {_describe(A_log)}.")
+        if kw.get("dt_bias") is not None and not isinstance(kw["dt_bias"], torch.Tensor):
+            raise TypeError(f"dt_bias must be a tensor of HV*K elements or None, got {_describe(kw['dt_bias'])}.")
     chunk_size = kw.get("chunk_size", 64)
     if chunk_size not in (32, 64):
         raise ValueError(f"`chunk_size` must be either 32 or 64 for KDA, got {chunk_size}.")
@@ -197,8 +221,8 @@ def _validate(c: _Call) -> None:
     # Checks fla does not make, where it would fail inside a kernel or compute on bad input.
     if tuple(v.shape[:2]) != (B, T):
         raise ValueError(f"v must have shape [B, T, HV, V] with B={B}, T={T}, got {list(v.shape)}.")
-    if T == 0 or K == 0 or v.shape[3] == 0:
-        raise ValueError(f"chunk_kda needs T, K and V >= 1, got q {list(q.shape)}, v {list(v.shape)}.")
+    if B == 0 or T == 0 or K == 0 or v.shape[3] == 0:
+        raise ValueError(f"chunk_kda needs B, T, K and V >= 1, got q {list(q.shape)}, v {list(v.shape)}.")
     if cu_seqlens is None and T < H:  # as fla's other chunked ops warn; its chunk_kda does not
         warnings.warn(f"chunk_kda: q has T={T} < H={H}; inputs look head-first ([B, H, T, K]), and chunk_kda "
                       f"takes [B, T, H, K]", stacklevel=4)
@@ -227,13 +251,14 @@ def _validate(c: _Call) -> None:
         if dt_bias is not None and dt_bias.numel() != HV * K:
             raise ValueError(f"dt_bias must have HV*K={HV * K} elements, got shape {list(dt_bias.shape)}.")
     if cu_seqlens is not None:
-        if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64) or len(cu_seqlens) < 2:
-            raise ValueError(f"cu_seqlens must be a 1-D int32/int64 tensor of N+1 >= 2 offsets, got {_describe(cu_seqlens)}.")
         host = c.cu_seqlens_cpu if c.cu_seqlens_cpu is not None else (cu_seqlens if cu_seqlens.device.type == "cpu" else None)
-        if host is not None:  # checked only where it costs no device sync
+        if host is not None:  # checked here where the host copy is free (a device one would sync)
             bounds = host.tolist()
-            if bounds[0] != 0 or bounds[-1] != T or any(b > a for a, b in zip(bounds[1:], bounds[:-1])):
-                raise ValueError(f"cu_seqlens must rise from 0 to T={T}, got {bounds}.")
+            why = offsets_error(bounds, T)
+            if why is not None:
+                raise ValueError(f"cu_seqlens {why}, got {bounds}.")
+        if cu_seqlens.device.type != "cpu":  # and on the device, before the first kernel reads them
+            assert_offsets(cu_seqlens, T, "chunk_kda")
 
 
 # --------------------------------------------------------------------------------------
@@ -267,8 +292,6 @@ def _gate(c: _Call) -> str | None:
     chunk_size = c.kwargs.get("chunk_size", 64)
     if chunk_size != 64:
         return f"chunk_size={chunk_size} (only 64 is supported)"
-    if c.use_gate_in_kernel and c.kwargs.get("A_log") is None:
-        return "use_gate_in_kernel=True with A_log=None (fla 0.6's lower-bound-only gate)"
     q = c.q
     if q.dtype not in _DTYPES:
         return f"q dtype {str(q.dtype).replace('torch.', '')} (supported: bfloat16, float16, float32)"
@@ -282,6 +305,9 @@ def _gate(c: _Call) -> str | None:
             return f"device {torch.cuda.get_device_name(device)} is sm_{major}{minor}; kernel-fun targets Hopper (sm_90)"
     elif device.type != "cpu":
         return f"device type {device.type} is not supported"
+    other = fla.chunk_kda_backend({**c.args, **c.kwargs})
+    if other is not None:  # FlashKDA's forward is reported ~2x fla's, kernel-fun's 1.2x: not measured faster
+        return f"fla gives this call to its {other} backend"
     min_ctas = env_int("KERNEL_FUN_KDA_MIN_CTAS", 0)
     if min_ctas:
         B, T = q.shape[:2]
@@ -403,7 +429,9 @@ def chunk_kda(*args, **kwargs):
     A_log = dt_bias = None
     if c.use_gate_in_kernel:
         A_log, dt_bias = c.kwargs.get("A_log"), c.kwargs.get("dt_bias")
-        A_log = A_log.contiguous()
+        # fla 0.6's gate without A_log, L * sigmoid(g + dt_bias): the chain's with A_log = 0
+        # (exp(0) = 1 exactly); no gradient is returned for it
+        A_log = A_log.contiguous() if A_log is not None else torch.zeros(v.shape[2], device=q.device)
         dt_bias = dt_bias.contiguous() if dt_bias is not None else None
     cu_seqlens = c.cu_seqlens.contiguous() if c.cu_seqlens is not None else None
     differentiable = [x for x in (*t.values(), A_log, dt_bias) if x is not None]
@@ -438,16 +466,26 @@ def chunk_kda(*args, **kwargs):
 chunk_kda.__signature__ = _SIG
 chunk_kda.__doc__ = """Chunked Kimi Delta Attention: ``fla.ops.kda.chunk_kda``'s contract, kernel-fun's kernels.
 
-Same signature, defaults, validation errors and return value as fla-core 0.5.2's
-``chunk_kda``; also accepts fla 0.6's ``use_graph`` and ``max_num_seqs`` (a call that sets
-them goes to fla). Calls outside the supported box go to fla with the same arguments.
+Same signature, defaults, validation errors and return value as the installed fla-core's
+``chunk_kda`` (0.5.2 or 0.6.x; ``docs/errors.md`` shows where the two differ); also accepts
+fla 0.6's ``use_graph`` and ``max_num_seqs`` under 0.5.2 (a call that sets them goes to fla).
+Calls outside the supported box go to fla with the same arguments, and so do calls fla 0.6
+would give another backend (FlashKDA, when installed: its forward is reported ~2x fla's,
+kernel-fun's is 1.2x).
+
+Causal to the bit on kernel-fun's paths: o at token t and a prefix's final state do not
+depend on any input after t, finite or not (a non-finite value is selected away from the
+tokens before it, never multiplied by zero). A log-decay of -inf is a full reset (outputs on
+both sides finite) on the CPU path; on a GPU the chain's F2-F6 are fla's kernels, which
+give NaN for it. The backward is not itself differentiable: a double backward raises.
 
 Args:
     q, k: ``[B, T, H, K]``. v: ``[B, T, HV, V]`` with HV a multiple of H (GVA).
     g: ``[B, T, HV, K]``: the log-decay, or with ``use_gate_in_kernel=True`` the raw gate
         input of ``-exp(A_log) * softplus(g + dt_bias)`` (``lower_bound`` L:
         ``L * sigmoid(exp(A_log) * (g + dt_bias))``); pass ``A_log`` ``[HV]`` and optional
-        ``dt_bias`` ``[HV * K]`` as keywords.
+        ``dt_bias`` ``[HV * K]`` as keywords (under fla 0.6, ``A_log`` may be omitted with
+        ``lower_bound``: ``L * sigmoid(g + dt_bias)``).
     beta: ``[B, T, HV]`` (raw logits with ``use_beta_sigmoid_in_kernel``; doubled range
         with ``allow_neg_eigval``).
     scale: defaults to ``K ** -0.5``.
