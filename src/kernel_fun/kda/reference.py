@@ -33,6 +33,9 @@ from kernel_fun._fla import RCP_LN2  # fla's 1/ln 2: the stored gc carries it
 
 LN2 = math.log(2.0)
 CHUNK = 64
+# The lowest log-decay the chunk references carry (F2): exp2(RESET * RCP_LN2) underflows to 0
+# in fp32 (below 2^-149), so a -inf log-decay is an exact reset with a finite cumsum.
+RESET = -200.0
 # Pairwise-decay tensors are [B, HV, chunks, 64, 64, K] floats; process chunks in groups
 # that keep one group under this many elements (~256 MB in float32).
 _PAIRWISE_BUDGET = 64 * 1024 * 1024
@@ -245,6 +248,18 @@ def _pairwise_decay(gc: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.exp2(torch.where(mask[..., None], diff, float("-inf")))
 
 
+def _tril_dot(A: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
+    """``A @ X`` for ``A`` lower-triangular in each chunk (``[..., BT, BT]``, 0 above the
+    diagonal), causal to the bit: row r reads X's rows s <= r alone. A non-finite entry of X
+    (NaN, +-inf) would reach the rows before it through a masked product (0 * NaN = NaN), so
+    it is selected away from them and its column is NaN from its own row on. With finite X
+    (the usual case) this is ``A @ X``, bit for bit."""
+    bad = ~torch.isfinite(X)
+    if not bool(bad.any()):
+        return A @ X
+    return torch.where(bad.cumsum(-2) > 0, float("nan"), A @ torch.where(bad, 0.0, X))
+
+
 def _chunk_groups(B: int, HV: int, NT: int, BT: int, K: int) -> list[slice]:
     per_chunk = B * HV * BT * BT * max(K, 1)
     step = max(1, _PAIRWISE_BUDGET // per_chunk)
@@ -371,8 +386,14 @@ def gate_cumsum(
     chunk_size: int = CHUNK,
     cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """F2/B1: gc = RCP_LN2 * chunk-local cumsum of the log-decay (activated in-op or given)."""
+    """F2/B1: gc = RCP_LN2 * chunk-local cumsum of the log-decay (activated in-op or given).
+
+    A log-decay below ``RESET`` (-inf: a full reset of the state) is taken as ``RESET``: the
+    cumsum stays finite, so decays between two tokens on the same side of a reset are
+    differences of finite numbers, and every decay across one is exp(<= RESET) = 0 in fp32,
+    as the recurrence's exp(-inf) is."""
     a = gate_activation(g, A_log, dt_bias, lower_bound) if use_gate_in_kernel else g.float()
+    a = torch.where(a < RESET, RESET, a)  # NaN stays NaN
     return chunk_cumsum(a, chunk_size=chunk_size, cu_seqlens=cu_seqlens) * RCP_LN2
 
 
@@ -392,12 +413,13 @@ def _intra_dense(q, k, gc, beta, scale, BT, exact=False):
     Akk = qc.new_zeros(B, HV, NT, BT, BT)
     for sl in _chunk_groups(B, HV, NT, BT, K):
         E = _pairwise_decay(gcc[:, :, sl], m_incl[sl])
-        Aqk[:, :, sl] = scale * torch.einsum("bhnrk,bhnsk,bhnrsk->bhnrs", qc[:, :, sl], kc[:, :, sl], E)
+        aqk = scale * torch.einsum("bhnrk,bhnsk,bhnrsk->bhnrs", qc[:, :, sl], kc[:, :, sl], E)
+        Aqk[:, :, sl] = torch.where(m_incl[sl], aqk, 0.0)  # (0 * a non-finite k above the diagonal is not 0)
         kk = torch.einsum("bhnrk,bhnsk,bhnrsk->bhnrs", kc[:, :, sl], kc[:, :, sl], E)
         Akk[:, :, sl] = torch.where(m_strict[sl], kk * bc[:, :, sl, :, None], 0.0)
     eye = torch.eye(BT, device=q.device, dtype=Akk.dtype)
     Akk_inv = torch.linalg.solve_triangular(eye + Akk, eye.expand_as(Akk), upper=False, unitriangular=True)
-    Akk_inv = Akk_inv * m_incl.to(Akk_inv.dtype)  # rows/columns of padding rows are not tokens
+    Akk_inv = torch.where(m_incl, Akk_inv, 0.0)  # 0 above the diagonal and on padding rows and columns
     if exact:
         return from_chunks(Aqk, T), from_chunks(Akk_inv, T)
     return from_chunks(Aqk, T).to(k.dtype), from_chunks(Akk_inv, T).to(k.dtype)
@@ -444,9 +466,9 @@ def _wy_dense(k, v, beta, A, gc, q, BT, exact=False):
     A_c = to_chunks(f(A), BT)  # [B, HV, NT, BT, BT]
     kb = f(ke) * f(beta)[..., None] if exact else ke * beta[..., None]  # rounds like the kernel: bf16 * bf16 stays bf16
     kbg = r(f(kb) * torch.exp2(f(gc)), k.dtype)
-    w = r(from_chunks(A_c @ to_chunks(f(kbg), BT), T), k.dtype)
+    w = r(from_chunks(_tril_dot(A_c, to_chunks(f(kbg), BT)), T), k.dtype)
     vb = r(f(v) * f(beta)[..., None], v.dtype)
-    u = r(from_chunks(A_c @ to_chunks(f(vb), BT), T), v.dtype)
+    u = r(from_chunks(_tril_dot(A_c, to_chunks(f(vb), BT)), T), v.dtype)
     gcc = to_chunks(f(gc), BT)
     g_last = _last_rows(gcc, T, BT)  # [B, HV, NT, K]
     valid = _valid_rows(T, BT, k.device)[..., None]
@@ -548,7 +570,7 @@ def _o_dense(q, v_new, gc, Aqk, h, scale, BT, exact=False):
     m_incl = _mask_pairs(T, BT, q.device, strict=False)
     A = torch.where(m_incl, to_chunks(f(Aqk), BT), 0)
     A = A if exact else A.to(v_new.dtype).float()
-    o = scale * (qgc @ hc) + A @ to_chunks(f(v_new), BT)
+    o = scale * (qgc @ hc) + _tril_dot(A, to_chunks(f(v_new), BT))
     return from_chunks(o, T) if exact else from_chunks(o, T).to(v_new.dtype)
 
 

@@ -11,8 +11,7 @@ sequence's chunks and per chunk computes
     S   = exp2(g_last) * S + kg^T v_new
 
 with the roundings where fla's two kernels make them; qg = q exp2(g) is read as F6 rounded
-it (the chain has F3-F6 write it: the ``reads_qg`` capability). h and v_new are written only
-with ``save_states`` (``disable_recompute``'s saved tensors).
+it (the ``reads_qg`` capability). h and v_new are written only with ``save_states``.
 
 For K <= 128 the state is held transposed, S^T [V slice, K], in two halves of K
 (``scan_transposed_kernel``): the V slice is every dot's M side and every N side is 64, so
@@ -27,10 +26,12 @@ itself during the step before, after that step's dots on the chain (the ``forms_
 capability: B2 then writes no u, 1.07 GB less at prod8192_gate).
 
 Numerics: the chunk loop is the sequential recurrence, in fla's order; only the blocking
-inside each dot reassociates fp32 sums (o within 2e-3 of fla's on the H200).
+inside each dot reassociates fp32 sums (o within 2e-3 of fla's on the H200). Causal to the
+bit: a non-finite v_new value is selected away from the tokens before it in the masked
+intra-chunk dot (0 * NaN is NaN) and makes its outputs NaN from its token on; this check is
+not yet timed on the H200 (sm_90a at BV=64: 255 registers, from 246, no spills).
 
-Falls back (``supports``): chunk size other than 64, K > 256; as B3 (``supports_states``) K >
-128 too.
+Falls back (``supports``): chunk size other than 64, K > 256; as B3 also K > 128.
 
 Measured: the README's stage table (F7-F8 rows, 2.19x fla's two stages at prod8192_gate, 1.52x
 the floor; B3 rows). A step at one chain takes ~2.1 us: seven waited wgmma groups and the
@@ -46,6 +47,22 @@ import triton
 import triton.language as tl
 
 from kernel_fun._triton import config_over, dot, to
+
+
+@triton.jit
+def _first_non_finite(x, o_t, BT: tl.constexpr, AXIS: tl.constexpr):
+    """Along AXIS of the [., BT] or [BT, .] tile x, the first index whose value is NaN or
+    +-inf, else BT; read from a 16-bit value's exponent bits (no conversion to fp32)."""
+    if x.dtype.is_bf16():
+        finite = (x.to(tl.int16, bitcast=True) & 0x7F80) != 0x7F80
+    elif x.dtype.is_fp16():
+        finite = (x.to(tl.int16, bitcast=True) & 0x7C00) != 0x7C00
+    else:
+        finite = tl.abs(x.to(tl.float32)) < float("inf")
+    if AXIS == 0:
+        return tl.min(tl.where(finite, BT, o_t[:, None]), axis=0)
+    else:
+        return tl.min(tl.where(finite, BT, o_t[None, :]), axis=1)
 
 
 @triton.jit
@@ -113,8 +130,13 @@ def scan_kernel(
             tl.store(v_new + p_hv, b_vn, mask=m_tv)
 
         b_A = to(tl.where(o_t[None, :] <= o_t[:, None], b_A, 0), u.dtype.element_ty)
-        b_o = scale * dot(b_qg, b_Sb) + dot(b_A, b_vn)
-        tl.store(o + p_hv, to(b_o, o.dtype.element_ty), mask=m_tv)
+        # causal to the bit: from a column's first non-finite v_new row on, its rows are
+        # selected away from the masked dot (0 * NaN would reach the rows before) and its
+        # outputs are NaN; the state takes v_new as it is
+        b_first = _first_non_finite(b_vn, o_t, BT, 0)  # [BV]
+        b_late = o_t[:, None] >= b_first[None, :]
+        b_o = scale * dot(b_qg, b_Sb) + dot(b_A, tl.where(b_late, 0, b_vn))
+        tl.store(o + p_hv, to(tl.where(b_late, float("nan"), b_o), o.dtype.element_ty), mask=m_tv)
 
         b_S = b_S * tl.exp2(b_gl)[:, None] + dot(tl.trans(b_kg), b_vn)
 
@@ -228,7 +250,13 @@ def scan_transposed_kernel(
             b_q1 = tl.load(qg + r_t[None, :] + o_k1[:, None], mask=m_k1[:, None] & m_t[None, :], other=0)
             b_q2 = tl.load(qg + r_t[None, :] + o_k2[:, None], mask=m_k2[:, None] & m_t[None, :], other=0)
             b_A = tl.where(o_t[:, None] <= o_t[None, :], b_At, 0).to(b_ut.dtype)  # Aqk^T, s <= t
-            b_o = scale * dot(b_H2, b_q2, dot(b_H1, b_q1)) + dot(b_vn, b_A)
+            # causal to the bit: from a V row's first non-finite v_new token on, its tokens are
+            # selected away from the masked dot (0 * NaN would reach the tokens before) and
+            # its outputs are NaN; the state takes v_new as it is
+            b_first = _first_non_finite(b_vn, o_t, BT, 1)  # [BV]
+            b_late = o_t[None, :] >= b_first[:, None]
+            b_o = scale * dot(b_H2, b_q2, dot(b_H1, b_q1)) + dot(tl.where(b_late, 0, b_vn), b_A)
+            b_o = tl.where(b_late, float("nan"), b_o)
             tl.store(o + p_vt, to(b_o, o.dtype.element_ty), mask=m_vt)
         b_k1 = tl.load(kg + r_t[:, None] + o_k1[None, :], mask=m_t[:, None] & m_k1[None, :], other=0)
         b_k2 = tl.load(kg + r_t[:, None] + o_k2[None, :], mask=m_t[:, None] & m_k2[None, :], other=0)
