@@ -408,7 +408,7 @@ def run_offsets(which: str, device: str = "cuda") -> None:
     from kernel_fun.kda import chunk_kda
 
     gen = torch.Generator().manual_seed(0)
-    D, W, T = 64, 4, 40
+    D, W, T = 16, 4, 40
     x = torch.randn(1, T, D, generator=gen).to(device, torch.bfloat16)
     w = torch.randn(D, W, generator=gen).to(device)
     for name, bounds in BAD_OFFSETS.items():

@@ -475,9 +475,9 @@ kernel-fun's is 1.2x).
 
 Causal to the bit on kernel-fun's paths: o at token t and a prefix's final state do not
 depend on any input after t, finite or not (a non-finite value is selected away from the
-tokens before it, never multiplied by zero). A log-decay of -inf is a full reset (outputs on
-both sides finite) on the CPU path; on a GPU the chain's F2-F6 are fla's kernels, which
-give NaN for it. The backward is not itself differentiable: a double backward raises.
+tokens before it, never multiplied by zero); on a GPU the chain's F1-F6 are fla's kernels,
+not held to it. A log-decay of -inf is a full reset (outputs on both sides finite) on the
+CPU path. The backward is not itself differentiable: a double backward raises.
 
 Args:
     q, k: ``[B, T, H, K]``. v: ``[B, T, HV, V]`` with HV a multiple of H (GVA).
