@@ -177,18 +177,18 @@ def b6_report(K: int = 128, V: int = 256, HV: int = 16, heads_fast: bool = True,
 
 
 def b7_b9_report(K: int = 128, HV: int = 16, gate: bool = True, bias: bool = True, lower_bound: bool = False,
-                 varlen: bool = False, dtype: str = "bf16", config: dict | None = None,
-                 tiers: dict | None = None) -> dict:
+                 varlen: bool = False, dtype: str = "bf16", config: dict | None = None) -> dict:
     """The B7-B9 unit (``kda/kernels/b7_b9_intra_bwd.py``) at its pinned config: with the
     gate's backward (``gate``: dt_bias with ``bias``, the lower-bounded form with
-    ``lower_bound``) or B7 and B8 alone (a pre-computed gate); ``tiers`` over the pinned."""
+    ``lower_bound``) or B7 and B8 alone (a pre-computed gate)."""
     from kernel_fun.kda.kernels import b7_b9_intra_bwd as m
 
     cfg = {**m.CONFIG, **(config or {})}
     types = {"q": _PTR[dtype], "k": _PTR[dtype], "beta": _PTR[dtype], "cu_seqlens": "*i32", "chunk_indices": "*i32",
              **{n: "*fp32" for n in ("g", "dAqk", "dAkk", "dq", "dk", "dg", "dq2", "dk2", "dg2", "db_part")}}
     gate_args = dict(g_raw=_PTR[dtype], A_log="*fp32", dt_bias="*fp32", dA_part="*fp32", dbias_part="*fp32")
-    ce = dict(H=HV, HV=HV, K=K, BT=64, BC=m.BC, BK=cfg["BK"], IS_VARLEN=varlen, **{**m.TIERS, **(tiers or {})},
+    guard = float(m.GUARD_SPAN.value)
+    ce = dict(H=HV, HV=HV, K=K, BT=64, BK=cfg["BK"], IS_VARLEN=varlen, GUARD=guard, SCALE=2.0 ** -guard,
               GATE=gate, HAS_BIAS=gate and bias, USE_LOWER_BOUND=gate and lower_bound,
               **({} if varlen else dict(cu_seqlens=None, chunk_indices=None)))
     if gate:

@@ -6,6 +6,7 @@ an ``ours`` implementation and for the whole op, in one device call of about 8 m
     python -m benchmarks.reliability --out $OUT/reliability.jsonl          # every part
     python -m benchmarks.reliability --parts sanitize --sanitizer-timeout 120
     python -m benchmarks.reliability --parts determinism,soak,extreme
+    python -m benchmarks.reliability --parts offsets    # only the malformed offsets under memcheck
 
 Rows (``kind: reliability``, one per check, ``ok`` true or false) go to ``--out`` (default
 ``benchmarks/results/reliability.jsonl``); a short table is printed last.
@@ -610,10 +611,14 @@ def main(argv=None) -> int:
     # Order: the sanitizer's child processes first (they need this process's CUDA context
     # only to capture inputs), the extreme inputs last (fla's call on zero-length sequences
     # is the one most likely to fault, and a fault poisons the context for what follows).
-    if "sanitize" in parts:
+    if "sanitize" in parts or "offsets" in parts:
         tool = sanitizer()
         if tool is None:
             emit("sanitize", "compute-sanitizer", {"ok": False, "error": "compute-sanitizer not found"})
+        elif "sanitize" not in parts:
+            for which in OFFSET_CHILDREN:
+                emit("sanitize", f"memcheck malformed offsets, {which}",
+                     sanitize_offsets(which, args.sanitizer_timeout))
         else:
             captured = capture_inputs()
             with tempfile.TemporaryDirectory() as tmp:

@@ -6,7 +6,7 @@ e.g. ``python -m research.b7_tiers --shapes prod8192_gate``.
 - ``b6_stream``: a kernel that moves exactly B6's bytes and computes next to nothing (what
   B6's access pattern costs at a given residency).
 - ``ws_probe``: what Triton 3.6's Hopper warp specialization takes, compiled for sm_90a.
-- ``b7_tiers``: the share of B7's programs on each tier on the chain's own gate.
+- ``b7_tiers``: the share of B7's programs taking one, two, three or more levels on the chain's own gate.
 - ``profile_stage``: a stage's kernel run a few times for Nsight Compute.
 
 A candidate kernel (one not yet measured the winner on the H200) lives here too, with its

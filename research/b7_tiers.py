@@ -1,14 +1,11 @@
-"""Which B7 tier each (chunk, value head, K slice) takes on the chain's own gate.
+"""How many levels B7's programs take on the chain's own gate.
 
 ``python -m research.b7_tiers --shapes prod8192_gate,kimi`` runs the whole op once per shape
-(fla's stages but B7's inputs captured as the chain hands them over), and prints the share
-of slices on each tier as the kernels' guards pick it: the chunk anchor (one [64, 64] dot a
-role and dA), the half-chunk anchors, the per-block anchors, and the per-block form with a
-diagonal pairwise on CUDA cores (a block whose own span passes 2^GUARD_SPAN). These shares
-are what B7's time is made of (``kda/kernels/b7_b9_intra_bwd.py``'s tiers follow them), and
-the pairwise share is the diagonal formulation's CUDA-core work. ``tiers`` is the guards'
-arithmetic in torch (``benchmarks/stages/b7_b9.py``); tests/test_b7_b9_intra_bwd.py holds the
-kernel to it.
+(B7's inputs captured as the chain hands them over) and prints the share of (chunk, value
+head, K slice) programs taking one, two, three and four or more levels: each level is one
+[64, 64] x [64, 32] dot a role and dA, so these shares are what B7's dots cost
+(``kda/kernels/b7_b9_intra_bwd.py``). ``levels`` is the kernel's level arithmetic in torch
+(``benchmarks/stages/b7_b9.py``).
 """
 
 from __future__ import annotations
@@ -19,13 +16,12 @@ import sys
 
 import torch
 
-from benchmarks.stages.b7_b9 import TIER_NAMES, tiers
+from benchmarks.stages.b7_b9 import LEVEL_NAMES, level_shares, levels  # noqa: F401
 
 
 def shares(gc: torch.Tensor, BK: int = 32) -> dict:
-    """The share of slices on each tier (names as ``TIER_NAMES``)."""
-    t = tiers(gc, BK)
-    return {n: (t == i).float().mean().item() for i, n in enumerate(TIER_NAMES)}
+    """The share of programs taking each count of levels (names as ``LEVEL_NAMES``)."""
+    return level_shares(gc, BK)
 
 
 def chain_gc(p, device, seed: int = 0) -> torch.Tensor:

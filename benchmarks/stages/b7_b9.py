@@ -64,35 +64,42 @@ def make_inputs(p, device, seed: int = 0) -> dict:
     )
 
 
-# The tiers, by the index ``tiers`` gives them.
-TIER_NAMES = ("chunk", "halves", "blocks", "pairwise")
+# The level counts ``level_shares`` reports, by ``levels``' value (4 and more together).
+LEVEL_NAMES = ("1 level", "2 levels", "3 levels", "4+ levels")
 
 
-def tiers(gc: torch.Tensor, BK: int = 32) -> torch.Tensor:
-    """Each (batch, chunk, value head, K slice)'s tier as the kernels' guards pick it, from
-    the chunk cumsum [B, T, HV, K] of a dense batch: 0 the chunk anchor, 1 the half-chunk
-    anchors, 2 the per-block anchors, 3 a block's diagonal pairwise."""
+def levels(gc: torch.Tensor, guard: float | None = None, BK: int = 32) -> torch.Tensor:
+    """How many levels each (batch, chunk, value head, K slice) program takes, as the kernel's
+    loop counts them, from the chunk cumsum [B, T, HV, K] of a dense batch (the kernel's
+    arithmetic in torch, fp32): per channel a level runs from its first row u to the first
+    row whose factor through the level's anchor (row u's gate, less ``guard`` for the first
+    level) leaves 2^+-guard; the program loops until every channel of its slice is done."""
     from kernel_fun._triton import GUARD_SPAN
 
+    guard = float(GUARD_SPAN.value) if guard is None else guard
     B, T, HV, K = gc.shape
-    out = torch.empty(B, -(-T // 64), HV, K // BK, dtype=torch.long, device=gc.device)
-    guard = float(GUARD_SPAN.value)
+    out = torch.zeros(B, -(-T // 64), HV, -(-K // BK), dtype=torch.long, device=gc.device)
     for i_c in range(out.shape[1]):
-        x = gc[:, 64 * i_c:64 * i_c + 64].unflatten(3, (K // BK, BK))  # [B, n_t, HV, NK, BK]
+        x = gc[:, 64 * i_c:64 * i_c + 64].float()
         n_t = x.shape[1]
-
-        def row(r):
-            return x[:, min(r, n_t - 1)]
-
-        whole = torch.maximum(row(0) - row(min(32, n_t) - 1), row(min(32, n_t) - 1) - row(n_t - 1)).amax(-1) <= guard
-        half = [torch.maximum(row(st) - row(st + 15), row(st + 15) - row(st + 31)).amax(-1) if st < n_t
-                else torch.zeros_like(whole, dtype=x.dtype) for st in (0, 32)]
-        halves = torch.maximum(*half) <= guard
-        span = [(row(st) - row(min(st + 16, n_t) - 1)).amax(-1) if st < n_t else torch.zeros_like(half[0])
-                for st in (0, 16, 32, 48)]
-        blocks = torch.stack(span).amax(0) <= guard
-        out[:, i_c] = torch.where(whole, 0, torch.where(halves, 1, torch.where(blocks, 2, 3)))
+        x = torch.nn.functional.pad(x, (0, out.shape[3] * BK - K)).unflatten(3, (-1, BK))  # [B, n_t, HV, NK, BK]
+        real = (torch.arange(out.shape[3] * BK, device=x.device) < K).view(out.shape[3], BK)
+        u = torch.where(real, 0, n_t).expand(B, HV, -1, -1).clone()  # [B, HV, NK, BK]
+        shift = guard
+        rows = torch.arange(n_t, device=x.device).view(1, n_t, 1, 1, 1)
+        while (u.amin(-1) < n_t).any():
+            out[:, i_c] += (u.amin(-1) < n_t).long()
+            a = torch.gather(x, 1, u.clamp(max=n_t - 1).unsqueeze(1)).squeeze(1) - shift
+            past = (rows > u.unsqueeze(1)) & real & ((a.unsqueeze(1) - x).abs() > guard)
+            u = torch.where(past, rows, n_t).amin(1)
+            shift = 0.0
     return out
+
+
+def level_shares(gc: torch.Tensor, BK: int = 32) -> dict:
+    """The share of programs taking each count of levels (names as ``LEVEL_NAMES``)."""
+    n = levels(gc, BK=BK).clamp(max=len(LEVEL_NAMES))
+    return {name: (n == i + 1).float().mean().item() for i, name in enumerate(LEVEL_NAMES)}
 
 
 def _exact(**inputs):
