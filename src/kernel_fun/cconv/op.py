@@ -15,7 +15,9 @@ with the caller's arguments untouched, logged once.
 Switches: ``KERNEL_FUN_DISABLE=1`` or ``KERNEL_FUN_CCONV_DISABLE=1`` send every call to fla.
 
 The final state's gradient is the derivative of the forward (the float64 reference's
-autograd agrees), as fla 0.6 computes it. fla 0.5.2's backward differs: it drops the
+autograd agrees). fla 0.6 changed its backward here; on the H200 it agrees with this one on
+a one-token sequence with h0 but not on a packed batch or W=3 with a residual (the cause
+not yet known: docs/log/trust.md). fla 0.5.2's backward differs: it drops the
 gradient of the final state's slot 0 (x[T - W]), places it on the wrong tokens for a
 sequence shorter than W - 1, and never carries it into the initial state's gradient where
 the final state holds initial-state slots. With a final-state gradient of zero (the usual
