@@ -110,7 +110,7 @@ CASES = [  # (B, T, D, W, bias, residual, h0, final, activation, seqlens)
     (1, 70, 33, 3, True, False, True, True, "silu", None),
     (1, 70, 33, 2, False, False, True, True, None, None),
     (1, 70, 33, 1, True, False, True, True, "silu", None),
-    (1, None, 24, 4, True, False, True, True, "silu", (2, 300, 1, 65, 3)),
+    (1, None, 48, 4, True, False, True, True, "silu", (2, 300, 1, 65, 3)),
     (1, None, 48, 3, False, True, False, True, None, (130, 2, 70)),
     (1, None, 40, 4, True, False, True, True, "silu", (3, 0, 70, 0)),  # sequences of no tokens
 ]
