@@ -188,7 +188,7 @@ def b7_b9_report(K: int = 128, HV: int = 16, gate: bool = True, bias: bool = Tru
              **{n: "*fp32" for n in ("g", "dAqk", "dAkk", "dq", "dk", "dg", "dq2", "dk2", "dg2", "db_part")}}
     gate_args = dict(g_raw=_PTR[dtype], A_log="*fp32", dt_bias="*fp32", dA_part="*fp32", dbias_part="*fp32")
     guard = float(m.GUARD_SPAN.value)
-    ce = dict(H=HV, HV=HV, K=K, BT=64, BK=cfg["BK"], IS_VARLEN=varlen, GUARD=guard, SCALE=2.0 ** -guard, PEEL=m.PEEL,
+    ce = dict(H=HV, HV=HV, K=K, BT=64, BK=cfg["BK"], IS_VARLEN=varlen, GUARD=guard, SCALE=2.0 ** -guard,
               GATE=gate, HAS_BIAS=gate and bias, USE_LOWER_BOUND=gate and lower_bound,
               **({} if varlen else dict(cu_seqlens=None, chunk_indices=None)))
     if gate:

@@ -39,26 +39,22 @@ def main(argv=None) -> None:
         a, b = new.intra_bwd(**inputs), old.intra_bwd(**inputs)
         diff = {n: ref.rel_rms(x, y) for n, x, y in zip(("dq", "dk", "db", "dg", "dA_log", "ddt_bias"), a, b)
                 if x is not None}
-        peeled = new.intra_bwd(**inputs, _peel=True)
-        same_peeled = all(torch.equal(x, y) for x, y in zip(a[:4], peeled[:4]))
-        ms = time_pair({"levels": lambda: new.intra_bwd(**inputs, _peel=False),
-                        "peeled": lambda: new.intra_bwd(**inputs, _peel=True),
-                        "tiers": lambda: old.intra_bwd(**inputs)}, args.reps, args.rounds)
+        ms = time_pair({"levels": lambda: new.intra_bwd(**inputs), "tiers": lambda: old.intra_bwd(**inputs)},
+                       args.reps, args.rounds)
         row = {"kind": "b7_levels_cost", "stage": "B7-B9", "shape": name, "levels_vs_tiers": diff,
-               "level_shares": level_shares(inputs["gc"][:1]), "ms_levels": ms["levels"], "ms_peeled": ms["peeled"],
-               "peeled_bitwise_same": same_peeled, "ms_tiers": ms["tiers"],
+               "level_shares": level_shares(inputs["gc"][:1]), "ms_levels": ms["levels"], "ms_tiers": ms["tiers"],
                "cost": ms["levels"] / ms["tiers"] - 1, "gpu": torch.cuda.get_device_name()}
         table.append(row)
         if args.out:
             with open(args.out, "a") as f:
                 f.write(json.dumps(row) + "\n")
         print(json.dumps(row), flush=True)
-        inputs = a = b = peeled = None
+        inputs = a = b = None
         torch.cuda.empty_cache()
-    print(f"{'shape':16s} {'tiers ms':>10s} {'levels ms':>10s} {'peeled ms':>10s} {'cost':>7s}  max rel diff")
+    print(f"{'shape':16s} {'tiers ms':>10s} {'levels ms':>10s} {'cost':>7s}  max rel diff")
     for r in table:
-        print(f"{r['shape']:16s} {r['ms_tiers']:10.3f} {r['ms_levels']:10.3f} {r['ms_peeled']:10.3f} "
-              f"{100 * r['cost']:6.1f}%  {max(r['levels_vs_tiers'].values()):.1e} peeled same {r['peeled_bitwise_same']}")
+        print(f"{r['shape']:16s} {r['ms_tiers']:10.3f} {r['ms_levels']:10.3f} {100 * r['cost']:6.1f}%  "
+              f"{max(r['levels_vs_tiers'].values()):.1e}")
 
 
 if __name__ == "__main__":

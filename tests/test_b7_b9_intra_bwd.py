@@ -248,13 +248,3 @@ def test_packed_gate_unit_equals_per_sequence_calls():
         assert ref.rel_rms(got[i], torch.cat([q[i] for q in parts], 1)) <= 1e-6, i
     for i in (4, 5):
         assert ref.rel_rms(got[i], sum(q[i] for q in parts)) <= 1e-6, i
-
-
-@pytest.mark.parametrize("gate_scale", [1.0, 30.0])
-def test_the_first_level_peeled_gives_the_loop_s_bits(gate_scale):
-    """The first level written before the loop, into fresh accumulators (``_peel``), adds the
-    same products in the same order: bit for bit the loop's, one level or two."""
-    inputs = unit_inputs(LEVELS, gate_scale=gate_scale)
-    loop = unit.intra_bwd(**inputs, _peel=False)
-    peeled = unit.intra_bwd(**inputs, _peel=True)
-    assert all(torch.equal(a, b) for a, b in zip(loop[:4], peeled[:4]))

@@ -392,3 +392,30 @@ def test_fla_s_own_convolution_backend_switched_on_takes_the_call(monkeypatch):
         assert _fla.causal_conv1d_backend() == "fake_conv"
     finally:
         registry._backends = saved
+
+
+@needs_triton
+@pytest.mark.every_fla
+def test_final_state_gradient_beside_the_installed_fla():
+    """A loss through the final state too, fla's causal_conv1d run through the interpreter
+    beside kernel-fun's: kernel-fun's dx and dh0 within the bars of the float64 reference;
+    fla's dx off at exactly the tokens its version is known to miss. fla 0.6 drops the
+    final state's slot 0 (each sequence's token eos - W, for a sequence of at least W
+    tokens) and nothing else; fla 0.5.2 drops it too, misplaces the gradient of a sequence
+    shorter than W - 1 and never carries it into dh0."""
+    W, lens = 4, (1, 3, 20, 9, 2, 6)
+    kw = conv_inputs(1, None, 16, W, torch.bfloat16, h0=True, seqlens=lens)
+    ours = conv_grads(_kernels, kw, "silu", True)
+    want = conv_grads(conv_oracle(**kw), kw, "silu", True)
+    theirs = conv_grads(_fla.causal_conv1d(), kw, "silu", True)
+    assert rel_rms(ours["dx"], want["dx"]) <= 8e-3 and rel_rms(ours["dh0"], want["dh0"]) <= 8e-3
+    off = (theirs["dx"].double() - want["dx"]).abs().amax(-1)[0] > 1e-2 * want["dx"].abs().max()
+    ends = torch.tensor(lens).cumsum(0)
+    slot0 = {int(e) - W for e, n in zip(ends, lens) if n >= W}
+    found = set(off.nonzero().flatten().tolist())
+    if _fla.version_tuple() >= (0, 6):
+        assert found == slot0, (found, slot0)
+        assert rel_rms(theirs["dh0"], want["dh0"]) <= 8e-3
+    else:
+        assert slot0 < found, (found, slot0)
+        assert rel_rms(theirs["dh0"], want["dh0"]) > 0.1

@@ -15,13 +15,12 @@ with the caller's arguments untouched, logged once.
 Switches: ``KERNEL_FUN_DISABLE=1`` or ``KERNEL_FUN_CCONV_DISABLE=1`` send every call to fla.
 
 The final state's gradient is the derivative of the forward (the float64 reference's
-autograd agrees). fla 0.6 changed its backward here; on the H200 it agrees with this one on
-a one-token sequence with h0 but not on a packed batch or W=3 with a residual (the cause
-not yet known: docs/log/trust.md). fla 0.5.2's backward differs: it drops the
-gradient of the final state's slot 0 (x[T - W]), places it on the wrong tokens for a
-sequence shorter than W - 1, and never carries it into the initial state's gradient where
-the final state holds initial-state slots. With a final-state gradient of zero (the usual
-case: the state feeds decoding, not the loss) all three agree. The backward is not itself
+autograd agrees). fla's backward differs: 0.6 drops the gradient of the final state's
+slot 0 (x[eos - W] of each sequence of at least W tokens); 0.5.2 drops it too, places the
+gradient on the wrong tokens for a sequence shorter than W - 1, and never carries it into
+the initial state's gradient where the final state holds initial-state slots (both run
+through the interpreter beside this one in tests/test_cconv.py). With a final-state
+gradient of zero (the usual case: the state feeds decoding, not the loss) all three agree. The backward is not itself
 differentiable: a double backward raises.
 """
 

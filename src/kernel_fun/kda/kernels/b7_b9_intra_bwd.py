@@ -75,8 +75,7 @@ def _gate_bwd(st, n_t, dy, g_raw, dt_bias, dg_out, A, lower_bound, o_k, m_k,
 
 @triton.jit
 def _level_sums(q, k, beta, dAqk, dAkk, t, n_t, g_c, g_u, shift, R, S, o_k, m_k, acc_q, acc_kr, acc_c,
-                HV: tl.constexpr, BT: tl.constexpr, SK: tl.constexpr, SCALE: tl.constexpr,
-                FIRST: tl.constexpr = False):
+                HV: tl.constexpr, BT: tl.constexpr, SK: tl.constexpr, SCALE: tl.constexpr):
     """B7's three sums over the pairs (r, s), s <= r, with r in R and s in S (per element
     [BT, BK] masks), each pair's factor exp2(g_r - g_s) through the per-channel anchor a [BK]
     as exp2(g_r - a) exp2(a - g_s): each role one [BT, BT] x [BT, BK] dot per dA, the factor's
@@ -102,18 +101,11 @@ def _level_sums(q, k, beta, dAqk, dAkk, t, n_t, g_c, g_u, shift, R, S, o_k, m_k,
     # each dA tile read along its rows for the row role; the column role's tiles ([s, r]) are
     # those transposed on chip, one tile live at a time
     dA = tl.load(dAqk + p_A, mask=m_2 & (t[:, None] >= t[None, :]), other=0)
-    if FIRST:
-        acc_q = down * dot3(dA, kx)
-    else:
-        acc_q += down * dot3(dA, kx)
+    acc_q += down * dot3(dA, kx)
     part = dot3(tl.trans(dA), q_c * down)
     dA = tl.load(dAkk + p_A, mask=m_2 & (t[:, None] > t[None, :]), other=0)
-    if FIRST:
-        acc_kr = down * dot3(dA, kx)
-        acc_c = up * dot3(tl.trans(dA), (b_c[:, None] * k_c) * down, part)
-    else:
-        acc_kr += down * dot3(dA, kx)
-        acc_c += up * dot3(tl.trans(dA), (b_c[:, None] * k_c) * down, part)
+    acc_kr += down * dot3(dA, kx)
+    acc_c += up * dot3(tl.trans(dA), (b_c[:, None] * k_c) * down, part)
     return acc_q, acc_kr, acc_c
 
 
@@ -124,7 +116,7 @@ def intra_bwd_kernel(
     g_raw, A_log, dt_bias, dA_part, dbias_part, lower_bound,
     cu_seqlens, chunk_indices, T, NT_ROWS, NT_ALL,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-    IS_VARLEN: tl.constexpr, GUARD: tl.constexpr, SCALE: tl.constexpr, PEEL: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    IS_VARLEN: tl.constexpr, GUARD: tl.constexpr, SCALE: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr,
     USE_LOWER_BOUND: tl.constexpr,
 ):
     """B7 and B8 on one (K slice, chunk, head), the chunk as one [BT, BK] tile per output, dg
@@ -165,25 +157,11 @@ def intra_bwd_kernel(
     # GUARD (a chunk span of 2 GUARD), each later one's its own first row's (every factor of
     # an earlier row then <= 1). Which level a row is in follows from it and the rows before
     # it, so the sums for tokens before t never see a gate after t.
-    if PEEL:
-        # the first level, through row 0's gate less GUARD, into fresh accumulators (most
-        # programs take only this one); the later levels in the loop below, where needed
-        g_c = tl.load(g + t[:, None] * SG + o_k[None, :], mask=m_tk, other=0)
-        g_u = tl.load(g + o_k, mask=m_k & (0 < n_t), other=0)
-        shift = tl.full([BK], GUARD, tl.float32)
-        past = (t[:, None] > 0) & m_tk & (tl.abs(g_u[None, :] - shift[None, :] - g_c) > GUARD)
-        u = tl.min(tl.where(past, t[:, None], n_t), axis=0)
-        S = (t[:, None] < u[None, :]) & m_tk
-        acc_q, acc_kr, acc_c = _level_sums(q, k, beta, dAqk, dAkk, t, n_t, g_c, g_u, shift, S, S, o_k, m_k,
-                                           g_c, g_c, g_c, HV, BT, SK, SCALE, FIRST=True)
-        u = tl.where(m_k, u, n_t)
-        shift = tl.zeros([BK], tl.float32)
-    else:
-        acc_q = tl.zeros([BT, BK], dtype=tl.float32)
-        acc_kr = tl.zeros([BT, BK], dtype=tl.float32)
-        acc_c = tl.zeros([BT, BK], dtype=tl.float32)
-        u = tl.where(m_k, 0, n_t)  # [BK] each channel's first row of the level
-        shift = tl.full([BK], GUARD, tl.float32)
+    acc_q = tl.zeros([BT, BK], dtype=tl.float32)
+    acc_kr = tl.zeros([BT, BK], dtype=tl.float32)
+    acc_c = tl.zeros([BT, BK], dtype=tl.float32)
+    u = tl.where(m_k, 0, n_t)  # [BK] each channel's first row of the level
+    shift = tl.full([BK], GUARD, tl.float32)
     while tl.min(u, axis=0) < n_t:
         g_c = tl.load(g + t[:, None] * SG + o_k[None, :], mask=m_tk, other=0)  # (L1: held, it spills)
         g_u = tl.load(g + u * SG + o_k, mask=u < n_t, other=0)
@@ -228,10 +206,8 @@ def intra_bwd_kernel(
 CONFIG = dict(BK=32, num_warps=4, num_stages=1)
 # What ``config`` may set (the benchmarks' sweeps; a call runs the pinned config).
 CONFIG_KEYS = frozenset({"BK", "num_warps", "num_stages", "maxnreg"})
-PEEL = False
 def intra_bwd(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log, dt_bias, lower_bound, chunk_size,
-              cu_seqlens, chunk_indices, config: dict | None = None, _guard: float | None = None,
-              _peel: bool | None = None):
+              cu_seqlens, chunk_indices, config: dict | None = None, _guard: float | None = None):
     """B7, B8 and (with ``A_log``) B9 with fla's contracts: (dq, dk, db, dg, dA_log, ddt_bias).
     dq, dk and db (fp32, at value heads) are the inputs plus the vector-Jacobian product of
     Aqk and Akk with dAqk and dAkk. Without ``A_log`` (a pre-computed gate) dg is B8's, the
@@ -268,7 +244,7 @@ def intra_bwd(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log, d
         dA_part=dA_part, dbias_part=dbias_part, lower_bound=0.0 if lower_bound is None or not gate else float(lower_bound),
         cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, T=T, NT_ROWS=B * T * HV, NT_ALL=NT_ALL,
         H=H, HV=HV, K=K, BT=chunk_size, BK=BK, IS_VARLEN=cu_seqlens is not None,
-        GUARD=guard, SCALE=2.0 ** -guard, PEEL=PEEL if _peel is None else _peel,
+        GUARD=guard, SCALE=2.0 ** -guard,
         GATE=gate, HAS_BIAS=gate and dt_bias is not None, USE_LOWER_BOUND=gate and lower_bound is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
