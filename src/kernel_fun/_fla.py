@@ -15,6 +15,8 @@ fla is imported on first use, never at import: it is the fallback, not an import
 
 from __future__ import annotations
 
+import functools
+
 import importlib
 import sys
 
@@ -24,8 +26,10 @@ _originals: dict[str, object] = {}
 RCP_LN2 = 1.4426950216
 
 
+@functools.cache
 def version() -> str:
-    """fla-core's installed version ("missing" without it)."""
+    """fla-core's installed version ("missing" without it); read once a process (the package
+    metadata's parse costs ~2.5 ms, and every call's validation asks)."""
     import importlib.metadata
 
     try:
@@ -34,6 +38,7 @@ def version() -> str:
         return "missing"
 
 
+@functools.cache
 def version_tuple() -> tuple[int, int]:
     """(major, minor) of the installed fla-core ((0, 0) without it)."""
     parts = version().split(".")
