@@ -262,3 +262,29 @@ def test_fla_backend_is_asked_of_fla_s_own_registry():
             assert _fla.chunk_kda_backend(kw) == want, fake.backend_type
     finally:
         registry._backends = saved
+
+
+def test_hand_binding_is_signature_binding():
+    """chunk_kda binds its arguments by hand (host time): the same names, values and extra
+    keywords as ``inspect.Signature.bind`` with defaults applied, for positional, keyword
+    and mixed calls; a call Python would reject gets Python's own error."""
+    from kernel_fun.kda import chunk as op
+
+    q, k, v, g, beta = (torch.zeros(1) for _ in range(5))
+    calls = [((q, k, v, g, beta), {}), ((), dict(q=q, k=k, v=v, g=g, beta=beta, scale=0.5)),
+             ((q, k), dict(v=v, g=g, beta=beta, output_final_state=True, head_first=False)),
+             ((q, k, v, g, beta, 0.1, None, True), dict(cu_seqlens=None, unknown=3))]
+    for args, kwargs in calls:
+        want = op._SIG.bind(*args, **kwargs)
+        want.apply_defaults()
+        want = dict(want.arguments)
+        extra = want.pop("kwargs")
+        got = op._bind(args, kwargs)
+        assert list(got.args) == list(want) and all(got.args[n] is want[n] for n in want)
+        assert got.kwargs == extra
+    for args, kwargs in [((q, k, v, g), {}), ((q, k, v, g, beta), dict(q=q)), ((q,) * 30, {})]:
+        with pytest.raises(TypeError) as ours:
+            op._bind(args, kwargs)
+        with pytest.raises(TypeError) as python:
+            op._SIG.bind(*args, **kwargs)
+        assert str(ours.value) == str(python.value)
