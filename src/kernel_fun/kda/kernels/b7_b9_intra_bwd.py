@@ -20,8 +20,9 @@ is exact (``safe_gate`` changes nothing), and causal to the bit: which level a r
 and its anchor, follow from that row and the rows before it, so dq, dk, dg and db before
 token t are the call cut at t's whatever the gates after t (the middle-row and per-block
 anchors this replaced picked the tier from the whole chunk). The program loops until every
-channel of its slice is done: on the chain's gate at prod8192_gate 52% of the programs take
-one level and most of the rest two (``benchmarks.stages.b7_b9.levels`` counts them).
+channel of its slice is done: on the stage bench's Kimi-style gate at prod8192_gate 52-79%
+of the programs take one level (by the draw) and most of the rest two
+(``benchmarks.stages.b7_b9.levels`` counts them; ``research.b7_tiers`` on the chain's).
 Every dot is three tf32 products (``dot3``). db sums the K slices' partials in slice order;
 dg's reverse cumsum runs over the chunk tile in registers; dA_log's and dt_bias's partials
 are per chunk, summed in order (no atomics). The incoming dq, dk and dg are asked of L2 at
