@@ -207,6 +207,8 @@ def intra_bwd_kernel(
 CONFIG = dict(BK=32, num_warps=4, num_stages=1)
 # What ``config`` may set (the benchmarks' sweeps; a call runs the pinned config).
 CONFIG_KEYS = frozenset({"BK", "num_warps", "num_stages", "maxnreg"})
+
+
 def intra_bwd(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log, dt_bias, lower_bound, chunk_size,
               cu_seqlens, chunk_indices, config: dict | None = None, _guard: float | None = None):
     """B7, B8 and (with ``A_log``) B9 with fla's contracts: (dq, dk, db, dg, dA_log, ddt_bias).
