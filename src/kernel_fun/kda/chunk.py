@@ -37,6 +37,7 @@ import torch
 
 from kernel_fun import _fla as fla
 from kernel_fun._runtime import assert_offsets, env_flag, env_int, log_once, offsets_error
+from kernel_fun._runtime import logger as _runtime_logger
 from kernel_fun.kda.chain import ChunkKDAFunction, Options, run_forward
 from kernel_fun.kda.stages import CallRecord, set_last_record
 
@@ -471,7 +472,9 @@ def chunk_kda(*args, **kwargs):
         safe_gate=bool(c.safe_gate),
         disable_recompute=bool(c.disable_recompute),
         return_intermediate_states=bool(c.return_intermediate_states),
-        report=_reporter(_call_key(c, "fwd+bwd" if expects_backward else "fwd")),
+        # the log line's text built only where the logger would write it (host time)
+        report=(_reporter(_call_key(c, "fwd+bwd" if expects_backward else "fwd"))
+                if _runtime_logger.isEnabledFor(logging.INFO) else None),
         expects_backward=expects_backward,
     )
     record = CallRecord(engaged=True)

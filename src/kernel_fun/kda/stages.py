@@ -289,7 +289,7 @@ class Dispatcher:
 
     def run(self, name: str, phase: str, **inputs):
         declared = _REGISTRY[name].inputs
-        if set(inputs) != set(declared):  # the chain and the stage's contract disagree
+        if len(inputs) != len(declared) or not all(n in inputs for n in declared):  # the chain and the contract disagree
             raise TypeError(f"stage {name} takes {sorted(declared)}; the chain passed {sorted(inputs)}")
         impl = self.choose(name, **inputs)
         (self.record.forward if phase == "forward" else self.record.backward)[name] = impl
