@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import itertools
 import json
 import os
 import statistics
@@ -37,18 +38,17 @@ def _replaying(log: list):
     for name, _, _, out in log:
         outs.setdefault(name, []).append(out)
     known = stages()
-    stack = []
+    contexts = []
     for name, seq in outs.items():
         impl = "ours" if "ours" in known[name].impls else "reference"
-        turn = iter(range(10 ** 12))
 
-        def replay(_seq=seq, _turn=turn, **_inputs):
+        def replay(_seq=seq, _turn=itertools.count(), **_inputs):
             return _seq[next(_turn) % len(_seq)]
 
         replay.__signature__ = inspect.Signature(
             [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY) for n in known[name].inputs])
-        stack.append(registered(name, impl, replay))
-    return stack
+        contexts.append(registered(name, impl, replay))
+    return contexts
 
 
 class _Bare(torch.autograd.Function):

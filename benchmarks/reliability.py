@@ -615,11 +615,7 @@ def main(argv=None) -> int:
         tool = sanitizer()
         if tool is None:
             emit("sanitize", "compute-sanitizer", {"ok": False, "error": "compute-sanitizer not found"})
-        elif "sanitize" not in parts:
-            for which in OFFSET_CHILDREN:
-                emit("sanitize", f"memcheck malformed offsets, {which}",
-                     sanitize_offsets(which, args.sanitizer_timeout))
-        else:
+        elif "sanitize" in parts:
             captured = capture_inputs()
             with tempfile.TemporaryDirectory() as tmp:
                 path = Path(tmp) / "captured.pt"
@@ -635,6 +631,7 @@ def main(argv=None) -> int:
                 # the launch then fails, so the child never reports the kernel as done).
                 res["ok"] = bool(res["errors"]) and any(PLANTED_FILE in line for line in res["summary"])
                 emit("sanitize", "planted out-of-bounds store caught", res)
+        if tool is not None:  # the malformed offsets: with the sanitize part, or alone (--parts offsets)
             for which in OFFSET_CHILDREN:
                 emit("sanitize", f"memcheck malformed offsets, {which}",
                      sanitize_offsets(which, args.sanitizer_timeout))

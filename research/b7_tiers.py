@@ -16,12 +16,7 @@ import sys
 
 import torch
 
-from benchmarks.stages.b7_b9 import LEVEL_NAMES, level_shares, levels  # noqa: F401
-
-
-def shares(gc: torch.Tensor, BK: int = 32) -> dict:
-    """The share of programs taking each count of levels (names as ``LEVEL_NAMES``)."""
-    return level_shares(gc, BK)
+from benchmarks.stages.b7_b9 import level_shares
 
 
 def chain_gc(p, device, seed: int = 0) -> torch.Tensor:
@@ -54,7 +49,7 @@ def main(argv=None) -> int:
         if p.cu_seqlens is not None:
             print(f"{name}: packed sequences are not counted here", file=sys.stderr)
             continue
-        print(json.dumps({"shape": name, **{n: round(v, 4) for n, v in shares(chain_gc(p, "cuda")).items()}}))
+        print(json.dumps({"shape": name, **{n: round(v, 4) for n, v in level_shares(chain_gc(p, "cuda")).items()}}))
         torch.cuda.empty_cache()
     return 0
 

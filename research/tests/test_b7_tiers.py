@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from benchmarks.stages.b7_b9 import LEVEL_NAMES, level_shares, levels
 from kernel_fun.kda.problems import Problem
 from research import b7_tiers
 
@@ -18,12 +19,12 @@ def test_levels_of_a_gate_built_for_each():
     steps = slope[torch.arange(T) // 64]
     gc = -torch.cat([steps[64 * c:64 * c + 64].cumsum(0) for c in range(5)])
     gc = gc[None, :, None, None].expand(1, T, 1, 32).contiguous()
-    assert b7_tiers.levels(gc).flatten().tolist() == [1, 2, 4, 63, 1]
+    assert levels(gc).flatten().tolist() == [1, 2, 4, 63, 1]
 
 
 def test_shares_of_the_chain_s_gate_sum_to_one():
     from kernel_fun.kda.stages import use_impls
 
     with use_impls("reference"):
-        got = b7_tiers.shares(b7_tiers.chain_gc(Problem("small", 1, 130, 2, 2, 64, 16), "cpu"))
-    assert set(got) == set(b7_tiers.LEVEL_NAMES) and abs(sum(got.values()) - 1) < 1e-6, got
+        got = level_shares(b7_tiers.chain_gc(Problem("small", 1, 130, 2, 2, 64, 16), "cpu"))
+    assert set(got) == set(LEVEL_NAMES) and abs(sum(got.values()) - 1) < 1e-6, got

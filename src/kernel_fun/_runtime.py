@@ -7,9 +7,9 @@ is kept.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
-import functools
 import threading
 import weakref
 
@@ -82,6 +82,19 @@ def offsets_error(bounds: list[int], total: int) -> str | None:
     if any(b < a for a, b in zip(bounds, bounds[1:])):
         return f"must rise from 0 to T={total} without a step down"
     return None
+
+
+def host_offsets_error(cu_seqlens, cu_seqlens_cpu, total: int) -> tuple[str, list[int]] | None:
+    """(why, the offsets) where a host copy of the offsets is at hand (``cu_seqlens_cpu``, or
+    ``cu_seqlens`` itself on the CPU: reading it costs no synchronization) and they are not
+    packed sequences covering ``total`` tokens; else None (device offsets go to
+    ``assert_offsets``)."""
+    host = cu_seqlens_cpu if cu_seqlens_cpu is not None else (cu_seqlens if cu_seqlens.device.type == "cpu" else None)
+    if host is None:
+        return None
+    bounds = host.tolist()
+    why = offsets_error(bounds, total)
+    return None if why is None else (why, bounds)
 
 
 def assert_offsets(cu_seqlens, total: int, who: str) -> None:

@@ -20,8 +20,8 @@ slot 0 (x[eos - W] of each sequence of at least W tokens); 0.5.2 drops it too, p
 gradient on the wrong tokens for a sequence shorter than W - 1, and never carries it into
 the initial state's gradient where the final state holds initial-state slots (both run
 through the interpreter beside this one in tests/test_cconv.py). With a final-state
-gradient of zero (the usual case: the state feeds decoding, not the loss) all three agree. The backward is not itself
-differentiable: a double backward raises.
+gradient of zero (the usual case: the state feeds decoding, not the loss) all three agree.
+The backward is not itself differentiable: a double backward raises.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import weakref
 import torch
 
 from kernel_fun import _fla as fla
-from kernel_fun._runtime import assert_offsets, env_flag, first_order_only, log_once, offsets_error
+from kernel_fun._runtime import assert_offsets, env_flag, first_order_only, host_offsets_error, log_once
 from kernel_fun._triton import interpreting
 from kernel_fun.cconv import kernels as K
 from kernel_fun.cconv.reference import conv_reference
@@ -88,14 +88,11 @@ def _validate(x, weight, bias, residual, initial_state, activation, cu_seqlens, 
                              f"offsets on the host; got {tuple(cu_seqlens_cpu.shape)} {cu_seqlens_cpu.dtype}")
         # Checked here where the host copy is free (a device one would sync); on the device
         # by an assert enqueued before the first kernel (``segments``).
-        host = cu_seqlens_cpu if cu_seqlens_cpu is not None else (cu_seqlens if cu_seqlens.device.type == "cpu"
-                                                                  else None)
-        if host is not None:
-            bounds = host.tolist()
-            why = offsets_error(bounds, x.shape[1])
-            if why is not None:
-                raise ValueError(f"causal_conv1d: cu_seqlens {why} (x has T={x.shape[1]} tokens); got {bounds[:8]}"
-                                 f"{'...' if len(bounds) > 8 else ''}")
+        bad = host_offsets_error(cu_seqlens, cu_seqlens_cpu, x.shape[1])
+        if bad is not None:
+            why, bounds = bad
+            raise ValueError(f"causal_conv1d: cu_seqlens {why} (x has T={x.shape[1]} tokens); got {bounds[:8]}"
+                             f"{'...' if len(bounds) > 8 else ''}")
     N = x.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
     if initial_state is not None and tuple(initial_state.shape) != (N, D, W):
         raise ValueError(f"causal_conv1d: initial_state must be [N, D, W] = [{N}, {D}, {W}]; "

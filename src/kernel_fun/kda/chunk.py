@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from kernel_fun import _fla as fla
-from kernel_fun._runtime import assert_offsets, env_flag, env_int, log_once, offsets_error
+from kernel_fun._runtime import assert_offsets, env_flag, env_int, host_offsets_error, log_once
 from kernel_fun._runtime import logger as _runtime_logger
 from kernel_fun.kda.chain import ChunkKDAFunction, Options, run_forward
 from kernel_fun.kda.stages import CallRecord, set_last_record
@@ -271,12 +271,9 @@ def _validate(c: _Call) -> None:
         if dt_bias is not None and dt_bias.numel() != HV * K:
             raise ValueError(f"dt_bias must have HV*K={HV * K} elements, got shape {list(dt_bias.shape)}.")
     if cu_seqlens is not None:
-        host = c.cu_seqlens_cpu if c.cu_seqlens_cpu is not None else (cu_seqlens if cu_seqlens.device.type == "cpu" else None)
-        if host is not None:  # checked here where the host copy is free (a device one would sync)
-            bounds = host.tolist()
-            why = offsets_error(bounds, T)
-            if why is not None:
-                raise ValueError(f"cu_seqlens {why}, got {bounds}.")
+        bad = host_offsets_error(cu_seqlens, c.cu_seqlens_cpu, T)  # where the host copy is free
+        if bad is not None:
+            raise ValueError(f"cu_seqlens {bad[0]}, got {bad[1]}.")
         if cu_seqlens.device.type != "cpu":  # and on the device, before the first kernel reads them
             assert_offsets(cu_seqlens, T, "chunk_kda")
 

@@ -87,6 +87,8 @@ def _level_sums(q, k, beta, dAqk, dAkk, t, n_t, g_c, g_u, shift, R, S, o_k, m_k,
     # exp2(a - g) with a = g_u - shift, the exponent kept exact: d = g_u - g as the gate's own
     # difference, less the shift only where that subtraction is exact (d >= shift / 2,
     # Sterbenz), else the shift applied as the exact power of two SCALE = 2^-shift after
+    # (with g_u - shift - g rounded instead, dq's error of the float64 stage was 4-5x larger
+    # at the interpreter's test shapes: 8.8e-7 against 1.7e-7)
     d = g_u[None, :] - g_c
     near = d >= 0.5 * shift[None, :]
     e = tl.where(near, d - shift[None, :], d)
