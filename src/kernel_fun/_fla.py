@@ -20,16 +20,23 @@ import functools
 import importlib
 import sys
 
+import torch
+
 _originals: dict[str, object] = {}
 
 # fla's 1/ln 2 (fla.ops.utils.constant.RCP_LN2): the chunk cumsum carries it (log2 units)
 RCP_LN2 = 1.4426950216
 
 
-@functools.cache
+@torch.compiler.assume_constant_result  # under torch.compile: a constant read at trace time, not traced
 def version() -> str:
     """fla-core's installed version ("missing" without it); read once a process (the package
     metadata's parse costs ~2.5 ms, and every call's validation asks)."""
+    return _version()
+
+
+@functools.cache
+def _version() -> str:
     import importlib.metadata
 
     try:
@@ -38,9 +45,14 @@ def version() -> str:
         return "missing"
 
 
-@functools.cache
+@torch.compiler.assume_constant_result
 def version_tuple() -> tuple[int, int]:
     """(major, minor) of the installed fla-core ((0, 0) without it)."""
+    return _version_tuple()
+
+
+@functools.cache
+def _version_tuple() -> tuple[int, int]:
     parts = version().split(".")
     try:
         return int(parts[0]), int(parts[1])

@@ -14,6 +14,7 @@ import threading
 import weakref
 
 import torch
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 logger = logging.getLogger("kernel_fun")
 
@@ -129,3 +130,12 @@ def first_order_only(who: str):
         return run
 
     return wrap
+
+
+def wants_operator(t: torch.Tensor) -> bool:
+    """Whether a supported call with ``t`` among its inputs takes the ops' PyTorch operators
+    (``kernel_fun.kda.ops``, ``kernel_fun.cconv.op``) rather than their eager autograd
+    Functions: under ``torch.compile`` / ``torch.export``, under a dispatch mode (fake
+    tensors, ``make_fx``), on meta tensors or tensor subclasses."""
+    return (torch.compiler.is_compiling() or t.device.type == "meta" or type(t) is not torch.Tensor
+            or is_in_torch_dispatch_mode())

@@ -33,7 +33,8 @@ import weakref
 import torch
 
 from kernel_fun import _fla as fla
-from kernel_fun._runtime import assert_offsets, env_flag, first_order_only, host_offsets_error, log_once
+from kernel_fun._runtime import (assert_offsets, env_flag, first_order_only, host_offsets_error, log_once,
+                                 wants_operator)
 from kernel_fun._triton import interpreting
 from kernel_fun.cconv import kernels as K
 from kernel_fun.cconv.reference import conv_reference
@@ -49,7 +50,17 @@ def last_route() -> str | None:
     return _last["route"]
 
 
-def _validate(x, weight, bias, residual, initial_state, activation, cu_seqlens, cu_seqlens_cpu=None):
+def check_host_offsets(cu_seqlens, cu_seqlens_cpu, T: int) -> None:
+    """Offsets checked where the host copy is free (a device one would sync); on the device
+    by an assert enqueued before the first kernel (``segments``)."""
+    bad = host_offsets_error(cu_seqlens, cu_seqlens_cpu, T)
+    if bad is not None:
+        why, bounds = bad
+        raise ValueError(f"causal_conv1d: cu_seqlens {why} (x has T={T} tokens); got {bounds[:8]}"
+                         f"{'...' if len(bounds) > 8 else ''}")
+
+
+def _validate(x, weight, bias, residual, initial_state, activation, cu_seqlens, cu_seqlens_cpu=None, traced=False):
     if not isinstance(x, torch.Tensor) or x.dim() < 3:
         raise ValueError(f"causal_conv1d: x must be [B, T, D] (or [B, T, ...] with D the product of the rest); "
                          f"got {tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
@@ -86,13 +97,8 @@ def _validate(x, weight, bias, residual, initial_state, activation, cu_seqlens, 
                                            or cu_seqlens_cpu.is_floating_point() or cu_seqlens_cpu.is_complex()):
             raise ValueError(f"causal_conv1d: cu_seqlens_cpu must be cu_seqlens's {cu_seqlens.numel()} integer "
                              f"offsets on the host; got {tuple(cu_seqlens_cpu.shape)} {cu_seqlens_cpu.dtype}")
-        # Checked here where the host copy is free (a device one would sync); on the device
-        # by an assert enqueued before the first kernel (``segments``).
-        bad = host_offsets_error(cu_seqlens, cu_seqlens_cpu, x.shape[1])
-        if bad is not None:
-            why, bounds = bad
-            raise ValueError(f"causal_conv1d: cu_seqlens {why} (x has T={x.shape[1]} tokens); got {bounds[:8]}"
-                             f"{'...' if len(bounds) > 8 else ''}")
+        if not traced:  # (traced: the operator checks them when it runs)
+            check_host_offsets(cu_seqlens, cu_seqlens_cpu, x.shape[1])
     N = x.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
     if initial_state is not None and tuple(initial_state.shape) != (N, D, W):
         raise ValueError(f"causal_conv1d: initial_state must be [N, D, W] = [{N}, {D}, {W}]; "
@@ -124,9 +130,19 @@ def _gate(x, weight, bias, residual, initial_state, backend, cp_context, kwargs)
         major, minor = torch.cuda.get_device_capability(x.device)
         if (major, minor) != (9, 0):
             return f"device {torch.cuda.get_device_name(x.device)} is sm_{major}{minor}; kernel-fun targets Hopper (sm_90)"
-    elif x.device.type != "cpu":
+    elif x.device.type not in ("cpu", "meta"):  # meta: the operators' shapes
         return f"device type {x.device.type} is not supported"
     return None
+
+
+@torch.compiler.disable  # under torch.compile: the graph breaks here, at fla's op, never at ours
+def _fallback(reason: str, traced: bool, x, **kwargs):
+    if traced and kwargs["cu_seqlens"] is not None and kwargs["cp_context"] is None:  # not yet checked
+        check_host_offsets(kwargs["cu_seqlens"], kwargs["cu_seqlens_cpu"], x.shape[1])
+    _require_cuda(x, reason)
+    log_once(logging.WARNING, f"causal_conv1d: falling back to fla — {reason}")
+    _last["route"] = f"fla: {reason}"
+    return fla.causal_conv1d()(x, **kwargs)
 
 
 def is_supported(x, weight=None, bias=None, residual=None, initial_state=None, output_final_state=False,
@@ -151,7 +167,7 @@ def _require_cuda(x, reason: str) -> None:
 
 
 def uses_kernels(x: torch.Tensor) -> bool:
-    return x.is_cuda or interpreting()
+    return x.is_cuda or interpreting() or x.device.type == "meta"
 
 
 def segments(cu_seqlens, total, device):
@@ -226,6 +242,78 @@ class CausalConv1dFunction(torch.autograd.Function):
         return dx, dw, db, dres, dh0, None, None, None, None, None, None
 
 
+# --------------------------------------------------------------------------------------
+# The kernels' path as PyTorch operators (under torch.compile, export, fake tensors)
+# --------------------------------------------------------------------------------------
+@torch.library.custom_op("kernel_fun::causal_conv1d_fwd", mutates_args=())
+def causal_conv1d_fwd(x3: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      residual: torch.Tensor | None, initial_state: torch.Tensor | None,
+                      cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: torch.Tensor | None,
+                      output_final_state: bool, silu: bool) -> list[torch.Tensor]:
+    """``CausalConv1dFunction.forward`` as an operator: [y, the final state] (a size-0
+    placeholder without ``output_final_state``)."""
+    if cu_seqlens is not None:
+        check_host_offsets(cu_seqlens, cu_seqlens_cpu, x3.shape[1])
+    seg_index, TS = segments(cu_seqlens, x3.shape[1], x3.device)
+    _last["route"] = "kernels"
+    y = K.conv_fwd(x3, weight, bias, residual, initial_state, silu, cu_seqlens, seg_index, TS)
+    final = _final_state(x3, initial_state, cu_seqlens, weight.shape[1]) if output_final_state else x3.new_empty(0)
+    return [y, final]
+
+
+@causal_conv1d_fwd.register_fake
+def _causal_conv1d_fwd_fake(x3, weight, bias, residual, initial_state, cu_seqlens, cu_seqlens_cpu, output_final_state,
+                            silu):
+    B, T, D = x3.shape
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    final = x3.new_empty(N, D, weight.shape[1]) if output_final_state else x3.new_empty(0)
+    return [x3.new_empty(B, T, D), final]
+
+
+@torch.library.custom_op("kernel_fun::causal_conv1d_bwd", mutates_args=())
+def causal_conv1d_bwd(dy: torch.Tensor, dht: torch.Tensor | None, x3: torch.Tensor, weight: torch.Tensor,
+                      bias: torch.Tensor | None, initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
+                      silu: bool, want_dh0: bool) -> list[torch.Tensor]:
+    """``CausalConv1dFunction.backward`` as an operator: [dx, dw, db, dh0] (size-0
+    placeholders for an absent bias or initial state)."""
+    seg_index, TS = segments(cu_seqlens, x3.shape[1], x3.device)
+    dx, dw, db, dh0 = K.conv_bwd(x3, weight, bias, initial_state, dy.contiguous(),
+                                 dht.contiguous() if dht is not None else None, silu, cu_seqlens, seg_index, TS,
+                                 want_dh0=want_dh0)
+    return [dx, dw, db if db is not None else dy.new_empty(0), dh0 if dh0 is not None else dy.new_empty(0)]
+
+
+@causal_conv1d_bwd.register_fake
+def _causal_conv1d_bwd_fake(dy, dht, x3, weight, bias, initial_state, cu_seqlens, silu, want_dh0):
+    B, T, D = x3.shape
+    return [x3.new_empty(B, T, D), torch.empty_like(weight),
+            torch.empty_like(bias) if bias is not None else dy.new_empty(0),
+            torch.empty_like(initial_state) if initial_state is not None and want_dh0 else dy.new_empty(0)]
+
+
+def _conv_setup_context(ctx, inputs, output):
+    x3, weight, bias, residual, initial_state, cu_seqlens, cu_seqlens_cpu, output_final_state, silu = inputs
+    ctx.save_for_backward(x3, weight, bias, initial_state, cu_seqlens)
+    ctx.silu, ctx.has_residual, ctx.output_final_state = silu, residual is not None, output_final_state
+    ctx.set_materialize_grads(False)
+
+
+@first_order_only("causal_conv1d")
+def _conv_backward(ctx, grads):
+    dy, dht = grads
+    x3, weight, bias, initial_state, cu_seqlens = ctx.saved_tensors
+    if dy is None:  # only the final state reaches the loss
+        dy = torch.zeros(x3.shape, dtype=x3.dtype, device=x3.device)
+    want_dh0 = initial_state is not None and ctx.needs_input_grad[4]
+    dx, dw, db, dh0 = causal_conv1d_bwd(dy, dht if ctx.output_final_state else None, x3, weight, bias,
+                                        initial_state, cu_seqlens, ctx.silu, want_dh0)
+    dres = dy if ctx.has_residual and ctx.needs_input_grad[3] else None
+    return (dx, dw, db if bias is not None else None, dres, dh0 if want_dh0 else None, None, None, None, None)
+
+
+causal_conv1d_fwd.register_autograd(_conv_backward, setup_context=_conv_setup_context)
+
+
 def causal_conv1d(x, weight=None, bias=None, residual=None, initial_state=None, output_final_state=False,
                   activation=None, backend="triton", cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None,
                   cp_context=None, **kwargs):
@@ -249,18 +337,16 @@ def causal_conv1d(x, weight=None, bias=None, residual=None, initial_state=None, 
     Returns:
         ``(y in x's shape and dtype, final_state in x's dtype or None)``.
     """
+    traced = isinstance(x, torch.Tensor) and (wants_operator(x) or env_flag("KERNEL_FUN_CCONV_OPS"))
     if cp_context is None:
-        _validate(x, weight, bias, residual, initial_state, activation, cu_seqlens, cu_seqlens_cpu)
+        _validate(x, weight, bias, residual, initial_state, activation, cu_seqlens, cu_seqlens_cpu, traced)
     reason = _gate(x, weight, bias, residual, initial_state, backend, cp_context, kwargs) if weight is not None else \
         "no weight"
     if reason is not None:
-        _require_cuda(x, reason)
-        log_once(logging.WARNING, f"causal_conv1d: falling back to fla — {reason}")
-        _last["route"] = f"fla: {reason}"
-        return fla.causal_conv1d()(x, weight=weight, bias=bias, residual=residual, initial_state=initial_state,
-                                     output_final_state=output_final_state, activation=activation, backend=backend,
-                                     cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices,
-                                     cp_context=cp_context, **kwargs)
+        return _fallback(reason, traced, x, weight=weight, bias=bias, residual=residual, initial_state=initial_state,
+                         output_final_state=output_final_state, activation=activation, backend=backend,
+                         cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices,
+                         cp_context=cp_context, **kwargs)
     silu = activation in ("silu", "swish")
     if not uses_kernels(x):
         log_once(logging.INFO, "causal_conv1d: on the CPU through kernel-fun's torch reference")
@@ -269,6 +355,11 @@ def causal_conv1d(x, weight=None, bias=None, residual=None, initial_state=None, 
     shape = x.shape
     D, W = weight.shape
     x3 = x if x.dim() == 3 else x.reshape(shape[0], shape[1], D)
+    if traced:  # torch.compile, export, fake tensors: the operators
+        y, final = torch.ops.kernel_fun.causal_conv1d_fwd(
+            x3, weight, bias, residual.reshape(x3.shape) if residual is not None else None, initial_state,
+            cu_seqlens, cu_seqlens_cpu, bool(output_final_state), silu)
+        return y.reshape(shape), (final if output_final_state else None)
     seg_index, TS = segments(cu_seqlens, x3.shape[1], x.device)
     log_once(logging.INFO, f"causal_conv1d: kernel-fun's kernels (D={D}, W={W}, {x.dtype})")
     _last["route"] = "kernels"

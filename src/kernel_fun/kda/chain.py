@@ -45,12 +45,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from collections.abc import Callable
 
 import torch
 
 from kernel_fun import _fla as fla
-from kernel_fun._runtime import first_order_only
+from kernel_fun._runtime import first_order_only, log_once
 from kernel_fun.kda import reference as ref
 from kernel_fun.kda.stages import CallRecord, Dispatcher, Stage, register, set_last_record
 
@@ -194,6 +195,57 @@ _stage("B10b", ("B10b",), "beta sigmoid bwd", "beta db scale", ("dbeta",), fla.b
 
 
 # --------------------------------------------------------------------------------------
+# The log line: which implementation ran each stage, once per distinct shape and flags
+# --------------------------------------------------------------------------------------
+# The flags a call's key names, in the order it names them (also the order of the bits of
+# the operators' ``flags``: kernel_fun.kda.ops).
+FLAG_NAMES = ("use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel", "allow_neg_eigval",
+              "safe_gate", "disable_recompute", "state_v_first", "output_final_state", "return_intermediate_states")
+
+
+def call_key(q, v, packed: bool, flags: dict, lower_bound, has_initial_state: bool, phases: str) -> str:
+    """The shape and flags of a call, as the log names it. A packed batch is named without
+    its token and sequence counts, which change from step to step of packed training: one
+    line per head layout, not one per batch."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    shape = "packed" if packed else f"B={B} T={T}"
+    named = [name for name in FLAG_NAMES if flags[name]]
+    if lower_bound is not None:
+        named.append(f"lower_bound={lower_bound}")
+    if has_initial_state:
+        named.append("initial_state")
+    return (f"{shape} H={H} HV={HV} K={K} V={V} {str(q.dtype).replace('torch.', '')} on {q.device.type}"
+            f"{', ' + ', '.join(named) if named else ''}; {phases}")
+
+
+def describe_impls(record: CallRecord) -> str:
+    """Which implementation ran each stage, runs of stages collapsed in chain order:
+    ``"forward F1-F8 fla; backward B1-B5 fla, B6-B9 ours, B10-B10b fla"``."""
+    parts = []
+    for phase, stages_ in (("forward", record.forward), ("backward", record.backward)):
+        if not stages_:
+            continue
+        runs: list[list] = []
+        for name, impl in stages_.items():
+            if runs and runs[-1][2] == impl:
+                runs[-1][1] = name
+            else:
+                runs.append([name, name, impl])
+        # a run from a unit's start to another's end (B6 then the B7-B9 unit: "B6-B9")
+        parts.append(phase + " " + ", ".join(f"{a.split('-')[0]}-{b.split('-')[-1]} {impl}" if a != b else f"{a} {impl}"
+                                             for a, b, impl in runs))
+    return "; ".join(parts)
+
+
+def reporter(key: str) -> Callable[[CallRecord], None]:
+    """The report an ``Options`` carries: logs the record's stages under ``key``, once."""
+    def report(record: CallRecord) -> None:
+        log_once(logging.INFO, f"engaged ({key}): {describe_impls(record)}")
+    return report
+
+
+# --------------------------------------------------------------------------------------
 # The autograd Function
 # --------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -266,7 +318,7 @@ class ChunkKDAFunction(torch.autograd.Function):
     @first_order_only("chunk_kda")
     def backward(ctx, do, dht):
         with _device_scope(do):
-            return _backward(ctx, do, dht)
+            return run_backward(dict(zip(_SAVED, ctx.saved_tensors)), ctx.opts, ctx.run, do, dht)
 
 
 def _swaps_states(opts: Options, run: Dispatcher) -> bool:
@@ -343,14 +395,13 @@ def run_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, opts: Options, 
     return ForwardResult(o=o.type_as(q), final_state=final_state, h=h_out, saved=saved, run=run)
 
 
-def _backward(ctx, do, dht):
-    s = dict(zip(_SAVED, ctx.saved_tensors))
+def run_backward(s: dict, opts: Options, run: Dispatcher, do, dht):
+    """The backward chain B1-B10 from the forward's saved tensors (``_SAVED`` by name, None
+    where absent): the ten gradients of ``ChunkKDAFunction.forward``'s inputs."""
     q, q_rstd, k, k_rstd, v, gc = s["q"], s["q_rstd"], s["k"], s["k_rstd"], s["v"], s["gc"]
     g_input, beta_raw, beta, A_log, dt_bias = s["g"], s["beta_raw"], s["beta"], s["A_log"], s["dt_bias"]
     Aqk, Akk, initial_state, cu_seqlens, chunk_indices = (
         s["Aqk"], s["Akk"], s["initial_state"], s["cu_seqlens"], s["chunk_indices"])
-    opts: Options = ctx.opts
-    run: Dispatcher = ctx.run
     record = run.record
     do = do.contiguous()
     swap = _swaps_states(opts, run)  # the saved initial state is already in the chain's layout

@@ -20,6 +20,8 @@ the default):
 
 - ``KERNEL_FUN_DISABLE=1``: every op goes to fla.
 - ``KERNEL_FUN_KDA_DISABLE=1``: ``chunk_kda`` goes to fla.
+- ``KERNEL_FUN_KDA_OPS=1``: eager calls take the PyTorch operators too (``kernel_fun.kda.ops``),
+  as calls under ``torch.compile`` always do (the same chain; ~85-150 us more host time).
 - ``KERNEL_FUN_KDA_MIN_CTAS=<n>``: calls with fewer than n chunk-heads (chunks x value
   heads: the grid of the chunk-parallel stages) go to fla. Default 0 (no floor).
 """
@@ -36,9 +38,10 @@ from typing import Any
 import torch
 
 from kernel_fun import _fla as fla
-from kernel_fun._runtime import assert_offsets, env_flag, env_int, host_offsets_error, log_once
+from kernel_fun._runtime import env_flag, env_int, log_once, wants_operator
 from kernel_fun._runtime import logger as _runtime_logger
-from kernel_fun.kda.chain import ChunkKDAFunction, Options, run_forward
+from kernel_fun.kda.chain import FLAG_NAMES, ChunkKDAFunction, Options, call_key, reporter, run_forward
+from kernel_fun.kda.ops import check_offsets, pack_flags
 from kernel_fun.kda.stages import CallRecord, set_last_record
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -270,12 +273,6 @@ def _validate(c: _Call) -> None:
             raise ValueError(f"A_log must have HV={HV} elements, got shape {list(A_log.shape)}.")
         if dt_bias is not None and dt_bias.numel() != HV * K:
             raise ValueError(f"dt_bias must have HV*K={HV * K} elements, got shape {list(dt_bias.shape)}.")
-    if cu_seqlens is not None:
-        bad = host_offsets_error(cu_seqlens, c.cu_seqlens_cpu, T)  # where the host copy is free
-        if bad is not None:
-            raise ValueError(f"cu_seqlens {bad[0]}, got {bad[1]}.")
-        if cu_seqlens.device.type != "cpu":  # and on the device, before the first kernel reads them
-            assert_offsets(cu_seqlens, T, "chunk_kda")
 
 
 # --------------------------------------------------------------------------------------
@@ -320,7 +317,7 @@ def _gate(c: _Call) -> str | None:
         major, minor = torch.cuda.get_device_capability(device)
         if (major, minor) != (9, 0):
             return f"device {torch.cuda.get_device_name(device)} is sm_{major}{minor}; kernel-fun targets Hopper (sm_90)"
-    elif device.type != "cpu":
+    elif device.type not in ("cpu", "meta"):  # meta: the operators' shapes (kernel_fun.kda.ops)
         return f"device type {device.type} is not supported"
     other = fla.chunk_kda_backend({**c.args, **c.kwargs})
     if other is not None:  # FlashKDA's forward is reported ~2x fla's, kernel-fun's 1.2x: not measured faster
@@ -356,14 +353,20 @@ def _require_cuda(reason: str, args, kwargs) -> None:
         )
 
 
-def _fallback(reason: str, args, kwargs):
+@torch.compiler.disable  # under torch.compile: the graph breaks here, at fla's op, never at ours
+def _fallback(reason: str, c: _Call | None, args, kwargs):
+    if c is not None and c.cp_context is None and c.cu_seqlens is not None:  # not yet checked where traced
+        check_offsets(c.cu_seqlens, c.cu_seqlens_cpu, c.q.shape[1])
     _require_cuda(reason, args, kwargs)
     log_once(logging.WARNING, f"falling back to fla — {reason}")
     set_last_record(CallRecord(engaged=False, reason=reason))
     return fla.chunk_kda()(*args, **kwargs)
 
 
-def _decide(args, kwargs) -> tuple[_Call | None, str | None]:
+def _decide(args, kwargs, traced: bool = False) -> tuple[_Call | None, str | None]:
+    """The bound call and the gate's reason to send it to fla (None: the chain takes it),
+    from the arguments' metadata; the offsets' data checks too unless ``traced`` (the
+    operator makes them when it runs)."""
     switch = _switch_reason()
     if switch is not None:
         return None, switch
@@ -371,6 +374,8 @@ def _decide(args, kwargs) -> tuple[_Call | None, str | None]:
     if c.cp_context is not None:  # fla takes cu_seqlens from the context and validates it itself
         return c, _gate(c)
     _validate(c)
+    if c.cu_seqlens is not None and not traced:
+        check_offsets(c.cu_seqlens, c.cu_seqlens_cpu, c.q.shape[1])
     return c, _gate(c)
 
 
@@ -385,58 +390,15 @@ def is_supported(*args, **kwargs) -> tuple[bool, str | None]:
     return reason is None, reason
 
 
-def _call_key(c: _Call, phases: str) -> str:
-    """The shape and flags of a call, as the log names it. A packed batch is named without
-    its token and sequence counts, which change from step to step of packed training: one
-    line per head layout, not one per batch."""
-    q, v = c.q, c.v
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    shape = f"B={B} T={T}" if c.cu_seqlens is None else "packed"
-    flags = [name for name in ("use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel",
-                               "allow_neg_eigval", "safe_gate", "disable_recompute", "state_v_first",
-                               "output_final_state", "return_intermediate_states") if c.args[name]]
-    if c.lower_bound is not None:
-        flags.append(f"lower_bound={c.lower_bound}")
-    if c.initial_state is not None:
-        flags.append("initial_state")
-    return (f"{shape} H={H} HV={HV} K={K} V={V} {str(q.dtype).replace('torch.', '')} on {q.device.type}"
-            f"{', ' + ', '.join(flags) if flags else ''}; {phases}")
-
-
-def describe_impls(record: CallRecord) -> str:
-    """Which implementation ran each stage, runs of stages collapsed in chain order:
-    ``"forward F1-F8 fla; backward B1-B5 fla, B6-B9 ours, B10-B10b fla"``."""
-    parts = []
-    for phase, stages_ in (("forward", record.forward), ("backward", record.backward)):
-        if not stages_:
-            continue
-        runs: list[list] = []
-        for name, impl in stages_.items():
-            if runs and runs[-1][2] == impl:
-                runs[-1][1] = name
-            else:
-                runs.append([name, name, impl])
-        # a run from a unit's start to another's end (B6 then the B7-B9 unit: "B6-B9")
-        parts.append(phase + " " + ", ".join(f"{a.split('-')[0]}-{b.split('-')[-1]} {impl}" if a != b else f"{a} {impl}"
-                                             for a, b, impl in runs))
-    return "; ".join(parts)
-
-
-def _reporter(key: str):
-    def report(record: CallRecord) -> None:
-        log_once(logging.INFO, f"engaged ({key}): {describe_impls(record)}")
-    return report
-
-
 _TENSOR_ARGS = ("q", "k", "v", "g", "beta", "initial_state")
 
 
-@torch.compiler.disable
 def chunk_kda(*args, **kwargs):
-    c, reason = _decide(args, kwargs)
+    first = _first_tensor(args, kwargs)
+    traced = first is not None and (wants_operator(first) or env_flag("KERNEL_FUN_KDA_OPS"))
+    c, reason = _decide(args, kwargs, traced)
     if reason is not None:
-        return _fallback(reason, args, kwargs)
+        return _fallback(reason, c if traced else None, args, kwargs)
     # Inputs as fla takes them: any strides (a split of a fused projection is a strided
     # view). The chain's stages index dense tensors, so each input is made contiguous once,
     # here, as fla's input_guard does; a dense input passes through untouched.
@@ -454,6 +416,14 @@ def chunk_kda(*args, **kwargs):
     differentiable = [x for x in (*t.values(), A_log, dt_bias) if x is not None]
     expects_backward = (not c.return_intermediate_states and torch.is_grad_enabled()
                         and any(x.requires_grad for x in differentiable))
+    if traced:  # torch.compile, export, fake tensors: the operators
+        flags = pack_flags({n: c.args[n] for n in FLAG_NAMES}, expects_backward)
+        out = torch.ops.kernel_fun.chunk_kda_fwd(q, t["k"], v, t["g"], t["beta"], A_log, dt_bias, t["initial_state"],
+                                                 cu_seqlens, c.cu_seqlens_cpu, float(K ** -0.5 if c.scale is None
+                                                                                     else c.scale),
+                                                 None if c.lower_bound is None else float(c.lower_bound), flags)
+        final_state = out[1] if c.output_final_state else None
+        return (out[0], final_state, out[2]) if c.return_intermediate_states else (out[0], final_state)
     opts = Options(
         scale=K ** -0.5 if c.scale is None else c.scale,
         output_final_state=bool(c.output_final_state),
@@ -470,7 +440,8 @@ def chunk_kda(*args, **kwargs):
         disable_recompute=bool(c.disable_recompute),
         return_intermediate_states=bool(c.return_intermediate_states),
         # the log line's text built only where the logger would write it (host time)
-        report=(_reporter(_call_key(c, "fwd+bwd" if expects_backward else "fwd"))
+        report=(reporter(call_key(q, v, c.cu_seqlens is not None, c.args, c.lower_bound, c.initial_state is not None,
+                                  "fwd+bwd" if expects_backward else "fwd"))
                 if _runtime_logger.isEnabledFor(logging.INFO) else None),
         expects_backward=expects_backward,
     )

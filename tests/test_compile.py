@@ -1,0 +1,269 @@
+"""``chunk_kda`` and ``causal_conv1d`` under ``torch.compile``, fake tensors and
+``torch.library.opcheck`` (kernel_fun.kda.ops, kernel_fun.cconv.op), on the CPU.
+
+- Every operator passes ``opcheck`` (schema, autograd registration, fake tensors against
+  the real outputs' shapes, dtypes and strides, AOT dispatch with dynamic shapes): dense
+  and packed, initial and final state, both state layouts, every flag the chain carries.
+- ``torch.compile(fullgraph=True)`` with ``aot_eager`` and with inductor: the forward and
+  every gradient bit for bit eager's (the same kernels run on the same inputs: inductor
+  fuses only the torch ops around the operators), kernel-fun's kernels witnessed
+  (``last_record()`` after the compiled step), and ``torch._dynamo.explain`` shows one
+  graph and no break.
+- Fake tensors and meta tensors: every output's shape and dtype without data.
+- Dynamic shapes: one compile across T, the batch and the packed lengths.
+- What goes to fla still goes to fla (the break is at fla's op), and offsets are still
+  checked when the compiled call runs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+from kernel_fun.cconv import op as conv_op
+from kernel_fun.kda import chunk_kda, last_record, ops
+from kernel_fun.kda.chain import FLAG_NAMES
+from kernel_fun.kda.problems import Problem, make_inputs, run_fwd_bwd
+
+from conftest import needs_interpreter
+
+# Small shapes (each call runs kernel-fun's kernels through the interpreter; opcheck runs
+# an operator about ten times)
+PROBLEMS = [
+    Problem("gva-h0-gate", 2, 70, 1, 2, 32, 16, initial_state=True, output_final_state=True, dtype=torch.float16),
+    Problem("packed-vfirst-keep", 1, 90, 1, 2, 32, 16, cu_seqlens=(0, 40, 90), initial_state=True,
+            output_final_state=True, state_v_first=True, disable_recompute=True, dtype=torch.float16),
+    Problem("pregated-sigmoid-neg", 1, 70, 1, 1, 32, 16, gate_in_kernel=False, l2norm_in_kernel=False,
+            beta_sigmoid_in_kernel=True, allow_neg_eigval=True, dtype=torch.float32),
+    Problem("packed-safe-gate", 1, 70, 1, 1, 32, 16, lower_bound=-5.0, safe_gate=True, cu_seqlens=(0, 30, 70),
+            output_final_state=True, dtype=torch.float32),
+]
+
+
+def _inputs(p: Problem, host_offsets: bool = True) -> dict:
+    kw = make_inputs(p, seed=3)
+    if "cu_seqlens" in kw and host_offsets:
+        kw["cu_seqlens_cpu"] = kw["cu_seqlens"].cpu()
+    return kw
+
+
+def _fwd_args(kw: dict) -> tuple:
+    """``chunk_kda_fwd``'s arguments for a ``chunk_kda`` call's keywords."""
+    flags = {n: bool(kw.get(n, False)) for n in FLAG_NAMES}
+    q = kw["q"]
+    return (q, kw["k"], kw["v"], kw["g"], kw["beta"], kw.get("A_log"), kw.get("dt_bias"), kw.get("initial_state"),
+            kw.get("cu_seqlens"), kw.get("cu_seqlens_cpu"), q.shape[-1] ** -0.5, kw.get("lower_bound"),
+            ops.pack_flags(flags, True))
+
+
+def _assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        if a[name] is None:
+            assert b[name] is None, name
+        else:
+            assert torch.equal(a[name], b[name]), (name, (a[name].float() - b[name].float()).abs().max())
+
+
+# --------------------------------------------------------------------------------------
+# opcheck
+# --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("p", PROBLEMS, ids=lambda p: p.name)
+def test_chunk_kda_operators_pass_opcheck(p, monkeypatch):
+    kw = _inputs(p)
+    args = _fwd_args(kw)
+    torch.library.opcheck(torch.ops.kernel_fun.chunk_kda_fwd.default, args)
+    # the backward operator on the arguments the autograd formula hands it
+    seen = []
+    real = ops.chunk_kda_bwd
+
+    def spy(*a):
+        seen.append(a)
+        return real(*a)
+
+    monkeypatch.setattr(ops, "chunk_kda_bwd", spy)
+    out = torch.ops.kernel_fun.chunk_kda_fwd(*args)
+    loss = out[0].float().sum() + (out[1].sum() if p.output_final_state else 0)
+    loss.backward()
+    assert len(seen) == 1
+    detached = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in seen[0])
+    torch.library.opcheck(torch.ops.kernel_fun.chunk_kda_bwd.default, detached)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+def test_causal_conv1d_operators_pass_opcheck(packed, monkeypatch):
+    torch.manual_seed(0)
+    B, T, D, W = (1, 30, 16, 4) if packed else (2, 20, 8, 3)
+    cu = torch.tensor([0, 5, 22, 30]) if packed else None
+    N = 3 if packed else B
+    x = torch.randn(B, T, D, requires_grad=True)
+    w, b = torch.randn(D, W, requires_grad=True), torch.randn(D, requires_grad=True)
+    res = torch.randn(B, T, D, requires_grad=True)
+    h0 = torch.randn(N, D, W, requires_grad=True)
+    args = (x, w, b, res, h0, cu, cu, True, True)
+    torch.library.opcheck(torch.ops.kernel_fun.causal_conv1d_fwd.default, args)
+    seen = []
+    real = conv_op.causal_conv1d_bwd
+    monkeypatch.setattr(conv_op, "causal_conv1d_bwd", lambda *a: seen.append(a) or real(*a))
+    y, final = torch.ops.kernel_fun.causal_conv1d_fwd(*args)
+    (y.sum() + final.square().sum()).backward()
+    detached = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in seen[0])
+    torch.library.opcheck(torch.ops.kernel_fun.causal_conv1d_bwd.default, detached)
+
+
+# --------------------------------------------------------------------------------------
+# torch.compile: one graph, eager's numbers, the witness
+# --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("p, backend", [(PROBLEMS[0], "aot_eager"), (PROBLEMS[0], "inductor"),
+                                        (PROBLEMS[1], "aot_eager"), (PROBLEMS[3], "inductor")],
+                         ids=lambda x: x if isinstance(x, str) else x.name)
+def test_compiled_chunk_kda_is_eager_bit_for_bit(p, backend):
+    kw = _inputs(p)
+    eager = run_fwd_bwd(chunk_kda, kw)
+    eager_record = last_record()
+    torch._dynamo.reset()
+    compiled = run_fwd_bwd(torch.compile(chunk_kda, fullgraph=True, backend=backend), kw)
+    record = last_record()
+    _assert_same(eager, compiled)
+    # the compiled step ran the chain, stage for stage as eager did (its backward continuing
+    # the forward's record)
+    assert record is not eager_record and record.engaged
+    assert record.forward == eager_record.forward and record.backward == eager_record.backward
+
+
+def _layer(x, w_q, w_k, w_v, conv_w, g_proj, b_proj, A_log, dt_bias, cu_seqlens, cu_seqlens_cpu):
+    """A KDA layer's core: projections, short convolutions, chunk_kda, the output's norm."""
+    B, T, _ = x.shape
+    H, K = A_log.shape[0], conv_w.shape[0] // A_log.shape[0]
+
+    def conv(t):
+        y, _ = conv_op.causal_conv1d(t, conv_w, activation="silu", cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
+        return y.view(B, T, H, K)
+
+    q, k, v = conv(x @ w_q), conv(x @ w_k), conv(x @ w_v)
+    g = (x @ g_proj).view(B, T, H, K)
+    beta = (x @ b_proj).view(B, T, H)
+    o, _ = chunk_kda(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, use_gate_in_kernel=True,
+                     use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, cu_seqlens=cu_seqlens,
+                     cu_seqlens_cpu=cu_seqlens_cpu)
+    return torch.nn.functional.rms_norm(o, (K,)).flatten(2)
+
+
+def _layer_inputs(packed: bool):
+    gen = torch.Generator().manual_seed(5)
+    B, T, C, H, K = (1, 70, 16, 2, 16) if packed else (2, 40, 16, 2, 16)
+
+    def p(*shape, scale=0.2):
+        return (torch.randn(*shape, generator=gen) * scale).requires_grad_()
+
+    cu = torch.tensor([0, 40, 70]) if packed else None
+    return dict(x=torch.randn(B, T, C, generator=gen), w_q=p(C, H * K), w_k=p(C, H * K), w_v=p(C, H * K),
+                conv_w=p(H * K, 4, scale=0.5), g_proj=p(C, H * K), b_proj=p(C, H), A_log=torch.zeros(H).requires_grad_(),
+                dt_bias=torch.zeros(H * K).requires_grad_(), cu_seqlens=cu, cu_seqlens_cpu=cu)
+
+
+def test_a_packed_layer_with_both_ops_is_one_graph():
+    kw = _layer_inputs(packed=True)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(_layer)(**kw)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    params = [t for t in kw.values() if isinstance(t, torch.Tensor) and t.requires_grad]
+    eager = _layer(**kw)
+    eager_grads = torch.autograd.grad(eager.square().sum(), params)
+    torch._dynamo.reset()
+    compiled = torch.compile(_layer, fullgraph=True, backend="aot_eager")(**kw)
+    grads = torch.autograd.grad(compiled.square().sum(), params)
+    assert torch.equal(eager, compiled)
+    for a, b in zip(eager_grads, grads):
+        assert torch.equal(a, b)
+
+
+# --------------------------------------------------------------------------------------
+# Fake and meta tensors
+# --------------------------------------------------------------------------------------
+def _expected_shapes(p: Problem, kw: dict):
+    N = p.B if p.cu_seqlens is None else len(p.cu_seqlens) - 1
+    state = (N, p.HV, p.V, p.K) if p.state_v_first else (N, p.HV, p.K, p.V)
+    return (p.B, p.T, p.HV, p.V), (state if p.output_final_state else None)
+
+
+@pytest.mark.parametrize("p", PROBLEMS, ids=lambda p: p.name)
+def test_fake_tensors_give_every_shape(p):
+    kw = _inputs(p)
+    o_shape, state_shape = _expected_shapes(p, kw)
+    with FakeTensorMode(shape_env=ShapeEnv()) as mode:  # (a shape environment: h's packed chunk count)
+        fake = {n: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for n, t in kw.items()}
+        o, final = chunk_kda(**fake)
+        assert tuple(o.shape) == o_shape and o.dtype == p.dtype
+        assert (final is None) == (state_shape is None)
+        if final is not None:
+            assert tuple(final.shape) == state_shape and final.dtype == torch.float32
+        (o.float().sum() + (final.sum() if final is not None else 0)).backward()
+        for name in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state"):
+            if name in fake:
+                assert fake[name].grad is not None and fake[name].grad.shape == fake[name].shape, name
+
+
+def test_meta_tensors_give_every_shape():
+    p = PROBLEMS[0]
+    kw = {n: (t.detach().to("meta").requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t)
+          for n, t in _inputs(p).items()}
+    o, final = chunk_kda(**kw)
+    assert o.device.type == "meta" and tuple(o.shape) == (p.B, p.T, p.HV, p.V)
+    assert tuple(final.shape) == (p.B, p.HV, p.K, p.V)
+    with torch.inference_mode():
+        o, final, h = chunk_kda(**dict(kw, return_intermediate_states=True))
+    assert tuple(h.shape) == (p.B, -(-p.T // 64), p.HV, p.K, p.V)
+    y, state = conv_op.causal_conv1d(torch.empty(2, 9, 16, device="meta"), torch.empty(16, 4, device="meta"),
+                                     output_final_state=True)
+    assert tuple(y.shape) == (2, 9, 16) and tuple(state.shape) == (2, 16, 4)
+
+
+# --------------------------------------------------------------------------------------
+# Dynamic shapes: one compile
+# --------------------------------------------------------------------------------------
+def test_dynamic_shapes_compile_once():
+    """T, the batch and the packed lengths (and the number of sequences) change: one graph
+    each for dense and packed calls, no recompile per value (sizes kept apart from the head
+    dims, so no size coincides with another by chance)."""
+    counter = CompileCounterWithBackend("aot_eager")
+    torch._dynamo.reset()
+    compiled = torch.compile(chunk_kda, fullgraph=True, backend=counter, dynamic=True)
+    for B, T in [(2, 70), (3, 130), (5, 20)]:  # (the first compile is already dynamic)
+        p = Problem("dense", B, T, 1, 4, 16, 8, initial_state=True, output_final_state=True, dtype=torch.float32)
+        run_fwd_bwd(compiled, _inputs(p))  # (eager's numbers: the tests above)
+    assert counter.frame_count == 1
+    for cu in [(0, 7, 50, 90, 100), (0, 70, 80, 150), (0, 30, 60, 61, 70, 75)]:
+        p = Problem("packed", 1, cu[-1], 1, 2, 16, 8, output_final_state=True, cu_seqlens=cu, dtype=torch.float32,
+                    disable_recompute=True)
+        run_fwd_bwd(compiled, _inputs(p))
+    assert counter.frame_count == 2
+
+
+# --------------------------------------------------------------------------------------
+# What the gate sends to fla, and the offsets' checks, under compile
+# --------------------------------------------------------------------------------------
+def test_a_call_for_fla_still_goes_to_fla_under_compile():
+    kw = _inputs(PROBLEMS[0])
+    compiled = torch.compile(lambda **a: chunk_kda(**a, chunk_size=32), backend="aot_eager")
+    torch._dynamo.reset()
+    with pytest.raises(RuntimeError, match=r"this call goes to fla \(chunk_size=32"):  # eager's error
+        compiled(**kw)
+
+
+@pytest.mark.parametrize("host_offsets", [True, False], ids=["cu_seqlens_cpu", "device-offsets-on-cpu"])
+def test_bad_offsets_are_caught_when_the_compiled_call_runs(host_offsets):
+    p = PROBLEMS[1]
+    kw = _inputs(p, host_offsets)
+    torch._dynamo.reset()
+    compiled = torch.compile(chunk_kda, fullgraph=True, backend="aot_eager")
+    compiled(**kw)
+    bad = torch.tensor([0, 95, 90], dtype=torch.int64)  # a step down
+    kw = dict(kw, cu_seqlens=bad, **({"cu_seqlens_cpu": bad.clone()} if host_offsets else {}))
+    with pytest.raises(ValueError, match="cu_seqlens must rise from 0 to T=90 without a step down"):
+        compiled(**kw)
+
