@@ -198,10 +198,14 @@ def _head_first_call():
 
 
 def test_head_first_layout_warns():
+    """Every call warns (the first decides afresh, the next reuses its plan), at the caller's line."""
     from kernel_fun.kda.stages import use_impls
 
-    with pytest.warns(UserWarning, match=r"T=4 < H=70; inputs look head-first"), use_impls("reference"):
-        chunk_kda(**_head_first_call())
+    kw = _head_first_call()
+    for _ in range(2):
+        with pytest.warns(UserWarning, match=r"T=4 < H=70; inputs look head-first") as caught, use_impls("reference"):
+            chunk_kda(**kw)
+        assert [w.filename for w in caught] == [__file__]
 
 
 @EVERY_FLA

@@ -211,6 +211,7 @@ def test_a_call_fla_gives_another_backend_goes_to_fla(fla_stub, monkeypatch, cap
         return "flash_kda"
 
     monkeypatch.setattr(_fla, "chunk_kda_backend", backend)
+    monkeypatch.setattr(_fla, "chunk_kda_backend_possible", lambda: True)  # (fla 0.6 with a backend installed)
     kw = inputs()
     assert chunk_kda(**kw) is fla_stub.result
     assert not last_record().engaged and last_record().reason == "fla gives this call to its flash_kda backend"
@@ -288,3 +289,44 @@ def test_hand_binding_is_signature_binding():
         with pytest.raises(TypeError) as python:
             op._SIG.bind(*args, **kwargs)
         assert str(ours.value) == str(python.value)
+
+
+def test_a_remembered_plan_changes_no_outcome(monkeypatch, fla_stub):
+    """A call with the metadata of an earlier supported call reuses its plan (validation, the
+    gate and the stage choices, kept for host time), and still follows the switches, the
+    forced choices, the registry and its own offsets, as a call decided afresh does."""
+    from kernel_fun.kda import chain
+    from kernel_fun.kda.stages import registered
+
+    kw = inputs()
+    chunk_kda(**kw)
+    first = dict(last_record().forward)
+    assert key_of(kw) in chunk_mod._PLANS
+    chunk_kda(**kw)
+    assert last_record().engaged and last_record().forward == first
+    monkeypatch.setenv("KERNEL_FUN_KDA_DISABLE", "1")
+    chunk_kda(**kw)
+    assert len(fla_stub.calls) == 1 and not last_record().engaged
+    monkeypatch.delenv("KERNEL_FUN_KDA_DISABLE")
+    with use_impls("reference"):
+        chunk_kda(**kw)
+    assert set(last_record().forward.values()) == {"reference"}
+    with registered("F2", "ours", lambda **stage: chain._ref_gate(**stage)):
+        chunk_kda(**kw)
+        assert last_record().forward["F2"] == ("ours" if _interpreting() else "reference")
+    chunk_kda(**kw)
+    assert last_record().forward == first
+    packed = make_inputs(Problem("packed", 1, 70, 2, 2, 32, 16, cu_seqlens=(0, 30, 70)), requires_grad=False)
+    chunk_kda(**packed)
+    with pytest.raises(ValueError, match="cu_seqlens must rise from 0 to T=70 without a step down"):
+        chunk_kda(**dict(packed, cu_seqlens=torch.tensor([0, 80, 70])))
+
+
+def key_of(kw):
+    return chunk_mod._metadata_key((), kw)
+
+
+def _interpreting():
+    from kernel_fun._triton import interpreting
+
+    return interpreting()

@@ -90,6 +90,25 @@ def chunk_kda_backend(call: dict) -> str | None:
     return None
 
 
+def chunk_kda_backend_possible() -> bool:
+    """Whether any backend of fla's ``chunk_kda`` registry is installed and enabled now (fla
+    0.6; read every call: fla reads its switches from the environment), so that
+    ``chunk_kda_backend`` must be asked of each call; False under fla 0.5.2."""
+    if version_tuple() < (0, 6):
+        return False
+    try:
+        from inspect import unwrap
+
+        import fla.backends as backends
+        from fla.ops.kda.chunk import chunk_kda as dispatched
+
+        registry = backends._function_registries.get(unwrap(dispatched))
+        candidates = registry._get_sorted_backends() if registry is not None else []
+        return any(backend.is_available() and backend.is_enabled() for backend in candidates)
+    except Exception:  # noqa: BLE001 - another fla: ask chunk_kda_backend every call
+        return True
+
+
 def causal_conv1d_backend() -> str | None:
     """The backend fla 0.6's convolution would run its forward on instead of its Triton
     kernels (its Gluon convolution, registered on NVIDIA GPUs and switched on by the user

@@ -248,7 +248,7 @@ def reporter(key: str) -> Callable[[CallRecord], None]:
 # --------------------------------------------------------------------------------------
 # The autograd Function
 # --------------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(eq=False, slots=True)
 class Options:
     """The non-tensor arguments of one call, after validation."""
 
@@ -270,16 +270,22 @@ class Options:
     # forward of a call no backward will follow): the "which stages ran what" log line.
     report: Callable[[CallRecord], None] | None = None
     expects_backward: bool = True
+    # The call's metadata (shapes, dtypes, devices, flags) when the caller has it as a key:
+    # the dispatcher then reuses the stage choices of earlier calls with the same key.
+    memo_key: object = None
 
     @property
     def beta_scale(self) -> float:
         return 2.0 if self.allow_neg_eigval else 1.0
 
 
+_NO_SCOPE = contextlib.nullcontext()
+
+
 def _device_scope(t: torch.Tensor):
-    if t.device.type == "cuda":
+    if t.is_cuda:
         return torch.cuda.device(t.device)
-    return contextlib.nullcontext()
+    return _NO_SCOPE
 
 
 def _chunk_indices(opts: Options):
@@ -288,7 +294,7 @@ def _chunk_indices(opts: Options):
     return fla.prepare_chunk_indices(opts.cu_seqlens, opts.chunk_size, cu_seqlens_cpu=opts.cu_seqlens_cpu)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class ForwardResult:
     """What the forward chain produced: the outputs, and what the backward needs."""
 
@@ -302,6 +308,7 @@ class ForwardResult:
 # The tensors the Function saves, in order; None where a call's flags make one unneeded.
 _SAVED = ("q", "q_rstd", "k", "k_rstd", "v", "gc", "g", "beta_raw", "beta", "A_log", "dt_bias", "Aqk", "Akk",
           "initial_state", "cu_seqlens", "chunk_indices", "w", "u", "qg", "kg", "v_new", "h")
+_NONE_SAVED = dict.fromkeys(_SAVED)
 
 
 class ChunkKDAFunction(torch.autograd.Function):
@@ -309,7 +316,10 @@ class ChunkKDAFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, opts: Options, record: CallRecord):
         with _device_scope(q):
             res = run_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, opts, record)
-        ctx.save_for_backward(*(res.saved.get(n) for n in _SAVED))
+        # only the tensors a call has (unpacking a saved None costs as much as a tensor)
+        saved = res.saved
+        ctx.names = names = tuple(n for n in _SAVED if saved.get(n) is not None)
+        ctx.save_for_backward(*(saved[n] for n in names))
         ctx.opts = opts
         ctx.run = res.run
         return res.o, res.final_state
@@ -318,7 +328,7 @@ class ChunkKDAFunction(torch.autograd.Function):
     @first_order_only("chunk_kda")
     def backward(ctx, do, dht):
         with _device_scope(do):
-            return run_backward(dict(zip(_SAVED, ctx.saved_tensors)), ctx.opts, ctx.run, do, dht)
+            return run_backward(_NONE_SAVED | dict(zip(ctx.names, ctx.saved_tensors)), ctx.opts, ctx.run, do, dht)
 
 
 def _swaps_states(opts: Options, run: Dispatcher) -> bool:
@@ -339,6 +349,8 @@ def run_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, opts: Options, 
     q_rstd = k_rstd = None
     beta_raw = beta
     common["chunk_indices"] = chunk_indices = _chunk_indices(opts)
+    if opts.memo_key is not None:  # (a packed batch's chunk count is the one input the key lacks)
+        run.remember((opts.memo_key, None if chunk_indices is None else chunk_indices.shape[0]))
     keep = opts.disable_recompute
     scan = dict(initial_state=initial_state, output_final_state=opts.output_final_state,
                 cu_seqlens_cpu=opts.cu_seqlens_cpu, **common, **layout)
@@ -461,8 +473,16 @@ def run_backward(s: dict, opts: Options, run: Dispatcher, do, dht):
     set_last_record(record)
     if opts.report is not None:
         opts.report(record)
-    if dA_log is not None:  # in the parameters' own shapes (a [HV, K] dt_bias gets a [HV, K] gradient)
+    # in the parameters' own shapes (a [HV, K] dt_bias gets a [HV, K] gradient)
+    if dA_log is not None and dA_log.shape != A_log.shape:
         dA_log = dA_log.reshape(A_log.shape)
-    if ddt_bias is not None:
+    if ddt_bias is not None and ddt_bias.shape != dt_bias.shape:
         ddt_bias = ddt_bias.reshape(dt_bias.shape)
-    return (dq.to(q), dk.to(k), dv.to(v), dg.to(g_input), db.to(beta_raw), dA_log, ddt_bias, dh0, None, None)
+    return (_as(dq, q), _as(dk, k), _as(dv, v), _as(dg, g_input), _as(db, beta_raw), dA_log, ddt_bias, dh0, None,
+            None)
+
+
+def _as(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``grad`` in ``like``'s dtype (``Tensor.to(other)`` costs a few microseconds even when
+    it has nothing to do)."""
+    return grad if grad.dtype == like.dtype else grad.to(like.dtype)

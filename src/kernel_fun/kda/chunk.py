@@ -32,6 +32,7 @@ import dataclasses
 import inspect
 import logging
 import numbers
+import os
 import warnings
 from typing import Any
 
@@ -148,7 +149,15 @@ def _describe(t) -> str:
 # --------------------------------------------------------------------------------------
 # Validation: fla-core 0.5.2's checks in fla's order, then clearer ones of our own
 # --------------------------------------------------------------------------------------
-def _validate(c: _Call) -> None:
+def _head_first_warning(c: _Call) -> str | None:
+    """As fla's other chunked ops warn (its chunk_kda does not): a dense call with T < H."""
+    T, H = c.q.shape[1], c.q.shape[2]
+    if c.cu_seqlens is None and T < H:
+        return f"chunk_kda: q has T={T} < H={H}; inputs look head-first ([B, H, T, K]), and chunk_kda takes [B, T, H, K]"
+    return None
+
+
+def _validate(c: _Call, stacklevel: int = 4) -> None:
     kw = c.kwargs
     if kw.get("head_first"):  # fla's chunk_kda would take it as an unknown keyword and compute on [B, H, T, K]
         raise ValueError("head_first=True is not supported: chunk_kda takes inputs as [B, T, H, ...] "
@@ -246,9 +255,9 @@ def _validate(c: _Call) -> None:
         raise ValueError(f"v must have shape [B, T, HV, V] with B={B}, T={T}, got {list(v.shape)}.")
     if B == 0 or T == 0 or K == 0 or v.shape[3] == 0:
         raise ValueError(f"chunk_kda needs B, T, K and V >= 1, got q {list(q.shape)}, v {list(v.shape)}.")
-    if cu_seqlens is None and T < H:  # as fla's other chunked ops warn; its chunk_kda does not
-        warnings.warn(f"chunk_kda: q has T={T} < H={H}; inputs look head-first ([B, H, T, K]), and chunk_kda "
-                      f"takes [B, T, H, K]", stacklevel=4)
+    warning = _head_first_warning(c)
+    if warning is not None:
+        warnings.warn(warning, stacklevel=stacklevel)
     for name in ("q", "k", "v", "g", "beta"):
         if not c.args[name].is_floating_point():
             raise TypeError(f"`{name}` must be a floating-point tensor, got {c.args[name].dtype}.")
@@ -363,7 +372,7 @@ def _fallback(reason: str, c: _Call | None, args, kwargs):
     return fla.chunk_kda()(*args, **kwargs)
 
 
-def _decide(args, kwargs, traced: bool = False) -> tuple[_Call | None, str | None]:
+def _decide(args, kwargs, traced: bool = False, stacklevel: int = 4) -> tuple[_Call | None, str | None]:
     """The bound call and the gate's reason to send it to fla (None: the chain takes it),
     from the arguments' metadata; the offsets' data checks too unless ``traced`` (the
     operator makes them when it runs)."""
@@ -373,7 +382,7 @@ def _decide(args, kwargs, traced: bool = False) -> tuple[_Call | None, str | Non
     c = _bind(args, kwargs)
     if c.cp_context is not None:  # fla takes cu_seqlens from the context and validates it itself
         return c, _gate(c)
-    _validate(c)
+    _validate(c, stacklevel)  # (the warning's stack level: the caller of the caller's caller)
     if c.cu_seqlens is not None and not traced:
         check_offsets(c.cu_seqlens, c.cu_seqlens_cpu, c.q.shape[1])
     return c, _gate(c)
@@ -390,67 +399,190 @@ def is_supported(*args, **kwargs) -> tuple[bool, str | None]:
     return reason is None, reason
 
 
-_TENSOR_ARGS = ("q", "k", "v", "g", "beta", "initial_state")
+# --------------------------------------------------------------------------------------
+# The call: a plan per call shape, kept for the next call with the same metadata
+# --------------------------------------------------------------------------------------
+# The tensors a supported call hands the chain, in the order the plan fetches them.
+_FETCHED = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias", "cu_seqlens", "cu_seqlens_cpu")
+_SCALARS = (bool, int, float, str)
+_SWITCHES = ("KERNEL_FUN_DISABLE", "KERNEL_FUN_KDA_DISABLE", "KERNEL_FUN_KDA_MIN_CTAS", "KERNEL_FUN_KDA_OPS")
+
+
+def _meta(value):
+    """What validation and the gate read of one argument (None where it is not a plain
+    tensor, None or a scalar: such a call is decided afresh)."""
+    kind = type(value)
+    if kind is torch.Tensor:
+        return value.shape, value.dtype, value.device, value.requires_grad
+    if value is None or kind in _SCALARS:
+        return kind, value
+    return None
+
+
+def _metadata_key(args, kwargs):
+    """Everything the validation, the gate and the chain's stage choices read of a call,
+    as a key: each argument's metadata (a tensor's shape, dtype, device and requires_grad;
+    a scalar's type and value), the keywords' names, grad and inference mode, the switches'
+    raw values. None for a call with an argument of another kind."""
+    parts = []
+    for value in args:
+        if type(value) is torch.Tensor:  # (_meta inlined for the tensors: host time)
+            parts.append((value.shape, value.dtype, value.device, value.requires_grad))
+            continue
+        m = _meta(value)
+        if m is None:
+            return None
+        parts.append(m)
+    for name, value in kwargs.items():
+        parts.append(name)
+        if type(value) is torch.Tensor:
+            parts.append((value.shape, value.dtype, value.device, value.requires_grad))
+            continue
+        m = _meta(value)
+        if m is None:
+            return None
+        parts.append(m)
+    return (tuple(parts), torch.is_grad_enabled(), torch.is_inference_mode_enabled(), *_switch_values())
+
+
+# os.environ's own mapping, keys and values as the OS holds them (bytes on POSIX): reading it
+# costs ~0.1 us a switch, ``os.environ.get`` ~2.5 us (it encodes the key and decodes the
+# value). Where it is not there, os.environ.
+_ENV = getattr(os.environ, "_data", None)
+_ENV_KEYS = tuple(os.environ.encodekey(n) for n in _SWITCHES) if _ENV is not None else None
+
+
+def _switch_values() -> tuple:
+    """The switches' raw values now (a switch changed mid-run is seen at the next call)."""
+    if _ENV is not None:
+        return tuple(_ENV.get(k) for k in _ENV_KEYS)
+    return tuple(os.environ.get(n) for n in _SWITCHES)
+
+
+@dataclasses.dataclass(eq=False)
+class _Plan:
+    """A supported call shape: where each tensor sits in the call, and the chain's options."""
+
+    fetch: tuple  # per _FETCHED name: its position in args, its keyword, or None (absent)
+    options: dict  # Options' fields but the offsets and the report
+    key_text: str  # the log line's key
+    packed: bool
+    zero_A_log: bool  # fla 0.6's gate without A_log: the chain's with A_log = 0
+    warning: str | None  # the head-first layout's warning, given every call
+
+
+_PLANS: dict = {}
+
+
+def _plan_of(c: _Call, args, kwargs) -> _Plan:
+    positions = {n: i for i, n in enumerate(_NAMES[:len(args)])}
+    fetch = tuple(positions[n] if n in positions else (n if n in kwargs else None) for n in _FETCHED)
+    q, v = c.q, c.v
+    differentiable = [c.args[n] for n in ("q", "k", "v", "g", "beta", "initial_state")]
+    if c.use_gate_in_kernel:
+        differentiable += [c.kwargs.get("A_log"), c.kwargs.get("dt_bias")]
+    expects_backward = (not c.return_intermediate_states and torch.is_grad_enabled()
+                        and any(x is not None and x.requires_grad for x in differentiable))
+    options = dict(
+        scale=q.shape[3] ** -0.5 if c.scale is None else c.scale,
+        lower_bound=c.lower_bound,
+        chunk_size=64,
+        expects_backward=expects_backward,
+        **{n: bool(c.args[n]) for n in FLAG_NAMES},
+    )
+    key_text = call_key(q, v, c.cu_seqlens is not None, c.args, c.lower_bound, c.initial_state is not None,
+                        "fwd+bwd" if expects_backward else "fwd")
+    plan = _Plan(fetch=fetch, options=options, key_text=key_text, packed=c.cu_seqlens is not None,
+                 zero_A_log=bool(c.use_gate_in_kernel) and c.kwargs.get("A_log") is None,
+                 warning=_head_first_warning(c))
+    # the plan stands for its metadata key: the stage choices of calls with this plan are
+    # remembered under it (kernel_fun.kda.stages.Dispatcher.remember)
+    options["memo_key"] = plan
+    return plan
+
+
+def _slow_path(args, kwargs, traced: bool, key):
+    """Validation and the gate in full: the call's plan, or fla's answer."""
+    c, reason = _decide(args, kwargs, traced, stacklevel=5)
+    if reason is not None:
+        return None, _fallback(reason, c if traced else None, args, kwargs)
+    if traced:
+        return None, _traced_call(c)
+    plan = _plan_of(c, args, kwargs)
+    if key is not None and not fla.chunk_kda_backend_possible():  # (else fla's backends are asked every call)
+        if len(_PLANS) >= 256:
+            _PLANS.pop(next(iter(_PLANS)))
+        _PLANS[key] = plan
+    return plan, None
 
 
 def chunk_kda(*args, **kwargs):
     first = _first_tensor(args, kwargs)
-    traced = first is not None and (wants_operator(first) or env_flag("KERNEL_FUN_KDA_OPS"))
-    c, reason = _decide(args, kwargs, traced)
-    if reason is not None:
-        return _fallback(reason, c if traced else None, args, kwargs)
+    if first is not None and wants_operator(first):  # (first: dynamo traces what follows)
+        return _slow_path(args, kwargs, True, None)[1]
+    key = _metadata_key(args, kwargs)
+    # (the key holds the switch's raw value last: unset, it is not read again)
+    if first is not None and (key is None or key[-1] is not None) and env_flag("KERNEL_FUN_KDA_OPS"):
+        return _slow_path(args, kwargs, True, None)[1]
+    plan = _PLANS.get(key) if key is not None else None
+    fresh = plan is None or fla.chunk_kda_backend_possible()
+    if fresh:
+        plan, answer = _slow_path(args, kwargs, False, key)
+        if plan is None:
+            return answer
+    elif plan.warning is not None:
+        warnings.warn(plan.warning, stacklevel=2)
     # Inputs as fla takes them: any strides (a split of a fused projection is a strided
     # view). The chain's stages index dense tensors, so each input is made contiguous once,
     # here, as fla's input_guard does; a dense input passes through untouched.
-    t = {n: (c.args[n].contiguous() if c.args[n] is not None else None) for n in _TENSOR_ARGS}
+    q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, cu_seqlens_cpu = (
+        None if f is None else (args[f] if type(f) is int else kwargs[f]) for f in plan.fetch)
+    if plan.packed and not fresh:  # the offsets' data checks, every call (_decide's on the slow path)
+        check_offsets(cu_seqlens, cu_seqlens_cpu, q.shape[1])
+    q, k, v, g, beta = q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous()
+    initial_state = initial_state.contiguous() if initial_state is not None else None
+    o = plan.options
+    if o["use_gate_in_kernel"]:
+        # (no gradient is returned for the zeros: exp(0) = 1 exactly)
+        A_log = A_log.contiguous() if not plan.zero_A_log else torch.zeros(v.shape[2], device=q.device)
+        dt_bias = dt_bias.contiguous() if dt_bias is not None else None
+    else:
+        A_log = dt_bias = None
+    cu_seqlens = cu_seqlens.contiguous() if cu_seqlens is not None else None
+    # the log line's text built only where the logger would write it (host time)
+    report = reporter(plan.key_text) if _runtime_logger.isEnabledFor(logging.INFO) else None
+    opts = Options(cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, report=report, **o)
+    record = CallRecord(engaged=True)
+    set_last_record(record)
+    if not opts.expects_backward:  # no autograd graph to record (grad mode off, no input needing a gradient,
+        # or return_intermediate_states in inference mode, which returns h)
+        res = run_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, opts, record)
+        return (res.o, res.final_state, res.h) if opts.return_intermediate_states else (res.o, res.final_state)
+    return ChunkKDAFunction.apply(q, k, v, g, beta, A_log, dt_bias, initial_state, opts, record)
+
+
+def _traced_call(c: _Call):
+    """A supported call under torch.compile, export or a dispatch mode: the operators
+    (kernel_fun.kda.ops), the chain inside."""
+    t = {n: (c.args[n].contiguous() if c.args[n] is not None else None) for n in ("q", "k", "v", "g", "beta",
+                                                                                    "initial_state")}
     q, v = t["q"], t["v"]
-    K = q.shape[3]
     A_log = dt_bias = None
     if c.use_gate_in_kernel:
         A_log, dt_bias = c.kwargs.get("A_log"), c.kwargs.get("dt_bias")
-        # fla 0.6's gate without A_log, L * sigmoid(g + dt_bias): the chain's with A_log = 0
-        # (exp(0) = 1 exactly); no gradient is returned for it
         A_log = A_log.contiguous() if A_log is not None else torch.zeros(v.shape[2], device=q.device)
         dt_bias = dt_bias.contiguous() if dt_bias is not None else None
     cu_seqlens = c.cu_seqlens.contiguous() if c.cu_seqlens is not None else None
     differentiable = [x for x in (*t.values(), A_log, dt_bias) if x is not None]
     expects_backward = (not c.return_intermediate_states and torch.is_grad_enabled()
                         and any(x.requires_grad for x in differentiable))
-    if traced:  # torch.compile, export, fake tensors: the operators
-        flags = pack_flags({n: c.args[n] for n in FLAG_NAMES}, expects_backward)
-        out = torch.ops.kernel_fun.chunk_kda_fwd(q, t["k"], v, t["g"], t["beta"], A_log, dt_bias, t["initial_state"],
-                                                 cu_seqlens, c.cu_seqlens_cpu, float(K ** -0.5 if c.scale is None
-                                                                                     else c.scale),
-                                                 None if c.lower_bound is None else float(c.lower_bound), flags)
-        final_state = out[1] if c.output_final_state else None
-        return (out[0], final_state, out[2]) if c.return_intermediate_states else (out[0], final_state)
-    opts = Options(
-        scale=K ** -0.5 if c.scale is None else c.scale,
-        output_final_state=bool(c.output_final_state),
-        use_qk_l2norm_in_kernel=bool(c.use_qk_l2norm_in_kernel),
-        use_gate_in_kernel=bool(c.use_gate_in_kernel),
-        use_beta_sigmoid_in_kernel=bool(c.use_beta_sigmoid_in_kernel),
-        allow_neg_eigval=bool(c.allow_neg_eigval),
-        lower_bound=c.lower_bound,
-        chunk_size=64,
-        cu_seqlens=cu_seqlens,
-        cu_seqlens_cpu=c.cu_seqlens_cpu,
-        state_v_first=bool(c.state_v_first),
-        safe_gate=bool(c.safe_gate),
-        disable_recompute=bool(c.disable_recompute),
-        return_intermediate_states=bool(c.return_intermediate_states),
-        # the log line's text built only where the logger would write it (host time)
-        report=(reporter(call_key(q, v, c.cu_seqlens is not None, c.args, c.lower_bound, c.initial_state is not None,
-                                  "fwd+bwd" if expects_backward else "fwd"))
-                if _runtime_logger.isEnabledFor(logging.INFO) else None),
-        expects_backward=expects_backward,
-    )
-    record = CallRecord(engaged=True)
-    set_last_record(record)
-    if opts.return_intermediate_states:  # inference mode (validated): no autograd, h returned
-        res = run_forward(q, t["k"], v, t["g"], t["beta"], A_log, dt_bias, t["initial_state"], opts, record)
-        return res.o, res.final_state, res.h
-    return ChunkKDAFunction.apply(q, t["k"], v, t["g"], t["beta"], A_log, dt_bias, t["initial_state"], opts, record)
+    flags = pack_flags({n: c.args[n] for n in FLAG_NAMES}, expects_backward)
+    scale = float(q.shape[3] ** -0.5 if c.scale is None else c.scale)
+    out = torch.ops.kernel_fun.chunk_kda_fwd(q, t["k"], v, t["g"], t["beta"], A_log, dt_bias, t["initial_state"],
+                                             cu_seqlens, c.cu_seqlens_cpu, scale,
+                                             None if c.lower_bound is None else float(c.lower_bound), flags)
+    final_state = out[1] if c.output_final_state else None
+    return (out[0], final_state, out[2]) if c.return_intermediate_states else (out[0], final_state)
 
 
 chunk_kda.__signature__ = _SIG

@@ -76,6 +76,10 @@ class CallRecord:
 
 
 _REGISTRY: dict[str, Stage] = {}
+_profiler_enabled = torch.autograd._profiler_enabled
+# Bumped on every change to the registry: a choice remembered under an older registration
+# (Dispatcher's memo) is not reused.
+_VERSION = [0]
 _FORCED: contextvars.ContextVar[Mapping[str, str] | None] = contextvars.ContextVar("kernel_fun_forced", default=None)
 _TAP: contextvars.ContextVar[list | None] = contextvars.ContextVar("kernel_fun_tap", default=None)
 _TIMER: contextvars.ContextVar[list | None] = contextvars.ContextVar("kernel_fun_timer", default=None)
@@ -94,6 +98,7 @@ def register(stage: Stage) -> Stage:
     for impl, fn in stage.impls.items():
         _check_takes_inputs(stage, impl, fn)
     _REGISTRY[stage.name] = stage
+    _VERSION[0] += 1
     return stage
 
 
@@ -119,6 +124,7 @@ def add_impl(stage: str, impl: str, fn: Callable, supports: Callable[..., str | 
     declared = dict(old.caps)
     declared[impl] = frozenset(caps)
     _REGISTRY[stage] = dataclasses.replace(old, impls=impls, supports=sup, caps=declared)
+    _VERSION[0] += 1
 
 
 @contextlib.contextmanager
@@ -133,6 +139,7 @@ def registered(stage: str, impl: str, fn: Callable, supports: Callable[..., str 
         yield
     finally:
         _REGISTRY[stage] = old
+        _VERSION[0] += 1
 
 
 def stages() -> dict[str, Stage]:
@@ -205,6 +212,11 @@ def stage_ms(marks: list) -> dict[str, float]:
     return out
 
 
+# The choices of earlier calls, by (call key, forced choices, registry version): see
+# Dispatcher.remember.
+_MEMOS: dict = {}
+
+
 def last_record() -> CallRecord | None:
     """The record of the most recent ``chunk_kda`` call on this thread (its backward too,
     once that has run)."""
@@ -223,16 +235,32 @@ class Dispatcher:
     runs the call's backward, which follows the forward's context wherever it runs."""
 
     def __init__(self, device: torch.device, record: CallRecord, forced: Mapping[str, str] | None = None,
-                 tap: list | None = None, timer: list | None = None):
+                 tap: list | None = None, timer: list | None = None, memo: dict | None = None):
         self.device = device
         self.record = record
         self.forced = forced or {}
         self.tap = tap
         self.timer = timer if device.type == "cuda" else None
+        self.memo = memo
 
     @classmethod
     def for_call(cls, device: torch.device, record: CallRecord) -> Dispatcher:
         return cls(device, record, current_forced(), current_tap(), current_timer())
+
+    def remember(self, key) -> None:
+        """Reuse the choices of earlier calls with the same ``key`` and keep this call's for
+        later ones. ``key`` must determine every input the support predicates read (the
+        call's metadata and flags, and for packed sequences their chunk count): with the
+        forced choices in force, the registry's version and whether Triton interprets, it
+        names one set of choices."""
+        forced = tuple(sorted(self.forced.items())) if self.forced else ()
+        full = (key, forced, _VERSION[0], interpreting())
+        memo = _MEMOS.get(full)
+        if memo is None:
+            if len(_MEMOS) >= 256:
+                _MEMOS.pop(next(iter(_MEMOS)))
+            memo = _MEMOS[full] = {}
+        self.memo = memo
 
     @property
     def fla_only(self) -> bool:
@@ -240,6 +268,22 @@ class Dispatcher:
         return self.forced.get("*") == "fla" and set(self.forced.values()) == {"fla"}
 
     def choose(self, name: str, **inputs) -> str:
+        return self._choice(name, inputs)
+
+    def _choice(self, name: str, inputs: dict) -> str:
+        memo = self.memo
+        if memo is not None:
+            hit = memo.get(name)
+            if hit is not None:
+                if hit[1] is not None:
+                    self.record.notes[name] = hit[1]
+                return hit[0]
+        impl = self._choose(name, inputs)
+        if memo is not None:
+            memo[name] = (impl, self.record.notes.get(name), _REGISTRY[name].impls[impl])
+        return impl
+
+    def _choose(self, name: str, inputs: dict) -> str:
         stage = _REGISTRY[name]
         explicit = self.forced.get(name)
         forced = explicit if explicit is not None else self.forced.get("*")
@@ -267,7 +311,7 @@ class Dispatcher:
         """Whether ``name`` would run kernel-fun's kernel on these inputs: how the chain
         decides to run a fused unit in place of the stages it covers (which then keep
         their own choices, fla's control chain included)."""
-        return "ours" in _REGISTRY[name].impls and self.choose(name, **inputs) == "ours"
+        return "ours" in _REGISTRY[name].impls and self._choice(name, inputs) == "ours"
 
     def wants(self, name: str, cap: str, **inputs) -> bool:
         """Whether the implementation of ``name`` that would run on these inputs declared
@@ -275,7 +319,7 @@ class Dispatcher:
         for an optional output only some consumers read."""
         if cap not in CAPS:
             raise ValueError(f"unknown capability {cap!r}; known: {sorted(CAPS)}")
-        return cap in _REGISTRY[name].caps.get(self.choose(name, **inputs), ())
+        return cap in _REGISTRY[name].caps.get(self._choice(name, inputs), ())
 
     def _cannot_run(self, stage: Stage, impl: str, inputs: dict) -> str | None:
         if impl not in stage.impls:
@@ -288,19 +332,28 @@ class Dispatcher:
         return check(**inputs) if check is not None else None
 
     def run(self, name: str, phase: str, **inputs):
-        declared = _REGISTRY[name].inputs
-        if len(inputs) != len(declared) or not all(n in inputs for n in declared):  # the chain and the contract disagree
-            raise TypeError(f"stage {name} takes {sorted(declared)}; the chain passed {sorted(inputs)}")
-        impl = self.choose(name, **inputs)
+        memo = self.memo
+        hit = memo.get(name) if memo is not None else None
+        if hit is None:  # (a remembered choice was made on inputs that passed this check)
+            declared = _REGISTRY[name].inputs
+            if len(inputs) != len(declared) or not all(n in inputs for n in declared):  # chain and contract disagree
+                raise TypeError(f"stage {name} takes {sorted(declared)}; the chain passed {sorted(inputs)}")
+            impl = self._choice(name, inputs)
+            fn = _REGISTRY[name].impls[impl]
+        else:
+            impl, note, fn = hit
+            if note is not None:
+                self.record.notes[name] = note
         (self.record.forward if phase == "forward" else self.record.backward)[name] = impl
-        fn = _REGISTRY[name].impls[impl]
+        if self.timer is None and self.tap is None and not _profiler_enabled():
+            return fn(**inputs)
         if self.timer is not None:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             out = fn(**inputs)
             end.record()
             self.timer.append((name, start, end))
-        elif torch.autograd._profiler_enabled():  # a named range per stage for the bench's profile
+        elif _profiler_enabled():  # a named range per stage for the bench's profile
             with torch.profiler.record_function(f"kernel_fun::{name}"):
                 out = fn(**inputs)
         else:
