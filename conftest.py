@@ -146,3 +146,15 @@ def register_ours():
     with contextlib.ExitStack() as stack:
         yield lambda stage, fn, supports=None, caps=(): stack.enter_context(
             registered(stage, "ours", fn, supports, caps))
+
+
+def fla_layers():
+    """fla's layers module (``fla.layers.kda``), or a skip where flash-linear-attention is not
+    installed (CI installs it: there a missing module fails)."""
+    try:
+        import fla.layers.kda
+    except ImportError:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip("fla's layers (flash-linear-attention) are not installed")
+    return fla.layers.kda

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import zlib
 
 import pytest
@@ -28,7 +27,7 @@ from kernel_fun.kda import chunk_kda, is_supported, last_record, reference as re
 from kernel_fun.kda.problems import Problem, as_oracle_inputs, make_inputs, run_fwd_bwd
 from kernel_fun.kda.stages import capture_stages
 
-from conftest import needs_interpreter
+from conftest import fla_layers, needs_interpreter
 from test_reference import check_against_oracle
 
 FLAGS = {
@@ -338,16 +337,6 @@ def test_cpu_without_the_interpreter_says_triton_was_skipped(caplog, monkeypatch
 # --------------------------------------------------------------------------------------
 # patch_fla / unpatch_fla
 # --------------------------------------------------------------------------------------
-def _fla_layers():
-    try:
-        import fla.layers.kda  # noqa: F401
-    except ImportError:
-        if os.environ.get("CI"):  # CI installs flash-linear-attention to test the patching
-            raise
-        pytest.skip("fla's layers (flash-linear-attention) are not installed")
-    return fla.layers.kda
-
-
 @pytest.fixture
 def unpatched():
     yield
@@ -356,7 +345,7 @@ def unpatched():
 
 @pytest.mark.every_fla
 def test_patch_fla_routes_every_binding_and_unpatch_restores_it(unpatched, caplog):
-    layers = _fla_layers()
+    layers = fla_layers()
     import fla.ops
     import fla.ops.kda
 
@@ -387,7 +376,7 @@ def test_patch_fla_routes_every_binding_and_unpatch_restores_it(unpatched, caplo
 
 @pytest.mark.every_fla
 def test_patch_fla_picks_up_a_module_imported_later(unpatched, monkeypatch):
-    _fla_layers()
+    fla_layers()
     import sys
     import types
 
@@ -403,6 +392,6 @@ def test_patch_fla_picks_up_a_module_imported_later(unpatched, monkeypatch):
 
 @pytest.mark.every_fla
 def test_fallback_under_patch_reaches_fla_not_itself(unpatched, monkeypatch):
-    _fla_layers()
+    fla_layers()
     kernel_fun.patch_fla()
     assert _fla.chunk_kda() is not chunk_kda

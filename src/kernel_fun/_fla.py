@@ -90,6 +90,7 @@ def chunk_kda_backend(call: dict) -> str | None:
     return None
 
 
+@torch.compiler.assume_constant_result  # (under torch.compile: read at trace time)
 def chunk_kda_backend_possible() -> bool:
     """Whether any backend of fla's ``chunk_kda`` registry is installed and enabled now (fla
     0.6; read every call: fla reads its switches from the environment), so that

@@ -12,7 +12,14 @@ argument it does not know, W > 4, a dtype or device outside the box, fla 0.6's G
 convolution switched on (``FLA_CONV_GLUON=1``), a switch -- goes to fla's ``causal_conv1d``
 with the caller's arguments untouched, logged once.
 
-Switches: ``KERNEL_FUN_DISABLE=1`` or ``KERNEL_FUN_CCONV_DISABLE=1`` send every call to fla.
+Switches: ``KERNEL_FUN_DISABLE=1`` or ``KERNEL_FUN_CCONV_DISABLE=1`` send every call to fla;
+``KERNEL_FUN_CCONV_OPS=1`` routes eager calls through the operators below.
+
+Under ``torch.compile`` / ``torch.export``, a dispatch mode (fake tensors) or on meta
+tensors, the kernels' path runs as the PyTorch operators ``kernel_fun::causal_conv1d_fwd``
+and ``_bwd`` (autograd registered, fake implementations from shapes): one graph, no break;
+eager calls keep ``CausalConv1dFunction``, which costs less host time. The offsets' data
+checks run inside the operators, when they run.
 
 The final state's gradient is the derivative of the forward (the float64 reference's
 autograd agrees). fla's backward differs: 0.6 drops the gradient of the final state's

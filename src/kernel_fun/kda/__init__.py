@@ -4,8 +4,9 @@
 says whether a call would run kernel-fun's chain; ``last_record`` says what the last call
 ran, stage by stage; ``use_impls`` forces implementations (tests, benchmarks).
 
-Layout: ``chunk.py`` the public function (validation, the gate, fla's fallback),
-``chain.py`` the stages and the autograd Function over them, ``stages.py`` the dispatcher,
+Layout: ``chunk.py`` the public function (validation, the gate, fla's fallback, a plan kept
+per call shape), ``chain.py`` the stages and the autograd Function over them, ``ops.py`` the
+same chain as PyTorch operators (torch.compile, fake tensors), ``stages.py`` the dispatcher,
 ``reference.py`` the torch references and the float64 oracle, ``kernels/`` kernel-fun's
 kernels (one module per stage unit, registered there), ``problems.py`` the named shapes.
 """

@@ -15,6 +15,14 @@ any strides are made dense once, at the entry, as fla's ``input_guard`` does. Ea
 distinct decision is logged once on the ``kernel_fun`` logger, and once per distinct shape
 and flags one line names the implementation of every stage the call ran.
 
+Validation and the gate read metadata only (the offsets' values are checked apart, every
+call), so a supported call's decisions are kept per metadata key (each argument's shape,
+dtype, device, requires_grad or scalar value, grad and inference mode, the switches) as a
+plan that the next call with that key reuses: ~50 us of host time a forward instead of
+~200 (docs/log/host.md). Under ``torch.compile``, ``torch.export``, fake tensors or meta
+tensors, dynamo traces the same validation and gate, and the call runs through the
+operators of ``kernel_fun.kda.ops``: one graph, no break.
+
 Switches (environment variables, read on every call; a malformed value warns and keeps
 the default):
 
@@ -328,7 +336,9 @@ def _gate(c: _Call) -> str | None:
             return f"device {torch.cuda.get_device_name(device)} is sm_{major}{minor}; kernel-fun targets Hopper (sm_90)"
     elif device.type not in ("cpu", "meta"):  # meta: the operators' shapes (kernel_fun.kda.ops)
         return f"device type {device.type} is not supported"
-    other = fla.chunk_kda_backend({**c.args, **c.kwargs})
+    # (asked only where fla has a backend installed and enabled: under torch.compile that is
+    # read once, at trace time, and fla's registry is not traced)
+    other = fla.chunk_kda_backend({**c.args, **c.kwargs}) if fla.chunk_kda_backend_possible() else None
     if other is not None:  # FlashKDA's forward is reported ~2x fla's, kernel-fun's 1.2x: not measured faster
         return f"fla gives this call to its {other} backend"
     min_ctas = env_int("KERNEL_FUN_KDA_MIN_CTAS", 0)
