@@ -610,3 +610,87 @@ def test_fla_layer_through_patch_fla(flags, packed):
     errors, misses = parity_misses(ours, theirs)
     print(flags, "packed" if packed else "dense", errors)
     assert not misses, misses
+
+
+# --------------------------------------------------------------------------------------
+# The operators on CUDA: fakes against fla's stages, a compiled step, no host sync, a graph
+# --------------------------------------------------------------------------------------
+def _op_args(kw: dict) -> tuple:
+    from kernel_fun.kda import ops
+    from kernel_fun.kda.chain import FLAG_NAMES
+
+    q = kw["q"]
+    flags = ops.pack_flags({n: bool(kw.get(n, False)) for n in FLAG_NAMES}, True)
+    return (q, kw["k"], kw["v"], kw["g"], kw["beta"], kw.get("A_log"), kw.get("dt_bias"), kw.get("initial_state"),
+            kw.get("cu_seqlens"), kw.get("cu_seqlens_cpu"), q.shape[-1] ** -0.5, kw.get("lower_bound"), flags)
+
+
+@pytest.mark.parametrize("p", SMALL + FLAGGED + [dataclasses.replace(SMALL[1], name="varlen-keep",
+                                                                      disable_recompute=True)],
+                         ids=lambda p: p.name)
+def test_operators_pass_opcheck_on_cuda(p):
+    """The fake implementations give the shapes, dtypes and strides of what fla's stages and
+    kernel-fun's kernels return on the GPU (the CPU tests hold them to the references')."""
+    kw = make_inputs(p, device="cuda", seed=2)
+    if "cu_seqlens" in kw:
+        kw["cu_seqlens_cpu"] = kw["cu_seqlens"].cpu()
+    torch.library.opcheck(torch.ops.kernel_fun.chunk_kda_fwd.default, _op_args(kw))
+
+
+@pytest.mark.parametrize("p", [SMALL[0], FLAGGED[1]], ids=lambda p: p.name)
+def test_compiled_step_is_eager_on_cuda(p):
+    """torch.compile(fullgraph=True) under inductor: eager's o, final state and gradients bit
+    for bit, kernel-fun's kernels witnessed."""
+    kw = make_inputs(p, device="cuda", seed=3)
+    eager = run_fwd_bwd(chunk_kda, kw)
+    torch._dynamo.reset()
+    compiled = run_fwd_bwd(torch.compile(chunk_kda, fullgraph=True), kw)
+    record = last_record()
+    assert record.backward.get("B6") == "ours" and record.forward.get("F7-F8") == "ours", record
+    for name, want in eager.items():
+        if want is not None:
+            assert torch.equal(compiled[name], want), name
+
+
+@pytest.mark.parametrize("p", [SMALL[0], SMALL[1]], ids=lambda p: p.name)
+def test_a_warmed_step_makes_no_host_sync(p):
+    """A dense step, and a packed one given cu_seqlens_cpu, under
+    ``torch.cuda.set_sync_debug_mode("error")`` once warmed (autotuning done, the offsets
+    checked once)."""
+    kw = make_inputs(p, device="cuda", seed=4)
+    if "cu_seqlens" in kw:
+        kw["cu_seqlens_cpu"] = kw["cu_seqlens"].cpu()
+    step = lambda: run_fwd_bwd(chunk_kda, kw)  # noqa: E731
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        o, final_state = chunk_kda(**kw)
+        torch.autograd.backward([o, final_state], [torch.ones_like(o), torch.ones_like(final_state)])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_a_dense_forward_is_captured_in_a_cuda_graph():
+    """A warmed dense forward captured with torch.cuda.graph and replayed on new inputs: eager's
+    o and final state bit for bit."""
+    p = dataclasses.replace(SMALL[0], name="graph")
+    kw = make_inputs(p, device="cuda", seed=5, requires_grad=False)
+    static = {n: (t.clone() if isinstance(t, torch.Tensor) else t) for n, t in kw.items()}
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.no_grad():
+        for _ in range(2):
+            chunk_kda(**static)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), torch.no_grad():
+        o, final_state = chunk_kda(**static)
+    fresh = make_inputs(p, device="cuda", seed=6, requires_grad=False)
+    for name, t in fresh.items():
+        if isinstance(t, torch.Tensor):
+            static[name].copy_(t)
+    graph.replay()
+    with torch.no_grad():
+        want_o, want_state = chunk_kda(**fresh)
+    assert torch.equal(o, want_o) and torch.equal(final_state, want_state)
