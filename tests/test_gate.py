@@ -322,6 +322,14 @@ def test_a_remembered_plan_changes_no_outcome(monkeypatch, fla_stub):
         chunk_kda(**dict(packed, cu_seqlens=torch.tensor([0, 80, 70])))
 
 
+def test_parameters_are_plain_tensors_to_the_plan():
+    """A model's A_log and dt_bias are nn.Parameters: such a call is keyed and its plan kept."""
+    kw = inputs()
+    kw["A_log"], kw["dt_bias"] = torch.nn.Parameter(kw["A_log"]), torch.nn.Parameter(kw["dt_bias"])
+    chunk_kda(**kw)
+    assert key_of(kw) is not None and key_of(kw) in chunk_mod._PLANS and last_record().engaged
+
+
 def key_of(kw):
     return chunk_mod._metadata_key((), kw)
 

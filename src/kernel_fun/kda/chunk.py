@@ -415,6 +415,8 @@ def is_supported(*args, **kwargs) -> tuple[bool, str | None]:
 # The tensors a supported call hands the chain, in the order the plan fetches them.
 _FETCHED = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias", "cu_seqlens", "cu_seqlens_cpu")
 _SCALARS = (bool, int, float, str)
+# Plain tensors: a model's parameters (A_log, dt_bias) are nn.Parameters
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 _SWITCHES = ("KERNEL_FUN_DISABLE", "KERNEL_FUN_KDA_DISABLE", "KERNEL_FUN_KDA_MIN_CTAS", "KERNEL_FUN_KDA_OPS")
 
 
@@ -422,7 +424,7 @@ def _meta(value):
     """What validation and the gate read of one argument (None where it is not a plain
     tensor, None or a scalar: such a call is decided afresh)."""
     kind = type(value)
-    if kind is torch.Tensor:
+    if kind in _PLAIN:
         return value.shape, value.dtype, value.device, value.requires_grad
     if value is None or kind in _SCALARS:
         return kind, value
@@ -436,7 +438,7 @@ def _metadata_key(args, kwargs):
     raw values. None for a call with an argument of another kind."""
     parts = []
     for value in args:
-        if type(value) is torch.Tensor:  # (_meta inlined for the tensors: host time)
+        if type(value) in _PLAIN:  # (_meta inlined for the tensors: host time)
             parts.append((value.shape, value.dtype, value.device, value.requires_grad))
             continue
         m = _meta(value)
@@ -445,7 +447,7 @@ def _metadata_key(args, kwargs):
         parts.append(m)
     for name, value in kwargs.items():
         parts.append(name)
-        if type(value) is torch.Tensor:
+        if type(value) in _PLAIN:
             parts.append((value.shape, value.dtype, value.device, value.requires_grad))
             continue
         m = _meta(value)
