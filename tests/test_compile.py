@@ -318,3 +318,33 @@ def test_fla_s_layer_after_patch_fla_breaks_only_at_fla_s_own_ops():
         assert conv_op.last_route() == "kernels"
     finally:
         kernel_fun.unpatch_fla()
+
+
+# --------------------------------------------------------------------------------------
+# The operators and the eager Function: one chain
+# --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("p", PROBLEMS[1:3], ids=lambda p: p.name)  # (the others: the compile tests above)
+def test_the_operators_are_the_eager_function_bit_for_bit(p, monkeypatch):
+    """KERNEL_FUN_KDA_OPS=1 puts an eager call through the operators: o, the final state and
+    every gradient are the autograd Function's bit for bit, stage for stage; and so is
+    return_intermediate_states' h in inference mode."""
+    kw = _inputs(p)
+    function = run_fwd_bwd(chunk_kda, kw)
+    function_record = last_record()
+    ran = []  # (the witness: the forward operator's implementation ran)
+    remember = ops._remember
+    monkeypatch.setattr(ops, "_remember", lambda *a: ran.append(1) or remember(*a))
+    monkeypatch.setenv("KERNEL_FUN_KDA_OPS", "1")
+    operators = run_fwd_bwd(chunk_kda, kw)
+    assert len(ran) == 1
+    assert last_record().forward == function_record.forward and last_record().backward == function_record.backward
+    _assert_same(function, operators)
+    if p.disable_recompute:  # (return_intermediate_states excludes it)
+        return
+    with torch.inference_mode():
+        via_ops = chunk_kda(**kw, return_intermediate_states=True)
+        monkeypatch.delenv("KERNEL_FUN_KDA_OPS")
+        via_function = chunk_kda(**kw, return_intermediate_states=True)
+    assert len(ran) == 2
+    for a, b in zip(via_ops, via_function):
+        assert (a is None and b is None) or torch.equal(a, b)
