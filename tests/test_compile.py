@@ -348,3 +348,27 @@ def test_the_operators_are_the_eager_function_bit_for_bit(p, monkeypatch):
     assert len(ran) == 2
     for a, b in zip(via_ops, via_function):
         assert (a is None and b is None) or torch.equal(a, b)
+
+
+# --------------------------------------------------------------------------------------
+# Packed calls given cu_seqlens_cpu: the chunk index from the host offsets
+# --------------------------------------------------------------------------------------
+@pytest.mark.every_fla
+@pytest.mark.parametrize("offsets", [(0, 1, 137, 200), (0, 0, 64, 64, 70), (0, 64), (0, 65, 65, 200, 329)])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_the_host_chunk_index_is_fla_s(offsets, dtype):
+    """Built from cu_seqlens_cpu without synchronizing (fla's own ends in a blocking copy):
+    the same rows, dtype and device as fla's from the device offsets."""
+    from fla.ops.utils.index import prepare_chunk_indices
+
+    from kernel_fun.kda.chain import host_chunk_indices
+
+    cu = torch.tensor(offsets, dtype=dtype)
+    ours, fla_s = host_chunk_indices(cu, cu.clone(), 64), prepare_chunk_indices(cu.clone(), 64)
+    assert ours.dtype == fla_s.dtype and ours.device == fla_s.device and torch.equal(ours, fla_s)
+
+
+def test_a_packed_call_is_the_same_with_and_without_host_offsets():
+    p = PROBLEMS[3]
+    with_host, without = run_fwd_bwd(chunk_kda, _inputs(p, True)), run_fwd_bwd(chunk_kda, _inputs(p, False))
+    _assert_same(with_host, without)

@@ -46,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -289,9 +290,42 @@ def _device_scope(t: torch.Tensor):
 
 
 def _chunk_indices(opts: Options):
+    """The packed batch's (sequence, chunk) index, [NT, 2] in cu_seqlens' dtype and device:
+    from the host offsets where the caller gave them (no synchronization), else fla's, from
+    the device offsets (one synchronization: the chunk count is their data)."""
     if opts.cu_seqlens is None:
         return None
-    return fla.prepare_chunk_indices(opts.cu_seqlens, opts.chunk_size, cu_seqlens_cpu=opts.cu_seqlens_cpu)
+    if opts.cu_seqlens_cpu is not None:
+        return host_chunk_indices(opts.cu_seqlens, opts.cu_seqlens_cpu, opts.chunk_size)
+    return fla.prepare_chunk_indices(opts.cu_seqlens, opts.chunk_size)
+
+
+# The last few host-built chunk indices, each kept while both offsets tensors live unmodified
+# (the layers of a model share one cu_seqlens: built once a step, and the backward finds it).
+_HOST_INDICES: dict = {}
+
+
+def host_chunk_indices(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """fla's chunk index built from the host copy of the offsets, moved to cu_seqlens' device
+    by an asynchronous copy from pinned memory: fla's own (``prepare_chunk_indices`` with
+    ``cu_seqlens_cpu``) ends in a blocking copy, which waits for the stream."""
+    key = (id(cu_seqlens), cu_seqlens._version, id(cu_seqlens_cpu), cu_seqlens_cpu._version, chunk_size)
+    hit = _HOST_INDICES.get(key)
+    if hit is not None and hit[0]() is cu_seqlens and hit[1]() is cu_seqlens_cpu:
+        return hit[2]
+    cu = cu_seqlens_cpu.long()
+    counts = (cu[1:] - cu[:-1]).clamp(min=0).add(chunk_size - 1).div(chunk_size, rounding_mode="floor")
+    seq = torch.repeat_interleave(torch.arange(counts.numel()), counts)
+    first = counts.cumsum(0) - counts  # each sequence's first chunk's row
+    index = torch.stack((seq, torch.arange(seq.numel()) - first[seq]), 1).to(cu_seqlens.dtype)
+    if cu_seqlens.is_cuda:
+        index = index.pin_memory().to(cu_seqlens.device, non_blocking=True)
+    elif cu_seqlens.device != index.device:
+        index = index.to(cu_seqlens.device)
+    if len(_HOST_INDICES) >= 8:
+        _HOST_INDICES.pop(next(iter(_HOST_INDICES)))
+    _HOST_INDICES[key] = (weakref.ref(cu_seqlens), weakref.ref(cu_seqlens_cpu), index)
+    return index
 
 
 @dataclasses.dataclass(slots=True)
