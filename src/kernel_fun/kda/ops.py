@@ -22,12 +22,15 @@ dispatch mode (fake tensors, ``make_fx``) and on meta tensors.
 
 The witness: the operators set ``last_record()`` when they run (so after a compiled step
 too), log the same once-per-shape line, and the backward continues the forward's record
-and forced choices where its saved Aqk is the forward's own tensor (always, eager or
-compiled; otherwise it starts a record of its own).
+and forced choices where it is handed the forward's own Aqk tensor (eager and under
+aot_eager and inductor, in the tests); otherwise it starts a record of its own. The packed
+chunk index is not an output: the backward rebuilds it from the offsets (cached per
+offsets tensor, so eager calls pay nothing).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
 
@@ -62,7 +65,7 @@ def _unpack(flags: int) -> dict:
 def _options(f: dict, flags: int, scale: float, lower_bound, cu_seqlens, cu_seqlens_cpu, q, v, initial_state,
              phases: str | None) -> Options:
     report = None
-    if phases is not None and logger.isEnabledFor(20):  # logging.INFO: the line's text only where it is written
+    if phases is not None and logger.isEnabledFor(logging.INFO):  # the line's text only where it is written
         report = chain.reporter(chain.call_key(q, v, cu_seqlens is not None, f, lower_bound,
                                                initial_state is not None, phases))
     return Options(scale=scale, lower_bound=lower_bound, chunk_size=64, cu_seqlens=cu_seqlens,
