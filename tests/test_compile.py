@@ -180,11 +180,14 @@ def _packed_layer_inputs():
                 dt_bias=torch.zeros(H * K).requires_grad_(), cu_seqlens=cu, cu_seqlens_cpu=cu)
 
 
-@pytest.mark.every_fla  # (the gate dynamo traces follows the installed fla)
+@pytest.mark.every_fla  # (the gates dynamo traces follow the installed fla)
 def test_explain_finds_one_graph_and_no_break():
     kw = _inputs(PROBLEMS[2])
     torch._dynamo.reset()
     explained = torch._dynamo.explain(chunk_kda)(**kw)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    x, w = torch.randn(2, 20, 8), torch.randn(8, 4)
+    explained = torch._dynamo.explain(lambda x, w: conv_op.causal_conv1d(x, w, activation="silu"))(x, w)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
 
 

@@ -338,3 +338,13 @@ def _interpreting():
     from kernel_fun._triton import interpreting
 
     return interpreting()
+
+
+def test_a_gpu_other_than_hopper_is_named(monkeypatch):
+    """(the device's capability is asked once per trace under torch.compile: a constant)"""
+    from kernel_fun import _runtime
+
+    monkeypatch.setattr(_runtime, "cuda_device", lambda index: (8, 0, "NVIDIA A100"))
+    assert _runtime.not_hopper(torch.device("cuda", 0)) == "device NVIDIA A100 is sm_80; kernel-fun targets Hopper (sm_90)"
+    monkeypatch.setattr(_runtime, "cuda_device", lambda index: (9, 0, "NVIDIA H200"))
+    assert _runtime.not_hopper(torch.device("cuda", 0)) is None

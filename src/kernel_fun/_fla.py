@@ -110,6 +110,7 @@ def chunk_kda_backend_possible() -> bool:
         return True
 
 
+@torch.compiler.assume_constant_result  # (under torch.compile: read at trace time, fla's registry not traced)
 def causal_conv1d_backend() -> str | None:
     """The backend fla 0.6's convolution would run its forward on instead of its Triton
     kernels (its Gluon convolution, registered on NVIDIA GPUs and switched on by the user

@@ -142,3 +142,18 @@ def wants_operator(t: torch.Tensor) -> bool:
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+@torch.compiler.assume_constant_result  # (under torch.compile: read at trace time, not traced)
+def cuda_device(index: int) -> tuple[int, int, str]:
+    """(major, minor, name) of CUDA device ``index``: what the ops' gates ask of a device."""
+    major, minor = torch.cuda.get_device_capability(index)
+    return major, minor, torch.cuda.get_device_name(index)
+
+
+def not_hopper(device: torch.device) -> str | None:
+    """Why a CUDA device is outside kernel-fun's box, or None for sm_90."""
+    major, minor, name = cuda_device(device.index if device.index is not None else torch.cuda.current_device())
+    if (major, minor) != (9, 0):
+        return f"device {name} is sm_{major}{minor}; kernel-fun targets Hopper (sm_90)"
+    return None

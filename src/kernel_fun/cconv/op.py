@@ -41,7 +41,7 @@ import torch
 
 from kernel_fun import _fla as fla
 from kernel_fun._runtime import (assert_offsets, env_flag, first_order_only, host_offsets_error, log_once,
-                                 wants_operator)
+                                 not_hopper, wants_operator)
 from kernel_fun._triton import interpreting
 from kernel_fun.cconv import kernels as K
 from kernel_fun.cconv.reference import conv_reference
@@ -134,9 +134,9 @@ def _gate(x, weight, bias, residual, initial_state, backend, cp_context, kwargs)
         if t is not None and t.dtype not in _DTYPES:
             return f"{name} dtype {str(t.dtype).replace('torch.', '')} (supported: bfloat16, float16, float32)"
     if x.device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(x.device)
-        if (major, minor) != (9, 0):
-            return f"device {torch.cuda.get_device_name(x.device)} is sm_{major}{minor}; kernel-fun targets Hopper (sm_90)"
+        why = not_hopper(x.device)
+        if why is not None:
+            return why
     elif x.device.type not in ("cpu", "meta"):  # meta: the operators' shapes
         return f"device type {x.device.type} is not supported"
     return None

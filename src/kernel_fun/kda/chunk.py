@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from kernel_fun import _fla as fla
-from kernel_fun._runtime import env_flag, env_int, log_once, wants_operator
+from kernel_fun._runtime import env_flag, env_int, log_once, not_hopper, wants_operator
 from kernel_fun._runtime import logger as _runtime_logger
 from kernel_fun.kda.chain import FLAG_NAMES, ChunkKDAFunction, Options, call_key, reporter, run_forward
 from kernel_fun.kda.ops import check_offsets, pack_flags
@@ -331,9 +331,9 @@ def _gate(c: _Call) -> str | None:
             return f"{name} dtype {str(c.args[name].dtype).replace('torch.', '')} (supported: bfloat16, float16, float32)"
     device = q.device
     if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        if (major, minor) != (9, 0):
-            return f"device {torch.cuda.get_device_name(device)} is sm_{major}{minor}; kernel-fun targets Hopper (sm_90)"
+        why = not_hopper(device)
+        if why is not None:
+            return why
     elif device.type not in ("cpu", "meta"):  # meta: the operators' shapes (kernel_fun.kda.ops)
         return f"device type {device.type} is not supported"
     # (asked only where fla has a backend installed and enabled: under torch.compile that is
