@@ -137,7 +137,7 @@ def wants_operator(t: torch.Tensor) -> bool:
     (``kernel_fun.kda.ops``, ``kernel_fun.cconv.op``) rather than their eager autograd
     Functions: under ``torch.compile`` / ``torch.export``, under a dispatch mode (fake
     tensors, ``make_fx``), on meta tensors or tensor subclasses."""
-    return (torch.compiler.is_compiling() or t.device.type == "meta" or type(t) not in _PLAIN
+    return (torch.compiler.is_compiling() or t.is_meta or type(t) not in _PLAIN
             or is_in_torch_dispatch_mode())
 
 

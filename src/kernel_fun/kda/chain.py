@@ -343,6 +343,7 @@ class ForwardResult:
 _SAVED = ("q", "q_rstd", "k", "k_rstd", "v", "gc", "g", "beta_raw", "beta", "A_log", "dt_bias", "Aqk", "Akk",
           "initial_state", "cu_seqlens", "chunk_indices", "w", "u", "qg", "kg", "v_new", "h")
 _NONE_SAVED = dict.fromkeys(_SAVED)
+_SAVED_NAMES: dict = {}
 
 
 class ChunkKDAFunction(torch.autograd.Function):
@@ -350,9 +351,17 @@ class ChunkKDAFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, opts: Options, record: CallRecord):
         with _device_scope(q):
             res = run_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, opts, record)
-        # only the tensors a call has (unpacking a saved None costs as much as a tensor)
+        # only the tensors a call has (unpacking a saved None costs as much as a tensor); which
+        # ones follows from the flags, so a call's plan (opts.memo_key) keeps the names
         saved = res.saved
-        ctx.names = names = tuple(n for n in _SAVED if saved.get(n) is not None)
+        names = _SAVED_NAMES.get(opts.memo_key) if opts.memo_key is not None else None
+        if names is None:
+            names = tuple(n for n in _SAVED if saved.get(n) is not None)
+            if opts.memo_key is not None:
+                if len(_SAVED_NAMES) >= 256:
+                    _SAVED_NAMES.pop(next(iter(_SAVED_NAMES)))
+                _SAVED_NAMES[opts.memo_key] = names
+        ctx.names = names
         ctx.save_for_backward(*(saved[n] for n in names))
         ctx.opts = opts
         ctx.run = res.run
