@@ -13,6 +13,8 @@ from kernel_fun.kda import PARAMETERS, chunk_kda, is_supported, last_record, use
 from kernel_fun.kda import chunk as chunk_mod
 from kernel_fun.kda.problems import Problem, make_inputs
 
+from conftest import needs_interpreter
+
 # (the installed fla's validation and errors: run against every fla-core kernel-fun serves)
 pytestmark = pytest.mark.every_fla
 
@@ -348,3 +350,18 @@ def test_a_gpu_other_than_hopper_is_named(monkeypatch):
     assert _runtime.not_hopper(torch.device("cuda", 0)) == "device NVIDIA A100 is sm_80; kernel-fun targets Hopper (sm_90)"
     monkeypatch.setattr(_runtime, "cuda_device", lambda index: (9, 0, "NVIDIA H200"))
     assert _runtime.not_hopper(torch.device("cuda", 0)) is None
+
+
+@needs_interpreter
+def test_a_remembered_plan_gives_the_same_record():
+    """Stage choices, fused-unit answers and the notes of declined kernels (K=200: B2, B3
+    and B6 decline) are the first call's on every later call with its plan."""
+    from kernel_fun.kda.problems import run_fwd_bwd
+
+    kw = make_inputs(Problem("k200", 1, 70, 1, 1, 200, 16))
+    records = []
+    for _ in range(2):
+        run_fwd_bwd(chunk_kda, kw)
+        r = last_record()
+        records.append((dict(r.forward), dict(r.backward), dict(r.notes)))
+    assert records[0] == records[1] and set(records[0][2]) >= {"B2", "B3", "B6"}, records

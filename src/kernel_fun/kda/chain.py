@@ -403,7 +403,8 @@ def run_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, opts: Options, 
     # the cumsum in its chain of chunk steps; F6 writes qg only on request (fla's
     # disable_recompute switch of F3-F6, which changes nothing else there), so it is asked
     # for qg whenever that scan will run
-    want_qg = keep or run.wants("F7-F8", "reads_qg", **unit)
+    want_qg = keep or run.answer(("wants", "F7-F8", "reads_qg"),
+                                 lambda unit=unit: run.wants("F7-F8", "reads_qg", **unit))
     if opts.use_qk_l2norm_in_kernel:
         q, q_rstd, k, k_rstd = run.run("F1", "forward", q=q, k=k)
     if opts.use_beta_sigmoid_in_kernel:
@@ -419,7 +420,7 @@ def run_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, opts: Options, 
     scan = dict(kg=kg, w=w, u=u, gc=gc, **scan)
     unit = dict(unit, q=q, Aqk=Aqk, qg=qg, **scan)
     o = None
-    if run.takes_ours("F7-F8", **unit):
+    if run.answer(("takes", "F7-F8"), lambda unit=unit: run.takes_ours("F7-F8", **unit)):
         o, final_state, h, v_new = run.run("F7-F8", "forward", **unit)
     else:
         h, v_new, final_state = run.run("F7", "forward", **scan)
@@ -472,7 +473,8 @@ def run_backward(s: dict, opts: Options, run: Dispatcher, do, dht):
                   **common, **layout)
         # B2 writes u only where B3 reads it (kernel-fun's B3 forms u, as its F7-F8 does)
         # (asked before B2 makes kg: k stands in for it, the support checks read only K)
-        want_u = not run.wants("B3", "forms_u", kg=k, w=None, u=None, gc=None, **b3)
+        want_u = not run.answer(("wants", "B3", "forms_u"),
+                                lambda: run.wants("B3", "forms_u", kg=k, w=None, u=None, gc=None, **b3))
         if opts.use_gate_in_kernel:
             gc = run.run(
                 "B1", "backward", g=g_input, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
@@ -499,7 +501,7 @@ def run_backward(s: dict, opts: Options, run: Dispatcher, do, dht):
     gate = (dict(g=g_input, A_log=A_log, dt_bias=dt_bias, lower_bound=opts.lower_bound) if opts.use_gate_in_kernel
             else dict(g=None, A_log=None, dt_bias=None, lower_bound=None))
     dA_log = ddt_bias = None
-    if run.takes_ours("B7-B9", **intra, **gate):
+    if run.answer(("takes", "B7-B9"), lambda: run.takes_ours("B7-B9", **intra, **gate)):
         dq, dk, db, dg, dA_log, ddt_bias = run.run("B7-B9", "backward", **intra, **gate)
         del intra, dAqk, dAkk
     else:

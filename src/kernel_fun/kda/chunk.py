@@ -437,23 +437,23 @@ def _metadata_key(args, kwargs):
     a scalar's type and value), the keywords' names, grad and inference mode, the switches'
     raw values. None for a call with an argument of another kind."""
     parts = []
-    for value in args:
-        if type(value) in _PLAIN:  # (_meta inlined for the tensors: host time)
+    for value in args:  # (_meta inlined: host time)
+        kind = type(value)
+        if kind in _PLAIN:
             parts.append((value.shape, value.dtype, value.device, value.requires_grad))
-            continue
-        m = _meta(value)
-        if m is None:
+        elif value is None or kind in _SCALARS:
+            parts.append((kind, value))
+        else:
             return None
-        parts.append(m)
     for name, value in kwargs.items():
         parts.append(name)
-        if type(value) in _PLAIN:
+        kind = type(value)
+        if kind in _PLAIN:
             parts.append((value.shape, value.dtype, value.device, value.requires_grad))
-            continue
-        m = _meta(value)
-        if m is None:
+        elif value is None or kind in _SCALARS:
+            parts.append((kind, value))
+        else:
             return None
-        parts.append(m)
     return (tuple(parts), torch.is_grad_enabled(), torch.is_inference_mode_enabled(), *_switch_values())
 
 
@@ -529,7 +529,7 @@ def _slow_path(args, kwargs, traced: bool, key):
 
 
 def chunk_kda(*args, **kwargs):
-    first = _first_tensor(args, kwargs)
+    first = args[0] if args and type(args[0]) in _PLAIN else _first_tensor(args, kwargs)
     if first is not None and wants_operator(first):  # (first: dynamo traces what follows)
         return _slow_path(args, kwargs, True, None)[1]
     key = _metadata_key(args, kwargs)
@@ -547,8 +547,8 @@ def chunk_kda(*args, **kwargs):
     # Inputs as fla takes them: any strides (a split of a fused projection is a strided
     # view). The chain's stages index dense tensors, so each input is made contiguous once,
     # here, as fla's input_guard does; a dense input passes through untouched.
-    q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, cu_seqlens_cpu = (
-        None if f is None else (args[f] if type(f) is int else kwargs[f]) for f in plan.fetch)
+    q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, cu_seqlens_cpu = [
+        None if f is None else (args[f] if type(f) is int else kwargs[f]) for f in plan.fetch]
     if plan.packed and not fresh:  # the offsets' data checks, every call (_decide's on the slow path)
         check_offsets(cu_seqlens, cu_seqlens_cpu, q.shape[1])
     q, k, v, g, beta = q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous()

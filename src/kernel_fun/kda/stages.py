@@ -313,6 +313,22 @@ class Dispatcher:
         their own choices, fla's control chain included)."""
         return "ours" in _REGISTRY[name].impls and self._choice(name, inputs) == "ours"
 
+    def answer(self, key: tuple, ask: Callable[[], object]):
+        """``ask()``, a question about this call's choices (``wants``, ``takes_ours``), kept
+        with the remembered choices (``remember``) under ``key`` together with the notes it
+        wrote: a call with a remembered answer neither asks it again nor builds its inputs."""
+        memo = self.memo
+        if memo is None:
+            return ask()
+        hit = memo.get(key)
+        if hit is None:
+            before = dict(self.record.notes)
+            value = ask()
+            hit = memo[key] = (value, {k: v for k, v in self.record.notes.items() if before.get(k) != v})
+        elif hit[1]:
+            self.record.notes.update(hit[1])
+        return hit[0]
+
     def wants(self, name: str, cap: str, **inputs) -> bool:
         """Whether the implementation of ``name`` that would run on these inputs declared
         ``cap`` (one of ``CAPS``) when it was registered: how the chain asks a producing stage
