@@ -349,7 +349,10 @@ _SAVED_NAMES: dict = {}
 class ChunkKDAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, opts: Options, record: CallRecord):
-        with _device_scope(q):
+        if q.is_cuda:
+            with torch.cuda.device(q.device):
+                res = run_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, opts, record)
+        else:
             res = run_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, opts, record)
         # only the tensors a call has (unpacking a saved None costs as much as a tensor); which
         # ones follows from the flags, so a call's plan (opts.memo_key) keeps the names
@@ -370,8 +373,11 @@ class ChunkKDAFunction(torch.autograd.Function):
     @staticmethod
     @first_order_only("chunk_kda")
     def backward(ctx, do, dht):
-        with _device_scope(do):
-            return run_backward(_NONE_SAVED | dict(zip(ctx.names, ctx.saved_tensors)), ctx.opts, ctx.run, do, dht)
+        saved = _NONE_SAVED | dict(zip(ctx.names, ctx.saved_tensors))
+        if do.is_cuda:
+            with torch.cuda.device(do.device):
+                return run_backward(saved, ctx.opts, ctx.run, do, dht)
+        return run_backward(saved, ctx.opts, ctx.run, do, dht)
 
 
 def _swaps_states(opts: Options, run: Dispatcher) -> bool:
@@ -397,14 +403,14 @@ def run_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, opts: Options, 
     keep = opts.disable_recompute
     scan = dict(initial_state=initial_state, output_final_state=opts.output_final_state,
                 cu_seqlens_cpu=opts.cu_seqlens_cpu, **common, **layout)
-    unit = dict(q=q, Aqk=None, scale=opts.scale, save_states=keep or opts.return_intermediate_states, qg=None,
-                kg=None, w=None, u=None, gc=None, **scan)
+    save_states = keep or opts.return_intermediate_states
     # kernel-fun's F7-F8 scan reads q exp2(g) as F6 rounds it instead of forming it from q and
     # the cumsum in its chain of chunk steps; F6 writes qg only on request (fla's
     # disable_recompute switch of F3-F6, which changes nothing else there), so it is asked
-    # for qg whenever that scan will run
-    want_qg = keep or run.answer(("wants", "F7-F8", "reads_qg"),
-                                 lambda unit=unit: run.wants("F7-F8", "reads_qg", **unit))
+    # for qg whenever that scan will run (asked before F3-F6 has run: its outputs as None)
+    want_qg = keep or run.answer(("wants", "F7-F8", "reads_qg"), lambda scan=scan: run.wants(
+        "F7-F8", "reads_qg", q=q, Aqk=None, scale=opts.scale, save_states=save_states, qg=None, kg=None, w=None,
+        u=None, gc=None, **scan))
     if opts.use_qk_l2norm_in_kernel:
         q, q_rstd, k, k_rstd = run.run("F1", "forward", q=q, k=k)
     if opts.use_beta_sigmoid_in_kernel:
@@ -418,7 +424,7 @@ def run_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, opts: Options, 
         disable_recompute=want_qg, **common,
     )
     scan = dict(kg=kg, w=w, u=u, gc=gc, **scan)
-    unit = dict(unit, q=q, Aqk=Aqk, qg=qg, **scan)
+    unit = dict(q=q, Aqk=Aqk, scale=opts.scale, save_states=save_states, qg=qg, **scan)
     o = None
     if run.answer(("takes", "F7-F8"), lambda unit=unit: run.takes_ours("F7-F8", **unit)):
         o, final_state, h, v_new = run.run("F7-F8", "forward", **unit)
@@ -448,7 +454,7 @@ def run_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, opts: Options, 
     set_last_record(record)
     if opts.report is not None and not opts.expects_backward:
         opts.report(record)
-    return ForwardResult(o=o.type_as(q), final_state=final_state, h=h_out, saved=saved, run=run)
+    return ForwardResult(o=_as(o, q), final_state=final_state, h=h_out, saved=saved, run=run)
 
 
 def run_backward(s: dict, opts: Options, run: Dispatcher, do, dht):
@@ -527,7 +533,7 @@ def run_backward(s: dict, opts: Options, run: Dispatcher, do, dht):
             None)
 
 
-def _as(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """``grad`` in ``like``'s dtype (``Tensor.to(other)`` costs a few microseconds even when
-    it has nothing to do)."""
-    return grad if grad.dtype == like.dtype else grad.to(like.dtype)
+def _as(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``x`` in ``like``'s dtype (``Tensor.to(other)`` and ``type_as`` cost a few
+    microseconds even when they have nothing to do)."""
+    return x if x.dtype == like.dtype else x.to(like.dtype)

@@ -481,6 +481,8 @@ class _Plan:
     packed: bool
     zero_A_log: bool  # fla 0.6's gate without A_log: the chain's with A_log = 0
     warning: str | None  # the head-first layout's warning, given every call
+    # a dense call's Options, without and with the log line's report (built at first use)
+    dense_options: list = dataclasses.field(default_factory=lambda: [None, None])
 
 
 _PLANS: dict = {}
@@ -560,10 +562,16 @@ def chunk_kda(*args, **kwargs):
         dt_bias = dt_bias.contiguous() if dt_bias is not None else None
     else:
         A_log = dt_bias = None
-    cu_seqlens = cu_seqlens.contiguous() if cu_seqlens is not None else None
     # the log line's text built only where the logger would write it (host time)
-    report = reporter(plan.key_text) if _runtime_logger.isEnabledFor(logging.INFO) else None
-    opts = Options(cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, report=report, **o)
+    logs = _runtime_logger.isEnabledFor(logging.INFO)
+    if cu_seqlens is None:  # a dense call's options are its plan's (nothing in them is per call)
+        opts = plan.dense_options[logs]
+        if opts is None:
+            opts = plan.dense_options[logs] = Options(cu_seqlens=None, cu_seqlens_cpu=None,
+                                                      report=reporter(plan.key_text) if logs else None, **o)
+    else:
+        opts = Options(cu_seqlens=cu_seqlens.contiguous(), cu_seqlens_cpu=cu_seqlens_cpu,
+                       report=reporter(plan.key_text) if logs else None, **o)
     record = CallRecord(engaged=True)
     set_last_record(record)
     if not opts.expects_backward:  # no autograd graph to record (grad mode off, no input needing a gradient,

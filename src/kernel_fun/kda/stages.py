@@ -60,7 +60,7 @@ class Stage:
     caps: Mapping[str, frozenset[str]] = dataclasses.field(default_factory=dict)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class CallRecord:
     """What one ``chunk_kda`` call did: engaged or fell back, and which implementation ran
     each stage of its forward and backward (in execution order)."""
@@ -245,7 +245,7 @@ class Dispatcher:
 
     @classmethod
     def for_call(cls, device: torch.device, record: CallRecord) -> Dispatcher:
-        return cls(device, record, current_forced(), current_tap(), current_timer())
+        return cls(device, record, _FORCED.get(), _TAP.get(), _TIMER.get())
 
     def remember(self, key) -> None:
         """Reuse the choices of earlier calls with the same ``key`` and keep this call's for
