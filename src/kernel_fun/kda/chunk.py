@@ -18,7 +18,7 @@ and flags one line names the implementation of every stage the call ran.
 Validation and the gate read metadata only (the offsets' values are checked apart, every
 call), so a supported call's decisions are kept per metadata key (each argument's shape,
 dtype, device, requires_grad or scalar value, grad and inference mode, the switches) as a
-plan that the next call with that key reuses: ~50 us of host time a forward instead of
+plan that the next call with that key reuses: ~40 us of host time a forward instead of
 ~200 (docs/log/host.md). Under ``torch.compile``, ``torch.export``, fake tensors or meta
 tensors, dynamo traces the same validation and gate, and the call runs through the
 operators of ``kernel_fun.kda.ops``: one graph, no break.
