@@ -57,7 +57,7 @@ def _inputs(p: Problem, host_offsets: bool = True) -> dict:
     return kw
 
 
-def _fwd_args(kw: dict) -> tuple:
+def fwd_op_args(kw: dict) -> tuple:
     """``chunk_kda_fwd``'s arguments for a ``chunk_kda`` call's keywords."""
     flags = {n: bool(kw.get(n, False)) for n in FLAG_NAMES}
     q = kw["q"]
@@ -84,7 +84,7 @@ def test_chunk_kda_operators_pass_opcheck(p, monkeypatch):
     stages run the torch references but for the problem whose forward keeps F7-F8's h and
     v_new: which implementation runs changes no output's shape or dtype, and the interpreter
     would run every kernel ten times over."""
-    args = _fwd_args(_inputs(p))
+    args = fwd_op_args(_inputs(p))
     seen = []
     real = ops.chunk_kda_bwd
 

@@ -615,26 +615,18 @@ def test_fla_layer_through_patch_fla(flags, packed):
 # --------------------------------------------------------------------------------------
 # The operators on CUDA: fakes against fla's stages, a compiled step, no host sync, a graph
 # --------------------------------------------------------------------------------------
-def _op_args(kw: dict) -> tuple:
-    from kernel_fun.kda import ops
-    from kernel_fun.kda.chain import FLAG_NAMES
-
-    q = kw["q"]
-    flags = ops.pack_flags({n: bool(kw.get(n, False)) for n in FLAG_NAMES}, True)
-    return (q, kw["k"], kw["v"], kw["g"], kw["beta"], kw.get("A_log"), kw.get("dt_bias"), kw.get("initial_state"),
-            kw.get("cu_seqlens"), kw.get("cu_seqlens_cpu"), q.shape[-1] ** -0.5, kw.get("lower_bound"), flags)
-
-
 @pytest.mark.parametrize("p", SMALL + FLAGGED + [dataclasses.replace(SMALL[1], name="varlen-keep",
                                                                       disable_recompute=True)],
                          ids=lambda p: p.name)
 def test_operators_pass_opcheck_on_cuda(p):
     """The fake implementations give the shapes, dtypes and strides of what fla's stages and
     kernel-fun's kernels return on the GPU (the CPU tests hold them to the references')."""
+    from test_compile import fwd_op_args
+
     kw = make_inputs(p, device="cuda", seed=2)
     if "cu_seqlens" in kw:
         kw["cu_seqlens_cpu"] = kw["cu_seqlens"].cpu()
-    torch.library.opcheck(torch.ops.kernel_fun.chunk_kda_fwd.default, _op_args(kw))
+    torch.library.opcheck(torch.ops.kernel_fun.chunk_kda_fwd.default, fwd_op_args(kw))
 
 
 @pytest.mark.parametrize("p", [SMALL[0], FLAGGED[1]], ids=lambda p: p.name)

@@ -415,20 +415,10 @@ def is_supported(*args, **kwargs) -> tuple[bool, str | None]:
 # The tensors a supported call hands the chain, in the order the plan fetches them.
 _FETCHED = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias", "cu_seqlens", "cu_seqlens_cpu")
 _SCALARS = (bool, int, float, str)
-# Plain tensors: a model's parameters (A_log, dt_bias) are nn.Parameters
+# Plain tensors (a model's parameters, A_log and dt_bias, are nn.Parameters); other kinds of
+# argument make a call decided afresh
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _SWITCHES = ("KERNEL_FUN_DISABLE", "KERNEL_FUN_KDA_DISABLE", "KERNEL_FUN_KDA_MIN_CTAS", "KERNEL_FUN_KDA_OPS")
-
-
-def _meta(value):
-    """What validation and the gate read of one argument (None where it is not a plain
-    tensor, None or a scalar: such a call is decided afresh)."""
-    kind = type(value)
-    if kind in _PLAIN:
-        return value.shape, value.dtype, value.device, value.requires_grad
-    if value is None or kind in _SCALARS:
-        return kind, value
-    return None
 
 
 def _metadata_key(args, kwargs):
@@ -437,7 +427,7 @@ def _metadata_key(args, kwargs):
     a scalar's type and value), the keywords' names, grad and inference mode, the switches'
     raw values. None for a call with an argument of another kind."""
     parts = []
-    for value in args:  # (_meta inlined: host time)
+    for value in (*args, *kwargs.values()):
         kind = type(value)
         if kind in _PLAIN:
             parts.append((value.shape, value.dtype, value.device, value.requires_grad))
@@ -445,16 +435,8 @@ def _metadata_key(args, kwargs):
             parts.append((kind, value))
         else:
             return None
-    for name, value in kwargs.items():
-        parts.append(name)
-        kind = type(value)
-        if kind in _PLAIN:
-            parts.append((value.shape, value.dtype, value.device, value.requires_grad))
-        elif value is None or kind in _SCALARS:
-            parts.append((kind, value))
-        else:
-            return None
-    return (tuple(parts), torch.is_grad_enabled(), torch.is_inference_mode_enabled(), *_switch_values())
+    return (tuple(kwargs), tuple(parts), torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+            *_switch_values())
 
 
 # os.environ's own mapping, keys and values as the OS holds them (bytes on POSIX): reading it
@@ -488,17 +470,27 @@ class _Plan:
 _PLANS: dict = {}
 
 
+def _expects_backward(c: _Call) -> bool:
+    """Whether a backward will follow the call's forward: grad mode on, an input needing a
+    gradient, and not ``return_intermediate_states`` (inference)."""
+    differentiable = [c.args[n] for n in ("q", "k", "v", "g", "beta", "initial_state")]
+    if c.use_gate_in_kernel:
+        differentiable += [c.kwargs.get("A_log"), c.kwargs.get("dt_bias")]
+    return (not c.return_intermediate_states and torch.is_grad_enabled()
+            and any(x is not None and x.requires_grad for x in differentiable))
+
+
+def _scale(c: _Call) -> float:
+    return c.q.shape[3] ** -0.5 if c.scale is None else c.scale
+
+
 def _plan_of(c: _Call, args, kwargs) -> _Plan:
     positions = {n: i for i, n in enumerate(_NAMES[:len(args)])}
     fetch = tuple(positions[n] if n in positions else (n if n in kwargs else None) for n in _FETCHED)
     q, v = c.q, c.v
-    differentiable = [c.args[n] for n in ("q", "k", "v", "g", "beta", "initial_state")]
-    if c.use_gate_in_kernel:
-        differentiable += [c.kwargs.get("A_log"), c.kwargs.get("dt_bias")]
-    expects_backward = (not c.return_intermediate_states and torch.is_grad_enabled()
-                        and any(x is not None and x.requires_grad for x in differentiable))
+    expects_backward = _expects_backward(c)
     options = dict(
-        scale=q.shape[3] ** -0.5 if c.scale is None else c.scale,
+        scale=_scale(c),
         lower_bound=c.lower_bound,
         chunk_size=64,
         expects_backward=expects_backward,
@@ -593,13 +585,9 @@ def _traced_call(c: _Call):
         A_log = A_log.contiguous() if A_log is not None else torch.zeros(v.shape[2], device=q.device)
         dt_bias = dt_bias.contiguous() if dt_bias is not None else None
     cu_seqlens = c.cu_seqlens.contiguous() if c.cu_seqlens is not None else None
-    differentiable = [x for x in (*t.values(), A_log, dt_bias) if x is not None]
-    expects_backward = (not c.return_intermediate_states and torch.is_grad_enabled()
-                        and any(x.requires_grad for x in differentiable))
-    flags = pack_flags({n: c.args[n] for n in FLAG_NAMES}, expects_backward)
-    scale = float(q.shape[3] ** -0.5 if c.scale is None else c.scale)
+    flags = pack_flags({n: c.args[n] for n in FLAG_NAMES}, _expects_backward(c))
     out = torch.ops.kernel_fun.chunk_kda_fwd(q, t["k"], v, t["g"], t["beta"], A_log, dt_bias, t["initial_state"],
-                                             cu_seqlens, c.cu_seqlens_cpu, scale,
+                                             cu_seqlens, c.cu_seqlens_cpu, float(_scale(c)),
                                              None if c.lower_bound is None else float(c.lower_bound), flags)
     final_state = out[1] if c.output_final_state else None
     return (out[0], final_state, out[2]) if c.return_intermediate_states else (out[0], final_state)

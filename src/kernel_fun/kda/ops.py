@@ -39,7 +39,7 @@ import torch
 from kernel_fun._runtime import assert_offsets, first_order_only, host_offsets_error, logger
 from kernel_fun.kda import chain
 from kernel_fun.kda.chain import FLAG_NAMES, Options, run_backward, run_forward
-from kernel_fun.kda.stages import CallRecord, Dispatcher, current_forced, set_last_record
+from kernel_fun.kda.stages import CallRecord, Dispatcher, current_forced, forces_fla_only, set_last_record
 
 # The forward operator's outputs, in order: the call's results, then what the backward reads.
 OUTPUTS = ("o", "final_state", "h", "q", "q_rstd", "k", "k_rstd", "beta", "gc", "Aqk", "Akk", "initial_state", "w",
@@ -112,9 +112,7 @@ def _recall(aqk: torch.Tensor) -> Dispatcher | None:
 
 def _swaps(f: dict) -> bool:
     """``chain._swaps_states`` from the flags and the forced choices in force now."""
-    forced = current_forced() or {}
-    fla_only = forced.get("*") == "fla" and set(forced.values()) == {"fla"}
-    return f["state_v_first"] and not fla_only
+    return f["state_v_first"] and not forces_fla_only(current_forced())
 
 
 # --------------------------------------------------------------------------------------

@@ -172,6 +172,11 @@ def current_forced() -> Mapping[str, str] | None:
     return _FORCED.get()
 
 
+def forces_fla_only(forced: Mapping[str, str] | None) -> bool:
+    """Whether forced choices put every stage on fla (``use_impls("fla")``: the control chain)."""
+    return bool(forced) and forced.get("*") == "fla" and set(forced.values()) == {"fla"}
+
+
 @contextlib.contextmanager
 def _collecting(var: contextvars.ContextVar) -> Iterator[list]:
     log: list = []
@@ -265,10 +270,7 @@ class Dispatcher:
     @property
     def fla_only(self) -> bool:
         """Every stage forced onto fla (``use_impls("fla")``): the control chain."""
-        return self.forced.get("*") == "fla" and set(self.forced.values()) == {"fla"}
-
-    def choose(self, name: str, **inputs) -> str:
-        return self._choice(name, inputs)
+        return forces_fla_only(self.forced)
 
     def _choice(self, name: str, inputs: dict) -> str:
         memo = self.memo
