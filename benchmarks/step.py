@@ -205,6 +205,10 @@ def first(args, log: Log) -> int:
         row["witness"] = {"engaged": record.engaged, "impls": {**record.forward, **record.backward},
                           "convolutions": last_route()}
     log(row)
+    if args.dump_fla_configs:  # (fla's choices, for the later runs on this machine: KERNEL_FUN_FLA_CONFIGS)
+        from benchmarks import fla_configs
+
+        fla_configs.dump(fla_configs.gpu_dir(torch.cuda.get_device_name()))
     return 0
 
 
@@ -582,6 +586,8 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--shapes", default=",".join(GRAPH_SHAPES))
+    parser.add_argument("--dump-fla-configs", action="store_true",
+                        help="first: store fla's autotuner choices (fla_configs.dump)")
     parser.add_argument("--fla-graphs", action="store_true",
                         help="also try to capture fla's own call (a failed capture can leave the stream unusable)")
     parser.add_argument("--steps", type=int, default=300)
