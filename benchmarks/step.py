@@ -59,7 +59,8 @@ class Log:
     def __call__(self, row: dict) -> dict:
         from benchmarks import rows
 
-        row = rows.stamp(row)
+        row = rows.stamp({**row, "fla_cache_mode": os.environ.get("FLA_CACHE_MODE", "disabled"),
+                          "fla_config_dir": os.environ.get("FLA_CONFIG_DIR")})
         line = json.dumps(row, default=str)
         print(line[:2000], flush=True)
         with self.path.open("a") as f:
@@ -195,8 +196,7 @@ def first(args, log: Log) -> int:
            "kernels_s": round(sum(r["s"] for r in table), 2),
            "fla_kernels_s": round(sum(r["s"] for r in table if r["module"].startswith("fla")), 2),
            "ours_kernels_s": round(sum(r["s"] for r in table if r["module"].startswith("kernel_fun")), 2),
-           "kernels": table, "triton_cache": os.environ.get("TRITON_CACHE_DIR"),
-           "fla_cache_mode": os.environ.get("FLA_CACHE_MODE", "disabled"), "gpu": torch.cuda.get_device_name()}
+           "kernels": table, "triton_cache": os.environ.get("TRITON_CACHE_DIR"), "gpu": torch.cuda.get_device_name()}
     if args.side == "ours":
         from kernel_fun.cconv import last_route
         from kernel_fun.kda import last_record

@@ -371,6 +371,27 @@ def test_the_host_chunk_index_is_fla_s(offsets, dtype):
     assert ours.dtype == fla_s.dtype and ours.device == fla_s.device and torch.equal(ours, fla_s)
 
 
+def test_the_host_chunk_index_lives_with_its_offsets():
+    """Built once while the offsets live unchanged, rebuilt when either changes in place,
+    forgotten when the device offsets die (a CUDA graph's index is kept until then: the GPU
+    test)."""
+    import gc
+
+    from kernel_fun.kda import chain
+
+    cu, cu_cpu = torch.tensor([0, 70, 200]), torch.tensor([0, 70, 200])
+    first = chain.host_chunk_indices(cu, cu_cpu, 64)
+    assert chain.host_chunk_indices(cu, cu_cpu, 64) is first
+    assert chain.host_chunk_indices(cu, cu_cpu.clone(), 64) is not first  # another host tensor
+    cu_cpu.copy_(torch.tensor([0, 10, 200]))  # (2 + 3 chunks become 1 + 3)
+    assert chain.host_chunk_indices(cu, cu_cpu, 64).shape == (4, 2)
+    key = id(cu)
+    assert key in chain._HOST_INDICES
+    del cu
+    gc.collect()
+    assert key not in chain._HOST_INDICES
+
+
 def test_a_packed_call_is_the_same_with_and_without_host_offsets():
     p = PROBLEMS[3]
     with_host, without = run_fwd_bwd(chunk_kda, _inputs(p, True)), run_fwd_bwd(chunk_kda, _inputs(p, False))

@@ -686,3 +686,51 @@ def test_a_dense_forward_is_captured_in_a_cuda_graph():
     with torch.no_grad():
         want_o, want_state = chunk_kda(**fresh)
     assert torch.equal(o, want_o) and torch.equal(final_state, want_state)
+
+
+def test_a_packed_step_is_captured_in_a_cuda_graph():
+    """A warmed packed fwd+bwd (host offsets given) captured with torch.cuda.graph: replayed on
+    new inputs it is eager's bit for bit, also after the offsets were rewritten in place (same
+    values) and eager calls rebuilt and replaced their chunk index: the graph's index, and the
+    pinned buffer its copy reads, live as long as the offsets."""
+    import gc
+
+    from kernel_fun.kda.problems import cotangents, leaves
+
+    p = dataclasses.replace(SMALL[1], name="graph-packed")
+    kw = make_inputs(p, device="cuda", seed=5)
+    kw["cu_seqlens_cpu"] = kw["cu_seqlens"].cpu()
+    named = leaves(kw)
+    o, final_state = chunk_kda(**kw)
+    cot = list(cotangents(o, final_state, seed=1))
+
+    def step(inputs):
+        o, s = chunk_kda(**inputs)
+        return [o, s, *torch.autograd.grad([o, s], list(leaves(inputs).values()), cot)]
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step(kw)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step(kw)
+    fresh = make_inputs(p, device="cuda", seed=6)
+    fresh["cu_seqlens_cpu"] = fresh["cu_seqlens"].cpu()
+    with torch.no_grad():
+        for name, t in fresh.items():
+            if isinstance(t, torch.Tensor) and t.is_cuda:
+                kw[name].copy_(t)
+        kw["cu_seqlens_cpu"].copy_(fresh["cu_seqlens_cpu"])
+    for seed in range(3):  # eager calls on the rewritten offsets (a new index), and on others
+        step(kw)
+        step(make_inputs(p, device="cuda", seed=10 + seed) | {"cu_seqlens_cpu": kw["cu_seqlens_cpu"].clone()})
+    gc.collect()
+    torch.cuda.empty_cache()
+    graph.replay()
+    want = step(fresh)
+    assert len(named) == len(outs) - 2
+    for got, expected in zip(outs, want):
+        assert torch.equal(got, expected)

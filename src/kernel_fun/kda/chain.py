@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import weakref
 from collections.abc import Callable
@@ -300,31 +301,64 @@ def _chunk_indices(opts: Options):
     return fla.prepare_chunk_indices(opts.cu_seqlens, opts.chunk_size)
 
 
-# The last few host-built chunk indices, each kept while both offsets tensors live unmodified
-# (the layers of a model share one cu_seqlens: built once a step, and the backward finds it).
-_HOST_INDICES: dict = {}
+# The host-built chunk index of each live cu_seqlens tensor (the layers of a model share one:
+# built once a step, and the backward finds it), dropped when that tensor dies. An index
+# handed to a call under CUDA-graph capture (and the pinned buffer a captured copy reads) is
+# kept until then too, whatever happens to the offsets meanwhile: the graph reads that
+# memory at every replay, and a freed block would be reused by the allocator.
+_HOST_INDICES: dict[int, "_HostIndex"] = {}
+_HOST_INDEX_LIMIT = 64  # live entries, beyond which the oldest holding no captured memory goes
+
+
+class _HostIndex:
+    __slots__ = ("cu", "cu_cpu", "key", "index", "kept")
+
+    def __init__(self, cu_seqlens: torch.Tensor):
+        self.cu = weakref.ref(cu_seqlens, functools.partial(_forget_host_index, id(cu_seqlens)))
+        self.cu_cpu, self.key, self.index, self.kept = None, None, None, []
+
+
+def _forget_host_index(key: int, ref) -> None:
+    entry = _HOST_INDICES.get(key)
+    if entry is not None and entry.cu is ref:
+        del _HOST_INDICES[key]
 
 
 def host_chunk_indices(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor, chunk_size: int) -> torch.Tensor:
     """fla's chunk index built from the host copy of the offsets, moved to cu_seqlens' device
     by an asynchronous copy from pinned memory: fla's own (``prepare_chunk_indices`` with
     ``cu_seqlens_cpu``) ends in a blocking copy, which waits for the stream."""
-    key = (id(cu_seqlens), cu_seqlens._version, id(cu_seqlens_cpu), cu_seqlens_cpu._version, chunk_size)
-    hit = _HOST_INDICES.get(key)
-    if hit is not None and hit[0]() is cu_seqlens and hit[1]() is cu_seqlens_cpu:
-        return hit[2]
+    key = (cu_seqlens._version, cu_seqlens_cpu._version, chunk_size)
+    capturing = cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing()
+    entry = _HOST_INDICES.get(id(cu_seqlens))
+    if entry is not None and entry.cu() is not cu_seqlens:
+        entry = None
+    if entry is not None and entry.key == key and entry.cu_cpu() is cu_seqlens_cpu:
+        if capturing and not any(t is entry.index for t in entry.kept):
+            entry.kept.append(entry.index)
+        return entry.index
     cu = cu_seqlens_cpu.long()
     counts = (cu[1:] - cu[:-1]).clamp(min=0).add(chunk_size - 1).div(chunk_size, rounding_mode="floor")
     seq = torch.repeat_interleave(torch.arange(counts.numel()), counts)
     first = counts.cumsum(0) - counts  # each sequence's first chunk's row
     index = torch.stack((seq, torch.arange(seq.numel()) - first[seq]), 1).to(cu_seqlens.dtype)
     if cu_seqlens.is_cuda:
-        index = index.pin_memory().to(cu_seqlens.device, non_blocking=True)
+        pinned = index.pin_memory()
+        index = pinned.to(cu_seqlens.device, non_blocking=True)
+        if capturing:
+            entry = entry or _HostIndex(cu_seqlens)
+            entry.kept += [pinned, index]
     elif cu_seqlens.device != index.device:
         index = index.to(cu_seqlens.device)
-    if len(_HOST_INDICES) >= 8:
-        _HOST_INDICES.pop(next(iter(_HOST_INDICES)))
-    _HOST_INDICES[key] = (weakref.ref(cu_seqlens), weakref.ref(cu_seqlens_cpu), index)
+    if entry is None:
+        entry = _HostIndex(cu_seqlens)
+    if id(cu_seqlens) not in _HOST_INDICES and len(_HOST_INDICES) >= _HOST_INDEX_LIMIT:
+        for old, e in list(_HOST_INDICES.items()):
+            if not e.kept:
+                del _HOST_INDICES[old]
+                break
+    entry.cu_cpu, entry.key, entry.index = weakref.ref(cu_seqlens_cpu), key, index
+    _HOST_INDICES[id(cu_seqlens)] = entry
     return index
 
 
