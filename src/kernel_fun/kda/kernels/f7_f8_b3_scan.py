@@ -313,14 +313,16 @@ def _check_dense(**tensors) -> None:
             raise ValueError(f"the scan kernel indexes {name} as a dense tensor; got strides {t.stride()}")
 
 
-def _chains(B: int, T: int, BT: int, cu_seqlens):
-    """(sequences, chunks in all, each sequence's first chunk index or None when dense)."""
+def _chains(B: int, T: int, BT: int, cu_seqlens, chunk_indices):
+    """(sequences, chunks in all, each sequence's first chunk index or None when dense). The
+    packed chunk count is the chunk index's row count (read from the offsets' data it would
+    wait for the stream); the first chunks are formed on the device."""
     if cu_seqlens is None:
         return B, B * triton.cdiv(T, BT), None
     lens = cu_seqlens[1:] - cu_seqlens[:-1]
     counts = (lens + BT - 1) // BT
     chunk_offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
-    return len(cu_seqlens) - 1, int(chunk_offsets[-1]), chunk_offsets
+    return len(cu_seqlens) - 1, chunk_indices.shape[0], chunk_offsets
 
 
 def scan_output(q, qg, kg, w, u, gc, Aqk, scale, initial_state, output_final_state, save_states, cu_seqlens_cpu,
@@ -338,7 +340,7 @@ def scan_output(q, qg, kg, w, u, gc, Aqk, scale, initial_state, output_final_sta
     V = u.shape[3]
     BT = chunk_size
     _check_dense(qg=qg, kg=kg, w=w, u=u, gc=gc, Aqk=Aqk)
-    N, NT_total, chunk_offsets = _chains(B, T, BT, cu_seqlens)
+    N, NT_total, chunk_offsets = _chains(B, T, BT, cu_seqlens, chunk_indices)
     sms = {"sms": torch.cuda.get_device_properties(kg.device).multi_processor_count} if kg.is_cuda else {}
     cfg = config_over(launch_config(N * HV, V, K, **sms), config, CONFIG_KEYS, "F7-F8")
     o = torch.empty_like(u)
@@ -376,7 +378,7 @@ def scan_states(kg, w, u, gc, initial_state, output_final_state, chunk_size, cu_
     if K > 128:
         raise ValueError(f"the transposed-state scan holds K <= 128 in two halves; got K={K}")
     _check_dense(kg=kg, w=w, gc=gc, v=v, beta=beta, Akk=Akk)
-    N, NT_total, chunk_offsets = _chains(B, T, BT, cu_seqlens)
+    N, NT_total, chunk_offsets = _chains(B, T, BT, cu_seqlens, chunk_indices)
     cfg = config_over(STATES_CONFIG, config, CONFIG_KEYS, "B3")
     ht = torch.empty(N, HV, K, V, device=v.device, dtype=torch.float32) if output_final_state else None
     h = torch.empty(B, NT_total // B, HV, K, V, device=v.device, dtype=kg.dtype)  # B = 1 when packed
