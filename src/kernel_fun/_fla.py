@@ -18,7 +18,9 @@ from __future__ import annotations
 import functools
 
 import importlib
+import inspect
 import sys
+import weakref
 
 import torch
 
@@ -170,6 +172,58 @@ def prepare_chunk_indices(cu_seqlens, chunk_size, cu_seqlens_cpu=None):
     return prepare_chunk_indices(cu_seqlens, chunk_size, cu_seqlens_cpu=cu_seqlens_cpu)
 
 
+def has_static_chunk_indices() -> bool:
+    """Whether fla builds capacity-shaped chunk indices (fla 0.6's ``use_graph`` contract)."""
+    try:
+        from fla.ops.utils.index import prepare_chunk_indices_static  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# The capacity-shaped chunk indices handed out, by id: (a weak reference to the index, its
+# per-sequence chunk offsets). fla's stages are told use_graph=True (and given the offsets)
+# for these alone; kernel-fun's kernels and references see the spare rows themselves.
+_STATIC: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+
+
+def static_chunk_indices(cu_seqlens, chunk_size: int, T: int):
+    """fla 0.6's capacity-shaped (sequence, chunk) index of a packed batch: [nt_max, 2] with
+    nt_max = ceil(T / chunk_size) + N - 1 for N = the offsets' sequence slots, built on the
+    device (no synchronization, so a CUDA graph records it); the rows past the real chunks
+    name sequence -1."""
+    from fla.ops.utils.index import prepare_chunk_indices_static
+
+    nt_max = -(-T // chunk_size) + cu_seqlens.shape[0] - 2
+    index, offsets = prepare_chunk_indices_static(cu_seqlens=cu_seqlens, chunk_size=chunk_size, nt_max=nt_max)
+    key = id(index)
+    _STATIC[key] = (weakref.ref(index, lambda _, key=key: _STATIC.pop(key, None)), offsets)
+    return index
+
+
+def static_chunk_offsets(chunk_indices):
+    """The chunk offsets of a capacity-shaped index from ``static_chunk_indices``, else None."""
+    if chunk_indices is None:
+        return None
+    hit = _STATIC.get(id(chunk_indices))
+    return hit[1] if hit is not None and hit[0]() is chunk_indices else None
+
+
+_ACCEPTS: dict = {}
+
+
+def _graph(fn, chunk_indices) -> dict:
+    """The keywords that put fla's stage ``fn`` in its capacity-shaped mode (``use_graph``,
+    and the chunk offsets where it takes them) for a capacity-shaped index; else none."""
+    offsets = static_chunk_offsets(chunk_indices)
+    if offsets is None:
+        return {}
+    accepts = _ACCEPTS.get(fn)
+    if accepts is None:
+        accepts = _ACCEPTS[fn] = frozenset(inspect.signature(fn).parameters)
+    return {name: value for name, value in (("use_graph", True), ("chunk_offsets", offsets)) if name in accepts}
+
+
 # --------------------------------------------------------------------------------------
 # fla's stage functions, with the chain's contracts (kernel_fun.kda.chain declares them)
 # --------------------------------------------------------------------------------------
@@ -197,11 +251,13 @@ def gate(g, use_gate_in_kernel, A_log, dt_bias, lower_bound, chunk_size, cu_seql
         return kda_gate_chunk_cumsum(
             g=g, A_log=A_log, dt_bias=dt_bias, scale=RCP_LN2, chunk_size=chunk_size,
             cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, lower_bound=lower_bound,
+            **_graph(kda_gate_chunk_cumsum, chunk_indices),
         )
     from fla.ops.utils import chunk_local_cumsum
 
     return chunk_local_cumsum(
         g=g, scale=RCP_LN2, chunk_size=chunk_size, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
+        **_graph(chunk_local_cumsum, chunk_indices),
     )
 
 
@@ -212,6 +268,7 @@ def intra(q, k, v, gc, beta, scale, chunk_size, cu_seqlens, chunk_indices, safe_
     w, u, qg, kg, Aqk, Akk = chunk_kda_fwd_intra(
         q=q, k=k, v=v, gk=gc, beta=beta, scale=scale, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
         chunk_indices=chunk_indices, safe_gate=safe_gate, disable_recompute=disable_recompute,
+        **_graph(chunk_kda_fwd_intra, chunk_indices),
     )
     return w, u, kg, Aqk, Akk, qg
 
@@ -231,7 +288,7 @@ def state_scan(kg, w, u, gc, initial_state, output_final_state, chunk_size, cu_s
     return chunk_gated_delta_rule_fwd_h(
         k=kg, w=w, u=u, gk=gc, initial_state=initial_state, output_final_state=output_final_state,
         cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices, chunk_size=chunk_size,
-        state_v_first=state_v_first,
+        state_v_first=state_v_first, **_graph(chunk_gated_delta_rule_fwd_h, chunk_indices),
     )
 
 
@@ -241,7 +298,7 @@ def output(q, v_new, gc, Aqk, h, scale, chunk_size, cu_seqlens, chunk_indices, s
 
     return chunk_gla_fwd_o_gk(
         q=q, v=v_new, g=gc, A=Aqk, h=h, scale=scale, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
-        chunk_indices=chunk_indices, state_v_first=state_v_first,
+        chunk_indices=chunk_indices, state_v_first=state_v_first, **_graph(chunk_gla_fwd_o_gk, chunk_indices),
     )
 
 
@@ -261,6 +318,7 @@ def wy_recompute(q, k, v, beta, A, gc, want_u, chunk_size, cu_seqlens, chunk_ind
 
     return recompute_w_u_fwd(
         q=q, k=k, v=v, beta=beta, A=A, gk=gc, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
+        **_graph(recompute_w_u_fwd, chunk_indices),
     )
 
 
@@ -270,7 +328,7 @@ def dav(q, k, v_new, do, Aqk, scale, chunk_size, cu_seqlens, chunk_indices):
 
     return chunk_kda_bwd_dAv(
         q=q, k=k, v=v_new, do=do, A=Aqk, scale=scale, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
-        chunk_indices=chunk_indices,
+        chunk_indices=chunk_indices, **_graph(chunk_kda_bwd_dAv, chunk_indices),
     )
 
 
@@ -281,6 +339,7 @@ def dhu(qg, kg, w, gc, h0, dht, do, dv, scale, chunk_size, cu_seqlens, chunk_ind
     return chunk_gated_delta_rule_bwd_dhu(
         q=qg, k=kg, w=w, gk=gc, h0=h0, dht=dht, do=do, dv=dv, scale=scale, cu_seqlens=cu_seqlens,
         chunk_size=chunk_size, chunk_indices=chunk_indices, state_v_first=state_v_first,
+        **_graph(chunk_gated_delta_rule_bwd_dhu, chunk_indices),
     )
 
 
@@ -292,6 +351,7 @@ def wy_dqkg(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, cu_se
     return chunk_kda_bwd_wy_dqkg_fused(
         q=q, k=k, v=v, v_new=v_new, g=gc, beta=beta, A=A, h=h, do=do, dh=dh, dv=dv, scale=scale,
         cu_seqlens=cu_seqlens, chunk_size=chunk_size, chunk_indices=chunk_indices, state_v_first=state_v_first,
+        **_graph(chunk_kda_bwd_wy_dqkg_fused, chunk_indices),
     )
 
 
@@ -302,6 +362,7 @@ def intra_bwd(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, cu_seqlens
     return chunk_kda_bwd_intra(
         q=q, k=k, g=gc, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db, dg=dg, cu_seqlens=cu_seqlens,
         chunk_indices=chunk_indices, chunk_size=chunk_size, safe_gate=safe_gate,
+        **_graph(chunk_kda_bwd_intra, chunk_indices),
     )
 
 
@@ -310,7 +371,7 @@ def reverse_cumsum(dg, chunk_size, cu_seqlens, chunk_indices):
     from fla.ops.utils import chunk_local_cumsum
 
     return chunk_local_cumsum(dg, chunk_size=chunk_size, reverse=True, cu_seqlens=cu_seqlens,
-                              chunk_indices=chunk_indices)
+                              chunk_indices=chunk_indices, **_graph(chunk_local_cumsum, chunk_indices))
 
 
 def gate_bwd(g, A_log, dt_bias, dyg, lower_bound):

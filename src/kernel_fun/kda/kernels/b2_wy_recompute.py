@@ -74,6 +74,9 @@ def wy_recompute_kernel(
     IS_VARLEN: tl.constexpr,
 ):
     """w, kg and qg of one (chunk, value head) from its Akk_inv rows."""
+    if IS_VARLEN:
+        if tl.load(chunk_indices + tl.program_id(0) * 2) < 0:  # a capacity-shaped index's spare row
+            return
     i_hv, i_h, row0, n_t = chunk_head(cu_seqlens, chunk_indices, T, H, HV, BT, IS_VARLEN)
     SK: tl.constexpr = H * K
     SG: tl.constexpr = HV * K

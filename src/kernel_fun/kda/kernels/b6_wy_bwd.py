@@ -89,6 +89,9 @@ def wy_dqkg_kernel(
         i_t, i_bh = pid // NBH, pid % NBH
     else:
         i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    if IS_VARLEN:
+        if tl.load(chunk_indices + i_t * 2) < 0:  # a capacity-shaped index's spare row
+            return
     i_hv = i_bh % HV
     i_h = i_hv // (HV // H)
     i_c, i_tg, bos, T = chunk_coords(i_t, i_bh, cu_seqlens, chunk_indices, T, HV, BT, IS_VARLEN)

@@ -130,6 +130,16 @@ def intra_bwd_kernel(
     i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_hv = i_bh % HV
     i_h = i_hv // (HV // H)
+    if IS_VARLEN:
+        # a capacity-shaped index's spare row (sequence -1): no tokens; its parameter
+        # partials are zeros (they are summed over every row)
+        if tl.load(chunk_indices + i_t * 2) < 0:
+            if GATE:
+                tl.store(dA_part + (i_k * NT_ALL + i_t) * HV + i_hv, 0.0)
+                if HAS_BIAS:
+                    o_z = i_k * BK + tl.arange(0, BK)
+                    tl.store(dbias_part + (i_t * HV + i_hv) * K + o_z, tl.zeros([BK], tl.float32), mask=o_z < K)
+            return
     i_c, i_tg, bos, T = chunk_coords(i_t, i_bh, cu_seqlens, chunk_indices, T, HV, BT, IS_VARLEN)
     row0 = bos + i_c * BT
     n_t = tl.minimum(T - i_c * BT, BT).to(tl.int32)
