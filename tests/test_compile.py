@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
@@ -396,3 +397,126 @@ def test_a_packed_call_is_the_same_with_and_without_host_offsets():
     p = PROBLEMS[3]
     with_host, without = run_fwd_bwd(chunk_kda, _inputs(p, True)), run_fwd_bwd(chunk_kda, _inputs(p, False))
     _assert_same(with_host, without)
+
+
+# --------------------------------------------------------------------------------------
+# fla 0.6's capacity-shaped packed mode (use_graph, max_num_seqs)
+# --------------------------------------------------------------------------------------
+def _capacity_pair(p: Problem, pad: int, spare: int, seed: int = 7):
+    """A capacity-shaped call's keywords (``pad`` tokens past the last sequence, ``spare``
+    zero-length sequence slots, random data everywhere) and the ordinary packed call on its
+    sequences' tokens; with each call's cotangents (the packed call's the capacity call's
+    rows)."""
+    kw = make_inputs(dataclasses.replace(p, T=p.T + pad, cu_seqlens=p.cu_seqlens + (p.T,) * spare,
+                                         initial_state=True, output_final_state=True), seed=seed)
+    kw.update(use_graph=True, max_num_seqs=len(p.cu_seqlens) - 1 + spare)
+    N = len(p.cu_seqlens) - 1
+    packed = {}
+    for name, t in kw.items():
+        if name in ("use_graph", "max_num_seqs"):
+            continue
+        if name == "cu_seqlens":
+            packed[name] = torch.tensor(p.cu_seqlens, dtype=t.dtype)
+        elif isinstance(t, torch.Tensor) and t.dim() >= 3 and name != "initial_state":
+            packed[name] = t.detach()[:, :p.T].clone().requires_grad_(t.requires_grad)
+        elif name == "initial_state":
+            packed[name] = t.detach()[:N].clone().requires_grad_()
+        elif isinstance(t, torch.Tensor):
+            packed[name] = t.detach().clone().requires_grad_(t.requires_grad)
+        else:
+            packed[name] = t
+    gen = torch.Generator().manual_seed(seed + 1)
+    B, T, HV, V = kw["v"].shape
+    K = kw["q"].shape[-1]
+    state = (N + spare, HV, V, K) if p.state_v_first else (N + spare, HV, K, V)
+    do, dht = torch.randn(B, T, HV, V, generator=gen).to(kw["v"].dtype), torch.randn(*state, generator=gen)
+    return kw, packed, (do, dht), (do[:, :p.T].clone(), dht[:N].clone())
+
+
+def _step(kw: dict, cot) -> dict:
+    from kernel_fun.kda.problems import GRAD_NAMES, leaves
+
+    o, final_state = chunk_kda(**kw)
+    named = leaves(kw)
+    grads = torch.autograd.grad([o, final_state], list(named.values()), list(cot))
+    return {"o": o, "final_state": final_state, **{GRAD_NAMES[n]: g for n, g in zip(named, grads)}}
+
+
+CAPACITY = [
+    Problem("capacity-gate", 1, 150, 1, 2, 64, 32, cu_seqlens=(0, 1, 70, 150), dtype=torch.float16),
+    Problem("capacity-layer-safe", 1, 130, 1, 1, 64, 32, cu_seqlens=(0, 64, 130), beta_sigmoid_in_kernel=True,
+            state_v_first=True, safe_gate=True, lower_bound=-5.0, dtype=torch.float16),
+    Problem("capacity-pregated", 1, 100, 1, 1, 64, 32, cu_seqlens=(0, 100), gate_in_kernel=False,
+            l2norm_in_kernel=False, dtype=torch.float16),
+]
+
+
+@pytest.mark.every_fla
+@pytest.mark.parametrize("p", CAPACITY, ids=lambda p: p.name)
+def test_a_capacity_shaped_call_is_the_packed_call_on_its_tokens(p):
+    """use_graph=True: the chunk index has ceil(T / 64) + N - 1 rows, built on the device, its
+    spare rows skipped by every stage. On its sequences' tokens o and every gradient are the
+    ordinary packed call's bit for bit (the same chunks through the same kernels; dA_log's
+    and dt_bias's sums, over more rows, to rounding); an empty slot carries its initial
+    state through and its gradient back; whatever the padding tokens hold changes nothing."""
+    from kernel_fun import _fla
+
+    kw, packed, cot, packed_cot = _capacity_pair(p, pad=45, spare=2)
+    if _fla.version_tuple() < (0, 6):
+        supported, reason = chunk_kda_is_supported(**kw)
+        assert not supported and "no capacity-shaped mode" in reason
+        return
+    got = _step(kw, cot)
+    record = last_record()
+    assert record.engaged and record.backward["B6"] == "ours" and record.backward["B7-B9"] == "ours", record
+    want = _step(packed, packed_cot)
+    N, T = len(p.cu_seqlens) - 1, p.T
+    for name, w in want.items():
+        g = got[name]
+        if name in ("final_state", "dh0"):
+            assert torch.equal(g[:N], w), name
+            tail = kw["initial_state"] if name == "final_state" else cot[1]
+            assert torch.equal(g[N:], tail[N:].to(g.dtype)), name  # an empty slot's state passes through
+        elif name in ("dA_log", "ddt_bias"):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+        else:
+            assert torch.equal(g[:, :T], w), name
+    # the padding tokens' data and cotangents reach no real row
+    other = {n: (t.detach().clone().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t)
+             for n, t in kw.items()}
+    with torch.no_grad():
+        for name in ("q", "k", "v", "g", "beta"):
+            other[name][:, T:] = torch.randn_like(other[name][:, T:]) * 3
+    do = cot[0].clone()
+    do[:, T:] = 7
+    again = _step(other, (do, cot[1]))
+    for name in ("o", "dq", "dk", "dv", "dg", "dbeta"):
+        assert torch.equal(again[name][:, :T], got[name][:, :T]), name
+
+
+def chunk_kda_is_supported(**kw):
+    from kernel_fun.kda import is_supported
+
+    return is_supported(**kw)
+
+
+@pytest.mark.every_fla
+def test_a_capacity_shaped_call_compiles_once_for_any_offsets():
+    """Under torch.compile the capacity-shaped call's shapes are its capacity's: new offsets
+    in the same slots (written in place, as a CUDA graph's replay reads them) recompile
+    nothing, and the result follows the new offsets."""
+    from kernel_fun import _fla
+
+    if _fla.version_tuple() < (0, 6):
+        pytest.skip("fla-core 0.5.2 has no capacity-shaped mode")
+    p = CAPACITY[0]
+    kw, packed, cot, packed_cot = _capacity_pair(p, pad=45, spare=2)
+    counter = CompileCounterWithBackend("aot_eager")
+    torch._dynamo.reset()
+    fn = torch.compile(chunk_kda, fullgraph=True, backend=counter)
+    first = fn(**kw)[0].detach().clone()
+    kw["cu_seqlens"].copy_(torch.tensor([0, 50, 60, 190, 190, 195], dtype=kw["cu_seqlens"].dtype))
+    second = fn(**kw)[0]
+    assert counter.frame_count == 1
+    eager = chunk_kda(**kw)[0]
+    assert torch.equal(second[:, :195], eager[:, :195]) and not torch.equal(second[:, :150], first[:, :150])

@@ -15,12 +15,13 @@ fla is imported on first use, never at import: it is the fallback, not an import
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 
 import importlib
 import inspect
 import sys
-import weakref
 
 import torch
 
@@ -172,41 +173,35 @@ def prepare_chunk_indices(cu_seqlens, chunk_size, cu_seqlens_cpu=None):
     return prepare_chunk_indices(cu_seqlens, chunk_size, cu_seqlens_cpu=cu_seqlens_cpu)
 
 
-def has_static_chunk_indices() -> bool:
-    """Whether fla builds capacity-shaped chunk indices (fla 0.6's ``use_graph`` contract)."""
+# The chunk offsets of the capacity-shaped packed call whose stages run now (None outside
+# one): fla's stages are then told use_graph=True (and given the offsets where they take
+# them); kernel-fun's kernels and references see the index's spare rows themselves.
+_GRAPH_OFFSETS: contextvars.ContextVar = contextvars.ContextVar("kernel_fun_graph_offsets", default=None)
+
+
+@contextlib.contextmanager
+def capacity_shaped(chunk_offsets):
+    """The stages run inside are one capacity-shaped packed call's (``chunk_offsets``: each
+    sequence slot's first chunk row, [N + 1]); a None changes nothing."""
+    if chunk_offsets is None:
+        yield
+        return
+    token = _GRAPH_OFFSETS.set(chunk_offsets)
     try:
-        from fla.ops.utils.index import prepare_chunk_indices_static  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-# The capacity-shaped chunk indices handed out, by id: (a weak reference to the index, its
-# per-sequence chunk offsets). fla's stages are told use_graph=True (and given the offsets)
-# for these alone; kernel-fun's kernels and references see the spare rows themselves.
-_STATIC: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+        yield
+    finally:
+        _GRAPH_OFFSETS.reset(token)
 
 
 def static_chunk_indices(cu_seqlens, chunk_size: int, T: int):
-    """fla 0.6's capacity-shaped (sequence, chunk) index of a packed batch: [nt_max, 2] with
-    nt_max = ceil(T / chunk_size) + N - 1 for N = the offsets' sequence slots, built on the
-    device (no synchronization, so a CUDA graph records it); the rows past the real chunks
-    name sequence -1."""
+    """fla 0.6's capacity-shaped (sequence, chunk) index of a packed batch and its chunk
+    offsets: [nt_max, 2] with nt_max = ceil(T / chunk_size) + N - 1 for N sequence slots,
+    built on the device (no synchronization: a CUDA graph records it); the rows past the
+    real chunks name sequence -1."""
     from fla.ops.utils.index import prepare_chunk_indices_static
 
     nt_max = -(-T // chunk_size) + cu_seqlens.shape[0] - 2
-    index, offsets = prepare_chunk_indices_static(cu_seqlens=cu_seqlens, chunk_size=chunk_size, nt_max=nt_max)
-    key = id(index)
-    _STATIC[key] = (weakref.ref(index, lambda _, key=key: _STATIC.pop(key, None)), offsets)
-    return index
-
-
-def static_chunk_offsets(chunk_indices):
-    """The chunk offsets of a capacity-shaped index from ``static_chunk_indices``, else None."""
-    if chunk_indices is None:
-        return None
-    hit = _STATIC.get(id(chunk_indices))
-    return hit[1] if hit is not None and hit[0]() is chunk_indices else None
+    return prepare_chunk_indices_static(cu_seqlens=cu_seqlens, chunk_size=chunk_size, nt_max=nt_max)
 
 
 _ACCEPTS: dict = {}
@@ -214,9 +209,9 @@ _ACCEPTS: dict = {}
 
 def _graph(fn, chunk_indices) -> dict:
     """The keywords that put fla's stage ``fn`` in its capacity-shaped mode (``use_graph``,
-    and the chunk offsets where it takes them) for a capacity-shaped index; else none."""
-    offsets = static_chunk_offsets(chunk_indices)
-    if offsets is None:
+    and the chunk offsets where it takes them) inside ``capacity_shaped``; else none."""
+    offsets = _GRAPH_OFFSETS.get()
+    if offsets is None or chunk_indices is None:
         return {}
     accepts = _ACCEPTS.get(fn)
     if accepts is None:

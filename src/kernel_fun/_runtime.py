@@ -76,16 +76,18 @@ def env_int(name: str, default: int, minimum: int = 0) -> int:
 _checked: dict = {}
 
 
-def offsets_error(bounds: list[int], total: int) -> str | None:
-    """Why host offsets are not packed sequences covering ``total`` tokens, or None."""
-    if bounds[0] != 0 or bounds[-1] != total:
-        return f"must rise from 0 to T={total}"
+def offsets_error(bounds: list[int], total: int, capacity: bool = False) -> str | None:
+    """Why host offsets are not packed sequences covering ``total`` tokens (``capacity``: at
+    most ``total``, the rest padding), or None."""
+    end = f"at most T={total}" if capacity else f"T={total}"
+    if bounds[0] != 0 or (bounds[-1] > total if capacity else bounds[-1] != total):
+        return f"must rise from 0 to {end}"
     if any(b < a for a, b in zip(bounds, bounds[1:])):
-        return f"must rise from 0 to T={total} without a step down"
+        return f"must rise from 0 to {end} without a step down"
     return None
 
 
-def host_offsets_error(cu_seqlens, cu_seqlens_cpu, total: int) -> tuple[str, list[int]] | None:
+def host_offsets_error(cu_seqlens, cu_seqlens_cpu, total: int, capacity: bool = False) -> tuple[str, list[int]] | None:
     """(why, the offsets) where a host copy of the offsets is at hand (``cu_seqlens_cpu``, or
     ``cu_seqlens`` itself on the CPU: reading it costs no synchronization) and they are not
     packed sequences covering ``total`` tokens; else None (device offsets go to
@@ -94,21 +96,26 @@ def host_offsets_error(cu_seqlens, cu_seqlens_cpu, total: int) -> tuple[str, lis
     if host is None:
         return None
     bounds = host.tolist()
-    why = offsets_error(bounds, total)
+    why = offsets_error(bounds, total, capacity)
     return None if why is None else (why, bounds)
 
 
-def assert_offsets(cu_seqlens, total: int, who: str) -> None:
+def assert_offsets(cu_seqlens, total: int, who: str, capacity: bool = False) -> None:
     """Check device offsets without a host synchronization: a device-side assert (the
     stream stops with ``who``'s message before any kernel reads them) unless cu_seqlens
-    rises from 0 to ``total`` without a step down."""
+    rises from 0 to ``total`` (``capacity``: to at most ``total``) without a step down. A
+    capacity-shaped call's offsets are checked on every call (a CUDA graph that captures the
+    call then checks them at every replay, whatever was written into them)."""
     key = (id(cu_seqlens), cu_seqlens._version, total)
     hit = _checked.get(key)
-    if hit is not None and hit() is cu_seqlens:
+    if hit is not None and hit() is cu_seqlens and not capacity:
         return
     cu = cu_seqlens.long()
-    ok = (cu[0] == 0) & (cu[-1] == total) & (cu[1:] >= cu[:-1]).all()
-    torch._assert_async(ok, f"{who}: cu_seqlens must rise from 0 to T={total} without a step down")
+    ok = (cu[0] == 0) & ((cu[-1] <= total) if capacity else (cu[-1] == total)) & (cu[1:] >= cu[:-1]).all()
+    end = f"at most T={total}" if capacity else f"T={total}"
+    torch._assert_async(ok, f"{who}: cu_seqlens must rise from 0 to {end} without a step down")
+    if capacity:
+        return
     if len(_checked) >= 8:
         _checked.pop(next(iter(_checked)))
     _checked[key] = weakref.ref(cu_seqlens)

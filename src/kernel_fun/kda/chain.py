@@ -90,7 +90,9 @@ def _ref_h(kg, w, u, gc, initial_state, output_final_state, chunk_size, cu_seqle
            state_v_first, v=None, beta=None, Akk=None):
     if u is None:  # the chain asks F6 / B2 for u whenever the scan that runs reads it
         raise RuntimeError("the reference state scan reads u, and F6 / B2 did not write it")
-    return ref.h_fwd(kg, w, u, gc, initial_state, output_final_state, chunk_size, cu_seqlens, state_v_first)
+    h, v_new, final_state = ref.h_fwd(kg, w, u, gc, initial_state, output_final_state, chunk_size, cu_seqlens,
+                                      state_v_first)
+    return ref.pad_chunks(h, chunk_indices), v_new, final_state
 
 
 def _ref_o(q, v_new, gc, Aqk, h, scale, chunk_size, cu_seqlens, chunk_indices, state_v_first):
@@ -103,7 +105,7 @@ def _ref_scan_output(q, qg, kg, w, u, gc, Aqk, scale, initial_state, output_fina
     h, v_new, final_state = ref.h_fwd(kg, w, u, gc, initial_state, output_final_state, chunk_size, cu_seqlens,
                                       state_v_first)
     o = ref.o_fwd(q, v_new, gc, Aqk, h, scale, chunk_size, cu_seqlens, state_v_first)
-    return (o, final_state) + ((h, v_new) if save_states else (None, None))
+    return (o, final_state) + ((ref.pad_chunks(h, chunk_indices), v_new) if save_states else (None, None))
 
 
 def _ref_wy(q, k, v, beta, A, gc, chunk_size, cu_seqlens, chunk_indices, want_u=True):
@@ -115,7 +117,8 @@ def _ref_dav(q, k, v_new, do, Aqk, scale, chunk_size, cu_seqlens, chunk_indices)
 
 
 def _ref_dhu(qg, kg, w, gc, h0, dht, do, dv, scale, chunk_size, cu_seqlens, chunk_indices, state_v_first):
-    return ref.dhu_bwd(qg, kg, w, gc, h0, dht, do, dv, scale, chunk_size, cu_seqlens, state_v_first)
+    dh, dh0, dv2 = ref.dhu_bwd(qg, kg, w, gc, h0, dht, do, dv, scale, chunk_size, cu_seqlens, state_v_first)
+    return ref.pad_chunks(dh, chunk_indices), dh0, dv2
 
 
 def _ref_wy_dqkg(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, cu_seqlens, chunk_indices,
@@ -202,7 +205,8 @@ _stage("B10b", ("B10b",), "beta sigmoid bwd", "beta db scale", ("dbeta",), fla.b
 # The flags a call's key names, in the order it names them (also the order of the bits of
 # the operators' ``flags``: kernel_fun.kda.ops).
 FLAG_NAMES = ("use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel", "allow_neg_eigval",
-              "safe_gate", "disable_recompute", "state_v_first", "output_final_state", "return_intermediate_states")
+              "safe_gate", "disable_recompute", "state_v_first", "output_final_state", "return_intermediate_states",
+              "use_graph")
 
 
 def call_key(q, v, packed: bool, flags: dict, lower_bound, has_initial_state: bool, phases: str) -> str:
@@ -268,6 +272,9 @@ class Options:
     safe_gate: bool = False
     disable_recompute: bool = False
     return_intermediate_states: bool = False
+    # fla 0.6's capacity-shaped packed mode: the chunk index has ceil(T / 64) + N - 1 rows,
+    # built on the device, the rows past the real chunks spare (sequence -1)
+    use_graph: bool = False
     # Called with the record once the call's last phase has run (the backward, or the
     # forward of a call no backward will follow): the "which stages ran what" log line.
     report: Callable[[CallRecord], None] | None = None
@@ -290,12 +297,16 @@ def _device_scope(t: torch.Tensor):
     return _NO_SCOPE
 
 
-def _chunk_indices(opts: Options):
+def _chunk_indices(opts: Options, T: int):
     """The packed batch's (sequence, chunk) index, [NT, 2] in cu_seqlens' dtype and device:
-    from the host offsets where the caller gave them (no synchronization), else fla's, from
-    the device offsets (one synchronization: the chunk count is their data)."""
+    capacity-shaped (``use_graph``: fla's, built on the device at the most chunks T tokens
+    in the offsets' sequence slots can make), from the host offsets where the caller gave
+    them (no synchronization), else fla's, from the device offsets (one synchronization:
+    the chunk count is their data)."""
     if opts.cu_seqlens is None:
         return None
+    if opts.use_graph:
+        return fla.static_chunk_indices(opts.cu_seqlens, opts.chunk_size, T)[0]
     if opts.cu_seqlens_cpu is not None:
         return host_chunk_indices(opts.cu_seqlens, opts.cu_seqlens_cpu, opts.chunk_size)
     return fla.prepare_chunk_indices(opts.cu_seqlens, opts.chunk_size)
@@ -420,7 +431,25 @@ def _swaps_states(opts: Options, run: Dispatcher) -> bool:
     return opts.state_v_first and not run.fla_only
 
 
+def capacity_offsets(opts: Options):
+    """A capacity-shaped call's per-slot first chunk rows ([N + 1], the offsets' dtype and
+    device, formed there), or None for any other call."""
+    if not opts.use_graph or opts.cu_seqlens is None:
+        return None
+    cu = opts.cu_seqlens
+    counts = (cu[1:] - cu[:-1] + (opts.chunk_size - 1)).div(opts.chunk_size, rounding_mode="floor")
+    return torch.nn.functional.pad(counts.cumsum(0), (1, 0)).to(cu.dtype)
+
+
 def run_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, opts: Options, record: CallRecord) -> ForwardResult:
+    """The forward chain F1-F8 (``_run_forward``), a capacity-shaped call's stages told so."""
+    if not opts.use_graph:
+        return _run_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, opts, record)
+    with fla.capacity_shaped(capacity_offsets(opts)):
+        return _run_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, opts, record)
+
+
+def _run_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, opts: Options, record: CallRecord) -> ForwardResult:
     """The forward chain F1-F8. Saves what fla saves: with ``disable_recompute`` also gc, w,
     u, qg, kg, v_new and h, so the backward skips B1-B3 as fla's does."""
     run = Dispatcher.for_call(q.device, record)
@@ -431,7 +460,7 @@ def run_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, opts: Options, 
         initial_state = ref.swap_state(initial_state)
     q_rstd = k_rstd = None
     beta_raw = beta
-    common["chunk_indices"] = chunk_indices = _chunk_indices(opts)
+    common["chunk_indices"] = chunk_indices = _chunk_indices(opts, q.shape[1])
     if opts.memo_key is not None:  # (a packed batch's chunk count is the one input the key lacks)
         run.remember((opts.memo_key, None if chunk_indices is None else chunk_indices.shape[0]))
     keep = opts.disable_recompute
@@ -492,6 +521,14 @@ def run_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, opts: Options, 
 
 
 def run_backward(s: dict, opts: Options, run: Dispatcher, do, dht):
+    """The backward chain B1-B10b (``_run_backward``), a capacity-shaped call's stages told so."""
+    if not opts.use_graph:
+        return _run_backward(s, opts, run, do, dht)
+    with fla.capacity_shaped(capacity_offsets(opts)):
+        return _run_backward(s, opts, run, do, dht)
+
+
+def _run_backward(s: dict, opts: Options, run: Dispatcher, do, dht):
     """The backward chain B1-B10 from the forward's saved tensors (``_SAVED`` by name, None
     where absent): the ten gradients of ``ChunkKDAFunction.forward``'s inputs."""
     q, q_rstd, k, k_rstd, v, gc = s["q"], s["q_rstd"], s["k"], s["k_rstd"], s["v"], s["gc"]

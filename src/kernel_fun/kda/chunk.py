@@ -102,8 +102,10 @@ PARAMETERS = {
     "state_v_first": "handled (h0, final state, dh0 and a returned h in [V, K]; [K, V] inside the chain)",
     "transpose_state_layout": "falls back whenever given (deprecated alias of state_v_first)",
     "cp_context": "falls back when set",
-    "use_graph": "falls back when True (fla 0.6)",
-    "max_num_seqs": "falls back when set (fla 0.6)",
+    "use_graph": "handled under fla 0.6 (capacity-shaped packed indices: the kernels skip the spare rows); "
+                 "falls back under 0.5.2 and with disable_recompute",
+    "max_num_seqs": "handled with use_graph when it is cu_seqlens' slot count (else fla's error); "
+                    "falls back without use_graph",
 }
 
 
@@ -303,6 +305,18 @@ def _switch_reason() -> str | None:
     return None
 
 
+def _capacity_reason(c: _Call) -> str | None:
+    """Why a ``use_graph=True`` call (fla 0.6's capacity-shaped packed mode) goes to fla, or
+    None: the chain takes it under fla 0.6, whose stages skip the index's spare rows."""
+    if fla.version_tuple() < (0, 6):
+        return f"use_graph=True (fla-core {fla.version()} has no capacity-shaped mode)"
+    if c.disable_recompute:
+        return "use_graph=True with disable_recompute=True (fla does not support the pair)"
+    if c.cu_seqlens is not None and c.max_num_seqs is not None and c.max_num_seqs != c.cu_seqlens.shape[0] - 1:
+        return f"max_num_seqs={c.max_num_seqs} is not cu_seqlens' {c.cu_seqlens.shape[0] - 1} sequence slots"
+    return None
+
+
 def _gate(c: _Call) -> str | None:
     """None when kernel-fun's chain takes the call; otherwise the reason it goes to fla."""
     unknown = sorted(set(c.kwargs) - set(_KNOWN_KWARGS) - {"transpose_state_layout"})
@@ -312,14 +326,12 @@ def _gate(c: _Call) -> str | None:
         return "transpose_state_layout given (deprecated alias of state_v_first; not supported)"
     if c.cp_context is not None:
         return f"cp_context={type(c.cp_context).__name__} (context parallel) is not supported"
-    flags = {
-        "use_graph": "fla 0.6 graph-capture buffers",
-    }
-    for name, why in flags.items():
-        if c.args[name]:
-            return f"{name}=True ({why})"
-    if c.max_num_seqs is not None:
-        return f"max_num_seqs={c.max_num_seqs} (fla 0.6 graph capture)"
+    if c.use_graph:
+        why = _capacity_reason(c)
+        if why is not None:
+            return why
+    elif c.max_num_seqs is not None:
+        return f"max_num_seqs={c.max_num_seqs} without use_graph"
     chunk_size = c.kwargs.get("chunk_size", 64)
     if chunk_size != 64:
         return f"chunk_size={chunk_size} (only 64 is supported)"
@@ -375,7 +387,7 @@ def _require_cuda(reason: str, args, kwargs) -> None:
 @torch.compiler.disable  # under torch.compile: the graph breaks here, at fla's op, never at ours
 def _fallback(reason: str, c: _Call | None, args, kwargs):
     if c is not None and c.cp_context is None and c.cu_seqlens is not None:  # not yet checked where traced
-        check_offsets(c.cu_seqlens, c.cu_seqlens_cpu, c.q.shape[1])
+        check_offsets(c.cu_seqlens, c.cu_seqlens_cpu, c.q.shape[1], bool(c.use_graph))
     _require_cuda(reason, args, kwargs)
     log_once(logging.WARNING, f"falling back to fla — {reason}")
     set_last_record(CallRecord(engaged=False, reason=reason))
@@ -394,7 +406,7 @@ def _decide(args, kwargs, traced: bool = False, stacklevel: int = 4) -> tuple[_C
         return c, _gate(c)
     _validate(c, stacklevel)  # (the warning's stack level: the caller of the caller's caller)
     if c.cu_seqlens is not None and not traced:
-        check_offsets(c.cu_seqlens, c.cu_seqlens_cpu, c.q.shape[1])
+        check_offsets(c.cu_seqlens, c.cu_seqlens_cpu, c.q.shape[1], bool(c.use_graph))
     return c, _gate(c)
 
 
@@ -544,7 +556,7 @@ def chunk_kda(*args, **kwargs):
     q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, cu_seqlens_cpu = [
         None if f is None else (args[f] if type(f) is int else kwargs[f]) for f in plan.fetch]
     if plan.packed and not fresh:  # the offsets' data checks, every call (_decide's on the slow path)
-        check_offsets(cu_seqlens, cu_seqlens_cpu, q.shape[1])
+        check_offsets(cu_seqlens, cu_seqlens_cpu, q.shape[1], plan.options["use_graph"])
     q, k, v, g, beta = q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous()
     initial_state = initial_state.contiguous() if initial_state is not None else None
     o = plan.options

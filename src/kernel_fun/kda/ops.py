@@ -73,14 +73,15 @@ def _options(f: dict, flags: int, scale: float, lower_bound, cu_seqlens, cu_seql
                    **{name: f[name] for name in FLAG_NAMES})
 
 
-def check_offsets(cu_seqlens, cu_seqlens_cpu, T: int) -> None:
+def check_offsets(cu_seqlens, cu_seqlens_cpu, T: int, capacity: bool = False) -> None:
     """The offsets' checks that read data: on the host where a copy is at hand (a clear
-    ValueError), else a device-side assert enqueued before the first kernel."""
-    bad = host_offsets_error(cu_seqlens, cu_seqlens_cpu, T)
+    ValueError), else a device-side assert enqueued before the first kernel. ``capacity``
+    (fla 0.6's use_graph): the sequences cover at most T tokens, the rest padding."""
+    bad = host_offsets_error(cu_seqlens, cu_seqlens_cpu, T, capacity)
     if bad is not None:
         raise ValueError(f"cu_seqlens {bad[0]}, got {bad[1]}.")
     if cu_seqlens.device.type != "cpu":
-        assert_offsets(cu_seqlens, T, "chunk_kda")
+        assert_offsets(cu_seqlens, T, "chunk_kda", capacity)
 
 
 # The forward's dispatcher, by the forward's Aqk: the backward continues it (its record, its
@@ -127,7 +128,7 @@ def chunk_kda_fwd(
 ) -> list[torch.Tensor]:
     f = _unpack(flags)
     if cu_seqlens is not None:
-        check_offsets(cu_seqlens, cu_seqlens_cpu, q.shape[1])
+        check_offsets(cu_seqlens, cu_seqlens_cpu, q.shape[1], f["use_graph"])
     opts = _options(f, flags, scale, lower_bound, cu_seqlens, cu_seqlens_cpu, q, v, initial_state, "fwd")
     record = CallRecord(engaged=True)
     set_last_record(record)
@@ -168,8 +169,13 @@ def _chunk_kda_fwd_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seql
         out["final_state"] = q.new_empty(_state_shape(N, HV, K, V, f["state_v_first"]), dtype=torch.float32)
     if f["return_intermediate_states"] or keep:
         # h's chunk count: ceil(T / 64) a sequence, which for packed sequences only their
-        # offsets' values give
-        NT = (T + 63) // 64 if cu_seqlens is None else torch.library.get_ctx().new_dynamic_size()
+        # offsets' values give; capacity-shaped (use_graph), the most T tokens in N slots make
+        if cu_seqlens is None:
+            NT = (T + 63) // 64
+        elif f["use_graph"]:
+            NT = (T + 63) // 64 + N - 1
+        else:
+            NT = torch.library.get_ctx().new_dynamic_size()
         # returned in the caller's layout; saved (disable_recompute) in the chain's
         v_first = f["state_v_first"] and (f["return_intermediate_states"] or not swap)
         out["h"] = k.new_empty(B, NT, HV, *((V, K) if v_first else (K, V)))
@@ -212,7 +218,7 @@ def chunk_kda_bwd(
     opts = _options(f, flags, scale, lower_bound, cu_seqlens, cu_seqlens_cpu, q, v, initial_state, "fwd+bwd")
     saved = dict(q=q, q_rstd=q_rstd, k=k, k_rstd=k_rstd, v=v, gc=gc, g=g, beta_raw=beta_raw, beta=beta, A_log=A_log,
                  dt_bias=dt_bias, Aqk=Aqk, Akk=Akk, initial_state=initial_state, cu_seqlens=cu_seqlens,
-                 chunk_indices=chain._chunk_indices(opts), w=w, u=u, qg=qg, kg=kg, v_new=v_new, h=h)
+                 chunk_indices=chain._chunk_indices(opts, q.shape[1]), w=w, u=u, qg=qg, kg=kg, v_new=v_new, h=h)
     with chain._device_scope(do):
         dq, dk, dv, dg, db, dA_log, ddt_bias, dh0, _, _ = run_backward(saved, opts, run, do, dht)
     return [dq, dk, dv, dg, db, do.new_empty(0) if dA_log is None else dA_log.to(A_log.dtype),

@@ -269,6 +269,14 @@ def _chunk_groups(B: int, HV: int, NT: int, BT: int, K: int) -> list[slice]:
 # --------------------------------------------------------------------------------------
 # Packed sequences: run a dense stage once per sequence and stitch the results
 # --------------------------------------------------------------------------------------
+def pad_chunks(x: torch.Tensor | None, chunk_indices: torch.Tensor | None) -> torch.Tensor | None:
+    """A per-chunk output ([1, NT, ...] from ``per_sequence``) with zero rows appended up to
+    the chunk index's row count (a capacity-shaped index's spare rows)."""
+    if x is None or chunk_indices is None or x.shape[1] >= chunk_indices.shape[0]:
+        return x
+    return torch.cat([x, x.new_zeros(x.shape[0], chunk_indices.shape[0] - x.shape[1], *x.shape[2:])], 1)
+
+
 def _chunk_counts(cu_seqlens: torch.Tensor, BT: int) -> list[int]:
     bounds = cu_seqlens.detach().cpu().tolist()
     return [_num_chunks(bounds[i + 1] - bounds[i], BT) for i in range(len(bounds) - 1)]
@@ -287,6 +295,8 @@ def per_sequence(
     ``kinds`` says how each argument splits: ``token`` ([1, T, ...] along dim 1 by
     cu_seqlens), ``chunk`` ([1, NT, ...] along dim 1 by per-sequence chunk counts),
     ``state`` ([N, ...], one row each). ``out_kinds`` says the same of the outputs, in order.
+    Offsets that end before T (fla 0.6's capacity-shaped batches) leave the last tokens out
+    of every sequence: their rows of a token output are zeros.
     """
     bounds = cu_seqlens.detach().cpu().tolist()
     counts = _chunk_counts(cu_seqlens, BT)
@@ -310,12 +320,19 @@ def per_sequence(
                 raise ValueError(kind)
         out = fn(**call)
         results.append(out if isinstance(out, tuple) else (out,))
+    # the tokens past the last sequence (a capacity-shaped batch's padding) get zeros
+    T = next((v.shape[1] for n, v in kwargs.items() if kinds.get(n) == "token" and v is not None), bounds[-1])
     stitched = []
     for j, kind in enumerate(out_kinds):
         parts = [r[j] for r in results]
         if kind is None or parts[0] is None:
             stitched.append(parts[0] if kind is None else None)
-        elif kind in ("token", "chunk"):
+        elif kind == "token":
+            out = torch.cat(parts, 1)
+            if out.shape[1] < T:
+                out = torch.cat([out, out.new_zeros(out.shape[0], T - out.shape[1], *out.shape[2:])], 1)
+            stitched.append(out)
+        elif kind == "chunk":
             stitched.append(torch.cat(parts, 1))
         elif kind == "state":
             stitched.append(torch.cat(parts, 0))
