@@ -734,3 +734,57 @@ def test_a_packed_step_is_captured_in_a_cuda_graph():
     assert len(named) == len(outs) - 2
     for got, expected in zip(outs, want):
         assert torch.equal(got, expected)
+
+
+@pytest.mark.skipif(_fla.version_tuple() < (0, 6), reason="fla 0.6's capacity-shaped mode (use_graph)")
+def test_a_capacity_shaped_step_tracks_fla_and_replays_new_offsets():
+    """use_graph=True under fla 0.6: on the real tokens o, the final states and every
+    gradient within fla's budgets of fla's own capacity-shaped call (kernel-fun's kernels
+    witnessed); the step captured in a CUDA graph, the offsets then rewritten in place
+    (other lengths in the same slots), a replay equals an eager call on the new offsets."""
+    T, slots = 1500, 6
+    p = dataclasses.replace(SMALL[1], name="capacity", T=T, cu_seqlens=(0, 1, 200, 900, 1300, 1300, 1300),
+                            initial_state=True, output_final_state=True)
+    kw = make_inputs(p, device="cuda", seed=8)
+    kw.update(use_graph=True, max_num_seqs=slots)
+    real = 1300
+    theirs = run_fwd_bwd(fla_kda(), kw)
+    ours = run_fwd_bwd(chunk_kda, kw)
+    record = last_record()
+    assert record.engaged and record.backward["B6"] == "ours", record
+    errors = {}
+    for n, t in theirs.items():
+        if t is None:
+            continue
+        cut = (slice(None), slice(0, real)) if n not in ("final_state", "dh0", "dA_log", "ddt_bias") else ()
+        errors[n] = ref.rel_rms(ours[n][cut], t[cut])
+    print("capacity vs fla", errors)
+    assert all(e <= ref.BUDGETS[n] for n, e in errors.items()), errors
+
+    from kernel_fun.kda.problems import cotangents, leaves
+
+    o, final_state = chunk_kda(**kw)
+    cot = list(cotangents(o, final_state, seed=1))
+
+    def step(inputs):
+        o, s = chunk_kda(**inputs)
+        return [o, s, *torch.autograd.grad([o, s], list(leaves(inputs).values()), cot)]
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step(kw)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step(kw)
+    new = torch.tensor([0, 300, 301, 700, 1450, 1490, 1500], dtype=kw["cu_seqlens"].dtype)
+    kw["cu_seqlens"].copy_(new.cuda())
+    graph.replay()
+    want = step(kw)
+    for got, expected in zip(outs, want):
+        if got.dim() >= 3 and got.shape[1] == T:
+            assert torch.equal(got[:, :1500], expected[:, :1500])
+        else:
+            assert torch.equal(got, expected)
