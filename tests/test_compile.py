@@ -520,3 +520,25 @@ def test_a_capacity_shaped_call_compiles_once_for_any_offsets():
     assert counter.frame_count == 1
     eager = chunk_kda(**kw)[0]
     assert torch.equal(second[:, :195], eager[:, :195]) and not torch.equal(second[:, :150], first[:, :150])
+
+
+@pytest.mark.every_fla
+def test_a_capacity_shaped_forward_operator_passes_opcheck():
+    """The fake's h (kept by the return of intermediate states) has the capacity's static
+    chunk count, ceil(T / 64) + N - 1, as the chain's does."""
+    from kernel_fun import _fla
+
+    if _fla.version_tuple() < (0, 6):
+        pytest.skip("fla-core 0.5.2 has no capacity-shaped mode")
+    kw, _, _, _ = _capacity_pair(CAPACITY[0], pad=45, spare=2)
+    flags = {n: bool(kw.get(n, False)) for n in FLAG_NAMES}
+    flags["return_intermediate_states"] = True
+    q = kw["q"].detach()
+    args = (q, kw["k"].detach(), kw["v"].detach(), kw["g"].detach(), kw["beta"].detach(), kw["A_log"].detach(),
+            kw["dt_bias"].detach(), kw["initial_state"].detach(), kw["cu_seqlens"], None, q.shape[-1] ** -0.5,
+            None, ops.pack_flags(flags, False))
+    with torch.inference_mode():
+        out = torch.ops.kernel_fun.chunk_kda_fwd(*args)
+    assert out[2].shape[1] == -(-q.shape[1] // 64) + kw["cu_seqlens"].shape[0] - 2
+    with use_impls("reference"):
+        torch.library.opcheck(torch.ops.kernel_fun.chunk_kda_fwd.default, args, test_utils=_NO_AOT)
