@@ -510,7 +510,7 @@ def _train_once(label: str, tokens: torch.Tensor, args, perturb: bool, patched: 
             loss.backward()
             with torch.no_grad():
                 for m, p in zip(master, params):
-                    m.grad = p.grad.float()
+                    m.grad = p.grad.float() if p.grad is not None else None
                     p.grad = None
                 torch.nn.utils.clip_grad_norm_(master, 1.0)
                 opt.step()
