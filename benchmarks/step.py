@@ -74,6 +74,13 @@ def _stored_configs() -> None:
     fla_configs.use_stored_configs(torch.cuda.get_device_name())
 
 
+def _fwd_bwd(layer, x, w):
+    """One fwd+bwd of ``(layer(x)[0] * w).sum()``."""
+    o = layer(x)[0]
+    (o.float() * w).sum().backward()
+    return o
+
+
 def _sync_ms(fn, reps: int) -> float:
     """Milliseconds a call, ``reps`` calls back to back between two syncs: the host's time
     when the host is the bottleneck, the GPU's when it is not."""
@@ -166,7 +173,7 @@ def first(args, log: Log) -> int:
     import fla  # noqa: F401
 
     import kernel_fun
-    from kernel_fun.bench.layer import _fwd_bwd, fla_layer
+    from kernel_fun.bench.layer import fla_layer
 
     import_s = time.perf_counter() - t0
     torch.cuda.init()
@@ -271,7 +278,7 @@ def _grads(call, module, x, w) -> dict:
 def compile_(args, log: Log) -> int:
     _stored_configs()
     from kernel_fun import _fla
-    from kernel_fun.bench.layer import _fwd_bwd, fla_layer, parity_misses
+    from kernel_fun.bench.layer import fla_layer, parity_misses
     from kernel_fun.cconv import causal_conv1d as our_conv
     from kernel_fun.cconv import last_route
     from kernel_fun.kda import chunk_kda as our_kda

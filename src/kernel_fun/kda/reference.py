@@ -171,8 +171,8 @@ def recurrent_kda(
         finals.append(S)
     if cu_seqlens is None:
         o = torch.stack(outputs, 0)
-    else:
-        o = torch.cat(outputs, 0).unsqueeze(0)
+    else:  # (offsets ending before T: a capacity-shaped batch, whose padding rows are zeros here)
+        o = torch.cat(outputs + [v.new_zeros(T - cu_bound_end(cu_seqlens), HV, V)], 0).unsqueeze(0)
     final_state = torch.stack(finals, 0) if output_final_state else None
     if final_state is not None and state_v_first:
         final_state = final_state.transpose(-1, -2)
@@ -182,6 +182,11 @@ def recurrent_kda(
 # --------------------------------------------------------------------------------------
 # Chunk layout helpers
 # --------------------------------------------------------------------------------------
+def cu_bound_end(cu_seqlens: torch.Tensor) -> int:
+    """The last offset (the tokens the packed sequences cover)."""
+    return int(cu_seqlens[-1])
+
+
 def _num_chunks(T: int, BT: int) -> int:
     return (T + BT - 1) // BT
 
