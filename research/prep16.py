@@ -11,8 +11,8 @@ prediction are in docs/log/prep.md ("The next design").
   beyond it, the block's slice takes the element-wise form, one row at a time.
 - The solve (I + Akk)^-1: each diagonal block's inverse by the Neumann product
   (I - D)(I + D^2)(I + D^4)(I + D^8), exact for a strictly lower 16x16 D, then block
-  forward substitution by row blocks, X_r = N_r (E_r - L_r X). The rows of X are placed
-  and taken by 0/1 selection dots, since the language has no register slicing.
+  forward substitution, X_rc = -X_rr sum_c<=j<r A_rj X_jc: every operand a [16, 16] tile
+  (two registers a thread at 4 warps), written out block by block.
 
 ``intra16(q, k, gc, beta, scale)`` -> (Aqk, Akk_inv): ``kernel_fun.kda.reference.intra_scores``'s
 contract (dense batches, chunk 64; q and k already normalized, gc the log2 chunk cumsum).
@@ -60,6 +60,71 @@ def _diag_elementwise(acc_q, acc_k, q_r, k_r, g_r, t16):
 
 
 @triton.jit
+def _pair(q, k, g, n_t, R: tl.constexpr, C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+          BK: tl.constexpr, SPAN: tl.constexpr):
+    """The [16, 16] blocks (row block R, column block C <= R) of Aqk (unscaled) and Akk (no
+    beta), every K slice summed; the diagonal (R == C) with both triangles, masked later."""
+    t16 = tl.arange(0, 16)
+    o_k = tl.arange(0, BK)
+    rows = R * 16 + t16
+    m_r = rows < n_t
+    a = R * 16
+    acc_q = tl.zeros([16, 16], dtype=tl.float32)
+    acc_k = tl.zeros([16, 16], dtype=tl.float32)
+    for i_k in tl.static_range(0, K, BK):
+        cols = i_k + o_k
+        m_c = cols < K
+        m_rc = m_r[:, None] & m_c[None, :]
+        q_r = tl.load(q + rows[:, None] * (H * K) + cols[None, :], mask=m_rc, other=0).to(tl.float32)
+        k_r = tl.load(k + rows[:, None] * (H * K) + cols[None, :], mask=m_rc, other=0).to(tl.float32)
+        g_r = tl.load(g + rows[:, None] * (HV * K) + cols[None, :], mask=m_rc, other=0).to(tl.float32)
+        g_a = tl.load(g + a * (HV * K) + cols, mask=m_c & (a < n_t), other=0).to(tl.float32)
+        if C < R:  # anchored at the row block's first row: both factors at most 1
+            rows_c = C * 16 + t16
+            m_s = (rows_c < n_t)[:, None] & m_c[None, :]
+            k_c = tl.load(k + rows_c[:, None] * (H * K) + cols[None, :], mask=m_s, other=0).to(tl.float32)
+            g_c = tl.load(g + rows_c[:, None] * (HV * K) + cols[None, :], mask=m_s, other=0).to(tl.float32)
+            down = tl.exp2(tl.where(m_rc, g_r - g_a[None, :], float("-inf")))
+            kb = tl.trans(k_c * tl.exp2(tl.where(m_s, g_a[None, :] - g_c, float("-inf"))))
+            acc_q += tl.dot(q_r * down, kb)
+            acc_k += tl.dot(k_r * down, kb)
+        else:  # the diagonal block: anchored at its middle row while the span allows
+            last = tl.minimum(a + 15, n_t - 1)
+            g_last = tl.load(g + last * (HV * K) + cols, mask=m_c & (a < n_t), other=0).to(tl.float32)
+            if tl.max(g_a - g_last) <= SPAN:
+                mid = tl.minimum(a + 8, n_t - 1)
+                g_m = tl.load(g + mid * (HV * K) + cols, mask=m_c & (a < n_t), other=0).to(tl.float32)
+                up = tl.exp2(tl.where(m_rc, g_r - g_m[None, :], float("-inf")))
+                back = tl.trans(k_r * tl.exp2(tl.where(m_rc, g_m[None, :] - g_r, float("-inf"))))
+                acc_q += tl.dot(q_r * up, back)
+                acc_k += tl.dot(k_r * up, back)
+            else:
+                acc_q, acc_k = _diag_elementwise(acc_q, acc_k, q_r, k_r, g_r, t16)
+    return acc_q, acc_k
+
+
+@triton.jit
+def _store_block(ptr, R: tl.constexpr, C: tl.constexpr, x, n_t, HV: tl.constexpr):
+    t16 = tl.arange(0, 16)
+    rows = R * 16 + t16
+    tl.store(ptr + rows[:, None] * (HV * 64) + (C * 16 + t16)[None, :], x.to(ptr.dtype.element_ty),
+             mask=(rows < n_t)[:, None])
+
+
+@triton.jit
+def _scores_row(q, k, g, Aqk, scale, n_t, R: tl.constexpr, C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr,
+                K: tl.constexpr, BK: tl.constexpr, SPAN: tl.constexpr):
+    """Aqk's block (R, C) stored, Akk's returned (no beta yet)."""
+    t16 = tl.arange(0, 16)
+    bq, bk = _pair(q, k, g, n_t, R, C, H, HV, K, BK, SPAN)
+    if C == R:
+        bq = tl.where(t16[:, None] >= t16[None, :], bq, 0.0)
+        bk = tl.where(t16[:, None] > t16[None, :], bk, 0.0)
+    _store_block(Aqk, R, C, bq * scale, n_t, HV)
+    return bk
+
+
+@triton.jit
 def intra16_kernel(q, k, g, beta, Aqk, Akk_inv, scale, T,
                    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
                    SPAN: tl.constexpr):
@@ -76,69 +141,57 @@ def intra16_kernel(q, k, g, beta, Aqk, Akk_inv, scale, T,
     beta += base * HV + i_hv
     Aqk += base * HV * BT + i_hv * BT
     Akk_inv += base * HV * BT + i_hv * BT
-
     t16 = tl.arange(0, 16)
-    t64 = tl.arange(0, 64)
-    o_k = tl.arange(0, BK)
-    X = tl.zeros([64, 64], dtype=tl.float32)  # Akk_inv, its row blocks placed as they are solved
-    for r in tl.static_range(4):
-        a = r * 16
-        rows = a + t16
-        m_r = rows < n_t
-        last = tl.minimum(a + 15, n_t - 1)  # (the block's last real row; a block past the end is masked)
-        mid = tl.minimum(a + 8, n_t - 1)
-        off_q = tl.zeros([16, 64], dtype=tl.float32)
-        off_k = tl.zeros([16, 64], dtype=tl.float32)
-        dia_q = tl.zeros([16, 16], dtype=tl.float32)
-        dia_k = tl.zeros([16, 16], dtype=tl.float32)
-        for i_k in tl.static_range(0, K, BK):
-            cols = i_k + o_k
-            m_c = cols < K
-            m_rc = m_r[:, None] & m_c[None, :]
-            q_r = tl.load(q + rows[:, None] * (H * K) + cols[None, :], mask=m_rc, other=0).to(tl.float32)
-            k_r = tl.load(k + rows[:, None] * (H * K) + cols[None, :], mask=m_rc, other=0).to(tl.float32)
-            g_r = tl.load(g + rows[:, None] * (HV * K) + cols[None, :], mask=m_rc, other=0).to(tl.float32)
-            if r > 0:
-                g_a = tl.load(g + a * (HV * K) + cols, mask=m_c & (a < n_t), other=0).to(tl.float32)
-                down = tl.exp2(tl.where(m_rc, g_r - g_a[None, :], float("-inf")))
-                qd, kd = q_r * down, k_r * down
-                for c in tl.static_range(r):  # the column blocks before the row block, 16 rows each
-                    rows_c = c * 16 + t16
-                    m_s = (rows_c < n_t)[:, None] & m_c[None, :]
-                    k_c = tl.load(k + rows_c[:, None] * (H * K) + cols[None, :], mask=m_s, other=0).to(tl.float32)
-                    g_c = tl.load(g + rows_c[:, None] * (HV * K) + cols[None, :], mask=m_s, other=0).to(tl.float32)
-                    kb = k_c * tl.exp2(tl.where(m_s, g_a[None, :] - g_c, float("-inf")))
-                    place_c = tl.where((t16[:, None] + c * 16) == t64[None, :], 1.0, 0.0)
-                    off_q += tl.dot(tl.dot(qd, tl.trans(kb)), place_c)
-                    off_k += tl.dot(tl.dot(kd, tl.trans(kb)), place_c)
-            # the diagonal block: one anchored dot while the span allows, else term by term
-            g_first = tl.load(g + a * (HV * K) + cols, mask=m_c & (a < n_t), other=0).to(tl.float32)
-            g_last = tl.load(g + last * (HV * K) + cols, mask=m_c & (a < n_t), other=0).to(tl.float32)
-            span = tl.max(g_first - g_last)
-            if span <= SPAN:
-                g_m = tl.load(g + mid * (HV * K) + cols, mask=m_c & (a < n_t), other=0).to(tl.float32)
-                up = tl.exp2(tl.where(m_rc, g_r - g_m[None, :], float("-inf")))
-                back = tl.exp2(tl.where(m_rc, g_m[None, :] - g_r, float("-inf")))
-                dia_q += tl.dot(q_r * up, tl.trans(k_r * back))
-                dia_k += tl.dot(k_r * up, tl.trans(k_r * back))
-            else:
-                dia_q, dia_k = _diag_elementwise(dia_q, dia_k, q_r, k_r, g_r, t16)
-        b_r = tl.load(beta + rows * HV, mask=m_r, other=0).to(tl.float32)
-        # Aqk: row block r, r >= s
-        keep_q = (t16[:, None] >= t16[None, :])
-        dia_q = tl.where(keep_q, dia_q, 0.0)
-        place = tl.where((t16[:, None] + a) == t64[None, :], 1.0, 0.0)  # [16, 64]: column s of the block at a + s
-        a_qk = tl.where(t64[None, :] < a, off_q, 0.0) + tl.dot(dia_q, place)
-        tl.store(Aqk + rows[:, None] * (HV * BT) + t64[None, :], (a_qk * scale).to(Aqk.dtype.element_ty),
-                 mask=m_r[:, None])
-        # Akk's row block: strictly lower, rows times beta; then this block's rows of the inverse
-        D = tl.where(t16[:, None] > t16[None, :], dia_k, 0.0) * b_r[:, None]
-        L = tl.where(t64[None, :] < a, off_k, 0.0) * b_r[:, None]
-        N = _neumann_inverse(tl.where(m_r[:, None], D, 0.0))
-        X_r = tl.dot(N, place - tl.dot(tl.where(m_r[:, None], L, 0.0), X))
-        X += tl.dot(tl.trans(place), X_r)
-        tl.store(Akk_inv + rows[:, None] * (HV * BT) + t64[None, :], X_r.to(Akk_inv.dtype.element_ty),
-                 mask=m_r[:, None])
+    zero = tl.zeros([16, 16], dtype=tl.float32)
+    # the zero blocks above the diagonal
+    _store_block(Aqk, 0, 1, zero, n_t, HV)
+    _store_block(Aqk, 0, 2, zero, n_t, HV)
+    _store_block(Aqk, 0, 3, zero, n_t, HV)
+    _store_block(Aqk, 1, 2, zero, n_t, HV)
+    _store_block(Aqk, 1, 3, zero, n_t, HV)
+    _store_block(Aqk, 2, 3, zero, n_t, HV)
+    _store_block(Akk_inv, 0, 1, zero, n_t, HV)
+    _store_block(Akk_inv, 0, 2, zero, n_t, HV)
+    _store_block(Akk_inv, 0, 3, zero, n_t, HV)
+    _store_block(Akk_inv, 1, 2, zero, n_t, HV)
+    _store_block(Akk_inv, 1, 3, zero, n_t, HV)
+    _store_block(Akk_inv, 2, 3, zero, n_t, HV)
+    # Akk's blocks, rows times beta (rows past the end: 0)
+    b0 = tl.load(beta + (0 + t16) * HV, mask=(0 + t16) < n_t, other=0).to(tl.float32)[:, None]
+    b1 = tl.load(beta + (16 + t16) * HV, mask=(16 + t16) < n_t, other=0).to(tl.float32)[:, None]
+    b2 = tl.load(beta + (32 + t16) * HV, mask=(32 + t16) < n_t, other=0).to(tl.float32)[:, None]
+    b3 = tl.load(beta + (48 + t16) * HV, mask=(48 + t16) < n_t, other=0).to(tl.float32)[:, None]
+    D0 = _scores_row(q, k, g, Aqk, scale, n_t, 0, 0, H, HV, K, BK, SPAN) * b0
+    A10 = _scores_row(q, k, g, Aqk, scale, n_t, 1, 0, H, HV, K, BK, SPAN) * b1
+    D1 = _scores_row(q, k, g, Aqk, scale, n_t, 1, 1, H, HV, K, BK, SPAN) * b1
+    A20 = _scores_row(q, k, g, Aqk, scale, n_t, 2, 0, H, HV, K, BK, SPAN) * b2
+    A21 = _scores_row(q, k, g, Aqk, scale, n_t, 2, 1, H, HV, K, BK, SPAN) * b2
+    D2 = _scores_row(q, k, g, Aqk, scale, n_t, 2, 2, H, HV, K, BK, SPAN) * b2
+    A30 = _scores_row(q, k, g, Aqk, scale, n_t, 3, 0, H, HV, K, BK, SPAN) * b3
+    A31 = _scores_row(q, k, g, Aqk, scale, n_t, 3, 1, H, HV, K, BK, SPAN) * b3
+    A32 = _scores_row(q, k, g, Aqk, scale, n_t, 3, 2, H, HV, K, BK, SPAN) * b3
+    D3 = _scores_row(q, k, g, Aqk, scale, n_t, 3, 3, H, HV, K, BK, SPAN) * b3
+    # (I + Akk)^-1 by 16x16 blocks: the diagonal inverses, then block forward substitution
+    X00 = _neumann_inverse(D0)
+    X11 = _neumann_inverse(D1)
+    X22 = _neumann_inverse(D2)
+    X33 = _neumann_inverse(D3)
+    X10 = -tl.dot(X11, tl.dot(A10, X00))
+    X21 = -tl.dot(X22, tl.dot(A21, X11))
+    X20 = -tl.dot(X22, tl.dot(A20, X00) + tl.dot(A21, X10))
+    X32 = -tl.dot(X33, tl.dot(A32, X22))
+    X31 = -tl.dot(X33, tl.dot(A31, X11) + tl.dot(A32, X21))
+    X30 = -tl.dot(X33, tl.dot(A30, X00) + tl.dot(A31, X10) + tl.dot(A32, X20))
+    _store_block(Akk_inv, 0, 0, X00, n_t, HV)
+    _store_block(Akk_inv, 1, 0, X10, n_t, HV)
+    _store_block(Akk_inv, 1, 1, X11, n_t, HV)
+    _store_block(Akk_inv, 2, 0, X20, n_t, HV)
+    _store_block(Akk_inv, 2, 1, X21, n_t, HV)
+    _store_block(Akk_inv, 2, 2, X22, n_t, HV)
+    _store_block(Akk_inv, 3, 0, X30, n_t, HV)
+    _store_block(Akk_inv, 3, 1, X31, n_t, HV)
+    _store_block(Akk_inv, 3, 2, X32, n_t, HV)
+    _store_block(Akk_inv, 3, 3, X33, n_t, HV)
 
 
 def intra16(q, k, gc, beta, scale: float, BK: int = 64, span_max: float = SPAN_MAX):
@@ -151,3 +204,130 @@ def intra16(q, k, gc, beta, scale: float, BK: int = 64, span_max: float = SPAN_M
     intra16_kernel[grid](q, k, gc, beta, Aqk, Akk_inv, scale, T, H=H, HV=HV, K=K,
                          BK=min(BK, triton.next_power_of_2(K)), SPAN=span_max, num_warps=4)
     return Aqk, Akk_inv
+
+
+# --------------------------------------------------------------------------------------
+# Offline compile rows and the GPU run (parity, then time against fla's F3-F5)
+# --------------------------------------------------------------------------------------
+CONFIGS = [dict(BK=32, num_warps=4, maxnreg=None), dict(BK=32, num_warps=4, maxnreg=168),
+           dict(BK=64, num_warps=8, maxnreg=None)]
+
+
+def compile_rows(K: int = 128, HV: int = 16) -> list[dict]:
+    """sm_90a builds of the kernel (registers, spills, shared memory, SASS size) per config."""
+    from benchmarks.compile_report import compile_sm90
+
+    types = dict(q="*bf16", k="*bf16", g="*fp32", beta="*bf16", Aqk="*bf16", Akk_inv="*bf16", scale="fp32", T="i32")
+    rows = []
+    for cfg in CONFIGS:
+        r = compile_sm90(intra16_kernel, types, dict(H=HV, HV=HV, K=K, BK=cfg["BK"], SPAN=SPAN_MAX),
+                         cfg["num_warps"], 1, maxnreg=cfg["maxnreg"])
+        rows.append({"kind": "compile_sm90", "kernel": "prep16.intra16", "K": K, **cfg,
+                     **{n: r[n] for n in ("registers", "spill_stores", "spill_loads", "stack", "shared",
+                                          "sass_instructions", "sass_code_sha")}})
+    return rows
+
+
+def fla_f3_f5(q, k, gc, beta, scale):
+    """fla 0.5.2's F3-F5 (its token-parallel diagonal kernel, then its off-diagonal and solve
+    kernel), as ``chunk_kda_fwd_intra`` launches them without safe_gate: (Aqk, Akk_inv)."""
+    from fla.ops.kda.chunk_intra import chunk_kda_fwd_kernel_inter_solve_fused
+    from fla.ops.kda.chunk_intra_token_parallel import chunk_kda_fwd_intra_token_parallel
+
+    B, T, H, K = k.shape
+    HV = gc.shape[2]
+    Aqk = torch.empty(B, T, HV, 64, device=k.device, dtype=k.dtype)
+    Akk = torch.zeros(B, T, HV, 64, device=k.device, dtype=k.dtype)
+    Akkd = torch.empty(B, T, HV, 16, device=k.device, dtype=torch.float32)
+    Aqk, Akkd = chunk_kda_fwd_intra_token_parallel(q=q, k=k, gk=gc, beta=beta, Aqk=Aqk, Akk=Akkd, scale=scale,
+                                                   cu_seqlens=None, chunk_size=64, sub_chunk_size=16)
+    chunk_kda_fwd_kernel_inter_solve_fused[(triton.cdiv(T, 64), B * HV)](
+        q=q, k=k, g=gc, beta=beta, Aqk=Aqk, Akkd=Akkd, Akk=Akk, scale=scale, cu_seqlens=None, chunk_indices=None,
+        T=T, H=H, HV=HV, K=K, BT=64, BC=16, NC=4, USE_SAFE_GATE=False)
+    return Aqk, Akk
+
+
+def gpu_run(shape: str, out) -> list[dict]:
+    """At ``shape``: q and k normalized, gc the chain's gate cumsum (the reference F1, F2);
+    parity of each config against the float64 reference (a 1,024-token slice) and against
+    fla's F3-F5, then CUDA-event times of each against fla's in the same process."""
+    import json
+
+    from kernel_fun.bench.timing import cuda_times, summary
+    from kernel_fun.kda import reference as ref
+    from kernel_fun.kda.problems import make_inputs, problem
+
+    p = problem(shape)
+    kw = make_inputs(p, device="cuda", seed=0, requires_grad=False)
+    q = torch.nn.functional.normalize(kw["q"].float(), dim=-1).to(p.dtype)
+    k = torch.nn.functional.normalize(kw["k"].float(), dim=-1).to(p.dtype)
+    gc = ref.gate_cumsum(kw["g"], True, kw["A_log"], kw["dt_bias"], None, 64)
+    beta = kw["beta"]
+    scale = p.K ** -0.5
+    small = (q[:1, :1024], k[:1, :1024], gc[:1, :1024].contiguous(), beta[:1, :1024])
+    want = ref.intra_scores(*small, scale, 64, exact=True)
+    fla_full = fla_f3_f5(q, k, gc, beta, scale)
+    rows = []
+    fns = {"fla": lambda: fla_f3_f5(q, k, gc, beta, scale)}
+    for cfg in CONFIGS:
+        name = f"BK{cfg['BK']}-{cfg['num_warps']}w" + (f"-r{cfg['maxnreg']}" if cfg["maxnreg"] else "")
+
+        def call(cfg=cfg, args=(q, k, gc, beta)):
+            B, T, H, K = args[0].shape
+            HV = args[2].shape[2]
+            Aqk = torch.empty(B, T, HV, 64, device="cuda", dtype=args[1].dtype)
+            Akk_inv = torch.empty_like(Aqk)
+            extra = {"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] else {}
+            intra16_kernel[(triton.cdiv(T, 64), B * HV)](*args, Aqk, Akk_inv, scale, T, H=H, HV=HV, K=K,
+                                                           BK=cfg["BK"], SPAN=SPAN_MAX, num_warps=cfg["num_warps"],
+                                                           **extra)
+            return Aqk, Akk_inv
+
+        got_small = call(args=small)
+        got = call()
+        rows.append({"impl": name, "vs_f64": [ref.rel_rms(got_small[i].double(), want[i]) for i in range(2)],
+                     "fla_vs_f64": [ref.rel_rms(fla_f3_f5(*small, scale)[i].double(), want[i]) for i in range(2)],
+                     "vs_fla": [ref.rel_rms(got[i].float(), fla_full[i].float()) for i in range(2)]})
+        fns[name] = call
+    for fn in fns.values():
+        fn()
+    times = {n: [] for n in fns}
+    for _ in range(5):
+        for n, fn in fns.items():
+            times[n] += cuda_times(fn, 10)
+    fla_ms = summary(times["fla"])["median"]
+    table = [{"kind": "stage", "stage": "F3-F5", "shape": shape, "impl": "fla", "ms": fla_ms}]
+    for r in rows:
+        ms = summary(times[r["impl"]])["median"]
+        table.append({"kind": "stage", "stage": "F3-F5", "shape": shape, **r, "ms": ms, "vs_fla_x": fla_ms / ms})
+    for r in table:
+        line = json.dumps({**r, "gpu": torch.cuda.get_device_name()})
+        print(line, flush=True)
+        if out:
+            with open(out, "a") as f:
+                f.write(line + "\n")
+    return table
+
+
+def main(argv=None) -> int:
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(prog="python -m research.prep16")
+    parser.add_argument("what", choices=["compile", "gpu"])
+    parser.add_argument("--shapes", default="prod8192_gate,kimi,small")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    if args.what == "compile":
+        for row in compile_rows():
+            print(json.dumps(row))
+        return 0
+    for shape in args.shapes.split(","):
+        gpu_run(shape, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())
