@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernel_fun._triton import chunk_coords
+
 SPAN_MAX = 60.0
 
 
@@ -125,16 +127,19 @@ def _scores_row(q, k, g, Aqk, scale, n_t, R: tl.constexpr, C: tl.constexpr, H: t
 
 
 @triton.jit
-def intra16_kernel(q, k, g, beta, Aqk, Akk_inv, scale, T,
+def intra16_kernel(q, k, g, beta, Aqk, Akk_inv, scale, cu_seqlens, chunk_indices, T,
                    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-                   SPAN: tl.constexpr):
+                   SPAN: tl.constexpr, IS_VARLEN: tl.constexpr):
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_hv = i_bh % HV
     i_h = i_hv // (HV // H)
     BT: tl.constexpr = 64
-    row0 = i_t * BT
-    n_t = tl.minimum(T - row0, BT)
-    base = (i_b * T + row0).to(tl.int64)
+    if IS_VARLEN:
+        if tl.load(chunk_indices + i_t * 2) < 0:  # a capacity-shaped index's spare row
+            return
+    i_c, i_tg, bos, T_seq = chunk_coords(i_t, i_bh, cu_seqlens, chunk_indices, T, HV, BT, IS_VARLEN)
+    n_t = tl.minimum(T_seq - i_c * BT, BT).to(tl.int32)
+    base = bos + i_c * BT
     q += base * H * K + i_h * K
     k += base * H * K + i_h * K
     g += base * HV * K + i_hv * K
@@ -194,15 +199,18 @@ def intra16_kernel(q, k, g, beta, Aqk, Akk_inv, scale, T,
     _store_block(Akk_inv, 3, 3, X33, n_t, HV)
 
 
-def intra16(q, k, gc, beta, scale: float, BK: int = 64, span_max: float = SPAN_MAX):
-    """(Aqk, Akk_inv) of a dense batch, [B, T, HV, 64] each in k's dtype."""
+def intra16(q, k, gc, beta, scale: float, cu_seqlens=None, chunk_indices=None, BK: int = 64,
+            span_max: float = SPAN_MAX):
+    """(Aqk, Akk_inv), [B, T, HV, 64] each in k's dtype; packed batches (B = 1) with fla's
+    chunk index."""
     B, T, H, K = q.shape
     HV = gc.shape[2]
     Aqk = torch.empty(B, T, HV, 64, device=q.device, dtype=k.dtype)
     Akk_inv = torch.empty(B, T, HV, 64, device=q.device, dtype=k.dtype)
-    grid = (triton.cdiv(T, 64), B * HV)
-    intra16_kernel[grid](q, k, gc, beta, Aqk, Akk_inv, scale, T, H=H, HV=HV, K=K,
-                         BK=min(BK, triton.next_power_of_2(K)), SPAN=span_max, num_warps=4)
+    NT = triton.cdiv(T, 64) if cu_seqlens is None else chunk_indices.shape[0]
+    intra16_kernel[(NT, B * HV)](q, k, gc, beta, Aqk, Akk_inv, scale, cu_seqlens, chunk_indices, T, H=H, HV=HV,
+                                 K=K, BK=min(BK, triton.next_power_of_2(K)), SPAN=span_max,
+                                 IS_VARLEN=cu_seqlens is not None, num_warps=4)
     return Aqk, Akk_inv
 
 
@@ -220,7 +228,8 @@ def compile_rows(K: int = 128, HV: int = 16) -> list[dict]:
     types = dict(q="*bf16", k="*bf16", g="*fp32", beta="*bf16", Aqk="*bf16", Akk_inv="*bf16", scale="fp32", T="i32")
     rows = []
     for cfg in CONFIGS:
-        r = compile_sm90(intra16_kernel, types, dict(H=HV, HV=HV, K=K, BK=cfg["BK"], SPAN=SPAN_MAX),
+        r = compile_sm90(intra16_kernel, types, dict(H=HV, HV=HV, K=K, BK=cfg["BK"], SPAN=SPAN_MAX, IS_VARLEN=False,
+                                                     cu_seqlens=None, chunk_indices=None),
                          cfg["num_warps"], 1, maxnreg=cfg["maxnreg"])
         rows.append({"kind": "compile_sm90", "kernel": "prep16.intra16", "K": K, **cfg,
                      **{n: r[n] for n in ("registers", "spill_stores", "spill_loads", "stack", "shared",
@@ -278,9 +287,9 @@ def gpu_run(shape: str, out) -> list[dict]:
             Aqk = torch.empty(B, T, HV, 64, device="cuda", dtype=args[1].dtype)
             Akk_inv = torch.empty_like(Aqk)
             extra = {"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] else {}
-            intra16_kernel[(triton.cdiv(T, 64), B * HV)](*args, Aqk, Akk_inv, scale, T, H=H, HV=HV, K=K,
-                                                           BK=cfg["BK"], SPAN=SPAN_MAX, num_warps=cfg["num_warps"],
-                                                           **extra)
+            intra16_kernel[(triton.cdiv(T, 64), B * HV)](*args, Aqk, Akk_inv, scale, None, None, T, H=H, HV=HV,
+                                                           K=K, BK=cfg["BK"], SPAN=SPAN_MAX, IS_VARLEN=False,
+                                                           num_warps=cfg["num_warps"], **extra)
             return Aqk, Akk_inv
 
         got_small = call(args=small)

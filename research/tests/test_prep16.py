@@ -35,3 +35,19 @@ def test_intra16_matches_the_reference_stage(B, T, H, HV, K, step, span_max):
     want_qk, want_inv = ref.intra_scores(q, k, gc, beta, scale, 64, exact=True)
     assert ref.rel_rms(Aqk.double(), want_qk) < 0.005, ref.rel_rms(Aqk.double(), want_qk)
     assert ref.rel_rms(Akk_inv.double(), want_inv) < 0.005, ref.rel_rms(Akk_inv.double(), want_inv)
+
+
+def test_intra16_on_packed_sequences():
+    """Empty and one-token sequences among them; a steep gate in one."""
+    from kernel_fun import _fla
+
+    q, k, gc_dense, beta = _inputs(1, 200, 1, 2, 64, 0.5)
+    cu = torch.tensor([0, 0, 1, 70, 70, 200])
+    steep = -torch.rand(1, 200, 2, 64, generator=torch.Generator().manual_seed(3)) * 12
+    a = torch.where((torch.arange(200) >= 70)[None, :, None, None], steep, -torch.rand(1, 200, 2, 64) * 0.5)
+    gc = ref.chunk_cumsum(a, chunk_size=64, cu_seqlens=cu)
+    index = _fla.prepare_chunk_indices(cu, 64)
+    Aqk, Akk_inv = prep16.intra16(q, k, gc, beta, 64 ** -0.5, cu_seqlens=cu, chunk_indices=index)
+    want_qk, want_inv = ref.intra_scores(q, k, gc, beta, 64 ** -0.5, 64, cu_seqlens=cu, exact=True)
+    assert ref.rel_rms(Aqk.double(), want_qk) < 0.005
+    assert ref.rel_rms(Akk_inv.double(), want_inv) < 0.005
