@@ -127,9 +127,57 @@ def _scores_row(q, k, g, Aqk, scale, n_t, R: tl.constexpr, C: tl.constexpr, H: t
 
 
 @triton.jit
+def _tril_apply(X0, X1, X2, X3, src, beta, g, n_t, R: tl.constexpr, cols, m_c, STRIDE: tl.constexpr,
+                HV: tl.constexpr, K: tl.constexpr, GATED: tl.constexpr):
+    """Row block R of Akk_inv @ (beta * src [* exp2(gc)]) for one column slice: sum over the
+    column blocks c <= R of X_Rc [16, 16] @ the source's rows of block c (rounded to the
+    source's dtype before the product, as fla's F6 rounds them)."""
+    t16 = tl.arange(0, 16)
+    acc = tl.zeros([16, cols.shape[0]], dtype=tl.float32)
+    for c in tl.static_range(R + 1):
+        rows_c = c * 16 + t16
+        m_s = (rows_c < n_t)[:, None] & m_c[None, :]
+        x = tl.load(src + rows_c[:, None] * STRIDE + cols[None, :], mask=m_s, other=0).to(tl.float32)
+        b = tl.load(beta + rows_c * HV, mask=rows_c < n_t, other=0).to(tl.float32)
+        # (rounded to the source's dtype, as fla's F6 rounds beta * k in bf16: the exact product
+        # of two bf16 values fits fp32, so one rounding gives the same bits)
+        xb = (x * b[:, None]).to(src.dtype.element_ty)
+        if GATED:
+            g_c = tl.load(g + rows_c[:, None] * (HV * K) + cols[None, :], mask=m_s, other=0).to(tl.float32)
+            xb = (xb.to(tl.float32) * tl.exp2(g_c)).to(src.dtype.element_ty)
+        if c == 0:
+            Xc = X0
+        elif c == 1:
+            Xc = X1
+        elif c == 2:
+            Xc = X2
+        else:
+            Xc = X3
+        acc += tl.dot(Xc.to(src.dtype.element_ty).to(tl.float32), xb.to(tl.float32))
+    return acc
+
+
+@triton.jit
+def _row_apply(X00, X10, X11, X20, X21, X22, X30, X31, X32, X33, src, beta, g, n_t, R: tl.constexpr, cols, m_c,
+               STRIDE: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, GATED: tl.constexpr):
+    """``_tril_apply`` with row block R's blocks of the inverse."""
+    if R == 0:
+        out = _tril_apply(X00, X00, X00, X00, src, beta, g, n_t, 0, cols, m_c, STRIDE, HV, K, GATED)
+    elif R == 1:
+        out = _tril_apply(X10, X11, X11, X11, src, beta, g, n_t, 1, cols, m_c, STRIDE, HV, K, GATED)
+    elif R == 2:
+        out = _tril_apply(X20, X21, X22, X22, src, beta, g, n_t, 2, cols, m_c, STRIDE, HV, K, GATED)
+    else:
+        out = _tril_apply(X30, X31, X32, X33, src, beta, g, n_t, 3, cols, m_c, STRIDE, HV, K, GATED)
+    return out
+
+
+@triton.jit
 def intra16_kernel(q, k, g, beta, Aqk, Akk_inv, scale, cu_seqlens, chunk_indices, T,
                    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-                   SPAN: tl.constexpr, IS_VARLEN: tl.constexpr):
+                   SPAN: tl.constexpr, IS_VARLEN: tl.constexpr,
+                   v=None, w=None, u=None, kg=None, qg=None, V: tl.constexpr = 0, BV: tl.constexpr = 32,
+                   WY: tl.constexpr = False):
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_hv = i_bh % HV
     i_h = i_hv // (HV // H)
@@ -146,6 +194,7 @@ def intra16_kernel(q, k, g, beta, Aqk, Akk_inv, scale, cu_seqlens, chunk_indices
     beta += base * HV + i_hv
     Aqk += base * HV * BT + i_hv * BT
     Akk_inv += base * HV * BT + i_hv * BT
+    beta_wy = beta
     t16 = tl.arange(0, 16)
     zero = tl.zeros([16, 16], dtype=tl.float32)
     # the zero blocks above the diagonal
@@ -197,21 +246,64 @@ def intra16_kernel(q, k, g, beta, Aqk, Akk_inv, scale, cu_seqlens, chunk_indices
     _store_block(Akk_inv, 3, 1, X31, n_t, HV)
     _store_block(Akk_inv, 3, 2, X32, n_t, HV)
     _store_block(Akk_inv, 3, 3, X33, n_t, HV)
+    if WY:  # F6 from the inverse in registers: w, u, kg, qg
+        v += base * HV * V + i_hv * V
+        w += base * HV * K + i_hv * K
+        u += base * HV * V + i_hv * V
+        kg += base * HV * K + i_hv * K
+        qg += base * HV * K + i_hv * K
+        last = n_t - 1
+        for i_k in tl.static_range(0, K, BK):
+            cols = i_k + tl.arange(0, BK)
+            m_c = cols < K
+            g_last = tl.load(g + last * (HV * K) + cols, mask=m_c, other=0).to(tl.float32)
+            for R in tl.static_range(4):
+                rows = R * 16 + t16
+                m_rc = (rows < n_t)[:, None] & m_c[None, :]
+                w_r = _row_apply(X00, X10, X11, X20, X21, X22, X30, X31, X32, X33, k, beta_wy, g, n_t, R, cols, m_c,
+                                 H * K, HV, K, True)
+                tl.store(w + rows[:, None] * (HV * K) + cols[None, :], w_r.to(w.dtype.element_ty), mask=m_rc)
+                k_r = tl.load(k + rows[:, None] * (H * K) + cols[None, :], mask=m_rc, other=0).to(tl.float32)
+                q_r = tl.load(q + rows[:, None] * (H * K) + cols[None, :], mask=m_rc, other=0).to(tl.float32)
+                g_r = tl.load(g + rows[:, None] * (HV * K) + cols[None, :], mask=m_rc, other=0).to(tl.float32)
+                tl.store(kg + rows[:, None] * (HV * K) + cols[None, :],
+                         (k_r * tl.exp2(g_last[None, :] - g_r)).to(kg.dtype.element_ty), mask=m_rc)
+                tl.store(qg + rows[:, None] * (HV * K) + cols[None, :],
+                         (q_r * tl.exp2(g_r)).to(qg.dtype.element_ty), mask=m_rc)
+        for i_v in tl.static_range(0, V, BV):
+            cols = i_v + tl.arange(0, BV)
+            m_c = cols < V
+            for R in tl.static_range(4):
+                rows = R * 16 + t16
+                m_rc = (rows < n_t)[:, None] & m_c[None, :]
+                u_r = _row_apply(X00, X10, X11, X20, X21, X22, X30, X31, X32, X33, v, beta_wy, g, n_t, R, cols, m_c,
+                                 HV * V, HV, K, False)
+                tl.store(u + rows[:, None] * (HV * V) + cols[None, :], u_r.to(u.dtype.element_ty), mask=m_rc)
 
 
 def intra16(q, k, gc, beta, scale: float, cu_seqlens=None, chunk_indices=None, BK: int = 64,
-            span_max: float = SPAN_MAX):
+            span_max: float = SPAN_MAX, v=None):
     """(Aqk, Akk_inv), [B, T, HV, 64] each in k's dtype; packed batches (B = 1) with fla's
-    chunk index."""
+    chunk index. Given ``v``, F6 too: (Aqk, Akk_inv, w, u, kg, qg) as ``reference.wy_fwd``
+    forms them from that inverse."""
     B, T, H, K = q.shape
     HV = gc.shape[2]
     Aqk = torch.empty(B, T, HV, 64, device=q.device, dtype=k.dtype)
     Akk_inv = torch.empty(B, T, HV, 64, device=q.device, dtype=k.dtype)
     NT = triton.cdiv(T, 64) if cu_seqlens is None else chunk_indices.shape[0]
+    wy = {}
+    if v is not None:
+        V = v.shape[-1]
+        wy = dict(v=v, w=torch.empty(B, T, HV, K, device=q.device, dtype=k.dtype), u=torch.empty_like(v),
+                  kg=torch.empty(B, T, HV, K, device=q.device, dtype=k.dtype),
+                  qg=torch.empty(B, T, HV, K, device=q.device, dtype=k.dtype))
     intra16_kernel[(NT, B * HV)](q, k, gc, beta, Aqk, Akk_inv, scale, cu_seqlens, chunk_indices, T, H=H, HV=HV,
                                  K=K, BK=min(BK, triton.next_power_of_2(K)), SPAN=span_max,
-                                 IS_VARLEN=cu_seqlens is not None, num_warps=4)
-    return Aqk, Akk_inv
+                                 IS_VARLEN=cu_seqlens is not None, num_warps=4,
+                                 **wy, **(dict(V=V, BV=min(32, triton.next_power_of_2(V)), WY=True) if wy else {}))
+    if not wy:
+        return Aqk, Akk_inv
+    return Aqk, Akk_inv, wy["w"], wy["u"], wy["kg"], wy["qg"]
 
 
 # --------------------------------------------------------------------------------------

@@ -11,14 +11,14 @@ from kernel_fun.kda import reference as ref
 from research import prep16
 
 
-def _inputs(B, T, H, HV, K, step, seed=0):
+def _inputs(B, T, H, HV, K, step, seed=0, dtype=torch.bfloat16):
     gen = torch.Generator().manual_seed(seed)
-    q = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1).to(torch.bfloat16)
-    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1).to(torch.bfloat16)
+    q = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1).to(dtype)
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1).to(dtype)
     # per-token log2 decays, channel by channel up to `step`
     a = -torch.rand(B, T, HV, K, generator=gen) * step
     gc = ref.chunk_cumsum(a, chunk_size=64)
-    beta = torch.rand(B, T, HV, generator=gen).to(torch.bfloat16)
+    beta = torch.rand(B, T, HV, generator=gen).to(dtype)
     return q, k, gc, beta
 
 
@@ -51,3 +51,30 @@ def test_intra16_on_packed_sequences():
     want_qk, want_inv = ref.intra_scores(q, k, gc, beta, 64 ** -0.5, 64, cu_seqlens=cu, exact=True)
     assert ref.rel_rms(Aqk.double(), want_qk) < 0.005
     assert ref.rel_rms(Akk_inv.double(), want_inv) < 0.005
+
+
+@pytest.mark.parametrize("T,K,V,HV,cu", [(130, 64, 32, 2, None), (100, 100, 64, 1, None), (200, 64, 32, 2, (0, 0, 1, 70, 200))])
+def test_intra16_with_the_wy_vectors(T, K, V, HV, cu):
+    """F6 in the same program: w, u, kg and qg against the reference rounding as fla's F6
+    does, from this kernel's inverse (F6 alone), and against the float64 chain. In fp16:
+    the interpreter rounds fp32 to fp16 to nearest, as the GPU does (to bf16 it truncates,
+    which biases every rounding of F6's chain toward zero)."""
+    from kernel_fun import _fla
+
+    q, k, gc, beta = _inputs(1, T, 1, HV, K, 1.0, dtype=torch.float16)
+    v = torch.randn(1, T, HV, V, generator=torch.Generator().manual_seed(5)).to(torch.float16)
+    kw = {}
+    if cu is not None:
+        cu_t = torch.tensor(cu)
+        gc = ref.chunk_cumsum(-torch.rand(1, T, HV, K) * 1.0, chunk_size=64, cu_seqlens=cu_t)
+        kw = dict(cu_seqlens=cu_t, chunk_indices=_fla.prepare_chunk_indices(cu_t, 64))
+    got = prep16.intra16(q, k, gc, beta, K ** -0.5, v=v, **kw)
+    cs = kw.get("cu_seqlens")
+    _, A64 = ref.intra_scores(q, k, gc, beta, K ** -0.5, 64, cu_seqlens=cs, exact=True)
+    exact = ref.wy_fwd(k, v, beta, A64, gc, q, 64, cu_seqlens=cs, exact=True)
+    # F6 alone: the reference rounding as fla's F6 does, from this kernel's own inverse
+    rounded = ref.wy_fwd(k, v, beta, got[1], gc, q, 64, cu_seqlens=cs)
+    for name, g_, r_, e_ in zip(("w", "u", "qg", "kg"), (got[2], got[3], got[5], got[4]), rounded, exact):
+        ours, theirs = ref.rel_rms(g_.double(), e_), ref.rel_rms(r_.double(), e_)
+        print(name, ours, theirs)
+        assert ref.rel_rms(g_.double(), r_.double()) < 1e-3 and ours <= 1.5 * theirs + 1e-5, (name, ours, theirs)
