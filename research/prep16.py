@@ -311,21 +311,26 @@ def intra16(q, k, gc, beta, scale: float, cu_seqlens=None, chunk_indices=None, B
 # --------------------------------------------------------------------------------------
 CONFIGS = [dict(BK=32, num_warps=4, maxnreg=None), dict(BK=32, num_warps=4, maxnreg=168),
            dict(BK=64, num_warps=8, maxnreg=None)]
+# F3-F6 in one program (WY=True), BV 32
+WY_CONFIGS = [dict(BK=32, num_warps=4, maxnreg=168), dict(BK=64, num_warps=8, maxnreg=None)]
 
 
 def compile_rows(K: int = 128, HV: int = 16) -> list[dict]:
     """sm_90a builds of the kernel (registers, spills, shared memory, SASS size) per config."""
     from benchmarks.compile_report import compile_sm90
 
-    types = dict(q="*bf16", k="*bf16", g="*fp32", beta="*bf16", Aqk="*bf16", Akk_inv="*bf16", scale="fp32", T="i32")
+    types = dict(q="*bf16", k="*bf16", g="*fp32", beta="*bf16", Aqk="*bf16", Akk_inv="*bf16", scale="fp32", T="i32",
+                 v="*bf16", w="*bf16", u="*bf16", kg="*bf16", qg="*bf16")
     rows = []
-    for cfg in CONFIGS:
-        r = compile_sm90(intra16_kernel, types, dict(H=HV, HV=HV, K=K, BK=cfg["BK"], SPAN=SPAN_MAX, IS_VARLEN=False,
-                                                     cu_seqlens=None, chunk_indices=None),
-                         cfg["num_warps"], 1, maxnreg=cfg["maxnreg"])
-        rows.append({"kind": "compile_sm90", "kernel": "prep16.intra16", "K": K, **cfg,
-                     **{n: r[n] for n in ("registers", "spill_stores", "spill_loads", "stack", "shared",
-                                          "sass_instructions", "sass_code_sha")}})
+    for wy, configs in ((False, CONFIGS), (True, WY_CONFIGS)):
+        for cfg in configs:
+            ce = dict(H=HV, HV=HV, K=K, BK=cfg["BK"], SPAN=SPAN_MAX, IS_VARLEN=False, cu_seqlens=None,
+                      chunk_indices=None, WY=wy, **(dict(V=256, BV=32) if wy else dict(V=0, BV=32, v=None, w=None,
+                                                                                         u=None, kg=None, qg=None)))
+            r = compile_sm90(intra16_kernel, types, ce, cfg["num_warps"], 1, maxnreg=cfg["maxnreg"])
+            rows.append({"kind": "compile_sm90", "kernel": "prep16.intra16" + ("+wy V256" if wy else ""), "K": K, **cfg,
+                         **{n: r[n] for n in ("registers", "spill_stores", "spill_loads", "stack", "shared",
+                                              "sass_instructions", "sass_code_sha")}})
     return rows
 
 
