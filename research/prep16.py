@@ -395,17 +395,45 @@ def gpu_run(shape: str, out) -> list[dict]:
                      "fla_vs_f64": [ref.rel_rms(fla_f3_f5(*small, scale)[i].double(), want[i]) for i in range(2)],
                      "vs_fla": [ref.rel_rms(got[i].float(), fla_full[i].float()) for i in range(2)]})
         fns[name] = call
+    # F3-F6 in one program against fla's F3-F6 (chunk_kda_fwd_intra: its two kernels and its F6)
+    from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
+
+    v = kw["v"]
+    fla_f6 = chunk_kda_fwd_intra(q=q, k=k, v=v, gk=gc, beta=beta, scale=scale)  # (w, u, qg, kg, Aqk, Akk)
+    fns["fla F3-F6"] = lambda: chunk_kda_fwd_intra(q=q, k=k, v=v, gk=gc, beta=beta, scale=scale)
+    for cfg in WY_CONFIGS:
+        name = f"F3-F6 BK{cfg['BK']}-{cfg['num_warps']}w" + (f"-r{cfg['maxnreg']}" if cfg["maxnreg"] else "")
+
+        def call_wy(cfg=cfg):
+            B, T, H, K = q.shape
+            HV, V = gc.shape[2], v.shape[-1]
+            out = [torch.empty(B, T, HV, 64, device="cuda", dtype=k.dtype) for _ in range(2)]
+            wy = dict(v=v, w=torch.empty(B, T, HV, K, device="cuda", dtype=k.dtype), u=torch.empty_like(v),
+                      kg=torch.empty(B, T, HV, K, device="cuda", dtype=k.dtype),
+                      qg=torch.empty(B, T, HV, K, device="cuda", dtype=k.dtype))
+            extra = {"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] else {}
+            intra16_kernel[(triton.cdiv(T, 64), B * HV)](q, k, gc, beta, *out, scale, None, None, T, H=H, HV=HV, K=K,
+                                                         BK=cfg["BK"], SPAN=SPAN_MAX, IS_VARLEN=False, V=V, BV=32,
+                                                         WY=True, num_warps=cfg["num_warps"], **wy, **extra)
+            return wy["w"], wy["u"], wy["kg"]
+
+        got = call_wy()
+        rows.append({"impl": name, "vs_fla_w_u_kg": [ref.rel_rms(got[0].float(), fla_f6[0].float()),
+                                                      ref.rel_rms(got[1].float(), fla_f6[1].float()),
+                                                      ref.rel_rms(got[2].float(), fla_f6[3].float())]})
+        fns[name] = call_wy
     for fn in fns.values():
         fn()
     times = {n: [] for n in fns}
     for _ in range(5):
         for n, fn in fns.items():
             times[n] += cuda_times(fn, 10)
-    fla_ms = summary(times["fla"])["median"]
-    table = [{"kind": "stage", "stage": "F3-F5", "shape": shape, "impl": "fla", "ms": fla_ms}]
+    fla_ms = {"F3-F5": summary(times["fla"])["median"], "F3-F6": summary(times["fla F3-F6"])["median"]}
+    table = [{"kind": "stage", "stage": st, "shape": shape, "impl": "fla", "ms": ms} for st, ms in fla_ms.items()]
     for r in rows:
+        stage = "F3-F6" if r["impl"].startswith("F3-F6") else "F3-F5"
         ms = summary(times[r["impl"]])["median"]
-        table.append({"kind": "stage", "stage": "F3-F5", "shape": shape, **r, "ms": ms, "vs_fla_x": fla_ms / ms})
+        table.append({"kind": "stage", "stage": stage, "shape": shape, **r, "ms": ms, "vs_fla_x": fla_ms[stage] / ms})
     for r in table:
         line = json.dumps({**r, "gpu": torch.cuda.get_device_name()})
         print(line, flush=True)
