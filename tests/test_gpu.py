@@ -688,6 +688,31 @@ def test_a_dense_forward_is_captured_in_a_cuda_graph():
     assert torch.equal(o, want_o) and torch.equal(final_state, want_state)
 
 
+def _fwd_bwd_step(cot):
+    """A chunk_kda fwd+bwd with fixed cotangents: [o, final_state, every gradient]."""
+    from kernel_fun.kda.problems import leaves
+
+    def step(inputs):
+        o, s = chunk_kda(**inputs)
+        return [o, s, *torch.autograd.grad([o, s], list(leaves(inputs).values()), cot)]
+
+    return step
+
+
+def _captured(step, kw):
+    """``step(kw)`` warmed on a side stream, then captured: (the graph, its outputs)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step(kw)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step(kw)
+    return graph, outs
+
+
 def test_a_packed_step_is_captured_in_a_cuda_graph():
     """A warmed packed fwd+bwd (host offsets given) captured with torch.cuda.graph: replayed on
     new inputs it is eager's bit for bit, also after the offsets were rewritten in place (same
@@ -704,19 +729,8 @@ def test_a_packed_step_is_captured_in_a_cuda_graph():
     o, final_state = chunk_kda(**kw)
     cot = list(cotangents(o, final_state, seed=1))
 
-    def step(inputs):
-        o, s = chunk_kda(**inputs)
-        return [o, s, *torch.autograd.grad([o, s], list(leaves(inputs).values()), cot)]
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            step(kw)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step(kw)
+    step = _fwd_bwd_step(cot)
+    graph, outs = _captured(step, kw)
     fresh = make_inputs(p, device="cuda", seed=6)
     fresh["cu_seqlens_cpu"] = fresh["cu_seqlens"].cpu()
     with torch.no_grad():
@@ -782,19 +796,8 @@ def test_a_capacity_shaped_step_tracks_fla_and_replays_new_offsets():
 
     cot = list(cot)
 
-    def step(inputs):
-        o, s = chunk_kda(**inputs)
-        return [o, s, *torch.autograd.grad([o, s], list(leaves(inputs).values()), cot)]
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            step(kw)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step(kw)
+    step = _fwd_bwd_step(cot)
+    graph, outs = _captured(step, kw)
     new = torch.tensor([0, 300, 301, 700, 1450, 1490, 1500], dtype=kw["cu_seqlens"].dtype)
     kw["cu_seqlens"].copy_(new.cuda())
     graph.replay()
