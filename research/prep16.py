@@ -465,3 +465,27 @@ if __name__ == "__main__":
     import sys
 
     sys.exit(main())
+
+
+# --------------------------------------------------------------------------------------
+# As the chain's F3-F6 (a candidate: python -m benchmarks.op --candidate
+# F3-F6=research.prep16:f3_f6:supports)
+# --------------------------------------------------------------------------------------
+def supports(q, k, v, gc, beta, scale, safe_gate, disable_recompute, chunk_size, cu_seqlens, chunk_indices) -> str | None:
+    """None when ``f3_f6`` takes the call."""
+    if chunk_size != 64:
+        return f"chunk_size={chunk_size} (built for 64)"
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return f"dtype {q.dtype} (bf16/fp16)"
+    if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous() and gc.is_contiguous()):
+        return "a strided input"
+    return None
+
+
+def f3_f6(q, k, v, gc, beta, scale, safe_gate, disable_recompute, chunk_size, cu_seqlens, chunk_indices):
+    """F3-F6 with the chain's contract: (w, u, kg, Aqk, Akk_inv, qg), qg only with
+    ``disable_recompute`` (the chain's ask for it). Exact for any gate: ``safe_gate`` changes
+    nothing here."""
+    Aqk, Akk_inv, w, u, kg, qg = intra16(q, k, gc, beta, scale, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
+                                         v=v)
+    return w, u, kg, Aqk, Akk_inv, (qg if disable_recompute else None)

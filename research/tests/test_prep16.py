@@ -78,3 +78,33 @@ def test_intra16_with_the_wy_vectors(T, K, V, HV, cu):
         ours, theirs = ref.rel_rms(g_.double(), e_), ref.rel_rms(r_.double(), e_)
         print(name, ours, theirs)
         assert ref.rel_rms(g_.double(), r_.double()) < 1e-3 and ours <= 1.5 * theirs + 1e-5, (name, ours, theirs)
+
+
+@pytest.mark.parametrize("p", [
+    "dense-gva-h0", "packed-layer-safe",
+])
+def test_the_chain_with_f3_f6_forced_on_matches_the_float64_recurrence(p):
+    """The whole op (fwd+bwd) with prep16 as F3-F6: o, the final state and every gradient
+    within fla's budgets of the float64 recurrence, the record naming it."""
+    from kernel_fun.kda import chunk_kda, last_record
+    from kernel_fun.kda.problems import Problem, as_oracle_inputs, make_inputs, run_fwd_bwd
+    from kernel_fun.kda.stages import registered
+
+    probs = {
+        "dense-gva-h0": Problem("dense-gva-h0", 1, 130, 1, 2, 64, 32, initial_state=True, output_final_state=True,
+                                dtype=torch.float16),
+        "packed-layer-safe": Problem("packed-layer-safe", 1, 150, 1, 1, 64, 32, cu_seqlens=(0, 1, 80, 150),
+                                     beta_sigmoid_in_kernel=True, state_v_first=True, safe_gate=True,
+                                     lower_bound=-5.0, initial_state=True, output_final_state=True,
+                                     dtype=torch.float16),
+    }
+    prob = probs[p]
+    kw = make_inputs(prob, seed=4)
+    with registered("F3-F6", "ours", prep16.f3_f6, prep16.supports):
+        got = run_fwd_bwd(chunk_kda, kw, grid=prob.dtype)
+        record = last_record()
+    assert record.forward["F3-F6"] == "ours", record
+    want = run_fwd_bwd(ref.recurrent_kda, as_oracle_inputs(kw), grid=prob.dtype)
+    errors = {n: ref.rel_rms(got[n].double(), want[n]) for n in want if want[n] is not None}
+    print(p, record.forward, errors)
+    assert len(errors) >= 8 and all(e <= ref.BUDGETS[n] for n, e in errors.items()), errors
