@@ -43,15 +43,17 @@ def _neumann_inverse(D):
 
 
 @triton.jit
-def _diag_elementwise(acc_q, acc_k, q_r, k_r, g_r, t16):
+def _diag_elementwise(acc_q, acc_k, q_r, k_r, g_r, t16, m_r):
     """The diagonal block's slice term by term: row i's scores against the block's rows s <= i
-    (strictly below for Akk), each with its own exp2(g_i - g_s)."""
+    (strictly below for Akk), each with its own exp2(g_i - g_s); rows past the chunk's end
+    get zeros (their gate is no gate: they must stay finite for the solve's products)."""
     for i in range(16):
         sel = (t16 == i)[:, None]
         q_i = tl.sum(tl.where(sel, q_r, 0.0), axis=0)
         k_i = tl.sum(tl.where(sel, k_r, 0.0), axis=0)
         g_i = tl.sum(tl.where(sel, g_r, 0.0), axis=0)
-        lower = (t16 <= i)[:, None]
+        live = tl.sum(tl.where(t16 == i, m_r.to(tl.int32), 0)) > 0
+        lower = ((t16 <= i) & m_r & live)[:, None]
         e = tl.where(lower, tl.exp2(tl.where(lower, g_i[None, :] - g_r, 0.0)), 0.0) * k_r
         row_q = tl.sum(q_i[None, :] * e, axis=1)
         row_k = tl.sum(k_i[None, :] * e, axis=1)
@@ -80,7 +82,8 @@ def _pair(q, k, g, n_t, R: tl.constexpr, C: tl.constexpr, H: tl.constexpr, HV: t
         q_r = tl.load(q + rows[:, None] * (H * K) + cols[None, :], mask=m_rc, other=0).to(tl.float32)
         k_r = tl.load(k + rows[:, None] * (H * K) + cols[None, :], mask=m_rc, other=0).to(tl.float32)
         g_r = tl.load(g + rows[:, None] * (HV * K) + cols[None, :], mask=m_rc, other=0).to(tl.float32)
-        g_a = tl.load(g + a * (HV * K) + cols, mask=m_c & (a < n_t), other=0).to(tl.float32)
+        # (a block past the chunk's end anchors at its last row: every factor stays at most 1)
+        g_a = tl.load(g + tl.minimum(a, n_t - 1) * (HV * K) + cols, mask=m_c, other=0).to(tl.float32)
         if C < R:  # anchored at the row block's first row: both factors at most 1
             rows_c = C * 16 + t16
             m_s = (rows_c < n_t)[:, None] & m_c[None, :]
@@ -92,7 +95,7 @@ def _pair(q, k, g, n_t, R: tl.constexpr, C: tl.constexpr, H: tl.constexpr, HV: t
             acc_k += tl.dot(k_r * down, kb)
         else:  # the diagonal block: anchored at its middle row while the span allows
             last = tl.minimum(a + 15, n_t - 1)
-            g_last = tl.load(g + last * (HV * K) + cols, mask=m_c & (a < n_t), other=0).to(tl.float32)
+            g_last = tl.load(g + last * (HV * K) + cols, mask=m_c, other=0).to(tl.float32)
             if tl.max(g_a - g_last) <= SPAN:
                 mid = tl.minimum(a + 8, n_t - 1)
                 g_m = tl.load(g + mid * (HV * K) + cols, mask=m_c & (a < n_t), other=0).to(tl.float32)
@@ -101,7 +104,7 @@ def _pair(q, k, g, n_t, R: tl.constexpr, C: tl.constexpr, H: tl.constexpr, HV: t
                 acc_q += tl.dot(q_r * up, back)
                 acc_k += tl.dot(k_r * up, back)
             else:
-                acc_q, acc_k = _diag_elementwise(acc_q, acc_k, q_r, k_r, g_r, t16)
+                acc_q, acc_k = _diag_elementwise(acc_q, acc_k, q_r, k_r, g_r, t16, m_r)
     return acc_q, acc_k
 
 
@@ -177,7 +180,8 @@ def intra16_kernel(q, k, g, beta, Aqk, Akk_inv, scale, cu_seqlens, chunk_indices
                    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
                    SPAN: tl.constexpr, IS_VARLEN: tl.constexpr,
                    v=None, w=None, u=None, kg=None, qg=None, V: tl.constexpr = 0, BV: tl.constexpr = 32,
-                   WY: tl.constexpr = False):
+                   WY: tl.constexpr = False, g_raw=None, A_log=None, dt_bias=None, lower_bound=0.0,
+                   GATE: tl.constexpr = False, HAS_BIAS: tl.constexpr = False, USE_LB: tl.constexpr = False):
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_hv = i_bh % HV
     i_h = i_hv // (HV // H)
@@ -196,6 +200,24 @@ def intra16_kernel(q, k, g, beta, Aqk, Akk_inv, scale, cu_seqlens, chunk_indices
     Akk_inv += base * HV * BT + i_hv * BT
     beta_wy = beta
     t16 = tl.arange(0, 16)
+    if GATE:  # F2 here: the gate's activation and the chunk's cumsum (log2 units) into g, read back below
+        g_raw += base * HV * K + i_hv * K
+        A = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+        t64 = tl.arange(0, 64)
+        for i_k in tl.static_range(0, K, BK):
+            cols = i_k + tl.arange(0, BK)
+            m_c = cols < K
+            m = (t64 < n_t)[:, None] & m_c[None, :]
+            x = tl.load(g_raw + t64[:, None] * (HV * K) + cols[None, :], mask=m, other=0).to(tl.float32)
+            if HAS_BIAS:
+                x += tl.load(dt_bias + i_hv * K + cols, mask=m_c, other=0).to(tl.float32)[None, :]
+            if USE_LB:
+                act = lower_bound * tl.sigmoid(A * x)
+            else:
+                act = -A * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+            gcs = tl.cumsum(tl.where(m, act, 0.0), axis=0) * 1.4426950408889634
+            tl.store(g + t64[:, None] * (HV * K) + cols[None, :], gcs, mask=m)
+        tl.debug_barrier()  # (the other threads read these rows back)
     zero = tl.zeros([16, 16], dtype=tl.float32)
     # the zero blocks above the diagonal
     _store_block(Aqk, 0, 1, zero, n_t, HV)
@@ -282,12 +304,17 @@ def intra16_kernel(q, k, g, beta, Aqk, Akk_inv, scale, cu_seqlens, chunk_indices
 
 
 def intra16(q, k, gc, beta, scale: float, cu_seqlens=None, chunk_indices=None, BK: int = 64,
-            span_max: float = SPAN_MAX, v=None):
+            span_max: float = SPAN_MAX, v=None, g_raw=None, A_log=None, dt_bias=None, lower_bound=None):
     """(Aqk, Akk_inv), [B, T, HV, 64] each in k's dtype; packed batches (B = 1) with fla's
     chunk index. Given ``v``, F6 too: (Aqk, Akk_inv, w, u, kg, qg) as ``reference.wy_fwd``
-    forms them from that inverse."""
+    forms them from that inverse. Given ``g_raw`` (with ``A_log``, ``dt_bias``,
+    ``lower_bound``), F2 too, into ``gc`` (an fp32 [B, T, HV, K] it writes)."""
     B, T, H, K = q.shape
     HV = gc.shape[2]
+    gate = {}
+    if g_raw is not None:
+        gate = dict(g_raw=g_raw, A_log=A_log, dt_bias=dt_bias, lower_bound=0.0 if lower_bound is None else lower_bound,
+                    GATE=True, HAS_BIAS=dt_bias is not None, USE_LB=lower_bound is not None)
     Aqk = torch.empty(B, T, HV, 64, device=q.device, dtype=k.dtype)
     Akk_inv = torch.empty(B, T, HV, 64, device=q.device, dtype=k.dtype)
     NT = triton.cdiv(T, 64) if cu_seqlens is None else chunk_indices.shape[0]
@@ -299,7 +326,7 @@ def intra16(q, k, gc, beta, scale: float, cu_seqlens=None, chunk_indices=None, B
                   qg=torch.empty(B, T, HV, K, device=q.device, dtype=k.dtype))
     intra16_kernel[(NT, B * HV)](q, k, gc, beta, Aqk, Akk_inv, scale, cu_seqlens, chunk_indices, T, H=H, HV=HV,
                                  K=K, BK=min(BK, triton.next_power_of_2(K)), SPAN=span_max,
-                                 IS_VARLEN=cu_seqlens is not None, num_warps=4,
+                                 IS_VARLEN=cu_seqlens is not None, num_warps=4, **gate,
                                  **wy, **(dict(V=V, BV=min(32, triton.next_power_of_2(V)), WY=True) if wy else {}))
     if not wy:
         return Aqk, Akk_inv

@@ -108,3 +108,29 @@ def test_the_chain_with_f3_f6_forced_on_matches_the_float64_recurrence(p):
     errors = {n: ref.rel_rms(got[n].double(), want[n]) for n in want if want[n] is not None}
     print(p, record.forward, errors)
     assert len(errors) >= 8 and all(e <= ref.BUDGETS[n] for n, e in errors.items()), errors
+
+
+@pytest.mark.parametrize("lower_bound,bias,cu", [(None, True, None), (-5.0, True, (0, 1, 70, 130)), (None, False, None)])
+def test_intra16_with_the_gate_in_front(lower_bound, bias, cu):
+    """F2 in the same program (the gate's activation and the chunk cumsum, written to gc and
+    read back): gc, Aqk and Akk_inv against the reference stages from the raw gate."""
+    from kernel_fun import _fla
+
+    T, HV, K = 130, 2, 64
+    q, k, _, beta = _inputs(1, T, 1, HV, K, 1.0)
+    gen = torch.Generator().manual_seed(9)
+    g_raw = torch.randn(1, T, HV, K, generator=gen).to(torch.bfloat16)
+    A_log = torch.log(torch.empty(HV).uniform_(1, 16, generator=gen))
+    dt_bias = torch.randn(HV * K, generator=gen) * 0.5 if bias else None
+    kw = {}
+    if cu is not None:
+        cu_t = torch.tensor(cu)
+        kw = dict(cu_seqlens=cu_t, chunk_indices=_fla.prepare_chunk_indices(cu_t, 64))
+    gc = torch.empty(1, T, HV, K)
+    Aqk, Akk_inv = prep16.intra16(q, k, gc, beta, K ** -0.5, g_raw=g_raw, A_log=A_log, dt_bias=dt_bias,
+                                  lower_bound=lower_bound, **kw)
+    want_gc = ref.gate_cumsum(g_raw, True, A_log, dt_bias, lower_bound, 64, kw.get("cu_seqlens"))
+    assert ref.rel_rms(gc.double(), want_gc.double()) < 1e-5, ref.rel_rms(gc.double(), want_gc.double())
+    want_qk, want_inv = ref.intra_scores(q, k, want_gc, beta, K ** -0.5, 64, cu_seqlens=kw.get("cu_seqlens"),
+                                         exact=True)
+    assert ref.rel_rms(Aqk.double(), want_qk) < 0.005 and ref.rel_rms(Akk_inv.double(), want_inv) < 0.005
