@@ -347,15 +347,19 @@ def compile_rows(K: int = 128, HV: int = 16) -> list[dict]:
     from benchmarks.compile_report import compile_sm90
 
     types = dict(q="*bf16", k="*bf16", g="*fp32", beta="*bf16", Aqk="*bf16", Akk_inv="*bf16", scale="fp32", T="i32",
-                 v="*bf16", w="*bf16", u="*bf16", kg="*bf16", qg="*bf16")
+                 v="*bf16", w="*bf16", u="*bf16", kg="*bf16", qg="*bf16", lower_bound="fp32",
+                 g_raw="*bf16", A_log="*fp32", dt_bias="*fp32")
     rows = []
-    for wy, configs in ((False, CONFIGS), (True, WY_CONFIGS)):
+    for wy, gate, configs in ((False, False, CONFIGS), (True, False, WY_CONFIGS), (True, True, WY_CONFIGS)):
         for cfg in configs:
             ce = dict(H=HV, HV=HV, K=K, BK=cfg["BK"], SPAN=SPAN_MAX, IS_VARLEN=False, cu_seqlens=None,
                       chunk_indices=None, WY=wy, **(dict(V=256, BV=32) if wy else dict(V=0, BV=32, v=None, w=None,
-                                                                                         u=None, kg=None, qg=None)))
+                                                                                         u=None, kg=None, qg=None)),
+                      GATE=gate, HAS_BIAS=gate, USE_LB=False,
+                      **({} if gate else dict(g_raw=None, A_log=None, dt_bias=None)))
             r = compile_sm90(intra16_kernel, types, ce, cfg["num_warps"], 1, maxnreg=cfg["maxnreg"])
-            rows.append({"kind": "compile_sm90", "kernel": "prep16.intra16" + ("+wy V256" if wy else ""), "K": K, **cfg,
+            name = "prep16.intra16" + (" +F2 (gate)" if gate else "") + (" +F6 (V256)" if wy else "")
+            rows.append({"kind": "compile_sm90", "kernel": name, "K": K, **cfg,
                          **{n: r[n] for n in ("registers", "spill_stores", "spill_loads", "stack", "shared",
                                               "sass_instructions", "sass_code_sha")}})
     return rows
