@@ -74,13 +74,6 @@ def _stored_configs() -> None:
     fla_configs.use_stored_configs(torch.cuda.get_device_name())
 
 
-def _fwd_bwd(layer, x, w):
-    """One fwd+bwd of ``(layer(x)[0] * w).sum()``."""
-    o = layer(x)[0]
-    (o.float() * w).sum().backward()
-    return o
-
-
 def _sync_ms(fn, reps: int) -> float:
     """Milliseconds a call, ``reps`` calls back to back between two syncs: the host's time
     when the host is the bottleneck, the GPU's when it is not."""
@@ -173,7 +166,7 @@ def first(args, log: Log) -> int:
     import fla  # noqa: F401
 
     import kernel_fun
-    from kernel_fun.bench.layer import fla_layer
+    from kernel_fun.bench.layer import fla_layer, fwd_bwd
 
     import_s = time.perf_counter() - t0
     torch.cuda.init()
@@ -187,15 +180,15 @@ def first(args, log: Log) -> int:
     torch.cuda.synchronize()
     launches = _FirstLaunches()
     t1 = time.perf_counter()
-    _fwd_bwd(layer, x, w)
+    fwd_bwd(layer, x, w)
     torch.cuda.synchronize()
     first_s = time.perf_counter() - t1
     launches.close()
     t2 = time.perf_counter()
-    _fwd_bwd(layer, x, w)
+    fwd_bwd(layer, x, w)
     torch.cuda.synchronize()
     second_s = time.perf_counter() - t2
-    steady = _sync_ms(lambda: _fwd_bwd(layer, x, w), 10)
+    steady = _sync_ms(lambda: fwd_bwd(layer, x, w), 10)
     table = launches.table()
     row = {"kind": "first_step", "impl": args.side, "shape": f"kda_layer_B{args.B}_T{args.T}",
            "import_s": round(import_s, 2), "first_step_s": round(first_s, 2), "second_step_s": round(second_s, 3),
@@ -265,20 +258,10 @@ class Core(torch.nn.Module):
         return self.o(torch.nn.functional.rms_norm(o, (K,)).flatten(2)), None
 
 
-def _grads(call, module, x, w) -> dict:
-    """``layer_grads`` through ``call`` (the module or its compiled wrapper), the parameters
-    named as ``module`` names them."""
-    module.zero_grad(set_to_none=True)
-    x = x.detach().requires_grad_()
-    o = call(x)[0]
-    (o.float() * w).sum().backward()
-    return {"o": o.detach(), "dx": x.grad, **{n: p.grad.detach().clone() for n, p in module.named_parameters()}}
-
-
 def compile_(args, log: Log) -> int:
     _stored_configs()
     from kernel_fun import _fla
-    from kernel_fun.bench.layer import fla_layer, parity_misses
+    from kernel_fun.bench.layer import fla_layer, fwd_bwd, layer_grads, parity_misses
     from kernel_fun.cconv import causal_conv1d as our_conv
     from kernel_fun.cconv import last_route
     from kernel_fun.kda import chunk_kda as our_kda
@@ -296,21 +279,21 @@ def compile_(args, log: Log) -> int:
     none = contextlib.nullcontext
 
     # fla's layer: eager, compiled; fla's own and patched
-    fla_eager = _grads(fla_side, fla_side, x, w)
+    fla_eager = layer_grads(fla_side, x, w)
     breaks = {"fla": _explain(fla_side, x)}
     fla_compiled = torch.compile(fla_side)
-    got = _grads(fla_compiled, fla_side, x, w)
+    got = layer_grads(fla_side, x, w, call=fla_compiled)
     vs = {n: ref.rel_rms(got[n], fla_eager[n]) for n in fla_eager}
     with fla_patched():
         breaks["ours"] = _explain(ours_side, x)
         ours_compiled = torch.compile(ours_side)
-        ours_eager_g = _grads(ours_side, ours_side, x, w)
-        ours_g = _grads(ours_compiled, ours_side, x, w)
+        ours_eager_g = layer_grads(ours_side, x, w)
+        ours_g = layer_grads(ours_side, x, w, call=ours_compiled)
         record, conv = last_record(), last_route()
     errors, misses = parity_misses(ours_g, fla_eager)
     same = all(torch.equal(ours_g[n], ours_eager_g[n]) for n in ours_g)
     del got, ours_g, ours_eager_g
-    step = lambda layer: (lambda: _fwd_bwd(layer, x, w))  # noqa: E731
+    step = lambda layer: (lambda: fwd_bwd(layer, x, w))  # noqa: E731
     fns = {"fla_eager": (none, step(fla_side)), "fla_compiled": (none, step(fla_compiled)),
            "ours_eager": (fla_patched, step(ours_side)), "ours_compiled": (fla_patched, step(ours_compiled))}
     for _, (context, fn) in fns.items():
@@ -332,9 +315,9 @@ def compile_(args, log: Log) -> int:
     core_breaks = {"fla": _explain(fla_core, x), "ours": _explain(ours_core, x)}
     torch._dynamo.reset()
     compiled = {"ours": torch.compile(ours_core, fullgraph=True), "fla": torch.compile(fla_core)}
-    grads = {"fla_eager": _grads(fla_core, fla_core, x, w), "ours_eager": _grads(ours_core, ours_core, x, w),
-             "ours_compiled": _grads(compiled["ours"], ours_core, x, w),
-             "fla_compiled": _grads(compiled["fla"], fla_core, x, w)}
+    grads = {"fla_eager": layer_grads(fla_core, x, w), "ours_eager": layer_grads(ours_core, x, w),
+             "ours_compiled": layer_grads(ours_core, x, w, call=compiled["ours"]),
+             "fla_compiled": layer_grads(fla_core, x, w, call=compiled["fla"])}
     record, conv = last_record(), last_route()
     core_errors = {n: ref.rel_rms(grads["ours_compiled"][n], grads["fla_eager"][n]) for n in grads["fla_eager"]}
     core_same = all(torch.equal(grads["ours_compiled"][n], grads["ours_eager"][n]) for n in grads["ours_eager"])
@@ -454,11 +437,8 @@ def graphs(args, log: Log) -> int:
             row["errors"]["ours_reduce_overhead"] = f"{type(err).__name__}: {str(err)[:300]}"
         for fn in fns.values():
             fn()
-        times = {n: [] for n in fns}
-        for _ in range(args.rounds):
-            for n, fn in fns.items():
-                times[n].append(_sync_ms(fn, args.reps))
-        row["ms"] = {n: round(sorted(t)[len(t) // 2], 4) for n, t in times.items()}
+        times = _timed_rounds({n: (contextlib.nullcontext, fn) for n, fn in fns.items()}, args.reps, args.rounds)
+        row["ms"] = {n: round(t, 4) for n, t in times.items()}
         log(row)
         del fns, want, fla_want
         torch.cuda.empty_cache()

@@ -7,7 +7,7 @@ prediction are in docs/log/prep.md ("The next design").
   q_r 2^(g_r - g_a) against k_s 2^(g_a - g_s) for s < a, both factors at most 1 for any gate.
 - The diagonal block is anchored at the block's middle row m (clamped to the chunk's last
   row). Every factor there is at most 2^span, where span = g_a - g_last is the block's decay
-  in that K slice. While span <= SPAN_MAX (60: a product stays inside fp32) that is one dot;
+  in that K slice. While span <= SPAN_MAX (B7's GUARD_SPAN, 64) that is one dot;
   beyond it, the block's slice takes the element-wise form, one row at a time.
 - The solve (I + Akk)^-1: each diagonal block's inverse by the Neumann product
   (I - D)(I + D^2)(I + D^4)(I + D^8), exact for a strictly lower 16x16 D, then block
@@ -20,13 +20,15 @@ contract (dense batches, chunk 64; q and k already normalized, gc the log2 chunk
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from kernel_fun._triton import chunk_coords
+from kernel_fun._triton import GUARD_SPAN, chunk_coords, to
 
-SPAN_MAX = 60.0
+SPAN_MAX = GUARD_SPAN.value  # (B7's anchor bound: factors within 2^+-64)
 
 
 @triton.jit
@@ -112,7 +114,7 @@ def _pair(q, k, g, n_t, R: tl.constexpr, C: tl.constexpr, H: tl.constexpr, HV: t
 def _store_block(ptr, R: tl.constexpr, C: tl.constexpr, x, n_t, HV: tl.constexpr):
     t16 = tl.arange(0, 16)
     rows = R * 16 + t16
-    tl.store(ptr + rows[:, None] * (HV * 64) + (C * 16 + t16)[None, :], x.to(ptr.dtype.element_ty),
+    tl.store(ptr + rows[:, None] * (HV * 64) + (C * 16 + t16)[None, :], to(x, ptr.dtype.element_ty),
              mask=(rows < n_t)[:, None])
 
 
@@ -144,10 +146,10 @@ def _tril_apply(X0, X1, X2, X3, src, beta, g, n_t, R: tl.constexpr, cols, m_c, S
         b = tl.load(beta + rows_c * HV, mask=rows_c < n_t, other=0).to(tl.float32)
         # (rounded to the source's dtype, as fla's F6 rounds beta * k in bf16: the exact product
         # of two bf16 values fits fp32, so one rounding gives the same bits)
-        xb = (x * b[:, None]).to(src.dtype.element_ty)
+        xb = to(x * b[:, None], src.dtype.element_ty)
         if GATED:
             g_c = tl.load(g + rows_c[:, None] * (HV * K) + cols[None, :], mask=m_s, other=0).to(tl.float32)
-            xb = (xb.to(tl.float32) * tl.exp2(g_c)).to(src.dtype.element_ty)
+            xb = to(xb.to(tl.float32) * tl.exp2(g_c), src.dtype.element_ty)
         if c == 0:
             Xc = X0
         elif c == 1:
@@ -156,7 +158,7 @@ def _tril_apply(X0, X1, X2, X3, src, beta, g, n_t, R: tl.constexpr, cols, m_c, S
             Xc = X2
         else:
             Xc = X3
-        acc += tl.dot(Xc.to(src.dtype.element_ty).to(tl.float32), xb.to(tl.float32))
+        acc += tl.dot(to(Xc, src.dtype.element_ty).to(tl.float32), xb.to(tl.float32))
     return acc
 
 
@@ -198,7 +200,6 @@ def intra16_kernel(q, k, g, beta, Aqk, Akk_inv, scale, cu_seqlens, chunk_indices
     beta += base * HV + i_hv
     Aqk += base * HV * BT + i_hv * BT
     Akk_inv += base * HV * BT + i_hv * BT
-    beta_wy = beta
     t16 = tl.arange(0, 16)
     if GATE:  # F2 here: the gate's activation and the chunk's cumsum (log2 units) into g, read back below
         g_raw += base * HV * K + i_hv * K
@@ -219,19 +220,10 @@ def intra16_kernel(q, k, g, beta, Aqk, Akk_inv, scale, cu_seqlens, chunk_indices
             tl.store(g + t64[:, None] * (HV * K) + cols[None, :], gcs, mask=m)
         tl.debug_barrier()  # (the other threads read these rows back)
     zero = tl.zeros([16, 16], dtype=tl.float32)
-    # the zero blocks above the diagonal
-    _store_block(Aqk, 0, 1, zero, n_t, HV)
-    _store_block(Aqk, 0, 2, zero, n_t, HV)
-    _store_block(Aqk, 0, 3, zero, n_t, HV)
-    _store_block(Aqk, 1, 2, zero, n_t, HV)
-    _store_block(Aqk, 1, 3, zero, n_t, HV)
-    _store_block(Aqk, 2, 3, zero, n_t, HV)
-    _store_block(Akk_inv, 0, 1, zero, n_t, HV)
-    _store_block(Akk_inv, 0, 2, zero, n_t, HV)
-    _store_block(Akk_inv, 0, 3, zero, n_t, HV)
-    _store_block(Akk_inv, 1, 2, zero, n_t, HV)
-    _store_block(Akk_inv, 1, 3, zero, n_t, HV)
-    _store_block(Akk_inv, 2, 3, zero, n_t, HV)
+    for R in tl.static_range(3):  # the zero blocks above the diagonal
+        for C in tl.static_range(R + 1, 4):
+            _store_block(Aqk, R, C, zero, n_t, HV)
+            _store_block(Akk_inv, R, C, zero, n_t, HV)
     # Akk's blocks, rows times beta (rows past the end: 0)
     b0 = tl.load(beta + (0 + t16) * HV, mask=(0 + t16) < n_t, other=0).to(tl.float32)[:, None]
     b1 = tl.load(beta + (16 + t16) * HV, mask=(16 + t16) < n_t, other=0).to(tl.float32)[:, None]
@@ -282,29 +274,30 @@ def intra16_kernel(q, k, g, beta, Aqk, Akk_inv, scale, cu_seqlens, chunk_indices
             for R in tl.static_range(4):
                 rows = R * 16 + t16
                 m_rc = (rows < n_t)[:, None] & m_c[None, :]
-                w_r = _row_apply(X00, X10, X11, X20, X21, X22, X30, X31, X32, X33, k, beta_wy, g, n_t, R, cols, m_c,
+                w_r = _row_apply(X00, X10, X11, X20, X21, X22, X30, X31, X32, X33, k, beta, g, n_t, R, cols, m_c,
                                  H * K, HV, K, True)
-                tl.store(w + rows[:, None] * (HV * K) + cols[None, :], w_r.to(w.dtype.element_ty), mask=m_rc)
+                tl.store(w + rows[:, None] * (HV * K) + cols[None, :], to(w_r, w.dtype.element_ty), mask=m_rc)
                 k_r = tl.load(k + rows[:, None] * (H * K) + cols[None, :], mask=m_rc, other=0).to(tl.float32)
                 q_r = tl.load(q + rows[:, None] * (H * K) + cols[None, :], mask=m_rc, other=0).to(tl.float32)
                 g_r = tl.load(g + rows[:, None] * (HV * K) + cols[None, :], mask=m_rc, other=0).to(tl.float32)
                 tl.store(kg + rows[:, None] * (HV * K) + cols[None, :],
-                         (k_r * tl.exp2(g_last[None, :] - g_r)).to(kg.dtype.element_ty), mask=m_rc)
+                         to(k_r * tl.exp2(g_last[None, :] - g_r), kg.dtype.element_ty), mask=m_rc)
                 tl.store(qg + rows[:, None] * (HV * K) + cols[None, :],
-                         (q_r * tl.exp2(g_r)).to(qg.dtype.element_ty), mask=m_rc)
+                         to(q_r * tl.exp2(g_r), qg.dtype.element_ty), mask=m_rc)
         for i_v in tl.static_range(0, V, BV):
             cols = i_v + tl.arange(0, BV)
             m_c = cols < V
             for R in tl.static_range(4):
                 rows = R * 16 + t16
                 m_rc = (rows < n_t)[:, None] & m_c[None, :]
-                u_r = _row_apply(X00, X10, X11, X20, X21, X22, X30, X31, X32, X33, v, beta_wy, g, n_t, R, cols, m_c,
+                u_r = _row_apply(X00, X10, X11, X20, X21, X22, X30, X31, X32, X33, v, beta, g, n_t, R, cols, m_c,
                                  HV * V, HV, K, False)
-                tl.store(u + rows[:, None] * (HV * V) + cols[None, :], u_r.to(u.dtype.element_ty), mask=m_rc)
+                tl.store(u + rows[:, None] * (HV * V) + cols[None, :], to(u_r, u.dtype.element_ty), mask=m_rc)
 
 
 def intra16(q, k, gc, beta, scale: float, cu_seqlens=None, chunk_indices=None, BK: int = 64,
-            span_max: float = SPAN_MAX, v=None, g_raw=None, A_log=None, dt_bias=None, lower_bound=None):
+            span_max: float = SPAN_MAX, v=None, g_raw=None, A_log=None, dt_bias=None, lower_bound=None,
+            num_warps: int = 4, maxnreg: int | None = None):
     """(Aqk, Akk_inv), [B, T, HV, 64] each in k's dtype; packed batches (B = 1) with fla's
     chunk index. Given ``v``, F6 too: (Aqk, Akk_inv, w, u, kg, qg) as ``reference.wy_fwd``
     forms them from that inverse. Given ``g_raw`` (with ``A_log``, ``dt_bias``,
@@ -326,7 +319,8 @@ def intra16(q, k, gc, beta, scale: float, cu_seqlens=None, chunk_indices=None, B
                   qg=torch.empty(B, T, HV, K, device=q.device, dtype=k.dtype))
     intra16_kernel[(NT, B * HV)](q, k, gc, beta, Aqk, Akk_inv, scale, cu_seqlens, chunk_indices, T, H=H, HV=HV,
                                  K=K, BK=min(BK, triton.next_power_of_2(K)), SPAN=span_max,
-                                 IS_VARLEN=cu_seqlens is not None, num_warps=4, **gate,
+                                 IS_VARLEN=cu_seqlens is not None, num_warps=num_warps, **gate,
+                                 **({"maxnreg": maxnreg} if maxnreg else {}),
                                  **wy, **(dict(V=V, BV=min(32, triton.next_power_of_2(V)), WY=True) if wy else {}))
     if not wy:
         return Aqk, Akk_inv
@@ -408,24 +402,12 @@ def gpu_run(shape: str, out) -> list[dict]:
     fns = {"fla": lambda: fla_f3_f5(q, k, gc, beta, scale)}
     for cfg in CONFIGS:
         name = f"BK{cfg['BK']}-{cfg['num_warps']}w" + (f"-r{cfg['maxnreg']}" if cfg["maxnreg"] else "")
-
-        def call(cfg=cfg, args=(q, k, gc, beta)):
-            B, T, H, K = args[0].shape
-            HV = args[2].shape[2]
-            Aqk = torch.empty(B, T, HV, 64, device="cuda", dtype=args[1].dtype)
-            Akk_inv = torch.empty_like(Aqk)
-            extra = {"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] else {}
-            intra16_kernel[(triton.cdiv(T, 64), B * HV)](*args, Aqk, Akk_inv, scale, None, None, T, H=H, HV=HV,
-                                                           K=K, BK=cfg["BK"], SPAN=SPAN_MAX, IS_VARLEN=False,
-                                                           num_warps=cfg["num_warps"], **extra)
-            return Aqk, Akk_inv
-
-        got_small = call(args=small)
-        got = call()
+        call = functools.partial(intra16, scale=scale, **cfg)
+        got_small, got = call(*small), call(q, k, gc, beta)
         rows.append({"impl": name, "vs_f64": [ref.rel_rms(got_small[i].double(), want[i]) for i in range(2)],
                      "fla_vs_f64": [ref.rel_rms(fla_f3_f5(*small, scale)[i].double(), want[i]) for i in range(2)],
                      "vs_fla": [ref.rel_rms(got[i].float(), fla_full[i].float()) for i in range(2)]})
-        fns[name] = call
+        fns[name] = functools.partial(call, q, k, gc, beta)
     # F3-F6 in one program against fla's F3-F6 (chunk_kda_fwd_intra: its two kernels and its F6)
     from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
 
@@ -434,25 +416,12 @@ def gpu_run(shape: str, out) -> list[dict]:
     fns["fla F3-F6"] = lambda: chunk_kda_fwd_intra(q=q, k=k, v=v, gk=gc, beta=beta, scale=scale)
     for cfg in WY_CONFIGS:
         name = f"F3-F6 BK{cfg['BK']}-{cfg['num_warps']}w" + (f"-r{cfg['maxnreg']}" if cfg["maxnreg"] else "")
-
-        def call_wy(cfg=cfg):
-            B, T, H, K = q.shape
-            HV, V = gc.shape[2], v.shape[-1]
-            out = [torch.empty(B, T, HV, 64, device="cuda", dtype=k.dtype) for _ in range(2)]
-            wy = dict(v=v, w=torch.empty(B, T, HV, K, device="cuda", dtype=k.dtype), u=torch.empty_like(v),
-                      kg=torch.empty(B, T, HV, K, device="cuda", dtype=k.dtype),
-                      qg=torch.empty(B, T, HV, K, device="cuda", dtype=k.dtype))
-            extra = {"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] else {}
-            intra16_kernel[(triton.cdiv(T, 64), B * HV)](q, k, gc, beta, *out, scale, None, None, T, H=H, HV=HV, K=K,
-                                                         BK=cfg["BK"], SPAN=SPAN_MAX, IS_VARLEN=False, V=V, BV=32,
-                                                         WY=True, num_warps=cfg["num_warps"], **wy, **extra)
-            return wy["w"], wy["u"], wy["kg"]
-
-        got = call_wy()
-        rows.append({"impl": name, "vs_fla_w_u_kg": [ref.rel_rms(got[0].float(), fla_f6[0].float()),
-                                                      ref.rel_rms(got[1].float(), fla_f6[1].float()),
-                                                      ref.rel_rms(got[2].float(), fla_f6[3].float())]})
-        fns[name] = call_wy
+        call = functools.partial(intra16, q, k, gc, beta, scale, v=v, **cfg)
+        _, _, w, u, kg, _ = call()
+        rows.append({"impl": name, "vs_fla_w_u_kg": [ref.rel_rms(w.float(), fla_f6[0].float()),
+                                                      ref.rel_rms(u.float(), fla_f6[1].float()),
+                                                      ref.rel_rms(kg.float(), fla_f6[3].float())]})
+        fns[name] = call
     for fn in fns.values():
         fn()
     times = {n: [] for n in fns}

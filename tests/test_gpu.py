@@ -731,6 +731,8 @@ def test_a_packed_step_is_captured_in_a_cuda_graph():
 
     step = _fwd_bwd_step(cot)
     graph, outs = _captured(step, kw)
+    record = last_record()
+    assert record.engaged and record.backward["B6"] == "ours", record
     fresh = make_inputs(p, device="cuda", seed=6)
     fresh["cu_seqlens_cpu"] = fresh["cu_seqlens"].cpu()
     with torch.no_grad():

@@ -11,14 +11,14 @@ from kernel_fun.kda import reference as ref
 from research import prep16
 
 
-def _inputs(B, T, H, HV, K, step, seed=0, dtype=torch.bfloat16):
+def _inputs(B, T, H, HV, K, step, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    q = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1).to(dtype)
-    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1).to(dtype)
+    q = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1).to(torch.bfloat16)
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1).to(torch.bfloat16)
     # per-token log2 decays, channel by channel up to `step`
     a = -torch.rand(B, T, HV, K, generator=gen) * step
     gc = ref.chunk_cumsum(a, chunk_size=64)
-    beta = torch.rand(B, T, HV, generator=gen).to(dtype)
+    beta = torch.rand(B, T, HV, generator=gen).to(torch.bfloat16)
     return q, k, gc, beta
 
 
@@ -32,9 +32,12 @@ def test_intra16_matches_the_reference_stage(B, T, H, HV, K, step, span_max):
     q, k, gc, beta = _inputs(B, T, H, HV, K, step)
     scale = K ** -0.5
     Aqk, Akk_inv = prep16.intra16(q, k, gc, beta, scale, span_max=span_max)
-    want_qk, want_inv = ref.intra_scores(q, k, gc, beta, scale, 64, exact=True)
-    assert ref.rel_rms(Aqk.double(), want_qk) < 0.005, ref.rel_rms(Aqk.double(), want_qk)
-    assert ref.rel_rms(Akk_inv.double(), want_inv) < 0.005, ref.rel_rms(Akk_inv.double(), want_inv)
+    want = ref.intra_scores(q, k, gc, beta, scale, 64, exact=True)
+    rounded = ref.intra_scores(q, k, gc, beta, scale, 64)  # fp32, rounded to bf16 once
+    for got, w, r in zip((Aqk, Akk_inv), want, rounded):
+        # no worse than rounding the fp32 result once, to within a fifth
+        assert ref.rel_rms(got.double(), w) <= 1.2 * ref.rel_rms(r.double(), w) + 1e-6, \
+            (ref.rel_rms(got.double(), w), ref.rel_rms(r.double(), w))
 
 
 def test_intra16_on_packed_sequences():
@@ -56,13 +59,11 @@ def test_intra16_on_packed_sequences():
 @pytest.mark.parametrize("T,K,V,HV,cu", [(130, 64, 32, 2, None), (100, 100, 64, 1, None), (200, 64, 32, 2, (0, 0, 1, 70, 200))])
 def test_intra16_with_the_wy_vectors(T, K, V, HV, cu):
     """F6 in the same program: w, u, kg and qg against the reference rounding as fla's F6
-    does, from this kernel's inverse (F6 alone), and against the float64 chain. In fp16:
-    the interpreter rounds fp32 to fp16 to nearest, as the GPU does (to bf16 it truncates,
-    which biases every rounding of F6's chain toward zero)."""
+    does, from this kernel's inverse (F6 alone), and against the float64 chain."""
     from kernel_fun import _fla
 
-    q, k, gc, beta = _inputs(1, T, 1, HV, K, 1.0, dtype=torch.float16)
-    v = torch.randn(1, T, HV, V, generator=torch.Generator().manual_seed(5)).to(torch.float16)
+    q, k, gc, beta = _inputs(1, T, 1, HV, K, 1.0)
+    v = torch.randn(1, T, HV, V, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
     kw = {}
     if cu is not None:
         cu_t = torch.tensor(cu)

@@ -194,14 +194,13 @@ def capacity_shaped(chunk_offsets):
 
 
 def static_chunk_indices(cu_seqlens, chunk_size: int, T: int):
-    """fla 0.6's capacity-shaped (sequence, chunk) index of a packed batch and its chunk
-    offsets: [nt_max, 2] with nt_max = ceil(T / chunk_size) + N - 1 for N sequence slots,
-    built on the device (no synchronization: a CUDA graph records it); the rows past the
-    real chunks name sequence -1."""
+    """fla 0.6's capacity-shaped (sequence, chunk) index of a packed batch: [nt_max, 2] with
+    nt_max = ceil(T / chunk_size) + N - 1 for N sequence slots, built on the device (no
+    synchronization: a CUDA graph records it); the rows past the real chunks name sequence -1."""
     from fla.ops.utils.index import prepare_chunk_indices_static
 
     nt_max = -(-T // chunk_size) + cu_seqlens.shape[0] - 2
-    return prepare_chunk_indices_static(cu_seqlens=cu_seqlens, chunk_size=chunk_size, nt_max=nt_max)
+    return prepare_chunk_indices_static(cu_seqlens=cu_seqlens, chunk_size=chunk_size, nt_max=nt_max)[0]
 
 
 _ACCEPTS: dict = {}

@@ -144,11 +144,13 @@ def wants_operator(t: torch.Tensor) -> bool:
     (``kernel_fun.kda.ops``, ``kernel_fun.cconv.op``) rather than their eager autograd
     Functions: under ``torch.compile`` / ``torch.export``, under a dispatch mode (fake
     tensors, ``make_fx``), on meta tensors or tensor subclasses."""
-    return (torch.compiler.is_compiling() or t.is_meta or type(t) not in _PLAIN
+    return (torch.compiler.is_compiling() or t.is_meta or type(t) not in PLAIN_TENSORS
             or is_in_torch_dispatch_mode())
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+# Plain tensors (a model's parameters, A_log and dt_bias, are nn.Parameters): any other kind of
+# tensor is a subclass the operators trace
+PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 @torch.compiler.assume_constant_result  # (under torch.compile: read at trace time, not traced)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 
+import torch
 import triton
 import triton.language as tl
 
@@ -28,6 +29,13 @@ def interpreting() -> bool:
     a kernel's definition, so what counts is TRITON_INTERPRET as it was when this module was
     imported (before any kernel of kernel-fun's)."""
     return bool(INTERPRETING.value)
+
+
+def chunk_offsets(cu_seqlens: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """Each packed sequence's first chunk row, [N + 1], formed on the offsets' device (no
+    synchronization; the last entry is the real chunk count)."""
+    counts = (cu_seqlens[1:] - cu_seqlens[:-1] + (chunk_size - 1)).div(chunk_size, rounding_mode="floor")
+    return torch.nn.functional.pad(counts.cumsum(0), (1, 0))
 
 
 def config_over(pinned: dict, config: dict | None, keys, who: str) -> dict:

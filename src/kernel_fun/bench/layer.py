@@ -44,18 +44,22 @@ def fla_layer(seed: int = 0, **flags):
     return _fla.kimi_delta_attention()(hidden_size=2048, head_dim=128, num_heads=16, **flags).cuda().to(torch.bfloat16)
 
 
-def _fwd_bwd(layer, x, w, attention_mask=None):
-    o = layer(x, attention_mask=attention_mask)[0]
+def fwd_bwd(layer, x, w, attention_mask=None):
+    """One fwd+bwd of ``(layer(x)[0] * w).sum()`` (``layer``: a module or its compiled
+    wrapper); returns the output."""
+    o = (layer(x) if attention_mask is None else layer(x, attention_mask=attention_mask))[0]
     (o.float() * w).sum().backward()
     return o
 
 
-def layer_grads(layer, x, w, attention_mask=None) -> dict:
+def layer_grads(layer, x, w, attention_mask=None, call=None) -> dict:
     """One fwd+bwd of ``(o * w).sum()`` from fresh gradients: the output (``o``), the
-    input's gradient (``dx``) and every parameter's gradient, by parameter name."""
+    input's gradient (``dx``) and every parameter's gradient, by parameter name. ``call``
+    (default ``layer``) runs the step, a compiled wrapper of ``layer`` say; the parameters
+    are named as ``layer`` names them."""
     layer.zero_grad(set_to_none=True)
     x = x.detach().requires_grad_()
-    o = _fwd_bwd(layer, x, w, attention_mask)
+    o = fwd_bwd(call or layer, x, w, attention_mask)
     return {"o": o.detach(), "dx": x.grad, **{n: p.grad.detach().clone() for n, p in layer.named_parameters()}}
 
 
@@ -101,12 +105,12 @@ def run(B: int = 2, T: int = 8192, safe_gate: bool = False, reps: int = 10, roun
     for name, (layer, context) in layers.items():  # warm-up
         with context():
             for _ in range(3):
-                _fwd_bwd(layer, x, w)
+                fwd_bwd(layer, x, w)
     if ok:
         for _ in range(rounds):
             for name, (layer, context) in layers.items():
                 with context():
-                    times[name] += cuda_times(lambda: _fwd_bwd(layer, x, w), reps)
+                    times[name] += cuda_times(lambda: fwd_bwd(layer, x, w), reps)
     info = versions()
     shape = f"kda_layer_B{B}_T{T}" + ("_safe" if safe_gate else "")
     rows = []

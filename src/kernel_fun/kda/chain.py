@@ -54,6 +54,7 @@ import torch
 
 from kernel_fun import _fla as fla
 from kernel_fun._runtime import first_order_only, log_once
+from kernel_fun._triton import chunk_offsets
 from kernel_fun.kda import reference as ref
 from kernel_fun.kda.stages import CallRecord, Dispatcher, Stage, register, set_last_record
 
@@ -306,7 +307,7 @@ def _chunk_indices(opts: Options, T: int):
     if opts.cu_seqlens is None:
         return None
     if opts.use_graph:
-        return fla.static_chunk_indices(opts.cu_seqlens, opts.chunk_size, T)[0]
+        return fla.static_chunk_indices(opts.cu_seqlens, opts.chunk_size, T)
     if opts.cu_seqlens_cpu is not None:
         return host_chunk_indices(opts.cu_seqlens, opts.cu_seqlens_cpu, opts.chunk_size)
     return fla.prepare_chunk_indices(opts.cu_seqlens, opts.chunk_size)
@@ -436,9 +437,7 @@ def capacity_offsets(opts: Options):
     device, formed there), or None for any other call."""
     if not opts.use_graph or opts.cu_seqlens is None:
         return None
-    cu = opts.cu_seqlens
-    counts = (cu[1:] - cu[:-1] + (opts.chunk_size - 1)).div(opts.chunk_size, rounding_mode="floor")
-    return torch.nn.functional.pad(counts.cumsum(0), (1, 0)).to(cu.dtype)
+    return chunk_offsets(opts.cu_seqlens, opts.chunk_size).to(opts.cu_seqlens.dtype)
 
 
 def run_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, opts: Options, record: CallRecord) -> ForwardResult:

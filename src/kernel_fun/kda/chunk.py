@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from kernel_fun import _fla as fla
-from kernel_fun._runtime import env_flag, env_int, log_once, not_hopper, wants_operator
+from kernel_fun._runtime import PLAIN_TENSORS, env_flag, env_int, log_once, not_hopper, wants_operator
 from kernel_fun._runtime import logger as _runtime_logger
 from kernel_fun.kda.chain import FLAG_NAMES, ChunkKDAFunction, Options, call_key, reporter, run_forward
 from kernel_fun.kda.ops import check_offsets, pack_flags
@@ -427,9 +427,6 @@ def is_supported(*args, **kwargs) -> tuple[bool, str | None]:
 # The tensors a supported call hands the chain, in the order the plan fetches them.
 _FETCHED = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias", "cu_seqlens", "cu_seqlens_cpu")
 _SCALARS = (bool, int, float, str)
-# Plain tensors (a model's parameters, A_log and dt_bias, are nn.Parameters); other kinds of
-# argument make a call decided afresh
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 _SWITCHES = ("KERNEL_FUN_DISABLE", "KERNEL_FUN_KDA_DISABLE", "KERNEL_FUN_KDA_MIN_CTAS", "KERNEL_FUN_KDA_OPS")
 
 
@@ -441,7 +438,7 @@ def _metadata_key(args, kwargs):
     parts = []
     for value in (*args, *kwargs.values()):
         kind = type(value)
-        if kind in _PLAIN:
+        if kind in PLAIN_TENSORS:
             parts.append((value.shape, value.dtype, value.device, value.requires_grad))
         elif value is None or kind in _SCALARS:
             parts.append((kind, value))
@@ -535,7 +532,7 @@ def _slow_path(args, kwargs, traced: bool, key):
 
 
 def chunk_kda(*args, **kwargs):
-    first = args[0] if args and type(args[0]) in _PLAIN else _first_tensor(args, kwargs)
+    first = args[0] if args and type(args[0]) in PLAIN_TENSORS else _first_tensor(args, kwargs)
     if first is not None and wants_operator(first):  # (first: dynamo traces what follows)
         return _slow_path(args, kwargs, True, None)[1]
     key = _metadata_key(args, kwargs)

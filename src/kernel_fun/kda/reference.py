@@ -172,7 +172,7 @@ def recurrent_kda(
     if cu_seqlens is None:
         o = torch.stack(outputs, 0)
     else:  # (offsets ending before T: a capacity-shaped batch, whose padding rows are zeros here)
-        o = torch.cat(outputs + [v.new_zeros(T - cu_bound_end(cu_seqlens), HV, V)], 0).unsqueeze(0)
+        o = pad_rows(torch.cat(outputs, 0).unsqueeze(0), T)
     final_state = torch.stack(finals, 0) if output_final_state else None
     if final_state is not None and state_v_first:
         final_state = final_state.transpose(-1, -2)
@@ -182,11 +182,6 @@ def recurrent_kda(
 # --------------------------------------------------------------------------------------
 # Chunk layout helpers
 # --------------------------------------------------------------------------------------
-def cu_bound_end(cu_seqlens: torch.Tensor) -> int:
-    """The last offset (the tokens the packed sequences cover)."""
-    return int(cu_seqlens[-1])
-
-
 def _num_chunks(T: int, BT: int) -> int:
     return (T + BT - 1) // BT
 
@@ -274,12 +269,18 @@ def _chunk_groups(B: int, HV: int, NT: int, BT: int, K: int) -> list[slice]:
 # --------------------------------------------------------------------------------------
 # Packed sequences: run a dense stage once per sequence and stitch the results
 # --------------------------------------------------------------------------------------
-def pad_chunks(x: torch.Tensor | None, chunk_indices: torch.Tensor | None) -> torch.Tensor | None:
-    """A per-chunk output ([1, NT, ...] from ``per_sequence``) with zero rows appended up to
-    the chunk index's row count (a capacity-shaped index's spare rows)."""
-    if x is None or chunk_indices is None or x.shape[1] >= chunk_indices.shape[0]:
+def pad_rows(x: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    """``x`` with zero rows appended along dim 1 up to ``n`` (a capacity-shaped batch's
+    padding tokens, or its index's spare chunk rows)."""
+    if x is None or x.shape[1] >= n:
         return x
-    return torch.cat([x, x.new_zeros(x.shape[0], chunk_indices.shape[0] - x.shape[1], *x.shape[2:])], 1)
+    return torch.cat([x, x.new_zeros(x.shape[0], n - x.shape[1], *x.shape[2:])], 1)
+
+
+def pad_chunks(x: torch.Tensor | None, chunk_indices: torch.Tensor | None) -> torch.Tensor | None:
+    """A per-chunk output ([1, NT, ...] from ``per_sequence``) with zero rows up to the chunk
+    index's row count."""
+    return x if chunk_indices is None else pad_rows(x, chunk_indices.shape[0])
 
 
 def _chunk_counts(cu_seqlens: torch.Tensor, BT: int) -> list[int]:
@@ -333,10 +334,7 @@ def per_sequence(
         if kind is None or parts[0] is None:
             stitched.append(parts[0] if kind is None else None)
         elif kind == "token":
-            out = torch.cat(parts, 1)
-            if out.shape[1] < T:
-                out = torch.cat([out, out.new_zeros(out.shape[0], T - out.shape[1], *out.shape[2:])], 1)
-            stitched.append(out)
+            stitched.append(pad_rows(torch.cat(parts, 1), T))
         elif kind == "chunk":
             stitched.append(torch.cat(parts, 1))
         elif kind == "state":

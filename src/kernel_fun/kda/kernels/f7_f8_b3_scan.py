@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernel_fun._triton import config_over, dot, to
+from kernel_fun._triton import chunk_offsets, config_over, dot, to
 
 
 @triton.jit
@@ -319,10 +319,7 @@ def _chains(B: int, T: int, BT: int, cu_seqlens, chunk_indices):
     wait for the stream); the first chunks are formed on the device."""
     if cu_seqlens is None:
         return B, B * triton.cdiv(T, BT), None
-    lens = cu_seqlens[1:] - cu_seqlens[:-1]
-    counts = (lens + BT - 1) // BT
-    chunk_offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
-    return len(cu_seqlens) - 1, chunk_indices.shape[0], chunk_offsets
+    return len(cu_seqlens) - 1, chunk_indices.shape[0], chunk_offsets(cu_seqlens, BT)
 
 
 def scan_output(q, qg, kg, w, u, gc, Aqk, scale, initial_state, output_final_state, save_states, cu_seqlens_cpu,
