@@ -16,6 +16,19 @@ prediction are in docs/log/prep.md ("The next design").
 
 ``intra16(q, k, gc, beta, scale)`` -> (Aqk, Akk_inv): ``kernel_fun.kda.reference.intra_scores``'s
 contract (dense batches, chunk 64; q and k already normalized, gc the log2 chunk cumsum).
+Modes of the same program, each a constexpr:
+
+- F6 (``v=``): w, u, kg and qg from the inverse's blocks still in registers.
+- F2 in front (``g_raw=``): the gate's activation (or a given log-decay) and the chunk
+  cumsum, written to gc and read back after a barrier.
+- F1 in front (``l2norm=True``): each row's rstd into a per-(token, value head) scratch,
+  every q/k load normalized and rounded to the input dtype on the way in (as F1's output
+  is); the first value head of a group writes F1's outputs (q, k at q/k heads, the rstds),
+  so GVA groups never race on them.
+- B1-B2 (``Akk_inv=`` given): the inverse's blocks read from the saved Akk_inv, gc and the
+  WY vectors recomputed, no scores.
+
+``f1_f6`` and ``b1_b2`` are the chain's F1-F6 and B1-B2 units on this program (candidates).
 """
 
 from __future__ import annotations
@@ -66,8 +79,21 @@ def _diag_elementwise(acc_q, acc_k, q_r, k_r, g_r, t16, m_r):
 
 
 @triton.jit
-def _pair(q, k, g, n_t, R: tl.constexpr, C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-          BK: tl.constexpr, SPAN: tl.constexpr):
+def _qk(ptr, rs, rows, m_rows, cols, m_c, STRIDE: tl.constexpr, NORM: tl.constexpr, WHICH: tl.constexpr,
+        HV: tl.constexpr):
+    """Rows of q or k (fp32). With NORM, the raw rows times their rstd (this program's scratch
+    ``rs``: [token, HV, 2] fp32, q's then k's), rounded to the input dtype as F1 writes them."""
+    m = m_rows[:, None] & m_c[None, :]
+    x = tl.load(ptr + rows[:, None] * STRIDE + cols[None, :], mask=m, other=0).to(tl.float32)
+    if NORM:
+        r = tl.load(rs + rows * (HV * 2) + WHICH, mask=m_rows, other=0)
+        x = to(x * r[:, None], ptr.dtype.element_ty).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _pair(q, k, g, rs, n_t, R: tl.constexpr, C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+          BK: tl.constexpr, SPAN: tl.constexpr, NORM: tl.constexpr):
     """The [16, 16] blocks (row block R, column block C <= R) of Aqk (unscaled) and Akk (no
     beta), every K slice summed; the diagonal (R == C) with both triangles, masked later."""
     t16 = tl.arange(0, 16)
@@ -81,15 +107,15 @@ def _pair(q, k, g, n_t, R: tl.constexpr, C: tl.constexpr, H: tl.constexpr, HV: t
         cols = i_k + o_k
         m_c = cols < K
         m_rc = m_r[:, None] & m_c[None, :]
-        q_r = tl.load(q + rows[:, None] * (H * K) + cols[None, :], mask=m_rc, other=0).to(tl.float32)
-        k_r = tl.load(k + rows[:, None] * (H * K) + cols[None, :], mask=m_rc, other=0).to(tl.float32)
+        q_r = _qk(q, rs, rows, m_r, cols, m_c, H * K, NORM, 0, HV)
+        k_r = _qk(k, rs, rows, m_r, cols, m_c, H * K, NORM, 1, HV)
         g_r = tl.load(g + rows[:, None] * (HV * K) + cols[None, :], mask=m_rc, other=0).to(tl.float32)
         # (a block past the chunk's end anchors at its last row: every factor stays at most 1)
         g_a = tl.load(g + tl.minimum(a, n_t - 1) * (HV * K) + cols, mask=m_c, other=0).to(tl.float32)
         if C < R:  # anchored at the row block's first row: both factors at most 1
             rows_c = C * 16 + t16
             m_s = (rows_c < n_t)[:, None] & m_c[None, :]
-            k_c = tl.load(k + rows_c[:, None] * (H * K) + cols[None, :], mask=m_s, other=0).to(tl.float32)
+            k_c = _qk(k, rs, rows_c, rows_c < n_t, cols, m_c, H * K, NORM, 1, HV)
             g_c = tl.load(g + rows_c[:, None] * (HV * K) + cols[None, :], mask=m_s, other=0).to(tl.float32)
             down = tl.exp2(tl.where(m_rc, g_r - g_a[None, :], float("-inf")))
             kb = tl.trans(k_c * tl.exp2(tl.where(m_s, g_a[None, :] - g_c, float("-inf"))))
@@ -119,11 +145,11 @@ def _store_block(ptr, R: tl.constexpr, C: tl.constexpr, x, n_t, HV: tl.constexpr
 
 
 @triton.jit
-def _scores_row(q, k, g, Aqk, scale, n_t, R: tl.constexpr, C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr,
-                K: tl.constexpr, BK: tl.constexpr, SPAN: tl.constexpr):
+def _scores_row(q, k, g, rs, Aqk, scale, n_t, R: tl.constexpr, C: tl.constexpr, H: tl.constexpr, HV: tl.constexpr,
+                K: tl.constexpr, BK: tl.constexpr, SPAN: tl.constexpr, NORM: tl.constexpr):
     """Aqk's block (R, C) stored, Akk's returned (no beta yet)."""
     t16 = tl.arange(0, 16)
-    bq, bk = _pair(q, k, g, n_t, R, C, H, HV, K, BK, SPAN)
+    bq, bk = _pair(q, k, g, rs, n_t, R, C, H, HV, K, BK, SPAN, NORM)
     if C == R:
         bq = tl.where(t16[:, None] >= t16[None, :], bq, 0.0)
         bk = tl.where(t16[:, None] > t16[None, :], bk, 0.0)
@@ -132,8 +158,8 @@ def _scores_row(q, k, g, Aqk, scale, n_t, R: tl.constexpr, C: tl.constexpr, H: t
 
 
 @triton.jit
-def _tril_apply(X0, X1, X2, X3, src, beta, g, n_t, R: tl.constexpr, cols, m_c, STRIDE: tl.constexpr,
-                HV: tl.constexpr, K: tl.constexpr, GATED: tl.constexpr):
+def _tril_apply(X0, X1, X2, X3, src, rs, beta, g, n_t, R: tl.constexpr, cols, m_c, STRIDE: tl.constexpr,
+                HV: tl.constexpr, K: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr):
     """Row block R of Akk_inv @ (beta * src [* exp2(gc)]) for one column slice: sum over the
     column blocks c <= R of X_Rc [16, 16] @ the source's rows of block c (rounded to the
     source's dtype before the product, as fla's F6 rounds them)."""
@@ -142,7 +168,7 @@ def _tril_apply(X0, X1, X2, X3, src, beta, g, n_t, R: tl.constexpr, cols, m_c, S
     for c in tl.static_range(R + 1):
         rows_c = c * 16 + t16
         m_s = (rows_c < n_t)[:, None] & m_c[None, :]
-        x = tl.load(src + rows_c[:, None] * STRIDE + cols[None, :], mask=m_s, other=0).to(tl.float32)
+        x = _qk(src, rs, rows_c, rows_c < n_t, cols, m_c, STRIDE, NORM, 1, HV)
         b = tl.load(beta + rows_c * HV, mask=rows_c < n_t, other=0).to(tl.float32)
         # (rounded to the source's dtype, as fla's F6 rounds beta * k in bf16: the exact product
         # of two bf16 values fits fp32, so one rounding gives the same bits)
@@ -163,18 +189,28 @@ def _tril_apply(X0, X1, X2, X3, src, beta, g, n_t, R: tl.constexpr, cols, m_c, S
 
 
 @triton.jit
-def _row_apply(X00, X10, X11, X20, X21, X22, X30, X31, X32, X33, src, beta, g, n_t, R: tl.constexpr, cols, m_c,
-               STRIDE: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, GATED: tl.constexpr):
+def _row_apply(X00, X10, X11, X20, X21, X22, X30, X31, X32, X33, src, rs, beta, g, n_t, R: tl.constexpr, cols,
+               m_c, STRIDE: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, GATED: tl.constexpr,
+               NORM: tl.constexpr):
     """``_tril_apply`` with row block R's blocks of the inverse."""
     if R == 0:
-        out = _tril_apply(X00, X00, X00, X00, src, beta, g, n_t, 0, cols, m_c, STRIDE, HV, K, GATED)
+        out = _tril_apply(X00, X00, X00, X00, src, rs, beta, g, n_t, 0, cols, m_c, STRIDE, HV, K, GATED, NORM)
     elif R == 1:
-        out = _tril_apply(X10, X11, X11, X11, src, beta, g, n_t, 1, cols, m_c, STRIDE, HV, K, GATED)
+        out = _tril_apply(X10, X11, X11, X11, src, rs, beta, g, n_t, 1, cols, m_c, STRIDE, HV, K, GATED, NORM)
     elif R == 2:
-        out = _tril_apply(X20, X21, X22, X22, src, beta, g, n_t, 2, cols, m_c, STRIDE, HV, K, GATED)
+        out = _tril_apply(X20, X21, X22, X22, src, rs, beta, g, n_t, 2, cols, m_c, STRIDE, HV, K, GATED, NORM)
     else:
-        out = _tril_apply(X30, X31, X32, X33, src, beta, g, n_t, 3, cols, m_c, STRIDE, HV, K, GATED)
+        out = _tril_apply(X30, X31, X32, X33, src, rs, beta, g, n_t, 3, cols, m_c, STRIDE, HV, K, GATED, NORM)
     return out
+
+
+@triton.jit
+def _load_block(ptr, R: tl.constexpr, C: tl.constexpr, n_t, HV: tl.constexpr):
+    """Block (R, C) of a stored [T, HV, 64] chunk matrix (fp32; rows past the end: 0)."""
+    t16 = tl.arange(0, 16)
+    rows = R * 16 + t16
+    return tl.load(ptr + rows[:, None] * (HV * 64) + (C * 16 + t16)[None, :], mask=(rows < n_t)[:, None],
+                   other=0).to(tl.float32)
 
 
 @triton.jit
@@ -183,7 +219,10 @@ def intra16_kernel(q, k, g, beta, Aqk, Akk_inv, scale, cu_seqlens, chunk_indices
                    SPAN: tl.constexpr, IS_VARLEN: tl.constexpr,
                    v=None, w=None, u=None, kg=None, qg=None, V: tl.constexpr = 0, BV: tl.constexpr = 32,
                    WY: tl.constexpr = False, g_raw=None, A_log=None, dt_bias=None, lower_bound=0.0,
-                   GATE: tl.constexpr = False, HAS_BIAS: tl.constexpr = False, USE_LB: tl.constexpr = False):
+                   GATE: tl.constexpr = False, ACT: tl.constexpr = True, HAS_BIAS: tl.constexpr = False,
+                   USE_LB: tl.constexpr = False, qn=None, kn=None, q_rstd=None, k_rstd=None, rs=None,
+                   L2NORM: tl.constexpr = False, FROM_INV: tl.constexpr = False, WANT_U: tl.constexpr = True,
+                   WANT_QG: tl.constexpr = True):
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_hv = i_bh % HV
     i_h = i_hv // (HV // H)
@@ -201,71 +240,115 @@ def intra16_kernel(q, k, g, beta, Aqk, Akk_inv, scale, cu_seqlens, chunk_indices
     Aqk += base * HV * BT + i_hv * BT
     Akk_inv += base * HV * BT + i_hv * BT
     t16 = tl.arange(0, 16)
+    t64 = tl.arange(0, 64)
+    m_t = t64 < n_t
+    if L2NORM:  # F1 here: each row's rstd into this program's scratch (read back by every q/k load)
+        rs += base * HV * 2 + i_hv * 2
+        ssq = tl.zeros([64], dtype=tl.float32)
+        ssk = tl.zeros([64], dtype=tl.float32)
+        for i_k in tl.static_range(0, K, BK):
+            cols = i_k + tl.arange(0, BK)
+            m = m_t[:, None] & (cols < K)[None, :]
+            x = tl.load(q + t64[:, None] * (H * K) + cols[None, :], mask=m, other=0).to(tl.float32)
+            ssq += tl.sum(x * x, axis=1)
+            x = tl.load(k + t64[:, None] * (H * K) + cols[None, :], mask=m, other=0).to(tl.float32)
+            ssk += tl.sum(x * x, axis=1)
+        r_q = 1.0 / tl.sqrt(ssq + 1e-6)
+        r_k = 1.0 / tl.sqrt(ssk + 1e-6)
+        tl.store(rs + t64 * (HV * 2), r_q, mask=m_t)
+        tl.store(rs + t64 * (HV * 2) + 1, r_k, mask=m_t)
+        if i_hv % (HV // H) == 0:  # the group's first value head writes F1's outputs (at q/k heads)
+            qn += base * H * K + i_h * K
+            kn += base * H * K + i_h * K
+            tl.store(q_rstd + (base + t64) * H + i_h, r_q, mask=m_t)
+            tl.store(k_rstd + (base + t64) * H + i_h, r_k, mask=m_t)
+            for i_k in tl.static_range(0, K, BK):
+                cols = i_k + tl.arange(0, BK)
+                m = m_t[:, None] & (cols < K)[None, :]
+                offs = t64[:, None] * (H * K) + cols[None, :]
+                x = tl.load(q + offs, mask=m, other=0).to(tl.float32)
+                tl.store(qn + offs, to(x * r_q[:, None], qn.dtype.element_ty), mask=m)
+                x = tl.load(k + offs, mask=m, other=0).to(tl.float32)
+                tl.store(kn + offs, to(x * r_k[:, None], kn.dtype.element_ty), mask=m)
     if GATE:  # F2 here: the gate's activation and the chunk's cumsum (log2 units) into g, read back below
         g_raw += base * HV * K + i_hv * K
-        A = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
-        t64 = tl.arange(0, 64)
+        A = 1.0
+        if ACT:
+            A = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
         for i_k in tl.static_range(0, K, BK):
             cols = i_k + tl.arange(0, BK)
             m_c = cols < K
-            m = (t64 < n_t)[:, None] & m_c[None, :]
+            m = m_t[:, None] & m_c[None, :]
             x = tl.load(g_raw + t64[:, None] * (HV * K) + cols[None, :], mask=m, other=0).to(tl.float32)
             if HAS_BIAS:
                 x += tl.load(dt_bias + i_hv * K + cols, mask=m_c, other=0).to(tl.float32)[None, :]
-            if USE_LB:
+            if not ACT:  # a log-decay given: a reset (-inf) taken as -200, as the reference takes it
+                act = tl.where(x < -200.0, -200.0, x)
+            elif USE_LB:
                 act = lower_bound * tl.sigmoid(A * x)
             else:
                 act = -A * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
             gcs = tl.cumsum(tl.where(m, act, 0.0), axis=0) * 1.4426950408889634
             tl.store(g + t64[:, None] * (HV * K) + cols[None, :], gcs, mask=m)
+    if L2NORM or GATE:
         tl.debug_barrier()  # (the other threads read these rows back)
-    zero = tl.zeros([16, 16], dtype=tl.float32)
-    for R in tl.static_range(3):  # the zero blocks above the diagonal
-        for C in tl.static_range(R + 1, 4):
-            _store_block(Aqk, R, C, zero, n_t, HV)
-            _store_block(Akk_inv, R, C, zero, n_t, HV)
-    # Akk's blocks, rows times beta (rows past the end: 0)
-    b0 = tl.load(beta + (0 + t16) * HV, mask=(0 + t16) < n_t, other=0).to(tl.float32)[:, None]
-    b1 = tl.load(beta + (16 + t16) * HV, mask=(16 + t16) < n_t, other=0).to(tl.float32)[:, None]
-    b2 = tl.load(beta + (32 + t16) * HV, mask=(32 + t16) < n_t, other=0).to(tl.float32)[:, None]
-    b3 = tl.load(beta + (48 + t16) * HV, mask=(48 + t16) < n_t, other=0).to(tl.float32)[:, None]
-    D0 = _scores_row(q, k, g, Aqk, scale, n_t, 0, 0, H, HV, K, BK, SPAN) * b0
-    A10 = _scores_row(q, k, g, Aqk, scale, n_t, 1, 0, H, HV, K, BK, SPAN) * b1
-    D1 = _scores_row(q, k, g, Aqk, scale, n_t, 1, 1, H, HV, K, BK, SPAN) * b1
-    A20 = _scores_row(q, k, g, Aqk, scale, n_t, 2, 0, H, HV, K, BK, SPAN) * b2
-    A21 = _scores_row(q, k, g, Aqk, scale, n_t, 2, 1, H, HV, K, BK, SPAN) * b2
-    D2 = _scores_row(q, k, g, Aqk, scale, n_t, 2, 2, H, HV, K, BK, SPAN) * b2
-    A30 = _scores_row(q, k, g, Aqk, scale, n_t, 3, 0, H, HV, K, BK, SPAN) * b3
-    A31 = _scores_row(q, k, g, Aqk, scale, n_t, 3, 1, H, HV, K, BK, SPAN) * b3
-    A32 = _scores_row(q, k, g, Aqk, scale, n_t, 3, 2, H, HV, K, BK, SPAN) * b3
-    D3 = _scores_row(q, k, g, Aqk, scale, n_t, 3, 3, H, HV, K, BK, SPAN) * b3
-    # (I + Akk)^-1 by 16x16 blocks: the diagonal inverses, then block forward substitution
-    X00 = _neumann_inverse(D0)
-    X11 = _neumann_inverse(D1)
-    X22 = _neumann_inverse(D2)
-    X33 = _neumann_inverse(D3)
-    X10 = -tl.dot(X11, tl.dot(A10, X00))
-    X21 = -tl.dot(X22, tl.dot(A21, X11))
-    X20 = -tl.dot(X22, tl.dot(A20, X00) + tl.dot(A21, X10))
-    X32 = -tl.dot(X33, tl.dot(A32, X22))
-    X31 = -tl.dot(X33, tl.dot(A31, X11) + tl.dot(A32, X21))
-    X30 = -tl.dot(X33, tl.dot(A30, X00) + tl.dot(A31, X10) + tl.dot(A32, X20))
-    _store_block(Akk_inv, 0, 0, X00, n_t, HV)
-    _store_block(Akk_inv, 1, 0, X10, n_t, HV)
-    _store_block(Akk_inv, 1, 1, X11, n_t, HV)
-    _store_block(Akk_inv, 2, 0, X20, n_t, HV)
-    _store_block(Akk_inv, 2, 1, X21, n_t, HV)
-    _store_block(Akk_inv, 2, 2, X22, n_t, HV)
-    _store_block(Akk_inv, 3, 0, X30, n_t, HV)
-    _store_block(Akk_inv, 3, 1, X31, n_t, HV)
-    _store_block(Akk_inv, 3, 2, X32, n_t, HV)
-    _store_block(Akk_inv, 3, 3, X33, n_t, HV)
-    if WY:  # F6 from the inverse in registers: w, u, kg, qg
+    if FROM_INV:  # B1-B2: the inverse's blocks from the saved Akk_inv
+        X00 = _load_block(Akk_inv, 0, 0, n_t, HV)
+        X10 = _load_block(Akk_inv, 1, 0, n_t, HV)
+        X11 = _load_block(Akk_inv, 1, 1, n_t, HV)
+        X20 = _load_block(Akk_inv, 2, 0, n_t, HV)
+        X21 = _load_block(Akk_inv, 2, 1, n_t, HV)
+        X22 = _load_block(Akk_inv, 2, 2, n_t, HV)
+        X30 = _load_block(Akk_inv, 3, 0, n_t, HV)
+        X31 = _load_block(Akk_inv, 3, 1, n_t, HV)
+        X32 = _load_block(Akk_inv, 3, 2, n_t, HV)
+        X33 = _load_block(Akk_inv, 3, 3, n_t, HV)
+    else:
+        zero = tl.zeros([16, 16], dtype=tl.float32)
+        for R in tl.static_range(3):  # the zero blocks above the diagonal
+            for C in tl.static_range(R + 1, 4):
+                _store_block(Aqk, R, C, zero, n_t, HV)
+                _store_block(Akk_inv, R, C, zero, n_t, HV)
+        # Akk's blocks, rows times beta (rows past the end: 0)
+        b0 = tl.load(beta + (0 + t16) * HV, mask=(0 + t16) < n_t, other=0).to(tl.float32)[:, None]
+        b1 = tl.load(beta + (16 + t16) * HV, mask=(16 + t16) < n_t, other=0).to(tl.float32)[:, None]
+        b2 = tl.load(beta + (32 + t16) * HV, mask=(32 + t16) < n_t, other=0).to(tl.float32)[:, None]
+        b3 = tl.load(beta + (48 + t16) * HV, mask=(48 + t16) < n_t, other=0).to(tl.float32)[:, None]
+        D0 = _scores_row(q, k, g, rs, Aqk, scale, n_t, 0, 0, H, HV, K, BK, SPAN, L2NORM) * b0
+        A10 = _scores_row(q, k, g, rs, Aqk, scale, n_t, 1, 0, H, HV, K, BK, SPAN, L2NORM) * b1
+        D1 = _scores_row(q, k, g, rs, Aqk, scale, n_t, 1, 1, H, HV, K, BK, SPAN, L2NORM) * b1
+        A20 = _scores_row(q, k, g, rs, Aqk, scale, n_t, 2, 0, H, HV, K, BK, SPAN, L2NORM) * b2
+        A21 = _scores_row(q, k, g, rs, Aqk, scale, n_t, 2, 1, H, HV, K, BK, SPAN, L2NORM) * b2
+        D2 = _scores_row(q, k, g, rs, Aqk, scale, n_t, 2, 2, H, HV, K, BK, SPAN, L2NORM) * b2
+        A30 = _scores_row(q, k, g, rs, Aqk, scale, n_t, 3, 0, H, HV, K, BK, SPAN, L2NORM) * b3
+        A31 = _scores_row(q, k, g, rs, Aqk, scale, n_t, 3, 1, H, HV, K, BK, SPAN, L2NORM) * b3
+        A32 = _scores_row(q, k, g, rs, Aqk, scale, n_t, 3, 2, H, HV, K, BK, SPAN, L2NORM) * b3
+        D3 = _scores_row(q, k, g, rs, Aqk, scale, n_t, 3, 3, H, HV, K, BK, SPAN, L2NORM) * b3
+        # (I + Akk)^-1 by 16x16 blocks: the diagonal inverses, then block forward substitution
+        X00 = _neumann_inverse(D0)
+        X11 = _neumann_inverse(D1)
+        X22 = _neumann_inverse(D2)
+        X33 = _neumann_inverse(D3)
+        X10 = -tl.dot(X11, tl.dot(A10, X00))
+        X21 = -tl.dot(X22, tl.dot(A21, X11))
+        X20 = -tl.dot(X22, tl.dot(A20, X00) + tl.dot(A21, X10))
+        X32 = -tl.dot(X33, tl.dot(A32, X22))
+        X31 = -tl.dot(X33, tl.dot(A31, X11) + tl.dot(A32, X21))
+        X30 = -tl.dot(X33, tl.dot(A30, X00) + tl.dot(A31, X10) + tl.dot(A32, X20))
+        _store_block(Akk_inv, 0, 0, X00, n_t, HV)
+        _store_block(Akk_inv, 1, 0, X10, n_t, HV)
+        _store_block(Akk_inv, 1, 1, X11, n_t, HV)
+        _store_block(Akk_inv, 2, 0, X20, n_t, HV)
+        _store_block(Akk_inv, 2, 1, X21, n_t, HV)
+        _store_block(Akk_inv, 2, 2, X22, n_t, HV)
+        _store_block(Akk_inv, 3, 0, X30, n_t, HV)
+        _store_block(Akk_inv, 3, 1, X31, n_t, HV)
+        _store_block(Akk_inv, 3, 2, X32, n_t, HV)
+        _store_block(Akk_inv, 3, 3, X33, n_t, HV)
+    if WY:  # F6 (or B2) from the inverse in registers: w, u, kg, qg
         v += base * HV * V + i_hv * V
         w += base * HV * K + i_hv * K
-        u += base * HV * V + i_hv * V
         kg += base * HV * K + i_hv * K
-        qg += base * HV * K + i_hv * K
         last = n_t - 1
         for i_k in tl.static_range(0, K, BK):
             cols = i_k + tl.arange(0, BK)
@@ -273,58 +356,77 @@ def intra16_kernel(q, k, g, beta, Aqk, Akk_inv, scale, cu_seqlens, chunk_indices
             g_last = tl.load(g + last * (HV * K) + cols, mask=m_c, other=0).to(tl.float32)
             for R in tl.static_range(4):
                 rows = R * 16 + t16
-                m_rc = (rows < n_t)[:, None] & m_c[None, :]
-                w_r = _row_apply(X00, X10, X11, X20, X21, X22, X30, X31, X32, X33, k, beta, g, n_t, R, cols, m_c,
-                                 H * K, HV, K, True)
+                m_r = rows < n_t
+                m_rc = m_r[:, None] & m_c[None, :]
+                w_r = _row_apply(X00, X10, X11, X20, X21, X22, X30, X31, X32, X33, k, rs, beta, g, n_t, R, cols, m_c,
+                                 H * K, HV, K, True, L2NORM)
                 tl.store(w + rows[:, None] * (HV * K) + cols[None, :], to(w_r, w.dtype.element_ty), mask=m_rc)
-                k_r = tl.load(k + rows[:, None] * (H * K) + cols[None, :], mask=m_rc, other=0).to(tl.float32)
-                q_r = tl.load(q + rows[:, None] * (H * K) + cols[None, :], mask=m_rc, other=0).to(tl.float32)
+                k_r = _qk(k, rs, rows, m_r, cols, m_c, H * K, L2NORM, 1, HV)
                 g_r = tl.load(g + rows[:, None] * (HV * K) + cols[None, :], mask=m_rc, other=0).to(tl.float32)
                 tl.store(kg + rows[:, None] * (HV * K) + cols[None, :],
                          to(k_r * tl.exp2(g_last[None, :] - g_r), kg.dtype.element_ty), mask=m_rc)
-                tl.store(qg + rows[:, None] * (HV * K) + cols[None, :],
-                         to(q_r * tl.exp2(g_r), qg.dtype.element_ty), mask=m_rc)
-        for i_v in tl.static_range(0, V, BV):
-            cols = i_v + tl.arange(0, BV)
-            m_c = cols < V
-            for R in tl.static_range(4):
-                rows = R * 16 + t16
-                m_rc = (rows < n_t)[:, None] & m_c[None, :]
-                u_r = _row_apply(X00, X10, X11, X20, X21, X22, X30, X31, X32, X33, v, beta, g, n_t, R, cols, m_c,
-                                 HV * V, HV, K, False)
-                tl.store(u + rows[:, None] * (HV * V) + cols[None, :], to(u_r, u.dtype.element_ty), mask=m_rc)
+                if WANT_QG:
+                    qg_p = qg + base * HV * K + i_hv * K
+                    q_r = _qk(q, rs, rows, m_r, cols, m_c, H * K, L2NORM, 0, HV)
+                    tl.store(qg_p + rows[:, None] * (HV * K) + cols[None, :],
+                             to(q_r * tl.exp2(g_r), qg.dtype.element_ty), mask=m_rc)
+        if WANT_U:
+            u += base * HV * V + i_hv * V
+            for i_v in tl.static_range(0, V, BV):
+                cols = i_v + tl.arange(0, BV)
+                m_c = cols < V
+                for R in tl.static_range(4):
+                    rows = R * 16 + t16
+                    m_rc = (rows < n_t)[:, None] & m_c[None, :]
+                    u_r = _row_apply(X00, X10, X11, X20, X21, X22, X30, X31, X32, X33, v, rs, beta, g, n_t, R, cols,
+                                     m_c, HV * V, HV, K, False, False)
+                    tl.store(u + rows[:, None] * (HV * V) + cols[None, :], to(u_r, u.dtype.element_ty), mask=m_rc)
 
 
 def intra16(q, k, gc, beta, scale: float, cu_seqlens=None, chunk_indices=None, BK: int = 64,
             span_max: float = SPAN_MAX, v=None, g_raw=None, A_log=None, dt_bias=None, lower_bound=None,
-            num_warps: int = 4, maxnreg: int | None = None):
+            num_warps: int = 4, maxnreg: int | None = None, l2norm: bool = False, activate: bool = True,
+            Akk_inv=None, want_u: bool = True, want_qg: bool = True):
     """(Aqk, Akk_inv), [B, T, HV, 64] each in k's dtype; packed batches (B = 1) with fla's
     chunk index. Given ``v``, F6 too: (Aqk, Akk_inv, w, u, kg, qg) as ``reference.wy_fwd``
-    forms them from that inverse. Given ``g_raw`` (with ``A_log``, ``dt_bias``,
-    ``lower_bound``), F2 too, into ``gc`` (an fp32 [B, T, HV, K] it writes)."""
+    forms them from that inverse (u and qg None where not wanted). Given ``g_raw`` (with
+    ``A_log``, ``dt_bias``, ``lower_bound``; ``activate=False`` for a log-decay given), F2
+    too, into ``gc`` (an fp32 [B, T, HV, K] it writes). ``l2norm``: F1 too, q and k raw in,
+    (q, q_rstd, k, k_rstd) as ``reference.l2norm_fwd`` forms them put in front of the result.
+    ``Akk_inv`` given (B1-B2): the inverse read, not formed, and Aqk not written (None)."""
     B, T, H, K = q.shape
     HV = gc.shape[2]
+    dev = q.device
     gate = {}
     if g_raw is not None:
         gate = dict(g_raw=g_raw, A_log=A_log, dt_bias=dt_bias, lower_bound=0.0 if lower_bound is None else lower_bound,
-                    GATE=True, HAS_BIAS=dt_bias is not None, USE_LB=lower_bound is not None)
-    Aqk = torch.empty(B, T, HV, 64, device=q.device, dtype=k.dtype)
-    Akk_inv = torch.empty(B, T, HV, 64, device=q.device, dtype=k.dtype)
+                    GATE=True, ACT=activate, HAS_BIAS=dt_bias is not None, USE_LB=lower_bound is not None)
+    norm = {}
+    if l2norm:
+        norm = dict(qn=torch.empty_like(q), kn=torch.empty_like(k), q_rstd=torch.empty(B, T, H, device=dev),
+                    k_rstd=torch.empty(B, T, H, device=dev), rs=torch.empty(B, T, HV, 2, device=dev), L2NORM=True)
+    from_inv = Akk_inv is not None
+    Aqk = None if from_inv else torch.empty(B, T, HV, 64, device=dev, dtype=k.dtype)
+    if not from_inv:
+        Akk_inv = torch.empty(B, T, HV, 64, device=dev, dtype=k.dtype)
     NT = triton.cdiv(T, 64) if cu_seqlens is None else chunk_indices.shape[0]
     wy = {}
     if v is not None:
         V = v.shape[-1]
-        wy = dict(v=v, w=torch.empty(B, T, HV, K, device=q.device, dtype=k.dtype), u=torch.empty_like(v),
-                  kg=torch.empty(B, T, HV, K, device=q.device, dtype=k.dtype),
-                  qg=torch.empty(B, T, HV, K, device=q.device, dtype=k.dtype))
-    intra16_kernel[(NT, B * HV)](q, k, gc, beta, Aqk, Akk_inv, scale, cu_seqlens, chunk_indices, T, H=H, HV=HV,
-                                 K=K, BK=min(BK, triton.next_power_of_2(K)), SPAN=span_max,
-                                 IS_VARLEN=cu_seqlens is not None, num_warps=num_warps, **gate,
-                                 **({"maxnreg": maxnreg} if maxnreg else {}),
-                                 **wy, **(dict(V=V, BV=min(32, triton.next_power_of_2(V)), WY=True) if wy else {}))
+        wy = dict(v=v, w=torch.empty(B, T, HV, K, device=dev, dtype=k.dtype),
+                  u=torch.empty_like(v) if want_u else None,
+                  kg=torch.empty(B, T, HV, K, device=dev, dtype=k.dtype),
+                  qg=torch.empty(B, T, HV, K, device=dev, dtype=k.dtype) if want_qg else None)
+    intra16_kernel[(NT, B * HV)](q, k, gc, beta, Akk_inv if from_inv else Aqk, Akk_inv, scale, cu_seqlens,
+                                 chunk_indices, T, H=H, HV=HV, K=K, BK=min(BK, triton.next_power_of_2(K)),
+                                 SPAN=span_max, IS_VARLEN=cu_seqlens is not None, num_warps=num_warps, **gate, **norm,
+                                 FROM_INV=from_inv, **({"maxnreg": maxnreg} if maxnreg else {}),
+                                 **wy, **(dict(V=V, BV=min(32, triton.next_power_of_2(V)), WY=True, WANT_U=want_u,
+                                               WANT_QG=want_qg) if wy else {}))
+    front = (norm["qn"], norm["q_rstd"], norm["kn"], norm["k_rstd"]) if l2norm else ()
     if not wy:
-        return Aqk, Akk_inv
-    return Aqk, Akk_inv, wy["w"], wy["u"], wy["kg"], wy["qg"]
+        return front + (Aqk, Akk_inv)
+    return front + (Aqk, Akk_inv, wy["w"], wy["u"], wy["kg"], wy["qg"])
 
 
 # --------------------------------------------------------------------------------------
@@ -342,17 +444,25 @@ def compile_rows(K: int = 128, HV: int = 16) -> list[dict]:
 
     types = dict(q="*bf16", k="*bf16", g="*fp32", beta="*bf16", Aqk="*bf16", Akk_inv="*bf16", scale="fp32", T="i32",
                  v="*bf16", w="*bf16", u="*bf16", kg="*bf16", qg="*bf16", lower_bound="fp32",
-                 g_raw="*bf16", A_log="*fp32", dt_bias="*fp32")
+                 g_raw="*bf16", A_log="*fp32", dt_bias="*fp32", qn="*bf16", kn="*bf16", q_rstd="*fp32",
+                 k_rstd="*fp32", rs="*fp32")
     rows = []
-    for wy, gate, configs in ((False, False, CONFIGS), (True, False, WY_CONFIGS), (True, True, WY_CONFIGS)):
+    builds = [(False, False, False, False, CONFIGS), (True, False, False, False, WY_CONFIGS),
+              (True, True, False, False, WY_CONFIGS), (True, True, True, False, WY_CONFIGS),
+              (True, True, False, True, WY_CONFIGS)]
+    for wy, gate, norm, from_inv, configs in builds:
         for cfg in configs:
             ce = dict(H=HV, HV=HV, K=K, BK=cfg["BK"], SPAN=SPAN_MAX, IS_VARLEN=False, cu_seqlens=None,
                       chunk_indices=None, WY=wy, **(dict(V=256, BV=32) if wy else dict(V=0, BV=32, v=None, w=None,
                                                                                          u=None, kg=None, qg=None)),
-                      GATE=gate, HAS_BIAS=gate, USE_LB=False,
-                      **({} if gate else dict(g_raw=None, A_log=None, dt_bias=None)))
+                      GATE=gate, ACT=True, HAS_BIAS=gate, USE_LB=False, L2NORM=norm, FROM_INV=from_inv,
+                      WANT_U=not from_inv, WANT_QG=True,  # (kernel-fun's B3 forms u: B2 writes none)
+                      **({} if gate else dict(g_raw=None, A_log=None, dt_bias=None)),
+                      **({} if norm else dict(qn=None, kn=None, q_rstd=None, k_rstd=None, rs=None)))
             r = compile_sm90(intra16_kernel, types, ce, cfg["num_warps"], 1, maxnreg=cfg["maxnreg"])
-            name = "prep16.intra16" + (" +F2 (gate)" if gate else "") + (" +F6 (V256)" if wy else "")
+            name = "prep16.intra16" + (" B1-B2 (from Akk_inv, gate, WY V256 without u)" if from_inv else
+                                       (" +F1 (l2norm)" if norm else "") + (" +F2 (gate)" if gate else "")
+                                       + (" +F6 (V256)" if wy else ""))
             rows.append({"kind": "compile_sm90", "kernel": name, "K": K, **cfg,
                          **{n: r[n] for n in ("registers", "spill_stores", "spill_loads", "stack", "shared",
                                               "sass_instructions", "sass_code_sha")}})
@@ -443,12 +553,87 @@ def gpu_run(shape: str, out) -> list[dict]:
     return table
 
 
+def units_run(shape: str, out) -> list[dict]:
+    """At ``shape`` (the gate and l2norm in the op): the F1-F6 unit (``f1_f6``) against fla's
+    F1, F2 and F3-F6 in turn, and the B1-B2 unit (``b1_b2``, from fla's saved Akk_inv)
+    against fla's B1 and B2: each output against fla's, and on a 1,024-token slice both
+    against the float64 reference stages; then CUDA-event times, interleaved, one process."""
+    import json
+
+    from kernel_fun import _fla as fla
+    from kernel_fun.bench.timing import cuda_times, summary
+    from kernel_fun.kda import reference as ref
+    from kernel_fun.kda.problems import make_inputs, problem
+
+    p = problem(shape)
+    kw = make_inputs(p, device="cuda", seed=0, requires_grad=False)
+    q, k, v, g, beta, A_log, dt_bias = (kw[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias"))
+    scale = p.K ** -0.5
+    lb = p.lower_bound
+    args = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=lb, use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True,
+                scale=scale, safe_gate=False, disable_recompute=True, chunk_size=64, cu_seqlens=None,
+                chunk_indices=None)
+    names = ("q", "q_rstd", "k", "k_rstd", "gc", "w", "u", "kg", "Aqk", "Akk_inv", "qg")
+
+    def fla_f1_f6(q, k, v, g, beta, **a):
+        qn, qr, kn, kr = fla.l2norm_fwd(q, k)
+        gc = fla.gate(g, True, a["A_log"], a["dt_bias"], a["lower_bound"], 64, None, None)
+        return (qn, qr, kn, kr, gc) + tuple(fla.intra(qn, kn, v, gc, beta, scale, 64, None, None, False, True))
+
+    ours, theirs = f1_f6(q, k, v, g, beta, **args), fla_f1_f6(q, k, v, g, beta, **args)
+    sl = [x[:1, :1024].contiguous() for x in (q, k, v, g, beta)]
+    small = f1_f6(*sl, **args)
+    fla_small = fla_f1_f6(*sl, **args)
+    (rq, _), (rk, _) = ref.l2norm_fwd(sl[0]), ref.l2norm_fwd(sl[1])
+    rgc = ref.gate_cumsum(sl[3], True, A_log, dt_bias, lb, 64)
+    rqk, rinv = ref.intra_scores(rq, rk, rgc, sl[4], scale, 64, exact=True)
+    rw, ru, rqg, rkg = ref.wy_fwd(rk, sl[2], sl[4], rinv, rgc, rq, 64, exact=True)
+    f64 = dict(gc=rgc, Aqk=rqk, Akk_inv=rinv, w=rw, u=ru, qg=rqg, kg=rkg)
+    row = {"kind": "unit", "unit": "F1-F6", "shape": shape,
+           "vs_fla": {n: ref.rel_rms(a.float(), b.float()) for n, a, b in zip(names, ours, theirs) if a is not None},
+           "vs_f64": {n: ref.rel_rms(small[names.index(n)].double(), e) for n, e in f64.items()},
+           "fla_vs_f64": {n: ref.rel_rms(fla_small[names.index(n)].double(), e) for n, e in f64.items()}}
+    # B1-B2 from fla's saved inverse, against fla's B1 then B2
+    qn, kn, Akk = theirs[0], theirs[2], theirs[9]
+    b_args = (g, True, A_log, dt_bias, lb, qn, kn, v, beta, Akk, True, 64, None, None)
+
+    def fla_b1_b2(g, use_gate, A_log, dt_bias, lb, q, k, v, beta, A, want_u, *rest):
+        gc = fla.gate(g, True, A_log, dt_bias, lb, 64, None, None)
+        return (gc,) + tuple(fla.wy_recompute(q, k, v, beta, A, gc, want_u, 64, None, None))
+
+    b_ours, b_fla = b1_b2(*b_args), fla_b1_b2(*b_args)
+    brow = {"kind": "unit", "unit": "B1-B2", "shape": shape,
+            "vs_fla": {n: ref.rel_rms(a.float(), b.float())
+                       for n, a, b in zip(("gc", "w", "u", "qg", "kg"), b_ours, b_fla)}}
+    fns = {"F1-F6 ours": lambda: f1_f6(q, k, v, g, beta, **args),
+           "F1-F6 fla": lambda: fla_f1_f6(q, k, v, g, beta, **args),
+           "B1-B2 ours": lambda: b1_b2(*b_args), "B1-B2 fla": lambda: fla_b1_b2(*b_args),
+           "B1-B2 ours no u": lambda: b1_b2(*b_args[:10], False, *b_args[11:])}
+    times = {n: [] for n in fns}
+    for fn in fns.values():
+        fn()
+    for _ in range(5):
+        for n, fn in fns.items():
+            times[n] += cuda_times(fn, 10)
+    ms = {n: summary(t)["median"] for n, t in times.items()}
+    row.update(ms={"ours": ms["F1-F6 ours"], "fla": ms["F1-F6 fla"]}, vs_fla_x=ms["F1-F6 fla"] / ms["F1-F6 ours"])
+    brow.update(ms={"ours": ms["B1-B2 ours"], "ours_no_u": ms["B1-B2 ours no u"], "fla": ms["B1-B2 fla"]},
+                vs_fla_x=ms["B1-B2 fla"] / ms["B1-B2 ours"])
+    for r in (row, brow):
+        line = json.dumps({**r, "gpu": torch.cuda.get_device_name()})
+        print(line, flush=True)
+        if out:
+            with open(out, "a") as f:
+                f.write(line + "\n")
+    return [row, brow]
+
+
 def main(argv=None) -> int:
     import argparse
     import json
 
     parser = argparse.ArgumentParser(prog="python -m research.prep16")
-    parser.add_argument("what", choices=["compile", "gpu"])
+    parser.add_argument("what", choices=["compile", "gpu", "units"])
     parser.add_argument("--shapes", default="prod8192_gate,kimi,small")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -457,7 +642,7 @@ def main(argv=None) -> int:
             print(json.dumps(row))
         return 0
     for shape in args.shapes.split(","):
-        gpu_run(shape, args.out)
+        (units_run if args.what == "units" else gpu_run)(shape, args.out)
     return 0
 
 
@@ -471,7 +656,8 @@ if __name__ == "__main__":
 # As the chain's F3-F6 (a candidate: python -m benchmarks.op --candidate
 # F3-F6=research.prep16:f3_f6:supports)
 # --------------------------------------------------------------------------------------
-def supports(q, k, v, gc, beta, scale, safe_gate, disable_recompute, chunk_size, cu_seqlens, chunk_indices) -> str | None:
+def supports(q, k, v, gc, beta, scale, safe_gate, disable_recompute, chunk_size, cu_seqlens,
+             chunk_indices) -> str | None:
     """None when ``f3_f6`` takes the call."""
     if chunk_size != 64:
         return f"chunk_size={chunk_size} (built for 64)"
@@ -489,3 +675,67 @@ def f3_f6(q, k, v, gc, beta, scale, safe_gate, disable_recompute, chunk_size, cu
     Aqk, Akk_inv, w, u, kg, qg = intra16(q, k, gc, beta, scale, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
                                          v=v)
     return w, u, kg, Aqk, Akk_inv, (qg if disable_recompute else None)
+
+
+# --------------------------------------------------------------------------------------
+# As the chain's F1-F6 and B1-B2 units (candidates: python -m benchmarks.op --candidate
+# F1-F6=research.prep16:f1_f6:supports_f1_f6 --candidate B1-B2=research.prep16:b1_b2:supports_b1_b2)
+# --------------------------------------------------------------------------------------
+def _common_support(q, k, v, chunk_size) -> str | None:
+    if chunk_size != 64:
+        return f"chunk_size={chunk_size} (built for 64)"
+    if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"dtype {q.dtype} (bf16/fp16, q, k and v alike)"
+    if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
+        return "a strided input"
+    return None
+
+
+def supports_f1_f6(q, k, v, g, beta, A_log, dt_bias, lower_bound, use_gate_in_kernel, use_qk_l2norm_in_kernel, scale,
+                   safe_gate, disable_recompute, chunk_size, cu_seqlens, chunk_indices) -> str | None:
+    """None when ``f1_f6`` takes the call."""
+    why = _common_support(q, k, v, chunk_size)
+    if why is None and not g.is_contiguous():
+        why = "a strided gate"
+    return why
+
+
+def f1_f6(q, k, v, g, beta, A_log, dt_bias, lower_bound, use_gate_in_kernel, use_qk_l2norm_in_kernel, scale,
+          safe_gate, disable_recompute, chunk_size, cu_seqlens, chunk_indices):
+    """F1, F2 and F3-F6 in one program a (chunk, value head), the chain's F1-F6 contract:
+    (q, q_rstd, k, k_rstd, gc, w, u, kg, Aqk, Akk_inv, qg); the rstds None without the l2norm,
+    qg only with ``disable_recompute``. Exact for any gate: ``safe_gate`` changes nothing."""
+    B, T, H, K = q.shape
+    HV = v.shape[2]
+    gc = torch.empty(B, T, HV, K, device=q.device, dtype=torch.float32)
+    out = intra16(q, k, gc, beta, scale, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, v=v, g_raw=g,
+                  A_log=A_log if use_gate_in_kernel else None, dt_bias=dt_bias if use_gate_in_kernel else None,
+                  lower_bound=lower_bound if use_gate_in_kernel else None, activate=use_gate_in_kernel,
+                  l2norm=use_qk_l2norm_in_kernel, want_qg=disable_recompute)
+    front = out[:4] if use_qk_l2norm_in_kernel else (q, None, k, None)
+    Aqk, Akk_inv, w, u, kg, qg = out[-6:]
+    return front + (gc, w, u, kg, Aqk, Akk_inv, qg)
+
+
+def supports_b1_b2(g, use_gate_in_kernel, A_log, dt_bias, lower_bound, q, k, v, beta, A, want_u, chunk_size,
+                   cu_seqlens, chunk_indices) -> str | None:
+    """None when ``b1_b2`` takes the call."""
+    why = _common_support(q, k, v, chunk_size)
+    if why is None and not (g.is_contiguous() and A.is_contiguous()):
+        why = "a strided gate or inverse"
+    return why
+
+
+def b1_b2(g, use_gate_in_kernel, A_log, dt_bias, lower_bound, q, k, v, beta, A, want_u, chunk_size, cu_seqlens,
+          chunk_indices):
+    """B1 and B2 in one program a (chunk, value head), the chain's B1-B2 contract: (gc, w, u,
+    qg, kg) from the raw gate and the saved Akk_inv, u only when ``want_u``."""
+    B, T, H, K = q.shape
+    HV = v.shape[2]
+    gc = torch.empty(B, T, HV, K, device=q.device, dtype=torch.float32)
+    _, _, w, u, kg, qg = intra16(q, k, gc, beta, 1.0, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, v=v, g_raw=g,
+                                 A_log=A_log if use_gate_in_kernel else None,
+                                 dt_bias=dt_bias if use_gate_in_kernel else None,
+                                 lower_bound=lower_bound if use_gate_in_kernel else None,
+                                 activate=use_gate_in_kernel, Akk_inv=A, want_u=want_u)
+    return gc, w, u, qg, kg

@@ -56,7 +56,8 @@ def test_intra16_on_packed_sequences():
     assert ref.rel_rms(Akk_inv.double(), want_inv) < 0.005
 
 
-@pytest.mark.parametrize("T,K,V,HV,cu", [(130, 64, 32, 2, None), (100, 100, 64, 1, None), (200, 64, 32, 2, (0, 0, 1, 70, 200))])
+@pytest.mark.parametrize("T,K,V,HV,cu", [(130, 64, 32, 2, None), (100, 100, 64, 1, None),
+                                         (200, 64, 32, 2, (0, 0, 1, 70, 200))])
 def test_intra16_with_the_wy_vectors(T, K, V, HV, cu):
     """F6 in the same program: w, u, kg and qg against the reference rounding as fla's F6
     does, from this kernel's inverse (F6 alone), and against the float64 chain."""
@@ -111,7 +112,8 @@ def test_the_chain_with_f3_f6_forced_on_matches_the_float64_recurrence(p):
     assert len(errors) >= 8 and all(e <= ref.BUDGETS[n] for n, e in errors.items()), errors
 
 
-@pytest.mark.parametrize("lower_bound,bias,cu", [(None, True, None), (-5.0, True, (0, 1, 70, 130)), (None, False, None)])
+@pytest.mark.parametrize("lower_bound,bias,cu", [(None, True, None), (-5.0, True, (0, 1, 70, 130)),
+                                                 (None, False, None)])
 def test_intra16_with_the_gate_in_front(lower_bound, bias, cu):
     """F2 in the same program (the gate's activation and the chunk cumsum, written to gc and
     read back): gc, Aqk and Akk_inv against the reference stages from the raw gate."""
@@ -135,3 +137,134 @@ def test_intra16_with_the_gate_in_front(lower_bound, bias, cu):
     want_qk, want_inv = ref.intra_scores(q, k, want_gc, beta, K ** -0.5, 64, cu_seqlens=kw.get("cu_seqlens"),
                                          exact=True)
     assert ref.rel_rms(Aqk.double(), want_qk) < 0.005 and ref.rel_rms(Akk_inv.double(), want_inv) < 0.005
+
+
+def _raw_inputs(T, H, HV, K, V, seed=0, dtype=torch.bfloat16):
+    gen = torch.Generator().manual_seed(seed)
+    q = (torch.randn(1, T, H, K, generator=gen) * 3).to(dtype)
+    k = (torch.randn(1, T, H, K, generator=gen) * 0.2).to(dtype)
+    v = torch.randn(1, T, HV, V, generator=gen).to(dtype)
+    beta = torch.rand(1, T, HV, generator=gen).to(dtype)
+    g_raw = torch.randn(1, T, HV, K, generator=gen).to(dtype)
+    A_log = torch.log(torch.empty(HV).uniform_(1, 16, generator=gen))
+    dt_bias = torch.randn(HV * K, generator=gen) * 0.5
+    return q, k, v, beta, g_raw, A_log, dt_bias
+
+
+@pytest.mark.parametrize("T,H,HV,K,V,cu,gate,l2norm", [
+    (130, 1, 2, 64, 32, None, "softplus", True),              # GVA: one group writes F1's outputs
+    (100, 1, 1, 100, 64, None, "lower_bound", True),          # K=100
+    (200, 2, 2, 64, 32, (0, 0, 1, 70, 200), "softplus", True),  # packed, empty and one-token sequences
+    (130, 1, 1, 64, 32, None, "given", True),                 # a log-decay given, with resets (-inf)
+    (130, 1, 2, 64, 32, (0, 1, 130), "given", False),        # no l2norm in the op
+])
+def test_f1_f6_matches_the_reference_stages(T, H, HV, K, V, cu, gate, l2norm):
+    """F1, F2 and F3-F6 in one program (the chain's F1-F6 contract) against the reference
+    stages in turn: F1's q, k and rstds and F2's gc to rounding, then Aqk, Akk_inv and the
+    WY vectors against the float64 stages from the reference F1 and F2."""
+    from kernel_fun import _fla
+
+    q, k, v, beta, g_raw, A_log, dt_bias = _raw_inputs(T, H, HV, K, V)
+    lower_bound = -5.0 if gate == "lower_bound" else None
+    use_gate = gate != "given"
+    if not use_gate:  # a log-decay: steep in places, a reset in two rows of one channel
+        g_raw = -torch.rand(1, T, HV, K, generator=torch.Generator().manual_seed(2)) * 4
+        g_raw[0, 5:7, 0, 3] = float("-inf")
+    if not l2norm:
+        q = torch.nn.functional.normalize(q.float(), dim=-1).to(q.dtype)
+        k = torch.nn.functional.normalize(k.float(), dim=-1).to(k.dtype)
+    cu_t = None if cu is None else torch.tensor(cu)
+    index = None if cu is None else _fla.prepare_chunk_indices(cu_t, 64)
+    scale = K ** -0.5
+    got = prep16.f1_f6(q, k, v, g_raw, beta, A_log, dt_bias if use_gate else None, lower_bound, use_gate, l2norm,
+                       scale, False, True, 64, cu_t, index)
+    qn, q_rstd, kn, k_rstd, gc, w, u, kg, Aqk, Akk_inv, qg = got
+    if l2norm:
+        (want_q, want_qr), (want_k, want_kr) = ref.l2norm_fwd(q), ref.l2norm_fwd(k)
+        for a, b in ((qn, want_q), (kn, want_k)):
+            assert ref.rel_rms(a.double(), b.double()) < 2e-3, ref.rel_rms(a.double(), b.double())
+        for a, b in ((q_rstd, want_qr), (k_rstd, want_kr)):
+            assert torch.allclose(a, b, rtol=1e-5), (a - b).abs().max()
+    else:
+        assert qn is q and kn is k and q_rstd is None and k_rstd is None
+        want_q, want_k = q, k
+    want_gc = ref.gate_cumsum(g_raw, use_gate, A_log, dt_bias if use_gate else None, lower_bound, 64, cu_t)
+    assert torch.isfinite(gc).all()
+    assert ref.rel_rms(gc.double(), want_gc.double()) < 1e-5, ref.rel_rms(gc.double(), want_gc.double())
+    want_qk, want_inv = ref.intra_scores(want_q, want_k, want_gc, beta, scale, 64, cu_seqlens=cu_t, exact=True)
+    rounded = ref.intra_scores(want_q, want_k, want_gc, beta, scale, 64, cu_seqlens=cu_t)
+    for name, a, e, r in (("Aqk", Aqk, want_qk, rounded[0]), ("Akk_inv", Akk_inv, want_inv, rounded[1])):
+        ours, theirs = ref.rel_rms(a.double(), e), ref.rel_rms(r.double(), e)
+        assert ours <= 1.3 * theirs + 1e-5, (name, ours, theirs)
+    exact = ref.wy_fwd(want_k, v, beta, want_inv, want_gc, want_q, 64, cu_seqlens=cu_t, exact=True)
+    fla_like = ref.wy_fwd(want_k, v, beta, rounded[1], want_gc, want_q, 64, cu_seqlens=cu_t)
+    for name, a, e, r in zip(("w", "u", "qg", "kg"), (w, u, qg, kg), exact, fla_like):
+        ours, theirs = ref.rel_rms(a.double(), e), ref.rel_rms(r.double(), e)
+        assert ours <= 1.3 * theirs + 1e-5, (name, ours, theirs)
+
+
+@pytest.mark.parametrize("cu,want_u,gate", [(None, True, "softplus"), ((0, 0, 1, 70, 200), False, "lower_bound"),
+                                            (None, True, "given")])
+def test_b1_b2_matches_the_reference_stages(cu, want_u, gate):
+    """The backward's recompute (B1-B2 contract) from the raw gate and a saved Akk_inv: gc to
+    rounding, w, u, qg and kg as the reference rounds them from that inverse."""
+    from kernel_fun import _fla
+
+    T, H, HV, K, V = 200, 1, 2, 64, 32
+    q, k, v, beta, g_raw, A_log, dt_bias = _raw_inputs(T, H, HV, K, V, seed=1)
+    q = torch.nn.functional.normalize(q.float(), dim=-1).to(q.dtype)
+    k = torch.nn.functional.normalize(k.float(), dim=-1).to(k.dtype)
+    use_gate = gate != "given"
+    if not use_gate:
+        g_raw = -torch.rand(1, T, HV, K, generator=torch.Generator().manual_seed(2)) * 2
+    lower_bound = -5.0 if gate == "lower_bound" else None
+    cu_t = None if cu is None else torch.tensor(cu)
+    index = None if cu is None else _fla.prepare_chunk_indices(cu_t, 64)
+    bias = dt_bias if use_gate else None
+    want_gc = ref.gate_cumsum(g_raw, use_gate, A_log, bias, lower_bound, 64, cu_t)
+    _, A = ref.intra_scores(q, k, want_gc, beta, K ** -0.5, 64, cu_seqlens=cu_t)
+    gc, w, u, qg, kg = prep16.b1_b2(g_raw, use_gate, A_log, bias, lower_bound, q, k, v, beta, A, want_u, 64, cu_t,
+                                    index)
+    assert ref.rel_rms(gc.double(), want_gc.double()) < 1e-5
+    assert (u is None) == (not want_u)
+    want = ref.wy_fwd(k, v, beta, A, want_gc, q, 64, cu_seqlens=cu_t)
+    for name, a, r in zip(("w", "u", "qg", "kg"), (w, u, qg, kg), want):
+        if a is None:
+            continue
+        assert ref.rel_rms(a.double(), r.double()) < 2e-3, (name, ref.rel_rms(a.double(), r.double()))
+
+
+@pytest.mark.parametrize("p", ["dense-gva-h0", "packed-layer-safe", "given-gate-k100", "no-l2norm-keep"])
+def test_the_chain_with_f1_f6_and_b1_b2_forced_on_matches_the_float64_recurrence(p):
+    """The whole op (fwd+bwd) with prep16 as the F1-F6 and B1-B2 units: o, the final state
+    and every gradient within fla's budgets of the float64 recurrence, the record naming
+    the units wherever they apply (B1-B2: a gate in the op, the backward recomputing)."""
+    from kernel_fun.kda import chunk_kda, last_record
+    from kernel_fun.kda.problems import Problem, as_oracle_inputs, make_inputs, run_fwd_bwd
+    from kernel_fun.kda.stages import registered
+
+    probs = {
+        "dense-gva-h0": Problem("dense-gva-h0", 1, 130, 1, 2, 64, 32, initial_state=True, output_final_state=True,
+                                dtype=torch.float16),
+        "packed-layer-safe": Problem("packed-layer-safe", 1, 150, 1, 1, 64, 32, cu_seqlens=(0, 0, 1, 80, 150),
+                                     beta_sigmoid_in_kernel=True, state_v_first=True, safe_gate=True,
+                                     lower_bound=-5.0, initial_state=True, output_final_state=True,
+                                     dtype=torch.float16),
+        "given-gate-k100": Problem("given-gate-k100", 2, 100, 1, 1, 100, 32, gate_in_kernel=False,
+                                   output_final_state=True, dtype=torch.float16),
+        "no-l2norm-keep": Problem("no-l2norm-keep", 1, 130, 2, 2, 64, 64, l2norm_in_kernel=False,
+                                  disable_recompute=True, initial_state=True, dtype=torch.float16),
+    }
+    prob = probs[p]
+    kw = make_inputs(prob, seed=4)
+    with registered("F1-F6", "ours", prep16.f1_f6, prep16.supports_f1_f6), \
+            registered("B1-B2", "ours", prep16.b1_b2, prep16.supports_b1_b2):
+        got = run_fwd_bwd(chunk_kda, kw, grid=prob.dtype)
+        record = last_record()
+    assert record.forward["F1-F6"] == "ours", record
+    recomputes = prob.gate_in_kernel and not prob.disable_recompute
+    assert (record.backward.get("B1-B2") == "ours") == recomputes, record
+    want = run_fwd_bwd(ref.recurrent_kda, as_oracle_inputs(kw), grid=prob.dtype)
+    errors = {n: ref.rel_rms(got[n].double(), want[n]) for n in want if want[n] is not None}
+    print(p, record.forward, record.backward, errors)
+    assert len(errors) >= 6 and all(e <= ref.BUDGETS[n] for n, e in errors.items()), errors
