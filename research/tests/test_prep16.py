@@ -157,6 +157,8 @@ def _raw_inputs(T, H, HV, K, V, seed=0, dtype=torch.bfloat16):
     (200, 2, 2, 64, 32, (0, 0, 1, 70, 200), "softplus", True),  # packed, empty and one-token sequences
     (130, 1, 1, 64, 32, None, "given", True),                 # a log-decay given, with resets (-inf)
     (130, 1, 2, 64, 32, (0, 1, 130), "given", False),        # no l2norm in the op
+    (70, 1, 1, 128, 256, None, "softplus", True),             # the production head dims
+    (64, 1, 1, 128, 128, None, "lower_bound", True),
 ])
 def test_f1_f6_matches_the_reference_stages(T, H, HV, K, V, cu, gate, l2norm):
     """F1, F2 and F3-F6 in one program (the chain's F1-F6 contract) against the reference
