@@ -12,12 +12,16 @@ kernel's HEADS_FAST order). Three partitions:
 * the producer warp (worker 1): per chunk-head, A ([64, 64] bf16, two buffers so the
   producer runs a whole chunk-head ahead), then per V tile of BV=64 h and dh ([K, BV] of
   h viewed [B*NT*HV*K, V]) and v_new, do, dv, v ([64, BV] of the token-major tensors viewed
-  [B*T, HV*V], box at column i_hv*V + iv*BV) by TMA into a ring of STAGES stages;
+  [B*T, HV*V], box at column i_hv*V + iv*BV) by TMA into a ring of STAGES stages; then one
+  more ring stage for the epilogues (EPI_TMA, ``_epi_views``): q and k ([64, 64] bf16 K halves
+  of [B*T, H*K], column i_h*K + 64j) into its four token-major tiles, g ([64, 64] fp32 K halves
+  of [B*T, HV*K], column i_hv*K + 64j) into its h and dh tiles reinterpreted as fp32;
 * consumer 0 (the default partition, one warpgroup) and consumer 1 (worker 0, one warpgroup),
   consumer j owning channels 64j..64j+63 of dq, dk_h and dw ([64, 64] fp32 each).
 
 The V-side sums are split, not duplicated: consumer 0 accumulates dA's ``dvn v^T`` (a wgmma
-a tile); consumer 1 forms ``A^T dvn`` a tile (A^T in registers as the wgmma's A operand),
+a tile); consumer 1 forms ``A^T dvn`` a tile (A^T the wgmma's A operand, from shared memory;
+in registers with EPI_TMA=False),
 stores dv2 = bf16(beta (A^T dvn)) and sums db's v-side ``(A^T dvn) * v`` over each tile's
 columns (the Triton kernel sums element by element and over V once after the loop: fp32
 reassociation, ~1e-7 on db by its own log); each consumer sums
@@ -32,7 +36,12 @@ terms); dk and dg stored. The K-contracted sums cross through shared memory: con
 writes its [64, 64] fp32 dA partial and its two db row sums (v-side, k-side) and arrives on
 an mbarrier; consumer 0 waits, sums, runs the dA chain (``_da_chain``: two dependent
 [64, 64] bf16 dots, the second's B operand through shared memory) and stores dA and db.
-q, k and g are read by the consumers with plain loads in the accumulators' layout.
+q, k and g are read from that ring stage at each use (``smem.load`` in the accumulators'
+layout, exp2(g) recomputed rather than held), the stage released after dk's and dg's last
+terms (so through an epilogue the producer has one stage, not two, of the next chunk-head
+loaded); A^T is read by the wgmmas as a shared-memory operand (not held in registers).
+``EPI_TMA=False`` (variant ``plain_epi``) is the former build: q, k, g by plain global loads,
+A^T in registers.
 
 Numerics: every bf16 rounding at the Triton kernel's points (dwb, kg before its dot, dA
 before each chain dot, dv2 at the store). Reassociated fp32 sums only: dA = (dvn v^T +
@@ -40,12 +49,21 @@ dwb0 kg0^T) + dwb1 kg1^T, db = v-side + (k-side half 0 + half 1), and the blocki
 dots and row sums, db's v-side per tile.
 
 State (Triton 3.6, offline, sm_90a; nothing run on a GPU yet, so no value or barrier phase is
-checked): the main build (2 ring stages) compiles warp-specialized (setmaxnreg: consumers 232,
-producer 40), 56 HGMMAs, 215,648 B of shared memory, but spills 200 B a thread (stores) in the
-consumers' epilogues: ptxas issues the q, k, g loads early and holds them with the
-accumulators. What brought it down from 1,232 B: db's v-side summed a tile (not [64, BV] held),
-consumer 0's ``dvn v^T`` parked in shared memory through the epilogue, its dA partial's wgmma
-issued after dk and dg are stored, A^T reloaded from shared memory, fp32 tiles stored by pairs
+checked): the main build (2 ring stages, EPI_TMA) compiles warp-specialized (setmaxnreg:
+consumers 232, producer 40), 56 HGMMAs, 215,648 B of shared memory (unchanged: the epilogue's
+q, k, g reuse a ring stage), and spills 8 B a thread (stores and loads: one loop-invariant word
+a consumer, num_programs in consumer 1, a convert_layout scratch address in consumer 0, each
+reloaded once a chunk-head), down from 200 B stores / 216 B loads with plain q, k, g loads
+(``plain_epi``, which still builds so) that ptxas issued early and held beside the accumulators.
+What took it there: q, k, g by TMA into the ring stage after the chunk-head's V tiles and read
+from shared memory at each use, exp2(g) recomputed at each use (the same fp32 value), A^T a
+shared-memory wgmma operand (epilogue and consumer 1's V loop). Tried and worse (ptxas's
+allocation is sensitive to order): dwb stored at the epilogue's start (28-76 B), dk finished
+and stored before dg (12 B), gn from the stage's last 8 rows (12 B), the b_dgk conversion
+hoisted (12 B), setmaxnreg 240/24 splits (12-68 B), ``_store_pairs`` checking adjacency on
+the int32 offsets (1,280 B). Before that, from 1,232 B: db's v-side
+summed a tile (not [64, BV] held), consumer 0's ``dvn v^T`` parked in shared memory through the
+epilogue, its dA partial's wgmma issued after dk and dg are stored, fp32 tiles stored by pairs
 with in-asm addresses (``_store_pairs``), tile offsets made where used (``_fresh``). Three ring
 stages do not fit (281,216 B).
 
@@ -113,13 +131,34 @@ def _tile_offsets(r, cc, STRIDE: gl.constexpr):
 
 
 @gluon.jit
-def _producer(d_h, d_dh, d_vn, d_do, d_dv, d_v, d_A, h_s, dh_s, vn_s, do_s, dv_s, v_s, a_s,
+def _epi_views(h_s, dh_s, vn_s, do_s, dv_s, v_s, s, J: gl.constexpr):
+    """Ring stage s as consumer J's epilogue operands (EPI_TMA): q's and k's [64, 64] bf16 K halves in
+    its four token-major tiles (q_0 vn, q_1 do, k_0 dv, k_1 v: the same [64, 64] bf16 layout), g's
+    [64, 64] fp32 K half in its h (J=0) or dh (J=1) tile, reinterpreted (16 KB each)."""
+    f32_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+    BT: gl.constexpr = vn_s.shape[1]
+    if J == 0:
+        q_j = vn_s.index(s)
+        k_j = dv_s.index(s)
+        g_j = h_s.index(s)._reinterpret(gl.float32, [BT, BT], f32_l)
+    else:
+        q_j = do_s.index(s)
+        k_j = v_s.index(s)
+        g_j = dh_s.index(s)._reinterpret(gl.float32, [BT, BT], f32_l)
+    return q_j, k_j, g_j
+
+
+@gluon.jit
+def _producer(d_h, d_dh, d_vn, d_do, d_dv, d_v, d_A, d_q, d_k, d_g, h_s, dh_s, vn_s, do_s, dv_s, v_s, a_s,
               ready, empty, a_ready, a_empty, T, NT, NBH, NCH,
-              HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BT: gl.constexpr, BV: gl.constexpr,
-              STAGES: gl.constexpr):
-    """The producer warp: a chunk-head's A, then six TMA loads a V tile into the ring."""
+              H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BT: gl.constexpr,
+              BV: gl.constexpr, STAGES: gl.constexpr, EPI_TMA: gl.constexpr):
+    """The producer warp: a chunk-head's A, then six TMA loads a V tile into the ring; with EPI_TMA
+    one more ring stage a chunk-head: q, k and g for the epilogues (``_epi_views``)."""
     NV: gl.constexpr = V // BV
+    KH: gl.constexpr = K // 2
     nbytes: gl.constexpr = 2 * K * BV * 2 + 4 * BT * BV * 2
+    ebytes: gl.constexpr = 2 * BT * K * 2 + BT * K * 4
     abytes: gl.constexpr = BT * BT * 2
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
@@ -150,6 +189,18 @@ def _producer(d_h, d_dh, d_vn, d_do, d_dv, d_v, d_A, h_s, dh_s, vn_s, do_s, dv_s
             tma.async_copy_global_to_shared(d_dv, [row0, col], bar, dv_s.index(s))
             tma.async_copy_global_to_shared(d_v, [row0, col], bar, v_s.index(s))
             c += 1
+        if EPI_TMA:
+            i_h = i_hv // (HV // H)
+            s = c % STAGES
+            mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
+            bar = ready.index(s)
+            mbarrier.expect(bar, ebytes)
+            for j in gl.static_range(2):
+                q_j, k_j, g_j = _epi_views(h_s, dh_s, vn_s, do_s, dv_s, v_s, s, j)
+                tma.async_copy_global_to_shared(d_q, [row0, i_h * K + j * KH], bar, q_j)
+                tma.async_copy_global_to_shared(d_k, [row0, i_h * K + j * KH], bar, k_j)
+                tma.async_copy_global_to_shared(d_g, [row0, i_hv * K + j * KH], bar, g_j)
+            c += 1
         n += 1
 
 
@@ -158,7 +209,7 @@ def _consumer(h_s, dh_s, vn_s, do_s, dv_s, v_s, a_s, dw_s, kg_s, xp_s, xa_s, xdb
               ready, empty, a_ready, a_empty, x_full, x_empty,
               q, k, g, beta, dq, dk, dv2, dg, db, dA, scale, T, NBH, NCH,
               H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BT: gl.constexpr,
-              BV: gl.constexpr, STAGES: gl.constexpr, J: gl.constexpr):
+              BV: gl.constexpr, STAGES: gl.constexpr, J: gl.constexpr, EPI_TMA: gl.constexpr):
     """Consumer warpgroup J: channels 64J..64J+63; the V side's share (module docstring) and the
     epilogue on its K half; consumer 0 also the dA chain, dA and db."""
     NV: gl.constexpr = V // BV
@@ -184,9 +235,6 @@ def _consumer(h_s, dh_s, vn_s, do_s, dv_s, v_s, a_s, dw_s, kg_s, xp_s, xa_s, xdb
         i_hv = i_bh % HV
         i_h = i_hv // (HV // H)
         row0 = (i_b * T + i_t * BT).to(gl.int64)
-        # int32 offsets inside a chunk-head's tiles (the chunk-head's base is int64), formed in
-        # the loop: [64, 64] offsets in the accumulators' layout are 32 registers a thread each
-        off_hk = _tile_offsets(r, cc, HV * K)
         p_beta = beta + row0 * HV + i_hv
         b_beta = gl.load(p_beta + r * HV).to(gl.float32)
         ab = n % 2
@@ -199,7 +247,8 @@ def _consumer(h_s, dh_s, vn_s, do_s, dv_s, v_s, a_s, dw_s, kg_s, xp_s, xa_s, xdb
         mbarrier.wait(a_ready.index(ab), (n // 2) & 1)
         a_t = a_s.index(ab).permute((1, 0))  # [s, t] view of A[t, s]: A^T, and the K-major B of X A^T
         if J == 1:
-            b_At = a_t.load(opa_l)
+            if not EPI_TMA:
+                b_At = a_t.load(opa_l)
             b_dbv = gl.zeros([BT], gl.float32, row_l)
             p_dv2 = dv2 + (row0 * HV + i_hv) * V
         for iv in range(NV):
@@ -213,6 +262,8 @@ def _consumer(h_s, dh_s, vn_s, do_s, dv_s, v_s, a_s, dw_s, kg_s, xp_s, xa_s, xdb
             a_w = warpgroup_mma(dv_s.index(s), h_t, a_w, is_async=True)
             if J == 0:
                 a_x = warpgroup_mma(dv_s.index(s), v_s.index(s).permute((1, 0)), a_x, is_async=True)
+            elif EPI_TMA:
+                a_x = warpgroup_mma(a_t, dv_s.index(s), zero, use_acc=False, is_async=True)
             else:
                 a_x = warpgroup_mma(b_At, dv_s.index(s), zero, use_acc=False, is_async=True)
             # while the wgmmas run: this half's sum_V h dh from the stage's tiles
@@ -235,21 +286,42 @@ def _consumer(h_s, dh_s, vn_s, do_s, dv_s, v_s, a_s, dw_s, kg_s, xp_s, xa_s, xdb
         # would not fit a warpgroup's 232 registers a thread)
         if J == 0:
             xa_s.store(a_x)  # dvn v^T waits in shared memory for the dA partial's wgmma
-        b_g = gl.load(g + base_hk + off_hk)
+        if EPI_TMA:
+            # q, k and g by TMA into the ring stage after this chunk-head's V tiles
+            se = c % STAGES
+            mbarrier.wait(ready.index(se), (c // STAGES) & 1)
+            q_j, k_j, g_j = _epi_views(h_s, dh_s, vn_s, do_s, dv_s, v_s, se, J)
+            b_g = g_j.load(acc_l)
+        else:
+            # int32 offsets inside a chunk-head's tiles (the chunk-head's base is int64), formed
+            # here: [64, 64] offsets in the accumulators' layout are 32 registers a thread each
+            b_g = gl.load(g + base_hk + _tile_offsets(r, cc, HV * K))
         b_gn = gl.load(g + base_hk + (BT - 1) * (HV * K) + _fresh(cc))
-        b_dk = a_k * gl.exp2(b_gn[None, :] - b_g)
-        b_gexp = gl.exp2(b_g)
-        b_dq = a_q * b_gexp * scale
-        _store_pairs(dq + base_hk, _tile_offsets(r, cc, HV * K), b_dq)
-        b_q = gl.load(q + base_qk + _tile_offsets(r, cc, H * K))
-        b_dg = b_q.to(gl.float32) * b_dq
-        b_k = gl.load(k + base_qk + _tile_offsets(r, cc, H * K))
-        b_kdk = b_k.to(gl.float32) * b_dk
+        if EPI_TMA:
+            # every use reads q, k, g from the stage again: nothing of them held between uses
+            # (exp2(g) recomputed: the same fp32 value)
+            b_dq = a_q * gl.exp2(b_g) * scale
+            _store_pairs(dq + base_hk, _tile_offsets(r, cc, HV * K), b_dq)
+            b_dg = q_j.load(acc_l).to(gl.float32) * b_dq
+            b_dk = a_k * gl.exp2(b_gn[None, :] - g_j.load(acc_l))
+            b_kdk = k_j.load(acc_l).to(gl.float32) * b_dk
+        else:
+            b_dk = a_k * gl.exp2(b_gn[None, :] - b_g)
+            b_gexp = gl.exp2(b_g)
+            b_dq = a_q * b_gexp * scale
+            _store_pairs(dq + base_hk, _tile_offsets(r, cc, HV * K), b_dq)
+            b_q = gl.load(q + base_qk + _tile_offsets(r, cc, H * K))
+            b_dg = b_q.to(gl.float32) * b_dq
+            b_k = gl.load(k + base_qk + _tile_offsets(r, cc, H * K))
+            b_kdk = b_k.to(gl.float32) * b_dk
         b_dg -= b_kdk
         b_dgk = gl.convert_layout(b_dgk, col_l) * gl.exp2(b_gn) + gl.sum(b_kdk, axis=0)
 
         dw_s.index(J).store((-a_w).to(gl.bfloat16))  # dwb
-        kg_s.index(J).store((b_k.to(gl.float32) * b_gexp).to(gl.bfloat16))
+        if EPI_TMA:
+            kg_s.index(J).store((k_j.load(acc_l).to(gl.float32) * gl.exp2(g_j.load(acc_l))).to(gl.bfloat16))
+        else:
+            kg_s.index(J).store((b_k.to(gl.float32) * b_gexp).to(gl.bfloat16))
         fence_async_shared()
         gl.thread_barrier()
         if J == 1:
@@ -259,13 +331,23 @@ def _consumer(h_s, dh_s, vn_s, do_s, dv_s, v_s, a_s, dw_s, kg_s, xp_s, xa_s, xdb
             a_p = warpgroup_mma_wait(0, deps=[a_p])
             xp_s.store(a_p)
         # _k_side_terms: dkgb = A^T dwb (A^T again from shared memory: not held through the epilogue)
-        b_At = a_t.load(opa_l)
-        a_d = warpgroup_mma(b_At, dw_s.index(J), zero, use_acc=False, is_async=True)
+        if EPI_TMA:
+            a_d = warpgroup_mma(a_t, dw_s.index(J), zero, use_acc=False, is_async=True)
+        else:
+            b_At = a_t.load(opa_l)
+            a_d = warpgroup_mma(b_At, dw_s.index(J), zero, use_acc=False, is_async=True)
         b_dkgb = warpgroup_mma_wait(0, deps=[a_d])
+        if EPI_TMA:
+            b_k = k_j.load(acc_l)
+            b_gexp = gl.exp2(g_j.load(acc_l))
         b_kg = b_k.to(gl.float32) * b_gexp  # the same fp32 kg again (a bf16 copy went to the dot)
         b_dbk = gl.sum(b_dkgb * b_kg, axis=1)
         b_dg += b_kg * b_dkgb * b_beta[:, None] + gl.where((r == BT - 1)[:, None], b_dgk[None, :], 0)
         b_dk += b_dkgb * b_gexp * b_beta[:, None]
+        if EPI_TMA:
+            gl.thread_barrier()  # the whole warpgroup has read the stage
+            mbarrier.arrive(empty.index(se))
+            c += 1
         _store_pairs(dk + base_hk, _tile_offsets(r, cc, HV * K), b_dk)
         _store_pairs(dg + base_hk, _tile_offsets(r, cc, HV * K), b_dg)
 
@@ -289,7 +371,10 @@ def _consumer(h_s, dh_s, vn_s, do_s, dv_s, v_s, a_s, dw_s, kg_s, xp_s, xa_s, xdb
             kg_s.index(0).store(b_dA.to(gl.bfloat16))  # consumer 0's kg buffer, its dot done
             fence_async_shared()
             gl.thread_barrier()
-            b_dA = warpgroup_mma(b_At, kg_s.index(0), zero, use_acc=False)
+            if EPI_TMA:
+                b_dA = warpgroup_mma(a_t, kg_s.index(0), zero, use_acc=False)
+            else:
+                b_dA = warpgroup_mma(b_At, kg_s.index(0), zero, use_acc=False)
             mbarrier.arrive(a_empty.index(ab))
             b_dA = gl.where(_fresh(r)[:, None] > _fresh(cc)[None, :], -b_dA, 0)
             _store_pairs(dA + (row0 * HV + i_hv) * BT, _tile_offsets(r, cc, HV * BT), b_dA)
@@ -298,11 +383,11 @@ def _consumer(h_s, dh_s, vn_s, do_s, dv_s, v_s, a_s, dw_s, kg_s, xp_s, xa_s, xdb
 
 
 @gluon.jit
-def b6_gluon_kernel(d_h, d_dh, d_vn, d_do, d_dv, d_v, d_A, q, k, g, beta, dq, dk, dv2, dg, db, dA,
+def b6_gluon_kernel(d_h, d_dh, d_vn, d_do, d_dv, d_v, d_A, d_q, d_k, d_g, q, k, g, beta, dq, dk, dv2, dg, db, dA,
                     scale, T, NT, NBH, NCH,
                     H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BT: gl.constexpr,
                     BV: gl.constexpr, STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                    CONSUMER1_REGS: gl.constexpr):
+                    CONSUMER1_REGS: gl.constexpr, EPI_TMA: gl.constexpr):
     """B6, persistent (launch one CTA an SM), num_warps=4: consumer 0 the default partition,
     consumer 1 (4 warps) and the producer warp the workers."""
     h_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, K, BV], d_h.layout)
@@ -341,12 +426,14 @@ def b6_gluon_kernel(d_h, d_dh, d_vn, d_do, d_dv, d_v, d_A, q, k, g, beta, dq, dk
     gl.warp_specialize([
         (_consumer, (h_s, dh_s, vn_s, do_s, dv_s, v_s, a_s, dw_s, kg_s, xp_s, xa_s, xdbv_s, xdbk_s,
                      ready, empty, a_ready, a_empty, x_full, x_empty,
-                     q, k, g, beta, dq, dk, dv2, dg, db, dA, scale, T, NBH, NCH, H, HV, K, V, BT, BV, STAGES, 0)),
+                     q, k, g, beta, dq, dk, dv2, dg, db, dA, scale, T, NBH, NCH, H, HV, K, V, BT, BV, STAGES, 0,
+                     EPI_TMA)),
         (_consumer, (h_s, dh_s, vn_s, do_s, dv_s, v_s, a_s, dw_s, kg_s, xp_s, xa_s, xdbv_s, xdbk_s,
                      ready, empty, a_ready, a_empty, x_full, x_empty,
-                     q, k, g, beta, dq, dk, dv2, dg, db, dA, scale, T, NBH, NCH, H, HV, K, V, BT, BV, STAGES, 1)),
-        (_producer, (d_h, d_dh, d_vn, d_do, d_dv, d_v, d_A, h_s, dh_s, vn_s, do_s, dv_s, v_s, a_s,
-                     ready, empty, a_ready, a_empty, T, NT, NBH, NCH, HV, K, V, BT, BV, STAGES)),
+                     q, k, g, beta, dq, dk, dv2, dg, db, dA, scale, T, NBH, NCH, H, HV, K, V, BT, BV, STAGES, 1,
+                     EPI_TMA)),
+        (_producer, (d_h, d_dh, d_vn, d_do, d_dv, d_v, d_A, d_q, d_k, d_g, h_s, dh_s, vn_s, do_s, dv_s, v_s, a_s,
+                     ready, empty, a_ready, a_empty, T, NT, NBH, NCH, H, HV, K, V, BT, BV, STAGES, EPI_TMA)),
     ], [4, 1], [CONSUMER1_REGS, PRODUCER_REGS])
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(s))
@@ -363,7 +450,7 @@ def b6_gluon_kernel(d_h, d_dh, d_vn, d_do, d_dv, d_v, d_A, q, k, g, beta, dq, dk
 # --------------------------------------------------------------------------------------
 OUTPUTS = ("dq", "dk", "dv2", "db", "dg", "dA")  # wy_dqkg_bwd's return order
 BT = 64
-DEFAULT_BUILD = dict(BV=64, stages=2, producer_regs=40, consumer1_regs=232)
+DEFAULT_BUILD = dict(BV=64, stages=2, producer_regs=40, consumer1_regs=232, epi_tma=True)
 
 
 def supports(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, cu_seqlens, chunk_indices,
@@ -392,10 +479,10 @@ def supports(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, cu_s
     return None
 
 
-def _build(BV=64, stages=2, producer_regs=40, consumer1_regs=232):
+def _build(BV=64, stages=2, producer_regs=40, consumer1_regs=232, epi_tma=True):
     """(kernel, the constexprs but H, HV, K, V, num_warps) of a build."""
     return b6_gluon_kernel, dict(BT=BT, BV=BV, STAGES=stages, PRODUCER_REGS=producer_regs,
-                                 CONSUMER1_REGS=consumer1_regs), 4
+                                 CONSUMER1_REGS=consumer1_regs, EPI_TMA=epi_tma), 4
 
 
 def wy_dqkg_bwd_gluon(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, cu_seqlens, chunk_indices,
@@ -415,8 +502,8 @@ def wy_dqkg_bwd_gluon(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_s
     kernel, ce, num_warps = _build(**{**DEFAULT_BUILD, **(build or {})})
     BV = ce["BV"]
 
-    def desc(x2d, block):
-        return TensorDescriptor.from_tensor(x2d, block, gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
+    def desc(x2d, block, dtype=gl.bfloat16):
+        return TensorDescriptor.from_tensor(x2d, block, gl.NVMMASharedLayout.get_default_for(block, dtype))
 
     def token_major(x):  # [B, T, HV, W] -> [B*T, HV*W]: a chunk-head's tile is a [64, BV] box
         return desc(x.view(B * T, HV * x.shape[-1]), [BT, BV])
@@ -437,6 +524,9 @@ def wy_dqkg_bwd_gluon(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_s
     kernel[(max(1, min(n_ctas, nch)),)](
         desc(h.view(-1, V), [K, BV]), desc(dh.view(-1, V), [K, BV]), token_major(v_new), token_major(do),
         token_major(dv), token_major(v), desc(A.view(B * T, HV * BT), [BT, BT]),
+        # the epilogue's q, k (bf16 [B*T, H*K]) and g (fp32 [B*T, HV*K]): a [64, 64] box a K half
+        desc(q.view(B * T, H * K), [BT, K // 2]), desc(k.view(B * T, H * K), [BT, K // 2]),
+        desc(gc.view(B * T, HV * K), [BT, K // 2], gl.float32),
         q, k, gc, beta, dq, dk, dv2, dg, db, dA, float(scale), T, NT, B * HV, nch,
         H=H, HV=HV, K=K, V=V, **ce, num_warps=num_warps)
     return dq, dk, dv2, db, dg, dA
@@ -448,6 +538,7 @@ def wy_dqkg_bwd_gluon(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_s
 # (three ring stages need 281,216 B of shared memory: over the SM's 232,448)
 VARIANTS = {
     "main": dict(BV=64, stages=2),
+    "plain_epi": dict(BV=64, stages=2, epi_tma=False),  # q, k, g by plain loads in the epilogues (spilled)
 }
 
 
@@ -461,8 +552,11 @@ def compile_b6_gluon(H=16, HV=16, K=128, V=256, **build) -> dict:
     kernel, ce, num_warps = _build(**b)
     ce = dict(H=H, HV=HV, K=K, V=V, **ce)
     BV = ce["BV"]
+    f32_layout = gl.NVMMASharedLayout.get_default_for([BT, K // 2], gl.float32)
     sig = {"d_h": _desc_type([K, BV]), "d_dh": _desc_type([K, BV]),
            **{n: _desc_type([BT, BV]) for n in ("d_vn", "d_do", "d_dv", "d_v")}, "d_A": _desc_type([BT, BT]),
+           "d_q": _desc_type([BT, K // 2]), "d_k": _desc_type([BT, K // 2]),
+           "d_g": f"tensordesc<fp32[{BT}, {K // 2}],{f32_layout!r}>",
            "q": "*bf16", "k": "*bf16", "g": "*fp32", "beta": "*bf16",
            "dq": "*fp32", "dk": "*fp32", "dv2": "*bf16", "dg": "*fp32", "db": "*fp32", "dA": "*fp32",
            "scale": "fp32", "T": "i32", "NT": "i32", "NBH": "i32", "NCH": "i32", **dict.fromkeys(ce, "constexpr")}
