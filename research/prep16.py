@@ -646,11 +646,6 @@ def main(argv=None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    import sys
-
-    sys.exit(main())
-
 
 # --------------------------------------------------------------------------------------
 # As the chain's F3-F6 (a candidate: python -m benchmarks.op --candidate
@@ -739,3 +734,9 @@ def b1_b2(g, use_gate_in_kernel, A_log, dt_bias, lower_bound, q, k, v, beta, A, 
                                  lower_bound=lower_bound if use_gate_in_kernel else None,
                                  activate=use_gate_in_kernel, Akk_inv=A, want_u=want_u)
     return gc, w, u, qg, kg
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())
