@@ -346,6 +346,14 @@ GRAPH_SHAPES = {
 }
 
 
+def _error_text(err: BaseException) -> str:
+    """The error and the innermost frames of its traceback (where a traced call failed)."""
+    import traceback
+
+    frames = traceback.format_exception(type(err), err, err.__traceback__)
+    return f"{type(err).__name__}: {str(err)[:1500]} || " + "".join(frames)[-3000:]
+
+
 def _captured(fn, static: dict, leaves: dict, cot: list):
     """fwd+bwd of ``fn(**static)`` captured in a CUDA graph: (graph, outputs)."""
     stream = torch.cuda.Stream()
@@ -415,7 +423,7 @@ def graphs(args, log: Log) -> int:
                 if side == "ours":
                     row["witness"] = {k: v for k, v in {**last_record().forward, **last_record().backward}.items()}
             except Exception as err:  # (fla's call may not be capturable: recorded, not fatal)
-                row["errors"][f"{side}_graph"] = f"{type(err).__name__}: {str(err)[:300]}"
+                row["errors"][f"{side}_graph"] = _error_text(err)
                 torch.cuda.synchronize()
 
         # mode="reduce-overhead": cudagraph trees over the compiled forward and backward
@@ -434,7 +442,7 @@ def graphs(args, log: Log) -> int:
             fns["ours_reduce_overhead"] = lambda: ro_step(kw)
             row["cudagraph_skips"] = dict(torch._dynamo.utils.counters.get("inductor", {}))
         except Exception as err:
-            row["errors"]["ours_reduce_overhead"] = f"{type(err).__name__}: {str(err)[:300]}"
+            row["errors"]["ours_reduce_overhead"] = _error_text(err)
         for fn in fns.values():
             fn()
         times = _timed_rounds({n: (contextlib.nullcontext, fn) for n, fn in fns.items()}, args.reps, args.rounds)

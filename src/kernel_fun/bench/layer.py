@@ -59,7 +59,7 @@ def layer_grads(layer, x, w, attention_mask=None, call=None) -> dict:
     are named as ``layer`` names them."""
     layer.zero_grad(set_to_none=True)
     x = x.detach().requires_grad_()
-    o = fwd_bwd(call or layer, x, w, attention_mask)
+    o = fwd_bwd(layer if call is None else call, x, w, attention_mask)  # (a compiled module has no truth value)
     return {"o": o.detach(), "dx": x.grad, **{n: p.grad.detach().clone() for n, p in layer.named_parameters()}}
 
 
