@@ -54,6 +54,13 @@ def version_tuple() -> tuple[int, int]:
     return _version_tuple()
 
 
+def at_least_0_6() -> bool:
+    """Whether the installed fla-core is 0.6 or later. Compared as integers: torch 2.11's
+    dynamo fails on a tuple comparison (``>=`` of two tuples) in a traced call."""
+    major, minor = version_tuple()
+    return major > 0 or minor >= 6
+
+
 @functools.cache
 def _version_tuple() -> tuple[int, int]:
     parts = version().split(".")
@@ -69,7 +76,7 @@ def chunk_kda_backend(call: dict) -> str | None:
     accepts the call), or None: fla 0.5.2 has no such dispatch. ``call``: every argument by
     name. Asked of fla's own registry for ``chunk_kda``, in fla's order; a registry of
     another shape (a later fla) is read as none."""
-    if version_tuple() < (0, 6):
+    if not at_least_0_6():
         return None
     try:
         from inspect import unwrap
@@ -98,7 +105,7 @@ def chunk_kda_backend_possible() -> bool:
     """Whether any backend of fla's ``chunk_kda`` registry is installed and enabled now (fla
     0.6; read every call: fla reads its switches from the environment), so that
     ``chunk_kda_backend`` must be asked of each call; False under fla 0.5.2."""
-    if version_tuple() < (0, 6):
+    if not at_least_0_6():
         return False
     try:
         from inspect import unwrap
@@ -119,7 +126,7 @@ def causal_conv1d_backend() -> str | None:
     kernels (its Gluon convolution, registered on NVIDIA GPUs and switched on by the user
     with ``FLA_CONV_GLUON=1``), or None. fla asks its backend per stage, on the stage's own
     arguments; this names the first one available and switched on."""
-    if version_tuple() < (0, 6):
+    if not at_least_0_6():
         return None
     try:
         from inspect import unwrap

@@ -220,7 +220,7 @@ def _validate(c: _Call, stacklevel: int = 4) -> None:
         assert c.initial_state.dtype == torch.float32, "initial_state must be in float32."
     if c.use_gate_in_kernel:
         A_log = kw.get("A_log")
-        if fla.version_tuple() >= (0, 6):  # fla 0.6: A_log may be omitted when lower_bound is set
+        if fla.at_least_0_6():  # fla 0.6: A_log may be omitted when lower_bound is set
             if A_log is None and c.lower_bound is None:
                 raise ValueError(
                     "`A_log` must be provided when `use_gate_in_kernel=True` and `lower_bound` is not set.")
@@ -308,7 +308,7 @@ def _switch_reason() -> str | None:
 def _capacity_reason(c: _Call) -> str | None:
     """Why a ``use_graph=True`` call (fla 0.6's capacity-shaped packed mode) goes to fla, or
     None: the chain takes it under fla 0.6, whose stages skip the index's spare rows."""
-    if fla.version_tuple() < (0, 6):
+    if not fla.at_least_0_6():
         return f"use_graph=True (fla-core {fla.version()} has no capacity-shaped mode)"
     if c.disable_recompute:
         return "use_graph=True with disable_recompute=True (fla does not support the pair)"
