@@ -67,9 +67,22 @@ epilogue, its dA partial's wgmma issued after dk and dg are stored, fp32 tiles s
 with in-asm addresses (``_store_pairs``), tile offsets made where used (``_fresh``). Three ring
 stages do not fit (281,216 B).
 
+BV=32 builds (``bv32``: 4 stages; ``bv32_s2``, ``bv32_s6``): V tiles of 32 columns, 32 KB a ring
+stage; the epilogue's q, k, g (64 KB) take a stage pair 2p, 2p + 1 (``_pair``: each of the six ring
+buffers' pair reinterpreted as one [64, 64] tile; the ring needs an even number of stages, V a
+multiple of 64 keeps the pair from wrapping), the first stage's ready barrier counting all 64 KB,
+the second's arrived on without bytes. Consumer 1's A^T dvn, v and dv2 tiles are [64, 32] (their
+own wgmma layout), the rest as at BV=64. Offline: ``bv32`` 215,680 B of shared memory, 20 B spill
+stores / 20 B loads a thread, 42 HGMMAs; ``bv32_s2`` 150,112 B, 4 B / 4 B; ``bv32_s6`` 281,248 B
+(does not fit). What it buys: during an epilogue the producer has 2 of 4 stages, i.e. 2 BV=32 tiles
+(64 KB, a quarter of a V=256 chunk-head) of the next chunk-head loaded: the same bytes ahead as the
+main build's one BV=64 stage, not a whole chunk-head (256 KB of V-side tiles); in the V loop 3 stages
+(96 KB) can be in flight beside the one being read, against the main build's one (64 KB).
+Not yet run on a GPU.
+
 ``python -m research.b6_gluon [variant ...]`` compiles offline (no GPU) and prints one JSON
-row a build. ``python -m research.b6_gluon gpu --out FILE`` runs it beside the registered
-Triton B6 on benchmarks.stages.b6's inputs (``gpu_main``).
+row a build. ``python -m research.b6_gluon gpu --builds main,bv32 --out FILE`` runs the builds
+beside the registered Triton B6 on benchmarks.stages.b6's inputs (``gpu_main``), each checked.
 """
 
 from __future__ import annotations
@@ -87,7 +100,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from research.b6_ws_probe import SM90_SHARED_BYTES, _desc_type, _err, _tool, _wait, cuda_ms
+from research.b6_ws_probe import SM90_SHARED_BYTES, desc_type, error_text, cuda_tool, wait_or_hang, cuda_ms
 
 __all__ = ["SM90_SHARED_BYTES", "b6_gluon_kernel", "wy_dqkg_bwd_gluon", "compile_rows", "main"]
 
@@ -131,13 +144,37 @@ def _tile_offsets(r, cc, STRIDE: gl.constexpr):
 
 
 @gluon.jit
+def _pair(buf, p, dtype: gl.constexpr, layout: gl.constexpr):
+    """Stages 2p and 2p + 1 of a ring buffer ([STAGES, R, BV], contiguous) as one [64, 64] tile of dtype."""
+    S: gl.constexpr = buf.shape[0]
+    R: gl.constexpr = buf.shape[1]
+    BV: gl.constexpr = buf.shape[2]
+    BT: gl.constexpr = 64
+    pairs = buf._reinterpret(buf.dtype, [S // 2, 2 * R, BV], buf.layout)
+    return pairs.index(p)._reinterpret(dtype, [BT, BT], layout)
+
+
+@gluon.jit
 def _epi_views(h_s, dh_s, vn_s, do_s, dv_s, v_s, s, J: gl.constexpr):
     """Ring stage s as consumer J's epilogue operands (EPI_TMA): q's and k's [64, 64] bf16 K halves in
     its four token-major tiles (q_0 vn, q_1 do, k_0 dv, k_1 v: the same [64, 64] bf16 layout), g's
-    [64, 64] fp32 K half in its h (J=0) or dh (J=1) tile, reinterpreted (16 KB each)."""
+    [64, 64] fp32 K half in its h (J=0) or dh (J=1) tile, reinterpreted (16 KB each). At BV=32 (a paired
+    ring, 32 KB a stage) the epilogue takes the two stages s, s + 1 (s even) of pair s // 2: each of the
+    six buffers' pair is one contiguous tile twice the size (8 KB a token-major pair, 16 KB an h pair)."""
     f32_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+    bf16_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     BT: gl.constexpr = vn_s.shape[1]
-    if J == 0:
+    if vn_s.shape[2] != BT:
+        p = s // 2
+        if J == 0:
+            q_j = _pair(vn_s, p, gl.bfloat16, bf16_l)
+            k_j = _pair(dv_s, p, gl.bfloat16, bf16_l)
+            g_j = _pair(h_s, p, gl.float32, f32_l)
+        else:
+            q_j = _pair(do_s, p, gl.bfloat16, bf16_l)
+            k_j = _pair(v_s, p, gl.bfloat16, bf16_l)
+            g_j = _pair(dh_s, p, gl.float32, f32_l)
+    elif J == 0:
         q_j = vn_s.index(s)
         k_j = dv_s.index(s)
         g_j = h_s.index(s)._reinterpret(gl.float32, [BT, BT], f32_l)
@@ -159,6 +196,9 @@ def _producer(d_h, d_dh, d_vn, d_do, d_dv, d_v, d_A, d_q, d_k, d_g, h_s, dh_s, v
     KH: gl.constexpr = K // 2
     nbytes: gl.constexpr = 2 * K * BV * 2 + 4 * BT * BV * 2
     ebytes: gl.constexpr = 2 * BT * K * 2 + BT * K * 4
+    EPI_STAGES: gl.constexpr = BT // BV  # ring stages the epilogue's q, k, g take (64 KB)
+    gl.static_assert(EPI_STAGES == 1 or (EPI_STAGES == 2 and STAGES % 2 == 0 and NV % 2 == 0),
+                     "BV=32: the epilogue's stage pair must not wrap the ring")
     abytes: gl.constexpr = BT * BT * 2
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
@@ -193,6 +233,8 @@ def _producer(d_h, d_dh, d_vn, d_do, d_dv, d_v, d_A, d_q, d_k, d_g, h_s, dh_s, v
             i_h = i_hv // (HV // H)
             s = c % STAGES
             mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
+            if EPI_STAGES == 2:  # the pair's second stage: s is even (NV and STAGES even), s + 1 in the ring
+                mbarrier.wait(empty.index(s + 1), (((c + 1) // STAGES) & 1) ^ 1)
             bar = ready.index(s)
             mbarrier.expect(bar, ebytes)
             for j in gl.static_range(2):
@@ -200,7 +242,9 @@ def _producer(d_h, d_dh, d_vn, d_do, d_dv, d_v, d_A, d_q, d_k, d_g, h_s, dh_s, v
                 tma.async_copy_global_to_shared(d_q, [row0, i_h * K + j * KH], bar, q_j)
                 tma.async_copy_global_to_shared(d_k, [row0, i_h * K + j * KH], bar, k_j)
                 tma.async_copy_global_to_shared(d_g, [row0, i_hv * K + j * KH], bar, g_j)
-            c += 1
+            if EPI_STAGES == 2:
+                mbarrier.arrive(ready.index(s + 1))  # no bytes of its own: stage s's barrier counts them all
+            c += EPI_STAGES
         n += 1
 
 
@@ -214,16 +258,24 @@ def _consumer(h_s, dh_s, vn_s, do_s, dv_s, v_s, a_s, dw_s, kg_s, xp_s, xa_s, xdb
     epilogue on its K half; consumer 0 also the dA chain, dA and db."""
     NV: gl.constexpr = V // BV
     KH: gl.constexpr = K // 2
-    gl.static_assert(KH == BT and BV == BT, "one [64, 64] accumulator layout for every tile")
+    EPI_STAGES: gl.constexpr = BT // BV  # ring stages the epilogue's q, k, g take (``_producer``)
+    gl.static_assert(KH == BT and (BV == BT or BV == BT // 2), "[64, 64] accumulators; V tiles of 64 or 32")
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BT, 16])
     opa_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
-    red_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8], warps_per_cta=[4, 1],
-                                           order=[1, 0])
+    red_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 * 8 // BV, BV // 8],
+                                           warps_per_cta=[4, 1], order=[1, 0])
     row_l: gl.constexpr = gl.SliceLayout(1, acc_l)
     col_l: gl.constexpr = gl.SliceLayout(0, acc_l)
+    # consumer 1's [64, BV] tiles (A^T dvn, v, dv2): acc_l itself at BV=64
+    accv_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BV, 16])
+    rowv_l: gl.constexpr = gl.SliceLayout(1, accv_l)
     r = gl.arange(0, BT, layout=row_l)
     cc = gl.arange(0, BT, layout=col_l)
     zero = gl.zeros([BT, BT], gl.float32, acc_l)
+    if BV != BT:
+        rv = gl.arange(0, BT, layout=rowv_l)
+        ccv = gl.arange(0, BV, layout=gl.SliceLayout(0, accv_l))
+        zerov = gl.zeros([BT, BV], gl.float32, accv_l)
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     c = 0
@@ -241,15 +293,18 @@ def _consumer(h_s, dh_s, vn_s, do_s, dv_s, v_s, a_s, dw_s, kg_s, xp_s, xa_s, xdb
         a_q = gl.zeros([BT, KH], gl.float32, acc_l)
         a_k = gl.zeros([BT, KH], gl.float32, acc_l)
         a_w = gl.zeros([BT, KH], gl.float32, acc_l)
-        # consumer 0: dA's V sum dvn v^T; consumer 1: A^T dvn of the tile
-        a_x = gl.zeros([BT, BT], gl.float32, acc_l)
+        # consumer 0: dA's V sum dvn v^T; consumer 1: A^T dvn of the tile ([64, BV])
+        if J == 0 or BV == BT:
+            a_x = gl.zeros([BT, BT], gl.float32, acc_l)
+        else:
+            a_x = gl.zeros([BT, BV], gl.float32, accv_l)
         b_dgk = gl.zeros([KH], gl.float32, gl.SliceLayout(1, red_l))
         mbarrier.wait(a_ready.index(ab), (n // 2) & 1)
         a_t = a_s.index(ab).permute((1, 0))  # [s, t] view of A[t, s]: A^T, and the K-major B of X A^T
         if J == 1:
             if not EPI_TMA:
                 b_At = a_t.load(opa_l)
-            b_dbv = gl.zeros([BT], gl.float32, row_l)
+            b_dbv = gl.zeros([BT], gl.float32, rowv_l)
             p_dv2 = dv2 + (row0 * HV + i_hv) * V
         for iv in range(NV):
             s = c % STAGES
@@ -262,6 +317,8 @@ def _consumer(h_s, dh_s, vn_s, do_s, dv_s, v_s, a_s, dw_s, kg_s, xp_s, xa_s, xdb
             a_w = warpgroup_mma(dv_s.index(s), h_t, a_w, is_async=True)
             if J == 0:
                 a_x = warpgroup_mma(dv_s.index(s), v_s.index(s).permute((1, 0)), a_x, is_async=True)
+            elif BV != BT:
+                a_x = warpgroup_mma(a_t, dv_s.index(s), zerov, use_acc=False, is_async=True)
             elif EPI_TMA:
                 a_x = warpgroup_mma(a_t, dv_s.index(s), zero, use_acc=False, is_async=True)
             else:
@@ -269,13 +326,20 @@ def _consumer(h_s, dh_s, vn_s, do_s, dv_s, v_s, a_s, dw_s, kg_s, xp_s, xa_s, xdb
             # while the wgmmas run: this half's sum_V h dh from the stage's tiles
             b_dgk += gl.sum(h_j.load(red_l).to(gl.float32) * dh_j.load(red_l).to(gl.float32), axis=1)
             if J == 1:
-                b_v = v_s.index(s).load(acc_l)
+                if BV == BT:
+                    b_v = v_s.index(s).load(acc_l)
+                else:
+                    b_v = v_s.index(s).load(accv_l)
             a_q, a_k, a_w, a_x = warpgroup_mma_wait(0, deps=[a_q, a_k, a_w, a_x])
             mbarrier.arrive(empty.index(s))  # the stage's empty barrier counts both consumers
             if J == 1:
                 b_v = b_v.to(gl.float32)
-                _store_pairs(p_dv2 + iv * BV, _tile_offsets(r, cc, HV * V),
-                             (a_x * b_beta[:, None]).to(gl.bfloat16))
+                if BV == BT:
+                    _store_pairs(p_dv2 + iv * BV, _tile_offsets(r, cc, HV * V),
+                                 (a_x * b_beta[:, None]).to(gl.bfloat16))
+                else:
+                    _store_pairs(p_dv2 + iv * BV, _tile_offsets(rv, ccv, HV * V),
+                                 (a_x * gl.convert_layout(b_beta, rowv_l)[:, None]).to(gl.bfloat16))
                 b_dbv += gl.sum(a_x * b_v, axis=1)
             c += 1
 
@@ -290,6 +354,8 @@ def _consumer(h_s, dh_s, vn_s, do_s, dv_s, v_s, a_s, dw_s, kg_s, xp_s, xa_s, xdb
             # q, k and g by TMA into the ring stage after this chunk-head's V tiles
             se = c % STAGES
             mbarrier.wait(ready.index(se), (c // STAGES) & 1)
+            if EPI_STAGES == 2:  # the pair's second stage (its phase only: stage se's barrier had the bytes)
+                mbarrier.wait(ready.index(se + 1), ((c + 1) // STAGES) & 1)
             q_j, k_j, g_j = _epi_views(h_s, dh_s, vn_s, do_s, dv_s, v_s, se, J)
             b_g = g_j.load(acc_l)
         else:
@@ -347,7 +413,9 @@ def _consumer(h_s, dh_s, vn_s, do_s, dv_s, v_s, a_s, dw_s, kg_s, xp_s, xa_s, xdb
         if EPI_TMA:
             gl.thread_barrier()  # the whole warpgroup has read the stage
             mbarrier.arrive(empty.index(se))
-            c += 1
+            if EPI_STAGES == 2:
+                mbarrier.arrive(empty.index(se + 1))
+            c += EPI_STAGES
         _store_pairs(dk + base_hk, _tile_offsets(r, cc, HV * K), b_dk)
         _store_pairs(dg + base_hk, _tile_offsets(r, cc, HV * K), b_dg)
 
@@ -390,6 +458,8 @@ def b6_gluon_kernel(d_h, d_dh, d_vn, d_do, d_dv, d_v, d_A, d_q, d_k, d_g, q, k, 
                     CONSUMER1_REGS: gl.constexpr, EPI_TMA: gl.constexpr):
     """B6, persistent (launch one CTA an SM), num_warps=4: consumer 0 the default partition,
     consumer 1 (4 warps) and the producer warp the workers."""
+    # (at BV=32 the epilogue takes stages 2p, 2p + 1 of each buffer as one tile: ``_pair``)
+    gl.static_assert(BV == BT or STAGES % 2 == 0, "BV=32 needs an even number of ring stages (stage pairs)")
     h_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, K, BV], d_h.layout)
     dh_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, K, BV], d_dh.layout)
     vn_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, BV], d_vn.layout)
@@ -535,10 +605,14 @@ def wy_dqkg_bwd_gluon(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_s
 # --------------------------------------------------------------------------------------
 # The offline compile (no GPU)
 # --------------------------------------------------------------------------------------
-# (three ring stages need 281,216 B of shared memory: over the SM's 232,448)
+# (three ring stages need 281,216 B of shared memory at BV=64, six 281,248 B at BV=32: over the SM's 232,448)
 VARIANTS = {
     "main": dict(BV=64, stages=2),
     "plain_epi": dict(BV=64, stages=2, epi_tma=False),  # q, k, g by plain loads in the epilogues (spilled)
+    # BV=32 tiles (32 KB a stage), the ring by stage pairs, the epilogue's q, k, g in one pair (two stages)
+    "bv32": dict(BV=32, stages=4),
+    "bv32_s2": dict(BV=32, stages=2),
+    "bv32_s6": dict(BV=32, stages=6),
 }
 
 
@@ -553,9 +627,9 @@ def compile_b6_gluon(H=16, HV=16, K=128, V=256, **build) -> dict:
     ce = dict(H=H, HV=HV, K=K, V=V, **ce)
     BV = ce["BV"]
     f32_layout = gl.NVMMASharedLayout.get_default_for([BT, K // 2], gl.float32)
-    sig = {"d_h": _desc_type([K, BV]), "d_dh": _desc_type([K, BV]),
-           **{n: _desc_type([BT, BV]) for n in ("d_vn", "d_do", "d_dv", "d_v")}, "d_A": _desc_type([BT, BT]),
-           "d_q": _desc_type([BT, K // 2]), "d_k": _desc_type([BT, K // 2]),
+    sig = {"d_h": desc_type([K, BV]), "d_dh": desc_type([K, BV]),
+           **{n: desc_type([BT, BV]) for n in ("d_vn", "d_do", "d_dv", "d_v")}, "d_A": desc_type([BT, BT]),
+           "d_q": desc_type([BT, K // 2]), "d_k": desc_type([BT, K // 2]),
            "d_g": f"tensordesc<fp32[{BT}, {K // 2}],{f32_layout!r}>",
            "q": "*bf16", "k": "*bf16", "g": "*fp32", "beta": "*bf16",
            "dq": "*fp32", "dk": "*fp32", "dv2": "*bf16", "dg": "*fp32", "db": "*fp32", "dA": "*fp32",
@@ -568,16 +642,17 @@ def compile_b6_gluon(H=16, HV=16, K=128, V=256, **build) -> dict:
         compiled = triton.compile(GluonASTSource(fn=kernel, signature=sig, constexprs=ce, attrs=attrs),
                                   target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
     except Exception as e:  # the compiler's error is the row
-        return {**row, "ok": False, "error": _err(e)}
+        return {**row, "ok": False, "error": error_text(e)}
     ptx = compiled.asm["ptx"]
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.ptx")
         with open(path, "w") as f:
             f.write(ptx)
         cubin = os.path.join(tmp, "k.cubin")
-        log = subprocess.run([_tool("ptxas"), "-v", "--gpu-name=sm_90a", path, "-o", cubin],
+        log = subprocess.run([cuda_tool("ptxas"), "-v", "--gpu-name=sm_90a", path, "-o", cubin],
                              capture_output=True, text=True, check=True).stderr
-        listing = subprocess.run([_tool("nvdisasm"), "-c", cubin], capture_output=True, text=True, check=True).stdout
+        listing = subprocess.run([cuda_tool("nvdisasm"), "-c", cubin], capture_output=True, text=True,
+                                 check=True).stdout
         cubin_bytes = os.path.getsize(cubin)
     sass = [line for line in listing.splitlines() if "/*" in line and ";" in line]
 
@@ -652,9 +727,10 @@ class _NanEmpty:
         return False
 
 
-def run_shape(name: str, warmup: int, reps: int, hang_s: float, seed: int = 0) -> dict:
-    """One shape: the registered B6 and the Gluon kernel on benchmarks.stages.b6's inputs, outputs
-    compared (``BARS``), both timed. Exceptions and a hang end up in the row."""
+def run_shape(name: str, warmup: int, reps: int, hang_s: float, seed: int = 0, builds=("main",)) -> list[dict]:
+    """One shape: the registered B6 and each Gluon build (``VARIANTS``) on benchmarks.stages.b6's inputs,
+    outputs compared (``BARS``), all timed in this process; one row a build (the Triton B6's time in
+    each). Exceptions and a hang end up in the rows; after a hang or a fault no further build runs."""
     import torch
 
     from benchmarks.stages.b6 import b6_bytes, make_inputs
@@ -664,40 +740,50 @@ def run_shape(name: str, warmup: int, reps: int, hang_s: float, seed: int = 0) -
     p = problem(name)
     row = dict(kind="b6_gluon_gpu", shape=name, B=p.B, T=p.T, H=p.H, HV=p.HV, K=p.K, V=p.V,
                gpu=torch.cuda.get_device_name(), ok=False)
+    rows = [{"variant": b, **row, "build": {**DEFAULT_BUILD, **VARIANTS[b]}} for b in builds]
     inputs = make_inputs(p, "cuda", seed)
     nch = p.B * (p.T // BT) * p.HV
     row["chunk_heads"] = nch
     row["floor_ms"] = round(b6_bytes(p) / 4.25e12 * 1e3, 4)
     why = supports(**inputs)
+    for r in rows:
+        r.update(chunk_heads=row["chunk_heads"], floor_ms=row["floor_ms"])
     if why is not None:
-        return {**row, "error": f"b6_gluon refuses: {why}"}
+        return [{**r, "error": f"b6_gluon refuses: {why}"} for r in rows]
     try:
         with _NanEmpty():
             ref = b6_wy_bwd.wy_dqkg_bwd(**inputs)
         torch.cuda.synchronize()
-        row["ref_finite"] = {n: bool(torch.isfinite(t).all()) for n, t in zip(OUTPUTS, ref)}
+        ref_finite = {n: bool(torch.isfinite(t).all()) for n, t in zip(OUTPUTS, ref)}
         fn = lambda: b6_wy_bwd.wy_dqkg_bwd(**inputs)  # noqa: E731
-        row["triton"] = cuda_ms(fn, warmup, reps)
+        triton_ms = cuda_ms(fn, warmup, reps)
     except Exception as e:
-        return {**row, "error": f"registered B6: {_err(e)}"}
-    try:
-        got = wy_dqkg_bwd_gluon(**inputs, fill=float("nan"))
-        if not _wait(hang_s):
-            return {**row, "hung": True, "error": f"hung: the Gluon kernel still ran after {hang_s:g} s"}
-        row["errors"] = {n: rel_rms(a, b) for n, a, b in zip(OUTPUTS, got, ref)}
-        row["finite"] = {n: bool(torch.isfinite(a).all()) for n, a in zip(OUTPUTS, got)}
-        del got
-        row["ok"] = (all(row["errors"][n] <= BARS[n] for n in OUTPUTS) and all(row["finite"].values())
-                     and all(row["ref_finite"].values()))
-        fn = lambda: wy_dqkg_bwd_gluon(**inputs)  # noqa: E731
-        row["gluon"] = cuda_ms(fn, warmup, reps)
-    except Exception as e:
-        row["error"] = f"gluon: {_err(e)}"
+        return [{**r, "error": f"registered B6: {error_text(e)}"} for r in rows]
+    done = []
+    for row in rows:
+        done.append(row)
+        row.update(ref_finite=ref_finite, triton=triton_ms)
+        build = VARIANTS[row["variant"]]
         try:
-            torch.cuda.synchronize()
-        except Exception as e2:  # a fault is sticky: later shapes would fail with it
-            row["dead"] = _err(e2)[:200]
-    return row
+            got = wy_dqkg_bwd_gluon(**inputs, build=build, fill=float("nan"))
+            if not wait_or_hang(hang_s):
+                row.update(hung=True, error=f"hung: the Gluon kernel still ran after {hang_s:g} s")
+                break
+            row["errors"] = {n: rel_rms(a, b) for n, a, b in zip(OUTPUTS, got, ref)}
+            row["finite"] = {n: bool(torch.isfinite(a).all()) for n, a in zip(OUTPUTS, got)}
+            del got
+            row["ok"] = (all(row["errors"][n] <= BARS[n] for n in OUTPUTS) and all(row["finite"].values())
+                         and all(row["ref_finite"].values()))
+            fn = lambda: wy_dqkg_bwd_gluon(**inputs, build=build)  # noqa: E731
+            row["gluon"] = cuda_ms(fn, warmup, reps)
+        except Exception as e:
+            row["error"] = f"gluon: {error_text(e)}"
+            try:
+                torch.cuda.synchronize()
+            except Exception as e2:  # a fault is sticky: later builds and shapes would fail with it
+                row["dead"] = error_text(e2)[:200]
+                break
+    return done
 
 
 def gpu_main(argv) -> int:
@@ -705,11 +791,18 @@ def gpu_main(argv) -> int:
                                 description="The Gluon B6 beside the registered Triton B6: every output compared "
                                             "(relative RMS), both timed (CUDA events, median).")
     p.add_argument("shapes", nargs="*", help=f"problems (default: {', '.join(GPU_SHAPES)})")
+    p.add_argument("--builds", default="main",
+                   help=f"comma-separated build variants, of {', '.join(VARIANTS)} (default: main), each checked "
+                        "and timed beside the one Triton B6 timing a shape")
     p.add_argument("--out", default=None, help="a jsonl file to append the rows to")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--hang-s", type=float, default=60.0, help="seconds before the checking call counts as hung")
     args = p.parse_args(argv)
+    builds = [b for b in args.builds.split(",") if b]
+    for b in builds:
+        if b not in VARIANTS:
+            p.error(f"no variant {b!r}")
     import torch
 
     if not torch.cuda.is_available():
@@ -717,32 +810,34 @@ def gpu_main(argv) -> int:
     os.environ.pop("TRITON_INTERPRET", None)
     rows = []
     for name in args.shapes or GPU_SHAPES:
-        row = run_shape(name, args.warmup, args.reps, args.hang_s)
-        try:
-            from benchmarks import rows as results
+        shape_rows = run_shape(name, args.warmup, args.reps, args.hang_s, builds=builds)
+        for row in shape_rows:
+            try:
+                from benchmarks import rows as results
 
-            row.update(commit=results.commit(), date=results.now())
-        except Exception:
-            pass
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        if args.out:
-            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-            with open(args.out, "a") as f:
-                f.write(json.dumps(row, sort_keys=True) + "\n")
+                row.update(commit=results.commit(), date=results.now())
+            except Exception:
+                pass
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            if args.out:
+                os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+                with open(args.out, "a") as f:
+                    f.write(json.dumps(row, sort_keys=True) + "\n")
         torch.cuda.empty_cache()
-        if row.get("hung") or row.get("dead"):
+        if any(row.get("hung") or row.get("dead") for row in shape_rows):
             break
-    print(f"\n{'shape':14s} {'ok':5s} " + " ".join(f"{n:>9s}" for n in OUTPUTS)
+    print(f"\n{'shape':14s} {'build':10s} {'ok':5s} " + " ".join(f"{n:>9s}" for n in OUTPUTS)
           + f" {'triton ms':>10s} {'gluon ms':>9s} {'speedup':>8s} {'floor ms':>9s}")
     for r in rows:
         errs = r.get("errors") or {}
         cells = " ".join(f"{errs[n]:9.2e}" if n in errs else f"{'-':>9s}" for n in OUTPUTS)
-        t = r.get("triton", {}).get("ms")
-        gm = r.get("gluon", {}).get("ms")
+        t = (r.get("triton") or {}).get("ms")
+        gm = (r.get("gluon") or {}).get("ms")
         sp = f"{t / gm:8.2f}" if t and gm else f"{'-':>8s}"
-        print(f"{r['shape']:14s} {str(r['ok']):5s} {cells} {t if t else '-':>10} {gm if gm else '-':>9} {sp} "
-              f"{r.get('floor_ms', '-'):>9}" + (f"  {r['error'][:160]}" if r.get("error") else ""))
+        print(f"{r['shape']:14s} {r['variant']:10s} {str(r['ok']):5s} {cells} {t if t else '-':>10} "
+              f"{gm if gm else '-':>9} {sp} {r.get('floor_ms', '-'):>9}"
+              + (f"  {r['error'][:160]}" if r.get("error") else ""))
     print("bars (relative RMS against the Triton B6): " + ", ".join(f"{n} {b:g}" for n, b in BARS.items()))
     if any(r.get("hung") for r in rows):  # don't wait on the deadlocked kernel at exit
         sys.stdout.flush()

@@ -251,14 +251,14 @@ def b6_ws_split_kernel(d_h, d_dh, d_vn, d_do, d_dv, dq, dkh, dw, dav, NCH,
         mbarrier.invalidate(empty.index(s))
 
 
-def _desc_type(block: list[int]) -> str:
+def desc_type(block: list[int]) -> str:
     """A Gluon bf16 tensor descriptor's signature type, as the runtime mangles one
     (``triton.runtime.jit.mangle_type`` of ``gluon.nvidia.hopper.TensorDescriptor``)."""
     layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
     return f"tensordesc<bf16[{', '.join(map(str, block))}],{layout!r}>"
 
 
-def _tool(name: str) -> str:
+def cuda_tool(name: str) -> str:
     import triton
 
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
@@ -283,8 +283,8 @@ def compile_b6_ws(K: int = 128, V: int = 256, BV: int = 64, stages: int = 2, dav
 
     BT = 64
     kernel, ce, num_warps = _build(K, V, BV, stages, dav, overlap, split, num_warps, producer_regs, consumer1_regs)
-    sig = {"d_h": _desc_type([K, BV]), "d_dh": _desc_type([K, BV]), "d_vn": _desc_type([BT, BV]),
-           "d_do": _desc_type([BT, BV]), "d_dv": _desc_type([BT, BV]),
+    sig = {"d_h": desc_type([K, BV]), "d_dh": desc_type([K, BV]), "d_vn": desc_type([BT, BV]),
+           "d_do": desc_type([BT, BV]), "d_dv": desc_type([BT, BV]),
            "dq": "*fp32", "dkh": "*fp32", "dw": "*fp32", "dav": "*fp32", "NCH": "i32", **dict.fromkeys(ce, "constexpr")}
     names = list(sig)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ("dq", "dkh", "dw", "dav")}
@@ -302,9 +302,10 @@ def compile_b6_ws(K: int = 128, V: int = 256, BV: int = 64, stages: int = 2, dav
         with open(path, "w") as f:
             f.write(ptx)
         cubin = os.path.join(tmp, "k.cubin")
-        log = subprocess.run([_tool("ptxas"), "-v", "--gpu-name=sm_90a", path, "-o", cubin],
+        log = subprocess.run([cuda_tool("ptxas"), "-v", "--gpu-name=sm_90a", path, "-o", cubin],
                              capture_output=True, text=True, check=True).stderr
-        listing = subprocess.run([_tool("nvdisasm"), "-c", cubin], capture_output=True, text=True, check=True).stdout
+        listing = subprocess.run([cuda_tool("nvdisasm"), "-c", cubin], capture_output=True, text=True,
+                                 check=True).stdout
         cubin_bytes = os.path.getsize(cubin)
     sass = [line for line in listing.splitlines() if "/*" in line and ";" in line]
 
@@ -388,7 +389,7 @@ def launch_args(t: dict, K: int, V: int, BV=64, stages=2, dav=True, overlap=Fals
                 producer_regs=40, consumer1_regs=232, maxnreg=None):
     """(kernel, args, keywords) launching the build (``VARIANTS``'s keywords) on ``gpu_inputs``'s
     tensors ``t``: host-side TMA descriptors of the [K, BV] and [64, BV] boxes the producer loads,
-    in the shared layouts the offline compile takes (``_desc_type``)."""
+    in the shared layouts the offline compile takes (``desc_type``)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     kernel, ce, num_warps = _build(K, V, BV, stages, dav, overlap, split, num_warps, producer_regs, consumer1_regs)
@@ -415,7 +416,7 @@ def gpu_launcher(t: dict, K: int, V: int, n_sm: int, **build):
     return launch
 
 
-def _wait(hang_s: float) -> bool:
+def wait_or_hang(hang_s: float) -> bool:
     """Waits for the GPU's queued work, at most ``hang_s`` seconds: False if it is still running
     (a deadlocked barrier never ends)."""
     import torch
@@ -475,7 +476,7 @@ def cuda_ms(fn, warmup: int = 2, reps: int = 20) -> dict:
     return dict(ms=round(statistics.median(ms), 4), spread_ms=[round(min(ms), 4), round(max(ms), 4)])
 
 
-def _err(e: BaseException) -> str:
+def error_text(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e).strip()[-1500:]}"
 
 
@@ -504,7 +505,7 @@ def b6_reference_row(warmup: int, reps: int) -> dict:
         row.update(ok=True, **cuda_ms(fn, warmup, reps))
         row["floor_ms"] = round(b6_bytes(p) / HBM_BYTES_PER_S * 1e3, 4)
     except Exception as e:
-        row.update(ok=False, error=_err(e))
+        row.update(ok=False, error=error_text(e))
     return row
 
 
@@ -554,7 +555,7 @@ def run_gpu(names=None, warmup: int = 2, reps: int = 20, seed: int = 0, hang_s: 
                 t[n].fill_(float("nan"))  # unwritten outputs show as NaN
             launch = gpu_launcher(t, K, V, n_sm, **kw)
             launch()
-            if not _wait(hang_s):
+            if not wait_or_hang(hang_s):
                 add({**row, "error": f"hung: the checking call was still running after {hang_s:g} s"})
                 return rows
             row.update(check_outputs(t, K, kw.get("dav", True), idx))
@@ -566,11 +567,11 @@ def run_gpu(names=None, warmup: int = 2, reps: int = 20, seed: int = 0, hang_s: 
                 row["floor_ms"] = round(floor_ms, 4)
                 row["x_floor"] = round(row["ms"] / floor_ms, 3)
         except Exception as e:
-            row.update(ok=False, error=_err(e))
+            row.update(ok=False, error=error_text(e))
             try:
                 torch.cuda.synchronize()
             except Exception as e2:  # a fault is sticky: every later launch would fail with it
-                dead = _err(e2)[:200]
+                dead = error_text(e2)[:200]
         add(row)
     return rows
 

@@ -43,13 +43,13 @@ def test_b6_ws_probe_gpu_launch_args_match_the_compile():
 
     from triton.runtime.jit import mangle_type
 
-    from research.b6_ws_probe import VARIANTS, _desc_type, gpu_inputs, launch_args
+    from research.b6_ws_probe import VARIANTS, desc_type, gpu_inputs, launch_args
 
     K, V, nch = 128, 256, 4
     t = gpu_inputs(nch, K, V, device="cpu")
     for name, build in VARIANTS.items():
         kernel, args, kw = launch_args(t, K, V, **build)
-        assert [mangle_type(d) for d in args[:5]] == [_desc_type(b) for b in ([K, 64], [K, 64]) + ([64, 64],) * 3]
+        assert [mangle_type(d) for d in args[:5]] == [desc_type(b) for b in ([K, 64], [K, 64]) + ([64, 64],) * 3]
         assert kw["num_warps"] == (4 if build.get("split") else 8), name
         consts = {k: v for k, v in kw.items() if k not in ("num_warps", "maxnreg")}
         inspect.signature(kernel.fn).bind(*args, **consts)  # every parameter given, none twice
