@@ -115,17 +115,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import subprocess
 import sys
-import tempfile
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from research.b6_ws_probe import SM90_SHARED_BYTES, desc_type, error_text, cuda_tool, wait_or_hang, cuda_ms
+from research.b6_ws_probe import SM90_SHARED_BYTES, cuda_ms, desc_type, error_text, sm90_report, wait_or_hang
 
 __all__ = ["SM90_SHARED_BYTES", "b6_gluon_kernel", "wy_dqkg_bwd_gluon", "compile_rows", "main"]
 
@@ -962,40 +959,7 @@ def compile_b6_gluon(H=16, HV=16, K=128, V=256, **build) -> dict:
                                   target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
     except Exception as e:  # the compiler's error is the row
         return {**row, "ok": False, "error": error_text(e)}
-    ptx = compiled.asm["ptx"]
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.ptx")
-        with open(path, "w") as f:
-            f.write(ptx)
-        cubin = os.path.join(tmp, "k.cubin")
-        log = subprocess.run([cuda_tool("ptxas"), "-v", "--gpu-name=sm_90a", path, "-o", cubin],
-                             capture_output=True, text=True, check=True).stderr
-        listing = subprocess.run([cuda_tool("nvdisasm"), "-c", cubin], capture_output=True, text=True,
-                                 check=True).stdout
-        cubin_bytes = os.path.getsize(cubin)
-    sass = [line for line in listing.splitlines() if "/*" in line and ";" in line]
-
-    def grab(pattern):
-        m = re.search(pattern, log)
-        return int(m.group(1)) if m else 0
-
-    return {
-        **row, "ok": True,
-        "registers": grab(r"Used (\d+) registers"),  # with setmaxnreg: the kernel-wide cap (.maxnreg)
-        "sass_max_reg": 1 + max((int(n) for n in re.findall(r"\bR(\d+)\b", "\n".join(sass))), default=-1),
-        "spill_stores": grab(r"(\d+) bytes spill stores"),
-        "spill_loads": grab(r"(\d+) bytes spill loads"),
-        "shared": compiled.metadata.shared,
-        "shared_fits": compiled.metadata.shared <= SM90_SHARED_BYTES,
-        "sass_instructions": len(sass),
-        "cubin_bytes": cubin_bytes,
-        "wgmma_sass": sum("HGMMA" in line for line in sass),
-        "wgmma_ptx": ptx.count("wgmma.mma_async"),
-        "setmaxnreg": sorted(set(int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx))),
-        "setmaxnreg_sass": any("USETMAXREG" in line for line in sass),
-        "ptxas_warnings": sorted(set(re.sub(r"^.*?warning\s*:\s*", "", line) for line in log.splitlines()
-                                     if "warning" in line.lower() or "Performance Loss" in line)),
-    }
+    return {**row, "ok": True, **sm90_report(compiled)}
 
 
 def compile_rows(names=None) -> list[dict]:

@@ -296,6 +296,14 @@ def compile_b6_ws(K: int = 128, V: int = 256, BV: int = 64, stages: int = 2, dav
                                   options=dict(num_warps=num_warps, maxnreg=maxnreg))
     except Exception as e:  # the compiler's error is the row
         return {**row, "ok": False, "error": f"{type(e).__name__}: {str(e).strip()[-1500:]}"}
+    return {**row, "ok": True, **sm90_report(compiled)}
+
+
+def sm90_report(compiled) -> dict:
+    """What a compiled kernel's PTX becomes on sm_90a (its ptxas and nvdisasm): registers
+    (with setmaxnreg, the kernel-wide cap), the highest register the code names, named
+    barriers, spills, shared memory, SASS size, wgmma counts and shapes, the setmaxnreg
+    budgets, ptxas's warnings."""
     ptx = compiled.asm["ptx"]
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.ptx")
@@ -314,7 +322,6 @@ def compile_b6_ws(K: int = 128, V: int = 256, BV: int = 64, stages: int = 2, dav
         return int(m.group(1)) if m else 0
 
     return {
-        **row, "ok": True,
         "registers": grab(r"Used (\d+) registers"),  # with setmaxnreg: the kernel-wide cap (.maxnreg)
         "named_barriers": grab(r"used (\d+) barriers"),
         "spill_stores": grab(r"(\d+) bytes spill stores"),
