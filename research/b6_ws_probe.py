@@ -469,17 +469,12 @@ def cuda_ms(fn, warmup: int = 2, reps: int = 20) -> dict:
     after ``warmup`` calls."""
     import torch
 
+    from kernel_fun.bench.timing import cuda_times
+
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    ms = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        ms.append(start.elapsed_time(end))
+    ms = cuda_times(fn, reps)
     return dict(ms=round(statistics.median(ms), 4), spread_ms=[round(min(ms), 4), round(max(ms), 4)])
 
 
