@@ -488,11 +488,22 @@ def fla_f3_f5(q, k, gc, beta, scale):
     return Aqk, Akk
 
 
+def _emit(rows: list[dict], out) -> None:
+    """Each row (the GPU named) printed as a JSON line and appended to ``out`` when given."""
+    import json
+
+    for r in rows:
+        line = json.dumps({**r, "gpu": torch.cuda.get_device_name()})
+        print(line, flush=True)
+        if out:
+            with open(out, "a") as f:
+                f.write(line + "\n")
+
+
 def gpu_run(shape: str, out) -> list[dict]:
     """At ``shape``: q and k normalized, gc the chain's gate cumsum (the reference F1, F2);
     parity of each config against the float64 reference (a 1,024-token slice) and against
     fla's F3-F5, then CUDA-event times of each against fla's in the same process."""
-    import json
 
     from kernel_fun.bench.timing import cuda_times, summary
     from kernel_fun.kda import reference as ref
@@ -544,12 +555,7 @@ def gpu_run(shape: str, out) -> list[dict]:
         stage = "F3-F6" if r["impl"].startswith("F3-F6") else "F3-F5"
         ms = summary(times[r["impl"]])["median"]
         table.append({"kind": "stage", "stage": stage, "shape": shape, **r, "ms": ms, "vs_fla_x": fla_ms[stage] / ms})
-    for r in table:
-        line = json.dumps({**r, "gpu": torch.cuda.get_device_name()})
-        print(line, flush=True)
-        if out:
-            with open(out, "a") as f:
-                f.write(line + "\n")
+    _emit(table, out)
     return table
 
 
@@ -558,12 +564,11 @@ def units_run(shape: str, out) -> list[dict]:
     F1, F2 and F3-F6 in turn, and the B1-B2 unit (``b1_b2``, from fla's saved Akk_inv)
     against fla's B1 and B2: each output against fla's, and on a 1,024-token slice both
     against the float64 reference stages; then CUDA-event times, interleaved, one process."""
-    import json
 
-    from kernel_fun import _fla as fla
     from kernel_fun.bench.timing import cuda_times, summary
     from kernel_fun.kda import reference as ref
     from kernel_fun.kda.problems import make_inputs, problem
+    from kernel_fun.kda.stages import stages
 
     p = problem(shape)
     kw = make_inputs(p, device="cuda", seed=0, requires_grad=False)
@@ -575,11 +580,9 @@ def units_run(shape: str, out) -> list[dict]:
                 chunk_indices=None)
     names = ("q", "q_rstd", "k", "k_rstd", "gc", "w", "u", "kg", "Aqk", "Akk_inv", "qg")
 
-    def fla_f1_f6(q, k, v, g, beta, **a):
-        qn, qr, kn, kr = fla.l2norm_fwd(q, k)
-        gc = fla.gate(g, True, a["A_log"], a["dt_bias"], a["lower_bound"], 64, None, None)
-        return (qn, qr, kn, kr, gc) + tuple(fla.intra(qn, kn, v, gc, beta, scale, 64, None, None, False, True))
-
+    # fla's side of each unit: its stages in turn, as the chain registers them
+    fla_f1_f6 = stages()["F1-F6"].impls["fla"]
+    fla_b1_b2 = stages()["B1-B2"].impls["fla"]
     ours, theirs = f1_f6(q, k, v, g, beta, **args), fla_f1_f6(q, k, v, g, beta, **args)
     sl = [x[:1, :1024].contiguous() for x in (q, k, v, g, beta)]
     small = f1_f6(*sl, **args)
@@ -596,10 +599,6 @@ def units_run(shape: str, out) -> list[dict]:
     # B1-B2 from fla's saved inverse, against fla's B1 then B2
     qn, kn, Akk = theirs[0], theirs[2], theirs[9]
     b_args = (g, True, A_log, dt_bias, lb, qn, kn, v, beta, Akk, True, 64, None, None)
-
-    def fla_b1_b2(g, use_gate, A_log, dt_bias, lb, q, k, v, beta, A, want_u, *rest):
-        gc = fla.gate(g, True, A_log, dt_bias, lb, 64, None, None)
-        return (gc,) + tuple(fla.wy_recompute(q, k, v, beta, A, gc, want_u, 64, None, None))
 
     b_ours, b_fla = b1_b2(*b_args), fla_b1_b2(*b_args)
     brow = {"kind": "unit", "unit": "B1-B2", "shape": shape,
@@ -619,12 +618,7 @@ def units_run(shape: str, out) -> list[dict]:
     row.update(ms={"ours": ms["F1-F6 ours"], "fla": ms["F1-F6 fla"]}, vs_fla_x=ms["F1-F6 fla"] / ms["F1-F6 ours"])
     brow.update(ms={"ours": ms["B1-B2 ours"], "ours_no_u": ms["B1-B2 ours no u"], "fla": ms["B1-B2 fla"]},
                 vs_fla_x=ms["B1-B2 fla"] / ms["B1-B2 ours"])
-    for r in (row, brow):
-        line = json.dumps({**r, "gpu": torch.cuda.get_device_name()})
-        print(line, flush=True)
-        if out:
-            with open(out, "a") as f:
-                f.write(line + "\n")
+    _emit([row, brow], out)
     return [row, brow]
 
 
@@ -654,13 +648,10 @@ def main(argv=None) -> int:
 def supports(q, k, v, gc, beta, scale, safe_gate, disable_recompute, chunk_size, cu_seqlens,
              chunk_indices) -> str | None:
     """None when ``f3_f6`` takes the call."""
-    if chunk_size != 64:
-        return f"chunk_size={chunk_size} (built for 64)"
-    if q.dtype not in (torch.bfloat16, torch.float16):
-        return f"dtype {q.dtype} (bf16/fp16)"
-    if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous() and gc.is_contiguous()):
-        return "a strided input"
-    return None
+    why = _common_support(q, k, v, chunk_size)
+    if why is None and not gc.is_contiguous():
+        why = "a strided gate cumsum"
+    return why
 
 
 def f3_f6(q, k, v, gc, beta, scale, safe_gate, disable_recompute, chunk_size, cu_seqlens, chunk_indices):

@@ -150,24 +150,30 @@ def _ref_l2norm_bwd(q, q_rstd, dq, k, k_rstd, dk):
 
 
 def _prep_in_turn(l2norm_fwd, gate, intra):
-    """The F1-F6 unit as its three stages in turn (fla's, or the references)."""
+    """The F1-F6 unit as its three stages in turn (fla's, or the references), each called by
+    its stage's input names (the implementations' positional orders differ)."""
     def prep(q, k, v, g, beta, A_log, dt_bias, lower_bound, use_gate_in_kernel, use_qk_l2norm_in_kernel, scale,
              safe_gate, disable_recompute, chunk_size, cu_seqlens, chunk_indices):
         q_rstd = k_rstd = None
         if use_qk_l2norm_in_kernel:
             q, q_rstd, k, k_rstd = l2norm_fwd(q, k)
-        gc = gate(g, use_gate_in_kernel, A_log, dt_bias, lower_bound, chunk_size, cu_seqlens, chunk_indices)
-        return (q, q_rstd, k, k_rstd, gc) + tuple(intra(q, k, v, gc, beta, scale, chunk_size, cu_seqlens,
-                                                        chunk_indices, safe_gate, disable_recompute))
+        common = dict(chunk_size=chunk_size, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
+        gc = gate(g=g, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                  **common)
+        return (q, q_rstd, k, k_rstd, gc) + tuple(intra(q=q, k=k, v=v, gc=gc, beta=beta, scale=scale,
+                                                        safe_gate=safe_gate, disable_recompute=disable_recompute,
+                                                        **common))
     return prep
 
 
 def _recompute_in_turn(gate, wy):
-    """The B1-B2 unit as its two stages in turn (fla's, or the references)."""
+    """The B1-B2 unit as its two stages in turn (fla's, or the references), called by name."""
     def recompute(g, use_gate_in_kernel, A_log, dt_bias, lower_bound, q, k, v, beta, A, want_u, chunk_size,
                   cu_seqlens, chunk_indices):
-        gc = gate(g, use_gate_in_kernel, A_log, dt_bias, lower_bound, chunk_size, cu_seqlens, chunk_indices)
-        return (gc,) + tuple(wy(q, k, v, beta, A, gc, want_u, chunk_size, cu_seqlens, chunk_indices))
+        common = dict(chunk_size=chunk_size, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
+        gc = gate(g=g, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                  **common)
+        return (gc,) + tuple(wy(q=q, k=k, v=v, beta=beta, A=A, gc=gc, want_u=want_u, **common))
     return recompute
 
 
