@@ -122,7 +122,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from research.b6_ws_probe import SM90_SHARED_BYTES, cuda_ms, desc_type, error_text, sm90_report, wait_or_hang
+from research.b6_ws_probe import (SM90_SHARED_BYTES, compile_main, cuda_ms, desc_type, error_text, sm90_report,
+                                 wait_or_hang)
 
 __all__ = ["SM90_SHARED_BYTES", "b6_gluon_kernel", "wy_dqkg_bwd_gluon", "compile_rows", "main"]
 
@@ -1129,21 +1130,7 @@ def gpu_main(argv) -> int:
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["gpu"]:  # a reserved first word: no build is called gpu
-        return gpu_main(argv[1:])
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                epilog="python -m research.b6_gluon gpu --help: on a GPU, checked and timed")
-    p.add_argument("variants", nargs="*", help=f"build variants, of {', '.join(VARIANTS)} (default: all)")
-    args = p.parse_args(argv)
-    for n in args.variants:
-        if n not in VARIANTS:
-            p.error(f"no variant {n!r}")
-    os.environ.pop("TRITON_INTERPRET", None)
-    for row in compile_rows(args.variants or None):
-        print(json.dumps(row), flush=True)
-    return 0
-
+    return compile_main(argv, "research.b6_gluon", __doc__, VARIANTS, compile_rows, gpu_main)
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -630,23 +630,41 @@ def gpu_main(argv) -> int:
     return 0 if all(r.get("ok") for r in rows) else 1
 
 
-def main(argv=None):
+def offline_compile_available() -> str | None:
+    """Why the sm_90a compile of a Gluon kernel cannot run here, or None."""
+    try:
+        import triton
+        from triton.experimental.gluon._runtime import GluonASTSource  # noqa: F401
+    except Exception as e:  # an older or a CPU-only Triton
+        return f"no Gluon in this Triton: {e}"
+    for tool in ("ptxas", "nvdisasm"):
+        if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", tool)):
+            return f"Triton ships no {tool}"
+    return None
+
+
+def compile_main(argv, prog: str, doc: str, variants: dict, rows, gpu) -> int:
+    """A probe's command line: ``gpu ...`` (a reserved first word: no build is called gpu)
+    runs ``gpu``; otherwise the named builds (all by default) compiled, one JSON row each."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["gpu"]:  # a reserved first word: no build is called gpu
-        return gpu_main(argv[1:])
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                epilog="python -m research.b6_ws_probe gpu --help: the builds run on a GPU, "
-                                       "checked for values and timed")
-    p.add_argument("variants", nargs="*", help=f"build variants, of {', '.join(VARIANTS)} (default: all)")
+    if argv[:1] == ["gpu"]:
+        return gpu(argv[1:])
+    p = argparse.ArgumentParser(prog=f"python -m {prog}", description=doc.split("\n\n")[0],
+                                epilog=f"python -m {prog} gpu --help: the builds run on a GPU, checked for values "
+                                       "and timed")
+    p.add_argument("variants", nargs="*", help=f"build variants, of {', '.join(variants)} (default: all)")
     args = p.parse_args(argv)
     for n in args.variants:
-        if n not in VARIANTS:
+        if n not in variants:
             p.error(f"no variant {n!r}")
     os.environ.pop("TRITON_INTERPRET", None)
-    for row in compile_rows(args.variants or None):
+    for row in rows(args.variants or None):
         print(json.dumps(row), flush=True)
     return 0
 
+
+def main(argv=None):
+    return compile_main(argv, "research.b6_ws_probe", __doc__, VARIANTS, compile_rows, gpu_main)
 
 if __name__ == "__main__":
     raise SystemExit(main())

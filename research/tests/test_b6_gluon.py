@@ -10,21 +10,10 @@ import sys
 
 import pytest
 
-
-def _offline_compile_available() -> str | None:
-    """Why the sm_90a compile cannot run here, or None."""
-    try:
-        import triton
-        from triton.experimental.gluon._runtime import GluonASTSource  # noqa: F401
-    except Exception as e:  # an older or a CPU-only Triton
-        return f"no Gluon in this Triton: {e}"
-    for tool in ("ptxas", "nvdisasm"):
-        if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", tool)):
-            return f"Triton ships no {tool}"
-    return None
+from research.b6_ws_probe import offline_compile_available
 
 
-_WHY = _offline_compile_available()
+_WHY = offline_compile_available()
 _ROWS = {}
 
 
