@@ -237,7 +237,6 @@ def intra16_kernel(q, k, g, beta, Aqk, Akk_inv, scale, cu_seqlens, chunk_indices
     k += base * H * K + i_h * K
     g += base * HV * K + i_hv * K
     beta += base * HV + i_hv
-    Aqk += base * HV * BT + i_hv * BT
     Akk_inv += base * HV * BT + i_hv * BT
     t16 = tl.arange(0, 16)
     t64 = tl.arange(0, 64)
@@ -304,6 +303,7 @@ def intra16_kernel(q, k, g, beta, Aqk, Akk_inv, scale, cu_seqlens, chunk_indices
         X32 = _load_block(Akk_inv, 3, 2, n_t, HV)
         X33 = _load_block(Akk_inv, 3, 3, n_t, HV)
     else:
+        Aqk += base * HV * BT + i_hv * BT
         zero = tl.zeros([16, 16], dtype=tl.float32)
         for R in tl.static_range(3):  # the zero blocks above the diagonal
             for C in tl.static_range(R + 1, 4):
@@ -417,7 +417,7 @@ def intra16(q, k, gc, beta, scale: float, cu_seqlens=None, chunk_indices=None, B
                   u=torch.empty_like(v) if want_u else None,
                   kg=torch.empty(B, T, HV, K, device=dev, dtype=k.dtype),
                   qg=torch.empty(B, T, HV, K, device=dev, dtype=k.dtype) if want_qg else None)
-    intra16_kernel[(NT, B * HV)](q, k, gc, beta, Akk_inv if from_inv else Aqk, Akk_inv, scale, cu_seqlens,
+    intra16_kernel[(NT, B * HV)](q, k, gc, beta, Aqk, Akk_inv, scale, cu_seqlens,
                                  chunk_indices, T, H=H, HV=HV, K=K, BK=min(BK, triton.next_power_of_2(K)),
                                  SPAN=span_max, IS_VARLEN=cu_seqlens is not None, num_warps=num_warps, **gate, **norm,
                                  FROM_INV=from_inv, **({"maxnreg": maxnreg} if maxnreg else {}),
