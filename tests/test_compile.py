@@ -48,7 +48,7 @@ PROBLEMS = [
 
 # opcheck without its AOT-dispatch test (the costly one): for the backward operators, whose
 # AOT dispatch the forward's opcheck already runs through the autograd formula
-_NO_AOT = ("test_schema", "test_autograd_registration", "test_faketensor")
+NO_AOT = ("test_schema", "test_autograd_registration", "test_faketensor")
 
 
 def _inputs(p: Problem, host_offsets: bool = True) -> dict:
@@ -95,7 +95,7 @@ def test_chunk_kda_operators_pass_opcheck(p, monkeypatch):
 
     monkeypatch.setattr(ops, "chunk_kda_bwd", spy)
     # (AOT dispatch, the costly part, on the first two: the compile tests below trace the rest)
-    utils = None if p in PROBLEMS[:2] else _NO_AOT
+    utils = None if p in PROBLEMS[:2] else NO_AOT
     with use_impls("reference") if not p.disable_recompute else contextlib.nullcontext():
         torch.library.opcheck(torch.ops.kernel_fun.chunk_kda_fwd.default, args,
                               **({} if utils is None else {"test_utils": utils}))
@@ -105,7 +105,7 @@ def test_chunk_kda_operators_pass_opcheck(p, monkeypatch):
         loss.backward()
         assert len(seen) == 1
         detached = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in seen[0])
-        torch.library.opcheck(torch.ops.kernel_fun.chunk_kda_bwd.default, detached, test_utils=_NO_AOT)
+        torch.library.opcheck(torch.ops.kernel_fun.chunk_kda_bwd.default, detached, test_utils=NO_AOT)
 
 
 @needs_interpreter
@@ -127,7 +127,7 @@ def test_causal_conv1d_operators_pass_opcheck(monkeypatch):
     y, final = torch.ops.kernel_fun.causal_conv1d_fwd(*args)
     (y.sum() + final.square().sum()).backward()
     detached = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in seen[0])
-    torch.library.opcheck(torch.ops.kernel_fun.causal_conv1d_bwd.default, detached, test_utils=_NO_AOT)
+    torch.library.opcheck(torch.ops.kernel_fun.causal_conv1d_bwd.default, detached, test_utils=NO_AOT)
 
 
 # --------------------------------------------------------------------------------------
@@ -541,4 +541,4 @@ def test_a_capacity_shaped_forward_operator_passes_opcheck():
         out = torch.ops.kernel_fun.chunk_kda_fwd(*args)
     assert out[2].shape[1] == -(-q.shape[1] // 64) + kw["cu_seqlens"].shape[0] - 2
     with use_impls("reference"):
-        torch.library.opcheck(torch.ops.kernel_fun.chunk_kda_fwd.default, args, test_utils=_NO_AOT)
+        torch.library.opcheck(torch.ops.kernel_fun.chunk_kda_fwd.default, args, test_utils=NO_AOT)

@@ -34,7 +34,7 @@ from kernel_fun.kda import chunk_kda, last_record, use_impls
 from kernel_fun.kda import reference as ref
 from kernel_fun.kda.kernels import b2_wy_recompute, b6_wy_bwd, b7_b9_intra_bwd, f7_f8_b3_scan
 from kernel_fun.kda.problems import SHAPES, Problem, make_inputs, problem, run_fwd_bwd
-from kernel_fun.kda.stages import capture_stages, stages
+from kernel_fun.kda.stages import capture_stages, set_last_record, stages
 
 pytestmark = pytest.mark.gpu
 
@@ -620,13 +620,17 @@ def test_fla_layer_through_patch_fla(flags, packed):
                          ids=lambda p: p.name)
 def test_operators_pass_opcheck_on_cuda(p):
     """The fake implementations give the shapes, dtypes and strides of what fla's stages and
-    kernel-fun's kernels return on the GPU (the CPU tests hold them to the references')."""
-    from test_compile import fwd_op_args
+    kernel-fun's kernels return on the GPU (the CPU tests hold them to the references').
+    Without opcheck's AOT-dispatch test: it compares every output's values, and Aqk's upper
+    triangle is never written (fla's F3 leaves it, and no stage reads it), so two runs
+    differ there by whatever the memory held. The compiled step's values are held to
+    eager's bit for bit below, on every output a user sees."""
+    from test_compile import NO_AOT, fwd_op_args
 
     kw = make_inputs(p, device="cuda", seed=2)
     if "cu_seqlens" in kw:
         kw["cu_seqlens_cpu"] = kw["cu_seqlens"].cpu()
-    torch.library.opcheck(torch.ops.kernel_fun.chunk_kda_fwd.default, fwd_op_args(kw))
+    torch.library.opcheck(torch.ops.kernel_fun.chunk_kda_fwd.default, fwd_op_args(kw), test_utils=NO_AOT)
 
 
 @pytest.mark.parametrize("p", [SMALL[0], FLAGGED[1]], ids=lambda p: p.name)
@@ -635,6 +639,7 @@ def test_compiled_step_is_eager_on_cuda(p):
     for bit, kernel-fun's kernels witnessed."""
     kw = make_inputs(p, device="cuda", seed=3)
     eager = run_fwd_bwd(chunk_kda, kw)
+    set_last_record(None)  # (the witness below is the compiled call's)
     torch._dynamo.reset()
     compiled = run_fwd_bwd(torch.compile(chunk_kda, fullgraph=True), kw)
     record = last_record()
@@ -726,7 +731,8 @@ def test_a_packed_step_is_captured_in_a_cuda_graph():
     kw = make_inputs(p, device="cuda", seed=5)
     kw["cu_seqlens_cpu"] = kw["cu_seqlens"].cpu()
     named = leaves(kw)
-    o, final_state = chunk_kda(**kw)
+    with torch.no_grad():  # (an autograd graph kept alive over the leaves would tie their
+        o, final_state = chunk_kda(**kw)  # gradient nodes to the default stream: no capture)
     cot = list(cotangents(o, final_state, seed=1))
 
     step = _fwd_bwd_step(cot)
@@ -752,6 +758,45 @@ def test_a_packed_step_is_captured_in_a_cuda_graph():
         assert torch.equal(got, expected)
 
 
+@pytest.mark.parametrize("p", [SMALL[0], SMALL[1]], ids=lambda p: p.name)
+def test_a_step_under_reduce_overhead_replays_new_inputs(p):
+    """``torch.compile(mode="reduce-overhead")`` (CUDA-graph trees over the compiled forward
+    and backward), dense and packed with host offsets: warmed, recorded, then a step on new
+    inputs equals eager's bit for bit. The trees refuse a call that leaves memory of their
+    pool alive beyond its outputs (a chunk index shared between calls did)."""
+    from kernel_fun.kda.problems import cotangents, leaves
+
+    def inputs(seed):
+        kw = make_inputs(p, device="cuda", seed=seed)
+        if "cu_seqlens" in kw:
+            kw["cu_seqlens_cpu"] = kw["cu_seqlens"].cpu()
+        return kw
+
+    kw, fresh = inputs(5), inputs(6)
+    with torch.no_grad():
+        o, final_state = chunk_kda(**kw)
+    cot = list(cotangents(o, final_state, seed=1))
+
+    def step(fn, args):
+        o, s = fn(**args)
+        return [o.detach().clone(), s.detach().clone(),
+                *torch.autograd.grad([o, s], list(leaves(args).values()), cot)]
+
+    want = step(chunk_kda, fresh)
+    set_last_record(None)  # (the witness below is the compiled calls')
+    torch._dynamo.reset()
+    compiled = torch.compile(chunk_kda, mode="reduce-overhead", fullgraph=True)
+    for _ in range(3):
+        torch.compiler.cudagraph_mark_step_begin()
+        step(compiled, kw)
+    torch.compiler.cudagraph_mark_step_begin()
+    got = step(compiled, fresh)
+    record = last_record()
+    assert record is not None and record.engaged and record.backward.get("B6") == "ours", record
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.skipif(_fla.version_tuple() < (0, 6), reason="fla 0.6's capacity-shaped mode (use_graph)")
 def test_a_capacity_shaped_step_tracks_fla_and_replays_new_offsets():
     """use_graph=True under fla 0.6: on the real tokens o, the real sequences' final states
@@ -768,13 +813,14 @@ def test_a_capacity_shaped_step_tracks_fla_and_replays_new_offsets():
     kw.update(use_graph=True, max_num_seqs=slots)
     from kernel_fun.kda.problems import GRAD_NAMES, cotangents, leaves
 
-    def fwd_bwd(fn, inputs, cot):
-        o, s = fn(**inputs)
+    def fwd_bwd(fn, inputs, cot):  # (the outputs detached: no autograd graph over kw's leaves
+        o, s = fn(**inputs)           # outlives its step, so the capture below can run)
         named = leaves(inputs)
         grads = torch.autograd.grad([o, s], list(named.values()), list(cot))
-        return {"o": o, "final_state": s, **{GRAD_NAMES[n]: g for n, g in zip(named, grads)}}
+        return {"o": o.detach(), "final_state": s.detach(), **{GRAD_NAMES[n]: g for n, g in zip(named, grads)}}
 
-    o, final_state = chunk_kda(**kw)
+    with torch.no_grad():
+        o, final_state = chunk_kda(**kw)
     cot = cotangents(o, final_state, seed=1)
     ours = fwd_bwd(chunk_kda, kw, cot)
     record = last_record()

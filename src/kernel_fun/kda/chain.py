@@ -356,20 +356,24 @@ def _chunk_indices(opts: Options, T: int):
 
 
 # The host-built chunk index of each live cu_seqlens tensor (the layers of a model share one:
-# built once a step, and the backward finds it), dropped when that tensor dies. An index
-# handed to a call under CUDA-graph capture (and the pinned buffer a captured copy reads) is
-# kept until then too, whatever happens to the offsets meanwhile: the graph reads that
-# memory at every replay, and a freed block would be reused by the allocator.
+# built once a step, and the backward finds it), dropped when that tensor dies. Only the host
+# copy is kept (pinned where the offsets are on a GPU); each call copies it to a device
+# tensor of its own, so no device memory outlives the call that made it: under
+# ``torch.compile(mode="reduce-overhead")`` every allocation in the CUDA-graph pool must be
+# an output or dead when the graph ends, and a device tensor shared between calls would tie
+# eager calls to memory a graph writes at every replay. A pinned copy that a call under
+# CUDA-graph capture read is kept until the offsets die, whatever happens to them
+# meanwhile: the graph's copy reads it at every replay.
 _HOST_INDICES: dict[int, "_HostIndex"] = {}
 _HOST_INDEX_LIMIT = 64  # live entries, beyond which the oldest holding no captured memory goes
 
 
 class _HostIndex:
-    __slots__ = ("cu", "cu_cpu", "key", "index", "kept")
+    __slots__ = ("cu", "cu_cpu", "key", "host", "kept")
 
     def __init__(self, cu_seqlens: torch.Tensor):
         self.cu = weakref.ref(cu_seqlens, functools.partial(_forget_host_index, id(cu_seqlens)))
-        self.cu_cpu, self.key, self.index, self.kept = None, None, None, []
+        self.cu_cpu, self.key, self.host, self.kept = None, None, None, []
 
 
 def _forget_host_index(key: int, ref) -> None:
@@ -381,39 +385,34 @@ def _forget_host_index(key: int, ref) -> None:
 def host_chunk_indices(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor, chunk_size: int) -> torch.Tensor:
     """fla's chunk index built from the host copy of the offsets, moved to cu_seqlens' device
     by an asynchronous copy from pinned memory: fla's own (``prepare_chunk_indices`` with
-    ``cu_seqlens_cpu``) ends in a blocking copy, which waits for the stream."""
+    ``cu_seqlens_cpu``) ends in a blocking copy, which waits for the stream. The host index
+    is built once while the offsets stay unchanged; the device copy is the call's own."""
     key = (cu_seqlens._version, cu_seqlens_cpu._version, chunk_size)
-    capturing = cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing()
     entry = _HOST_INDICES.get(id(cu_seqlens))
     if entry is not None and entry.cu() is not cu_seqlens:
         entry = None
-    if entry is not None and entry.key == key and entry.cu_cpu() is cu_seqlens_cpu:
-        if capturing and not any(t is entry.index for t in entry.kept):
-            entry.kept.append(entry.index)
-        return entry.index
-    cu = cu_seqlens_cpu.long()
-    counts = (cu[1:] - cu[:-1]).clamp(min=0).add(chunk_size - 1).div(chunk_size, rounding_mode="floor")
-    seq = torch.repeat_interleave(torch.arange(counts.numel()), counts)
-    first = counts.cumsum(0) - counts  # each sequence's first chunk's row
-    index = torch.stack((seq, torch.arange(seq.numel()) - first[seq]), 1).to(cu_seqlens.dtype)
-    if cu_seqlens.is_cuda:
-        pinned = index.pin_memory()
-        index = pinned.to(cu_seqlens.device, non_blocking=True)
-        if capturing:
-            entry = entry or _HostIndex(cu_seqlens)
-            entry.kept += [pinned, index]
-    elif cu_seqlens.device != index.device:
-        index = index.to(cu_seqlens.device)
-    if entry is None:
-        entry = _HostIndex(cu_seqlens)
-    if id(cu_seqlens) not in _HOST_INDICES and len(_HOST_INDICES) >= _HOST_INDEX_LIMIT:
-        for old, e in list(_HOST_INDICES.items()):
-            if not e.kept:
-                del _HOST_INDICES[old]
-                break
-    entry.cu_cpu, entry.key, entry.index = weakref.ref(cu_seqlens_cpu), key, index
-    _HOST_INDICES[id(cu_seqlens)] = entry
-    return index
+    if entry is None or entry.key != key or entry.cu_cpu() is not cu_seqlens_cpu:
+        cu = cu_seqlens_cpu.long()
+        counts = (cu[1:] - cu[:-1]).clamp(min=0).add(chunk_size - 1).div(chunk_size, rounding_mode="floor")
+        seq = torch.repeat_interleave(torch.arange(counts.numel()), counts)
+        first = counts.cumsum(0) - counts  # each sequence's first chunk's row
+        host = torch.stack((seq, torch.arange(seq.numel()) - first[seq]), 1).to(cu_seqlens.dtype)
+        if cu_seqlens.is_cuda:
+            host = host.pin_memory()
+        if entry is None:
+            entry = _HostIndex(cu_seqlens)
+        if id(cu_seqlens) not in _HOST_INDICES and len(_HOST_INDICES) >= _HOST_INDEX_LIMIT:
+            for old, e in list(_HOST_INDICES.items()):
+                if not e.kept:
+                    del _HOST_INDICES[old]
+                    break
+        entry.cu_cpu, entry.key, entry.host = weakref.ref(cu_seqlens_cpu), key, host
+        _HOST_INDICES[id(cu_seqlens)] = entry
+    if not cu_seqlens.is_cuda:
+        return entry.host if cu_seqlens.device == entry.host.device else entry.host.to(cu_seqlens.device)
+    if torch.cuda.is_current_stream_capturing() and not any(t is entry.host for t in entry.kept):
+        entry.kept.append(entry.host)
+    return entry.host.to(cu_seqlens.device, non_blocking=True)
 
 
 @dataclasses.dataclass(slots=True)
