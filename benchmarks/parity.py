@@ -53,9 +53,13 @@ def bar_misses(vs_exact: dict, baseline_exact: dict, vs_fla: dict | None, fla_ba
     """A stage's outputs that miss their bar, with (error, bar): against fla's stage (when
     ``vs_fla`` is given) within ``fla_bars``; against the float64 stage within ``exact_bars``
     and no more than 10% worse than ``baseline_exact`` (fla's own error, or that of the
-    reference which rounds where fla rounds)."""
+    reference which rounds where fla rounds). Where that baseline itself misses its float64
+    bar (fla's dA_log under gates strong enough that a chunk's decay underflows: 0.41 on the
+    H100), fla's stage is no reference for that output and only the float64 bar holds it."""
     misses = {}
     for name, err in (vs_fla or {}).items():
+        if baseline_exact.get(name, 0.0) > exact_bars[name]:
+            continue
         if not err <= fla_bars[name]:
             misses[f"{name} vs fla"] = (err, fla_bars[name])
     for name, err in vs_exact.items():

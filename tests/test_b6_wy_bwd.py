@@ -189,6 +189,11 @@ def test_b6_verdict_flags_each_kind_of_miss():
     assert set(b6_misses(dict(fine, dg=1.2e-3), fine)) == {"dg vs exact"}  # >10% worse than the baseline
     assert set(b6_misses(fine, fine, dict.fromkeys(fine, 0.0) | {"dq": 2e-4})) == {"dq vs fla"}
     assert set(b6_misses(dict(fine, db=float("nan")), fine)) == {"db vs exact"}
+    # fla off its own float64 budget: its stage is no bar for that output, the budget still is
+    far = dict.fromkeys(fine, 0.0) | {"dg": 0.3}
+    assert not b6_misses(fine, dict(fine, dg=0.3), far)
+    assert set(b6_misses(dict(fine, dg=0.03), dict(fine, dg=0.3), far)) == {"dg vs exact"}
+    assert set(b6_misses(fine, dict(fine, dg=0.019), far)) == {"dg vs fla"}
 
 
 
