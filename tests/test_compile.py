@@ -393,6 +393,48 @@ def test_the_host_chunk_index_lives_with_its_offsets():
     assert key not in chain._HOST_INDICES
 
 
+@pytest.mark.every_fla
+def test_a_packed_call_turns_fla_s_tensor_cache_off_but_for_the_chunk_index():
+    """fla's stages keep what they derive from cu_seqlens (``fla.utils.tensor_cache``: B5's
+    chunk offsets), device memory that under ``mode="reduce-overhead"`` would outlive the
+    call in the graph trees' pool. Inside a packed call's scope fla's cache is off, nested
+    scopes restore the user's setting, and the chunk index the chain builds from device
+    offsets still comes from the cache (a miss synchronizes; a step's layers share it)."""
+    import fla.utils
+    from fla.ops.utils.index import prepare_chunk_offsets
+
+    from kernel_fun import _fla
+    from kernel_fun.kda import chain
+
+    cu = torch.tensor([0, 70, 200])
+    user = fla.utils.FLA_DISABLE_TENSOR_CACHE
+    assert prepare_chunk_offsets(cu, 64) is prepare_chunk_offsets(cu, 64)  # (the cache, outside)
+    with _fla.no_tensor_cache():
+        assert fla.utils.FLA_DISABLE_TENSOR_CACHE is True
+        with _fla.no_tensor_cache():
+            assert prepare_chunk_offsets(cu, 64) is not prepare_chunk_offsets(cu, 64)
+        assert fla.utils.FLA_DISABLE_TENSOR_CACHE is True
+        first = _fla.prepare_chunk_indices(cu, 64)
+        assert _fla.prepare_chunk_indices(cu, 64) is first
+        assert fla.utils.FLA_DISABLE_TENSOR_CACHE is True
+    assert fla.utils.FLA_DISABLE_TENSOR_CACHE == user
+
+    seen = []
+    real = chain._run_forward
+
+    def spy(*args, **kwargs):
+        seen.append(fla.utils.FLA_DISABLE_TENSOR_CACHE)
+        return real(*args, **kwargs)
+
+    p = PROBLEMS[3]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(chain, "_run_forward", spy)
+        chunk_kda(**_inputs(p))
+        chunk_kda(**make_inputs(dataclasses.replace(p, cu_seqlens=None), seed=3))
+    assert seen == [True, user]
+    assert fla.utils.FLA_DISABLE_TENSOR_CACHE == user
+
+
 def test_a_packed_call_is_the_same_with_and_without_host_offsets():
     p = PROBLEMS[3]
     with_host, without = run_fwd_bwd(chunk_kda, _inputs(p, True)), run_fwd_bwd(chunk_kda, _inputs(p, False))

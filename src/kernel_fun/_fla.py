@@ -22,6 +22,7 @@ import functools
 import importlib
 import inspect
 import sys
+import threading
 
 import torch
 
@@ -174,10 +175,13 @@ def captured_causal_conv1d():
 
 
 def prepare_chunk_indices(cu_seqlens, chunk_size, cu_seqlens_cpu=None):
-    """fla's (sequence, chunk) index of a packed batch (``prepare_chunk_indices``)."""
+    """fla's (sequence, chunk) index of a packed batch (``prepare_chunk_indices``), with fla's
+    tensor cache as the user set it even inside ``no_tensor_cache``: built from the device
+    offsets, a miss synchronizes, and the layers of a step share one index."""
     from fla.ops.utils.index import prepare_chunk_indices
 
-    return prepare_chunk_indices(cu_seqlens, chunk_size, cu_seqlens_cpu=cu_seqlens_cpu)
+    with _user_tensor_cache():
+        return prepare_chunk_indices(cu_seqlens, chunk_size, cu_seqlens_cpu=cu_seqlens_cpu)
 
 
 # The chunk offsets of the capacity-shaped packed call whose stages run now (None outside
@@ -198,6 +202,53 @@ def capacity_shaped(chunk_offsets):
         yield
     finally:
         _GRAPH_OFFSETS.reset(token)
+
+
+# fla's identity-keyed tensor cache (``fla.utils.tensor_cache``): its stages derive the
+# sequence lengths and chunk offsets from cu_seqlens (B5's ``prepare_chunk_offsets``) and keep
+# the last few results, device memory that outlives the call. Under
+# ``torch.compile(mode="reduce-overhead")`` the CUDA-graph trees refuse a call that leaves
+# memory of their pool alive beyond its outputs, so a packed call turns the cache off while
+# its stages run (fla reads the switch at every call; the chain always hands fla its chunk
+# index, so nothing it would recompute synchronizes). Nested and concurrent scopes count.
+_NO_CACHE = {"depth": 0, "saved": None}
+_NO_CACHE_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def no_tensor_cache():
+    utils = sys.modules.get("fla.utils")
+    if utils is None or not hasattr(utils, "FLA_DISABLE_TENSOR_CACHE"):
+        yield
+        return
+    with _NO_CACHE_LOCK:
+        if _NO_CACHE["depth"] == 0:
+            _NO_CACHE["saved"] = utils.FLA_DISABLE_TENSOR_CACHE
+            utils.FLA_DISABLE_TENSOR_CACHE = True
+        _NO_CACHE["depth"] += 1
+    try:
+        yield
+    finally:
+        with _NO_CACHE_LOCK:
+            _NO_CACHE["depth"] -= 1
+            if _NO_CACHE["depth"] == 0:
+                utils.FLA_DISABLE_TENSOR_CACHE = _NO_CACHE["saved"]
+
+
+@contextlib.contextmanager
+def _user_tensor_cache():
+    utils = sys.modules.get("fla.utils")
+    with _NO_CACHE_LOCK:
+        forced = _NO_CACHE["depth"] > 0
+        if forced:
+            utils.FLA_DISABLE_TENSOR_CACHE = _NO_CACHE["saved"]
+    try:
+        yield
+    finally:
+        if forced:
+            with _NO_CACHE_LOCK:
+                if _NO_CACHE["depth"] > 0:
+                    utils.FLA_DISABLE_TENSOR_CACHE = True
 
 
 def static_chunk_indices(cu_seqlens, chunk_size: int, T: int):

@@ -482,10 +482,11 @@ def capacity_offsets(opts: Options):
 
 
 def run_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, opts: Options, record: CallRecord) -> ForwardResult:
-    """The forward chain F1-F8 (``_run_forward``), a capacity-shaped call's stages told so."""
-    if not opts.use_graph:
+    """The forward chain F1-F8 (``_run_forward``); a packed call's stages with fla's tensor
+    cache off (``fla.no_tensor_cache``), a capacity-shaped call's told so."""
+    if opts.cu_seqlens is None:
         return _run_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, opts, record)
-    with fla.capacity_shaped(capacity_offsets(opts)):
+    with fla.no_tensor_cache(), fla.capacity_shaped(capacity_offsets(opts)):
         return _run_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, opts, record)
 
 
@@ -571,10 +572,11 @@ def _run_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, opts: Options,
 
 
 def run_backward(s: dict, opts: Options, run: Dispatcher, do, dht):
-    """The backward chain B1-B10b (``_run_backward``), a capacity-shaped call's stages told so."""
-    if not opts.use_graph:
+    """The backward chain B1-B10b (``_run_backward``); a packed call's stages with fla's
+    tensor cache off, a capacity-shaped call's told so."""
+    if opts.cu_seqlens is None:
         return _run_backward(s, opts, run, do, dht)
-    with fla.capacity_shaped(capacity_offsets(opts)):
+    with fla.no_tensor_cache(), fla.capacity_shaped(capacity_offsets(opts)):
         return _run_backward(s, opts, run, do, dht)
 
 
