@@ -248,3 +248,44 @@ def test_packed_gate_unit_equals_per_sequence_calls():
         assert ref.rel_rms(got[i], torch.cat([q[i] for q in parts], 1)) <= 1e-6, i
     for i in (4, 5):
         assert ref.rel_rms(got[i], sum(q[i] for q in parts)) <= 1e-6, i
+
+
+@pytest.mark.parametrize("peel", [1, 2])
+def test_peeled_levels_are_the_loop_bit_for_bit(peel):
+    """The ``PEEL`` candidate (config): the programs done within ``peel`` levels run them
+    without the loop, the rest are flagged and run the loop in a second launch; every
+    output equals the pinned loop's bit for bit, on chunks of one level, two, a few and many
+    (weak, Kimi's, strong gates and a small guard), dense with the gate in the op and packed
+    with ragged chunks, K=100 (a partial K slice)."""
+    cases = [(unit_inputs(SHAPES[0], gate_shift=-8.0), None, 1),  # every program one level
+             (unit_inputs(SHAPES[0], gate_scale=3.0), None, 2),
+             (unit_inputs(SHAPES[0]), None, 1),
+             (unit_inputs(SHAPES[2]), 4.0, 2),
+             (unit_inputs(SHAPES[5]), 2.0, 2),
+             (unit_inputs(LEVELS, gate_scale=10.0), 4.0, 8),
+             (unit_inputs(SHAPES[0], gate_scale=8.0, gate_shift=12.0), None, 2)]
+    real = unit.intra_bwd_kernel
+    flagged = []
+
+    class Witness:  # the first launch's flags: which programs it left to the loop
+        def __getitem__(self, grid):
+            def launch(**kw):
+                real[grid](**kw)
+                if kw.get("PEEL"):
+                    flagged.append(kw["flags"].clone())
+            return launch
+
+    for inputs, guard, least in cases:
+        n = levels(inputs["gc"], guard)
+        assert n.max() >= least
+        want = unit.intra_bwd(**inputs, _guard=guard)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(unit, "intra_bwd_kernel", Witness())
+            got = unit.intra_bwd(**inputs, _guard=guard, config={"PEEL": peel})
+        # every program whose channels need more than ``peel`` levels flagged, no other
+        # (``levels`` counts a dense batch's chunks)
+        flags = flagged.pop()
+        if inputs["cu_seqlens"] is None:
+            assert int(flags.sum()) == int((n > peel).sum()), (guard, n.max())
+        for name, a, b in zip(("dq", "dk", "db", "dg", "dA_log", "ddt_bias"), got, want):
+            assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), (name, guard, n.max())
