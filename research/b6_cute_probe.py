@@ -1,0 +1,293 @@
+"""B6's V loop as a 2-CTA cluster in CuTe DSL (sm_90a): the first step of the cluster design
+in docs/log/bwd-fused.md. Not registered; compiled offline, not yet run on a GPU.
+
+A chunk-head is one cluster of two CTAs, CTA j owning channels 64j..64j+63 of K=128. Per V
+tile of 64, the tiles both CTAs need -- v_new, do and dv ([64, 64] bf16 at the chunk's rows)
+-- cross from memory once: each CTA loads half of each and multicasts it to both (TMA
+multicast); h and dh's [64, 64] slices of the CTA's K half are its own. One warpgroup a CTA
+then accumulates, with async wgmma, over the V tiles:
+
+    dq[:, Kj]  += do    @ h[Kj, :]^T
+    dkh[:, Kj] += v_new @ dh[Kj, :]^T
+    dw[:, Kj]  += dv    @ h[Kj, :]^T
+
+(B6's V sums of dq, dk and dw without the epilogue: the same sums as research/b6_ws_probe.py,
+whose Gluon form cannot multicast). Warp 0 issues the copies into a ring of STAGES stages
+(40 KB a stage); the fp32 sums go to memory at the end.
+
+What the probe answers on a GPU: whether the cluster's V loop runs near its traffic floor
+with the V side read once for both K halves (the Gluon probe read it twice, once a CTA, or
+held the whole K in one CTA).
+
+Layout: h and dh as [NCH * K, V] (a chunk-head's [K, V] state block after another), v_new,
+do and dv as [NCH * 64, V], the outputs [NCH * 64, K] fp32, all row-major.
+
+    python -m research.b6_cute_probe compile     # sm_90a PTX and cubin offline (CuTe DSL installed)
+    python -m research.b6_cute_probe gpu         # the sums against torch's, then timed
+"""
+
+import os
+import sys
+
+BT, KH, BV = 64, 64, 64  # chunk rows, a CTA's K half, the V tile
+
+
+def build(K: int = 128, V: int = 256, stages: int = 3):
+    """The probe's host function (a ``cute.jit``), for K = 2 KH and V a multiple of BV."""
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.pipeline as pipeline
+    import cutlass.utils.hopper_helpers as sm90
+    from cutlass.memory import SmemAllocator
+    from cutlass.tensor_utils import LayoutEnum
+    from cutlass.cute.nvgpu import cpasync, warpgroup
+
+    assert K == 2 * KH and V % BV == 0
+    NV = V // BV
+    tile = (BT, KH, BV)  # (M, N, K) of each wgmma product: rows, channels, the V tile
+    stage_bytes = (3 * BT * BV + 2 * KH * BV) * 2
+
+    @cute.jit
+    def _fill(ring, state, tma_a, tma_b, a_parts, b_parts, mask):
+        """Warp 0: one stage's five copies (v_new, do and dv multicast to both CTAs, this
+        CTA's h and dh), on the stage's barrier."""
+        ring.producer_acquire(state)
+        bar = ring.producer_get_barrier(state)
+        for s_part, g_part in a_parts:
+            cute.copy(tma_a, g_part[(None, state.count)], s_part[(None, state.index)], tma_bar_ptr=bar,
+                      mcast_mask=mask)
+        for s_part, g_part in b_parts:
+            cute.copy(tma_b, g_part[(None, state.count)], s_part[(None, state.index)], tma_bar_ptr=bar)
+        ring.producer_commit(state)
+
+    @cute.kernel
+    def kernel(tma_a, vn_t, do_t, dv_t, tma_b, h_t, dh_t, dq, dkh, dw, mma: cute.TiledMma,
+               a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout):
+        tidx, _, _ = cute.arch.thread_idx()
+        _, _, chunk = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        cluster = cute.make_layout((1, 2, 1))  # (M, N, K): the two K halves side by side
+        coord = cluster.get_flat_coord(rank)
+        mask = cute.make_layout_image_mask(cluster, coord, mode=1)
+
+        if warp == 0:
+            cpasync.prefetch_descriptor(tma_a)
+            cpasync.prefetch_descriptor(tma_b)
+
+        @cute.struct
+        class Smem:
+            bars: cute.struct.MemRange[cutlass.Int64, stages * 2]
+            vn: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(a_smem)], 1024]
+            do: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(a_smem)], 1024]
+            dv: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(a_smem)], 1024]
+            h: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(b_smem)], 1024]
+            dh: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(b_smem)], 1024]
+
+        storage = SmemAllocator().allocate(Smem)
+        # the consumers of a stage: this CTA's 4 warps, for each of the 2 CTAs whose copies fill it
+        ring = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.bars.data_ptr(), num_stages=stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 2 * 4),
+            tx_count=stage_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 2, 1)))
+        cute.arch.cluster_arrive_relaxed()
+
+        s_vn = storage.vn.get_tensor(a_smem.outer, swizzle=a_smem.inner)
+        s_do = storage.do.get_tensor(a_smem.outer, swizzle=a_smem.inner)
+        s_dv = storage.dv.get_tensor(a_smem.outer, swizzle=a_smem.inner)
+        s_h = storage.h.get_tensor(b_smem.outer, swizzle=b_smem.inner)
+        s_dh = storage.dh.get_tensor(b_smem.outer, swizzle=b_smem.inner)
+
+        # this chunk-head's tiles: (rows, V tile, tile index along V)
+        def rows_tiles(t, row_tile, height):
+            return cute.local_tile(t, (height, BV), (row_tile, None))
+
+        half = cute.make_layout(2)
+        a_parts = [cpasync.tma_partition(tma_a, coord[1], half, cute.group_modes(s, 0, 2),
+                                         cute.group_modes(rows_tiles(t, chunk, BT), 0, 2))
+                   for s, t in ((s_vn, vn_t), (s_do, do_t), (s_dv, dv_t))]
+        b_parts = [cpasync.tma_partition(tma_b, 0, cute.make_layout(1), cute.group_modes(s, 0, 2),
+                                         cute.group_modes(rows_tiles(t, chunk * 2 + rank, KH), 0, 2))
+                   for s, t in ((s_h, h_t), (s_dh, dh_t))]
+
+        thr = mma.get_slice(0)
+        r_vn, r_do, r_dv = (mma.make_fragment_A(thr.partition_A(s)) for s in (s_vn, s_do, s_dv))
+        r_h, r_dh = (mma.make_fragment_B(thr.partition_B(s)) for s in (s_h, s_dh))
+        outs = [cute.local_tile(o, (BT, KH), (chunk, rank)) for o in (dq, dkh, dw)]
+        acc_shape = thr.partition_C(outs[0]).shape
+        acc_q = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
+        acc_k = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
+        acc_w = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
+        acc_q.fill(0.0)
+        acc_k.fill(0.0)
+        acc_w.fill(0.0)
+        cute.arch.cluster_wait()
+
+        put = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
+        get = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+
+        if warp == 0:
+            for _ in cutlass.range(min(stages, NV), unroll=1):
+                _fill(ring, put, tma_a, tma_b, a_parts, b_parts, mask)
+                put.advance()
+        mma.set(warpgroup.Field.ACCUMULATE, True)
+        for v in cutlass.range(NV, unroll=1):
+            ring.consumer_wait(get)
+            warpgroup.fence()
+            for kb in cutlass.range(cute.size(r_vn, mode=[2]), unroll_full=True):
+                at = (None, None, kb, get.index)
+                cute.gemm(mma, acc_q, r_do[at], r_h[at], acc_q)
+                cute.gemm(mma, acc_k, r_vn[at], r_dh[at], acc_k)
+                cute.gemm(mma, acc_w, r_dv[at], r_h[at], acc_w)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            ring.consumer_release(get)
+            get.advance()
+            if warp == 0 and put.count < NV:
+                _fill(ring, put, tma_a, tma_b, a_parts, b_parts, mask)
+                put.advance()
+
+        for acc, out in zip((acc_q, acc_k, acc_w), outs):
+            thr.partition_C(out).store(acc.load())
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+
+    @cute.jit
+    def probe(h: cute.Tensor, dh: cute.Tensor, vn: cute.Tensor, do: cute.Tensor, dv: cute.Tensor,
+              dq: cute.Tensor, dkh: cute.Tensor, dw: cute.Tensor):
+        k_major = LayoutEnum.ROW_MAJOR
+        mma = sm90.make_trivial_tiled_mma(cutlass.BFloat16, cutlass.BFloat16, k_major.sm90_mma_major_mode(),
+                                          k_major.sm90_mma_major_mode(), cutlass.Float32, (1, 1, 1),
+                                          tiler_mn=(BT, KH))
+        a_smem = sm90.make_smem_layout_a(k_major, tile, cutlass.BFloat16, stages)
+        b_smem = sm90.make_smem_layout_b(k_major, tile, cutlass.BFloat16, stages)
+        a_one = cute.slice_(a_smem, (None, None, 0))
+        b_one = cute.slice_(b_smem, (None, None, 0))
+        tma_a, vn_t = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SMulticastOp(), vn, a_one, (BT, BV), 2)
+        _, do_t = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SMulticastOp(), do, a_one, (BT, BV), 2)
+        _, dv_t = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SMulticastOp(), dv, a_one, (BT, BV), 2)
+        tma_b, h_t = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), h, b_one, (KH, BV))
+        _, dh_t = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), dh, b_one, (KH, BV))
+        nch = cute.size(vn, mode=[0]) // BT
+        kernel(tma_a, vn_t, do_t, dv_t, tma_b, h_t, dh_t, dq, dkh, dw, mma, a_smem, b_smem).launch(
+            grid=(1, 2, nch), block=(128, 1, 1), cluster=(1, 2, 1))
+
+    return probe
+
+
+def compile_offline(nch: int = 4, K: int = 128, V: int = 256, stages: int = 3, dump: str | None = None):
+    """Trace and compile for sm_90a on any machine with CuTe DSL (no GPU): the PTX and cubin
+    land in ``dump`` (``CUTE_DSL_KEEP``)."""
+    if dump:
+        os.environ.update(CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx,cubin", CUTE_DSL_DUMP_DIR=dump)
+    import cutlass.cute as cute
+    import torch
+    from cutlass.cute.runtime import from_dlpack
+
+    bf = dict(dtype=torch.bfloat16)
+    args = [torch.zeros(nch * K, V, **bf), torch.zeros(nch * K, V, **bf)] + [torch.zeros(nch * BT, V, **bf)] * 3
+    args += [torch.zeros(nch * BT, K) for _ in range(3)]
+    tensors = [from_dlpack(t, assumed_align=16) for t in args]
+    return cute.compile(build(K, V, stages), *tensors)
+
+
+def sm90_row(dump: str, stages: int = 3) -> dict:
+    """What the offline build is: wgmma and TMA instructions in its PTX, and registers and
+    spills from Triton's bundled ptxas (``-v``) on that PTX. CuTe DSL 4.8.1 writes PTX ISA 8.8
+    and Triton 3.6's ptxas reads up to 8.7: the header is lowered for this count only (the
+    cubin CuTe DSL built with its own compiler is the one that runs)."""
+    import glob
+    import re
+    import subprocess
+
+    import triton
+
+    (ptx_path,) = glob.glob(os.path.join(dump, "*.ptx"))
+    ptx = open(ptx_path).read()
+    lowered = os.path.join(dump, "isa87.ptx")
+    with open(lowered, "w") as f:
+        f.write(re.sub(r"^\.version 8\.8", ".version 8.7", ptx, flags=re.M))
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    log = subprocess.run([ptxas, "-arch=sm_90a", "-v", lowered, "-o", os.devnull], capture_output=True,
+                         text=True, check=True).stderr
+    regs = int(re.search(r"Used (\d+) registers", log).group(1))
+    spills = [int(x) for x in re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log).groups()]
+    return {"kind": "compile_sm90", "kernel": "b6_cute_probe", "stages": stages, "registers": regs,
+            "spill_stores": spills[0], "spill_loads": spills[1],
+            "shared_ring": stages * (3 * BT * BV + 2 * KH * BV) * 2,
+            "wgmma": ptx.count("wgmma.mma_async"),
+            "tma_multicast": ptx.count("multicast::cluster"), "tma_own": ptx.count(".global.tile.mbarrier") -
+            ptx.count("multicast::cluster"), "cluster": "(1, 2, 1)", "threads": 128}
+
+
+def gpu_run(nch: int = 32768, K: int = 128, V: int = 256, stages: int = 3, reps: int = 20) -> dict:
+    """On a GPU: the probe's three sums against torch's on 64 chunk-heads (relative RMS),
+    then its CUDA-event time at ``nch`` chunk-heads (32,768: prod8192_gate's) against the
+    bytes it must move."""
+    import cutlass.cute as cute
+    import torch
+    from cutlass.cute.runtime import from_dlpack
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    bf = dict(dtype=torch.bfloat16, device="cuda")
+    h, dh = (torch.randn(nch * K, V, generator=g, **bf) * 0.1 for _ in range(2))
+    vn, do, dv = (torch.randn(nch * BT, V, generator=g, **bf) for _ in range(3))
+    outs = [torch.full((nch * BT, K), float("nan"), device="cuda") for _ in range(3)]
+    args = [from_dlpack(t, assumed_align=16) for t in (h, dh, vn, do, dv, *outs)]
+    run = cute.compile(build(K, V, stages), *args)
+    run(*args)
+    torch.cuda.synchronize()
+    n = min(nch, 64)
+    hs, dhs = (x[: n * K].float().view(n, K, V) for x in (h, dh))
+    vns, dos, dvs = (x[: n * BT].float().view(n, BT, V) for x in (vn, do, dv))
+    want = [dos @ hs.transpose(1, 2), vns @ dhs.transpose(1, 2), dvs @ hs.transpose(1, 2)]
+    errors = {}
+    for name, got, w in zip(("dq", "dkh", "dw"), outs, want):
+        got = got[: n * BT].view(n, BT, K)
+        errors[name] = ((got - w).square().mean() / w.square().mean()).sqrt().item()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        run(*args)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    ms = sorted(times)[len(times) // 2]
+    moved = nch * ((2 * K * V + 3 * BT * V) * 2 + 3 * BT * K * 4)
+    return {"kind": "gpu", "kernel": "b6_cute_probe", "chunk_heads": nch, "stages": stages, "errors": errors,
+            "finite": all(bool(torch.isfinite(o).all()) for o in outs), "ms": ms, "bytes": moved,
+            "TB_s": moved / ms / 1e9, "gpu": torch.cuda.get_device_name()}
+
+
+def main(argv=None) -> int:
+    import json
+
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["compile"]:  # each build in a process of its own (CuTe DSL reads its dump folder once)
+        import subprocess
+
+        dump = argv[1] if len(argv) > 1 else "/tmp/b6_cute_probe"
+        for stages in (2, 3):
+            sub = os.path.join(dump, f"stages{stages}")
+            os.makedirs(sub, exist_ok=True)
+            for old in os.listdir(sub):
+                os.remove(os.path.join(sub, old))
+            subprocess.run([sys.executable, "-m", "research.b6_cute_probe", "compile-one", str(stages), sub],
+                           check=True, stdout=subprocess.DEVNULL)
+            print(json.dumps(sm90_row(sub, stages)))
+        return 0
+    if argv[:1] == ["compile-one"]:
+        compile_offline(stages=int(argv[1]), dump=argv[2])
+        return 0
+    if argv[:1] == ["gpu"]:
+        for stages in (2, 3):
+            print(json.dumps(gpu_run(stages=stages)), flush=True)
+        return 0
+    print(__doc__)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
