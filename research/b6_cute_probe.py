@@ -30,10 +30,14 @@ import os
 import sys
 
 BT, KH, BV = 64, 64, 64  # chunk rows, a CTA's K half, the V tile
+# (ring stages, two tiles' products in flight): the builds compiled and timed
+BUILDS = ((2, True), (3, True), (3, False))
 
 
-def build(K: int = 128, V: int = 256, stages: int = 3):
-    """The probe's host function (a ``cute.jit``), for K = 2 KH and V a multiple of BV."""
+def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True):
+    """The probe's host function (a ``cute.jit``), for K = 2 KH and V a multiple of BV.
+    ``overlap``: a tile's stage is released once the next tile's products are issued (the
+    wgmmas of two tiles in flight); else each tile's products are waited for at once."""
     import cutlass
     import cutlass.cute as cute
     import cutlass.pipeline as pipeline
@@ -132,7 +136,8 @@ def build(K: int = 128, V: int = 256, stages: int = 3):
                 _fill(ring, put, tma_a, tma_b, a_parts, b_parts, mask)
                 put.advance()
         mma.set(warpgroup.Field.ACCUMULATE, True)
-        for v in cutlass.range(NV, unroll=1):
+        done = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+        for v in cutlass.range_constexpr(NV):  # (unrolled: NV is 4 at V=256)
             ring.consumer_wait(get)
             warpgroup.fence()
             for kb in cutlass.range(cute.size(r_vn, mode=[2]), unroll_full=True):
@@ -141,12 +146,25 @@ def build(K: int = 128, V: int = 256, stages: int = 3):
                 cute.gemm(mma, acc_k, r_vn[at], r_dh[at], acc_k)
                 cute.gemm(mma, acc_w, r_dv[at], r_h[at], acc_w)
             warpgroup.commit_group()
-            warpgroup.wait_group(0)
-            ring.consumer_release(get)
             get.advance()
-            if warp == 0 and put.count < NV:
-                _fill(ring, put, tma_a, tma_b, a_parts, b_parts, mask)
-                put.advance()
+            # a stage is refilled only after this CTA released it: warp 0 is a consumer too, and
+            # waiting there for a release it has yet to make would stall the warpgroup's wgmmas
+            if cutlass.const_expr(overlap):  # the previous tile's products done and its stage
+                warpgroup.wait_group(1)      # released, this tile's still running
+                if cutlass.const_expr(v > 0):
+                    ring.consumer_release(done)
+                    done.advance()
+                    if warp == 0 and put.count < NV:
+                        _fill(ring, put, tma_a, tma_b, a_parts, b_parts, mask)
+                        put.advance()
+            else:
+                warpgroup.wait_group(0)
+                ring.consumer_release(done)
+                done.advance()
+                if warp == 0 and put.count < NV:
+                    _fill(ring, put, tma_a, tma_b, a_parts, b_parts, mask)
+                    put.advance()
+        warpgroup.wait_group(0)
 
         for acc, out in zip((acc_q, acc_k, acc_w), outs):
             thr.partition_C(out).store(acc.load())
@@ -176,7 +194,8 @@ def build(K: int = 128, V: int = 256, stages: int = 3):
     return probe
 
 
-def compile_offline(nch: int = 4, K: int = 128, V: int = 256, stages: int = 3, dump: str | None = None):
+def compile_offline(nch: int = 4, K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True,
+                    dump: str | None = None):
     """Trace and compile for sm_90a on any machine with CuTe DSL (no GPU): the PTX and cubin
     land in ``dump`` (``CUTE_DSL_KEEP``)."""
     if dump:
@@ -189,10 +208,10 @@ def compile_offline(nch: int = 4, K: int = 128, V: int = 256, stages: int = 3, d
     args = [torch.zeros(nch * K, V, **bf), torch.zeros(nch * K, V, **bf)] + [torch.zeros(nch * BT, V, **bf)] * 3
     args += [torch.zeros(nch * BT, K) for _ in range(3)]
     tensors = [from_dlpack(t, assumed_align=16) for t in args]
-    return cute.compile(build(K, V, stages), *tensors)
+    return cute.compile(build(K, V, stages, overlap), *tensors)
 
 
-def sm90_row(dump: str, stages: int = 3) -> dict:
+def sm90_row(dump: str, stages: int = 3, overlap: bool = True) -> dict:
     """What the offline build is: wgmma and TMA instructions in its PTX, and registers and
     spills from Triton's bundled ptxas (``-v``) on that PTX. CuTe DSL 4.8.1 writes PTX ISA 8.8
     and Triton 3.6's ptxas reads up to 8.7: the header is lowered for this count only (the
@@ -213,7 +232,7 @@ def sm90_row(dump: str, stages: int = 3) -> dict:
                          text=True, check=True).stderr
     regs = int(re.search(r"Used (\d+) registers", log).group(1))
     spills = [int(x) for x in re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log).groups()]
-    return {"kind": "compile_sm90", "kernel": "b6_cute_probe", "stages": stages, "registers": regs,
+    return {"kind": "compile_sm90", "kernel": "b6_cute_probe", "stages": stages, "overlap": overlap, "registers": regs,
             "spill_stores": spills[0], "spill_loads": spills[1],
             "shared_ring": stages * (3 * BT * BV + 2 * KH * BV) * 2,
             "wgmma": ptx.count("wgmma.mma_async"),
@@ -221,7 +240,8 @@ def sm90_row(dump: str, stages: int = 3) -> dict:
             ptx.count("multicast::cluster"), "cluster": "(1, 2, 1)", "threads": 128}
 
 
-def gpu_run(nch: int = 32768, K: int = 128, V: int = 256, stages: int = 3, reps: int = 20) -> dict:
+def gpu_run(nch: int = 32768, K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True,
+            reps: int = 20) -> dict:
     """On a GPU: the probe's three sums against torch's on 64 chunk-heads (relative RMS),
     then its CUDA-event time at ``nch`` chunk-heads (32,768: prod8192_gate's) against the
     bytes it must move."""
@@ -235,7 +255,7 @@ def gpu_run(nch: int = 32768, K: int = 128, V: int = 256, stages: int = 3, reps:
     vn, do, dv = (torch.randn(nch * BT, V, generator=g, **bf) for _ in range(3))
     outs = [torch.full((nch * BT, K), float("nan"), device="cuda") for _ in range(3)]
     args = [from_dlpack(t, assumed_align=16) for t in (h, dh, vn, do, dv, *outs)]
-    run = cute.compile(build(K, V, stages), *args)
+    run = cute.compile(build(K, V, stages, overlap), *args)
     run(*args)
     torch.cuda.synchronize()
     n = min(nch, 64)
@@ -256,7 +276,8 @@ def gpu_run(nch: int = 32768, K: int = 128, V: int = 256, stages: int = 3, reps:
         times.append(start.elapsed_time(end))
     ms = sorted(times)[len(times) // 2]
     moved = nch * ((2 * K * V + 3 * BT * V) * 2 + 3 * BT * K * 4)
-    return {"kind": "gpu", "kernel": "b6_cute_probe", "chunk_heads": nch, "stages": stages, "errors": errors,
+    return {"kind": "gpu", "kernel": "b6_cute_probe", "chunk_heads": nch, "stages": stages, "overlap": overlap,
+            "errors": errors,
             "finite": all(bool(torch.isfinite(o).all()) for o in outs), "ms": ms, "bytes": moved,
             "TB_s": moved / ms / 1e9, "gpu": torch.cuda.get_device_name()}
 
@@ -269,21 +290,21 @@ def main(argv=None) -> int:
         import subprocess
 
         dump = argv[1] if len(argv) > 1 else "/tmp/b6_cute_probe"
-        for stages in (2, 3):
-            sub = os.path.join(dump, f"stages{stages}")
+        for stages, overlap in BUILDS:
+            sub = os.path.join(dump, f"stages{stages}{'' if overlap else '-serial'}")
             os.makedirs(sub, exist_ok=True)
             for old in os.listdir(sub):
                 os.remove(os.path.join(sub, old))
-            subprocess.run([sys.executable, "-m", "research.b6_cute_probe", "compile-one", str(stages), sub],
-                           check=True, stdout=subprocess.DEVNULL)
-            print(json.dumps(sm90_row(sub, stages)))
+            subprocess.run([sys.executable, "-m", "research.b6_cute_probe", "compile-one", str(stages),
+                            str(int(overlap)), sub], check=True, stdout=subprocess.DEVNULL)
+            print(json.dumps(sm90_row(sub, stages, overlap)))
         return 0
     if argv[:1] == ["compile-one"]:
-        compile_offline(stages=int(argv[1]), dump=argv[2])
+        compile_offline(stages=int(argv[1]), overlap=bool(int(argv[2])), dump=argv[3])
         return 0
     if argv[:1] == ["gpu"]:
-        for stages in (2, 3):
-            print(json.dumps(gpu_run(stages=stages)), flush=True)
+        for stages, overlap in BUILDS:
+            print(json.dumps(gpu_run(stages=stages, overlap=overlap)), flush=True)
         return 0
     print(__doc__)
     return 2
