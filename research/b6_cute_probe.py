@@ -30,14 +30,17 @@ import os
 import sys
 
 BT, KH, BV = 64, 64, 64  # chunk rows, a CTA's K half, the V tile
-# (ring stages, two tiles' products in flight): the builds compiled and timed
-BUILDS = ((2, True), (3, True), (3, False))
+# (ring stages, two tiles' products in flight, dA's K-contracted part exchanged): compiled and timed
+BUILDS = ((2, True, False), (3, True, False), (3, False, False), (2, True, True))
 
 
-def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True):
+def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exchange: bool = False):
     """The probe's host function (a ``cute.jit``), for K = 2 KH and V a multiple of BV.
     ``overlap``: a tile's stage is released once the next tile's products are issued (the
-    wgmmas of two tiles in flight); else each tile's products are waited for at once."""
+    wgmmas of two tiles in flight); else each tile's products are waited for at once.
+    ``exchange``: then the K-contracted part of dA, ``dw kg^T`` over both K halves (dw
+    rounded to bf16): each CTA its half's [64, 64] product, CTA 1's sent to CTA 0 by a bulk
+    copy into its shared memory (completing on CTA 0's mbarrier), CTA 0 writes the sum."""
     import cutlass
     import cutlass.cute as cute
     import cutlass.pipeline as pipeline
@@ -65,7 +68,7 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True):
         ring.producer_commit(state)
 
     @cute.kernel
-    def kernel(tma_a, vn_t, do_t, dv_t, tma_b, h_t, dh_t, dq, dkh, dw, mma: cute.TiledMma,
+    def kernel(tma_a, vn_t, do_t, dv_t, tma_b, h_t, dh_t, tma_kg, kg_t, dq, dkh, dw, dA, mma: cute.TiledMma,
                a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout):
         tidx, _, _ = cute.arch.thread_idx()
         _, _, chunk = cute.arch.block_idx()
@@ -87,6 +90,8 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True):
             dv: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(a_smem)], 1024]
             h: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(b_smem)], 1024]
             dh: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(b_smem)], 1024]
+            xbars: cute.struct.MemRange[cutlass.Int64, 2]  # kg's load, the peer's dA part
+            part: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, BT * BT], 128]  # sent / received
 
         storage = SmemAllocator().allocate(Smem)
         # the consumers of a stage: this CTA's 4 warps, for each of the 2 CTAs whose copies fill it
@@ -95,6 +100,14 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True):
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 2 * 4),
             tx_count=stage_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 2, 1)))
+        if cutlass.const_expr(exchange):
+            xbar = storage.xbars.data_ptr()
+            if tidx == 0:
+                cute.arch.mbarrier_init(xbar, 1)
+                cute.arch.mbarrier_init(xbar + 1, 1)
+                cute.arch.mbarrier_init_fence()
+                if rank == 0:  # (the peer's bytes may land before this CTA waits: counted from here)
+                    cute.arch.mbarrier_arrive_and_expect_tx(xbar + 1, BT * BT * 4)
         cute.arch.cluster_arrive_relaxed()
 
         s_vn = storage.vn.get_tensor(a_smem.outer, swizzle=a_smem.inner)
@@ -168,12 +181,47 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True):
 
         for acc, out in zip((acc_q, acc_k, acc_w), outs):
             thr.partition_C(out).store(acc.load())
+
+        if cutlass.const_expr(exchange):
+            # dw (bf16) into stage 0's dv slot, kg's K-half tile into stage 0's h slot (every
+            # copy into them, the peer's multicast ones included, has landed and been read)
+            if tidx == 0:
+                cute.arch.mbarrier_arrive_and_expect_tx(xbar, KH * BT * 2)
+                kg_s, kg_g = cpasync.tma_partition(tma_kg, 0, cute.make_layout(1), cute.group_modes(s_h, 0, 2),
+                                                   cute.group_modes(cute.local_tile(kg_t, (BT, KH), (chunk, None)),
+                                                                    0, 2))
+                cute.copy(tma_kg, kg_g[(None, rank)], kg_s[(None, 0)], tma_bar_ptr=xbar)
+            thr.partition_C(s_dv[(None, None, 0)]).store(acc_w.load().to(cutlass.BFloat16))
+            cute.arch.fence_view_async_shared()
+            cute.arch.sync_threads()
+            cute.arch.mbarrier_wait(xbar, 0)
+            acc_p = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
+            acc_p.fill(0.0)
+            warpgroup.fence()
+            for kb in cutlass.range(cute.size(r_dv, mode=[2]), unroll_full=True):
+                cute.gemm(mma, acc_p, r_dv[(None, None, kb, 0)], r_h[(None, None, kb, 0)], acc_p)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            part = cute.make_tensor(storage.part.data_ptr(), cute.make_layout((BT, BT), stride=(BT, 1)))
+            if rank == 1:  # this half's product to CTA 0, into the same offset of its shared memory
+                thr.partition_C(part).store(acc_p.load())
+                cute.arch.fence_view_async_shared()
+                cute.arch.sync_threads()
+                if tidx == 0:
+                    send = cute.make_copy_atom(cpasync.CopyBulkS2SOp(), cutlass.Float32,
+                                               num_bits_per_copy=BT * BT * 32)
+                    flat = cute.make_tensor(storage.part.data_ptr(), cute.make_layout(BT * BT))
+                    cute.copy(send, flat, flat, mbar_ptr=xbar + 1, cta_rank=cutlass.Int32(0))
+            else:
+                cute.arch.mbarrier_wait(xbar + 1, 0)
+                got = thr.partition_C(part).load()
+                thr.partition_C(cute.local_tile(dA, (BT, BT), (chunk, 0))).store(acc_p.load() + got)
         cute.arch.cluster_arrive()
         cute.arch.cluster_wait()
 
     @cute.jit
     def probe(h: cute.Tensor, dh: cute.Tensor, vn: cute.Tensor, do: cute.Tensor, dv: cute.Tensor,
-              dq: cute.Tensor, dkh: cute.Tensor, dw: cute.Tensor):
+              kg: cute.Tensor, dq: cute.Tensor, dkh: cute.Tensor, dw: cute.Tensor, dA: cute.Tensor):
         k_major = LayoutEnum.ROW_MAJOR
         mma = sm90.make_trivial_tiled_mma(cutlass.BFloat16, cutlass.BFloat16, k_major.sm90_mma_major_mode(),
                                           k_major.sm90_mma_major_mode(), cutlass.Float32, (1, 1, 1),
@@ -187,15 +235,17 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True):
         _, dv_t = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SMulticastOp(), dv, a_one, (BT, BV), 2)
         tma_b, h_t = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), h, b_one, (KH, BV))
         _, dh_t = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), dh, b_one, (KH, BV))
+        tma_kg, kg_t = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), kg, b_one, (BT, KH))
         nch = cute.size(vn, mode=[0]) // BT
-        kernel(tma_a, vn_t, do_t, dv_t, tma_b, h_t, dh_t, dq, dkh, dw, mma, a_smem, b_smem).launch(
+        kernel(tma_a, vn_t, do_t, dv_t, tma_b, h_t, dh_t, tma_kg, kg_t, dq, dkh, dw, dA, mma, a_smem,
+               b_smem).launch(
             grid=(1, 2, nch), block=(128, 1, 1), cluster=(1, 2, 1))
 
     return probe
 
 
 def compile_offline(nch: int = 4, K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True,
-                    dump: str | None = None):
+                    exchange: bool = False, dump: str | None = None):
     """Trace and compile for sm_90a on any machine with CuTe DSL (no GPU): the PTX and cubin
     land in ``dump`` (``CUTE_DSL_KEEP``)."""
     if dump:
@@ -206,12 +256,12 @@ def compile_offline(nch: int = 4, K: int = 128, V: int = 256, stages: int = 3, o
 
     bf = dict(dtype=torch.bfloat16)
     args = [torch.zeros(nch * K, V, **bf), torch.zeros(nch * K, V, **bf)] + [torch.zeros(nch * BT, V, **bf)] * 3
-    args += [torch.zeros(nch * BT, K) for _ in range(3)]
+    args += [torch.zeros(nch * BT, K, **bf)] + [torch.zeros(nch * BT, K) for _ in range(3)] + [torch.zeros(nch * BT, BT)]
     tensors = [from_dlpack(t, assumed_align=16) for t in args]
-    return cute.compile(build(K, V, stages, overlap), *tensors)
+    return cute.compile(build(K, V, stages, overlap, exchange), *tensors)
 
 
-def sm90_row(dump: str, stages: int = 3, overlap: bool = True) -> dict:
+def sm90_row(dump: str, stages: int = 3, overlap: bool = True, exchange: bool = False) -> dict:
     """What the offline build is: wgmma and TMA instructions in its PTX, and registers and
     spills from Triton's bundled ptxas (``-v``) on that PTX. CuTe DSL 4.8.1 writes PTX ISA 8.8
     and Triton 3.6's ptxas reads up to 8.7: the header is lowered for this count only (the
@@ -232,7 +282,8 @@ def sm90_row(dump: str, stages: int = 3, overlap: bool = True) -> dict:
                          text=True, check=True).stderr
     regs = int(re.search(r"Used (\d+) registers", log).group(1))
     spills = [int(x) for x in re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log).groups()]
-    return {"kind": "compile_sm90", "kernel": "b6_cute_probe", "stages": stages, "overlap": overlap, "registers": regs,
+    return {"kind": "compile_sm90", "kernel": "b6_cute_probe", "stages": stages, "overlap": overlap,
+            "exchange": exchange, "registers": regs, "bulk_s2s": ptx.count("cp.async.bulk.shared::cluster.shared::cta"),
             "spill_stores": spills[0], "spill_loads": spills[1],
             "shared_ring": stages * (3 * BT * BV + 2 * KH * BV) * 2,
             "wgmma": ptx.count("wgmma.mma_async"),
@@ -241,7 +292,7 @@ def sm90_row(dump: str, stages: int = 3, overlap: bool = True) -> dict:
 
 
 def gpu_run(nch: int = 32768, K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True,
-            reps: int = 20) -> dict:
+            exchange: bool = False, reps: int = 20) -> dict:
     """On a GPU: the probe's three sums against torch's on 64 chunk-heads (relative RMS),
     then its CUDA-event time at ``nch`` chunk-heads (32,768: prod8192_gate's) against the
     bytes it must move."""
@@ -253,9 +304,11 @@ def gpu_run(nch: int = 32768, K: int = 128, V: int = 256, stages: int = 3, overl
     bf = dict(dtype=torch.bfloat16, device="cuda")
     h, dh = (torch.randn(nch * K, V, generator=g, **bf) * 0.1 for _ in range(2))
     vn, do, dv = (torch.randn(nch * BT, V, generator=g, **bf) for _ in range(3))
+    kg = torch.randn(nch * BT, K, generator=g, **bf) * 0.1
     outs = [torch.full((nch * BT, K), float("nan"), device="cuda") for _ in range(3)]
-    args = [from_dlpack(t, assumed_align=16) for t in (h, dh, vn, do, dv, *outs)]
-    run = cute.compile(build(K, V, stages, overlap), *args)
+    dA = torch.full((nch * BT, BT), float("nan"), device="cuda")
+    args = [from_dlpack(t, assumed_align=16) for t in (h, dh, vn, do, dv, kg, *outs, dA)]
+    run = cute.compile(build(K, V, stages, overlap, exchange), *args)
     run(*args)
     torch.cuda.synchronize()
     n = min(nch, 64)
@@ -266,6 +319,12 @@ def gpu_run(nch: int = 32768, K: int = 128, V: int = 256, stages: int = 3, overl
     for name, got, w in zip(("dq", "dkh", "dw"), outs, want):
         got = got[: n * BT].view(n, BT, K)
         errors[name] = ((got - w).square().mean() / w.square().mean()).sqrt().item()
+    if exchange:  # dw rounded to bf16 per K half, times kg's half, the halves summed
+        dw16 = outs[2][: n * BT].view(n, BT, K).to(torch.bfloat16).float()
+        kgs = kg[: n * BT].float().view(n, BT, K)
+        w = sum(dw16[..., j * KH:(j + 1) * KH] @ kgs[..., j * KH:(j + 1) * KH].transpose(1, 2) for j in range(2))
+        got = dA[: n * BT].view(n, BT, BT)
+        errors["dA"] = ((got - w).square().mean() / w.square().mean()).sqrt().item()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(reps):
@@ -278,7 +337,8 @@ def gpu_run(nch: int = 32768, K: int = 128, V: int = 256, stages: int = 3, overl
     moved = nch * ((2 * K * V + 3 * BT * V) * 2 + 3 * BT * K * 4)
     return {"kind": "gpu", "kernel": "b6_cute_probe", "chunk_heads": nch, "stages": stages, "overlap": overlap,
             "errors": errors,
-            "finite": all(bool(torch.isfinite(o).all()) for o in outs), "ms": ms, "bytes": moved,
+            "exchange": exchange, "finite": all(bool(torch.isfinite(o).all()) for o in outs + ([dA] if exchange else [])),
+            "ms": ms, "bytes": moved,
             "TB_s": moved / ms / 1e9, "gpu": torch.cuda.get_device_name()}
 
 
@@ -290,21 +350,21 @@ def main(argv=None) -> int:
         import subprocess
 
         dump = argv[1] if len(argv) > 1 else "/tmp/b6_cute_probe"
-        for stages, overlap in BUILDS:
-            sub = os.path.join(dump, f"stages{stages}{'' if overlap else '-serial'}")
+        for stages, overlap, exchange in BUILDS:
+            sub = os.path.join(dump, f"stages{stages}{'' if overlap else '-serial'}{'-exchange' if exchange else ''}")
             os.makedirs(sub, exist_ok=True)
             for old in os.listdir(sub):
                 os.remove(os.path.join(sub, old))
             subprocess.run([sys.executable, "-m", "research.b6_cute_probe", "compile-one", str(stages),
-                            str(int(overlap)), sub], check=True, stdout=subprocess.DEVNULL)
-            print(json.dumps(sm90_row(sub, stages, overlap)))
+                            str(int(overlap)), str(int(exchange)), sub], check=True, stdout=subprocess.DEVNULL)
+            print(json.dumps(sm90_row(sub, stages, overlap, exchange)))
         return 0
     if argv[:1] == ["compile-one"]:
-        compile_offline(stages=int(argv[1]), overlap=bool(int(argv[2])), dump=argv[3])
+        compile_offline(stages=int(argv[1]), overlap=bool(int(argv[2])), exchange=bool(int(argv[3])), dump=argv[4])
         return 0
     if argv[:1] == ["gpu"]:
-        for stages, overlap in BUILDS:
-            print(json.dumps(gpu_run(stages=stages, overlap=overlap)), flush=True)
+        for stages, overlap, exchange in BUILDS:
+            print(json.dumps(gpu_run(stages=stages, overlap=overlap, exchange=exchange)), flush=True)
         return 0
     print(__doc__)
     return 2

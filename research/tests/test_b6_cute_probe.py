@@ -1,6 +1,7 @@
 """The CuTe DSL cluster probe (research.b6_cute_probe) builds for sm_90a without a GPU where
 CuTe DSL is installed: a 2-CTA cluster whose v_new, do and dv copies are multicast, twelve
-wgmmas a V tile, no spills, with and without two tiles' products in flight."""
+wgmmas a V tile, no spills, with and without two tiles' products in flight; and dA's
+K-contracted part summed across the pair through a bulk copy into the peer's shared memory."""
 
 from __future__ import annotations
 
@@ -20,13 +21,16 @@ def test_the_probe_compiles_for_sm90a(tmp_path: Path):
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert [(r["stages"], r["overlap"]) for r in rows] == [(2, True), (3, True), (3, False)]
+    assert [(r["stages"], r["overlap"], r["exchange"]) for r in rows] == [
+        (2, True, False), (3, True, False), (3, False, False), (2, True, True)]
     for r in rows:
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r
-        # 3 tensors multicast and 2 of the CTA's own, issued at the prologue and in the loop
         # the V loop unrolled (V=256: four tiles of 12 wgmmas); 3 tensors multicast and 2 of the
         # CTA's own, copied in the prologue's loop and after each tile's release (the first
-        # tile's stage is released only after the second's products are issued, with overlap)
-        want = (48, 12, 8) if r["overlap"] else (48, 15, 10)
-        assert (r["wgmma"], r["tma_multicast"], r["tma_own"]) == want, r
+        # tile's stage is released only after the second's products are issued, with overlap);
+        # the exchange adds dw kg^T's 4 wgmmas, kg's copy and the one bulk copy to the peer
+        want = (48, 12, 8, 0) if r["overlap"] else (48, 15, 10, 0)
+        if r["exchange"]:
+            want = (52, 12, 9, 1)
+        assert (r["wgmma"], r["tma_multicast"], r["tma_own"], r["bulk_s2s"]) == want, r
         assert r["shared_ring"] <= 227 * 1024
