@@ -13,14 +13,17 @@ then accumulates, with async wgmma, over the V tiles:
 
 (B6's V sums of dq, dk and dw without the epilogue: the same sums as research/b6_ws_probe.py,
 whose Gluon form cannot multicast). Warp 0 issues the copies into a ring of STAGES stages
-(40 KB a stage); the fp32 sums go to memory at the end.
+(40 KB a stage); the fp32 sums go to memory at the end. With ``exchange``, the step the
+design needs distributed shared memory for: dA's K-contracted part ``dw kg^T``, each CTA its
+K half's, CTA 1's sent by one bulk copy into CTA 0's shared memory, CTA 0 writing the sum.
 
 What the probe answers on a GPU: whether the cluster's V loop runs near its traffic floor
 with the V side read once for both K halves (the Gluon probe read it twice, once a CTA, or
 held the whole K in one CTA).
 
 Layout: h and dh as [NCH * K, V] (a chunk-head's [K, V] state block after another), v_new,
-do and dv as [NCH * 64, V], the outputs [NCH * 64, K] fp32, all row-major.
+do and dv as [NCH * 64, V], kg as [NCH * 64, K], the outputs [NCH * 64, K] fp32 and dA's
+part [NCH * 64, 64] fp32, all row-major.
 
     python -m research.b6_cute_probe compile     # sm_90a PTX and cubin offline (CuTe DSL installed)
     python -m research.b6_cute_probe gpu         # the sums against torch's, then timed
