@@ -96,6 +96,30 @@ def _timed_rounds(fns: dict, reps: int, rounds: int) -> dict:
     return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
 
 
+def _device_profile(fns: dict, top: int = 8) -> dict:
+    """Per entry, one warmed call under the profiler: the device time of its kernels summed
+    (against the wall time ``_timed_rounds`` gives, what is not device time is the host's or
+    a gap) and its ``top`` kernels by device time; each entry a (context, fn) pair."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out = {}
+    for name, (context, fn) in fns.items():
+        with context():
+            fn()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                fn()
+                torch.cuda.synchronize()
+        kernels = {}
+        for evt in prof.events():
+            if evt.device_type == torch.autograd.DeviceType.CUDA:
+                kernels[evt.name] = kernels.get(evt.name, 0.0) + evt.device_time_total / 1e3
+        ranked = sorted(kernels.items(), key=lambda kv: -kv[1])
+        out[name] = {"device_ms": round(sum(kernels.values()), 4), "kernels": len(kernels),
+                     "top": [[n[:80], round(ms, 4)] for n, ms in ranked[:top]]}
+    return out
+
+
 # --------------------------------------------------------------------------------------
 # first: the first step on a fresh machine
 # --------------------------------------------------------------------------------------
@@ -300,7 +324,8 @@ def compile_(args, log: Log) -> int:
         with context():
             fn(), fn()
     times = _timed_rounds(fns, args.reps, args.rounds)
-    log({"kind": "compile_layer", "shape": f"kda_layer_B{B}_T{T}", "ms": times, "breaks": breaks,
+    log({"kind": "compile_layer", "shape": f"kda_layer_B{B}_T{T}", "ms": times, "profile": _device_profile(fns),
+         "breaks": breaks,
          "parity": {"ok": not misses and record.engaged, "vs_fla_eager": errors, "misses": misses,
                     "compiled_equals_eager": same, "fla_compiled_vs_fla_eager": vs,
                     "impls": {**record.forward, **record.backward}, "convolutions": conv},
@@ -327,7 +352,8 @@ def compile_(args, log: Log) -> int:
     for _, (context, fn) in fns.items():
         fn(), fn()
     times = _timed_rounds(fns, args.reps, args.rounds)
-    log({"kind": "compile_core", "shape": f"kda_core_B{B}_T{T}", "ms": times, "breaks": core_breaks,
+    log({"kind": "compile_core", "shape": f"kda_core_B{B}_T{T}", "ms": times, "profile": _device_profile(fns),
+         "breaks": core_breaks,
          "parity": {"vs_fla_eager": core_errors, "compiled_equals_eager": core_same,
                     "engaged": record.engaged, "impls": {**record.forward, **record.backward},
                     "convolutions": conv},
