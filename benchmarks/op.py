@@ -4,7 +4,7 @@ appended to ``results/chunk_kda.jsonl``, fla's autotune choices stored after eve
     python -m benchmarks.op --shapes prod8192_gate,kimi
     python -m benchmarks.op --shapes prod8192_gate --impls fla,ours --off B7-B9
     python -m benchmarks.op --shapes prod8192_gate --impls fla,ours \\
-        --candidate F3-F6=research.prep:prep_f3_f6:supports
+        --candidate B6=research.<module>:<function>:<supports>
 
 ``--candidate STAGE=module:function[:supports]`` registers an implementation that is not
 registered for users (a candidate kept under ``research/``) as the stage's ``ours`` for this

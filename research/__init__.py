@@ -8,8 +8,8 @@ e.g. ``python -m research.b7_tiers --shapes prod8192_gate``.
 - ``ws_probe``: what Triton 3.6's Hopper warp specialization takes, compiled for sm_90a.
 - ``b7_tiers``: the share of B7's programs taking one, two, three or more levels on the chain's own gate.
 - ``profile_stage``: a stage's kernel run a few times for Nsight Compute.
-- ``prep16``: a candidate F3-F6 on 16x16 blocks (Neumann inverses, per-block gate anchors),
-  with its offline compile rows and its GPU command (docs/log/prep.md).
+- ``b6_ws_probe``, ``b6_gluon``: B6 as warp-specialized Gluon kernels (docs/log/bwd-fused.md).
+- ``b6_cute_probe``: B6's V loop as a 2-CTA cluster in CuTe DSL (docs/log/bwd-fused.md).
 
 A candidate kernel (one not yet measured the winner on the H200) lives here too, with its
 tests, until it is registered in the package: ``python -m benchmarks.op --candidate

@@ -394,12 +394,13 @@ def test_the_host_chunk_index_lives_with_its_offsets():
 
 
 @pytest.mark.every_fla
-def test_a_packed_call_turns_fla_s_tensor_cache_off_but_for_the_chunk_index():
+def test_a_packed_call_runs_its_stages_with_fla_s_tensor_cache_off():
     """fla's stages keep what they derive from cu_seqlens (``fla.utils.tensor_cache``: B5's
     chunk offsets), device memory that under ``mode="reduce-overhead"`` would outlive the
     call in the graph trees' pool. Inside a packed call's scope fla's cache is off, nested
     scopes restore the user's setting, and the chunk index the chain builds from device
-    offsets still comes from the cache (a miss synchronizes; a step's layers share it)."""
+    offsets is built before the scope, from the cache (a miss synchronizes; a step's layers
+    share it)."""
     import fla.utils
     from fla.ops.utils.index import prepare_chunk_offsets
 
@@ -413,25 +414,26 @@ def test_a_packed_call_turns_fla_s_tensor_cache_off_but_for_the_chunk_index():
         assert fla.utils.FLA_DISABLE_TENSOR_CACHE is True
         with _fla.no_tensor_cache():
             assert prepare_chunk_offsets(cu, 64) is not prepare_chunk_offsets(cu, 64)
-        assert fla.utils.FLA_DISABLE_TENSOR_CACHE is True
-        first = _fla.prepare_chunk_indices(cu, 64)
-        assert _fla.prepare_chunk_indices(cu, 64) is first
-        assert fla.utils.FLA_DISABLE_TENSOR_CACHE is True
     assert fla.utils.FLA_DISABLE_TENSOR_CACHE == user
 
-    seen = []
-    real = chain._run_forward
+    seen, built = [], []
+    real, real_index = chain._run_forward, _fla.prepare_chunk_indices
 
     def spy(*args, **kwargs):
         seen.append(fla.utils.FLA_DISABLE_TENSOR_CACHE)
         return real(*args, **kwargs)
 
+    def index_spy(*args, **kwargs):
+        built.append(fla.utils.FLA_DISABLE_TENSOR_CACHE)
+        return real_index(*args, **kwargs)
+
     p = PROBLEMS[3]
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(chain, "_run_forward", spy)
-        chunk_kda(**_inputs(p))
+        mp.setattr(_fla, "prepare_chunk_indices", index_spy)
+        chunk_kda(**_inputs(p, host_offsets=False))  # (the index from the device offsets: fla's builder)
         chunk_kda(**make_inputs(dataclasses.replace(p, cu_seqlens=None), seed=3))
-    assert seen == [True, user]
+    assert seen == [True, user] and built == [user]
     assert fla.utils.FLA_DISABLE_TENSOR_CACHE == user
 
 

@@ -191,33 +191,3 @@ def test_the_oracle_takes_every_flag_the_chain_handles():
     bookkeeping = {"cu_seqlens_cpu", "chunk_size", "return_intermediate_states", "use_graph", "max_num_seqs"}
     handled = {n for n, what in PARAMETERS.items() if what.startswith("handled")}
     assert handled - bookkeeping <= oracle, sorted(handled - bookkeeping - oracle)
-
-
-@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
-def test_the_fused_units_reference_sides_are_their_stages_in_turn(packed):
-    """F1-F6 and B1-B2 (the units a fused kernel runs in their stages' place): the reference
-    side of each, called with the unit's inputs, equals the reference stages run one after
-    another bit for bit (the stages' positional orders differ: a unit must pass them by name)."""
-    from kernel_fun import _fla
-    from kernel_fun.kda import stages
-    from kernel_fun.kda.problems import make_inputs
-
-    p = Problem("units", 1, 150, 1, 2, 64, 32, cu_seqlens=(0, 1, 80, 150) if packed else None,
-                lower_bound=-5.0, dtype=torch.float16)
-    kw = make_inputs(p, seed=2, requires_grad=False)
-    cu = kw.get("cu_seqlens")
-    index = None if cu is None else _fla.prepare_chunk_indices(cu, 64)
-    common = dict(chunk_size=64, cu_seqlens=cu, chunk_indices=index)
-    gate_in = dict(g=kw["g"], use_gate_in_kernel=True, A_log=kw["A_log"], dt_bias=kw["dt_bias"], lower_bound=-5.0)
-    refs = {n: s.impls["reference"] for n, s in stages().items()}
-    unit = refs["F1-F6"](q=kw["q"], k=kw["k"], v=kw["v"], beta=kw["beta"], use_qk_l2norm_in_kernel=True, scale=0.125,
-                         safe_gate=False, disable_recompute=True, **gate_in, **common)
-    q, q_rstd, k, k_rstd = refs["F1"](q=kw["q"], k=kw["k"])
-    gc = refs["F2"](**gate_in, **common)
-    turn = (q, q_rstd, k, k_rstd, gc) + tuple(refs["F3-F6"](q=q, k=k, v=kw["v"], gc=gc, beta=kw["beta"], scale=0.125,
-                                                            safe_gate=False, disable_recompute=True, **common))
-    assert len(unit) == len(turn) == 11 and all(torch.equal(a, b) for a, b in zip(unit, turn))
-    Akk = turn[9]
-    unit = refs["B1-B2"](q=q, k=k, v=kw["v"], beta=kw["beta"], A=Akk, want_u=True, **gate_in, **common)
-    turn = (gc,) + tuple(refs["B2"](q=q, k=k, v=kw["v"], beta=kw["beta"], A=Akk, gc=gc, want_u=True, **common))
-    assert len(unit) == 5 and all(torch.equal(a, b) for a, b in zip(unit, turn))

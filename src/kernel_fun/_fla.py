@@ -175,13 +175,10 @@ def captured_causal_conv1d():
 
 
 def prepare_chunk_indices(cu_seqlens, chunk_size, cu_seqlens_cpu=None):
-    """fla's (sequence, chunk) index of a packed batch (``prepare_chunk_indices``), with fla's
-    tensor cache as the user set it even inside ``no_tensor_cache``: built from the device
-    offsets, a miss synchronizes, and the layers of a step share one index."""
+    """fla's (sequence, chunk) index of a packed batch (``prepare_chunk_indices``)."""
     from fla.ops.utils.index import prepare_chunk_indices
 
-    with _user_tensor_cache():
-        return prepare_chunk_indices(cu_seqlens, chunk_size, cu_seqlens_cpu=cu_seqlens_cpu)
+    return prepare_chunk_indices(cu_seqlens, chunk_size, cu_seqlens_cpu=cu_seqlens_cpu)
 
 
 # The chunk offsets of the capacity-shaped packed call whose stages run now (None outside
@@ -209,8 +206,9 @@ def capacity_shaped(chunk_offsets):
 # the last few results, device memory that outlives the call. Under
 # ``torch.compile(mode="reduce-overhead")`` the CUDA-graph trees refuse a call that leaves
 # memory of their pool alive beyond its outputs, so a packed call turns the cache off while
-# its stages run (fla reads the switch at every call; the chain always hands fla its chunk
-# index, so nothing it would recompute synchronizes). Nested and concurrent scopes count.
+# its stages run (fla reads the switch at every call; the chain builds its chunk index before
+# and hands it to every stage, so nothing fla would recompute synchronizes). Nested and
+# concurrent scopes count.
 _NO_CACHE = {"depth": 0, "saved": None}
 _NO_CACHE_LOCK = threading.Lock()
 
@@ -233,22 +231,6 @@ def no_tensor_cache():
             _NO_CACHE["depth"] -= 1
             if _NO_CACHE["depth"] == 0:
                 utils.FLA_DISABLE_TENSOR_CACHE = _NO_CACHE["saved"]
-
-
-@contextlib.contextmanager
-def _user_tensor_cache():
-    utils = sys.modules.get("fla.utils")
-    with _NO_CACHE_LOCK:
-        forced = _NO_CACHE["depth"] > 0
-        if forced:
-            utils.FLA_DISABLE_TENSOR_CACHE = _NO_CACHE["saved"]
-    try:
-        yield
-    finally:
-        if forced:
-            with _NO_CACHE_LOCK:
-                if _NO_CACHE["depth"] > 0:
-                    utils.FLA_DISABLE_TENSOR_CACHE = True
 
 
 def static_chunk_indices(cu_seqlens, chunk_size: int, T: int):

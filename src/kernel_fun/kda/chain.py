@@ -23,13 +23,11 @@ F1          l2norm of q and k (``fla.modules.l2norm.l2norm_fwd``)
 F1b         beta = scale * sigmoid(beta_raw) (``fla.ops.common.gate.fused_beta_sigmoid``)
 F2          gate activation + chunk cumsum (``kda_gate_chunk_cumsum`` / ``chunk_local_cumsum``)
 F3-F6       intra-chunk Aqk, Akk, their solve, w/u/kg (``chunk_kda_fwd_intra``)
-F1-F6       F1, F2 and F3-F6 as one unit, run in their place when kernel-fun's kernel takes it
 F7          the state scan (``chunk_gated_delta_rule_fwd_h``)
 F8          the output (``chunk_gla_fwd_o_gk``)
 F7-F8       F7 and F8 as one unit, run in their place when kernel-fun's kernel takes it
 B1          F2 recomputed (gate in the op only)
 B2          w, u, qg, kg recomputed (``recompute_w_u_fwd``)
-B1-B2       B1 and B2 as one unit, run in their place when kernel-fun's kernel takes it
 B3          F7 recomputed
 B4          dAqk and dv through Aqk (``chunk_kda_bwd_dAv``)
 B5          the reverse scan (``chunk_gated_delta_rule_bwd_dhu``)
@@ -149,34 +147,6 @@ def _ref_l2norm_bwd(q, q_rstd, dq, k, k_rstd, dk):
     return ref.l2norm_bwd(q, q_rstd, dq), ref.l2norm_bwd(k, k_rstd, dk)
 
 
-def _prep_in_turn(l2norm_fwd, gate, intra):
-    """The F1-F6 unit as its three stages in turn (fla's, or the references), each called by
-    its stage's input names (the implementations' positional orders differ)."""
-    def prep(q, k, v, g, beta, A_log, dt_bias, lower_bound, use_gate_in_kernel, use_qk_l2norm_in_kernel, scale,
-             safe_gate, disable_recompute, chunk_size, cu_seqlens, chunk_indices):
-        q_rstd = k_rstd = None
-        if use_qk_l2norm_in_kernel:
-            q, q_rstd, k, k_rstd = l2norm_fwd(q, k)
-        common = dict(chunk_size=chunk_size, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
-        gc = gate(g=g, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-                  **common)
-        return (q, q_rstd, k, k_rstd, gc) + tuple(intra(q=q, k=k, v=v, gc=gc, beta=beta, scale=scale,
-                                                        safe_gate=safe_gate, disable_recompute=disable_recompute,
-                                                        **common))
-    return prep
-
-
-def _recompute_in_turn(gate, wy):
-    """The B1-B2 unit as its two stages in turn (fla's, or the references), called by name."""
-    def recompute(g, use_gate_in_kernel, A_log, dt_bias, lower_bound, q, k, v, beta, A, want_u, chunk_size,
-                  cu_seqlens, chunk_indices):
-        common = dict(chunk_size=chunk_size, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
-        gc = gate(g=g, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-                  **common)
-        return (gc,) + tuple(wy(q=q, k=k, v=v, beta=beta, A=A, gc=gc, want_u=want_u, **common))
-    return recompute
-
-
 def _stage(name, covers, title, inputs, outputs, fla_impl, reference):
     register(Stage(name=name, covers=covers, title=title, inputs=tuple(inputs.split()), outputs=outputs,
                    impls={"fla": fla_impl, "reference": reference}))
@@ -192,12 +162,6 @@ _stage("F2", ("F2",), "gate + chunk cumsum", _GATE_IN, ("gc",), fla.gate, _ref_g
 _stage("F3-F6", ("F3", "F4", "F5", "F6"), "intra scores, solve, w/u/kg",
        f"q k v gc beta scale safe_gate disable_recompute {_C}", ("w", "u", "kg", "Aqk", "Akk", "qg"),
        fla.intra, _ref_intra)
-# F1, F2 and F3-F6 as one unit (from the raw q, k and gate): run in their place when
-# kernel-fun's kernel for it takes the call; fla's side is fla's three stages in turn.
-_stage("F1-F6", ("F1", "F2", "F3", "F4", "F5", "F6"), "l2norm, gate + cumsum, intra scores, solve, w/u/kg (one pass)",
-       "q k v g beta A_log dt_bias lower_bound use_gate_in_kernel use_qk_l2norm_in_kernel scale safe_gate "
-       f"disable_recompute {_C}", ("q", "q_rstd", "k", "k_rstd", "gc", "w", "u", "kg", "Aqk", "Akk", "qg"),
-       _prep_in_turn(fla.l2norm_fwd, fla.gate, fla.intra), _prep_in_turn(_ref_l2norm_fwd, _ref_gate, _ref_intra))
 _SCAN_IN = f"kg w u gc initial_state output_final_state cu_seqlens_cpu state_v_first {_C}"
 _stage("F7", ("F7",), "state scan", _SCAN_IN, ("h", "v_new", "final_state"), fla.state_scan, _ref_h)
 _stage("F8", ("F8",), "output", f"q v_new gc Aqk h scale state_v_first {_C}", ("o",), fla.output, _ref_o)
@@ -211,12 +175,6 @@ _stage("B1", ("B1",), "gate + chunk cumsum (recompute)", _GATE_IN, ("gc",), fla.
 # (u only when B3 reads it: kernel-fun's B3 forms it from v, beta and Akk_inv, "forms_u")
 _stage("B2", ("B2",), "w/u/qg/kg (recompute)", f"q k v beta A gc want_u {_C}", ("w", "u", "qg", "kg"),
        fla.wy_recompute, _ref_wy)
-# B1 and B2 as one unit (the gate's cumsum and the WY recompute from the raw gate and the
-# saved Akk_inv): run in their place when kernel-fun's kernel for it takes the call; fla's
-# side is fla's two stages in turn.
-_stage("B1-B2", ("B1", "B2"), "gate + chunk cumsum, w/u/qg/kg (recompute, one pass)",
-       f"g use_gate_in_kernel A_log dt_bias lower_bound q k v beta A want_u {_C}", ("gc", "w", "u", "qg", "kg"),
-       _recompute_in_turn(fla.gate, fla.wy_recompute), _recompute_in_turn(_ref_gate, _ref_wy))
 # (v, beta and Akk_inv for a scan that forms u itself, B2 then writing none)
 _stage("B3", ("B3",), "state scan (recompute)", _SCAN_IN + " v beta Akk", ("h", "v_new", "final_state"),
        fla.state_scan, _ref_h)
@@ -483,14 +441,18 @@ def capacity_offsets(opts: Options):
 
 def run_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, opts: Options, record: CallRecord) -> ForwardResult:
     """The forward chain F1-F8 (``_run_forward``); a packed call's stages with fla's tensor
-    cache off (``fla.no_tensor_cache``), a capacity-shaped call's told so."""
+    cache off (``fla.no_tensor_cache``), a capacity-shaped call's told so. The packed chunk
+    index is built before, with the cache as the user has it: from device offsets fla's
+    builder synchronizes on a miss, and a step's layers share one index."""
+    chunk_indices = _chunk_indices(opts, q.shape[1])
     if opts.cu_seqlens is None:
-        return _run_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, opts, record)
+        return _run_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, opts, record, chunk_indices)
     with fla.no_tensor_cache(), fla.capacity_shaped(capacity_offsets(opts)):
-        return _run_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, opts, record)
+        return _run_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, opts, record, chunk_indices)
 
 
-def _run_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, opts: Options, record: CallRecord) -> ForwardResult:
+def _run_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, opts: Options, record: CallRecord,
+                 chunk_indices) -> ForwardResult:
     """The forward chain F1-F8. Saves what fla saves: with ``disable_recompute`` also gc, w,
     u, qg, kg, v_new and h, so the backward skips B1-B3 as fla's does."""
     run = Dispatcher.for_call(q.device, record)
@@ -501,7 +463,7 @@ def _run_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, opts: Options,
         initial_state = ref.swap_state(initial_state)
     q_rstd = k_rstd = None
     beta_raw = beta
-    common["chunk_indices"] = chunk_indices = _chunk_indices(opts, q.shape[1])
+    common["chunk_indices"] = chunk_indices
     if opts.memo_key is not None:  # (a packed batch's chunk count is the one input the key lacks)
         run.remember((opts.memo_key, None if chunk_indices is None else chunk_indices.shape[0]))
     keep = opts.disable_recompute
@@ -515,28 +477,18 @@ def _run_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, opts: Options,
     want_qg = keep or run.answer(("wants", "F7-F8", "reads_qg"), lambda scan=scan: run.wants(
         "F7-F8", "reads_qg", q=q, Aqk=None, scale=opts.scale, save_states=save_states, qg=None, kg=None, w=None,
         u=None, gc=None, **scan))
-    prep = dict(q=q, k=k, v=v, g=g, beta=beta_raw, A_log=A_log, dt_bias=dt_bias, lower_bound=opts.lower_bound,
-                use_gate_in_kernel=opts.use_gate_in_kernel, use_qk_l2norm_in_kernel=opts.use_qk_l2norm_in_kernel,
-                scale=opts.scale, safe_gate=opts.safe_gate, disable_recompute=want_qg, **common)
-    # (beta's values do not enter the choice)
-    if run.answer(("takes", "F1-F6"), lambda prep=prep: run.takes_ours("F1-F6", **prep)):
-        if opts.use_beta_sigmoid_in_kernel:
-            beta = prep["beta"] = run.run("F1b", "forward", beta=beta_raw, scale=opts.beta_scale)
-        q, q_rstd, k, k_rstd, gc, w, u, kg, Aqk, Akk, qg = run.run("F1-F6", "forward", **prep)
-    else:
-        if opts.use_qk_l2norm_in_kernel:
-            q, q_rstd, k, k_rstd = run.run("F1", "forward", q=q, k=k)
-        if opts.use_beta_sigmoid_in_kernel:
-            beta = run.run("F1b", "forward", beta=beta_raw, scale=opts.beta_scale)
-        gc = run.run(
-            "F2", "forward", g=g, use_gate_in_kernel=opts.use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
-            lower_bound=opts.lower_bound, **common,
-        )
-        w, u, kg, Aqk, Akk, qg = run.run(
-            "F3-F6", "forward", q=q, k=k, v=v, gc=gc, beta=beta, scale=opts.scale, safe_gate=opts.safe_gate,
-            disable_recompute=want_qg, **common,
-        )
-    del prep
+    if opts.use_qk_l2norm_in_kernel:
+        q, q_rstd, k, k_rstd = run.run("F1", "forward", q=q, k=k)
+    if opts.use_beta_sigmoid_in_kernel:
+        beta = run.run("F1b", "forward", beta=beta_raw, scale=opts.beta_scale)
+    gc = run.run(
+        "F2", "forward", g=g, use_gate_in_kernel=opts.use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+        lower_bound=opts.lower_bound, **common,
+    )
+    w, u, kg, Aqk, Akk, qg = run.run(
+        "F3-F6", "forward", q=q, k=k, v=v, gc=gc, beta=beta, scale=opts.scale, safe_gate=opts.safe_gate,
+        disable_recompute=want_qg, **common,
+    )
     scan = dict(kg=kg, w=w, u=u, gc=gc, **scan)
     unit = dict(q=q, Aqk=Aqk, scale=opts.scale, save_states=save_states, qg=qg, **scan)
     o = None
@@ -604,21 +556,12 @@ def _run_backward(s: dict, opts: Options, run: Dispatcher, do, dht):
         # (asked before B2 makes kg: k stands in for it, the support checks read only K)
         want_u = not run.answer(("wants", "B3", "forms_u"),
                                 lambda: run.wants("B3", "forms_u", kg=k, w=None, u=None, gc=None, **b3))
-        unit = dict(g=g_input, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, lower_bound=opts.lower_bound,
-                    q=q, k=k, v=v, beta=beta, A=Akk, want_u=want_u, **common)
-        takes = opts.use_gate_in_kernel and run.answer(("takes", "B1-B2"),
-                                                       lambda unit=unit: run.takes_ours("B1-B2", **unit))
-        if takes:
-            gc, w, u, qg, kg = run.run("B1-B2", "backward", **unit)
-        else:
-            if opts.use_gate_in_kernel:
-                gc = run.run(
-                    "B1", "backward", g=g_input, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
-                    lower_bound=opts.lower_bound, **common,
-                )
-            w, u, qg, kg = run.run("B2", "backward", q=q, k=k, v=v, beta=beta, A=Akk, gc=gc, want_u=want_u,
-                                   **common)
-        del unit
+        if opts.use_gate_in_kernel:
+            gc = run.run(
+                "B1", "backward", g=g_input, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+                lower_bound=opts.lower_bound, **common,
+            )
+        w, u, qg, kg = run.run("B2", "backward", q=q, k=k, v=v, beta=beta, A=Akk, gc=gc, want_u=want_u, **common)
         h, v_new, _ = run.run("B3", "backward", kg=kg, w=w, u=u, gc=gc, **b3)
         del u, b3
     dAqk, dv = run.run("B4", "backward", q=q, k=k, v_new=v_new, do=do, Aqk=Aqk, scale=opts.scale, **common)
