@@ -80,30 +80,9 @@ main build's one BV=64 stage, not a whole chunk-head (256 KB of V-side tiles); i
 (96 KB) can be in flight beside the one being read, against the main build's one (64 KB).
 Not yet run on a GPU.
 
-The ping-pong form (``pingpong``, ``b6_pingpong_kernel``): the two consumer warpgroups on different
-chunk-heads, consumer J on the CTA's chunk-heads 2m + J, each owning a whole chunk-head (nothing crosses
-between them: dA's ``dw kg^T`` and db's sums stay in one consumer), so one consumer's epilogue can run while
-the other's V loop streams. A whole K=128 of accumulators (3 x [64, 128] fp32, 192 registers a thread) does
-not fit beside the rest in a warpgroup's 232-240, so each chunk-head is two passes over V, a K half each
-(dq, dk_h, dw [64, 64]), that half's epilogue after its pass: the main build's consumer J math run by one
-consumer twice. The V-side sums: dA's ``dvn v^T`` in half 0's pass (parked in the consumer's own fp32 [64, 64]
-through half 1, then ``+ dwb0 kg0^T`` and ``+ dwb1 kg1^T``, the main build's association), ``A^T dvn`` (dv2,
-db's v-side) in half ``vside_pass``'s (1 by default: 88 B / 116 B of spills a thread against 136 B / 172 B with
-0, ``pingpong_v0``, for v read in both passes). One ring of three 48 KB stages (hd: h's and dh's K half as
-[128, 64] bf16; v_new, do, dv, v [64, 64]), fed by the producer warp in segments of NV + 1 positions (a pass's
-V tiles, then its half's q, k and g in the next stage: q, k into vn, do, g as fp32 into hd) in the order
-(consumer 0, half 0), (consumer 1, half 0), (consumer 0, half 1), (consumer 1, half 1) a pair of chunk-heads
-(the last, odd one: consumer 0's two); so consumer 0's half-0 epilogue runs while consumer 1's half-0 pass
-streams, and so on. Barriers: ``empty[s]`` (count 1, the consumer of each use arrives), ``ready[J * STAGES +
-s]`` one a stage a consumer (a consumer waits on its own uses only, its phase bits per stage carried in an int:
-on one shared ready barrier a consumer skipping the other's uses could pass a phase of the same parity),
-``a_ready[J]``/``a_empty[J]`` (A, one buffer a consumer). Shared memory 231,544 B of the 232,448 (three
-stages 144 KB, per consumer A, dwb, kg bf16 and the dA partial fp32: 80 KB); 112 HGMMAs, 12,864 SASS
-instructions (offline, Triton 3.6, consumers 232, producer 40; 240/24 spills 96 B / 128 B). The spills are
-loop-invariant words (the accumulator layout's row and column indices, the loop's pointers) reloaded in the
-epilogues. Bytes from L2 a V tile: 48 KB a pass, 96 KB a tile against the main build's 64 KB (h and dh are
-read once, v_new, do, dv and v twice); the DRAM bytes are the same if the second pass hits L2.
-Not yet run on a GPU.
+The ping-pong form (two consumers on different chunk-heads, each whole in two K-half passes
+over V, one three-stage ring) ran at 0.48x the Triton B6 on an H100 (docs/log/bwd-fused.md) and
+was removed; the last commit holding it is 2400689.
 
 ``python -m research.b6_gluon [variant ...]`` compiles offline (no GPU) and prints one JSON
 row a build. ``python -m research.b6_gluon gpu --builds main,bv32 --out FILE`` runs the builds
@@ -539,293 +518,11 @@ def b6_gluon_kernel(d_h, d_dh, d_vn, d_do, d_dv, d_v, d_A, d_q, d_k, d_g, q, k, 
 
 
 # --------------------------------------------------------------------------------------
-# The ping-pong form (build ``pingpong``): the two consumers on different chunk-heads
-# --------------------------------------------------------------------------------------
-@gluon.jit
-def _pp_producer(d_h, d_dh, d_vn, d_do, d_dv, d_v, d_A, d_q, d_k, d_g, hd_s, vn_s, do_s, dv_s, v_s, a_s,
-                 ready, empty, a_ready, a_empty, T, NT, NBH, NCH,
-                 H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BT: gl.constexpr,
-                 BV: gl.constexpr, STAGES: gl.constexpr, VSIDE: gl.constexpr):
-    """The producer warp of the ping-pong form: one ring, segments in the order (consumer 0, K half 0),
-    (consumer 1, half 0), (consumer 0, half 1), (consumer 1, half 1) a pair of the CTA's chunk-heads
-    (``_pp_segment``); a pair with no second chunk-head (the CTA's last, odd one) has consumer 0's two."""
-    pid = gl.program_id(0)
-    nprog = gl.num_programs(0)
-    c = 0
-    m = 0
-    for i0 in range(pid, NCH, 2 * nprog):
-        pair = i0 + nprog < NCH
-        for P in gl.static_range(2):
-            c = _pp_segment(d_h, d_dh, d_vn, d_do, d_dv, d_v, d_A, d_q, d_k, d_g, hd_s, vn_s, do_s, dv_s, v_s, a_s,
-                            ready, empty, a_ready, a_empty, i0, m, c, T, NT, NBH,
-                            H, HV, K, V, BT, BV, STAGES, VSIDE, 0, P)
-            if pair:
-                c = _pp_segment(d_h, d_dh, d_vn, d_do, d_dv, d_v, d_A, d_q, d_k, d_g, hd_s, vn_s, do_s, dv_s, v_s,
-                                a_s, ready, empty, a_ready, a_empty, i0 + nprog, m, c, T, NT, NBH,
-                                H, HV, K, V, BT, BV, STAGES, VSIDE, 1, P)
-        m += 1
-
-
-@gluon.jit
-def _pp_segment(d_h, d_dh, d_vn, d_do, d_dv, d_v, d_A, d_q, d_k, d_g, hd_s, vn_s, do_s, dv_s, v_s, a_s,
-                ready, empty, a_ready, a_empty, i, m, c, T, NT, NBH,
-                H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BT: gl.constexpr,
-                BV: gl.constexpr, STAGES: gl.constexpr, VSIDE: gl.constexpr, J: gl.constexpr, P: gl.constexpr):
-    """One segment of NV + 1 ring positions from position c, for consumer J's chunk-head i (its m-th), K half
-    P: with P=0 first A into consumer J's own buffer; a V tile a position (h and dh's rows of half P into
-    the stage's hd tile, rows 0-63 and 64-127; v_new, do, dv; v for the passes that use it: dvn v^T in half
-    0's, A^T dvn in half VSIDE's); then q's, k's and g's half P (into the stage's vn, do and hd tiles, g as fp32). Each
-    position arrives on consumer J's own ready barrier of the stage (``ready[J * STAGES + s]``): a consumer
-    waits on its own uses only, so its phase never runs two ahead of the barrier's. Returns the next c."""
-    NV: gl.constexpr = V // BV
-    KH: gl.constexpr = K // 2
-    f32_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
-    nbytes: gl.constexpr = 2 * KH * BV * 2 + (3 + (P == 0 or P == VSIDE)) * BT * BV * 2
-    ebytes: gl.constexpr = 2 * BT * KH * 2 + BT * KH * 4
-    i_t = i // NBH
-    i_bh = i % NBH
-    i_b = i_bh // HV
-    i_hv = i_bh % HV
-    i_h = i_hv // (HV // H)
-    row0 = i_b * T + i_t * BT
-    hrow = ((i_b * NT + i_t) * HV + i_hv) * K + P * KH
-    if P == 0:
-        mbarrier.wait(a_empty.index(J), (m & 1) ^ 1)
-        mbarrier.expect(a_ready.index(J), BT * BT * 2)
-        tma.async_copy_global_to_shared(d_A, [row0, i_hv * BT], a_ready.index(J), a_s.index(J))
-    for iv in range(NV):
-        s = c % STAGES
-        mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
-        bar = ready.index(J * STAGES + s)
-        mbarrier.expect(bar, nbytes)
-        col = i_hv * V + iv * BV
-        tma.async_copy_global_to_shared(d_h, [hrow, iv * BV], bar, hd_s.index(s).slice(0, KH, dim=0))
-        tma.async_copy_global_to_shared(d_dh, [hrow, iv * BV], bar, hd_s.index(s).slice(KH, KH, dim=0))
-        tma.async_copy_global_to_shared(d_do, [row0, col], bar, do_s.index(s))
-        tma.async_copy_global_to_shared(d_vn, [row0, col], bar, vn_s.index(s))
-        tma.async_copy_global_to_shared(d_dv, [row0, col], bar, dv_s.index(s))
-        if P == 0 or P == VSIDE:
-            tma.async_copy_global_to_shared(d_v, [row0, col], bar, v_s.index(s))
-        c += 1
-    s = c % STAGES
-    mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
-    bar = ready.index(J * STAGES + s)
-    mbarrier.expect(bar, ebytes)
-    tma.async_copy_global_to_shared(d_q, [row0, i_h * K + P * KH], bar, vn_s.index(s))
-    tma.async_copy_global_to_shared(d_k, [row0, i_h * K + P * KH], bar, do_s.index(s))
-    tma.async_copy_global_to_shared(d_g, [row0, i_hv * K + P * KH], bar,
-                                    hd_s.index(s)._reinterpret(gl.float32, [BT, KH], f32_l))
-    return c + 1
-
-
-@gluon.jit
-def _pp_wait(ready, ph, s, J: gl.constexpr, STAGES: gl.constexpr):
-    """Wait for consumer J's next use of stage s (its phase bit s of ph); the phase bits after it."""
-    mbarrier.wait(ready.index(J * STAGES + s), (ph >> s) & 1)
-    return ph ^ (1 << s)
-
-
-@gluon.jit
-def _pp_consumer(hd_s, vn_s, do_s, dv_s, v_s, a_s, dw_s, kg_s, xa_s, ready, empty, a_ready, a_empty,
-                 g, beta, dq, dk, dv2, dg, db, dA, scale, T, NBH, NCH,
-                 H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BT: gl.constexpr,
-                 BV: gl.constexpr, STAGES: gl.constexpr, VSIDE: gl.constexpr, J: gl.constexpr):
-    """Consumer warpgroup J of the ping-pong form: the CTA's chunk-heads 2m + J (its own), each whole, in two
-    passes over V, one a K half P (dq, dk_h, dw [64, 64] fp32 of channels 64P..64P+63: 96 registers); half
-    0's pass also accumulates dA's ``dvn v^T``, half VSIDE's forms ``A^T dvn`` a tile (dv2 stored, db's v-side
-    summed: in half 1's pass, 32 registers fewer at the peak of half 0's, for v read twice);
-    after each pass that half's epilogue (the main build's, q, k and g from the segment's last stage);
-    dA's partial ``dvn v^T + dwb0 kg0^T`` waits in the consumer's own shared memory (xa) through half 1,
-    then ``+ dwb1 kg1^T``, the dA chain, dA and db stored. Nothing crosses between the consumers."""
-    NV: gl.constexpr = V // BV
-    KH: gl.constexpr = K // 2
-    SEG: gl.constexpr = NV + 1
-    gl.static_assert(KH == BT and BV == BT, "[64, 64] accumulators and V tiles")
-    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BT, 16])
-    opa_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
-    red_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 * 8 // BV, BV // 8],
-                                           warps_per_cta=[4, 1], order=[1, 0])
-    row_l: gl.constexpr = gl.SliceLayout(1, acc_l)
-    col_l: gl.constexpr = gl.SliceLayout(0, acc_l)
-    f32_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
-    r = gl.arange(0, BT, layout=row_l)
-    cc = gl.arange(0, BT, layout=col_l)
-    zero = gl.zeros([BT, BT], gl.float32, acc_l)
-    pid = gl.program_id(0)
-    nprog = gl.num_programs(0)
-    xa = xa_s.index(J)
-    dw_j = dw_s.index(J)
-    kg_j = kg_s.index(J)
-    ph = 0  # bit s: the phase of this consumer's next use of ring stage s
-    n = 0
-    for i in range(pid + J * nprog, NCH, 2 * nprog):
-        if J == 0:
-            W = 1 + (i + nprog < NCH).to(gl.int32)  # segments a K half in this pair: 1 if no consumer-1 partner
-        else:
-            W = 2
-        i_t = i // NBH
-        i_bh = i % NBH
-        i_b = i_bh // HV
-        i_hv = i_bh % HV
-        row0 = (i_b * T + i_t * BT).to(gl.int64)
-        p_beta = beta + row0 * HV + i_hv
-        b_beta = gl.load(p_beta + r * HV).to(gl.float32)
-        p_dv2 = dv2 + (row0 * HV + i_hv) * V
-        b_dbv = gl.zeros([BT], gl.float32, row_l)
-        b_dbk = gl.zeros([BT], gl.float32, row_l)
-        mbarrier.wait(a_ready.index(J), n & 1)
-        a_t = a_s.index(J).permute((1, 0))  # [s, t] view of A[t, s]: A^T, and the K-major B of X A^T
-        for P in gl.static_range(2):
-            c0 = (4 * n + P * W + J) * SEG
-            a_q = gl.zeros([BT, KH], gl.float32, acc_l)
-            a_k = gl.zeros([BT, KH], gl.float32, acc_l)
-            a_w = gl.zeros([BT, KH], gl.float32, acc_l)
-            if P == 0:
-                a_x = gl.zeros([BT, BT], gl.float32, acc_l)
-            b_dgk = gl.zeros([KH], gl.float32, gl.SliceLayout(1, red_l))
-            for iv in range(NV):
-                s = (c0 + iv) % STAGES
-                ph = _pp_wait(ready, ph, s, J, STAGES)
-                h_p = hd_s.index(s).slice(0, KH, dim=0)  # [KH, BV]
-                dh_p = hd_s.index(s).slice(KH, KH, dim=0)
-                h_t = h_p.permute((1, 0))  # [BV, KH], BV contiguous: a K-major B operand
-                a_q = warpgroup_mma(do_s.index(s), h_t, a_q, is_async=True)
-                a_k = warpgroup_mma(vn_s.index(s), dh_p.permute((1, 0)), a_k, is_async=True)
-                a_w = warpgroup_mma(dv_s.index(s), h_t, a_w, is_async=True)
-                if P == 0:
-                    a_x = warpgroup_mma(dv_s.index(s), v_s.index(s).permute((1, 0)), a_x, is_async=True)
-                if P == VSIDE:
-                    a_y = warpgroup_mma(a_t, dv_s.index(s), zero, use_acc=False, is_async=True)
-                b_dgk += gl.sum(h_p.load(red_l).to(gl.float32) * dh_p.load(red_l).to(gl.float32), axis=1)
-                if P == VSIDE:
-                    b_v = v_s.index(s).load(acc_l)
-                if P == 0 and VSIDE == 0:
-                    a_q, a_k, a_w, a_x, a_y = warpgroup_mma_wait(0, deps=[a_q, a_k, a_w, a_x, a_y])
-                elif P == 0:
-                    a_q, a_k, a_w, a_x = warpgroup_mma_wait(0, deps=[a_q, a_k, a_w, a_x])
-                elif VSIDE == 1:
-                    a_q, a_k, a_w, a_y = warpgroup_mma_wait(0, deps=[a_q, a_k, a_w, a_y])
-                else:
-                    a_q, a_k, a_w = warpgroup_mma_wait(0, deps=[a_q, a_k, a_w])
-                mbarrier.arrive(empty.index(s))
-                if P == VSIDE:
-                    _store_pairs(p_dv2 + iv * BV, _tile_offsets(r, cc, HV * V),
-                                 (a_y * b_beta[:, None]).to(gl.bfloat16))
-                    b_dbv += gl.sum(a_y * b_v.to(gl.float32), axis=1)
-
-            # ---- half P's epilogue (channels 64P..64P+63)
-            base_hk = (row0 * HV + i_hv) * K + P * KH
-            if P == 0:
-                xa.store(a_x)  # dvn v^T waits in shared memory for the dA partial's wgmma
-            se = (c0 + NV) % STAGES
-            ph = _pp_wait(ready, ph, se, J, STAGES)
-            q_p = vn_s.index(se)
-            k_p = do_s.index(se)
-            g_p = hd_s.index(se)._reinterpret(gl.float32, [BT, KH], f32_l)
-            b_gn = gl.load(g + base_hk + (BT - 1) * (HV * K) + _fresh(cc))
-            b_dq = a_q * gl.exp2(g_p.load(acc_l)) * scale
-            _store_pairs(dq + base_hk, _tile_offsets(r, cc, HV * K), b_dq)
-            b_dg = q_p.load(acc_l).to(gl.float32) * b_dq
-            b_dk = a_k * gl.exp2(b_gn[None, :] - g_p.load(acc_l))
-            b_kdk = k_p.load(acc_l).to(gl.float32) * b_dk
-            b_dg -= b_kdk
-            b_dgk = gl.convert_layout(b_dgk, col_l) * gl.exp2(b_gn) + gl.sum(b_kdk, axis=0)
-            dw_j.store((-a_w).to(gl.bfloat16))  # dwb
-            kg_j.store((k_p.load(acc_l).to(gl.float32) * gl.exp2(g_p.load(acc_l))).to(gl.bfloat16))
-            fence_async_shared()
-            gl.thread_barrier()
-            # dkgb = A^T dwb, then db's k-side and dg's and dk's k-side terms
-            a_d = warpgroup_mma(a_t, dw_j, zero, use_acc=False, is_async=True)
-            b_dkgb = warpgroup_mma_wait(0, deps=[a_d])
-            b_gexp = gl.exp2(g_p.load(acc_l))
-            b_kg = k_p.load(acc_l).to(gl.float32) * b_gexp  # the same fp32 kg (a bf16 copy went to the dot)
-            b_dbk += gl.sum(b_dkgb * b_kg, axis=1)
-            b_dg += b_kg * b_dkgb * b_beta[:, None] + gl.where((r == BT - 1)[:, None], b_dgk[None, :], 0)
-            b_dk += b_dkgb * b_gexp * b_beta[:, None]
-            gl.thread_barrier()  # the whole warpgroup has read the stage
-            mbarrier.arrive(empty.index(se))
-            _store_pairs(dk + base_hk, _tile_offsets(r, cc, HV * K), b_dk)
-            _store_pairs(dg + base_hk, _tile_offsets(r, cc, HV * K), b_dg)
-            if P == 0:
-                # dA's partial dvn v^T + dwb0 kg0^T, parked again through half 1
-                a_p = warpgroup_mma(dw_j, kg_j.permute((1, 0)), xa.load(acc_l))
-                xa.store(a_p)
-            else:
-                a_p = warpgroup_mma(dw_j, kg_j.permute((1, 0)), zero, use_acc=False)
-                b_dA = xa.load(acc_l) + a_p
-                b_db = b_dbv + b_dbk
-                # _da_chain: dA = -A^T strict_lower(X Diag(beta)) A^T, bf16 before each dot
-                b_betac = gl.load(p_beta + _fresh(cc) * HV).to(gl.float32)
-                b_dA = gl.where(_fresh(r)[:, None] > _fresh(cc)[None, :], b_dA * b_betac[None, :], 0)
-                b_dA = warpgroup_mma(gl.convert_layout(b_dA.to(gl.bfloat16), opa_l), a_t, zero, use_acc=False)
-                kg_j.store(b_dA.to(gl.bfloat16))  # the kg buffer, its dot done
-                fence_async_shared()
-                gl.thread_barrier()
-                b_dA = warpgroup_mma(a_t, kg_j, zero, use_acc=False)
-                mbarrier.arrive(a_empty.index(J))
-                b_dA = gl.where(_fresh(r)[:, None] > _fresh(cc)[None, :], -b_dA, 0)
-                _store_pairs(dA + (row0 * HV + i_hv) * BT, _tile_offsets(r, cc, HV * BT), b_dA)
-                gl.store(db + row0 * HV + i_hv + r * HV, b_db)
-        n += 1
-
-
-@gluon.jit
-def b6_pingpong_kernel(d_h, d_dh, d_vn, d_do, d_dv, d_v, d_A, d_q, d_k, d_g, q, k, g, beta, dq, dk, dv2, dg, db,
-                       dA, scale, T, NT, NBH, NCH,
-                       H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BT: gl.constexpr,
-                       BV: gl.constexpr, STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                       CONSUMER1_REGS: gl.constexpr, EPI_TMA: gl.constexpr, VSIDE: gl.constexpr):
-    """B6 in the ping-pong form (``b6_gluon_kernel``'s arguments; d_h and d_dh with [K/2, BV] boxes), persistent,
-    num_warps=4: consumer 0 the default partition, consumer 1 and the producer warp the workers. A ring of
-    STAGES stages of 48 KB (hd: h's and dh's K half [128, BV]; v_new, do, dv, v [64, BV]); per consumer its
-    A, dwb, kg (bf16 [64, 64]) and dA's parked partial (fp32 [64, 64])."""
-    gl.static_assert(EPI_TMA, "the ping-pong form reads q, k and g from the ring")
-    KH: gl.constexpr = K // 2
-    hd_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 2 * KH, BV], d_h.layout)
-    vn_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, BV], d_vn.layout)
-    do_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, BV], d_do.layout)
-    dv_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, BV], d_dv.layout)
-    v_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, BV], d_v.layout)
-    a_s = gl.allocate_shared_memory(gl.bfloat16, [2, BT, BT], d_A.layout)
-    dw_s = gl.allocate_shared_memory(gl.bfloat16, [2, BT, BT], d_A.layout)
-    kg_s = gl.allocate_shared_memory(gl.bfloat16, [2, BT, BT], d_A.layout)
-    f32_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
-    xa_s = gl.allocate_shared_memory(gl.float32, [2, BT, BT], f32_l)
-    ready = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    a_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    a_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(2 * STAGES):
-        mbarrier.init(ready.index(s), count=1)
-    for s in gl.static_range(STAGES):
-        mbarrier.init(empty.index(s), count=1)
-    for s in gl.static_range(2):
-        mbarrier.init(a_ready.index(s), count=1)
-        mbarrier.init(a_empty.index(s), count=1)
-    fence_async_shared()
-    gl.warp_specialize([
-        (_pp_consumer, (hd_s, vn_s, do_s, dv_s, v_s, a_s, dw_s, kg_s, xa_s, ready, empty, a_ready, a_empty,
-                        g, beta, dq, dk, dv2, dg, db, dA, scale, T, NBH, NCH, H, HV, K, V, BT, BV, STAGES, VSIDE, 0)),
-        (_pp_consumer, (hd_s, vn_s, do_s, dv_s, v_s, a_s, dw_s, kg_s, xa_s, ready, empty, a_ready, a_empty,
-                        g, beta, dq, dk, dv2, dg, db, dA, scale, T, NBH, NCH, H, HV, K, V, BT, BV, STAGES, VSIDE, 1)),
-        (_pp_producer, (d_h, d_dh, d_vn, d_do, d_dv, d_v, d_A, d_q, d_k, d_g, hd_s, vn_s, do_s, dv_s, v_s, a_s,
-                        ready, empty, a_ready, a_empty, T, NT, NBH, NCH, H, HV, K, V, BT, BV, STAGES, VSIDE)),
-    ], [4, 1], [CONSUMER1_REGS, PRODUCER_REGS])
-    for s in gl.static_range(2 * STAGES):
-        mbarrier.invalidate(ready.index(s))
-    for s in gl.static_range(STAGES):
-        mbarrier.invalidate(empty.index(s))
-    for s in gl.static_range(2):
-        mbarrier.invalidate(a_ready.index(s))
-        mbarrier.invalidate(a_empty.index(s))
-
-
-# --------------------------------------------------------------------------------------
 # The launcher
 # --------------------------------------------------------------------------------------
 OUTPUTS = ("dq", "dk", "dv2", "db", "dg", "dA")  # wy_dqkg_bwd's return order
 BT = 64
-DEFAULT_BUILD = dict(BV=64, stages=2, producer_regs=40, consumer1_regs=232, epi_tma=True, pingpong=False)
+DEFAULT_BUILD = dict(BV=64, stages=2, producer_regs=40, consumer1_regs=232, epi_tma=True)
 
 
 def supports(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, cu_seqlens, chunk_indices,
@@ -854,13 +551,10 @@ def supports(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, cu_s
     return None
 
 
-def _build(BV=64, stages=2, producer_regs=40, consumer1_regs=232, epi_tma=True, pingpong=False, vside_pass=1):
-    """(kernel, the constexprs but H, HV, K, V, num_warps) of a build. ``pingpong``: ``b6_pingpong_kernel``
-    (its h and dh descriptors have [K/2, BV] boxes), ``vside_pass`` the K-half pass that forms A^T dvn."""
+def _build(BV=64, stages=2, producer_regs=40, consumer1_regs=232, epi_tma=True):
+    """(kernel, the constexprs but H, HV, K, V, num_warps) of a build."""
     ce = dict(BT=BT, BV=BV, STAGES=stages, PRODUCER_REGS=producer_regs, CONSUMER1_REGS=consumer1_regs,
               EPI_TMA=epi_tma)
-    if pingpong:
-        return b6_pingpong_kernel, dict(ce, VSIDE=vside_pass), 4
     return b6_gluon_kernel, ce, 4
 
 
@@ -881,7 +575,6 @@ def wy_dqkg_bwd_gluon(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_s
     b = {**DEFAULT_BUILD, **(build or {})}
     kernel, ce, num_warps = _build(**b)
     BV = ce["BV"]
-    HB = K // 2 if b["pingpong"] else K  # h's and dh's box rows
 
     def desc(x2d, block, dtype=gl.bfloat16):
         return TensorDescriptor.from_tensor(x2d, block, gl.NVMMASharedLayout.get_default_for(block, dtype))
@@ -903,7 +596,7 @@ def wy_dqkg_bwd_gluon(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_s
     if n_ctas is None:
         n_ctas = torch.cuda.get_device_properties(dev).multi_processor_count
     kernel[(max(1, min(n_ctas, nch)),)](
-        desc(h.view(-1, V), [HB, BV]), desc(dh.view(-1, V), [HB, BV]), token_major(v_new), token_major(do),
+        desc(h.view(-1, V), [K, BV]), desc(dh.view(-1, V), [K, BV]), token_major(v_new), token_major(do),
         token_major(dv), token_major(v), desc(A.view(B * T, HV * BT), [BT, BT]),
         # the epilogue's q, k (bf16 [B*T, H*K]) and g (fp32 [B*T, HV*K]): a [64, 64] box a K half
         desc(q.view(B * T, H * K), [BT, K // 2]), desc(k.view(B * T, H * K), [BT, K // 2]),
@@ -924,11 +617,6 @@ VARIANTS = {
     "bv32": dict(BV=32, stages=4),
     "bv32_s2": dict(BV=32, stages=2),
     "bv32_s6": dict(BV=32, stages=6),
-    # the consumers on different chunk-heads, each a whole chunk-head in two K-half passes over V; one ring
-    # of three 48 KB stages (``b6_pingpong_kernel``)
-    "pingpong": dict(BV=64, stages=3, pingpong=True),
-    # the same with A^T dvn (dv2, db's v-side) in half 0's pass: v read once, 32 registers more there
-    "pingpong_v0": dict(BV=64, stages=3, pingpong=True, vside_pass=0),
 }
 
 
@@ -943,8 +631,7 @@ def compile_b6_gluon(H=16, HV=16, K=128, V=256, **build) -> dict:
     ce = dict(H=H, HV=HV, K=K, V=V, **ce)
     BV = ce["BV"]
     f32_layout = gl.NVMMASharedLayout.get_default_for([BT, K // 2], gl.float32)
-    HB = K // 2 if b["pingpong"] else K  # h's and dh's box rows
-    sig = {"d_h": desc_type([HB, BV]), "d_dh": desc_type([HB, BV]),
+    sig = {"d_h": desc_type([K, BV]), "d_dh": desc_type([K, BV]),
            **{n: desc_type([BT, BV]) for n in ("d_vn", "d_do", "d_dv", "d_v")}, "d_A": desc_type([BT, BT]),
            "d_q": desc_type([BT, K // 2]), "d_k": desc_type([BT, K // 2]),
            "d_g": f"tensordesc<fp32[{BT}, {K // 2}],{f32_layout!r}>",

@@ -84,33 +84,14 @@ def test_b6_gluon_bv32_compiles():
           f"shared {row['shared']} B, {row['wgmma_sass']} HGMMA")
 
 
-@pytest.mark.skipif(_WHY is not None, reason=f"offline sm_90a compile unavailable: {_WHY}")
-def test_b6_gluon_pingpong_compiles():
-    """The ping-pong form (the consumers on different chunk-heads, each whole in two K-half passes, one ring of
-    three 48 KB stages): warp-specialized, wgmmas in it, inside an SM's shared memory. Its spills are reported,
-    not asserted (88 B stores / 116 B loads a thread offline with Triton 3.6)."""
-    from research.b6_gluon import SM90_SHARED_BYTES
-
-    row = _row("pingpong")
-    assert row["ok"], row.get("error")
-    assert (row["BV"], row["stages"], row["pingpong"]) == (64, 3, True), row
-    assert row["wgmma_sass"] > 0, row
-    assert 0 < row["shared"] <= SM90_SHARED_BYTES, row
-    assert row["setmaxnreg"] and row["setmaxnreg_sass"], row
-    print(f"pingpong: spills {row['spill_stores']} B stores / {row['spill_loads']} B loads a thread, "
-          f"shared {row['shared']} B, {row['wgmma_sass']} HGMMA, {row['sass_instructions']} SASS")
-
-
 def test_b6_gluon_builds_and_gpu_builds():
     """Every build named; the gpu subcommand refuses an unknown build before it needs a GPU."""
     from research.b6_gluon import VARIANTS, main
 
-    assert {"main", "plain_epi", "bv32", "pingpong"} <= set(VARIANTS)
+    assert {"main", "plain_epi", "bv32"} <= set(VARIANTS)
     assert VARIANTS["main"] == dict(BV=64, stages=2)
     with pytest.raises(SystemExit):
         main(["gpu", "--builds", "main,nope"])
-    with pytest.raises(SystemExit):
-        main(["gpu", "--builds", "pingpong,nope"])
 
 
 def test_b6_gluon_supports():
