@@ -367,7 +367,7 @@ def host_chunk_indices(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor, c
         entry.cu_cpu, entry.key, entry.host = weakref.ref(cu_seqlens_cpu), key, host
         _HOST_INDICES[id(cu_seqlens)] = entry
     if not cu_seqlens.is_cuda:
-        return entry.host if cu_seqlens.device == entry.host.device else entry.host.to(cu_seqlens.device)
+        return entry.host.to(cu_seqlens.device)  # (the host index itself on the CPU)
     if torch.cuda.is_current_stream_capturing() and not any(t is entry.host for t in entry.kept):
         entry.kept.append(entry.host)
     return entry.host.to(cu_seqlens.device, non_blocking=True)
