@@ -86,26 +86,27 @@ def test_chunk_kda_operators_pass_opcheck(p, monkeypatch):
     v_new: which implementation runs changes no output's shape or dtype, and the interpreter
     would run every kernel ten times over."""
     args = fwd_op_args(_inputs(p))
+    fwd = ops.forward_operator(args[-1], args[8])
+    bwd_name = "chunk_kda_bwd" if ops.replayable(args[-1], args[8]) else "chunk_kda_bwd_packed"
     seen = []
-    real = ops.chunk_kda_bwd
+    real = getattr(ops, bwd_name)
 
     def spy(*a):
         seen.append(a)
         return real(*a)
 
-    monkeypatch.setattr(ops, "chunk_kda_bwd", spy)
+    monkeypatch.setattr(ops, bwd_name, spy)
     # (AOT dispatch, the costly part, on the first two: the compile tests below trace the rest)
     utils = None if p in PROBLEMS[:2] else NO_AOT
     with use_impls("reference") if not p.disable_recompute else contextlib.nullcontext():
-        torch.library.opcheck(torch.ops.kernel_fun.chunk_kda_fwd.default, args,
-                              **({} if utils is None else {"test_utils": utils}))
+        torch.library.opcheck(fwd.default, args, **({} if utils is None else {"test_utils": utils}))
         seen.clear()
-        out = torch.ops.kernel_fun.chunk_kda_fwd(*args)
+        out = fwd(*args)
         loss = out[0].float().sum() + (out[1].sum() if p.output_final_state else 0)
         loss.backward()
         assert len(seen) == 1
         detached = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in seen[0])
-        torch.library.opcheck(torch.ops.kernel_fun.chunk_kda_bwd.default, detached, test_utils=NO_AOT)
+        torch.library.opcheck(getattr(torch.ops.kernel_fun, bwd_name).default, detached, test_utils=NO_AOT)
 
 
 @needs_interpreter
@@ -148,6 +149,42 @@ def test_compiled_chunk_kda_is_eager_bit_for_bit(p, backend):
     # the forward's record)
     assert record is not eager_record and record.engaged
     assert record.forward == eager_record.forward and record.backward == eager_record.backward
+
+
+def _operators_in_graphs(kw: dict) -> dict:
+    """The kernel_fun operators in the forward and backward graphs of a compiled step."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    seen = {}
+
+    def grab(phase):
+        def compiler(gm, example_inputs):
+            seen[phase] = [n.target for n in gm.graph.nodes
+                           if n.op == "call_function" and str(n.target).startswith("kernel_fun.")]
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    torch._dynamo.reset()
+    with use_impls("reference"):
+        run_fwd_bwd(torch.compile(chunk_kda, fullgraph=True, backend=aot_autograd(fw_compiler=grab("fwd"),
+                                                                                   bw_compiler=grab("bwd"))), kw)
+    return seen
+
+
+@pytest.mark.parametrize("p, host_offsets", [(PROBLEMS[0], False), (PROBLEMS[3], True), (PROBLEMS[3], False)],
+                         ids=["dense", "packed-host", "packed-device"])
+def test_a_packed_call_takes_the_operators_cuda_graphs_leave_out(p, host_offsets):
+    """A packed call's chunk count is its offsets' data: a CUDA graph of its launches could
+    replay only the offsets it recorded. Compiled, it takes the ``_packed`` operators, tagged
+    ``cudagraph_unsafe`` (inductor's CUDA-graph trees run them between their graphs); a
+    dense call takes the untagged ones."""
+    seen = _operators_in_graphs(_inputs(p, host_offsets))
+    names = {phase: [t.name() for t in targets] for phase, targets in seen.items()}
+    suffix = "_packed" if p.cu_seqlens else ""
+    assert names == {"fwd": [f"kernel_fun::chunk_kda_fwd{suffix}"], "bwd": [f"kernel_fun::chunk_kda_bwd{suffix}"]}
+    for targets in seen.values():
+        assert (torch.Tag.cudagraph_unsafe in targets[0].tags) == bool(p.cu_seqlens)
 
 
 def _layer(x, w_q, w_k, w_v, conv_w, g_proj, b_proj, A_log, dt_bias, cu_seqlens, cu_seqlens_cpu):
@@ -581,6 +618,7 @@ def test_a_capacity_shaped_forward_operator_passes_opcheck():
     args = (q, kw["k"].detach(), kw["v"].detach(), kw["g"].detach(), kw["beta"].detach(), kw["A_log"].detach(),
             kw["dt_bias"].detach(), kw["initial_state"].detach(), kw["cu_seqlens"], None, q.shape[-1] ** -0.5,
             None, ops.pack_flags(flags, False))
+    assert ops.forward_operator(args[-1], args[8]) is torch.ops.kernel_fun.chunk_kda_fwd  # (replayable: untagged)
     with torch.inference_mode():
         out = torch.ops.kernel_fun.chunk_kda_fwd(*args)
     assert out[2].shape[1] == -(-q.shape[1] // 64) + kw["cu_seqlens"].shape[0] - 2

@@ -762,17 +762,21 @@ def test_a_packed_step_is_captured_in_a_cuda_graph():
 def test_a_step_under_reduce_overhead_replays_new_inputs(p):
     """``torch.compile(mode="reduce-overhead")`` (CUDA-graph trees over the compiled forward
     and backward), dense and packed with host offsets: warmed, recorded, then a step on new
-    inputs equals eager's bit for bit. The trees refuse a call that leaves memory of their
-    pool alive beyond its outputs (a chunk index shared between calls did)."""
+    inputs equals eager's bit for bit; packed, the new step's offsets are other lengths (its
+    operators run between the graphs, so nothing recorded holds the old chunk count). The
+    trees refuse a call that leaves memory of their pool alive beyond its outputs (a chunk
+    index shared between calls did), and a CPU tensor handed to a recorded operator."""
     from kernel_fun.kda.problems import cotangents, leaves
 
-    def inputs(seed):
+    def inputs(seed, offsets=None):
         kw = make_inputs(p, device="cuda", seed=seed)
         if "cu_seqlens" in kw:
+            if offsets is not None:
+                kw["cu_seqlens"] = torch.tensor(offsets, dtype=kw["cu_seqlens"].dtype, device="cuda")
             kw["cu_seqlens_cpu"] = kw["cu_seqlens"].cpu()
         return kw
 
-    kw, fresh = inputs(5), inputs(6)
+    kw, fresh = inputs(5), inputs(6, (0, 450, 460, 700) if p.cu_seqlens else None)
     with torch.no_grad():
         o, final_state = chunk_kda(**kw)
     cot = list(cotangents(o, final_state, seed=1))

@@ -50,7 +50,7 @@ from kernel_fun import _fla as fla
 from kernel_fun._runtime import PLAIN_TENSORS, env_flag, env_int, log_once, not_hopper, wants_operator
 from kernel_fun._runtime import logger as _runtime_logger
 from kernel_fun.kda.chain import FLAG_NAMES, ChunkKDAFunction, Options, call_key, reporter, run_forward
-from kernel_fun.kda.ops import check_offsets, pack_flags
+from kernel_fun.kda.ops import check_offsets, forward_operator, pack_flags
 from kernel_fun.kda.stages import CallRecord, set_last_record
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -595,9 +595,9 @@ def _traced_call(c: _Call):
         dt_bias = dt_bias.contiguous() if dt_bias is not None else None
     cu_seqlens = c.cu_seqlens.contiguous() if c.cu_seqlens is not None else None
     flags = pack_flags({n: c.args[n] for n in FLAG_NAMES}, _expects_backward(c))
-    out = torch.ops.kernel_fun.chunk_kda_fwd(q, t["k"], v, t["g"], t["beta"], A_log, dt_bias, t["initial_state"],
-                                             cu_seqlens, c.cu_seqlens_cpu, float(_scale(c)),
-                                             None if c.lower_bound is None else float(c.lower_bound), flags)
+    out = forward_operator(flags, cu_seqlens)(q, t["k"], v, t["g"], t["beta"], A_log, dt_bias, t["initial_state"],
+                                              cu_seqlens, c.cu_seqlens_cpu, float(_scale(c)),
+                                              None if c.lower_bound is None else float(c.lower_bound), flags)
     final_state = out[1] if c.output_final_state else None
     return (out[0], final_state, out[2]) if c.return_intermediate_states else (out[0], final_state)
 

@@ -3,7 +3,9 @@ fake tensors, export.
 
 ``kernel_fun::chunk_kda_fwd`` runs the forward chain and ``kernel_fun::chunk_kda_bwd`` the
 backward chain (``kernel_fun.kda.chain``), the second registered as the first's autograd
-formula. Everything that crosses between them is a tensor or a constant: the call's flags
+formula. Packed calls other than fla 0.6's capacity-shaped ones take the same pair under
+other names, ``_fwd_packed`` / ``_bwd_packed``, tagged ``cudagraph_unsafe``: their chunk
+count is the offsets' data, so CUDA-graph trees run them between their graphs. Everything that crosses between them is a tensor or a constant: the call's flags
 as one integer (``FLAG_NAMES``' bits), ``scale``, ``lower_bound``; the forward returns
 a fixed list of tensors (``OUTPUTS``: o, the final state, h, then what the backward reads),
 an absent one as a size-0 placeholder, and each operator's fake implementation gives every
@@ -119,8 +121,7 @@ def _swaps(f: dict) -> bool:
 # --------------------------------------------------------------------------------------
 # The forward operator
 # --------------------------------------------------------------------------------------
-@torch.library.custom_op("kernel_fun::chunk_kda_fwd", mutates_args=())
-def chunk_kda_fwd(
+def _forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, initial_state: torch.Tensor | None,
     cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: torch.Tensor | None,
@@ -150,11 +151,37 @@ def chunk_kda_fwd(
     # a custom operator's outputs may not alias one another)
 
 
+# Two registrations of each operator, one body: ``kernel_fun::chunk_kda_fwd`` / ``_bwd`` for
+# dense calls and fla 0.6's capacity-shaped packed calls (``use_graph``), whose launches
+# depend on tensor shapes alone; ``kernel_fun::chunk_kda_fwd_packed`` / ``_bwd_packed`` for
+# the other packed calls, tagged ``cudagraph_unsafe``. Their chunk count is the offsets' data
+# (read from ``cu_seqlens_cpu``, or from the device offsets by a synchronization), so a CUDA
+# graph could only replay the offsets it was recorded with; inductor's CUDA-graph trees
+# (``mode="reduce-overhead"``) run a tagged operator eagerly between their graphs.
+_UNSAFE = getattr(torch.Tag, "cudagraph_unsafe", None)
+_PACKED_TAGS = {} if _UNSAFE is None else {"tags": (_UNSAFE,)}
+
+chunk_kda_fwd = torch.library.custom_op("kernel_fun::chunk_kda_fwd", mutates_args=())(_forward)
+chunk_kda_fwd_packed = torch.library.custom_op("kernel_fun::chunk_kda_fwd_packed", mutates_args=(),
+                                               **_PACKED_TAGS)(_forward)
+
+
+def replayable(flags: int, cu_seqlens) -> bool:
+    """Whether a call's launches depend on tensor shapes alone (dense, or capacity-shaped
+    packed): it takes ``chunk_kda_fwd``; otherwise ``chunk_kda_fwd_packed``."""
+    return cu_seqlens is None or _unpack(flags)["use_graph"]
+
+
+def forward_operator(flags: int, cu_seqlens):
+    """The forward operator for a call's flags and offsets (``replayable``)."""
+    ops = torch.ops.kernel_fun
+    return ops.chunk_kda_fwd if replayable(flags, cu_seqlens) else ops.chunk_kda_fwd_packed
+
+
 def _state_shape(N, HV, K, V, v_first: bool):
     return (N, HV, V, K) if v_first else (N, HV, K, V)
 
 
-@chunk_kda_fwd.register_fake
 def _chunk_kda_fwd_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, scale,
                         lower_bound, flags):
     f = _unpack(flags)
@@ -197,11 +224,14 @@ def _chunk_kda_fwd_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seql
     return [out[n] for n in OUTPUTS]
 
 
+chunk_kda_fwd.register_fake(_chunk_kda_fwd_fake)
+chunk_kda_fwd_packed.register_fake(_chunk_kda_fwd_fake)
+
+
 # --------------------------------------------------------------------------------------
 # The backward operator
 # --------------------------------------------------------------------------------------
-@torch.library.custom_op("kernel_fun::chunk_kda_bwd", mutates_args=())
-def chunk_kda_bwd(
+def _backward_op(
     do: torch.Tensor, dht: torch.Tensor | None,
     q: torch.Tensor, q_rstd: torch.Tensor | None, k: torch.Tensor, k_rstd: torch.Tensor | None, v: torch.Tensor,
     gc: torch.Tensor | None, g: torch.Tensor, beta_raw: torch.Tensor, beta: torch.Tensor,
@@ -226,7 +256,6 @@ def chunk_kda_bwd(
             do.new_empty(0) if dh0 is None else dh0]
 
 
-@chunk_kda_bwd.register_fake
 def _chunk_kda_bwd_fake(do, dht, q, q_rstd, k, k_rstd, v, gc, g, beta_raw, beta, A_log, dt_bias, Aqk, Akk,
                         initial_state, cu_seqlens, cu_seqlens_cpu, w, u, qg, kg, v_new, h, scale, lower_bound, flags):
     f = _unpack(flags)
@@ -241,6 +270,13 @@ def _chunk_kda_bwd_fake(do, dht, q, q_rstd, k, k_rstd, v, gc, g, beta_raw, beta,
             torch.empty_like(beta_raw),
             torch.empty_like(A_log) if has_gate and A_log is not None else do.new_empty(0),
             torch.empty_like(dt_bias) if has_gate and dt_bias is not None else do.new_empty(0), dh0]
+
+
+chunk_kda_bwd = torch.library.custom_op("kernel_fun::chunk_kda_bwd", mutates_args=())(_backward_op)
+chunk_kda_bwd_packed = torch.library.custom_op("kernel_fun::chunk_kda_bwd_packed", mutates_args=(),
+                                               **_PACKED_TAGS)(_backward_op)
+chunk_kda_bwd.register_fake(_chunk_kda_bwd_fake)
+chunk_kda_bwd_packed.register_fake(_chunk_kda_bwd_fake)
 
 
 # --------------------------------------------------------------------------------------
@@ -281,9 +317,9 @@ def _backward(ctx, grads):
         do = torch.zeros(*v.shape[:3], v.shape[3], dtype=q.dtype, device=q.device)
     if not f["output_final_state"]:
         dht = None
-    grads = chunk_kda_bwd(do, dht, q, q_rstd, k, k_rstd, v, gc, g, beta_raw, beta, A_log, dt_bias, Aqk, Akk,
-                          initial_state, cu_seqlens, cu_seqlens_cpu, w, u, qg, kg, v_new, h, ctx.scale,
-                          ctx.lower_bound, ctx.flags)
+    op = chunk_kda_bwd if replayable(ctx.flags, cu_seqlens) else chunk_kda_bwd_packed
+    grads = op(do, dht, q, q_rstd, k, k_rstd, v, gc, g, beta_raw, beta, A_log, dt_bias, Aqk, Akk, initial_state,
+               cu_seqlens, cu_seqlens_cpu, w, u, qg, kg, v_new, h, ctx.scale, ctx.lower_bound, ctx.flags)
     d = dict(zip(GRADIENTS, grads))
     has_gate = f["use_gate_in_kernel"]
     return (d["dq"], d["dk"], d["dv"], d["dg"], d["dbeta"],
@@ -294,4 +330,5 @@ def _backward(ctx, grads):
 
 
 chunk_kda_fwd.register_autograd(_backward, setup_context=_setup_context)
+chunk_kda_fwd_packed.register_autograd(_backward, setup_context=_setup_context)
 
