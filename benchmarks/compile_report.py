@@ -186,16 +186,11 @@ def b7_b9_report(K: int = 128, HV: int = 16, gate: bool = True, bias: bool = Tru
     cfg = {**m.CONFIG, **(config or {})}
     types = {"q": _PTR[dtype], "k": _PTR[dtype], "beta": _PTR[dtype], "cu_seqlens": "*i32", "chunk_indices": "*i32",
              **{n: "*fp32" for n in ("g", "dAqk", "dAkk", "dq", "dk", "dg", "dq2", "dk2", "dg2", "db_part")}}
-    # PEEL n: the straight-line launch of the candidate; FLAGGED: its second launch (the loop)
-    launch = bool(cfg.get("PEEL") or cfg.get("FLAGGED"))
-    if launch:
-        types["flags"] = "*i8"
     gate_args = dict(g_raw=_PTR[dtype], A_log="*fp32", dt_bias="*fp32", dA_part="*fp32", dbias_part="*fp32")
     guard = float(m.GUARD_SPAN.value)
     ce = dict(H=HV, HV=HV, K=K, BT=64, BK=cfg["BK"], IS_VARLEN=varlen, GUARD=guard, SCALE=2.0 ** -guard,
               GATE=gate, HAS_BIAS=gate and bias, USE_LOWER_BOUND=gate and lower_bound,
-              **({} if varlen else dict(cu_seqlens=None, chunk_indices=None)), PEEL=int(cfg.get("PEEL") or 0),
-              FLAGGED=not cfg.get("PEEL") and bool(cfg.get("FLAGGED")), **({} if launch else {"flags": None}))
+              **({} if varlen else dict(cu_seqlens=None, chunk_indices=None)))
     if gate:
         types.update(gate_args, dg2=_PTR[dtype])
         if not bias:

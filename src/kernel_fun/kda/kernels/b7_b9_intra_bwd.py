@@ -113,39 +113,21 @@ def _level_sums(q, k, beta, dAqk, dAkk, t, n_t, g_c, g_u, shift, R, S, o_k, m_k,
 
 
 @triton.jit
-def _level_end(g, t, n_t, g_c, u, shift, m_tk, o_k, SG: tl.constexpr, GUARD: tl.constexpr):
-    """The level from each channel's row u: its anchor's gate g_u, and the first row past it
-    whose factor through g_u - shift leaves [2^-GUARD, 2^GUARD] (n_t where none)."""
-    g_u = tl.load(g + u * SG + o_k, mask=u < n_t, other=0)
-    past = (t[:, None] > u[None, :]) & m_tk & (tl.abs(g_u[None, :] - shift[None, :] - g_c) > GUARD)
-    return g_u, tl.min(tl.where(past, t[:, None], n_t), axis=0)
-
-
-@triton.jit
 def intra_bwd_kernel(
     q, k, g, beta, dAqk, dAkk, dq, dk, dg,
     dq2, dk2, dg2, db_part,
     g_raw, A_log, dt_bias, dA_part, dbias_part, lower_bound,
-    cu_seqlens, chunk_indices, T, NT_ROWS, NT_ALL, flags,
+    cu_seqlens, chunk_indices, T, NT_ROWS, NT_ALL,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     IS_VARLEN: tl.constexpr, GUARD: tl.constexpr, SCALE: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr,
-    USE_LOWER_BOUND: tl.constexpr, PEEL: tl.constexpr = 0, FLAGGED: tl.constexpr = False,
+    USE_LOWER_BOUND: tl.constexpr,
 ):
     """B7 and B8 on one (K slice, chunk, head), the chunk as one [BT, BK] tile per output, dg
     reverse-cumsummed within the chunk (fp32) into dg2; with GATE also B9: the raw gate's
     gradient into dg2 in its dtype, dA_log's and dt_bias's per-chunk partials into dA_part
     [NK, NT_ALL, HV] and dbias_part [NT_ALL, HV, K]. GUARD is GUARD_SPAN on every call;
-    tests pass smaller ones to send chunks through many levels. PEEL > 0: the levels as
-    straight-line code, at most PEEL of them, on the programs whose every channel is done
-    within PEEL levels; the others store a flag (int8, one a program) and return. FLAGGED:
-    the loop, on the programs a PEEL launch flagged only."""
+    tests pass smaller ones to send chunks through many levels."""
     i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_prog = (i_bh * tl.num_programs(1) + i_t) * tl.num_programs(0) + i_k
-    if FLAGGED:
-        if tl.load(flags + i_prog) == 0:
-            return
-    if PEEL > 0:
-        tl.store(flags + i_prog, 0)  # (a spare row's too: the FLAGGED launch reads every flag)
     i_hv = i_bh % HV
     i_h = i_hv // (HV // H)
     if IS_VARLEN:
@@ -193,36 +175,17 @@ def intra_bwd_kernel(
     acc_c = tl.zeros([BT, BK], dtype=tl.float32)
     u = tl.where(m_k, 0, n_t)  # [BK] each channel's first row of the level
     shift = tl.full([BK], GUARD, tl.float32)
-    if PEEL > 0:
-        # the levels' extent first (gates only), then their sums without a loop: the same
-        # operations in the same order as the loop's first PEEL passes, so the same bits
-        g_c = tl.load(g + t[:, None] * SG + o_k[None, :], mask=m_tk, other=0)
-        end = u
-        for lvl in tl.static_range(PEEL):
-            _, end = _level_end(g, t, n_t, g_c, end, tl.full([BK], GUARD if lvl == 0 else 0.0, tl.float32),
-                                m_tk, o_k, SG, GUARD)
-        if tl.min(end, axis=0) < n_t:
-            tl.store(flags + i_prog, 1)
-            return
-        for lvl in tl.static_range(PEEL):
-            if tl.min(u, axis=0) < n_t:
-                g_u, nxt = _level_end(g, t, n_t, g_c, u, shift, m_tk, o_k, SG, GUARD)
-                S = (t[:, None] < nxt[None, :]) & (u < n_t)[None, :] & m_tk
-                R = S & (t[:, None] >= u[None, :])
-                acc_q, acc_kr, acc_c = _level_sums(q, k, beta, dAqk, dAkk, t, n_t, g_c, g_u, shift, R, S, o_k, m_k,
-                                                   acc_q, acc_kr, acc_c, HV, BT, SK, SCALE)
-                u = nxt
-                shift = tl.zeros([BK], tl.float32)
-    else:
-        while tl.min(u, axis=0) < n_t:
-            g_c = tl.load(g + t[:, None] * SG + o_k[None, :], mask=m_tk, other=0)  # (L1: held, it spills)
-            g_u, nxt = _level_end(g, t, n_t, g_c, u, shift, m_tk, o_k, SG, GUARD)
-            S = (t[:, None] < nxt[None, :]) & (u < n_t)[None, :] & m_tk  # none for a channel already done
-            R = S & (t[:, None] >= u[None, :])
-            acc_q, acc_kr, acc_c = _level_sums(q, k, beta, dAqk, dAkk, t, n_t, g_c, g_u, shift, R, S, o_k, m_k,
-                                               acc_q, acc_kr, acc_c, HV, BT, SK, SCALE)
-            u = nxt
-            shift = tl.zeros([BK], tl.float32)
+    while tl.min(u, axis=0) < n_t:
+        g_c = tl.load(g + t[:, None] * SG + o_k[None, :], mask=m_tk, other=0)  # (L1: held, it spills)
+        g_u = tl.load(g + u * SG + o_k, mask=u < n_t, other=0)
+        past = (t[:, None] > u[None, :]) & m_tk & (tl.abs(g_u[None, :] - shift[None, :] - g_c) > GUARD)
+        nxt = tl.min(tl.where(past, t[:, None], n_t), axis=0)
+        S = (t[:, None] < nxt[None, :]) & (u < n_t)[None, :] & m_tk  # none for a channel already done
+        R = S & (t[:, None] >= u[None, :])
+        acc_q, acc_kr, acc_c = _level_sums(q, k, beta, dAqk, dAkk, t, n_t, g_c, g_u, shift, R, S, o_k, m_k,
+                                           acc_q, acc_kr, acc_c, HV, BT, SK, SCALE)
+        u = nxt
+        shift = tl.zeros([BK], tl.float32)
 
     # outputs: db's partial for this K slice; dq, dk, dg (input + intra part)
     p = off + t[:, None] * SG + o_k[None, :]
@@ -254,10 +217,8 @@ def intra_bwd_kernel(
 # of shared memory: two programs an SM. Measured at prod8192_gate:
 # 16-channel slices 10.53 ms and 8 warps 13.41 against 7.49 at this config (docs/log/b7.md).
 CONFIG = dict(BK=32, num_warps=4, num_stages=1)
-# What ``config`` may set (the benchmarks' sweeps; a call runs the pinned config). PEEL n > 0
-# (a candidate, not timed): two launches, the programs done within n levels without the
-# loop, then the loop on the others only.
-CONFIG_KEYS = frozenset({"BK", "num_warps", "num_stages", "maxnreg", "PEEL"})
+# What ``config`` may set (the benchmarks' sweeps; a call runs the pinned config).
+CONFIG_KEYS = frozenset({"BK", "num_warps", "num_stages", "maxnreg"})
 
 
 def intra_bwd(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log, dt_bias, lower_bound, chunk_size,
@@ -292,21 +253,17 @@ def intra_bwd(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log, d
     db_part = torch.empty(NK, B, T, HV, device=dev, dtype=torch.float32)
     dA_part = torch.empty(NK, NT_ALL, HV, device=dev, dtype=torch.float32) if gate else None
     dbias_part = torch.empty(NT_ALL, HV, K, device=dev, dtype=torch.float32) if gate and dt_bias is not None else None
-    peel = int(cfg.get("PEEL", 0))
-    flags = torch.empty(NK * NT * B * HV, device=dev, dtype=torch.int8) if peel else None
-    for mode in ([dict(PEEL=peel), dict(FLAGGED=True)] if peel else [{}]):
-        intra_bwd_kernel[(NK, NT, B * HV)](
-            q=q, k=k, g=gc, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, dg=dg, dq2=dq2, dk2=dk2, dg2=dg2,
-            db_part=db_part, g_raw=g if gate else None, A_log=A_log, dt_bias=dt_bias if gate else None,
-            dA_part=dA_part, dbias_part=dbias_part,
-            lower_bound=0.0 if lower_bound is None or not gate else float(lower_bound),
-            cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, T=T, NT_ROWS=B * T * HV, NT_ALL=NT_ALL, flags=flags,
-            H=H, HV=HV, K=K, BT=chunk_size, BK=BK, IS_VARLEN=cu_seqlens is not None,
-            GUARD=guard, SCALE=2.0 ** -guard,
-            GATE=gate, HAS_BIAS=gate and dt_bias is not None, USE_LOWER_BOUND=gate and lower_bound is not None,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-            **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}), **mode,
-        )
+    intra_bwd_kernel[(NK, NT, B * HV)](
+        q=q, k=k, g=gc, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, dg=dg, dq2=dq2, dk2=dk2, dg2=dg2,
+        db_part=db_part, g_raw=g if gate else None, A_log=A_log, dt_bias=dt_bias if gate else None,
+        dA_part=dA_part, dbias_part=dbias_part, lower_bound=0.0 if lower_bound is None or not gate else float(lower_bound),
+        cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, T=T, NT_ROWS=B * T * HV, NT_ALL=NT_ALL,
+        H=H, HV=HV, K=K, BT=chunk_size, BK=BK, IS_VARLEN=cu_seqlens is not None,
+        GUARD=guard, SCALE=2.0 ** -guard,
+        GATE=gate, HAS_BIAS=gate and dt_bias is not None, USE_LOWER_BOUND=gate and lower_bound is not None,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
+    )
     db2 = db.float() + (db_part[0] if NK == 1 else db_part.sum(0))
     dA_log = ddt_bias = None
     if gate:
