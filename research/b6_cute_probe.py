@@ -44,6 +44,7 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
     ``exchange``: then the K-contracted part of dA, ``dw kg^T`` over both K halves (dw
     rounded to bf16): each CTA its half's [64, 64] product, CTA 1's sent to CTA 0 by a bulk
     copy into its shared memory (completing on CTA 0's mbarrier), CTA 0 writes the sum."""
+    import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
     import cutlass.pipeline as pipeline
@@ -131,11 +132,12 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
                                          cute.group_modes(rows_tiles(t, chunk * 2 + rank, KH), 0, 2))
                    for s, t in ((s_h, h_t), (s_dh, dh_t))]
 
-        thr = mma.get_slice(0)
+        thr = mma.get_slice(0)  # (the operands' partition: one for the warpgroup)
+        thr_c = mma.get_slice(tidx)  # (the accumulators': each thread's own rows and columns)
         r_vn, r_do, r_dv = (mma.make_fragment_A(thr.partition_A(s)) for s in (s_vn, s_do, s_dv))
         r_h, r_dh = (mma.make_fragment_B(thr.partition_B(s)) for s in (s_h, s_dh))
         outs = [cute.local_tile(o, (BT, KH), (chunk, rank)) for o in (dq, dkh, dw)]
-        acc_shape = thr.partition_C(outs[0]).shape
+        acc_shape = thr_c.partition_C(outs[0]).shape
         acc_q = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
         acc_k = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
         acc_w = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
@@ -183,7 +185,7 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
         warpgroup.wait_group(0)
 
         for acc, out in zip((acc_q, acc_k, acc_w), outs):
-            thr.partition_C(out).store(acc.load())
+            thr_c.partition_C(out).store(acc.load())
 
         if cutlass.const_expr(exchange):
             # dw (bf16) into stage 0's dv slot, kg's K-half tile into stage 0's h slot (every
@@ -194,7 +196,7 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
                                                    cute.group_modes(cute.local_tile(kg_t, (BT, KH), (chunk, None)),
                                                                     0, 2))
                 cute.copy(tma_kg, kg_g[(None, rank)], kg_s[(None, 0)], tma_bar_ptr=xbar)
-            thr.partition_C(s_dv[(None, None, 0)]).store(acc_w.load().to(cutlass.BFloat16))
+            thr_c.partition_C(s_dv[(None, None, 0)]).store(acc_w.load().to(cutlass.BFloat16))
             cute.arch.fence_view_async_shared()
             cute.arch.sync_threads()
             cute.arch.mbarrier_wait(xbar, 0)
@@ -207,7 +209,7 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
             warpgroup.wait_group(0)
             part = cute.make_tensor(storage.part.data_ptr(), cute.make_layout((BT, BT), stride=(BT, 1)))
             if rank == 1:  # this half's product to CTA 0, into the same offset of its shared memory
-                thr.partition_C(part).store(acc_p.load())
+                thr_c.partition_C(part).store(acc_p.load())
                 cute.arch.fence_view_async_shared()
                 cute.arch.sync_threads()
                 if tidx == 0:
@@ -217,14 +219,15 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
                     cute.copy(send, flat, flat, mbar_ptr=xbar + 1, cta_rank=cutlass.Int32(0))
             else:
                 cute.arch.mbarrier_wait(xbar + 1, 0)
-                got = thr.partition_C(part).load()
-                thr.partition_C(cute.local_tile(dA, (BT, BT), (chunk, 0))).store(acc_p.load() + got)
+                got = thr_c.partition_C(part).load()
+                thr_c.partition_C(cute.local_tile(dA, (BT, BT), (chunk, 0))).store(acc_p.load() + got)
         cute.arch.cluster_arrive()
         cute.arch.cluster_wait()
 
     @cute.jit
     def probe(h: cute.Tensor, dh: cute.Tensor, vn: cute.Tensor, do: cute.Tensor, dv: cute.Tensor,
-              kg: cute.Tensor, dq: cute.Tensor, dkh: cute.Tensor, dw: cute.Tensor, dA: cute.Tensor):
+              kg: cute.Tensor, dq: cute.Tensor, dkh: cute.Tensor, dw: cute.Tensor, dA: cute.Tensor,
+              stream: cuda.CUstream):
         k_major = LayoutEnum.ROW_MAJOR
         mma = sm90.make_trivial_tiled_mma(cutlass.BFloat16, cutlass.BFloat16, k_major.sm90_mma_major_mode(),
                                           k_major.sm90_mma_major_mode(), cutlass.Float32, (1, 1, 1),
@@ -242,7 +245,7 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
         nch = cute.size(vn, mode=[0]) // BT
         kernel(tma_a, vn_t, do_t, dv_t, tma_b, h_t, dh_t, tma_kg, kg_t, dq, dkh, dw, dA, mma, a_smem,
                b_smem).launch(
-            grid=(1, 2, nch), block=(128, 1, 1), cluster=(1, 2, 1))
+            grid=(1, 2, nch), block=(128, 1, 1), cluster=(1, 2, 1), stream=stream)
 
     return probe
 
@@ -260,8 +263,10 @@ def compile_offline(nch: int = 4, K: int = 128, V: int = 256, stages: int = 3, o
     bf = dict(dtype=torch.bfloat16)
     args = [torch.zeros(nch * K, V, **bf), torch.zeros(nch * K, V, **bf)] + [torch.zeros(nch * BT, V, **bf)] * 3
     args += [torch.zeros(nch * BT, K, **bf)] + [torch.zeros(nch * BT, K) for _ in range(3)] + [torch.zeros(nch * BT, BT)]
+    import cuda.bindings.driver as cuda
+
     tensors = [from_dlpack(t, assumed_align=16) for t in args]
-    return cute.compile(build(K, V, stages, overlap, exchange), *tensors)
+    return cute.compile(build(K, V, stages, overlap, exchange), *tensors, cuda.CUstream(0))
 
 
 def sm90_row(dump: str, stages: int = 3, overlap: bool = True, exchange: bool = False) -> dict:
@@ -299,6 +304,9 @@ def gpu_run(nch: int = 32768, K: int = 128, V: int = 256, stages: int = 3, overl
     """On a GPU: the probe's three sums against torch's on 64 chunk-heads (relative RMS),
     then its CUDA-event time at ``nch`` chunk-heads (32,768: prod8192_gate's) against the
     bytes it must move."""
+    import time
+
+    import cuda.bindings.driver as cuda
     import cutlass.cute as cute
     import torch
     from cutlass.cute.runtime import from_dlpack
@@ -310,7 +318,9 @@ def gpu_run(nch: int = 32768, K: int = 128, V: int = 256, stages: int = 3, overl
     kg = torch.randn(nch * BT, K, generator=g, **bf) * 0.1
     outs = [torch.full((nch * BT, K), float("nan"), device="cuda") for _ in range(3)]
     dA = torch.full((nch * BT, BT), float("nan"), device="cuda")
+    # (launched on torch's stream, so the events below bracket the kernel itself)
     args = [from_dlpack(t, assumed_align=16) for t in (h, dh, vn, do, dv, kg, *outs, dA)]
+    args.append(cuda.CUstream(torch.cuda.current_stream().cuda_stream))
     run = cute.compile(build(K, V, stages, overlap, exchange), *args)
     run(*args)
     torch.cuda.synchronize()
@@ -337,11 +347,17 @@ def gpu_run(nch: int = 32768, K: int = 128, V: int = 256, stages: int = 3, overl
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     ms = sorted(times)[len(times) // 2]
+    torch.cuda.synchronize()
+    wall = time.perf_counter()
+    for _ in range(reps):  # (a cross-check: reps back to back, wall clock over all of them)
+        run(*args)
+    torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - wall) * 1e3 / reps
     moved = nch * ((2 * K * V + 3 * BT * V) * 2 + 3 * BT * K * 4)
     return {"kind": "gpu", "kernel": "b6_cute_probe", "chunk_heads": nch, "stages": stages, "overlap": overlap,
             "errors": errors,
             "exchange": exchange, "finite": all(bool(torch.isfinite(o).all()) for o in outs + ([dA] if exchange else [])),
-            "ms": ms, "bytes": moved,
+            "ms": ms, "wall_ms": wall_ms, "bytes": moved,
             "TB_s": moved / ms / 1e9, "gpu": torch.cuda.get_device_name()}
 
 
