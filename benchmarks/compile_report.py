@@ -177,10 +177,11 @@ def b6_report(K: int = 128, V: int = 256, HV: int = 16, heads_fast: bool = True,
 
 
 def b7_b9_report(K: int = 128, HV: int = 16, gate: bool = True, bias: bool = True, lower_bound: bool = False,
-                 varlen: bool = False, dtype: str = "bf16", config: dict | None = None) -> dict:
+                 varlen: bool = False, dtype: str = "bf16", config: dict | None = None, sums=None) -> dict:
     """The B7-B9 unit (``kda/kernels/b7_b9_intra_bwd.py``) at its pinned config: with the
     gate's backward (``gate``: dt_bias with ``bias``, the lower-bounded form with
-    ``lower_bound``) or B7 and B8 alone (a pre-computed gate)."""
+    ``lower_bound``) or B7 and B8 alone (a pre-computed gate). ``sums``: a candidate for the
+    kernel's three sums (its ``SUMS``)."""
     from kernel_fun.kda.kernels import b7_b9_intra_bwd as m
 
     cfg = {**m.CONFIG, **(config or {})}
@@ -197,6 +198,7 @@ def b7_b9_report(K: int = 128, HV: int = 16, gate: bool = True, bias: bool = Tru
             ce.update(dt_bias=None, dbias_part=None)
     else:
         ce.update(dict.fromkeys(gate_args))
+    ce["SUMS"] = sums
     return compile_sm90(m.intra_bwd_kernel, types, ce, cfg["num_warps"], cfg["num_stages"], cfg.get("maxnreg"))
 
 

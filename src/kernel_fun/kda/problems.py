@@ -38,6 +38,10 @@ class Problem:
     state_v_first: bool = False
     safe_gate: bool = False
     disable_recompute: bool = False
+    # dt_bias zero in place of Kimi-Linear's initialisation: softplus ~0.69 a token times
+    # exp(A_log) in [1, 16], the strong gates of fast-forgetting heads (up to ~16 in log2 a
+    # token, where the initialisation gives ~0.01-2)
+    strong_gate: bool = False
 
     @property
     def chunk_heads(self) -> int:
@@ -58,7 +62,7 @@ class Problem:
             flags.append("h0")
         if self.cu_seqlens is not None:
             flags.append(f"varlen{len(self.cu_seqlens) - 1}")
-        for name in ("state_v_first", "safe_gate", "disable_recompute"):
+        for name in ("state_v_first", "safe_gate", "disable_recompute", "strong_gate"):
             if getattr(self, name):
                 flags.append(name)
         return (f"B{self.B} T{self.T} H{self.H} HV{self.HV} K{self.K} V{self.V} "
@@ -100,6 +104,9 @@ OTHER_SHAPES = {"k64": dict(B=8, T=8192, H=16, HV=16, K=64, V=128),
 # programs as its V slices, so its time over 128 is the latency of one step.
 OTHER_SHAPES["step8192"] = dict(B=1, T=8192, H=1, HV=1, K=128, V=256)
 STAGE_SHAPES = {name: Problem(name, **dims) for name, dims in {**FLOOR_SHAPES, **OTHER_SHAPES}.items()}
+# prod8192_gate and grid1024 with strong gates (``strong_gate``): what B7's levels cost there
+STAGE_SHAPES["prod8192_strong"] = dataclasses.replace(SHAPES["prod8192_gate"], name="prod8192_strong", strong_gate=True)
+STAGE_SHAPES["grid1024_strong"] = dataclasses.replace(STAGE_SHAPES["grid1024"], name="grid1024_strong", strong_gate=True)
 
 
 def problem(name: str) -> Problem:
@@ -131,7 +138,7 @@ def make_inputs(p: Problem, device="cpu", seed: int = 0, requires_grad: bool = T
         kwargs["A_log"] = torch.log(torch.empty(HV).uniform_(1, 16, generator=gen)).to(device)
         # Mamba/Kimi-style init: dt log-uniform in [1e-3, 1e-1], dt_bias its inverse softplus.
         dt = torch.exp(torch.empty(HV * K).uniform_(math.log(1e-3), math.log(1e-1), generator=gen))
-        kwargs["dt_bias"] = (dt + torch.log(-torch.expm1(-dt))).to(device)
+        kwargs["dt_bias"] = torch.zeros_like(dt).to(device) if p.strong_gate else (dt + torch.log(-torch.expm1(-dt))).to(device)
     else:
         kwargs["g"] = (F.logsigmoid(torch.randn(B, T, HV, K, generator=gen)) / 16).to(device=device, dtype=p.dtype)
     if p.beta_sigmoid_in_kernel:

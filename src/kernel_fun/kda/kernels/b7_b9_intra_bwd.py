@@ -49,7 +49,7 @@ import triton.language as tl
 from kernel_fun._triton import GUARD_SPAN, chunk_coords, config_over, dot3, prefetch_rows, to
 
 @triton.jit
-def _gate_bwd(st, n_t, dy, g_raw, dt_bias, dg_out, A, lower_bound, o_k, m_k,
+def gate_bwd(st, n_t, dy, g_raw, dt_bias, dg_out, A, lower_bound, o_k, m_k,
               HV: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr,
               USE_LOWER_BOUND: tl.constexpr):
     """B9 on rows st .. st + BC - 1 (the kernel passes the whole chunk): dy (d loss / d
@@ -120,13 +120,16 @@ def intra_bwd_kernel(
     cu_seqlens, chunk_indices, T, NT_ROWS, NT_ALL,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     IS_VARLEN: tl.constexpr, GUARD: tl.constexpr, SCALE: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr,
-    USE_LOWER_BOUND: tl.constexpr,
+    USE_LOWER_BOUND: tl.constexpr, SUMS: tl.constexpr = None,
 ):
     """B7 and B8 on one (K slice, chunk, head), the chunk as one [BT, BK] tile per output, dg
     reverse-cumsummed within the chunk (fp32) into dg2; with GATE also B9: the raw gate's
     gradient into dg2 in its dtype, dA_log's and dt_bias's per-chunk partials into dA_part
     [NK, NT_ALL, HV] and dbias_part [NT_ALL, HV, K]. GUARD is GUARD_SPAN on every call;
-    tests pass smaller ones to send chunks through many levels."""
+    tests pass smaller ones to send chunks through many levels. SUMS: a candidate (research)
+    for the three sums in the levels' place, a jit function of (q, k, beta, dAqk, dAkk, g,
+    n_t, o_k, m_k, HV, BT, BK, SK, SG, GUARD, SCALE) returning acc_q, acc_kr, acc_c as the
+    levels leave them."""
     i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_hv = i_bh % HV
     i_h = i_hv // (HV // H)
@@ -170,22 +173,25 @@ def intra_bwd_kernel(
     # GUARD (a chunk span of 2 GUARD), each later one's its own first row's (every factor of
     # an earlier row then <= 1). Which level a row is in follows from it and the rows before
     # it, so the sums for tokens before t never see a gate after t.
-    acc_q = tl.zeros([BT, BK], dtype=tl.float32)
-    acc_kr = tl.zeros([BT, BK], dtype=tl.float32)
-    acc_c = tl.zeros([BT, BK], dtype=tl.float32)
-    u = tl.where(m_k, 0, n_t)  # [BK] each channel's first row of the level
-    shift = tl.full([BK], GUARD, tl.float32)
-    while tl.min(u, axis=0) < n_t:
-        g_c = tl.load(g + t[:, None] * SG + o_k[None, :], mask=m_tk, other=0)  # (L1: held, it spills)
-        g_u = tl.load(g + u * SG + o_k, mask=u < n_t, other=0)
-        past = (t[:, None] > u[None, :]) & m_tk & (tl.abs(g_u[None, :] - shift[None, :] - g_c) > GUARD)
-        nxt = tl.min(tl.where(past, t[:, None], n_t), axis=0)
-        S = (t[:, None] < nxt[None, :]) & (u < n_t)[None, :] & m_tk  # none for a channel already done
-        R = S & (t[:, None] >= u[None, :])
-        acc_q, acc_kr, acc_c = _level_sums(q, k, beta, dAqk, dAkk, t, n_t, g_c, g_u, shift, R, S, o_k, m_k,
-                                           acc_q, acc_kr, acc_c, HV, BT, SK, SCALE)
-        u = nxt
-        shift = tl.zeros([BK], tl.float32)
+    if SUMS is not None:
+        acc_q, acc_kr, acc_c = SUMS(q, k, beta, dAqk, dAkk, g, n_t, o_k, m_k, HV, BT, BK, SK, SG, GUARD, SCALE)
+    else:
+        acc_q = tl.zeros([BT, BK], dtype=tl.float32)
+        acc_kr = tl.zeros([BT, BK], dtype=tl.float32)
+        acc_c = tl.zeros([BT, BK], dtype=tl.float32)
+        u = tl.where(m_k, 0, n_t)  # [BK] each channel's first row of the level
+        shift = tl.full([BK], GUARD, tl.float32)
+        while tl.min(u, axis=0) < n_t:
+            g_c = tl.load(g + t[:, None] * SG + o_k[None, :], mask=m_tk, other=0)  # (L1: held, it spills)
+            g_u = tl.load(g + u * SG + o_k, mask=u < n_t, other=0)
+            past = (t[:, None] > u[None, :]) & m_tk & (tl.abs(g_u[None, :] - shift[None, :] - g_c) > GUARD)
+            nxt = tl.min(tl.where(past, t[:, None], n_t), axis=0)
+            S = (t[:, None] < nxt[None, :]) & (u < n_t)[None, :] & m_tk  # none for a channel already done
+            R = S & (t[:, None] >= u[None, :])
+            acc_q, acc_kr, acc_c = _level_sums(q, k, beta, dAqk, dAkk, t, n_t, g_c, g_u, shift, R, S, o_k, m_k,
+                                               acc_q, acc_kr, acc_c, HV, BT, SK, SCALE)
+            u = nxt
+            shift = tl.zeros([BK], tl.float32)
 
     # outputs: db's partial for this K slice; dq, dk, dg (input + intra part)
     p = off + t[:, None] * SG + o_k[None, :]
@@ -204,7 +210,7 @@ def intra_bwd_kernel(
         A = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
         if HAS_BIAS:
             dt_bias += i_hv * K
-        da, dbias = _gate_bwd(0, n_t, b_dg, g_raw + off, dt_bias, dg2 + off, A, lower_bound, o_k, m_k, HV, K, BT,
+        da, dbias = gate_bwd(0, n_t, b_dg, g_raw + off, dt_bias, dg2 + off, A, lower_bound, o_k, m_k, HV, K, BT,
                               HAS_BIAS, USE_LOWER_BOUND)
         tl.store(dA_part + (i_k * NT_ALL + i_tg) * HV + i_hv, da)
         if HAS_BIAS:
@@ -222,7 +228,7 @@ CONFIG_KEYS = frozenset({"BK", "num_warps", "num_stages", "maxnreg"})
 
 
 def intra_bwd(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log, dt_bias, lower_bound, chunk_size,
-              cu_seqlens, chunk_indices, config: dict | None = None, _guard: float | None = None):
+              cu_seqlens, chunk_indices, config: dict | None = None, _guard: float | None = None, sums=None):
     """B7, B8 and (with ``A_log``) B9 with fla's contracts: (dq, dk, db, dg, dA_log, ddt_bias).
     dq, dk and db (fp32, at value heads) are the inputs plus the vector-Jacobian product of
     Aqk and Akk with dAqk and dAkk. Without ``A_log`` (a pre-computed gate) dg is B8's, the
@@ -230,7 +236,8 @@ def intra_bwd(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log, d
     gate in the op: ``g`` the raw gate, ``dt_bias`` or None, ``lower_bound`` or None) dg is
     B9's in g's dtype, with dA_log's and dt_bias's gradients. Exact for any gate
     (``safe_gate`` changes nothing). ``config`` overrides the pinned launch config
-    (``CONFIG_KEYS``); ``_guard`` (tests) a smaller level span than ``GUARD_SPAN``."""
+    (``CONFIG_KEYS``); ``_guard`` (tests) a smaller level span than ``GUARD_SPAN``; ``sums`` a
+    candidate jit function for the kernel's three sums (``SUMS``, research)."""
     for name, t in dict(q=q, k=k, gc=gc, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db, dg=dg, g=g,
                         A_log=A_log, dt_bias=dt_bias).items():
         if t is not None and not t.is_contiguous():
@@ -261,7 +268,7 @@ def intra_bwd(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log, d
         H=H, HV=HV, K=K, BT=chunk_size, BK=BK, IS_VARLEN=cu_seqlens is not None,
         GUARD=guard, SCALE=2.0 ** -guard,
         GATE=gate, HAS_BIAS=gate and dt_bias is not None, USE_LOWER_BOUND=gate and lower_bound is not None,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **({} if sums is None else {"SUMS": sums}), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
     )
     db2 = db.float() + (db_part[0] if NK == 1 else db_part.sum(0))
