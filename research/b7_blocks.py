@@ -175,9 +175,9 @@ def compile_rows() -> list[dict]:
     from benchmarks.compile_report import b7_b9_report
 
     rows = []
-    for name, sums in (("levels (pinned)", None), ("blocks", block_sums)):
+    for name, sums in (("the levels, pinned", None), ("blocks sums, candidate", block_sums)):
         row = b7_b9_report(sums=sums)
-        rows.append({"kind": "compile_sm90", "kernel": "b7_b9", "sums": name, **{
+        rows.append({"kind": "compile_sm90_candidate", "build": f"b7-b9 K128 gate ({name})", **{
             n: row.get(n) for n in ("registers", "spill_stores", "spill_loads", "stack", "shared", "sass_instructions",
                                     "wgmma", "sass_code_sha")}})
     return rows
