@@ -55,6 +55,7 @@ import torch
 from kernel_fun import _fla as fla
 from kernel_fun._runtime import first_order_only, log_once
 from kernel_fun._triton import chunk_offsets
+from kernel_fun.kda import cp
 from kernel_fun.kda import reference as ref
 from kernel_fun.kda.stages import CallRecord, Dispatcher, Stage, register, set_last_record
 
@@ -283,6 +284,9 @@ class Options:
     # The call's metadata (shapes, dtypes, devices, flags) when the caller has it as a key:
     # the dispatcher then reuses the stage choices of earlier calls with the same key.
     memo_key: object = None
+    # fla's context-parallel context (``kernel_fun.kda.cp``): the initial state of the first
+    # local sequence and the dht of the last come from the other ranks' summaries
+    cp: object = None
 
     @property
     def beta_scale(self) -> float:
@@ -489,6 +493,10 @@ def _run_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, opts: Options,
         "F3-F6", "forward", q=q, k=k, v=v, gc=gc, beta=beta, scale=opts.scale, safe_gate=opts.safe_gate,
         disable_recompute=want_qg, **common,
     )
+    if opts.cp is not None:  # context parallel: the state entering this rank's first sequence
+        initial_state = scan["initial_state"] = cp.initial_state(
+            opts.cp, kg, w, u, gc, _host_offsets(opts), opts.chunk_size, layout["state_v_first"])
+        record.notes["CP"] = "forward exchange (torch)"
     scan = dict(kg=kg, w=w, u=u, gc=gc, **scan)
     unit = dict(q=q, Aqk=Aqk, scale=opts.scale, save_states=save_states, qg=qg, **scan)
     o = None
@@ -565,12 +573,18 @@ def _run_backward(s: dict, opts: Options, run: Dispatcher, do, dht):
         h, v_new, _ = run.run("B3", "backward", kg=kg, w=w, u=u, gc=gc, **b3)
         del u, b3
     dAqk, dv = run.run("B4", "backward", q=q, k=k, v_new=v_new, do=do, Aqk=Aqk, scale=opts.scale, **common)
+    if opts.cp is not None:  # context parallel: the gradient leaving this rank's last sequence
+        dht = cp.final_state_grad(opts.cp, qg, kg, w, do, dv, gc, opts.scale, _host_offsets(opts),
+                                  opts.chunk_size, layout["state_v_first"])
+        record.notes["CP"] = "forward and backward exchanges (torch)"
     dh, dh0, dv = run.run(
         "B5", "backward", qg=qg, kg=kg, w=w, gc=gc, h0=initial_state, dht=dht, do=do, dv=dv,
         scale=opts.scale, **common, **layout,
     )
     del qg, kg, w
-    if swap:
+    if opts.cp is not None:  # (the initial state was the exchange's, not an input)
+        dh0 = None
+    if swap and dh0 is not None:
         dh0 = ref.swap_state(dh0)
     dq, dk, dv, db, dg, dAkk = run.run(
         "B6", "backward", q=q, k=k, v=v, v_new=v_new, gc=gc, beta=beta, A=Akk, h=h, do=do, dh=dh, dv=dv,
@@ -606,6 +620,10 @@ def _run_backward(s: dict, opts: Options, run: Dispatcher, do, dht):
         ddt_bias = ddt_bias.reshape(dt_bias.shape)
     return (_as(dq, q), _as(dk, k), _as(dv, v), _as(dg, g_input), _as(db, beta_raw), dA_log, ddt_bias, dh0, None,
             None)
+
+
+def _host_offsets(opts: Options) -> torch.Tensor:
+    return opts.cu_seqlens_cpu if opts.cu_seqlens_cpu is not None else opts.cu_seqlens.cpu()
 
 
 def _as(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

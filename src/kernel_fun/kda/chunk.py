@@ -49,6 +49,7 @@ import torch
 from kernel_fun import _fla as fla
 from kernel_fun._runtime import PLAIN_TENSORS, env_flag, env_int, log_once, not_hopper, wants_operator
 from kernel_fun._runtime import logger as _runtime_logger
+from kernel_fun.kda import cp
 from kernel_fun.kda.chain import FLAG_NAMES, ChunkKDAFunction, Options, call_key, reporter, run_forward
 from kernel_fun.kda.ops import check_offsets, forward_operator, pack_flags
 from kernel_fun.kda.stages import CallRecord, set_last_record
@@ -101,7 +102,8 @@ PARAMETERS = {
     "return_intermediate_states": "handled (inference mode; returns h as fla does)",
     "state_v_first": "handled (h0, final state, dh0 and a returned h in [V, K]; [K, V] inside the chain)",
     "transpose_state_layout": "falls back whenever given (deprecated alias of state_v_first)",
-    "cp_context": "falls back when set",
+    "cp_context": "handled in fla's contiguous layout (kernel_fun.kda.cp: the states across ranks exchanged and "
+                  "folded in torch); falls back with the zigzag layout, use_graph, or under torch.compile",
     "use_graph": "handled under fla 0.6 (capacity-shaped packed indices: the kernels skip the spare rows); "
                  "falls back under 0.5.2 and with disable_recompute",
     "max_num_seqs": "handled with use_graph when it is cu_seqlens' slot count (else fla's error); "
@@ -324,8 +326,6 @@ def _gate(c: _Call) -> str | None:
         return f"unknown keyword argument(s) {', '.join(unknown)}"
     if "transpose_state_layout" in c.kwargs:
         return "transpose_state_layout given (deprecated alias of state_v_first; not supported)"
-    if c.cp_context is not None:
-        return f"cp_context={type(c.cp_context).__name__} (context parallel) is not supported"
     if c.use_graph:
         why = _capacity_reason(c)
         if why is not None:
@@ -402,8 +402,12 @@ def _decide(args, kwargs, traced: bool = False, stacklevel: int = 4) -> tuple[_C
     if switch is not None:
         return None, switch
     c = _bind(args, kwargs)
-    if c.cp_context is not None:  # fla takes cu_seqlens from the context and validates it itself
-        return c, _gate(c)
+    if c.cp_context is not None:  # (its offsets already in the call: chunk_kda put them there)
+        why = cp.unsupported(c.cp_context, c)
+        if why is None and traced:
+            why = "cp_context under torch.compile, export or a dispatch mode"
+        if why is not None:
+            return c, why
     _validate(c, stacklevel)  # (the warning's stack level: the caller of the caller's caller)
     if c.cu_seqlens is not None and not traced:
         check_offsets(c.cu_seqlens, c.cu_seqlens_cpu, c.q.shape[1], bool(c.use_graph))
@@ -415,7 +419,7 @@ def is_supported(*args, **kwargs) -> tuple[bool, str | None]:
     else ``(False, reason)``. Takes ``chunk_kda``'s arguments; arguments ``chunk_kda``
     would reject give ``(False, "invalid arguments — <the error>")``."""
     try:
-        _, reason = _decide(args, kwargs)
+        _, reason = _decide(args, _context_offsets(kwargs))
     except (TypeError, ValueError, AssertionError) as err:
         return False, f"invalid arguments — {err}"
     return reason is None, reason
@@ -507,6 +511,8 @@ def _plan_of(c: _Call, args, kwargs) -> _Plan:
     )
     key_text = call_key(q, v, c.cu_seqlens is not None, c.args, c.lower_bound, c.initial_state is not None,
                         "fwd+bwd" if expects_backward else "fwd")
+    if c.cp_context is not None:  # (a call with a context has no metadata key: its plan is its own)
+        options["cp"] = c.cp_context
     plan = _Plan(fetch=fetch, options=options, key_text=key_text, packed=c.cu_seqlens is not None,
                  zero_A_log=bool(c.use_gate_in_kernel) and c.kwargs.get("A_log") is None,
                  warning=_head_first_warning(c))
@@ -516,11 +522,12 @@ def _plan_of(c: _Call, args, kwargs) -> _Plan:
     return plan
 
 
-def _slow_path(args, kwargs, traced: bool, key):
-    """Validation and the gate in full: the call's plan, or fla's answer."""
+def _slow_path(args, kwargs, traced: bool, key, given: dict | None = None):
+    """Validation and the gate in full: the call's plan, or fla's answer (fla handed the
+    caller's keywords, ``given`` where the call's were rewritten)."""
     c, reason = _decide(args, kwargs, traced, stacklevel=5)
     if reason is not None:
-        return None, _fallback(reason, c if traced else None, args, kwargs)
+        return None, _fallback(reason, c if traced else None, args, kwargs if given is None else given)
     if traced:
         return None, _traced_call(c)
     plan = _plan_of(c, args, kwargs)
@@ -531,18 +538,30 @@ def _slow_path(args, kwargs, traced: bool, key):
     return plan, None
 
 
+def _context_offsets(kwargs: dict) -> dict:
+    """fla's contract for a call with ``cp_context``: the context's local offsets replace the
+    call's."""
+    ctx = kwargs.get("cp_context")
+    if ctx is None or getattr(ctx, "cu_seqlens", None) is None:
+        return kwargs
+    return {**kwargs, "cu_seqlens": getattr(ctx, "cu_seqlens", None), "cu_seqlens_cpu": getattr(ctx, "cu_seqlens_cpu", None)}
+
+
 def chunk_kda(*args, **kwargs):
+    given = None  # (a call with a context goes to fla, if it does, with the caller's own arguments)
+    if kwargs.get("cp_context") is not None:
+        given, kwargs = kwargs, _context_offsets(kwargs)
     first = args[0] if args and type(args[0]) in PLAIN_TENSORS else _first_tensor(args, kwargs)
     if first is not None and wants_operator(first):  # (first: dynamo traces what follows)
-        return _slow_path(args, kwargs, True, None)[1]
+        return _slow_path(args, kwargs, True, None, given)[1]
     key = _metadata_key(args, kwargs)
     # (the key holds the switch's raw value last: unset, it is not read again)
     if first is not None and (key is None or key[-1] is not None) and env_flag("KERNEL_FUN_KDA_OPS"):
-        return _slow_path(args, kwargs, True, None)[1]
+        return _slow_path(args, kwargs, True, None, given)[1]
     plan = _PLANS.get(key) if key is not None else None
     fresh = plan is None or fla.chunk_kda_backend_possible()
     if fresh:
-        plan, answer = _slow_path(args, kwargs, False, key)
+        plan, answer = _slow_path(args, kwargs, False, key, given)
         if plan is None:
             return answer
     elif plan.warning is not None:

@@ -1,0 +1,135 @@
+"""Context parallel (kernel_fun.kda.cp) on the CPU: 2 and 4 ranks spawned with the gloo
+backend, each holding a contiguous slice of a packed batch and fla's context for it
+(``fla.ops.cp.build_cp_context``). Sequences cross rank boundaries (one spanning three
+ranks, one shorter than a chunk, one ending exactly at a boundary); with and without the
+gate and l2norm in the op, GVA, the V-first state layout. Every rank's output and every
+gradient equal the single-process call on the whole batch within fp32 rounding (the
+parameters' gradients summed over the ranks), kernel-fun's chain witnessed on every rank
+(its record, with the exchanges noted); what the chain leaves to fla still goes there."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from kernel_fun.kda import chunk_kda, last_record, use_impls
+from kernel_fun.kda import reference as ref
+from kernel_fun.kda.problems import GRAD_NAMES, Problem, cotangents, leaves, make_inputs
+
+# (name, world, global offsets, problem)
+CASES = [
+    ("cp2-cross", 2, (0, 50, 150, 256), Problem("cp2", 1, 256, 2, 2, 32, 16)),
+    # a sequence over three ranks, one shorter than a chunk, one ending at a boundary (128)
+    ("cp4-span3", 4, (0, 20, 128, 300, 512), Problem("cp4", 1, 512, 1, 2, 32, 16)),
+    ("cp2-pregated-vfirst", 2, (0, 100, 192), Problem("cp2p", 1, 192, 1, 1, 32, 16, gate_in_kernel=False,
+                                                       l2norm_in_kernel=False, state_v_first=True)),
+]
+
+
+def _worker(rank: int, world: int, init: str, case: str, out_dir: str):
+    try:
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+        torch.manual_seed(0)
+        _, _, offsets, p = next(c for c in CASES if c[0] == case)
+        _check_rank(rank, world, offsets, p)
+        with open(os.path.join(out_dir, f"rank{rank}"), "w") as f:
+            f.write("ok")
+    except BaseException:
+        with open(os.path.join(out_dir, f"rank{rank}"), "w") as f:
+            f.write(traceback.format_exc())
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _check_rank(rank: int, world: int, offsets, p: Problem):
+    from fla.ops.cp import build_cp_context
+
+    cu = torch.tensor(offsets, dtype=torch.int32)
+    p = dataclasses.replace(p, cu_seqlens=tuple(offsets), dtype=torch.float32)
+    kw = make_inputs(p, seed=1)
+    with use_impls("reference"):
+        with torch.no_grad():
+            o, _ = chunk_kda(**kw)
+        cot = list(cotangents(o, None, seed=2))[:1]
+        whole = _step(kw, cot)
+    part = p.T // world
+    lo, hi = rank * part, (rank + 1) * part
+    ctx = build_cp_context(cu, group=dist.group.WORLD, cu_seqlens_cpu=cu)
+    local = {n: (v[:, lo:hi].detach().clone().requires_grad_(v.requires_grad) if n in ("q", "k", "v", "g", "beta")
+                 else v.detach().clone().requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor) else v)
+             for n, v in kw.items() if n not in ("cu_seqlens", "cu_seqlens_cpu")}
+    with use_impls("reference"):
+        got = _step(dict(local, cp_context=ctx), [cot[0][:, lo:hi]])
+    record = last_record()
+    assert record is not None and record.engaged and "CP" in record.notes, record
+    for name in ("o", "dq", "dk", "dv", "dg", "dbeta"):
+        a, b = got[name], whole[name][:, lo:hi]
+        assert ref.rel_rms(a, b) < 1e-5, (rank, name, ref.rel_rms(a, b))
+    for name in ("dA_log", "ddt_bias"):
+        if name in got:
+            total = got[name].clone()
+            dist.all_reduce(total)
+            assert ref.rel_rms(total, whole[name]) < 1e-5, (rank, name)
+
+
+def _step(kw: dict, cot) -> dict:
+    o, _ = chunk_kda(**kw)
+    named = leaves(kw)
+    grads = torch.autograd.grad([o], list(named.values()), cot)
+    return {"o": o.detach(), **{GRAD_NAMES[n]: g for n, g in zip(named, grads)}}
+
+
+@pytest.mark.parametrize("case", [pytest.param(c[0], marks=[pytest.mark.every_fla] if i == 0 else [])
+                                  for i, c in enumerate(CASES)])
+def test_context_parallel_equals_the_whole_batch(case, tmp_path):
+    world = next(c[1] for c in CASES if c[0] == case)
+    init = f"file://{tmp_path / 'rendezvous'}"
+    mp.start_processes(_worker, args=(world, init, case, str(tmp_path)), nprocs=world, start_method="spawn")
+    for rank in range(world):
+        text = (tmp_path / f"rank{rank}").read_text()
+        assert text == "ok", f"rank {rank}:\n{text}"
+
+
+@dataclasses.dataclass
+class _Context:
+    """fla's context's fields, for the gate's checks (no process group needed)."""
+
+    group: object = "group"
+    cu_seqlens: torch.Tensor = dataclasses.field(default_factory=lambda: torch.tensor([0, 40, 64], dtype=torch.int32))
+    cu_seqlens_cpu: torch.Tensor = dataclasses.field(default_factory=lambda: torch.tensor([0, 40, 64], dtype=torch.int32))
+    is_first_rank: bool = True
+    is_last_rank: bool = False
+    pre_num_ranks: int = 0
+    post_num_ranks: int = 1
+    layout: str = "contiguous"
+
+
+@pytest.mark.parametrize("change, why", [
+    (dict(ctx=dict(layout="zigzag")), "layout='zigzag'"),
+    (dict(call=dict(output_final_state=True)), "initial or final state"),
+    (dict(call=dict(initial_state=True)), "initial or final state"),
+    (dict(), "without an initialized torch.distributed"),
+])
+def test_what_context_parallel_leaves_to_fla(change, why):
+    """The calls with a context kernel-fun does not take go to fla, which gives its own error
+    or runs them: fla 0.6's zigzag layout, an initial or final state (fla's assert), and a
+    context without torch.distributed initialized."""
+    from kernel_fun.kda import is_supported
+
+    p = Problem("cp-gate", 1, 64, 1, 1, 32, 16, cu_seqlens=(0, 40, 64), dtype=torch.float32)
+    kw = make_inputs(p, seed=1)
+    for name in ("cu_seqlens", "cu_seqlens_cpu"):
+        kw.pop(name, None)
+    call = change.get("call", {})
+    if call.get("initial_state"):
+        kw["initial_state"] = torch.zeros(2, 1, 32, 16)
+    kw["output_final_state"] = bool(call.get("output_final_state"))
+    ok, reason = is_supported(**kw, cp_context=_Context(**change.get("ctx", {})))
+    assert not ok and why in reason, reason
