@@ -32,12 +32,21 @@ CASES = [
 ]
 
 
-def _worker(rank: int, world: int, init: str, case: str, out_dir: str):
+CONV_OFFSETS = (0, 62, 130, 256)
+# what each spawned world checks, in one set of processes (a spawn costs seconds of imports)
+WORLDS = {2: ("cp2-cross", "cp2-pregated-vfirst", "conv"), 4: ("cp4-span3", "conv")}
+
+
+def _worker(rank: int, world: int, init: str, out_dir: str):
     try:
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
         torch.manual_seed(0)
-        _, _, offsets, p = next(c for c in CASES if c[0] == case)
-        _check_rank(rank, world, offsets, p)
+        for case in WORLDS[world]:
+            if case == "conv":
+                _check_conv_rank(rank, world, CONV_OFFSETS)
+            else:
+                _, _, offsets, p = next(c for c in CASES if c[0] == case)
+                _check_rank(rank, world, offsets, p)
         with open(os.path.join(out_dir, f"rank{rank}"), "w") as f:
             f.write("ok")
     except BaseException:
@@ -79,6 +88,38 @@ def _check_rank(rank: int, world: int, offsets, p: Problem):
             assert ref.rel_rms(total, whole[name]) < 1e-5, (rank, name)
 
 
+def _check_conv_rank(rank: int, world: int, offsets):
+    """causal_conv1d (W=4, silu, bias, a residual) on this rank's slice with the context:
+    y and dx the whole batch's slice, dweight and dbias summed over the ranks; a sequence
+    starting two tokens before a rank boundary (fewer than W - 1 there)."""
+    from fla.ops.cp import build_cp_context
+
+    from kernel_fun.cconv import causal_conv1d, last_route
+
+    cu = torch.tensor(offsets, dtype=torch.int32)
+    T, D, W = offsets[-1], 8, 4
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(1, T, D, generator=gen, requires_grad=True)
+    res = torch.randn(1, T, D, generator=gen)
+    weight = torch.randn(D, W, generator=gen, requires_grad=True)
+    bias = torch.randn(D, generator=gen, requires_grad=True)
+    dy = torch.randn(1, T, D, generator=gen)
+    y, _ = causal_conv1d(x, weight, bias, res, activation="silu", cu_seqlens=cu, cu_seqlens_cpu=cu)
+    want = [y.detach(), *torch.autograd.grad(y, [x, weight, bias], dy)]
+    part = T // world
+    lo, hi = rank * part, (rank + 1) * part
+    ctx = build_cp_context(cu, group=dist.group.WORLD, conv1d_kernel_size=W, cu_seqlens_cpu=cu)
+    xl = x.detach()[:, lo:hi].clone().requires_grad_()
+    yl, _ = causal_conv1d(xl, weight, bias, res[:, lo:hi], activation="silu", cp_context=ctx)
+    assert "halo exchanged" in last_route(), last_route()
+    dxl, dw, db = torch.autograd.grad(yl, [xl, weight, bias], dy[:, lo:hi])
+    for t in (dw, db):
+        dist.all_reduce(t)
+    for name, a, b in (("y", yl, want[0][:, lo:hi]), ("dx", dxl, want[1][:, lo:hi]), ("dweight", dw, want[2]),
+                       ("dbias", db, want[3])):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5), (rank, name, (a - b).abs().max())
+
+
 def _step(kw: dict, cot) -> dict:
     o, _ = chunk_kda(**kw)
     named = leaves(kw)
@@ -86,12 +127,11 @@ def _step(kw: dict, cot) -> dict:
     return {"o": o.detach(), **{GRAD_NAMES[n]: g for n, g in zip(named, grads)}}
 
 
-@pytest.mark.parametrize("case", [pytest.param(c[0], marks=[pytest.mark.every_fla] if i == 0 else [])
-                                  for i, c in enumerate(CASES)])
-def test_context_parallel_equals_the_whole_batch(case, tmp_path):
-    world = next(c[1] for c in CASES if c[0] == case)
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.every_fla), 4])
+def test_context_parallel_equals_the_whole_batch(world, tmp_path):
+    """Each world's cases (``WORLDS``): chunk_kda's and causal_conv1d's."""
     init = f"file://{tmp_path / 'rendezvous'}"
-    mp.start_processes(_worker, args=(world, init, case, str(tmp_path)), nprocs=world, start_method="spawn")
+    mp.start_processes(_worker, args=(world, init, str(tmp_path)), nprocs=world, start_method="spawn")
     for rank in range(world):
         text = (tmp_path / f"rank{rank}").read_text()
         assert text == "ok", f"rank {rank}:\n{text}"

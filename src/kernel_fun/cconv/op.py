@@ -43,6 +43,7 @@ from kernel_fun import _fla as fla
 from kernel_fun._runtime import (assert_offsets, env_flag, first_order_only, host_offsets_error, log_once,
                                  not_hopper, wants_operator)
 from kernel_fun._triton import interpreting
+from kernel_fun.cconv import cp as conv_cp
 from kernel_fun.cconv import kernels as K
 from kernel_fun.cconv.reference import conv_reference
 
@@ -117,8 +118,10 @@ def _gate(x, weight, bias, residual, initial_state, backend, cp_context, kwargs)
         return "KERNEL_FUN_DISABLE=1"
     if env_flag("KERNEL_FUN_CCONV_DISABLE"):
         return "KERNEL_FUN_CCONV_DISABLE=1"
-    if cp_context is not None:
-        return f"cp_context={type(cp_context).__name__} (context parallel) is not supported"
+    if cp_context is not None:  # (causal_conv1d takes a supported context before the gate)
+        why = conv_cp.unsupported(cp_context, initial_state, False)
+        if why is not None:
+            return why
     if backend != "triton":
         return f"backend={backend!r} (kernel-fun replaces the 'triton' backend)"
     if kwargs:
@@ -339,12 +342,28 @@ def causal_conv1d(x, weight=None, bias=None, residual=None, initial_state=None, 
             the convolution never crosses a sequence boundary; the segments are indexed
             on the device from ``cu_seqlens``. chunk_indices: fla's 64-token chunk
             index (accepted; not needed).
-        cp_context: context parallel (goes to fla).
+        cp_context: fla's context-parallel context (``kernel_fun.cconv.cp``: the contiguous
+            layout through kernel-fun's convolution, the halo exchanged; else fla).
 
     Returns:
         ``(y in x's shape and dtype, final_state in x's dtype or None)``.
     """
     traced = isinstance(x, torch.Tensor) and (wants_operator(x) or env_flag("KERNEL_FUN_CCONV_OPS"))
+    if cp_context is not None and weight is not None:
+        why = conv_cp.unsupported(cp_context, initial_state, output_final_state)
+        if why is None and traced:
+            why = "cp_context under torch.compile, export or a dispatch mode"
+        if why is None:  # the rank before's last tokens as the first sequence's initial state
+            x3 = x if x.dim() == 3 else x.reshape(x.shape[0], x.shape[1], weight.shape[0])
+            h0 = conv_cp.halo_state(x3, weight.shape[1], cp_context)
+            out = causal_conv1d(x, weight, bias, residual, h0, False, activation, backend, cp_context.cu_seqlens,
+                                getattr(cp_context, "cu_seqlens_cpu", None), None, None, **kwargs)
+            _last["route"] = f"{_last['route']}, the halo exchanged (context parallel)"
+            return out
+        return _fallback(why, traced, x, weight=weight, bias=bias, residual=residual, initial_state=initial_state,
+                         output_final_state=output_final_state, activation=activation, backend=backend,
+                         cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices,
+                         cp_context=cp_context, **kwargs)
     if cp_context is None:
         _validate(x, weight, bias, residual, initial_state, activation, cu_seqlens, cu_seqlens_cpu, traced)
     reason = _gate(x, weight, bias, residual, initial_state, backend, cp_context, kwargs) if weight is not None else \

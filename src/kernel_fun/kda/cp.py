@@ -54,7 +54,7 @@ def unsupported(ctx, c) -> str | None:
     return None
 
 
-def _gather(summary: torch.Tensor, group) -> torch.Tensor:
+def all_gather(summary: torch.Tensor, group) -> torch.Tensor:
     """[world, *summary.shape]: every rank's summary (every rank calls it)."""
     world = dist.get_world_size(group)
     out = summary.new_empty(world * summary.shape[0], *summary.shape[1:])
@@ -130,7 +130,7 @@ def initial_state(ctx, kg, w, u, gc, cu_seqlens_cpu, chunk_size: int, v_first: b
         summary = torch.zeros(HV, K, V + K, dtype=torch.float32, device=kg.device)
     else:
         summary = forward_summary(kg, w, u, gc, cu[-2], cu[-1], chunk_size)
-    gathered = _gather(summary, group)
+    gathered = all_gather(summary, group)
     h0 = torch.zeros(N, HV, K, V, dtype=torch.float32, device=kg.device)
     if not ctx.is_first_rank:
         h0[0] = _fold(gathered, range(rank - ctx.pre_num_ranks, rank), V)
@@ -149,7 +149,7 @@ def final_state_grad(ctx, qg, kg, w, do, dv, gc, scale: float, cu_seqlens_cpu, c
         summary = torch.zeros(HV, K, V + K, dtype=torch.float32, device=kg.device)
     else:
         summary = backward_summary(qg, kg, w, do, dv, gc, scale, cu[0], cu[1], chunk_size)
-    gathered = _gather(summary, group)
+    gathered = all_gather(summary, group)
     dht = torch.zeros(N, HV, K, V, dtype=torch.float32, device=kg.device)
     if not ctx.is_last_rank:
         dht[-1] = _fold(gathered, range(rank + ctx.post_num_ranks, rank, -1), V)
