@@ -41,12 +41,16 @@ def _worker(rank: int, world: int, init: str, out_dir: str):
     try:
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
         torch.manual_seed(0)
-        for case in WORLDS[world]:
-            if case == "conv":
-                _check_conv_rank(rank, world, CONV_OFFSETS)
-            else:
-                _, _, offsets, p = next(c for c in CASES if c[0] == case)
-                _check_rank(rank, world, offsets, p)
+        from kernel_fun import _fla
+
+        layouts = ("contiguous", "zigzag") if _fla.version_tuple() >= (0, 6) else ("contiguous",)
+        for layout in layouts:  # (fla 0.6's zigzag layout: rank r holds runs r and 2 world - 1 - r)
+            for case in WORLDS[world]:
+                if case == "conv":
+                    _check_conv_rank(rank, world, CONV_OFFSETS, layout)
+                else:
+                    _, _, offsets, p = next(c for c in CASES if c[0] == case)
+                    _check_rank(rank, world, offsets, p, layout)
         with open(os.path.join(out_dir, f"rank{rank}"), "w") as f:
             f.write("ok")
     except BaseException:
@@ -57,9 +61,25 @@ def _worker(rank: int, world: int, init: str, out_dir: str):
             dist.destroy_process_group()
 
 
-def _check_rank(rank: int, world: int, offsets, p: Problem):
+def _local(x: torch.Tensor, rank: int, world: int, layout: str) -> torch.Tensor:
+    """This rank's tokens of a [1, T, ...] tensor: one run of T / world (contiguous), or runs
+    rank and 2 world - 1 - rank of T / (2 world) (zigzag)."""
+    if layout == "contiguous":
+        part = x.shape[1] // world
+        return x[:, rank * part:(rank + 1) * part]
+    part = x.shape[1] // (2 * world)
+    back = 2 * world - 1 - rank
+    return torch.cat([x[:, rank * part:(rank + 1) * part], x[:, back * part:(back + 1) * part]], dim=1)
+
+
+def _context(cu: torch.Tensor, layout: str, **kw):
     from fla.ops.cp import build_cp_context
 
+    extra = {} if layout == "contiguous" else {"layout": layout}
+    return build_cp_context(cu, group=dist.group.WORLD, cu_seqlens_cpu=cu, **kw, **extra)
+
+
+def _check_rank(rank: int, world: int, offsets, p: Problem, layout: str):
     cu = torch.tensor(offsets, dtype=torch.int32)
     p = dataclasses.replace(p, cu_seqlens=tuple(offsets), dtype=torch.float32)
     kw = make_inputs(p, seed=1)
@@ -68,32 +88,29 @@ def _check_rank(rank: int, world: int, offsets, p: Problem):
             o, _ = chunk_kda(**kw)
         cot = list(cotangents(o, None, seed=2))[:1]
         whole = _step(kw, cot)
-    part = p.T // world
-    lo, hi = rank * part, (rank + 1) * part
-    ctx = build_cp_context(cu, group=dist.group.WORLD, cu_seqlens_cpu=cu)
-    local = {n: (v[:, lo:hi].detach().clone().requires_grad_(v.requires_grad) if n in ("q", "k", "v", "g", "beta")
+    ctx = _context(cu, layout)
+    mine = lambda t: _local(t, rank, world, layout)  # noqa: E731
+    local = {n: (mine(v).detach().clone().requires_grad_(v.requires_grad) if n in ("q", "k", "v", "g", "beta")
                  else v.detach().clone().requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor) else v)
              for n, v in kw.items() if n not in ("cu_seqlens", "cu_seqlens_cpu")}
     with use_impls("reference"):
-        got = _step(dict(local, cp_context=ctx), [cot[0][:, lo:hi]])
+        got = _step(dict(local, cp_context=ctx), [mine(cot[0])])
     record = last_record()
     assert record is not None and record.engaged and "CP" in record.notes, record
     for name in ("o", "dq", "dk", "dv", "dg", "dbeta"):
-        a, b = got[name], whole[name][:, lo:hi]
-        assert ref.rel_rms(a, b) < 1e-5, (rank, name, ref.rel_rms(a, b))
+        a, b = got[name], mine(whole[name])
+        assert ref.rel_rms(a, b) < 1e-5, (layout, rank, name, ref.rel_rms(a, b))
     for name in ("dA_log", "ddt_bias"):
         if name in got:
             total = got[name].clone()
             dist.all_reduce(total)
-            assert ref.rel_rms(total, whole[name]) < 1e-5, (rank, name)
+            assert ref.rel_rms(total, whole[name]) < 1e-5, (layout, rank, name)
 
 
-def _check_conv_rank(rank: int, world: int, offsets):
+def _check_conv_rank(rank: int, world: int, offsets, layout: str):
     """causal_conv1d (W=4, silu, bias, a residual) on this rank's slice with the context:
     y and dx the whole batch's slice, dweight and dbias summed over the ranks; a sequence
     starting two tokens before a rank boundary (fewer than W - 1 there)."""
-    from fla.ops.cp import build_cp_context
-
     from kernel_fun.cconv import causal_conv1d, last_route
 
     cu = torch.tensor(offsets, dtype=torch.int32)
@@ -106,18 +123,17 @@ def _check_conv_rank(rank: int, world: int, offsets):
     dy = torch.randn(1, T, D, generator=gen)
     y, _ = causal_conv1d(x, weight, bias, res, activation="silu", cu_seqlens=cu, cu_seqlens_cpu=cu)
     want = [y.detach(), *torch.autograd.grad(y, [x, weight, bias], dy)]
-    part = T // world
-    lo, hi = rank * part, (rank + 1) * part
-    ctx = build_cp_context(cu, group=dist.group.WORLD, conv1d_kernel_size=W, cu_seqlens_cpu=cu)
-    xl = x.detach()[:, lo:hi].clone().requires_grad_()
-    yl, _ = causal_conv1d(xl, weight, bias, res[:, lo:hi], activation="silu", cp_context=ctx)
+    ctx = _context(cu, layout, conv1d_kernel_size=W)
+    mine = lambda t: _local(t, rank, world, layout)  # noqa: E731
+    xl = mine(x.detach()).clone().requires_grad_()
+    yl, _ = causal_conv1d(xl, weight, bias, mine(res), activation="silu", cp_context=ctx)
     assert "halo exchanged" in last_route(), last_route()
-    dxl, dw, db = torch.autograd.grad(yl, [xl, weight, bias], dy[:, lo:hi])
+    dxl, dw, db = torch.autograd.grad(yl, [xl, weight, bias], mine(dy))
     for t in (dw, db):
         dist.all_reduce(t)
-    for name, a, b in (("y", yl, want[0][:, lo:hi]), ("dx", dxl, want[1][:, lo:hi]), ("dweight", dw, want[2]),
+    for name, a, b in (("y", yl, mine(want[0])), ("dx", dxl, mine(want[1])), ("dweight", dw, want[2]),
                        ("dbias", db, want[3])):
-        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5), (rank, name, (a - b).abs().max())
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5), (layout, rank, name, (a - b).abs().max())
 
 
 def _step(kw: dict, cot) -> dict:
@@ -152,15 +168,14 @@ class _Context:
 
 
 @pytest.mark.parametrize("change, why", [
-    (dict(ctx=dict(layout="zigzag")), "layout='zigzag'"),
     (dict(call=dict(output_final_state=True)), "initial or final state"),
     (dict(call=dict(initial_state=True)), "initial or final state"),
     (dict(), "without an initialized torch.distributed"),
 ])
 def test_what_context_parallel_leaves_to_fla(change, why):
     """The calls with a context kernel-fun does not take go to fla, which gives its own error
-    or runs them: fla 0.6's zigzag layout, an initial or final state (fla's assert), and a
-    context without torch.distributed initialized."""
+    or runs them: an initial or final state (fla's assert), and a context without
+    torch.distributed initialized."""
     from kernel_fun.kda import is_supported
 
     p = Problem("cp-gate", 1, 64, 1, 1, 32, 16, cu_seqlens=(0, 40, 64), dtype=torch.float32)
@@ -173,3 +188,40 @@ def test_what_context_parallel_leaves_to_fla(change, why):
     kw["output_final_state"] = bool(call.get("output_final_state"))
     ok, reason = is_supported(**kw, cp_context=_Context(**change.get("ctx", {})))
     assert not ok and why in reason, reason
+
+
+@pytest.mark.parametrize("block", [64, 3])
+def test_the_summaries_are_the_chunk_steps_in_order(block, monkeypatch):
+    """The summaries' tree (``BLOCK`` chunks at a time, here also 3: blocks and an odd one out
+    at every level) against the chunk steps applied one after another in float64, on a
+    fragment of 7.6 chunks starting mid-tensor."""
+    from kernel_fun.kda import cp
+
+    monkeypatch.setattr(cp, "BLOCK", block)
+    gen = torch.Generator().manual_seed(3)
+    T, HV, K, V, BT, bos, eos = 600, 2, 16, 8, 64, 37, 523
+
+    def rnd(*shape, scale=0.3):
+        return torch.randn(1, *shape, generator=gen) * scale
+
+    kg, w, qg = rnd(T, HV, K), rnd(T, HV, K), rnd(T, HV, K)
+    u, do, dv = rnd(T, HV, V), rnd(T, HV, V), rnd(T, HV, V)
+    gc = -torch.rand(1, T, HV, K, generator=gen).cumsum(1) * 0.1
+    S = torch.zeros(HV, K, V, dtype=torch.float64)
+    M = torch.eye(K, dtype=torch.float64).repeat(HV, 1, 1)
+    chunks = [(s, min(s + BT, eos)) for s in range(bos, eos, BT)]
+    for s, e in chunks:
+        kt, wc = kg[0, s:e].transpose(0, 1).double().transpose(1, 2), w[0, s:e].transpose(0, 1).double()
+        step = torch.diag_embed(torch.exp2(gc[0, e - 1].double())) - kt @ wc
+        S, M = step @ S + kt @ u[0, s:e].transpose(0, 1).double(), step @ M
+    got = cp.forward_summary(kg, w, u, gc, bos, eos, BT)
+    assert ref.rel_rms(got, torch.cat([S, M], 2)) < 1e-6
+    dh = torch.zeros(HV, K, V, dtype=torch.float64)
+    dM = torch.eye(K, dtype=torch.float64).repeat(HV, 1, 1)
+    for s, e in reversed(chunks):
+        h = lambda x: x[0, s:e].transpose(0, 1).double()  # noqa: E731
+        wt = h(w).transpose(1, 2)
+        step = torch.diag_embed(torch.exp2(gc[0, e - 1].double())) - wt @ h(kg)
+        dh, dM = step @ dh + 0.5 * (h(qg).transpose(1, 2) @ h(do)) - wt @ h(dv), step @ dM
+    got = cp.backward_summary(qg, kg, w, do, dv, gc, 0.5, bos, eos, BT)
+    assert ref.rel_rms(got, torch.cat([dh, dM], 2)) < 1e-6

@@ -181,13 +181,16 @@ def test_the_oracle_takes_every_flag_the_chain_handles():
     """The float64 oracle keeps its own explicit signature (the flags the math depends on,
     named), so a flag the chain starts to carry must be added to it too: this fails until
     it is. Only the chain's bookkeeping stays out: the host copy of cu_seqlens, the chunk
-    size, returning F7's h, and fla 0.6's capacity-shaped switch (use_graph, max_num_seqs:
-    how the chain indexes the chunks; the oracle takes the padded offsets as they are)."""
+    size, returning F7's h, fla 0.6's capacity-shaped switch (use_graph, max_num_seqs:
+    how the chain indexes the chunks; the oracle takes the padded offsets as they are), and
+    the context-parallel context (a rank's slice of the call the oracle takes whole:
+    tests/test_cp.py holds the ranks to the whole call)."""
     import inspect
 
     from kernel_fun.kda import PARAMETERS
 
     oracle = set(inspect.signature(ref.recurrent_kda).parameters)
-    bookkeeping = {"cu_seqlens_cpu", "chunk_size", "return_intermediate_states", "use_graph", "max_num_seqs"}
+    bookkeeping = {"cu_seqlens_cpu", "chunk_size", "return_intermediate_states", "use_graph", "max_num_seqs",
+                   "cp_context"}
     handled = {n for n, what in PARAMETERS.items() if what.startswith("handled")}
     assert handled - bookkeeping <= oracle, sorted(handled - bookkeeping - oracle)

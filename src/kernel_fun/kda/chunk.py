@@ -102,8 +102,8 @@ PARAMETERS = {
     "return_intermediate_states": "handled (inference mode; returns h as fla does)",
     "state_v_first": "handled (h0, final state, dh0 and a returned h in [V, K]; [K, V] inside the chain)",
     "transpose_state_layout": "falls back whenever given (deprecated alias of state_v_first)",
-    "cp_context": "handled in fla's contiguous layout (kernel_fun.kda.cp: the states across ranks exchanged and "
-                  "folded in torch); falls back with the zigzag layout, use_graph, or under torch.compile",
+    "cp_context": "handled in fla's contiguous and zigzag layouts (kernel_fun.kda.cp: the states across ranks "
+                  "exchanged and folded in torch); falls back with use_graph or under torch.compile",
     "use_graph": "handled under fla 0.6 (capacity-shaped packed indices: the kernels skip the spare rows); "
                  "falls back under 0.5.2 and with disable_recompute",
     "max_num_seqs": "handled with use_graph when it is cu_seqlens' slot count (else fla's error); "
