@@ -1,10 +1,12 @@
-"""Context parallel (kernel_fun.kda.cp) on the CPU: 2 and 4 ranks spawned with the gloo
-backend, each holding a contiguous slice of a packed batch and fla's context for it
-(``fla.ops.cp.build_cp_context``). Sequences cross rank boundaries (one spanning three
+"""Context parallel (kernel_fun.kda.cp, kernel_fun.cconv.cp) on the CPU: 2 and 4 ranks
+forked with the gloo backend, each holding its slice of a packed batch and fla's context for
+it (``fla.ops.cp.build_cp_context``; the contiguous layout, and fla 0.6's zigzag where fla
+0.6 is installed). Sequences cross rank boundaries (one spanning three
 ranks, one shorter than a chunk, one ending exactly at a boundary); with and without the
 gate and l2norm in the op, GVA, the V-first state layout. Every rank's output and every
 gradient equal the single-process call on the whole batch within fp32 rounding (the
-parameters' gradients summed over the ranks), kernel-fun's chain witnessed on every rank
+parameters' gradients summed over the ranks) and are within fla's budgets of the float64
+oracle on the whole batch, kernel-fun's chain witnessed on every rank
 (its record, with the exchanges noted); what the chain leaves to fla still goes there."""
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch.multiprocessing as mp
 
 from kernel_fun.kda import chunk_kda, last_record, use_impls
 from kernel_fun.kda import reference as ref
-from kernel_fun.kda.problems import GRAD_NAMES, Problem, cotangents, leaves, make_inputs
+from kernel_fun.kda.problems import GRAD_NAMES, Problem, as_oracle_inputs, cotangents, leaves, make_inputs
 
 # (name, world, global offsets, problem)
 CASES = [
@@ -32,6 +34,9 @@ CASES = [
 ]
 
 
+# fla's budgets against the float64 oracle (relative RMS)
+BUDGETS = {"o": 0.005, "dq": 0.008, "dk": 0.008, "dv": 0.008, "dg": 0.02, "dbeta": 0.02, "dA_log": 0.02,
+           "ddt_bias": 0.02}
 CONV_OFFSETS = (0, 62, 130, 256)
 # what each spawned world checks, in one set of processes (a spawn costs seconds of imports)
 WORLDS = {2: ("cp2-cross", "cp2-pregated-vfirst", "conv"), 4: ("cp4-span3", "conv")}
@@ -97,14 +102,17 @@ def _check_rank(rank: int, world: int, offsets, p: Problem, layout: str):
         got = _step(dict(local, cp_context=ctx), [mine(cot[0])])
     record = last_record()
     assert record is not None and record.engaged and "CP" in record.notes, record
+    oracle = _step(as_oracle_inputs(kw), [cot[0].double()], ref.recurrent_kda)  # (the whole batch, float64)
     for name in ("o", "dq", "dk", "dv", "dg", "dbeta"):
         a, b = got[name], mine(whole[name])
         assert ref.rel_rms(a, b) < 1e-5, (layout, rank, name, ref.rel_rms(a, b))
+        assert ref.rel_rms(a, mine(oracle[name])) <= BUDGETS[name], (layout, rank, name, "oracle")
     for name in ("dA_log", "ddt_bias"):
         if name in got:
             total = got[name].clone()
             dist.all_reduce(total)
             assert ref.rel_rms(total, whole[name]) < 1e-5, (layout, rank, name)
+            assert ref.rel_rms(total, oracle[name]) <= BUDGETS[name], (layout, rank, name, "oracle")
 
 
 def _check_conv_rank(rank: int, world: int, offsets, layout: str):
@@ -139,8 +147,8 @@ def _check_conv_rank(rank: int, world: int, offsets, layout: str):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-5), (layout, rank, name, (a - b).abs().max())
 
 
-def _step(kw: dict, cot) -> dict:
-    o, _ = chunk_kda(**kw)
+def _step(kw: dict, cot, fn=chunk_kda) -> dict:
+    o, _ = fn(**kw)
     named = leaves(kw)
     grads = torch.autograd.grad([o], list(named.values()), cot)
     return {"o": o.detach(), **{GRAD_NAMES[n]: g for n, g in zip(named, grads)}}
