@@ -31,6 +31,8 @@ CASES = [
     ("cp4-span3", 4, (0, 20, 64, 230, 256), Problem("cp4", 1, 256, 1, 2, 32, 16)),
     ("cp2-pregated-vfirst", 2, (0, 100, 192), Problem("cp2p", 1, 192, 1, 1, 32, 16, gate_in_kernel=False,
                                                        l2norm_in_kernel=False, state_v_first=True)),
+    # fla's disable_recompute (the forward keeps w, u, qg, kg, h; the backward's exchange reads them)
+    ("cp2-keep", 2, (0, 90, 128), Problem("cp2k", 1, 128, 2, 2, 32, 16, disable_recompute=True)),
 ]
 
 
@@ -39,7 +41,7 @@ BUDGETS = {"o": 0.005, "dq": 0.008, "dk": 0.008, "dv": 0.008, "dg": 0.02, "dbeta
            "ddt_bias": 0.02}
 CONV_OFFSETS = (0, 62, 130, 256)
 # what each spawned world checks, in one set of processes (a spawn costs seconds of imports)
-WORLDS = {2: ("cp2-cross", "cp2-pregated-vfirst", "conv"), 4: ("cp4-span3", "conv")}
+WORLDS = {2: ("cp2-cross", "cp2-pregated-vfirst", "cp2-keep", "conv"), 4: ("cp4-span3", "conv")}
 
 
 def _worker(rank: int, world: int, init: str, out_dir: str):
