@@ -32,6 +32,7 @@ offsets tensor, so eager calls pay nothing).
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 import weakref
@@ -158,8 +159,9 @@ def _forward(
 # (read from ``cu_seqlens_cpu``, or from the device offsets by a synchronization), so a CUDA
 # graph could only replay the offsets it was recorded with; inductor's CUDA-graph trees
 # (``mode="reduce-overhead"``) run a tagged operator eagerly between their graphs.
-_UNSAFE = getattr(torch.Tag, "cudagraph_unsafe", None)
-_PACKED_TAGS = {} if _UNSAFE is None else {"tags": (_UNSAFE,)}
+_UNSAFE = getattr(torch.Tag, "cudagraph_unsafe", None)  # (torch 2.9 on; before it the trees skip CPU inputs whole)
+_PACKED_TAGS = ({"tags": (_UNSAFE,)} if _UNSAFE is not None
+                and "tags" in inspect.signature(torch.library.custom_op).parameters else {})
 
 chunk_kda_fwd = torch.library.custom_op("kernel_fun::chunk_kda_fwd", mutates_args=())(_forward)
 chunk_kda_fwd_packed = torch.library.custom_op("kernel_fun::chunk_kda_fwd_packed", mutates_args=(),
