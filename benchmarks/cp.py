@@ -11,9 +11,11 @@ boundaries. Per layout (contiguous, and fla 0.6's zigzag where it is installed):
 
 - parity: every rank's o and gradients against the same rank's slice of the single-device
   call on the whole batch (each rank runs it on its own GPU), relative RMS, with the launch
-  witness (the chain's record and its context-parallel note);
-- time: fwd+bwd of ours and of fla's ``chunk_kda`` with the same context, interleaved round by
-  round, CUDA events on every rank, a barrier before each call; the slowest rank's median.
+  witness (the chain's record and its context-parallel note); the exchanges' summaries in
+  torch and, on GPUs, through fla's kernels (``KERNEL_FUN_CP_SUMMARIES=fla``);
+- time: fwd+bwd of ours (both summaries) and of fla's ``chunk_kda`` with the same context,
+  interleaved round by round, CUDA events on every rank, a barrier before each call; the
+  slowest rank's median.
 
 A row a (layout, tokens) from rank 0, printed and appended to ``--out``.
 """
@@ -120,19 +122,30 @@ def _measure(rank: int, world: int, args, layout: str, tokens: int) -> dict:
                  for n, v in kw.items() if n not in ("cu_seqlens", "cu_seqlens_cpu")}
         local["cp_context"] = ctx
         lcot = [mine(cot[0])]
-        got = step(chunk_kda, local, lcot)
-        record = last_record()
-        errors = {n: ref.rel_rms(got[n], mine(whole[n])) for n in ("o", "dq", "dk", "dv", "dg", "dbeta")}
-        for n in ("dA_log", "ddt_bias"):
-            total = got[n].float().clone()
-            dist.all_reduce(total)
-            errors[n] = ref.rel_rms(total, whole[n])
-        witness = bool(record is not None and record.engaged and "CP" in record.notes)
+        errors, witness = {}, True
+        # the exchanges' summaries in torch, and (on GPUs) through fla's kernels
+        for variant in (("torch", "fla") if cuda else ("torch",)):
+            os.environ["KERNEL_FUN_CP_SUMMARIES"] = variant
+            got = step(chunk_kda, local, lcot)
+            record = last_record()
+            for n in ("o", "dq", "dk", "dv", "dg", "dbeta"):
+                errors[f"{n}:{variant}"] = ref.rel_rms(got[n], mine(whole[n]))
+            for n in ("dA_log", "ddt_bias"):
+                total = got[n].float().clone()
+                dist.all_reduce(total)
+                errors[f"{n}:{variant}"] = ref.rel_rms(total, whole[n])
+            witness &= bool(record is not None and record.engaged and f"({variant})" in record.notes.get("CP", ""))
         del whole, got
         ms = {}
         if cuda:
             fla_fn = _fla.chunk_kda()
-            fns = {"ours": lambda: step(chunk_kda, local, lcot), "fla": lambda: step(fla_fn, local, lcot)}
+
+            def ours(variant):
+                os.environ["KERNEL_FUN_CP_SUMMARIES"] = variant
+                return step(chunk_kda, local, lcot)
+
+            fns = {"ours": lambda: ours("torch"), "ours_fla_summaries": lambda: ours("fla"),
+                   "fla": lambda: step(fla_fn, local, lcot)}
             times = {k: [] for k in fns}
             for _ in range(args.rounds):
                 for k, fn in fns.items():

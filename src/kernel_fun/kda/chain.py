@@ -495,8 +495,8 @@ def _run_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, opts: Options,
     )
     if opts.cp is not None:  # context parallel: the state entering this rank's first sequence
         initial_state = scan["initial_state"] = cp.initial_state(
-            opts.cp, kg, w, u, gc, _host_offsets(opts), opts.chunk_size, layout["state_v_first"])
-        record.notes["CP"] = "forward exchange (torch)"
+            opts.cp, kg, w, u, gc, _host_offsets(opts), opts.chunk_size, layout["state_v_first"], opts.cu_seqlens)
+        record.notes["CP"] = f"forward exchange ({'fla' if cp.fla_summaries(q.device) else 'torch'})"
     scan = dict(kg=kg, w=w, u=u, gc=gc, **scan)
     unit = dict(q=q, Aqk=Aqk, scale=opts.scale, save_states=save_states, qg=qg, **scan)
     o = None
@@ -575,8 +575,8 @@ def _run_backward(s: dict, opts: Options, run: Dispatcher, do, dht):
     dAqk, dv = run.run("B4", "backward", q=q, k=k, v_new=v_new, do=do, Aqk=Aqk, scale=opts.scale, **common)
     if opts.cp is not None:  # context parallel: the gradient leaving this rank's last sequence
         dht = cp.final_state_grad(opts.cp, qg, kg, w, do, dv, gc, opts.scale, _host_offsets(opts),
-                                  opts.chunk_size, layout["state_v_first"])
-        record.notes["CP"] = "forward and backward exchanges (torch)"
+                                  opts.chunk_size, layout["state_v_first"], cu_seqlens)
+        record.notes["CP"] = f"forward and backward exchanges ({'fla' if cp.fla_summaries(q.device) else 'torch'})"
     dh, dh0, dv = run.run(
         "B5", "backward", qg=qg, kg=kg, w=w, gc=gc, h0=initial_state, dht=dht, do=do, dv=dv,
         scale=opts.scale, **common, **layout,

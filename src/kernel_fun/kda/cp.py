@@ -32,6 +32,7 @@ and the context's ``cu_seqlens`` replace the call's.
 from __future__ import annotations
 
 import dataclasses
+import os
 import warnings
 
 import torch
@@ -202,9 +203,24 @@ def _bounds(cu_seqlens_cpu: torch.Tensor):
     return cu
 
 
-def initial_state(ctx, kg, w, u, gc, cu_seqlens_cpu, chunk_size: int, v_first: bool) -> torch.Tensor:
+def fla_summaries(device: torch.device) -> bool:
+    """Whether the exchanges run fla's own kernels (``fla/ops/cp/chunk_delta_h.py``: the
+    summary, the all-gather and the fold in one call each way) instead of the torch ones:
+    on CUDA with ``KERNEL_FUN_CP_SUMMARIES=fla``, until a GPU run decides (``benchmarks.cp``
+    times and checks both). The tensors the chain hands them are fla's own stage outputs."""
+    return device.type == "cuda" and os.environ.get("KERNEL_FUN_CP_SUMMARIES", "torch").strip().lower() == "fla"
+
+
+def initial_state(ctx, kg, w, u, gc, cu_seqlens_cpu, chunk_size: int, v_first: bool,
+                  cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
     """The forward's exchange: [N, HV, K, V] fp32 (or [N, HV, V, K] with ``v_first``), zeros
     but for each run's first local sequence where it continues an earlier run's."""
+    if cu_seqlens is not None and fla_summaries(kg.device):
+        from fla.ops.cp.chunk_delta_h import chunk_gated_delta_rule_fwd_h_pre_process
+
+        return chunk_gated_delta_rule_fwd_h_pre_process(k=kg, w=w, u=u, gk=gc, chunk_size=chunk_size,
+                                                        state_v_first=v_first, cu_seqlens=cu_seqlens,
+                                                        initial_state=None, context=ctx)
     cu = _bounds(cu_seqlens_cpu)
     N, HV, K, V = len(cu) - 1, kg.shape[2], kg.shape[3], u.shape[3]
     runs = parts(ctx, N)
@@ -220,9 +236,16 @@ def initial_state(ctx, kg, w, u, gc, cu_seqlens_cpu, chunk_size: int, v_first: b
 
 
 def final_state_grad(ctx, qg, kg, w, do, dv, gc, scale: float, cu_seqlens_cpu, chunk_size: int,
-                     v_first: bool) -> torch.Tensor:
+                     v_first: bool, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
     """The backward's exchange: dht [N, HV, K, V] fp32 (or V-first), zeros but for each run's
     last local sequence where it continues into a later run."""
+    if cu_seqlens is not None and fla_summaries(kg.device):
+        from fla.ops.cp.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu_pre_process
+
+        dht, _ = chunk_gated_delta_rule_bwd_dhu_pre_process(q=qg, k=kg, w=w, do=do, dv=dv, gk=gc, scale=scale,
+                                                           state_v_first=v_first, cu_seqlens=cu_seqlens, dht=None,
+                                                           context=ctx, chunk_size=chunk_size)
+        return dht
     cu = _bounds(cu_seqlens_cpu)
     N, HV, K, V = len(cu) - 1, kg.shape[2], kg.shape[3], do.shape[3]
     runs = parts(ctx, N)
