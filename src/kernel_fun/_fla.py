@@ -439,3 +439,24 @@ def beta_sigmoid_bwd(beta, db, scale):
     from fla.ops.common.gate import fused_beta_sigmoid_bwd
 
     return fused_beta_sigmoid_bwd(beta, db, scale=scale)
+
+
+def cp_forward_exchange(kg, w, u, gc, chunk_size, state_v_first, cu_seqlens, context):
+    """fla's context-parallel forward exchange (summary, all-gather, fold) on the chain's
+    kg, w, u and chunk cumsum: the initial state of the local sequences."""
+    from fla.ops.cp.chunk_delta_h import chunk_gated_delta_rule_fwd_h_pre_process
+
+    return chunk_gated_delta_rule_fwd_h_pre_process(k=kg, w=w, u=u, gk=gc, chunk_size=chunk_size,
+                                                    state_v_first=state_v_first, cu_seqlens=cu_seqlens,
+                                                    initial_state=None, context=context)
+
+
+def cp_backward_exchange(qg, kg, w, do, dv, gc, scale, chunk_size, state_v_first, cu_seqlens, context):
+    """fla's context-parallel backward exchange on the chain's qg, kg, w, do, B4's dv and the
+    chunk cumsum: the dht of the local sequences."""
+    from fla.ops.cp.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu_pre_process
+
+    dht, _ = chunk_gated_delta_rule_bwd_dhu_pre_process(q=qg, k=kg, w=w, do=do, dv=dv, gk=gc, scale=scale,
+                                                       state_v_first=state_v_first, cu_seqlens=cu_seqlens,
+                                                       dht=None, context=context, chunk_size=chunk_size)
+    return dht

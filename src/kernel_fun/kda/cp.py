@@ -38,6 +38,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from kernel_fun import _fla as fla
 from kernel_fun.kda import reference as ref
 
 
@@ -216,11 +217,7 @@ def initial_state(ctx, kg, w, u, gc, cu_seqlens_cpu, chunk_size: int, v_first: b
     """The forward's exchange: [N, HV, K, V] fp32 (or [N, HV, V, K] with ``v_first``), zeros
     but for each run's first local sequence where it continues an earlier run's."""
     if cu_seqlens is not None and fla_summaries(kg.device):
-        from fla.ops.cp.chunk_delta_h import chunk_gated_delta_rule_fwd_h_pre_process
-
-        return chunk_gated_delta_rule_fwd_h_pre_process(k=kg, w=w, u=u, gk=gc, chunk_size=chunk_size,
-                                                        state_v_first=v_first, cu_seqlens=cu_seqlens,
-                                                        initial_state=None, context=ctx)
+        return fla.cp_forward_exchange(kg, w, u, gc, chunk_size, v_first, cu_seqlens, ctx)
     cu = _bounds(cu_seqlens_cpu)
     N, HV, K, V = len(cu) - 1, kg.shape[2], kg.shape[3], u.shape[3]
     runs = parts(ctx, N)
@@ -240,12 +237,7 @@ def final_state_grad(ctx, qg, kg, w, do, dv, gc, scale: float, cu_seqlens_cpu, c
     """The backward's exchange: dht [N, HV, K, V] fp32 (or V-first), zeros but for each run's
     last local sequence where it continues into a later run."""
     if cu_seqlens is not None and fla_summaries(kg.device):
-        from fla.ops.cp.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu_pre_process
-
-        dht, _ = chunk_gated_delta_rule_bwd_dhu_pre_process(q=qg, k=kg, w=w, do=do, dv=dv, gk=gc, scale=scale,
-                                                           state_v_first=v_first, cu_seqlens=cu_seqlens, dht=None,
-                                                           context=ctx, chunk_size=chunk_size)
-        return dht
+        return fla.cp_backward_exchange(qg, kg, w, do, dv, gc, scale, chunk_size, v_first, cu_seqlens, ctx)
     cu = _bounds(cu_seqlens_cpu)
     N, HV, K, V = len(cu) - 1, kg.shape[2], kg.shape[3], do.shape[3]
     runs = parts(ctx, N)
