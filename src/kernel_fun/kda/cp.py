@@ -18,8 +18,9 @@ reverse scan (B5). So every rank's outputs and gradients are complete locally, a
 
 The summaries here are torch (fp32, any device): every chunk's step formed at once, then
 composed pairwise as a tree, 64 chunks a block (a few dozen launches for a fragment of
-thousands of tokens). fla's kernels for the same (``fla/ops/cp/``) are the GPU's candidate,
-for measurement on several GPUs (``benchmarks.cp``).
+thousands of tokens). fla's kernels for the same (``fla/ops/cp/``) are the GPU's candidate:
+``KERNEL_FUN_CP_SUMMARIES=fla`` runs them on CUDA, until ``benchmarks.cp`` on several GPUs
+decides the default.
 
 Handled: fla 0.5.2's and 0.6's contexts, in the contiguous layout (a rank one run of the
 tokens) and fla 0.6's zigzag (a rank runs r and 2 world - 1 - r, its local sequences split
