@@ -104,6 +104,14 @@ def _check_rank(rank: int, world: int, offsets, p: Problem, layout: str):
         got = _step(dict(local, cp_context=ctx), [mine(cot[0])])
     record = last_record()
     assert record is not None and record.engaged and "CP" in record.notes, record
+    if p.name == "cp2":  # through fla's own binding after patch_fla(): the same call, the same numbers
+        import fla.ops.kda as fla_kda
+
+        from kernel_fun.patch import fla_patched
+
+        with fla_patched(), use_impls("reference"):
+            again = _step(dict(local, cp_context=ctx), [mine(cot[0])], fla_kda.chunk_kda)
+        assert "CP" in last_record().notes and all(torch.equal(again[n], got[n]) for n in got)
     oracle = _step(as_oracle_inputs(kw), [cot[0].double()], ref.recurrent_kda)  # (the whole batch, float64)
     for name in ("o", "dq", "dk", "dv", "dg", "dbeta"):
         a, b = got[name], mine(whole[name])
