@@ -43,7 +43,9 @@ def offsets(T: int, world: int) -> list[int]:
     return sorted(c for c in cuts if 0 <= c <= T)
 
 
-def _local(x, rank: int, world: int, layout: str):
+def local_tokens(x, rank: int, world: int, layout: str):
+    """A rank's tokens of a [1, T, ...] tensor: one run of T / world (contiguous), or runs rank
+    and 2 world - 1 - rank of T / (2 world) (fla 0.6's zigzag)."""
     import torch
 
     if layout == "contiguous":
@@ -116,7 +118,7 @@ def _measure(rank: int, world: int, args, layout: str, tokens: int) -> dict:
         cu = kw["cu_seqlens"].to(torch.int32)
         extra = {} if layout == "contiguous" else {"layout": layout}
         ctx = build_cp_context(cu, group=dist.group.WORLD, cu_seqlens_cpu=cu.cpu(), **extra)
-        mine = lambda t: _local(t, rank, world, layout)  # noqa: E731
+        mine = lambda t: local_tokens(t, rank, world, layout)  # noqa: E731
         local = {n: (mine(v).detach().clone().requires_grad_(v.requires_grad) if n in ("q", "k", "v", "g", "beta")
                      else v.detach().clone().requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor) else v)
                  for n, v in kw.items() if n not in ("cu_seqlens", "cu_seqlens_cpu")}

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from benchmarks.cp import local_tokens
 from kernel_fun.kda import chunk_kda, last_record, use_impls
 from kernel_fun.kda import reference as ref
 from kernel_fun.kda.problems import GRAD_NAMES, Problem, as_oracle_inputs, cotangents, leaves, make_inputs
@@ -68,17 +69,6 @@ def _worker(rank: int, world: int, init: str, out_dir: str):
             dist.destroy_process_group()
 
 
-def _local(x: torch.Tensor, rank: int, world: int, layout: str) -> torch.Tensor:
-    """This rank's tokens of a [1, T, ...] tensor: one run of T / world (contiguous), or runs
-    rank and 2 world - 1 - rank of T / (2 world) (zigzag)."""
-    if layout == "contiguous":
-        part = x.shape[1] // world
-        return x[:, rank * part:(rank + 1) * part]
-    part = x.shape[1] // (2 * world)
-    back = 2 * world - 1 - rank
-    return torch.cat([x[:, rank * part:(rank + 1) * part], x[:, back * part:(back + 1) * part]], dim=1)
-
-
 def _context(cu: torch.Tensor, layout: str, **kw):
     from fla.ops.cp import build_cp_context
 
@@ -96,7 +86,7 @@ def _check_rank(rank: int, world: int, offsets, p: Problem, layout: str):
         cot = list(cotangents(o, None, seed=2))[:1]
         whole = _step(kw, cot)
     ctx = _context(cu, layout)
-    mine = lambda t: _local(t, rank, world, layout)  # noqa: E731
+    mine = lambda t: local_tokens(t, rank, world, layout)  # noqa: E731
     local = {n: (mine(v).detach().clone().requires_grad_(v.requires_grad) if n in ("q", "k", "v", "g", "beta")
                  else v.detach().clone().requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor) else v)
              for n, v in kw.items() if n not in ("cu_seqlens", "cu_seqlens_cpu")}
@@ -145,7 +135,7 @@ def _check_conv_rank(rank: int, world: int, offsets, layout: str):
     y, _ = conv_reference(x, weight, bias, res, None, False, "silu", cu)
     want = [y.detach(), *torch.autograd.grad(y, [x, weight, bias], dy)]
     ctx = _context(cu, layout, conv1d_kernel_size=W)
-    mine = lambda t: _local(t, rank, world, layout)  # noqa: E731
+    mine = lambda t: local_tokens(t, rank, world, layout)  # noqa: E731
     xl = mine(x.detach()).clone().requires_grad_()
     yl, _ = causal_conv1d(xl, weight, bias, mine(res), activation="silu", cp_context=ctx)
     assert "halo exchanged" in last_route(), last_route()
