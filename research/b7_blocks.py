@@ -186,7 +186,7 @@ def compile_rows() -> list[dict]:
 GPU_SHAPES = "prod8192_gate,prod8192_strong,kimi,grid1024,grid1024_strong"
 
 
-def gpu_rows(shapes: str, reps: int, rounds: int) -> list[dict]:
+def gpu_rows(shapes: str, reps: int, rounds: int, device: str = "cuda") -> list[dict]:
     """On a GPU, per shape: both against the float64 stage (fla's budgets) and each other,
     then the two interleaved round by round (CUDA-event medians), with the share of programs
     on each count of levels."""
@@ -201,23 +201,24 @@ def gpu_rows(shapes: str, reps: int, rounds: int) -> list[dict]:
     names = ("dq", "dk", "db", "dg", "dA_log", "ddt_bias")
     rows = []
     for name in shapes.split(","):
-        inputs = make_inputs(problem(name), "cuda")
+        inputs = make_inputs(problem(name), device)
         pinned, blocks = unit.intra_bwd(**inputs), intra_bwd(**inputs)
         want = dict(zip(names, BENCH.exact(**inputs)))
         errors = {label: {n: ref.rel_rms(x, want[n]) for n, x in zip(names, out) if x is not None}
                   for label, out in (("levels", pinned), ("blocks", blocks))}
         between = {n: ref.rel_rms(x, y) for n, x, y in zip(names, blocks, pinned) if x is not None}
         del pinned, blocks, want
-        ms = time_pair({"levels": lambda: unit.intra_bwd(**inputs), "blocks": lambda: intra_bwd(**inputs)},
-                       reps, rounds)
+        ms = (time_pair({"levels": lambda: unit.intra_bwd(**inputs), "blocks": lambda: intra_bwd(**inputs)},
+                        reps, rounds) if device == "cuda" else {})
         rows.append({"kind": "b7_blocks", "shape": name, "ms": ms, "vs_exact": errors, "blocks_vs_levels": between,
-                     "level_shares": level_shares(inputs["gc"][:1]), "gpu": torch.cuda.get_device_name()})
+                     "level_shares": level_shares(inputs["gc"][:1]),
+                     "gpu": torch.cuda.get_device_name() if device == "cuda" else device})
         print(json.dumps(rows[-1]), flush=True)
         inputs = None
         torch.cuda.empty_cache()
     print(f"{'shape':18s} {'levels ms':>10s} {'blocks ms':>10s}")
     for r in rows:
-        print(f"{r['shape']:18s} {r['ms']['levels']:10.3f} {r['ms']['blocks']:10.3f}")
+        print(f"{r['shape']:18s} {r['ms'].get('levels', float('nan')):10.3f} {r['ms'].get('blocks', float('nan')):10.3f}")
     return rows
 
 
@@ -227,9 +228,10 @@ def main(argv=None) -> int:
     parser.add_argument("--shapes", default=GPU_SHAPES)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--device", default="cuda", help="cuda (timed), or cpu for the parity alone (interpreter)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    rows = compile_rows() if args.what == "compile" else gpu_rows(args.shapes, args.reps, args.rounds)
+    rows = compile_rows() if args.what == "compile" else gpu_rows(args.shapes, args.reps, args.rounds, args.device)
     if args.what == "compile":
         for r in rows:
             print(json.dumps(r))
