@@ -23,6 +23,7 @@ A row a (layout, tokens) from rank 0, printed and appended to ``--out``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -102,7 +103,7 @@ def _measure(rank: int, world: int, args, layout: str, tokens: int) -> dict:
     p = Problem("cp", 1, T, args.heads, args.heads, args.K, args.V, beta_sigmoid_in_kernel=True,
                 cu_seqlens=tuple(cu_list), dtype=torch.bfloat16 if cuda else torch.float32)
     kw = make_inputs(p, device=dev, seed=1)  # (the same draw on every rank)
-    impls = use_impls("reference") if not cuda else _nothing()
+    impls = use_impls("reference") if not cuda else contextlib.nullcontext()
     with impls:
         with torch.no_grad():
             o, _ = chunk_kda(**kw)
@@ -172,14 +173,6 @@ def _measure(rank: int, world: int, args, layout: str, tokens: int) -> dict:
             "problem": p.describe(), "ms": ms, "speedup": (ms["fla"] / ms["ours"]) if ms else None,
             "vs_whole": dict(zip(sorted(errors), worst.tolist())), "witness_every_rank": bool(flags.item()),
             "device": torch.cuda.get_device_name(rank) if cuda else "cpu"}
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def main(argv=None) -> int:

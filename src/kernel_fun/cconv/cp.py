@@ -12,22 +12,8 @@ to fla (fla's asserts)."""
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from kernel_fun.kda.cp import gather_chain, parts
-
-
-def unsupported(ctx, initial_state, output_final_state) -> str | None:
-    layout = getattr(ctx, "layout", "contiguous")
-    if layout not in ("contiguous", "zigzag"):
-        return f"cp_context with layout={layout!r}"
-    if getattr(ctx, "group", None) is None or getattr(ctx, "cu_seqlens", None) is None:
-        return "cp_context without a process group or cu_seqlens (fla's own check)"
-    if initial_state is not None or output_final_state:
-        return "cp_context with an initial or final state (fla's own check)"
-    if not dist.is_available() or not dist.is_initialized():
-        return "cp_context without an initialized torch.distributed"
-    return None
 
 
 def _tail_rows(T: int, runs, W: int, part_len: int):

@@ -46,6 +46,7 @@ from kernel_fun._triton import interpreting
 from kernel_fun.cconv import cp as conv_cp
 from kernel_fun.cconv import kernels as K
 from kernel_fun.cconv.reference import conv_reference
+from kernel_fun.kda.cp import context_reason
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _last = {"route": None}
@@ -119,7 +120,7 @@ def _gate(x, weight, bias, residual, initial_state, backend, cp_context, kwargs)
     if env_flag("KERNEL_FUN_CCONV_DISABLE"):
         return "KERNEL_FUN_CCONV_DISABLE=1"
     if cp_context is not None:  # (causal_conv1d takes a supported context before the gate)
-        why = conv_cp.unsupported(cp_context, initial_state, False)
+        why = context_reason(cp_context, initial_state, False)
         if why is not None:
             return why
     if backend != "triton":
@@ -350,7 +351,7 @@ def causal_conv1d(x, weight=None, bias=None, residual=None, initial_state=None, 
     """
     traced = isinstance(x, torch.Tensor) and (wants_operator(x) or env_flag("KERNEL_FUN_CCONV_OPS"))
     if cp_context is not None and weight is not None:
-        why = conv_cp.unsupported(cp_context, initial_state, output_final_state)
+        why = context_reason(cp_context, initial_state, output_final_state)
         if why is None and traced:
             why = "cp_context under torch.compile, export or a dispatch mode"
         if why is None:  # the rank before's last tokens as the first sequence's initial state

@@ -43,22 +43,27 @@ from kernel_fun import _fla as fla
 from kernel_fun.kda import reference as ref
 
 
-def unsupported(ctx, c) -> str | None:
-    """Why a call with context ``ctx`` goes to fla, else None (``c`` the bound call)."""
+def context_reason(ctx, initial_state, output_final_state) -> str | None:
+    """Why an op's call with context ``ctx`` goes to fla, else None: what both ops check."""
     layout = getattr(ctx, "layout", "contiguous")
     if layout not in ("contiguous", "zigzag"):
         return f"cp_context with layout={layout!r}"
     if getattr(ctx, "group", None) is None or getattr(ctx, "cu_seqlens", None) is None:
         return "cp_context without a process group or cu_seqlens (fla's own check)"
-    if c.initial_state is not None or c.output_final_state:
+    if initial_state is not None or output_final_state:
         return "cp_context with an initial or final state (fla's own check)"
+    if not dist.is_available() or not dist.is_initialized():
+        return "cp_context without an initialized torch.distributed"
+    return None
+
+
+def unsupported(ctx, c) -> str | None:
+    """Why a ``chunk_kda`` call with context ``ctx`` goes to fla, else None (``c`` the bound call)."""
     if c.use_graph:
         return "cp_context with use_graph"
     if c.return_intermediate_states:
         return "cp_context with return_intermediate_states"
-    if not dist.is_available() or not dist.is_initialized():
-        return "cp_context without an initialized torch.distributed"
-    return None
+    return context_reason(ctx, c.initial_state, c.output_final_state)
 
 
 def all_gather(summary: torch.Tensor, group) -> torch.Tensor:
@@ -200,11 +205,6 @@ def gather_chain(per_part: torch.Tensor, group) -> torch.Tensor:
     return torch.cat([g[:, 0], g[:, 1].flip(0)])
 
 
-def _bounds(cu_seqlens_cpu: torch.Tensor):
-    cu = [int(x) for x in cu_seqlens_cpu.tolist()]
-    return cu
-
-
 def fla_summaries(device: torch.device) -> bool:
     """Whether the exchanges run fla's own kernels (``fla/ops/cp/chunk_delta_h.py``: the
     summary, the all-gather and the fold in one call each way) instead of the torch ones:
@@ -219,7 +219,7 @@ def initial_state(ctx, kg, w, u, gc, cu_seqlens_cpu, chunk_size: int, v_first: b
     but for each run's first local sequence where it continues an earlier run's."""
     if cu_seqlens is not None and fla_summaries(kg.device):
         return fla.cp_forward_exchange(kg, w, u, gc, chunk_size, v_first, cu_seqlens, ctx)
-    cu = _bounds(cu_seqlens_cpu)
+    cu = cu_seqlens_cpu.tolist()
     N, HV, K, V = len(cu) - 1, kg.shape[2], kg.shape[3], u.shape[3]
     runs = parts(ctx, N)
     zero = torch.zeros(HV, K, V + K, dtype=torch.float32, device=kg.device)
@@ -239,7 +239,7 @@ def final_state_grad(ctx, qg, kg, w, do, dv, gc, scale: float, cu_seqlens_cpu, c
     last local sequence where it continues into a later run."""
     if cu_seqlens is not None and fla_summaries(kg.device):
         return fla.cp_backward_exchange(qg, kg, w, do, dv, gc, scale, chunk_size, v_first, cu_seqlens, ctx)
-    cu = _bounds(cu_seqlens_cpu)
+    cu = cu_seqlens_cpu.tolist()
     N, HV, K, V = len(cu) - 1, kg.shape[2], kg.shape[3], do.shape[3]
     runs = parts(ctx, N)
     zero = torch.zeros(HV, K, V + K, dtype=torch.float32, device=kg.device)
