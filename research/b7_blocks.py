@@ -38,10 +38,11 @@ import triton
 import triton.language as tl
 
 from kernel_fun._triton import dot3
+from kernel_fun.kda.kernels.b7_b9_intra_bwd import level_sums
 
 
 @triton.jit
-def block_sums(q, k, beta, dAqk, dAkk, g, n_t, o_k, m_k, HV: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+def block_sums(q, k, beta, dAqk, dAkk, g, n_t, i_c, o_k, m_k, HV: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                SK: tl.constexpr, SG: tl.constexpr, GUARD: tl.constexpr, SCALE: tl.constexpr):
     """acc_q, acc_kr, acc_c for one (K slice, chunk, head), as the registered kernel's levels
     leave them: sum over s <= r of dAqk[r, s] k_s f(r, s); over s < r of dAkk[r, s] k_s f(r, s)
@@ -161,12 +162,39 @@ def block_sums(q, k, beta, dAqk, dAkk, g, n_t, o_k, m_k, HV: tl.constexpr, BT: t
     return acc_q, acc_kr, acc_c
 
 
-def intra_bwd(_guard: float | None = None, **inputs):
-    """The registered unit with these sums in its levels' place (same arguments, same outputs;
-    ``_guard`` a smaller level span, for tests)."""
+@triton.jit
+def chosen_sums(q, k, beta, dAqk, dAkk, g, n_t, i_c, o_k, m_k, HV: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                SK: tl.constexpr, SG: tl.constexpr, GUARD: tl.constexpr, SCALE: tl.constexpr):
+    """The blocks where the previous chunk of the sequence was steep, else the registered
+    levels: the blocks when some channel of the slice fell more than 2 GUARD (log2) across
+    the previous chunk (g_first - g_last of its chunk cumsum), which is when that chunk took
+    more than one level. Gates are persistent (dt_bias and A_log per channel), so the previous
+    chunk predicts this one's levels; a sequence's first chunk takes the levels. The choice
+    reads only rows before the chunk, so it is causal to the bit like each path."""
+    prev = (i_c > 0) & m_k
+    g_first = tl.load(g - BT * SG + o_k, mask=prev, other=0)
+    g_last = tl.load(g - SG + o_k, mask=prev, other=0)
+    steep = tl.max(tl.where(prev, g_first - g_last, 0.0), axis=0) > 2 * GUARD
+    if steep:
+        acc_q, acc_kr, acc_c = block_sums(q, k, beta, dAqk, dAkk, g, n_t, i_c, o_k, m_k, HV, BT, BK, SK, SG, GUARD,
+                                          SCALE)
+    else:
+        acc_q, acc_kr, acc_c = level_sums(q, k, beta, dAqk, dAkk, g, n_t, i_c, o_k, m_k, HV, BT, BK, SK, SG, GUARD,
+                                          SCALE)
+    return acc_q, acc_kr, acc_c
+
+
+def intra_bwd(_guard: float | None = None, sums=None, **inputs):
+    """The registered unit with these sums (``block_sums`` unless ``sums``) in its levels'
+    place (same arguments, same outputs; ``_guard`` a smaller level span, for tests)."""
     from kernel_fun.kda.kernels import b7_b9_intra_bwd as unit
 
-    return unit.intra_bwd(**inputs, sums=block_sums, _guard=_guard)
+    return unit.intra_bwd(**inputs, sums=block_sums if sums is None else sums, _guard=_guard)
+
+
+def chosen_intra_bwd(_guard: float | None = None, **inputs):
+    """The registered unit with ``chosen_sums``."""
+    return intra_bwd(_guard, sums=chosen_sums, **inputs)
 
 
 def compile_rows() -> list[dict]:
@@ -175,7 +203,8 @@ def compile_rows() -> list[dict]:
     from benchmarks.compile_report import b7_b9_report
 
     rows = []
-    for name, sums in (("the levels, pinned", None), ("blocks sums, candidate", block_sums)):
+    for name, sums in (("the levels, pinned", None), ("blocks sums, candidate", block_sums),
+                       ("chosen by the previous chunk, candidate", chosen_sums)):
         row = b7_b9_report(sums=sums)
         rows.append({"kind": "compile_sm90_candidate", "build": f"b7-b9 K128 gate ({name})", **{
             n: row.get(n) for n in ("registers", "spill_stores", "spill_loads", "stack", "shared", "sass_instructions",
@@ -202,23 +231,23 @@ def gpu_rows(shapes: str, reps: int, rounds: int, device: str = "cuda") -> list[
     rows = []
     for name in shapes.split(","):
         inputs = make_inputs(problem(name), device)
-        pinned, blocks = unit.intra_bwd(**inputs), intra_bwd(**inputs)
+        pinned, blocks, chosen = unit.intra_bwd(**inputs), intra_bwd(**inputs), chosen_intra_bwd(**inputs)
         want = dict(zip(names, BENCH.exact(**inputs)))
         errors = {label: {n: ref.rel_rms(x, want[n]) for n, x in zip(names, out) if x is not None}
-                  for label, out in (("levels", pinned), ("blocks", blocks))}
+                  for label, out in (("levels", pinned), ("blocks", blocks), ("chosen", chosen))}
         between = {n: ref.rel_rms(x, y) for n, x, y in zip(names, blocks, pinned) if x is not None}
-        del pinned, blocks, want
-        ms = (time_pair({"levels": lambda: unit.intra_bwd(**inputs), "blocks": lambda: intra_bwd(**inputs)},
-                        reps, rounds) if device == "cuda" else {})
+        del pinned, blocks, chosen, want
+        ms = (time_pair({"levels": lambda: unit.intra_bwd(**inputs), "blocks": lambda: intra_bwd(**inputs),
+                         "chosen": lambda: chosen_intra_bwd(**inputs)}, reps, rounds) if device == "cuda" else {})
         rows.append({"kind": "b7_blocks", "shape": name, "ms": ms, "vs_exact": errors, "blocks_vs_levels": between,
                      "level_shares": level_shares(inputs["gc"][:1]),
                      "gpu": torch.cuda.get_device_name() if device == "cuda" else device})
         print(json.dumps(rows[-1]), flush=True)
         inputs = None
         torch.cuda.empty_cache()
-    print(f"{'shape':18s} {'levels ms':>10s} {'blocks ms':>10s}")
+    print(f"{'shape':18s} {'levels ms':>10s} {'blocks ms':>10s} {'chosen ms':>10s}")
     for r in rows:
-        print(f"{r['shape']:18s} {r['ms'].get('levels', float('nan')):10.3f} {r['ms'].get('blocks', float('nan')):10.3f}")
+        print(f"{r['shape']:18s}" + "".join(f" {r['ms'].get(n, float('nan')):10.3f}" for n in ("levels", "blocks", "chosen")))
     return rows
 
 

@@ -94,3 +94,100 @@ def test_blocks_are_causal_to_the_bit(cut):
             continue
         assert torch.equal(a[:, :cut], c[:, :cut]), name
         assert torch.equal(b[:, :cut], c[:, :cut]), name
+
+
+# The sums chosen by the previous chunk (research.b7_blocks.chosen_sums): the blocks after a
+# chunk that fell more than 2 GUARD in some channel of the slice, else the levels.
+MIXED = Problem("T256-K64-gva-pregated", 1, 256, 1, 2, 64, 16, gate_in_kernel=False)
+
+
+def steep_after(gc: torch.Tensor, guard: float, BK: int = 32) -> torch.Tensor:
+    """[B, NC, HV, NK]: which programs take the blocks (the previous chunk of the dense batch
+    fell more than 2 guard in some channel of the slice)."""
+    B, T, HV, K = gc.shape
+    NC = -(-T // 64)
+    out = torch.zeros(B, NC, HV, -(-K // BK), dtype=torch.bool)
+    for c in range(1, NC):
+        fall = gc[:, 64 * c - 64] - gc[:, 64 * c - 1]  # [B, HV, K]
+        fall = torch.nn.functional.pad(fall, (0, out.shape[3] * BK - K)).unflatten(2, (-1, BK))
+        out[:, c] = fall.amax(-1) > 2 * guard
+    return out
+
+
+@pytest.mark.parametrize("p", SHAPES, ids=lambda p: p.name)
+@pytest.mark.parametrize("guard", [None, 4.0])
+def test_chosen_sums_match_the_float64_stages(p, guard):
+    """At GUARD_SPAN the test gates never fall 128 in a chunk (every program the levels); at a
+    guard of 4 most programs after a first chunk take the blocks."""
+    from research.b7_blocks import chosen_intra_bwd
+
+    inputs = unit_inputs(p, gate_scale=3.0)
+    got = chosen_intra_bwd(**inputs, _guard=guard)
+    want = exact(inputs)
+    rounded = inputs["A_log"] is not None and inputs["g"].dtype != torch.float32
+    for name, a in zip(NAMES, got):
+        if want[name] is None:
+            continue
+        limit = {"dg": 3e-3, "dA_log": 2e-3, "ddt_bias": 2e-3}.get(name, 1e-5) if rounded else 1e-5
+        assert ref.rel_rms(a, want[name]) <= limit, (name, ref.rel_rms(a, want[name]))
+
+
+@pytest.mark.parametrize("guard", [4.0, None])
+def test_chosen_sums_take_each_path_by_the_previous_chunk(guard):
+    """A witness of the choice: each chunk-head's rows bit for bit the blocks' where its
+    previous chunk fell past 2 guard in every K slice, the levels' where in none; and both
+    kinds present (gentle and steep chunks alternating)."""
+    from research.b7_blocks import chosen_intra_bwd
+
+    inputs = unit_inputs(MIXED, gate_scale=3.0)
+    inputs["gc"] = inputs["gc"].clone()
+    for c, scale in ((0, 1e-3), (1, 20.0), (2, 1e-3), (3, 20.0)):  # gentle and steep chunks alternating
+        inputs["gc"][:, 64 * c:64 * c + 64] *= scale
+    steep = steep_after(inputs["gc"], 64.0 if guard is None else guard)
+    assert steep.any() and (~steep[:, 1:]).any() and not steep[:, 0].any()
+    got = chosen_intra_bwd(**inputs, _guard=guard)
+    blocks = intra_bwd(**inputs, _guard=guard)
+    from kernel_fun.kda.kernels import b7_b9_intra_bwd as unit
+
+    levels_ = unit.intra_bwd(**inputs, _guard=guard)
+    seen = set()
+    for c in range(steep.shape[1]):
+        for h in range(steep.shape[2]):
+            kind = "blocks" if steep[0, c, h].all() else "levels" if not steep[0, c, h].any() else None
+            if kind is None:
+                continue
+            seen.add(kind)
+            ref_out = blocks if kind == "blocks" else levels_
+            rows = slice(64 * c, 64 * c + 64)
+            for name, a, b in zip(NAMES, got, ref_out):
+                if a is not None and a.dim() > 2:
+                    assert torch.equal(a[:, rows, h], b[:, rows, h]), (name, c, h, kind)
+    assert seen == {"blocks", "levels"}
+
+
+@pytest.mark.parametrize("cut", [70, 100])
+@pytest.mark.parametrize("first_scale", [1.0, 40.0])
+def test_chosen_sums_are_causal_to_the_bit(cut, first_scale):
+    """A cut inside the second chunk, the first chunk gentle (the levels) or steep (the
+    blocks): the rows before the cut bit for bit the call cut there, whatever the gates past
+    it (which choose the third chunk's path)."""
+    from research.b7_blocks import chosen_intra_bwd
+
+    p = Problem("T192-K64-pregated", 1, 192, 1, 1, 64, 16, gate_in_kernel=False)
+    inputs = unit_inputs(p, gate_scale=3.0)
+    inputs["gc"] = inputs["gc"].clone()
+    inputs["gc"][:, :64] *= first_scale
+    assert bool(steep_after(inputs["gc"], 64.0)[0, 1].all()) == (first_scale > 1)
+    for name in ("dAqk", "dAkk", "dq", "dk", "dg", "db"):
+        inputs[name] = inputs[name].clone()
+        inputs[name][:, cut:] = 0
+    steep = dict(inputs, gc=inputs["gc"].clone())
+    steep["gc"][:, cut:] = steep["gc"][:, cut:] * 40.0
+    cut_inputs = {n: (v[:, :cut].contiguous() if isinstance(v, torch.Tensor) and v.dim() > 1 and v.shape[1] == 192
+                      else v) for n, v in inputs.items()}
+    full, steeper, short = chosen_intra_bwd(**inputs), chosen_intra_bwd(**steep), chosen_intra_bwd(**cut_inputs)
+    for name, a, b, c in zip(NAMES, full, steeper, short):
+        if a is None:
+            continue
+        assert torch.equal(a[:, :cut], c[:, :cut]), name
+        assert torch.equal(b[:, :cut], c[:, :cut]), name

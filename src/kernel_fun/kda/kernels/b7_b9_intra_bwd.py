@@ -113,6 +113,42 @@ def _level_sums(q, k, beta, dAqk, dAkk, t, n_t, g_c, g_u, shift, R, S, o_k, m_k,
 
 
 @triton.jit
+def level_sums(q, k, beta, dAqk, dAkk, g, n_t, i_c, o_k, m_k, HV: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+               SK: tl.constexpr, SG: tl.constexpr, GUARD: tl.constexpr, SCALE: tl.constexpr):
+    """B7's three sums for one (K slice, chunk, head) in levels: acc_q (over s <= r of
+    dAqk[r, s] k_s f(r, s)), acc_kr (over s < r of dAkk[r, s] k_s f(r, s), beta applied by the
+    caller) and acc_c (at row s, over r >= s of dAqk[r, s] q_r f(r, s) + (r > s) dAkk[r, s]
+    beta_r k_r f(r, s)), f(r, s) = exp2(g_r - g_s). ``i_c`` (the chunk's index in its
+    sequence) is unused here: the SUMS hook's signature."""
+    # Levels, per channel: a level is the rows from its first row u up to (not including) the
+    # first row whose factor through the level's anchor leaves [2^-GUARD, 2^GUARD]; it sums
+    # every pair whose later row is in it. The first level's anchor is row 0's gate shifted by
+    # GUARD (a chunk span of 2 GUARD), each later one's its own first row's (every factor of
+    # an earlier row then <= 1). Which level a row is in follows from it and the rows before
+    # it, so the sums for tokens before t never see a gate after t.
+    t = tl.arange(0, BT)
+    m_t = t < n_t
+    m_tk = m_t[:, None] & m_k[None, :]
+    acc_q = tl.zeros([BT, BK], dtype=tl.float32)
+    acc_kr = tl.zeros([BT, BK], dtype=tl.float32)
+    acc_c = tl.zeros([BT, BK], dtype=tl.float32)
+    u = tl.where(m_k, 0, n_t)  # [BK] each channel's first row of the level
+    shift = tl.full([BK], GUARD, tl.float32)
+    while tl.min(u, axis=0) < n_t:
+        g_c = tl.load(g + t[:, None] * SG + o_k[None, :], mask=m_tk, other=0)  # (L1: held, it spills)
+        g_u = tl.load(g + u * SG + o_k, mask=u < n_t, other=0)
+        past = (t[:, None] > u[None, :]) & m_tk & (tl.abs(g_u[None, :] - shift[None, :] - g_c) > GUARD)
+        nxt = tl.min(tl.where(past, t[:, None], n_t), axis=0)
+        S = (t[:, None] < nxt[None, :]) & (u < n_t)[None, :] & m_tk  # none for a channel already done
+        R = S & (t[:, None] >= u[None, :])
+        acc_q, acc_kr, acc_c = _level_sums(q, k, beta, dAqk, dAkk, t, n_t, g_c, g_u, shift, R, S, o_k, m_k,
+                                           acc_q, acc_kr, acc_c, HV, BT, SK, SCALE)
+        u = nxt
+        shift = tl.zeros([BK], tl.float32)
+    return acc_q, acc_kr, acc_c
+
+
+@triton.jit
 def intra_bwd_kernel(
     q, k, g, beta, dAqk, dAkk, dq, dk, dg,
     dq2, dk2, dg2, db_part,
@@ -128,7 +164,7 @@ def intra_bwd_kernel(
     [NK, NT_ALL, HV] and dbias_part [NT_ALL, HV, K]. GUARD is GUARD_SPAN on every call;
     tests pass smaller ones to send chunks through many levels. SUMS: a candidate (research)
     for the three sums in the levels' place, a jit function of (q, k, beta, dAqk, dAkk, g,
-    n_t, o_k, m_k, HV, BT, BK, SK, SG, GUARD, SCALE) returning acc_q, acc_kr, acc_c as the
+    n_t, i_c, o_k, m_k, HV, BT, BK, SK, SG, GUARD, SCALE) returning acc_q, acc_kr, acc_c as the
     levels leave them."""
     i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_hv = i_bh % HV
@@ -167,31 +203,11 @@ def intra_bwd_kernel(
     prefetch_rows(dk + off + i_k * BK, t, SG, m_t, BK)
     prefetch_rows(dg + off + i_k * BK, t, SG, m_t, BK)
 
-    # Levels, per channel: a level is the rows from its first row u up to (not including) the
-    # first row whose factor through the level's anchor leaves [2^-GUARD, 2^GUARD]; it sums
-    # every pair whose later row is in it. The first level's anchor is row 0's gate shifted by
-    # GUARD (a chunk span of 2 GUARD), each later one's its own first row's (every factor of
-    # an earlier row then <= 1). Which level a row is in follows from it and the rows before
-    # it, so the sums for tokens before t never see a gate after t.
     if SUMS is not None:
-        acc_q, acc_kr, acc_c = SUMS(q, k, beta, dAqk, dAkk, g, n_t, o_k, m_k, HV, BT, BK, SK, SG, GUARD, SCALE)
+        acc_q, acc_kr, acc_c = SUMS(q, k, beta, dAqk, dAkk, g, n_t, i_c, o_k, m_k, HV, BT, BK, SK, SG, GUARD, SCALE)
     else:
-        acc_q = tl.zeros([BT, BK], dtype=tl.float32)
-        acc_kr = tl.zeros([BT, BK], dtype=tl.float32)
-        acc_c = tl.zeros([BT, BK], dtype=tl.float32)
-        u = tl.where(m_k, 0, n_t)  # [BK] each channel's first row of the level
-        shift = tl.full([BK], GUARD, tl.float32)
-        while tl.min(u, axis=0) < n_t:
-            g_c = tl.load(g + t[:, None] * SG + o_k[None, :], mask=m_tk, other=0)  # (L1: held, it spills)
-            g_u = tl.load(g + u * SG + o_k, mask=u < n_t, other=0)
-            past = (t[:, None] > u[None, :]) & m_tk & (tl.abs(g_u[None, :] - shift[None, :] - g_c) > GUARD)
-            nxt = tl.min(tl.where(past, t[:, None], n_t), axis=0)
-            S = (t[:, None] < nxt[None, :]) & (u < n_t)[None, :] & m_tk  # none for a channel already done
-            R = S & (t[:, None] >= u[None, :])
-            acc_q, acc_kr, acc_c = _level_sums(q, k, beta, dAqk, dAkk, t, n_t, g_c, g_u, shift, R, S, o_k, m_k,
-                                               acc_q, acc_kr, acc_c, HV, BT, SK, SCALE)
-            u = nxt
-            shift = tl.zeros([BK], tl.float32)
+        acc_q, acc_kr, acc_c = level_sums(q, k, beta, dAqk, dAkk, g, n_t, i_c, o_k, m_k, HV, BT, BK, SK, SG, GUARD,
+                                          SCALE)
 
     # outputs: db's partial for this K slice; dq, dk, dg (input + intra part)
     p = off + t[:, None] * SG + o_k[None, :]
