@@ -37,8 +37,8 @@ import sys
 import triton
 import triton.language as tl
 
-from kernel_fun._triton import dot3
-from kernel_fun.kda.kernels.b7_b9_intra_bwd import level_sums
+from kernel_fun._triton import chunk_coords, dot3
+from kernel_fun.kda.kernels.b7_b9_intra_bwd import chunk_program, spare_partials
 
 
 @triton.jit
@@ -163,25 +163,116 @@ def block_sums(q, k, beta, dAqk, dAkk, g, n_t, i_c, o_k, m_k, HV: tl.constexpr, 
 
 
 @triton.jit
-def chosen_sums(q, k, beta, dAqk, dAkk, g, n_t, i_c, o_k, m_k, HV: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                SK: tl.constexpr, SG: tl.constexpr, GUARD: tl.constexpr, SCALE: tl.constexpr):
-    """The blocks where the previous chunk of the sequence was steep, else the registered
-    levels: the blocks when some channel of the slice fell more than 2 GUARD (log2) across
-    the previous chunk (g_first - g_last of its chunk cumsum), which is when that chunk took
-    more than one level. Gates are persistent (dt_bias and A_log per channel), so the previous
-    chunk predicts this one's levels; a sequence's first chunk takes the levels. The choice
-    reads only rows before the chunk, so it is causal to the bit like each path."""
-    prev = (i_c > 0) & m_k
-    g_first = tl.load(g - BT * SG + o_k, mask=prev, other=0)
-    g_last = tl.load(g - SG + o_k, mask=prev, other=0)
-    steep = tl.max(tl.where(prev, g_first - g_last, 0.0), axis=0) > 2 * GUARD
-    if steep:
-        acc_q, acc_kr, acc_c = block_sums(q, k, beta, dAqk, dAkk, g, n_t, i_c, o_k, m_k, HV, BT, BK, SK, SG, GUARD,
-                                          SCALE)
+def steep_before(i_k, i_t, i_bh, g, cu_seqlens, chunk_indices, T, HV: tl.constexpr, K: tl.constexpr,
+                 BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr, GUARD: tl.constexpr):
+    """Whether the program's previous chunk in its sequence fell more than 2 GUARD in some
+    channel of its K slice (never for a sequence's first chunk or a spare row)."""
+    live = True
+    if IS_VARLEN:
+        live = tl.load(chunk_indices + i_t * 2) >= 0
+    steep = False
+    if live:
+        i_c, i_tg, bos, T = chunk_coords(i_t, i_bh, cu_seqlens, chunk_indices, T, HV, BT, IS_VARLEN)
+        o_k = i_k * BK + tl.arange(0, BK)
+        prev = (o_k < K) & (i_c > 0)
+        base = g + ((bos + i_c * BT) * HV + i_bh % HV) * K
+        fall = tl.load(base - BT * HV * K + o_k, mask=prev, other=0) - tl.load(base - HV * K + o_k, mask=prev, other=0)
+        steep = tl.max(tl.where(prev, fall, 0.0), axis=0) > 2 * GUARD
+    return steep
+
+
+@triton.jit
+def levels_pass_kernel(
+    q, k, g, beta, dAqk, dAkk, dq, dk, dg, dq2, dk2, dg2, db_part, g_raw, A_log, dt_bias, dA_part, dbias_part,
+    lower_bound, cu_seqlens, chunk_indices, T, NT_ROWS, NT_ALL, steep_ids, steep_n,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    IS_VARLEN: tl.constexpr, GUARD: tl.constexpr, SCALE: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    USE_LOWER_BOUND: tl.constexpr,
+):
+    """The registered kernel's program with the levels, except where ``steep_before``: such a
+    program appends its id to steep_ids (the order is the atomics'; each program's outputs
+    are its own, so the bits are not) and leaves the work to ``blocks_pass_kernel``."""
+    i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if steep_before(i_k, i_t, i_bh, g, cu_seqlens, chunk_indices, T, HV, K, BT, BK, IS_VARLEN, GUARD):
+        slot = tl.atomic_add(steep_n, 1)
+        tl.store(steep_ids + slot, (i_bh * tl.num_programs(1) + i_t) * tl.num_programs(0) + i_k)
     else:
-        acc_q, acc_kr, acc_c = level_sums(q, k, beta, dAqk, dAkk, g, n_t, i_c, o_k, m_k, HV, BT, BK, SK, SG, GUARD,
-                                          SCALE)
-    return acc_q, acc_kr, acc_c
+        spare = False
+        if IS_VARLEN:
+            spare = tl.load(chunk_indices + i_t * 2) < 0
+        if spare:
+            spare_partials(i_k, i_t, i_bh, dA_part, dbias_part, NT_ALL, HV, K, BK, GATE, HAS_BIAS)
+        else:
+            chunk_program(i_k, i_t, i_bh, q, k, g, beta, dAqk, dAkk, dq, dk, dg, dq2, dk2, dg2, db_part, g_raw, A_log,
+                          dt_bias, dA_part, dbias_part, lower_bound, cu_seqlens, chunk_indices, T, NT_ROWS, NT_ALL, H,
+                          HV, K, BT, BK, IS_VARLEN, GUARD, SCALE, GATE, HAS_BIAS, USE_LOWER_BOUND, None)
+
+
+@triton.jit
+def blocks_pass_kernel(
+    q, k, g, beta, dAqk, dAkk, dq, dk, dg, dq2, dk2, dg2, db_part, g_raw, A_log, dt_bias, dA_part, dbias_part,
+    lower_bound, cu_seqlens, chunk_indices, T, NT_ROWS, NT_ALL, steep_ids, steep_n, NK, NT,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    IS_VARLEN: tl.constexpr, GUARD: tl.constexpr, SCALE: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    USE_LOWER_BOUND: tl.constexpr,
+):
+    """Persistent: each program takes every num_programs-th listed id, with the blocks' sums."""
+    for idx in range(tl.program_id(0), tl.load(steep_n), tl.num_programs(0)):
+        flat = tl.load(steep_ids + idx)
+        i_k = flat % NK
+        i_t = (flat // NK) % NT
+        i_bh = flat // (NK * NT)
+        chunk_program(i_k, i_t, i_bh, q, k, g, beta, dAqk, dAkk, dq, dk, dg, dq2, dk2, dg2, db_part, g_raw, A_log,
+                      dt_bias, dA_part, dbias_part, lower_bound, cu_seqlens, chunk_indices, T, NT_ROWS, NT_ALL, H,
+                      HV, K, BT, BK, IS_VARLEN, GUARD, SCALE, GATE, HAS_BIAS, USE_LOWER_BOUND, block_sums)
+
+
+@triton.jit
+def blocks_grid_kernel(
+    q, k, g, beta, dAqk, dAkk, dq, dk, dg, dq2, dk2, dg2, db_part, g_raw, A_log, dt_bias, dA_part, dbias_part,
+    lower_bound, cu_seqlens, chunk_indices, T, NT_ROWS, NT_ALL, steep_ids, steep_n, NK, NT,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    IS_VARLEN: tl.constexpr, GUARD: tl.constexpr, SCALE: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    USE_LOWER_BOUND: tl.constexpr,
+):
+    """The full grid: program i takes the i-th listed id, the rest return at once."""
+    idx = (tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(0) + tl.program_id(0)
+    if idx < tl.load(steep_n):
+        flat = tl.load(steep_ids + idx)
+        i_k = flat % NK
+        i_t = (flat // NK) % NT
+        i_bh = flat // (NK * NT)
+        chunk_program(i_k, i_t, i_bh, q, k, g, beta, dAqk, dAkk, dq, dk, dg, dq2, dk2, dg2, db_part, g_raw, A_log,
+                      dt_bias, dA_part, dbias_part, lower_bound, cu_seqlens, chunk_indices, T, NT_ROWS, NT_ALL, H,
+                      HV, K, BT, BK, IS_VARLEN, GUARD, SCALE, GATE, HAS_BIAS, USE_LOWER_BOUND, block_sums)
+
+
+def split_launch(grid, num_warps, num_stages, SUMS=None, maxnreg=None, persistent=True, **arguments):
+    """The registered launch as two kernels, each compiled for one form of the sums: the
+    levels for every program but those after a steep chunk, which a second kernel then takes
+    with the blocks: a persistent grid of two programs an SM, or (``persistent`` False) the
+    full grid, the programs past the list's length returning at once."""
+    import torch
+
+    NK, NT, BH = grid
+    dev = arguments["k"].device
+    steep_ids = torch.empty(NK * NT * BH, device=dev, dtype=torch.int32)
+    steep_n = torch.zeros(1, device=dev, dtype=torch.int32)
+    levels_pass_kernel[grid](**arguments, steep_ids=steep_ids, steep_n=steep_n, num_warps=num_warps,
+                             num_stages=num_stages)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 2
+    second = blocks_pass_kernel[(2 * sms,)] if persistent else blocks_grid_kernel[grid]
+    second(**arguments, steep_ids=steep_ids, steep_n=steep_n, NK=NK, NT=NT, num_warps=num_warps,
+           num_stages=num_stages)
+
+
+def split_intra_bwd(_guard: float | None = None, persistent: bool = True, **inputs):
+    """The registered unit launched as ``split_launch``."""
+    import functools
+
+    from kernel_fun.kda.kernels import b7_b9_intra_bwd as unit
+
+    return unit.intra_bwd(**inputs, launch=functools.partial(split_launch, persistent=persistent), _guard=_guard)
 
 
 def intra_bwd(_guard: float | None = None, sums=None, **inputs):
@@ -192,9 +283,23 @@ def intra_bwd(_guard: float | None = None, sums=None, **inputs):
     return unit.intra_bwd(**inputs, sums=block_sums if sums is None else sums, _guard=_guard)
 
 
-def chosen_intra_bwd(_guard: float | None = None, **inputs):
-    """The registered unit with ``chosen_sums``."""
-    return intra_bwd(_guard, sums=chosen_sums, **inputs)
+def steep_after(gc, guard: float | None = None, BK: int = 32):
+    """[B, NC, HV, NK]: which programs of a dense batch ``split_launch`` gives the blocks (the
+    previous chunk fell more than 2 guard in some channel of the slice), from its chunk
+    cumsum ``gc`` [B, T, HV, K]."""
+    import torch
+
+    from kernel_fun._triton import GUARD_SPAN
+
+    guard = float(GUARD_SPAN.value) if guard is None else guard
+    B, T, HV, K = gc.shape
+    NC = -(-T // 64)
+    out = torch.zeros(B, NC, HV, -(-K // BK), dtype=torch.bool, device=gc.device)
+    for c in range(1, NC):
+        fall = gc[:, 64 * c - 64] - gc[:, 64 * c - 1]  # [B, HV, K]
+        fall = torch.nn.functional.pad(fall, (0, out.shape[3] * BK - K)).unflatten(2, (-1, BK))
+        out[:, c] = fall.amax(-1) > 2 * guard
+    return out
 
 
 def compile_rows() -> list[dict]:
@@ -203,9 +308,11 @@ def compile_rows() -> list[dict]:
     from benchmarks.compile_report import b7_b9_report
 
     rows = []
-    for name, sums in (("the levels, pinned", None), ("blocks sums, candidate", block_sums),
-                       ("chosen by the previous chunk, candidate", chosen_sums)):
-        row = b7_b9_report(sums=sums)
+    for name, sums, kernel in (("the levels, pinned", None, None), ("blocks sums, candidate", block_sums, None),
+                               ("split, levels pass", None, levels_pass_kernel),
+                               ("split, blocks pass", None, blocks_pass_kernel),
+                               ("split, blocks grid", None, blocks_grid_kernel)):
+        row = b7_b9_report(sums=sums, kernel=kernel)
         rows.append({"kind": "compile_sm90_candidate", "build": f"b7-b9 K128 gate ({name})", **{
             n: row.get(n) for n in ("registers", "spill_stores", "spill_loads", "stack", "shared", "sass_instructions",
                                     "wgmma", "sass_code_sha")}})
@@ -231,23 +338,29 @@ def gpu_rows(shapes: str, reps: int, rounds: int, device: str = "cuda") -> list[
     rows = []
     for name in shapes.split(","):
         inputs = make_inputs(problem(name), device)
-        pinned, blocks, chosen = unit.intra_bwd(**inputs), intra_bwd(**inputs), chosen_intra_bwd(**inputs)
+        pinned, blocks, split = unit.intra_bwd(**inputs), intra_bwd(**inputs), split_intra_bwd(**inputs)
+        grid_split = split_intra_bwd(**inputs, persistent=False)
+        same = {"split_grid_equals_split": all(x is None or torch.equal(x, y) for x, y in zip(split, grid_split))}
+        del grid_split
         want = dict(zip(names, BENCH.exact(**inputs)))
         errors = {label: {n: ref.rel_rms(x, want[n]) for n, x in zip(names, out) if x is not None}
-                  for label, out in (("levels", pinned), ("blocks", blocks), ("chosen", chosen))}
+                  for label, out in (("levels", pinned), ("blocks", blocks), ("split", split))}
         between = {n: ref.rel_rms(x, y) for n, x, y in zip(names, blocks, pinned) if x is not None}
-        del pinned, blocks, chosen, want
+        del pinned, blocks, split, want
         ms = (time_pair({"levels": lambda: unit.intra_bwd(**inputs), "blocks": lambda: intra_bwd(**inputs),
-                         "chosen": lambda: chosen_intra_bwd(**inputs)}, reps, rounds) if device == "cuda" else {})
-        rows.append({"kind": "b7_blocks", "shape": name, "ms": ms, "vs_exact": errors, "blocks_vs_levels": between,
+                         "split": lambda: split_intra_bwd(**inputs),
+                         "split_grid": lambda: split_intra_bwd(**inputs, persistent=False)}, reps, rounds)
+              if device == "cuda" else {})
+        rows.append({"kind": "b7_blocks", "shape": name, "ms": ms, "vs_exact": errors, "blocks_vs_levels": between, **same,
                      "level_shares": level_shares(inputs["gc"][:1]),
+                     "blocks_share": steep_after(inputs["gc"][:1]).float().mean().item(),
                      "gpu": torch.cuda.get_device_name() if device == "cuda" else device})
         print(json.dumps(rows[-1]), flush=True)
         inputs = None
         torch.cuda.empty_cache()
-    print(f"{'shape':18s} {'levels ms':>10s} {'blocks ms':>10s} {'chosen ms':>10s}")
+    print(f"{'shape':18s} {'levels ms':>10s} {'blocks ms':>10s} {'split ms':>10s} {'split_grid':>10s}")
     for r in rows:
-        print(f"{r['shape']:18s}" + "".join(f" {r['ms'].get(n, float('nan')):10.3f}" for n in ("levels", "blocks", "chosen")))
+        print(f"{r['shape']:18s}" + "".join(f" {r['ms'].get(n, float('nan')):10.3f}" for n in ("levels", "blocks", "split", "split_grid")))
     return rows
 
 

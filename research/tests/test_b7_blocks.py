@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from conftest import needs_triton  # noqa: E402
 from kernel_fun.kda import reference as ref  # noqa: E402
 from kernel_fun.kda.problems import Problem  # noqa: E402
-from research.b7_blocks import intra_bwd  # noqa: E402
+from research.b7_blocks import intra_bwd, split_intra_bwd, steep_after  # noqa: E402
 from test_b7_b9_intra_bwd import LEVELS, SHAPES, exact, unit_inputs  # noqa: E402
 
 pytestmark = needs_triton
@@ -96,33 +96,19 @@ def test_blocks_are_causal_to_the_bit(cut):
         assert torch.equal(b[:, :cut], c[:, :cut]), name
 
 
-# The sums chosen by the previous chunk (research.b7_blocks.chosen_sums): the blocks after a
-# chunk that fell more than 2 GUARD in some channel of the slice, else the levels.
+# The split launch (research.b7_blocks.split_launch): the blocks after a chunk that fell more
+# than 2 GUARD in some channel of the slice, else the levels; both forms of the second kernel.
 MIXED = Problem("T256-K64-gva-pregated", 1, 256, 1, 2, 64, 16, gate_in_kernel=False)
-
-
-def steep_after(gc: torch.Tensor, guard: float, BK: int = 32) -> torch.Tensor:
-    """[B, NC, HV, NK]: which programs take the blocks (the previous chunk of the dense batch
-    fell more than 2 guard in some channel of the slice)."""
-    B, T, HV, K = gc.shape
-    NC = -(-T // 64)
-    out = torch.zeros(B, NC, HV, -(-K // BK), dtype=torch.bool)
-    for c in range(1, NC):
-        fall = gc[:, 64 * c - 64] - gc[:, 64 * c - 1]  # [B, HV, K]
-        fall = torch.nn.functional.pad(fall, (0, out.shape[3] * BK - K)).unflatten(2, (-1, BK))
-        out[:, c] = fall.amax(-1) > 2 * guard
-    return out
 
 
 @pytest.mark.parametrize("p", SHAPES, ids=lambda p: p.name)
 @pytest.mark.parametrize("guard", [None, 4.0])
-def test_chosen_sums_match_the_float64_stages(p, guard):
+@pytest.mark.parametrize("persistent", [True, False])
+def test_split_matches_the_float64_stages(p, guard, persistent):
     """At GUARD_SPAN the test gates never fall 128 in a chunk (every program the levels); at a
     guard of 4 most programs after a first chunk take the blocks."""
-    from research.b7_blocks import chosen_intra_bwd
-
     inputs = unit_inputs(p, gate_scale=3.0)
-    got = chosen_intra_bwd(**inputs, _guard=guard)
+    got = split_intra_bwd(**inputs, _guard=guard, persistent=persistent)
     want = exact(inputs)
     rounded = inputs["A_log"] is not None and inputs["g"].dtype != torch.float32
     for name, a in zip(NAMES, got):
@@ -133,19 +119,19 @@ def test_chosen_sums_match_the_float64_stages(p, guard):
 
 
 @pytest.mark.parametrize("guard", [4.0, None])
-def test_chosen_sums_take_each_path_by_the_previous_chunk(guard):
+def test_split_takes_each_path_by_the_previous_chunk(guard):
     """A witness of the choice: each chunk-head's rows bit for bit the blocks' where its
     previous chunk fell past 2 guard in every K slice, the levels' where in none; and both
     kinds present (gentle and steep chunks alternating)."""
-    from research.b7_blocks import chosen_intra_bwd
-
     inputs = unit_inputs(MIXED, gate_scale=3.0)
     inputs["gc"] = inputs["gc"].clone()
     for c, scale in ((0, 1e-3), (1, 20.0), (2, 1e-3), (3, 20.0)):  # gentle and steep chunks alternating
         inputs["gc"][:, 64 * c:64 * c + 64] *= scale
     steep = steep_after(inputs["gc"], 64.0 if guard is None else guard)
     assert steep.any() and (~steep[:, 1:]).any() and not steep[:, 0].any()
-    got = chosen_intra_bwd(**inputs, _guard=guard)
+    got = split_intra_bwd(**inputs, _guard=guard)
+    assert all(x is None or torch.equal(x, y) for x, y in zip(got, split_intra_bwd(**inputs, _guard=guard,
+                                                                                  persistent=False)))
     blocks = intra_bwd(**inputs, _guard=guard)
     from kernel_fun.kda.kernels import b7_b9_intra_bwd as unit
 
@@ -167,12 +153,10 @@ def test_chosen_sums_take_each_path_by_the_previous_chunk(guard):
 
 @pytest.mark.parametrize("cut", [70, 100])
 @pytest.mark.parametrize("first_scale", [1.0, 40.0])
-def test_chosen_sums_are_causal_to_the_bit(cut, first_scale):
+def test_split_is_causal_to_the_bit(cut, first_scale):
     """A cut inside the second chunk, the first chunk gentle (the levels) or steep (the
     blocks): the rows before the cut bit for bit the call cut there, whatever the gates past
     it (which choose the third chunk's path)."""
-    from research.b7_blocks import chosen_intra_bwd
-
     p = Problem("T192-K64-pregated", 1, 192, 1, 1, 64, 16, gate_in_kernel=False)
     inputs = unit_inputs(p, gate_scale=3.0)
     inputs["gc"] = inputs["gc"].clone()
@@ -185,7 +169,7 @@ def test_chosen_sums_are_causal_to_the_bit(cut, first_scale):
     steep["gc"][:, cut:] = steep["gc"][:, cut:] * 40.0
     cut_inputs = {n: (v[:, :cut].contiguous() if isinstance(v, torch.Tensor) and v.dim() > 1 and v.shape[1] == 192
                       else v) for n, v in inputs.items()}
-    full, steeper, short = chosen_intra_bwd(**inputs), chosen_intra_bwd(**steep), chosen_intra_bwd(**cut_inputs)
+    full, steeper, short = split_intra_bwd(**inputs), split_intra_bwd(**steep), split_intra_bwd(**cut_inputs)
     for name, a, b, c in zip(NAMES, full, steeper, short):
         if a is None:
             continue

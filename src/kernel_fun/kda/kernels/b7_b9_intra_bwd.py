@@ -42,6 +42,8 @@ three stages ~15. The rounds and the designs measured slower are in docs/log/b7.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -167,18 +169,42 @@ def intra_bwd_kernel(
     n_t, i_c, o_k, m_k, HV, BT, BK, SK, SG, GUARD, SCALE) returning acc_q, acc_kr, acc_c as the
     levels leave them."""
     i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if IS_VARLEN:
+        if tl.load(chunk_indices + i_t * 2) < 0:
+            spare_partials(i_k, i_t, i_bh, dA_part, dbias_part, NT_ALL, HV, K, BK, GATE, HAS_BIAS)
+            return
+    chunk_program(i_k, i_t, i_bh, q, k, g, beta, dAqk, dAkk, dq, dk, dg, dq2, dk2, dg2, db_part, g_raw, A_log, dt_bias,
+                  dA_part, dbias_part, lower_bound, cu_seqlens, chunk_indices, T, NT_ROWS, NT_ALL, H, HV, K, BT, BK,
+                  IS_VARLEN, GUARD, SCALE, GATE, HAS_BIAS, USE_LOWER_BOUND, SUMS)
+
+
+@triton.jit
+def spare_partials(i_k, i_t, i_bh, dA_part, dbias_part, NT_ALL, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                   GATE: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """A capacity-shaped index's spare row (sequence -1) has no tokens: its parameter partials
+    are zeros (they are summed over every row)."""
+    if GATE:
+        i_hv = i_bh % HV
+        tl.store(dA_part + (i_k * NT_ALL + i_t) * HV + i_hv, 0.0)
+        if HAS_BIAS:
+            o_z = i_k * BK + tl.arange(0, BK)
+            tl.store(dbias_part + (i_t * HV + i_hv) * K + o_z, tl.zeros([BK], tl.float32), mask=o_z < K)
+
+
+@triton.jit
+def chunk_program(
+    i_k, i_t, i_bh, q, k, g, beta, dAqk, dAkk, dq, dk, dg,
+    dq2, dk2, dg2, db_part,
+    g_raw, A_log, dt_bias, dA_part, dbias_part, lower_bound,
+    cu_seqlens, chunk_indices, T, NT_ROWS, NT_ALL,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    IS_VARLEN: tl.constexpr, GUARD: tl.constexpr, SCALE: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    USE_LOWER_BOUND: tl.constexpr, SUMS: tl.constexpr,
+):
+    """The kernel's work for the program (i_k, i_t, i_bh) of a chunk with tokens (no early
+    return, so a persistent loop may call it)."""
     i_hv = i_bh % HV
     i_h = i_hv // (HV // H)
-    if IS_VARLEN:
-        # a capacity-shaped index's spare row (sequence -1): no tokens; its parameter
-        # partials are zeros (they are summed over every row)
-        if tl.load(chunk_indices + i_t * 2) < 0:
-            if GATE:
-                tl.store(dA_part + (i_k * NT_ALL + i_t) * HV + i_hv, 0.0)
-                if HAS_BIAS:
-                    o_z = i_k * BK + tl.arange(0, BK)
-                    tl.store(dbias_part + (i_t * HV + i_hv) * K + o_z, tl.zeros([BK], tl.float32), mask=o_z < K)
-            return
     i_c, i_tg, bos, T = chunk_coords(i_t, i_bh, cu_seqlens, chunk_indices, T, HV, BT, IS_VARLEN)
     row0 = bos + i_c * BT
     n_t = tl.minimum(T - i_c * BT, BT).to(tl.int32)
@@ -244,7 +270,8 @@ CONFIG_KEYS = frozenset({"BK", "num_warps", "num_stages", "maxnreg"})
 
 
 def intra_bwd(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log, dt_bias, lower_bound, chunk_size,
-              cu_seqlens, chunk_indices, config: dict | None = None, _guard: float | None = None, sums=None):
+              cu_seqlens, chunk_indices, config: dict | None = None, _guard: float | None = None, sums=None,
+              launch=None):
     """B7, B8 and (with ``A_log``) B9 with fla's contracts: (dq, dk, db, dg, dA_log, ddt_bias).
     dq, dk and db (fp32, at value heads) are the inputs plus the vector-Jacobian product of
     Aqk and Akk with dAqk and dAkk. Without ``A_log`` (a pre-computed gate) dg is B8's, the
@@ -253,7 +280,8 @@ def intra_bwd(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log, d
     B9's in g's dtype, with dA_log's and dt_bias's gradients. Exact for any gate
     (``safe_gate`` changes nothing). ``config`` overrides the pinned launch config
     (``CONFIG_KEYS``); ``_guard`` (tests) a smaller level span than ``GUARD_SPAN``; ``sums`` a
-    candidate jit function for the kernel's three sums (``SUMS``, research)."""
+    candidate jit function for the kernel's three sums (``SUMS``, research); ``launch`` a
+    candidate launch (research): called as ``launch(grid, **arguments)`` in the kernel's place."""
     for name, t in dict(q=q, k=k, gc=gc, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db, dg=dg, g=g,
                         A_log=A_log, dt_bias=dt_bias).items():
         if t is not None and not t.is_contiguous():
@@ -276,7 +304,8 @@ def intra_bwd(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log, d
     db_part = torch.empty(NK, B, T, HV, device=dev, dtype=torch.float32)
     dA_part = torch.empty(NK, NT_ALL, HV, device=dev, dtype=torch.float32) if gate else None
     dbias_part = torch.empty(NT_ALL, HV, K, device=dev, dtype=torch.float32) if gate and dt_bias is not None else None
-    intra_bwd_kernel[(NK, NT, B * HV)](
+    run = intra_bwd_kernel[(NK, NT, B * HV)] if launch is None else functools.partial(launch, (NK, NT, B * HV))
+    run(
         q=q, k=k, g=gc, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, dg=dg, dq2=dq2, dk2=dk2, dg2=dg2,
         db_part=db_part, g_raw=g if gate else None, A_log=A_log, dt_bias=dt_bias if gate else None,
         dA_part=dA_part, dbias_part=dbias_part, lower_bound=0.0 if lower_bound is None or not gate else float(lower_bound),
