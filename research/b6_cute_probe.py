@@ -59,20 +59,22 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
     stage_bytes = (3 * BT * BV + 2 * KH * BV) * 2
 
     @cute.jit
-    def _fill(ring, state, tma_a, tma_b, a_parts, b_parts, mask):
+    def _fill(ring, state, a_parts, b_parts, mask):
         """Warp 0: one stage's five copies (v_new, do and dv multicast to both CTAs, this
-        CTA's h and dh), on the stage's barrier."""
+        CTA's h and dh), on the stage's barrier, each through its own tensor's TMA atom (an
+        atom holds its tensor's descriptor: the partitions give coordinates only)."""
         ring.producer_acquire(state)
         bar = ring.producer_get_barrier(state)
-        for s_part, g_part in a_parts:
-            cute.copy(tma_a, g_part[(None, state.count)], s_part[(None, state.index)], tma_bar_ptr=bar,
+        for atom, s_part, g_part in a_parts:
+            cute.copy(atom, g_part[(None, state.count)], s_part[(None, state.index)], tma_bar_ptr=bar,
                       mcast_mask=mask)
-        for s_part, g_part in b_parts:
-            cute.copy(tma_b, g_part[(None, state.count)], s_part[(None, state.index)], tma_bar_ptr=bar)
+        for atom, s_part, g_part in b_parts:
+            cute.copy(atom, g_part[(None, state.count)], s_part[(None, state.index)], tma_bar_ptr=bar)
         ring.producer_commit(state)
 
     @cute.kernel
-    def kernel(tma_a, vn_t, do_t, dv_t, tma_b, h_t, dh_t, tma_kg, kg_t, dq, dkh, dw, dA, mma: cute.TiledMma,
+    def kernel(tma_vn, vn_t, tma_do, do_t, tma_dv, dv_t, tma_h, h_t, tma_dh, dh_t, tma_kg, kg_t, dq, dkh, dw, dA,
+               mma: cute.TiledMma,
                a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout):
         tidx, _, _ = cute.arch.thread_idx()
         _, _, chunk = cute.arch.block_idx()
@@ -83,8 +85,8 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
         mask = cute.make_layout_image_mask(cluster, coord, mode=1)
 
         if warp == 0:
-            cpasync.prefetch_descriptor(tma_a)
-            cpasync.prefetch_descriptor(tma_b)
+            for atom in (tma_vn, tma_do, tma_dv, tma_h, tma_dh):
+                cpasync.prefetch_descriptor(atom)
 
         @cute.struct
         class Smem:
@@ -125,12 +127,12 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
             return cute.local_tile(t, (height, BV), (row_tile, None))
 
         half = cute.make_layout(2)
-        a_parts = [cpasync.tma_partition(tma_a, coord[1], half, cute.group_modes(s, 0, 2),
-                                         cute.group_modes(rows_tiles(t, chunk, BT), 0, 2))
-                   for s, t in ((s_vn, vn_t), (s_do, do_t), (s_dv, dv_t))]
-        b_parts = [cpasync.tma_partition(tma_b, 0, cute.make_layout(1), cute.group_modes(s, 0, 2),
-                                         cute.group_modes(rows_tiles(t, chunk * 2 + rank, KH), 0, 2))
-                   for s, t in ((s_h, h_t), (s_dh, dh_t))]
+        a_parts = [(atom, *cpasync.tma_partition(atom, coord[1], half, cute.group_modes(s, 0, 2),
+                                                 cute.group_modes(rows_tiles(t, chunk, BT), 0, 2)))
+                   for atom, s, t in ((tma_vn, s_vn, vn_t), (tma_do, s_do, do_t), (tma_dv, s_dv, dv_t))]
+        b_parts = [(atom, *cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2),
+                                                 cute.group_modes(rows_tiles(t, chunk * 2 + rank, KH), 0, 2)))
+                   for atom, s, t in ((tma_h, s_h, h_t), (tma_dh, s_dh, dh_t))]
 
         thr = mma.get_slice(0)  # (the operands' partition: one for the warpgroup)
         thr_c = mma.get_slice(tidx)  # (the accumulators': each thread's own rows and columns)
@@ -151,7 +153,7 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
 
         if warp == 0:
             for _ in cutlass.range(min(stages, NV), unroll=1):
-                _fill(ring, put, tma_a, tma_b, a_parts, b_parts, mask)
+                _fill(ring, put, a_parts, b_parts, mask)
                 put.advance()
         mma.set(warpgroup.Field.ACCUMULATE, True)
         done = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
@@ -173,14 +175,14 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
                     ring.consumer_release(done)
                     done.advance()
                     if warp == 0 and put.count < NV:
-                        _fill(ring, put, tma_a, tma_b, a_parts, b_parts, mask)
+                        _fill(ring, put, a_parts, b_parts, mask)
                         put.advance()
             else:
                 warpgroup.wait_group(0)
                 ring.consumer_release(done)
                 done.advance()
                 if warp == 0 and put.count < NV:
-                    _fill(ring, put, tma_a, tma_b, a_parts, b_parts, mask)
+                    _fill(ring, put, a_parts, b_parts, mask)
                     put.advance()
         warpgroup.wait_group(0)
 
@@ -236,15 +238,17 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
         b_smem = sm90.make_smem_layout_b(k_major, tile, cutlass.BFloat16, stages)
         a_one = cute.slice_(a_smem, (None, None, 0))
         b_one = cute.slice_(b_smem, (None, None, 0))
-        tma_a, vn_t = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SMulticastOp(), vn, a_one, (BT, BV), 2)
-        _, do_t = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SMulticastOp(), do, a_one, (BT, BV), 2)
-        _, dv_t = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SMulticastOp(), dv, a_one, (BT, BV), 2)
-        tma_b, h_t = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), h, b_one, (KH, BV))
-        _, dh_t = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), dh, b_one, (KH, BV))
+        # one atom a tensor: an atom carries its tensor's TMA descriptor (the first run reused
+        # v_new's atom for do and dv and h's for dh, so it read v_new and h twice over)
+        tma_vn, vn_t = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SMulticastOp(), vn, a_one, (BT, BV), 2)
+        tma_do, do_t = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SMulticastOp(), do, a_one, (BT, BV), 2)
+        tma_dv, dv_t = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SMulticastOp(), dv, a_one, (BT, BV), 2)
+        tma_h, h_t = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), h, b_one, (KH, BV))
+        tma_dh, dh_t = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), dh, b_one, (KH, BV))
         tma_kg, kg_t = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), kg, b_one, (BT, KH))
         nch = cute.size(vn, mode=[0]) // BT
-        kernel(tma_a, vn_t, do_t, dv_t, tma_b, h_t, dh_t, tma_kg, kg_t, dq, dkh, dw, dA, mma, a_smem,
-               b_smem).launch(
+        kernel(tma_vn, vn_t, tma_do, do_t, tma_dv, dv_t, tma_h, h_t, tma_dh, dh_t, tma_kg, kg_t, dq, dkh, dw, dA,
+               mma, a_smem, b_smem).launch(
             grid=(1, 2, nch), block=(128, 1, 1), cluster=(1, 2, 1), stream=stream)
 
     return probe
@@ -381,8 +385,8 @@ def main(argv=None) -> int:
     if argv[:1] == ["compile-one"]:
         compile_offline(stages=int(argv[1]), overlap=bool(int(argv[2])), exchange=bool(int(argv[3])), dump=argv[4])
         return 0
-    if argv[:1] == ["gpu"]:
-        for stages, overlap, exchange in BUILDS:
+    if argv[:1] == ["gpu"]:  # every build, or those whose indices in BUILDS follow
+        for stages, overlap, exchange in [BUILDS[int(i)] for i in argv[1:]] or BUILDS:
             print(json.dumps(gpu_run(stages=stages, overlap=overlap, exchange=exchange)), flush=True)
         return 0
     print(__doc__)
