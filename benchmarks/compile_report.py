@@ -41,7 +41,7 @@ def _signature(jit, pointer_types: dict[str, str], constexprs: dict) -> dict:
             sig[name] = pointer_types[name]
         elif name in ("scale", "lower_bound"):
             sig[name] = "fp32"
-        elif name in ("T", "NBH", "NT_ROWS", "NT_ALL", "NK", "NT", "stride_b", "stride_t"):
+        elif name in ("T", "NBH", "NT_ROWS", "NT_ALL", "stride_b", "stride_t"):
             sig[name] = "i32"
         else:
             raise KeyError(f"no type for argument {name}")
@@ -177,13 +177,11 @@ def b6_report(K: int = 128, V: int = 256, HV: int = 16, heads_fast: bool = True,
 
 
 def b7_b9_report(K: int = 128, HV: int = 16, gate: bool = True, bias: bool = True, lower_bound: bool = False,
-                 varlen: bool = False, dtype: str = "bf16", config: dict | None = None, sums=None,
-                 kernel=None) -> dict:
+                 varlen: bool = False, dtype: str = "bf16", config: dict | None = None, sums=None) -> dict:
     """The B7-B9 unit (``kda/kernels/b7_b9_intra_bwd.py``) at its pinned config: with the
     gate's backward (``gate``: dt_bias with ``bias``, the lower-bounded form with
     ``lower_bound``) or B7 and B8 alone (a pre-computed gate). ``sums``: a candidate for the
-    kernel's three sums (its ``SUMS``); ``kernel``: a candidate kernel of the same arguments
-    (research), with steep_ids and steep_n pointers where it has them."""
+    kernel's three sums (its ``SUMS``)."""
     from kernel_fun.kda.kernels import b7_b9_intra_bwd as m
 
     cfg = {**m.CONFIG, **(config or {})}
@@ -200,12 +198,8 @@ def b7_b9_report(K: int = 128, HV: int = 16, gate: bool = True, bias: bool = Tru
             ce.update(dt_bias=None, dbias_part=None)
     else:
         ce.update(dict.fromkeys(gate_args))
-    if kernel is None:
-        ce["SUMS"] = sums
-    else:
-        types.update(steep_ids="*i32", steep_n="*i32")
-    return compile_sm90(kernel or m.intra_bwd_kernel, types, ce, cfg["num_warps"], cfg["num_stages"],
-                        cfg.get("maxnreg"))
+    ce["SUMS"] = sums
+    return compile_sm90(m.intra_bwd_kernel, types, ce, cfg["num_warps"], cfg["num_stages"], cfg.get("maxnreg"))
 
 
 def scan_report(K: int = 128, V: int = 256, recompute: bool = False, h0: bool = True, final_state: bool = True,

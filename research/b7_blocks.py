@@ -24,6 +24,13 @@ cumsum in log2, non-increasing) split by where the pair lies:
 Every anchor of a pair is a row at or before its later row, fixed by position: causal to the
 bit like the levels (a pair with its later row past t has dA = 0 and finite factors).
 
+Measured (an H100, 2026-12-05, benchmarks/results/b7_blocks_gpu.jsonl): under strong gates
+2.5x the levels and level with fla (prod8192_strong 16.2 ms, levels 40.3, fla 16.9); at the
+initialisation's gates 7-17% slower than the levels (prod8192_gate 12.4-12.6 against
+10.6-10.8), so not registered. Choosing per program by the previous chunk, in one kernel or
+as two launches, lost at those gates too (docs/log/b7.md). The fused backward kernel's B7 is
+where these sums are meant to go.
+
     python -m research.b7_blocks compile        # sm_90a rows: the pinned kernel and with these sums
     python -m research.b7_blocks gpu --out $OUT/b7_blocks.jsonl   # parity, then timed against the pin
 """
@@ -37,12 +44,11 @@ import sys
 import triton
 import triton.language as tl
 
-from kernel_fun._triton import chunk_coords, dot3
-from kernel_fun.kda.kernels.b7_b9_intra_bwd import chunk_program, spare_partials
+from kernel_fun._triton import dot3
 
 
 @triton.jit
-def block_sums(q, k, beta, dAqk, dAkk, g, n_t, i_c, o_k, m_k, HV: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+def block_sums(q, k, beta, dAqk, dAkk, g, n_t, o_k, m_k, HV: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                SK: tl.constexpr, SG: tl.constexpr, GUARD: tl.constexpr, SCALE: tl.constexpr):
     """acc_q, acc_kr, acc_c for one (K slice, chunk, head), as the registered kernel's levels
     leave them: sum over s <= r of dAqk[r, s] k_s f(r, s); over s < r of dAkk[r, s] k_s f(r, s)
@@ -162,144 +168,12 @@ def block_sums(q, k, beta, dAqk, dAkk, g, n_t, i_c, o_k, m_k, HV: tl.constexpr, 
     return acc_q, acc_kr, acc_c
 
 
-@triton.jit
-def steep_before(i_k, i_t, i_bh, g, cu_seqlens, chunk_indices, T, HV: tl.constexpr, K: tl.constexpr,
-                 BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr, GUARD: tl.constexpr):
-    """Whether the program's previous chunk in its sequence fell more than 2 GUARD in some
-    channel of its K slice (never for a sequence's first chunk or a spare row)."""
-    live = True
-    if IS_VARLEN:
-        live = tl.load(chunk_indices + i_t * 2) >= 0
-    steep = False
-    if live:
-        i_c, i_tg, bos, T = chunk_coords(i_t, i_bh, cu_seqlens, chunk_indices, T, HV, BT, IS_VARLEN)
-        o_k = i_k * BK + tl.arange(0, BK)
-        prev = (o_k < K) & (i_c > 0)
-        base = g + ((bos + i_c * BT) * HV + i_bh % HV) * K
-        fall = tl.load(base - BT * HV * K + o_k, mask=prev, other=0) - tl.load(base - HV * K + o_k, mask=prev, other=0)
-        steep = tl.max(tl.where(prev, fall, 0.0), axis=0) > 2 * GUARD
-    return steep
-
-
-@triton.jit
-def levels_pass_kernel(
-    q, k, g, beta, dAqk, dAkk, dq, dk, dg, dq2, dk2, dg2, db_part, g_raw, A_log, dt_bias, dA_part, dbias_part,
-    lower_bound, cu_seqlens, chunk_indices, T, NT_ROWS, NT_ALL, steep_ids, steep_n,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-    IS_VARLEN: tl.constexpr, GUARD: tl.constexpr, SCALE: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr,
-    USE_LOWER_BOUND: tl.constexpr,
-):
-    """The registered kernel's program with the levels, except where ``steep_before``: such a
-    program appends its id to steep_ids (the order is the atomics'; each program's outputs
-    are its own, so the bits are not) and leaves the work to ``blocks_pass_kernel``."""
-    i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    if steep_before(i_k, i_t, i_bh, g, cu_seqlens, chunk_indices, T, HV, K, BT, BK, IS_VARLEN, GUARD):
-        slot = tl.atomic_add(steep_n, 1)
-        tl.store(steep_ids + slot, (i_bh * tl.num_programs(1) + i_t) * tl.num_programs(0) + i_k)
-    else:
-        spare = False
-        if IS_VARLEN:
-            spare = tl.load(chunk_indices + i_t * 2) < 0
-        if spare:
-            spare_partials(i_k, i_t, i_bh, dA_part, dbias_part, NT_ALL, HV, K, BK, GATE, HAS_BIAS)
-        else:
-            chunk_program(i_k, i_t, i_bh, q, k, g, beta, dAqk, dAkk, dq, dk, dg, dq2, dk2, dg2, db_part, g_raw, A_log,
-                          dt_bias, dA_part, dbias_part, lower_bound, cu_seqlens, chunk_indices, T, NT_ROWS, NT_ALL, H,
-                          HV, K, BT, BK, IS_VARLEN, GUARD, SCALE, GATE, HAS_BIAS, USE_LOWER_BOUND, None)
-
-
-@triton.jit
-def blocks_pass_kernel(
-    q, k, g, beta, dAqk, dAkk, dq, dk, dg, dq2, dk2, dg2, db_part, g_raw, A_log, dt_bias, dA_part, dbias_part,
-    lower_bound, cu_seqlens, chunk_indices, T, NT_ROWS, NT_ALL, steep_ids, steep_n, NK, NT,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-    IS_VARLEN: tl.constexpr, GUARD: tl.constexpr, SCALE: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr,
-    USE_LOWER_BOUND: tl.constexpr,
-):
-    """Persistent: each program takes every num_programs-th listed id, with the blocks' sums."""
-    for idx in range(tl.program_id(0), tl.load(steep_n), tl.num_programs(0)):
-        flat = tl.load(steep_ids + idx)
-        i_k = flat % NK
-        i_t = (flat // NK) % NT
-        i_bh = flat // (NK * NT)
-        chunk_program(i_k, i_t, i_bh, q, k, g, beta, dAqk, dAkk, dq, dk, dg, dq2, dk2, dg2, db_part, g_raw, A_log,
-                      dt_bias, dA_part, dbias_part, lower_bound, cu_seqlens, chunk_indices, T, NT_ROWS, NT_ALL, H,
-                      HV, K, BT, BK, IS_VARLEN, GUARD, SCALE, GATE, HAS_BIAS, USE_LOWER_BOUND, block_sums)
-
-
-@triton.jit
-def blocks_grid_kernel(
-    q, k, g, beta, dAqk, dAkk, dq, dk, dg, dq2, dk2, dg2, db_part, g_raw, A_log, dt_bias, dA_part, dbias_part,
-    lower_bound, cu_seqlens, chunk_indices, T, NT_ROWS, NT_ALL, steep_ids, steep_n, NK, NT,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-    IS_VARLEN: tl.constexpr, GUARD: tl.constexpr, SCALE: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr,
-    USE_LOWER_BOUND: tl.constexpr,
-):
-    """The full grid: program i takes the i-th listed id, the rest return at once."""
-    idx = (tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(0) + tl.program_id(0)
-    if idx < tl.load(steep_n):
-        flat = tl.load(steep_ids + idx)
-        i_k = flat % NK
-        i_t = (flat // NK) % NT
-        i_bh = flat // (NK * NT)
-        chunk_program(i_k, i_t, i_bh, q, k, g, beta, dAqk, dAkk, dq, dk, dg, dq2, dk2, dg2, db_part, g_raw, A_log,
-                      dt_bias, dA_part, dbias_part, lower_bound, cu_seqlens, chunk_indices, T, NT_ROWS, NT_ALL, H,
-                      HV, K, BT, BK, IS_VARLEN, GUARD, SCALE, GATE, HAS_BIAS, USE_LOWER_BOUND, block_sums)
-
-
-def split_launch(grid, num_warps, num_stages, SUMS=None, maxnreg=None, persistent=True, **arguments):
-    """The registered launch as two kernels, each compiled for one form of the sums: the
-    levels for every program but those after a steep chunk, which a second kernel then takes
-    with the blocks: a persistent grid of two programs an SM, or (``persistent`` False) the
-    full grid, the programs past the list's length returning at once."""
-    import torch
-
-    NK, NT, BH = grid
-    dev = arguments["k"].device
-    steep_ids = torch.empty(NK * NT * BH, device=dev, dtype=torch.int32)
-    steep_n = torch.zeros(1, device=dev, dtype=torch.int32)
-    levels_pass_kernel[grid](**arguments, steep_ids=steep_ids, steep_n=steep_n, num_warps=num_warps,
-                             num_stages=num_stages)
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 2
-    second = blocks_pass_kernel[(2 * sms,)] if persistent else blocks_grid_kernel[grid]
-    second(**arguments, steep_ids=steep_ids, steep_n=steep_n, NK=NK, NT=NT, num_warps=num_warps,
-           num_stages=num_stages)
-
-
-def split_intra_bwd(_guard: float | None = None, persistent: bool = True, **inputs):
-    """The registered unit launched as ``split_launch``."""
-    import functools
-
+def intra_bwd(_guard: float | None = None, **inputs):
+    """The registered unit with these sums in its levels' place (same arguments, same outputs;
+    ``_guard`` a smaller level span, for tests)."""
     from kernel_fun.kda.kernels import b7_b9_intra_bwd as unit
 
-    return unit.intra_bwd(**inputs, launch=functools.partial(split_launch, persistent=persistent), _guard=_guard)
-
-
-def intra_bwd(_guard: float | None = None, sums=None, **inputs):
-    """The registered unit with these sums (``block_sums`` unless ``sums``) in its levels'
-    place (same arguments, same outputs; ``_guard`` a smaller level span, for tests)."""
-    from kernel_fun.kda.kernels import b7_b9_intra_bwd as unit
-
-    return unit.intra_bwd(**inputs, sums=block_sums if sums is None else sums, _guard=_guard)
-
-
-def steep_after(gc, guard: float | None = None, BK: int = 32):
-    """[B, NC, HV, NK]: which programs of a dense batch ``split_launch`` gives the blocks (the
-    previous chunk fell more than 2 guard in some channel of the slice), from its chunk
-    cumsum ``gc`` [B, T, HV, K]."""
-    import torch
-
-    from kernel_fun._triton import GUARD_SPAN
-
-    guard = float(GUARD_SPAN.value) if guard is None else guard
-    B, T, HV, K = gc.shape
-    NC = -(-T // 64)
-    out = torch.zeros(B, NC, HV, -(-K // BK), dtype=torch.bool, device=gc.device)
-    for c in range(1, NC):
-        fall = gc[:, 64 * c - 64] - gc[:, 64 * c - 1]  # [B, HV, K]
-        fall = torch.nn.functional.pad(fall, (0, out.shape[3] * BK - K)).unflatten(2, (-1, BK))
-        out[:, c] = fall.amax(-1) > 2 * guard
-    return out
+    return unit.intra_bwd(**inputs, sums=block_sums, _guard=_guard)
 
 
 def compile_rows() -> list[dict]:
@@ -308,11 +182,8 @@ def compile_rows() -> list[dict]:
     from benchmarks.compile_report import b7_b9_report
 
     rows = []
-    for name, sums, kernel in (("the levels, pinned", None, None), ("blocks sums, candidate", block_sums, None),
-                               ("split, levels pass", None, levels_pass_kernel),
-                               ("split, blocks pass", None, blocks_pass_kernel),
-                               ("split, blocks grid", None, blocks_grid_kernel)):
-        row = b7_b9_report(sums=sums, kernel=kernel)
+    for name, sums in (("the levels, pinned", None), ("blocks sums, candidate", block_sums)):
+        row = b7_b9_report(sums=sums)
         rows.append({"kind": "compile_sm90_candidate", "build": f"b7-b9 K128 gate ({name})", **{
             n: row.get(n) for n in ("registers", "spill_stores", "spill_loads", "stack", "shared", "sass_instructions",
                                     "wgmma", "sass_code_sha")}})
@@ -338,29 +209,23 @@ def gpu_rows(shapes: str, reps: int, rounds: int, device: str = "cuda") -> list[
     rows = []
     for name in shapes.split(","):
         inputs = make_inputs(problem(name), device)
-        pinned, blocks, split = unit.intra_bwd(**inputs), intra_bwd(**inputs), split_intra_bwd(**inputs)
-        grid_split = split_intra_bwd(**inputs, persistent=False)
-        same = {"split_grid_equals_split": all(x is None or torch.equal(x, y) for x, y in zip(split, grid_split))}
-        del grid_split
+        pinned, blocks = unit.intra_bwd(**inputs), intra_bwd(**inputs)
         want = dict(zip(names, BENCH.exact(**inputs)))
         errors = {label: {n: ref.rel_rms(x, want[n]) for n, x in zip(names, out) if x is not None}
-                  for label, out in (("levels", pinned), ("blocks", blocks), ("split", split))}
+                  for label, out in (("levels", pinned), ("blocks", blocks))}
         between = {n: ref.rel_rms(x, y) for n, x, y in zip(names, blocks, pinned) if x is not None}
-        del pinned, blocks, split, want
-        ms = (time_pair({"levels": lambda: unit.intra_bwd(**inputs), "blocks": lambda: intra_bwd(**inputs),
-                         "split": lambda: split_intra_bwd(**inputs),
-                         "split_grid": lambda: split_intra_bwd(**inputs, persistent=False)}, reps, rounds)
-              if device == "cuda" else {})
-        rows.append({"kind": "b7_blocks", "shape": name, "ms": ms, "vs_exact": errors, "blocks_vs_levels": between, **same,
+        del pinned, blocks, want
+        ms = (time_pair({"levels": lambda: unit.intra_bwd(**inputs), "blocks": lambda: intra_bwd(**inputs)},
+                        reps, rounds) if device == "cuda" else {})
+        rows.append({"kind": "b7_blocks", "shape": name, "ms": ms, "vs_exact": errors, "blocks_vs_levels": between,
                      "level_shares": level_shares(inputs["gc"][:1]),
-                     "blocks_share": steep_after(inputs["gc"][:1]).float().mean().item(),
                      "gpu": torch.cuda.get_device_name() if device == "cuda" else device})
         print(json.dumps(rows[-1]), flush=True)
         inputs = None
         torch.cuda.empty_cache()
-    print(f"{'shape':18s} {'levels ms':>10s} {'blocks ms':>10s} {'split ms':>10s} {'split_grid':>10s}")
+    print(f"{'shape':18s} {'levels ms':>10s} {'blocks ms':>10s}")
     for r in rows:
-        print(f"{r['shape']:18s}" + "".join(f" {r['ms'].get(n, float('nan')):10.3f}" for n in ("levels", "blocks", "split", "split_grid")))
+        print(f"{r['shape']:18s} {r['ms'].get('levels', float('nan')):10.3f} {r['ms'].get('blocks', float('nan')):10.3f}")
     return rows
 
 

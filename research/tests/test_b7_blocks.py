@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from conftest import needs_triton  # noqa: E402
 from kernel_fun.kda import reference as ref  # noqa: E402
 from kernel_fun.kda.problems import Problem  # noqa: E402
-from research.b7_blocks import intra_bwd, split_intra_bwd, steep_after  # noqa: E402
+from research.b7_blocks import intra_bwd  # noqa: E402
 from test_b7_b9_intra_bwd import LEVELS, SHAPES, exact, unit_inputs  # noqa: E402
 
 pytestmark = needs_triton
@@ -89,87 +89,6 @@ def test_blocks_are_causal_to_the_bit(cut):
     cut_inputs = {n: (v[:, :cut].contiguous() if isinstance(v, torch.Tensor) and v.dim() > 1 and v.shape[1] == 64
                       else v) for n, v in inputs.items()}
     full, steeper, short = intra_bwd(**inputs), intra_bwd(**steep), intra_bwd(**cut_inputs)
-    for name, a, b, c in zip(NAMES, full, steeper, short):
-        if a is None:
-            continue
-        assert torch.equal(a[:, :cut], c[:, :cut]), name
-        assert torch.equal(b[:, :cut], c[:, :cut]), name
-
-
-# The split launch (research.b7_blocks.split_launch): the blocks after a chunk that fell more
-# than 2 GUARD in some channel of the slice, else the levels; both forms of the second kernel.
-MIXED = Problem("T256-K64-gva-pregated", 1, 256, 1, 2, 64, 16, gate_in_kernel=False)
-
-
-@pytest.mark.parametrize("p", SHAPES, ids=lambda p: p.name)
-@pytest.mark.parametrize("guard", [None, 4.0])
-@pytest.mark.parametrize("persistent", [True, False])
-def test_split_matches_the_float64_stages(p, guard, persistent):
-    """At GUARD_SPAN the test gates never fall 128 in a chunk (every program the levels); at a
-    guard of 4 most programs after a first chunk take the blocks."""
-    inputs = unit_inputs(p, gate_scale=3.0)
-    got = split_intra_bwd(**inputs, _guard=guard, persistent=persistent)
-    want = exact(inputs)
-    rounded = inputs["A_log"] is not None and inputs["g"].dtype != torch.float32
-    for name, a in zip(NAMES, got):
-        if want[name] is None:
-            continue
-        limit = {"dg": 3e-3, "dA_log": 2e-3, "ddt_bias": 2e-3}.get(name, 1e-5) if rounded else 1e-5
-        assert ref.rel_rms(a, want[name]) <= limit, (name, ref.rel_rms(a, want[name]))
-
-
-@pytest.mark.parametrize("guard", [4.0, None])
-def test_split_takes_each_path_by_the_previous_chunk(guard):
-    """A witness of the choice: each chunk-head's rows bit for bit the blocks' where its
-    previous chunk fell past 2 guard in every K slice, the levels' where in none; and both
-    kinds present (gentle and steep chunks alternating)."""
-    inputs = unit_inputs(MIXED, gate_scale=3.0)
-    inputs["gc"] = inputs["gc"].clone()
-    for c, scale in ((0, 1e-3), (1, 20.0), (2, 1e-3), (3, 20.0)):  # gentle and steep chunks alternating
-        inputs["gc"][:, 64 * c:64 * c + 64] *= scale
-    steep = steep_after(inputs["gc"], 64.0 if guard is None else guard)
-    assert steep.any() and (~steep[:, 1:]).any() and not steep[:, 0].any()
-    got = split_intra_bwd(**inputs, _guard=guard)
-    assert all(x is None or torch.equal(x, y) for x, y in zip(got, split_intra_bwd(**inputs, _guard=guard,
-                                                                                  persistent=False)))
-    blocks = intra_bwd(**inputs, _guard=guard)
-    from kernel_fun.kda.kernels import b7_b9_intra_bwd as unit
-
-    levels_ = unit.intra_bwd(**inputs, _guard=guard)
-    seen = set()
-    for c in range(steep.shape[1]):
-        for h in range(steep.shape[2]):
-            kind = "blocks" if steep[0, c, h].all() else "levels" if not steep[0, c, h].any() else None
-            if kind is None:
-                continue
-            seen.add(kind)
-            ref_out = blocks if kind == "blocks" else levels_
-            rows = slice(64 * c, 64 * c + 64)
-            for name, a, b in zip(NAMES, got, ref_out):
-                if a is not None and a.dim() > 2:
-                    assert torch.equal(a[:, rows, h], b[:, rows, h]), (name, c, h, kind)
-    assert seen == {"blocks", "levels"}
-
-
-@pytest.mark.parametrize("cut", [70, 100])
-@pytest.mark.parametrize("first_scale", [1.0, 40.0])
-def test_split_is_causal_to_the_bit(cut, first_scale):
-    """A cut inside the second chunk, the first chunk gentle (the levels) or steep (the
-    blocks): the rows before the cut bit for bit the call cut there, whatever the gates past
-    it (which choose the third chunk's path)."""
-    p = Problem("T192-K64-pregated", 1, 192, 1, 1, 64, 16, gate_in_kernel=False)
-    inputs = unit_inputs(p, gate_scale=3.0)
-    inputs["gc"] = inputs["gc"].clone()
-    inputs["gc"][:, :64] *= first_scale
-    assert bool(steep_after(inputs["gc"], 64.0)[0, 1].all()) == (first_scale > 1)
-    for name in ("dAqk", "dAkk", "dq", "dk", "dg", "db"):
-        inputs[name] = inputs[name].clone()
-        inputs[name][:, cut:] = 0
-    steep = dict(inputs, gc=inputs["gc"].clone())
-    steep["gc"][:, cut:] = steep["gc"][:, cut:] * 40.0
-    cut_inputs = {n: (v[:, :cut].contiguous() if isinstance(v, torch.Tensor) and v.dim() > 1 and v.shape[1] == 192
-                      else v) for n, v in inputs.items()}
-    full, steeper, short = split_intra_bwd(**inputs), split_intra_bwd(**steep), split_intra_bwd(**cut_inputs)
     for name, a, b, c in zip(NAMES, full, steeper, short):
         if a is None:
             continue

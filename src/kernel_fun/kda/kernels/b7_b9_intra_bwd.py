@@ -42,8 +42,6 @@ three stages ~15. The rounds and the designs measured slower are in docs/log/b7.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -115,42 +113,6 @@ def _level_sums(q, k, beta, dAqk, dAkk, t, n_t, g_c, g_u, shift, R, S, o_k, m_k,
 
 
 @triton.jit
-def level_sums(q, k, beta, dAqk, dAkk, g, n_t, i_c, o_k, m_k, HV: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-               SK: tl.constexpr, SG: tl.constexpr, GUARD: tl.constexpr, SCALE: tl.constexpr):
-    """B7's three sums for one (K slice, chunk, head) in levels: acc_q (over s <= r of
-    dAqk[r, s] k_s f(r, s)), acc_kr (over s < r of dAkk[r, s] k_s f(r, s), beta applied by the
-    caller) and acc_c (at row s, over r >= s of dAqk[r, s] q_r f(r, s) + (r > s) dAkk[r, s]
-    beta_r k_r f(r, s)), f(r, s) = exp2(g_r - g_s). ``i_c`` (the chunk's index in its
-    sequence) is unused here: the SUMS hook's signature."""
-    # Levels, per channel: a level is the rows from its first row u up to (not including) the
-    # first row whose factor through the level's anchor leaves [2^-GUARD, 2^GUARD]; it sums
-    # every pair whose later row is in it. The first level's anchor is row 0's gate shifted by
-    # GUARD (a chunk span of 2 GUARD), each later one's its own first row's (every factor of
-    # an earlier row then <= 1). Which level a row is in follows from it and the rows before
-    # it, so the sums for tokens before t never see a gate after t.
-    t = tl.arange(0, BT)
-    m_t = t < n_t
-    m_tk = m_t[:, None] & m_k[None, :]
-    acc_q = tl.zeros([BT, BK], dtype=tl.float32)
-    acc_kr = tl.zeros([BT, BK], dtype=tl.float32)
-    acc_c = tl.zeros([BT, BK], dtype=tl.float32)
-    u = tl.where(m_k, 0, n_t)  # [BK] each channel's first row of the level
-    shift = tl.full([BK], GUARD, tl.float32)
-    while tl.min(u, axis=0) < n_t:
-        g_c = tl.load(g + t[:, None] * SG + o_k[None, :], mask=m_tk, other=0)  # (L1: held, it spills)
-        g_u = tl.load(g + u * SG + o_k, mask=u < n_t, other=0)
-        past = (t[:, None] > u[None, :]) & m_tk & (tl.abs(g_u[None, :] - shift[None, :] - g_c) > GUARD)
-        nxt = tl.min(tl.where(past, t[:, None], n_t), axis=0)
-        S = (t[:, None] < nxt[None, :]) & (u < n_t)[None, :] & m_tk  # none for a channel already done
-        R = S & (t[:, None] >= u[None, :])
-        acc_q, acc_kr, acc_c = _level_sums(q, k, beta, dAqk, dAkk, t, n_t, g_c, g_u, shift, R, S, o_k, m_k,
-                                           acc_q, acc_kr, acc_c, HV, BT, SK, SCALE)
-        u = nxt
-        shift = tl.zeros([BK], tl.float32)
-    return acc_q, acc_kr, acc_c
-
-
-@triton.jit
 def intra_bwd_kernel(
     q, k, g, beta, dAqk, dAkk, dq, dk, dg,
     dq2, dk2, dg2, db_part,
@@ -166,45 +128,21 @@ def intra_bwd_kernel(
     [NK, NT_ALL, HV] and dbias_part [NT_ALL, HV, K]. GUARD is GUARD_SPAN on every call;
     tests pass smaller ones to send chunks through many levels. SUMS: a candidate (research)
     for the three sums in the levels' place, a jit function of (q, k, beta, dAqk, dAkk, g,
-    n_t, i_c, o_k, m_k, HV, BT, BK, SK, SG, GUARD, SCALE) returning acc_q, acc_kr, acc_c as the
+    n_t, o_k, m_k, HV, BT, BK, SK, SG, GUARD, SCALE) returning acc_q, acc_kr, acc_c as the
     levels leave them."""
     i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    if IS_VARLEN:
-        if tl.load(chunk_indices + i_t * 2) < 0:
-            spare_partials(i_k, i_t, i_bh, dA_part, dbias_part, NT_ALL, HV, K, BK, GATE, HAS_BIAS)
-            return
-    chunk_program(i_k, i_t, i_bh, q, k, g, beta, dAqk, dAkk, dq, dk, dg, dq2, dk2, dg2, db_part, g_raw, A_log, dt_bias,
-                  dA_part, dbias_part, lower_bound, cu_seqlens, chunk_indices, T, NT_ROWS, NT_ALL, H, HV, K, BT, BK,
-                  IS_VARLEN, GUARD, SCALE, GATE, HAS_BIAS, USE_LOWER_BOUND, SUMS)
-
-
-@triton.jit
-def spare_partials(i_k, i_t, i_bh, dA_part, dbias_part, NT_ALL, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-                   GATE: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """A capacity-shaped index's spare row (sequence -1) has no tokens: its parameter partials
-    are zeros (they are summed over every row)."""
-    if GATE:
-        i_hv = i_bh % HV
-        tl.store(dA_part + (i_k * NT_ALL + i_t) * HV + i_hv, 0.0)
-        if HAS_BIAS:
-            o_z = i_k * BK + tl.arange(0, BK)
-            tl.store(dbias_part + (i_t * HV + i_hv) * K + o_z, tl.zeros([BK], tl.float32), mask=o_z < K)
-
-
-@triton.jit
-def chunk_program(
-    i_k, i_t, i_bh, q, k, g, beta, dAqk, dAkk, dq, dk, dg,
-    dq2, dk2, dg2, db_part,
-    g_raw, A_log, dt_bias, dA_part, dbias_part, lower_bound,
-    cu_seqlens, chunk_indices, T, NT_ROWS, NT_ALL,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-    IS_VARLEN: tl.constexpr, GUARD: tl.constexpr, SCALE: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr,
-    USE_LOWER_BOUND: tl.constexpr, SUMS: tl.constexpr,
-):
-    """The kernel's work for the program (i_k, i_t, i_bh) of a chunk with tokens (no early
-    return, so a persistent loop may call it)."""
     i_hv = i_bh % HV
     i_h = i_hv // (HV // H)
+    if IS_VARLEN:
+        # a capacity-shaped index's spare row (sequence -1): no tokens; its parameter
+        # partials are zeros (they are summed over every row)
+        if tl.load(chunk_indices + i_t * 2) < 0:
+            if GATE:
+                tl.store(dA_part + (i_k * NT_ALL + i_t) * HV + i_hv, 0.0)
+                if HAS_BIAS:
+                    o_z = i_k * BK + tl.arange(0, BK)
+                    tl.store(dbias_part + (i_t * HV + i_hv) * K + o_z, tl.zeros([BK], tl.float32), mask=o_z < K)
+            return
     i_c, i_tg, bos, T = chunk_coords(i_t, i_bh, cu_seqlens, chunk_indices, T, HV, BT, IS_VARLEN)
     row0 = bos + i_c * BT
     n_t = tl.minimum(T - i_c * BT, BT).to(tl.int32)
@@ -229,11 +167,31 @@ def chunk_program(
     prefetch_rows(dk + off + i_k * BK, t, SG, m_t, BK)
     prefetch_rows(dg + off + i_k * BK, t, SG, m_t, BK)
 
+    # Levels, per channel: a level is the rows from its first row u up to (not including) the
+    # first row whose factor through the level's anchor leaves [2^-GUARD, 2^GUARD]; it sums
+    # every pair whose later row is in it. The first level's anchor is row 0's gate shifted by
+    # GUARD (a chunk span of 2 GUARD), each later one's its own first row's (every factor of
+    # an earlier row then <= 1). Which level a row is in follows from it and the rows before
+    # it, so the sums for tokens before t never see a gate after t.
     if SUMS is not None:
-        acc_q, acc_kr, acc_c = SUMS(q, k, beta, dAqk, dAkk, g, n_t, i_c, o_k, m_k, HV, BT, BK, SK, SG, GUARD, SCALE)
+        acc_q, acc_kr, acc_c = SUMS(q, k, beta, dAqk, dAkk, g, n_t, o_k, m_k, HV, BT, BK, SK, SG, GUARD, SCALE)
     else:
-        acc_q, acc_kr, acc_c = level_sums(q, k, beta, dAqk, dAkk, g, n_t, i_c, o_k, m_k, HV, BT, BK, SK, SG, GUARD,
-                                          SCALE)
+        acc_q = tl.zeros([BT, BK], dtype=tl.float32)
+        acc_kr = tl.zeros([BT, BK], dtype=tl.float32)
+        acc_c = tl.zeros([BT, BK], dtype=tl.float32)
+        u = tl.where(m_k, 0, n_t)  # [BK] each channel's first row of the level
+        shift = tl.full([BK], GUARD, tl.float32)
+        while tl.min(u, axis=0) < n_t:
+            g_c = tl.load(g + t[:, None] * SG + o_k[None, :], mask=m_tk, other=0)  # (L1: held, it spills)
+            g_u = tl.load(g + u * SG + o_k, mask=u < n_t, other=0)
+            past = (t[:, None] > u[None, :]) & m_tk & (tl.abs(g_u[None, :] - shift[None, :] - g_c) > GUARD)
+            nxt = tl.min(tl.where(past, t[:, None], n_t), axis=0)
+            S = (t[:, None] < nxt[None, :]) & (u < n_t)[None, :] & m_tk  # none for a channel already done
+            R = S & (t[:, None] >= u[None, :])
+            acc_q, acc_kr, acc_c = _level_sums(q, k, beta, dAqk, dAkk, t, n_t, g_c, g_u, shift, R, S, o_k, m_k,
+                                               acc_q, acc_kr, acc_c, HV, BT, SK, SCALE)
+            u = nxt
+            shift = tl.zeros([BK], tl.float32)
 
     # outputs: db's partial for this K slice; dq, dk, dg (input + intra part)
     p = off + t[:, None] * SG + o_k[None, :]
@@ -270,8 +228,7 @@ CONFIG_KEYS = frozenset({"BK", "num_warps", "num_stages", "maxnreg"})
 
 
 def intra_bwd(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log, dt_bias, lower_bound, chunk_size,
-              cu_seqlens, chunk_indices, config: dict | None = None, _guard: float | None = None, sums=None,
-              launch=None):
+              cu_seqlens, chunk_indices, config: dict | None = None, _guard: float | None = None, sums=None):
     """B7, B8 and (with ``A_log``) B9 with fla's contracts: (dq, dk, db, dg, dA_log, ddt_bias).
     dq, dk and db (fp32, at value heads) are the inputs plus the vector-Jacobian product of
     Aqk and Akk with dAqk and dAkk. Without ``A_log`` (a pre-computed gate) dg is B8's, the
@@ -280,8 +237,7 @@ def intra_bwd(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log, d
     B9's in g's dtype, with dA_log's and dt_bias's gradients. Exact for any gate
     (``safe_gate`` changes nothing). ``config`` overrides the pinned launch config
     (``CONFIG_KEYS``); ``_guard`` (tests) a smaller level span than ``GUARD_SPAN``; ``sums`` a
-    candidate jit function for the kernel's three sums (``SUMS``, research); ``launch`` a
-    candidate launch (research): called as ``launch(grid, **arguments)`` in the kernel's place."""
+    candidate jit function for the kernel's three sums (``SUMS``, research)."""
     for name, t in dict(q=q, k=k, gc=gc, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db, dg=dg, g=g,
                         A_log=A_log, dt_bias=dt_bias).items():
         if t is not None and not t.is_contiguous():
@@ -304,8 +260,7 @@ def intra_bwd(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log, d
     db_part = torch.empty(NK, B, T, HV, device=dev, dtype=torch.float32)
     dA_part = torch.empty(NK, NT_ALL, HV, device=dev, dtype=torch.float32) if gate else None
     dbias_part = torch.empty(NT_ALL, HV, K, device=dev, dtype=torch.float32) if gate and dt_bias is not None else None
-    run = intra_bwd_kernel[(NK, NT, B * HV)] if launch is None else functools.partial(launch, (NK, NT, B * HV))
-    run(
+    intra_bwd_kernel[(NK, NT, B * HV)](
         q=q, k=k, g=gc, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, dg=dg, dq2=dq2, dk2=dk2, dg2=dg2,
         db_part=db_part, g_raw=g if gate else None, A_log=A_log, dt_bias=dt_bias if gate else None,
         dA_part=dA_part, dbias_part=dbias_part, lower_bound=0.0 if lower_bound is None or not gate else float(lower_bound),
