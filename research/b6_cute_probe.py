@@ -1,5 +1,7 @@
-"""B6's V loop as a 2-CTA cluster in CuTe DSL (sm_90a): the first step of the cluster design
-in docs/log/bwd-fused.md. Not registered; compiled offline, not yet run on a GPU.
+"""B6's V loop as a 2-CTA cluster in CuTe DSL (sm_90a): the first steps of the cluster design
+in docs/log/bwd-fused.md. Not registered. Run twice on an H100 with defects each time (the
+accumulators stored through one thread's slice; then one TMA atom reused for three tensors,
+so it read v_new for do and dv): both fixed, compiled offline, not yet re-run.
 
 A chunk-head is one cluster of two CTAs, CTA j owning channels 64j..64j+63 of K=128. Per V
 tile of 64, the tiles both CTAs need -- v_new, do and dv ([64, 64] bf16 at the chunk's rows)
@@ -16,6 +18,9 @@ whose Gluon form cannot multicast). Warp 0 issues the copies into a ring of STAG
 (40 KB a stage); the fp32 sums go to memory at the end. With ``exchange``, the step the
 design needs distributed shared memory for: dA's K-contracted part ``dw kg^T``, each CTA its
 K half's, CTA 1's sent by one bulk copy into CTA 0's shared memory, CTA 0 writing the sum.
+With ``vside``, B6's sums over V that need no K, CTA j taking the V tiles of parity j (v
+multicast with the rest, the chunk's Akk read once): dA's V part ``dv v^T``, ``dvb = A^T dv``
+per tile with ``dv2 = beta dvb`` written in bf16, and db's V part, the row sums of dvb v.
 
 What the probe answers on a GPU: whether the cluster's V loop runs near its traffic floor
 with the V side read once for both K halves (the Gluon probe read it twice, once a CTA, or
@@ -23,27 +28,38 @@ held the whole K in one CTA).
 
 Layout: h and dh as [NCH * K, V] (a chunk-head's [K, V] state block after another), v_new,
 do and dv as [NCH * 64, V], kg as [NCH * 64, K], the outputs [NCH * 64, K] fp32 and dA's
-part [NCH * 64, 64] fp32, all row-major.
+part [NCH * 64, 64] fp32; with ``vside`` v and dv2 as [NCH * 64, V] bf16, Akk as [NCH * 64,
+64] bf16, beta [NCH * 64] fp32, and each CTA's partials of dA's and db's V parts as
+[NCH * 2 * 64, 64] and [NCH * 2 * 64] fp32 (chunk-head c's CTA j at row block 2c + j); all
+row-major.
 
     python -m research.b6_cute_probe compile     # sm_90a PTX and cubin offline (CuTe DSL installed)
-    python -m research.b6_cute_probe gpu         # the sums against torch's, then timed
+    python -m research.b6_cute_probe gpu [i ...] # the sums against torch's, then timed (BUILDS[i])
 """
 
 import os
 import sys
 
 BT, KH, BV = 64, 64, 64  # chunk rows, a CTA's K half, the V tile
-# (ring stages, two tiles' products in flight, dA's K-contracted part exchanged): compiled and timed
-BUILDS = ((2, True, False), (3, True, False), (3, False, False), (2, True, True))
+# (ring stages, two tiles' products in flight, dA's K-contracted part exchanged, B6's V-side
+# sums): compiled and timed
+BUILDS = ((2, True, False, False), (3, True, False, False), (3, False, False, False), (2, True, True, False),
+          (2, True, False, True))
 
 
-def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exchange: bool = False):
+def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exchange: bool = False,
+          vside: bool = False):
     """The probe's host function (a ``cute.jit``), for K = 2 KH and V a multiple of BV.
     ``overlap``: a tile's stage is released once the next tile's products are issued (the
     wgmmas of two tiles in flight); else each tile's products are waited for at once.
     ``exchange``: then the K-contracted part of dA, ``dw kg^T`` over both K halves (dw
     rounded to bf16): each CTA its half's [64, 64] product, CTA 1's sent to CTA 0 by a bulk
-    copy into its shared memory (completing on CTA 0's mbarrier), CTA 0 writes the sum."""
+    copy into its shared memory (completing on CTA 0's mbarrier), CTA 0 writes the sum.
+    ``vside``: then also B6's sums over V that need no K, split between the pair by V tile
+    (CTA j the tiles of parity j; v multicast with the other three): dA's V part ``dv v^T``
+    and, per tile, ``dvb = A^T dv`` (A the chunk's Akk, read once; its [64, 64] tile in shared
+    memory is the MN-major A operand of A^T as it lies), ``dv2 = beta dvb`` written in bf16,
+    and db's V part, the row sums of ``dvb * v``: each CTA its partial [64, 64] and [64]."""
     import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
@@ -56,7 +72,7 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
     assert K == 2 * KH and V % BV == 0
     NV = V // BV
     tile = (BT, KH, BV)  # (M, N, K) of each wgmma product: rows, channels, the V tile
-    stage_bytes = (3 * BT * BV + 2 * KH * BV) * 2
+    stage_bytes = ((4 if vside else 3) * BT * BV + 2 * KH * BV) * 2
 
     @cute.jit
     def _fill(ring, state, a_parts, b_parts, mask):
@@ -74,8 +90,9 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
 
     @cute.kernel
     def kernel(tma_vn, vn_t, tma_do, do_t, tma_dv, dv_t, tma_h, h_t, tma_dh, dh_t, tma_kg, kg_t, dq, dkh, dw, dA,
-               mma: cute.TiledMma,
-               a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout):
+               tma_v, v_t, tma_A, A_t, beta, dv2, dAv, dbv, mma: cute.TiledMma, mma_t: cute.TiledMma,
+               a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout, bmn_smem: cute.ComposedLayout,
+               a1: cute.ComposedLayout, at1: cute.ComposedLayout):
         tidx, _, _ = cute.arch.thread_idx()
         _, _, chunk = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -87,6 +104,9 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
         if warp == 0:
             for atom in (tma_vn, tma_do, tma_dv, tma_h, tma_dh):
                 cpasync.prefetch_descriptor(atom)
+            if cutlass.const_expr(vside):
+                cpasync.prefetch_descriptor(tma_v)
+                cpasync.prefetch_descriptor(tma_A)
 
         @cute.struct
         class Smem:
@@ -96,7 +116,9 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
             dv: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(a_smem)], 1024]
             h: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(b_smem)], 1024]
             dh: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(b_smem)], 1024]
-            xbars: cute.struct.MemRange[cutlass.Int64, 2]  # kg's load, the peer's dA part
+            v: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(a_smem) if vside else 8], 1024]
+            At: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, BT * BT], 1024]  # the chunk's Akk
+            xbars: cute.struct.MemRange[cutlass.Int64, 3]  # kg's load, the peer's dA part, Akk's load
             part: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, BT * BT], 128]  # sent / received
 
         storage = SmemAllocator().allocate(Smem)
@@ -106,14 +128,18 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 2 * 4),
             tx_count=stage_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 2, 1)))
+        xbar = storage.xbars.data_ptr()
         if cutlass.const_expr(exchange):
-            xbar = storage.xbars.data_ptr()
             if tidx == 0:
                 cute.arch.mbarrier_init(xbar, 1)
                 cute.arch.mbarrier_init(xbar + 1, 1)
                 cute.arch.mbarrier_init_fence()
                 if rank == 0:  # (the peer's bytes may land before this CTA waits: counted from here)
                     cute.arch.mbarrier_arrive_and_expect_tx(xbar + 1, BT * BT * 4)
+        if cutlass.const_expr(vside):
+            if tidx == 0:
+                cute.arch.mbarrier_init(xbar + 2, 1)
+                cute.arch.mbarrier_init_fence()
         cute.arch.cluster_arrive_relaxed()
 
         s_vn = storage.vn.get_tensor(a_smem.outer, swizzle=a_smem.inner)
@@ -121,6 +147,15 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
         s_dv = storage.dv.get_tensor(a_smem.outer, swizzle=a_smem.inner)
         s_h = storage.h.get_tensor(b_smem.outer, swizzle=b_smem.inner)
         s_dh = storage.dh.get_tensor(b_smem.outer, swizzle=b_smem.inner)
+        if cutlass.const_expr(vside):
+            # v as a [64, 64] tile per stage in A's K-major layout: as dA's B operand (rows s,
+            # K = the V tile) that is B's K-major layout too, offset s * 64 + j either way;
+            # and dv's stage, offset r * 64 + j, is the MN-major B operand of A^T dv as it lies
+            s_v = storage.v.get_tensor(a_smem.outer, swizzle=a_smem.inner)
+            s_vb = storage.v.get_tensor(b_smem.outer, swizzle=b_smem.inner)
+            s_dvb = storage.dv.get_tensor(bmn_smem.outer, swizzle=bmn_smem.inner)
+            s_A = storage.At.get_tensor(a1.outer, swizzle=a1.inner)  # Akk's tile as read, [r, s]
+            s_At = storage.At.get_tensor(at1.outer, swizzle=at1.inner)  # the same bytes as A^T, MN-major
 
         # this chunk-head's tiles: (rows, V tile, tile index along V)
         def rows_tiles(t, row_tile, height):
@@ -129,7 +164,8 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
         half = cute.make_layout(2)
         a_parts = [(atom, *cpasync.tma_partition(atom, coord[1], half, cute.group_modes(s, 0, 2),
                                                  cute.group_modes(rows_tiles(t, chunk, BT), 0, 2)))
-                   for atom, s, t in ((tma_vn, s_vn, vn_t), (tma_do, s_do, do_t), (tma_dv, s_dv, dv_t))]
+                   for atom, s, t in [(tma_vn, s_vn, vn_t), (tma_do, s_do, do_t), (tma_dv, s_dv, dv_t)]
+                   + ([(tma_v, s_v, v_t)] if vside else [])]
         b_parts = [(atom, *cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2),
                                                  cute.group_modes(rows_tiles(t, chunk * 2 + rank, KH), 0, 2)))
                    for atom, s, t in ((tma_h, s_h, h_t), (tma_dh, s_dh, dh_t))]
@@ -146,6 +182,25 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
         acc_q.fill(0.0)
         acc_k.fill(0.0)
         acc_w.fill(0.0)
+        if cutlass.const_expr(vside):
+            thr_t = mma_t.get_slice(0)
+            thr_tc = mma_t.get_slice(tidx)
+            r_At = mma_t.make_fragment_A(thr_t.partition_A(s_At))
+            r_dvb = mma_t.make_fragment_B(thr_t.partition_B(s_dvb))
+            r_vb = mma.make_fragment_B(thr.partition_B(s_vb))
+            acc_a = cute.make_rmem_tensor(acc_shape, cutlass.Float32)  # dA's V part, this CTA's tiles
+            acc_a.fill(0.0)
+            acc_b = cute.make_rmem_tensor(thr_tc.partition_C(outs[0]).shape, cutlass.Float32)  # a tile's dvb
+            prod = cute.make_rmem_tensor(thr_tc.partition_C(outs[0]).shape, cutlass.Float32)  # sum of dvb * v
+            prod.fill(0.0)
+            # beta by row, broadcast along the tile's columns, in the accumulator's partition
+            beta_rows = thr_tc.partition_C(cute.local_tile(beta, (BT, BV), (chunk, 0)))
+            if warp == 0:
+                if tidx == 0:
+                    cute.arch.mbarrier_arrive_and_expect_tx(xbar + 2, BT * BT * 2)
+                a_s, a_g = cpasync.tma_partition(tma_A, 0, cute.make_layout(1), cute.group_modes(s_A, 0, 2),
+                                                 cute.group_modes(cute.local_tile(A_t, (BT, BT), (chunk, None)), 0, 2))
+                cute.copy(tma_A, a_g[(None, 0)], a_s[(None, 0)], tma_bar_ptr=xbar + 2)
         cute.arch.cluster_wait()
 
         put = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
@@ -156,16 +211,38 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
                 _fill(ring, put, a_parts, b_parts, mask)
                 put.advance()
         mma.set(warpgroup.Field.ACCUMULATE, True)
+        if cutlass.const_expr(vside):
+            cute.arch.mbarrier_wait(xbar + 2, 0)
         done = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
         for v in cutlass.range_constexpr(NV):  # (unrolled: NV is 4 at V=256)
             ring.consumer_wait(get)
+            mine = False
+            if cutlass.const_expr(vside):
+                mine = rank == v % 2
+                if mine:  # dvb = A^T dv first, its own group, so its epilogue runs under the rest
+                    warpgroup.fence()
+                    mma_t.set(warpgroup.Field.ACCUMULATE, False)
+                    for kb in cutlass.range(cute.size(r_At, mode=[2]), unroll_full=True):
+                        cute.gemm(mma_t, acc_b, r_At[(None, None, kb, 0)], r_dvb[(None, None, kb, get.index)], acc_b)
+                        mma_t.set(warpgroup.Field.ACCUMULATE, True)
+                    warpgroup.commit_group()
             warpgroup.fence()
             for kb in cutlass.range(cute.size(r_vn, mode=[2]), unroll_full=True):
                 at = (None, None, kb, get.index)
                 cute.gemm(mma, acc_q, r_do[at], r_h[at], acc_q)
                 cute.gemm(mma, acc_k, r_vn[at], r_dh[at], acc_k)
                 cute.gemm(mma, acc_w, r_dv[at], r_h[at], acc_w)
+                if cutlass.const_expr(vside):
+                    if mine:
+                        cute.gemm(mma, acc_a, r_dv[at], r_vb[at], acc_a)
             warpgroup.commit_group()
+            if cutlass.const_expr(vside):
+                if mine:  # dvb done (the group before), this tile's sums still running
+                    warpgroup.wait_group(1)
+                    tile_out = thr_tc.partition_C(cute.local_tile(dv2, (BT, BV), (chunk, v)))
+                    tile_out.store((acc_b.load() * beta_rows.load()).to(cutlass.BFloat16))
+                    v_here = thr_tc.partition_C(s_v[(None, None, get.index)]).load().to(cutlass.Float32)
+                    prod.store(prod.load() + acc_b.load() * v_here)
             get.advance()
             # a stage is refilled only after this CTA released it: warp 0 is a consumer too, and
             # waiting there for a release it has yet to make would stall the warpgroup's wgmmas
@@ -188,6 +265,19 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
 
         for acc, out in zip((acc_q, acc_k, acc_w), outs):
             thr_c.partition_C(out).store(acc.load())
+        if cutlass.const_expr(vside):
+            # this CTA's partials: dA's V part, and db's V part as row sums of prod (through
+            # shared memory: a row's columns lie across a quad of threads and the tile)
+            thr_c.partition_C(cute.local_tile(dAv, (BT, BT), (chunk * 2 + rank, 0))).store(acc_a.load())
+            part = cute.make_tensor(storage.part.data_ptr(), cute.make_layout((BT, BV), stride=(BV, 1)))
+            thr_tc.partition_C(part).store(prod.load())
+            cute.arch.sync_threads()
+            if tidx < BT:
+                total = cutlass.Float32(0.0)
+                for j in cutlass.range(BV, unroll=8):
+                    total += part[tidx, j]
+                dbv[(chunk * 2 + rank) * BT + tidx] = total
+            cute.arch.sync_threads()
 
         if cutlass.const_expr(exchange):
             # dw (bf16) into stage 0's dv slot, kg's K-half tile into stage 0's h slot (every
@@ -229,7 +319,8 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
     @cute.jit
     def probe(h: cute.Tensor, dh: cute.Tensor, vn: cute.Tensor, do: cute.Tensor, dv: cute.Tensor,
               kg: cute.Tensor, dq: cute.Tensor, dkh: cute.Tensor, dw: cute.Tensor, dA: cute.Tensor,
-              stream: cuda.CUstream):
+              v: cute.Tensor, A: cute.Tensor, beta: cute.Tensor, dv2: cute.Tensor, dAv: cute.Tensor,
+              dbv: cute.Tensor, stream: cuda.CUstream):
         k_major = LayoutEnum.ROW_MAJOR
         mma = sm90.make_trivial_tiled_mma(cutlass.BFloat16, cutlass.BFloat16, k_major.sm90_mma_major_mode(),
                                           k_major.sm90_mma_major_mode(), cutlass.Float32, (1, 1, 1),
@@ -238,6 +329,14 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
         b_smem = sm90.make_smem_layout_b(k_major, tile, cutlass.BFloat16, stages)
         a_one = cute.slice_(a_smem, (None, None, 0))
         b_one = cute.slice_(b_smem, (None, None, 0))
+        mn_major = LayoutEnum.COL_MAJOR
+        mma_t = sm90.make_trivial_tiled_mma(cutlass.BFloat16, cutlass.BFloat16, mn_major.sm90_mma_major_mode(),
+                                            mn_major.sm90_mma_major_mode(), cutlass.Float32, (1, 1, 1),
+                                            tiler_mn=(BT, BV))
+        bmn_smem = sm90.make_smem_layout_b(mn_major, (BT, BV, BT), cutlass.BFloat16, stages)
+        a1 = sm90.make_smem_layout_a(k_major, tile, cutlass.BFloat16, 1)  # Akk's [r, s] tile: (M = r, K = s)
+        at1 = sm90.make_smem_layout_a(mn_major, (BT, BV, BT), cutlass.BFloat16, 1)  # as A^T: (M = s, K = r)
+        beta2 = cute.make_tensor(beta.iterator, cute.make_layout((cute.size(beta), BV), stride=(1, 0)))
         # one atom a tensor: an atom carries its tensor's TMA descriptor (the first run reused
         # v_new's atom for do and dv and h's for dh, so it read v_new and h twice over)
         tma_vn, vn_t = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SMulticastOp(), vn, a_one, (BT, BV), 2)
@@ -246,16 +345,19 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
         tma_h, h_t = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), h, b_one, (KH, BV))
         tma_dh, dh_t = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), dh, b_one, (KH, BV))
         tma_kg, kg_t = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), kg, b_one, (BT, KH))
+        tma_v, v_t = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SMulticastOp(), v, a_one, (BT, BV), 2)
+        tma_A, A_t = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), A, a_one, (BT, BT))
         nch = cute.size(vn, mode=[0]) // BT
         kernel(tma_vn, vn_t, tma_do, do_t, tma_dv, dv_t, tma_h, h_t, tma_dh, dh_t, tma_kg, kg_t, dq, dkh, dw, dA,
-               mma, a_smem, b_smem).launch(
+               tma_v, v_t, tma_A, A_t, beta2, dv2, dAv, dbv, mma, mma_t, a_smem, b_smem, bmn_smem, a1,
+               at1).launch(
             grid=(1, 2, nch), block=(128, 1, 1), cluster=(1, 2, 1), stream=stream)
 
     return probe
 
 
 def compile_offline(nch: int = 4, K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True,
-                    exchange: bool = False, dump: str | None = None):
+                    exchange: bool = False, vside: bool = False, dump: str | None = None):
     """Trace and compile for sm_90a on any machine with CuTe DSL (no GPU): the PTX and cubin
     land in ``dump`` (``CUTE_DSL_KEEP``)."""
     if dump:
@@ -267,13 +369,15 @@ def compile_offline(nch: int = 4, K: int = 128, V: int = 256, stages: int = 3, o
     bf = dict(dtype=torch.bfloat16)
     args = [torch.zeros(nch * K, V, **bf), torch.zeros(nch * K, V, **bf)] + [torch.zeros(nch * BT, V, **bf)] * 3
     args += [torch.zeros(nch * BT, K, **bf)] + [torch.zeros(nch * BT, K) for _ in range(3)] + [torch.zeros(nch * BT, BT)]
+    args += [torch.zeros(nch * BT, V, **bf), torch.zeros(nch * BT, BT, **bf), torch.zeros(nch * BT),
+             torch.zeros(nch * BT, V, **bf), torch.zeros(2 * nch * BT, BT), torch.zeros(2 * nch * BT)]
     import cuda.bindings.driver as cuda
 
     tensors = [from_dlpack(t, assumed_align=16) for t in args]
-    return cute.compile(build(K, V, stages, overlap, exchange), *tensors, cuda.CUstream(0))
+    return cute.compile(build(K, V, stages, overlap, exchange, vside), *tensors, cuda.CUstream(0))
 
 
-def sm90_row(dump: str, stages: int = 3, overlap: bool = True, exchange: bool = False) -> dict:
+def sm90_row(dump: str, stages: int = 3, overlap: bool = True, exchange: bool = False, vside: bool = False) -> dict:
     """What the offline build is: wgmma and TMA instructions in its PTX, and registers and
     spills from Triton's bundled ptxas (``-v``) on that PTX. CuTe DSL 4.8.1 writes PTX ISA 8.8
     and Triton 3.6's ptxas reads up to 8.7: the header is lowered for this count only (the
@@ -295,16 +399,16 @@ def sm90_row(dump: str, stages: int = 3, overlap: bool = True, exchange: bool = 
     regs = int(re.search(r"Used (\d+) registers", log).group(1))
     spills = [int(x) for x in re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log).groups()]
     return {"kind": "compile_sm90", "kernel": "b6_cute_probe", "stages": stages, "overlap": overlap,
-            "exchange": exchange, "registers": regs, "bulk_s2s": ptx.count("cp.async.bulk.shared::cluster.shared::cta"),
+            "exchange": exchange, "vside": vside, "registers": regs, "bulk_s2s": ptx.count("cp.async.bulk.shared::cluster.shared::cta"),
             "spill_stores": spills[0], "spill_loads": spills[1],
-            "shared_ring": stages * (3 * BT * BV + 2 * KH * BV) * 2,
+            "shared_ring": stages * ((4 if vside else 3) * BT * BV + 2 * KH * BV) * 2,
             "wgmma": ptx.count("wgmma.mma_async"),
             "tma_multicast": ptx.count("multicast::cluster"), "tma_own": ptx.count(".global.tile.mbarrier") -
             ptx.count("multicast::cluster"), "cluster": "(1, 2, 1)", "threads": 128}
 
 
 def gpu_run(nch: int = 32768, K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True,
-            exchange: bool = False, reps: int = 20) -> dict:
+            exchange: bool = False, vside: bool = False, reps: int = 20) -> dict:
     """On a GPU: the probe's three sums against torch's on 64 chunk-heads (relative RMS),
     then its CUDA-event time at ``nch`` chunk-heads (32,768: prod8192_gate's) against the
     bytes it must move."""
@@ -322,10 +426,16 @@ def gpu_run(nch: int = 32768, K: int = 128, V: int = 256, stages: int = 3, overl
     kg = torch.randn(nch * BT, K, generator=g, **bf) * 0.1
     outs = [torch.full((nch * BT, K), float("nan"), device="cuda") for _ in range(3)]
     dA = torch.full((nch * BT, BT), float("nan"), device="cuda")
+    v = torch.randn(nch * BT, V, generator=g, **bf)
+    Akk = torch.randn(nch * BT, BT, generator=g, **bf) * 0.1
+    beta = torch.rand(nch * BT, generator=g, device="cuda")
+    dv2 = torch.full((nch * BT, V), float("nan"), **bf)
+    dAv = torch.full((2 * nch * BT, BT), float("nan"), device="cuda")
+    dbv = torch.full((2 * nch * BT,), float("nan"), device="cuda")
     # (launched on torch's stream, so the events below bracket the kernel itself)
-    args = [from_dlpack(t, assumed_align=16) for t in (h, dh, vn, do, dv, kg, *outs, dA)]
+    args = [from_dlpack(t, assumed_align=16) for t in (h, dh, vn, do, dv, kg, *outs, dA, v, Akk, beta, dv2, dAv, dbv)]
     args.append(cuda.CUstream(torch.cuda.current_stream().cuda_stream))
-    run = cute.compile(build(K, V, stages, overlap, exchange), *args)
+    run = cute.compile(build(K, V, stages, overlap, exchange, vside), *args)
     run(*args)
     torch.cuda.synchronize()
     n = min(nch, 64)
@@ -342,6 +452,15 @@ def gpu_run(nch: int = 32768, K: int = 128, V: int = 256, stages: int = 3, overl
         w = sum(dw16[..., j * KH:(j + 1) * KH] @ kgs[..., j * KH:(j + 1) * KH].transpose(1, 2) for j in range(2))
         got = dA[: n * BT].view(n, BT, BT)
         errors["dA"] = ((got - w).square().mean() / w.square().mean()).sqrt().item()
+    if vside:  # dvb = A^T dv, dv2 = beta dvb (bf16), dA's V part dv v^T, db's V part sum_j dvb v
+        A_s, v_s = Akk[: n * BT].float().view(n, BT, BT), v[: n * BT].float().view(n, BT, V)
+        dvb = A_s.transpose(1, 2) @ dvs
+        wants = {"dv2": dvb * beta[: n * BT].view(n, BT, 1), "dAv": dvs @ v_s.transpose(1, 2),
+                 "dbv": (dvb * v_s).sum(-1)}
+        gots = {"dv2": dv2[: n * BT].float().view(n, BT, V),
+                "dAv": dAv[: 2 * n * BT].view(n, 2, BT, BT).sum(1), "dbv": dbv[: 2 * n * BT].view(n, 2, BT).sum(1)}
+        for name, w in wants.items():
+            errors[name] = ((gots[name] - w).square().mean() / w.square().mean()).sqrt().item()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(reps):
@@ -358,9 +477,13 @@ def gpu_run(nch: int = 32768, K: int = 128, V: int = 256, stages: int = 3, overl
     torch.cuda.synchronize()
     wall_ms = (time.perf_counter() - wall) * 1e3 / reps
     moved = nch * ((2 * K * V + 3 * BT * V) * 2 + 3 * BT * K * 4)
+    if vside:  # v and Akk read, dv2 written (bf16), the partials of dA and db (fp32)
+        moved += nch * ((2 * BT * V + BT * BT) * 2 + 2 * BT * BT * 4 + 2 * BT * 4)
     return {"kind": "gpu", "kernel": "b6_cute_probe", "chunk_heads": nch, "stages": stages, "overlap": overlap,
             "errors": errors,
-            "exchange": exchange, "finite": all(bool(torch.isfinite(o).all()) for o in outs + ([dA] if exchange else [])),
+            "exchange": exchange, "vside": vside,
+            "finite": all(bool(torch.isfinite(o).all()) for o in outs + ([dA] if exchange else [])
+                          + ([dv2, dAv, dbv] if vside else [])),
             "ms": ms, "wall_ms": wall_ms, "bytes": moved,
             "TB_s": moved / ms / 1e9, "gpu": torch.cuda.get_device_name()}
 
@@ -373,21 +496,24 @@ def main(argv=None) -> int:
         import subprocess
 
         dump = argv[1] if len(argv) > 1 else "/tmp/b6_cute_probe"
-        for stages, overlap, exchange in BUILDS:
-            sub = os.path.join(dump, f"stages{stages}{'' if overlap else '-serial'}{'-exchange' if exchange else ''}")
+        for stages, overlap, exchange, vside in BUILDS:
+            sub = os.path.join(dump, f"stages{stages}{'' if overlap else '-serial'}{'-exchange' if exchange else ''}"
+                               f"{'-vside' if vside else ''}")
             os.makedirs(sub, exist_ok=True)
             for old in os.listdir(sub):
                 os.remove(os.path.join(sub, old))
             subprocess.run([sys.executable, "-m", "research.b6_cute_probe", "compile-one", str(stages),
-                            str(int(overlap)), str(int(exchange)), sub], check=True, stdout=subprocess.DEVNULL)
-            print(json.dumps(sm90_row(sub, stages, overlap, exchange)))
+                            str(int(overlap)), str(int(exchange)), str(int(vside)), sub], check=True,
+                           stdout=subprocess.DEVNULL)
+            print(json.dumps(sm90_row(sub, stages, overlap, exchange, vside)))
         return 0
     if argv[:1] == ["compile-one"]:
-        compile_offline(stages=int(argv[1]), overlap=bool(int(argv[2])), exchange=bool(int(argv[3])), dump=argv[4])
+        compile_offline(stages=int(argv[1]), overlap=bool(int(argv[2])), exchange=bool(int(argv[3])),
+                        vside=bool(int(argv[4])), dump=argv[5])
         return 0
     if argv[:1] == ["gpu"]:  # every build, or those whose indices in BUILDS follow
-        for stages, overlap, exchange in [BUILDS[int(i)] for i in argv[1:]] or BUILDS:
-            print(json.dumps(gpu_run(stages=stages, overlap=overlap, exchange=exchange)), flush=True)
+        for stages, overlap, exchange, vside in [BUILDS[int(i)] for i in argv[1:]] or BUILDS:
+            print(json.dumps(gpu_run(stages=stages, overlap=overlap, exchange=exchange, vside=vside)), flush=True)
         return 0
     print(__doc__)
     return 2
