@@ -407,6 +407,35 @@ def sm90_row(dump: str, stages: int = 3, overlap: bool = True, exchange: bool = 
             ptx.count("multicast::cluster"), "cluster": "(1, 2, 1)", "threads": 128}
 
 
+def _rel(got, want) -> float:
+    return ((got - want).square().mean() / want.square().mean()).sqrt().item()
+
+
+def diagnose(got, lefts: dict, rights: dict, K: int, V: int) -> dict:
+    """For a [n, 64, K] sum far from its product: per K half (CTA j's), the product of a left
+    ([n, 64, V]) and a right ([n, K, V]) operand over the subset of the V tiles that it is
+    nearest to, with that error and the share of finite values: which operands and tiles
+    the kernel actually summed."""
+    import itertools
+
+    NV = V // BV
+    out = {}
+    for j in range(2):
+        half = got[..., j * KH:(j + 1) * KH]
+        keep = half.isfinite()  # (compared where finite; the finite share reported beside)
+        best = (float("inf"), None)
+        for (ln, lt), (rn, rt) in itertools.product(lefts.items(), rights.items()):
+            tiles = [lt[..., t * BV:(t + 1) * BV] @ rt[:, j * KH:(j + 1) * KH, t * BV:(t + 1) * BV].transpose(1, 2)
+                     for t in range(NV)]
+            for r in range(1, NV + 1):
+                for subset in itertools.combinations(range(NV), r):
+                    err = _rel(half[keep], sum(tiles[t] for t in subset)[keep])
+                    if err < best[0]:
+                        best = (err, f"{ln} {rn}^T over tiles {list(subset)}")
+        out[f"K half {j}"] = {"nearest": best[1], "error": best[0], "finite": half.isfinite().float().mean().item()}
+    return out
+
+
 def gpu_run(nch: int = 32768, K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True,
             exchange: bool = False, vside: bool = False, reps: int = 20) -> dict:
     """On a GPU: the probe's three sums against torch's on 64 chunk-heads (relative RMS),
@@ -442,10 +471,12 @@ def gpu_run(nch: int = 32768, K: int = 128, V: int = 256, stages: int = 3, overl
     hs, dhs = (x[: n * K].float().view(n, K, V) for x in (h, dh))
     vns, dos, dvs = (x[: n * BT].float().view(n, BT, V) for x in (vn, do, dv))
     want = [dos @ hs.transpose(1, 2), vns @ dhs.transpose(1, 2), dvs @ hs.transpose(1, 2)]
-    errors = {}
+    errors, diagnosis = {}, {}
     for name, got, w in zip(("dq", "dkh", "dw"), outs, want):
         got = got[: n * BT].view(n, BT, K)
-        errors[name] = ((got - w).square().mean() / w.square().mean()).sqrt().item()
+        errors[name] = _rel(got, w)
+        if not errors[name] < 1e-2:  # (NaN too) which operands and tiles it did sum
+            diagnosis[name] = diagnose(got, {"do": dos, "v_new": vns, "dv": dvs}, {"h": hs, "dh": dhs}, K, V)
     if exchange:  # dw rounded to bf16 per K half, times kg's half, the halves summed
         dw16 = outs[2][: n * BT].view(n, BT, K).to(torch.bfloat16).float()
         kgs = kg[: n * BT].float().view(n, BT, K)
@@ -460,7 +491,17 @@ def gpu_run(nch: int = 32768, K: int = 128, V: int = 256, stages: int = 3, overl
         gots = {"dv2": dv2[: n * BT].float().view(n, BT, V),
                 "dAv": dAv[: 2 * n * BT].view(n, 2, BT, BT).sum(1), "dbv": dbv[: 2 * n * BT].view(n, 2, BT).sum(1)}
         for name, w in wants.items():
-            errors[name] = ((gots[name] - w).square().mean() / w.square().mean()).sqrt().item()
+            errors[name] = _rel(gots[name], w)
+        if not max(errors[name] for name in wants) < 1e-2:  # by V tile, and by CTA (tile parity)
+            tiles = [slice(t * BV, (t + 1) * BV) for t in range(V // BV)]
+            diagnosis["dv2 by tile"] = [_rel(gots["dv2"][..., t], wants["dv2"][..., t]) for t in tiles]
+            for j in range(2):
+                mine = [t for i, t in enumerate(tiles) if i % 2 == j]
+                w_a = sum(dvs[..., t] @ v_s[..., t].transpose(1, 2) for t in mine)
+                w_b = sum((dvb[..., t] * v_s[..., t]).sum(-1) for t in mine)
+                diagnosis[f"CTA {j} partials"] = {
+                    "dAv": _rel(dAv[: 2 * n * BT].view(n, 2, BT, BT)[:, j], w_a),
+                    "dbv": _rel(dbv[: 2 * n * BT].view(n, 2, BT)[:, j], w_b)}
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(reps):
@@ -481,7 +522,7 @@ def gpu_run(nch: int = 32768, K: int = 128, V: int = 256, stages: int = 3, overl
         moved += nch * ((2 * BT * V + BT * BT) * 2 + 2 * BT * BT * 4 + 2 * BT * 4)
     return {"kind": "gpu", "kernel": "b6_cute_probe", "chunk_heads": nch, "stages": stages, "overlap": overlap,
             "errors": errors,
-            "exchange": exchange, "vside": vside,
+            "exchange": exchange, "vside": vside, "diagnosis": diagnosis,
             "finite": all(bool(torch.isfinite(o).all()) for o in outs + ([dA] if exchange else [])
                           + ([dv2, dAv, dbv] if vside else [])),
             "ms": ms, "wall_ms": wall_ms, "bytes": moved,
