@@ -21,6 +21,9 @@ K half's, CTA 1's sent by one bulk copy into CTA 0's shared memory, CTA 0 writin
 With ``vside``, B6's sums over V that need no K, CTA j taking the V tiles of parity j (v
 multicast with the rest, the chunk's Akk read once): dA's V part ``dv v^T``, ``dvb = A^T dv``
 per tile with ``dv2 = beta dvb`` written in bf16, and db's V part, the row sums of dvb v.
+With ``ws`` as well, those sums warp-specialized: a producer warpgroup (one warp issuing
+every copy, 40 registers) and two consumer warpgroups (232 each), one for dq and dk_h, one
+for dw and the V-side sums, both releasing every stage.
 
 What the probe answers on a GPU: whether the cluster's V loop runs near its traffic floor
 with the V side read once for both K halves (the Gluon probe read it twice, once a CTA, or
@@ -42,13 +45,14 @@ import sys
 
 BT, KH, BV = 64, 64, 64  # chunk rows, a CTA's K half, the V tile
 # (ring stages, two tiles' products in flight, dA's K-contracted part exchanged, B6's V-side
-# sums): compiled and timed
-BUILDS = ((2, True, False, False), (3, True, False, False), (3, False, False, False), (2, True, True, False),
-          (2, True, False, True))
+# sums, warp-specialized): compiled and timed
+BUILDS = ((2, True, False, False, False), (3, True, False, False, False), (3, False, False, False, False),
+          (2, True, True, False, False), (2, True, False, True, False), (3, True, False, True, True),
+          (4, True, False, True, True))
 
 
 def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exchange: bool = False,
-          vside: bool = False):
+          vside: bool = False, ws: bool = False):
     """The probe's host function (a ``cute.jit``), for K = 2 KH and V a multiple of BV.
     ``overlap``: a tile's stage is released once the next tile's products are issued (the
     wgmmas of two tiles in flight); else each tile's products are waited for at once.
@@ -59,7 +63,11 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
     (CTA j the tiles of parity j; v multicast with the other three): dA's V part ``dv v^T``
     and, per tile, ``dvb = A^T dv`` (A the chunk's Akk, read once; its [64, 64] tile in shared
     memory is the MN-major A operand of A^T as it lies), ``dv2 = beta dvb`` written in bf16,
-    and db's V part, the row sums of ``dvb * v``: each CTA its partial [64, 64] and [64]."""
+    and db's V part, the row sums of ``dvb * v``: each CTA its partial [64, 64] and [64].
+    ``ws`` (with ``vside``, without ``exchange``): the same sums warp-specialized, three
+    warpgroups a CTA: a producer (its first warp issues every copy, 40 registers), one
+    consumer for the sums that feed dq, dk and dg (dq, dk_h) and one for those that feed dA,
+    db and dv2 (dw and the V-side sums), 232 registers each, every stage released by both."""
     import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
@@ -70,6 +78,7 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
     from cutlass.cute.nvgpu import cpasync, warpgroup
 
     assert K == 2 * KH and V % BV == 0
+    assert not ws or (vside and not exchange)
     NV = V // BV
     tile = (BT, KH, BV)  # (M, N, K) of each wgmma product: rows, channels, the V tile
     stage_bytes = ((4 if vside else 3) * BT * BV + 2 * KH * BV) * 2
@@ -317,6 +326,202 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
         cute.arch.cluster_wait()
 
     @cute.jit
+    def _produce(ring, tma_A, A_t, s_A, abar, a_parts, b_parts, mask, chunk, tidx):
+        """The warp-specialized build's producer warp: Akk once, then every V tile's stage."""
+        if tidx == 0:
+            cute.arch.mbarrier_arrive_and_expect_tx(abar, BT * BT * 2)
+        a_s, a_g = cpasync.tma_partition(tma_A, 0, cute.make_layout(1), cute.group_modes(s_A, 0, 2),
+                                         cute.group_modes(cute.local_tile(A_t, (BT, BT), (chunk, None)), 0, 2))
+        cute.copy(tma_A, a_g[(None, 0)], a_s[(None, 0)], tma_bar_ptr=abar)
+        put = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
+        for _ in cutlass.range(NV, unroll=1):
+            _fill(ring, put, a_parts, b_parts, mask)
+            put.advance()
+
+    @cute.jit
+    def _sums_k(ring, mma, s_vn, s_do, s_h, s_dh, dq, dkh, chunk, rank, wtid):
+        """The warp-specialized build's first consumer: dq and dk_h of this CTA's K half."""
+        thr = mma.get_slice(0)
+        thr_c = mma.get_slice(wtid)
+        r_vn = mma.make_fragment_A(thr.partition_A(s_vn))
+        r_do = mma.make_fragment_A(thr.partition_A(s_do))
+        r_h = mma.make_fragment_B(thr.partition_B(s_h))
+        r_dh = mma.make_fragment_B(thr.partition_B(s_dh))
+        o_q = cute.local_tile(dq, (BT, KH), (chunk, rank))
+        o_k = cute.local_tile(dkh, (BT, KH), (chunk, rank))
+        acc_q = cute.make_rmem_tensor(thr_c.partition_C(o_q).shape, cutlass.Float32)
+        acc_k = cute.make_rmem_tensor(thr_c.partition_C(o_q).shape, cutlass.Float32)
+        acc_q.fill(0.0)
+        acc_k.fill(0.0)
+        get = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+        done = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+        for v in cutlass.range_constexpr(NV):
+            ring.consumer_wait(get)
+            warpgroup.fence()
+            for kb in cutlass.range(cute.size(r_vn, mode=[2]), unroll_full=True):
+                at = (None, None, kb, get.index)
+                cute.gemm(mma, acc_q, r_do[at], r_h[at], acc_q)
+                cute.gemm(mma, acc_k, r_vn[at], r_dh[at], acc_k)
+            warpgroup.commit_group()
+            get.advance()
+            warpgroup.wait_group(1)  # the previous tile's products done: its stage released
+            if cutlass.const_expr(v > 0):
+                ring.consumer_release(done)
+                done.advance()
+        warpgroup.wait_group(0)
+        thr_c.partition_C(o_q).store(acc_q.load())
+        thr_c.partition_C(o_k).store(acc_k.load())
+
+    @cute.jit
+    def _sums_a(ring, mma, mma_t, s_dv, s_h, s_vb, s_v, s_At, s_dvb, dw, dv2, dAv, dbv, beta, part_ptr, abar,
+                chunk, rank, wtid):
+        """The warp-specialized build's second consumer: dw of this CTA's K half, and the V-side
+        sums of its V tiles (dA's and db's partials, dv2)."""
+        thr = mma.get_slice(0)
+        thr_c = mma.get_slice(wtid)
+        thr_t = mma_t.get_slice(0)
+        thr_tc = mma_t.get_slice(wtid)
+        r_dv = mma.make_fragment_A(thr.partition_A(s_dv))
+        r_h = mma.make_fragment_B(thr.partition_B(s_h))
+        r_vb = mma.make_fragment_B(thr.partition_B(s_vb))
+        r_At = mma_t.make_fragment_A(thr_t.partition_A(s_At))
+        r_dvb = mma_t.make_fragment_B(thr_t.partition_B(s_dvb))
+        o_w = cute.local_tile(dw, (BT, KH), (chunk, rank))
+        acc_w = cute.make_rmem_tensor(thr_c.partition_C(o_w).shape, cutlass.Float32)
+        acc_a = cute.make_rmem_tensor(thr_c.partition_C(o_w).shape, cutlass.Float32)
+        acc_b = cute.make_rmem_tensor(thr_tc.partition_C(o_w).shape, cutlass.Float32)
+        prod = cute.make_rmem_tensor(thr_tc.partition_C(o_w).shape, cutlass.Float32)
+        acc_w.fill(0.0)
+        acc_a.fill(0.0)
+        prod.fill(0.0)
+        beta_rows = thr_tc.partition_C(cute.local_tile(beta, (BT, BV), (chunk, 0)))
+        cute.arch.mbarrier_wait(abar, 0)
+        get = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+        done = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+        for v in cutlass.range_constexpr(NV):
+            ring.consumer_wait(get)
+            mine = rank == v % 2
+            if mine:  # dvb = A^T dv first, its own group
+                acc_b.fill(0.0)
+                warpgroup.fence()
+                for kb in cutlass.range(cute.size(r_At, mode=[2]), unroll_full=True):
+                    cute.gemm(mma_t, acc_b, r_At[(None, None, kb, 0)], r_dvb[(None, None, kb, get.index)], acc_b)
+                warpgroup.commit_group()
+            warpgroup.fence()
+            for kb in cutlass.range(cute.size(r_dv, mode=[2]), unroll_full=True):
+                at = (None, None, kb, get.index)
+                cute.gemm(mma, acc_w, r_dv[at], r_h[at], acc_w)
+                if mine:
+                    cute.gemm(mma, acc_a, r_dv[at], r_vb[at], acc_a)
+            warpgroup.commit_group()
+            if mine:  # dvb done, this tile's other sums still running
+                warpgroup.wait_group(1)
+                tile_out = thr_tc.partition_C(cute.local_tile(dv2, (BT, BV), (chunk, v)))
+                tile_out.store((acc_b.load() * beta_rows.load()).to(cutlass.BFloat16))
+                v_here = thr_tc.partition_C(s_v[(None, None, get.index)]).load().to(cutlass.Float32)
+                prod.store(prod.load() + acc_b.load() * v_here)
+            get.advance()
+            warpgroup.wait_group(1)
+            if cutlass.const_expr(v > 0):
+                ring.consumer_release(done)
+                done.advance()
+        warpgroup.wait_group(0)
+        thr_c.partition_C(o_w).store(acc_w.load())
+        thr_c.partition_C(cute.local_tile(dAv, (BT, BT), (chunk * 2 + rank, 0))).store(acc_a.load())
+        part = cute.make_tensor(part_ptr, cute.make_layout((BT, BV), stride=(BV, 1)))
+        thr_tc.partition_C(part).store(prod.load())
+        cute.arch.barrier(barrier_id=1, number_of_threads=128)  # this warpgroup's threads only
+        if wtid < BT:
+            total = cutlass.Float32(0.0)
+            for j in cutlass.range(BV, unroll=8):
+                total += part[wtid, j]
+            dbv[(chunk * 2 + rank) * BT + wtid] = total
+
+    @cute.kernel
+    def kernel_ws(tma_vn, vn_t, tma_do, do_t, tma_dv, dv_t, tma_h, h_t, tma_dh, dh_t, tma_v, v_t, tma_A, A_t,
+                  beta, dq, dkh, dw, dv2, dAv, dbv, mma: cute.TiledMma, mma_t: cute.TiledMma,
+                  a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout, bmn_smem: cute.ComposedLayout,
+                  a1: cute.ComposedLayout, at1: cute.ComposedLayout):
+        tidx, _, _ = cute.arch.thread_idx()
+        _, _, chunk = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg = warp // 4
+        wtid = tidx % 128  # the thread within its warpgroup
+        rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        cluster = cute.make_layout((1, 2, 1))
+        coord = cluster.get_flat_coord(rank)
+        mask = cute.make_layout_image_mask(cluster, coord, mode=1)
+        if warp == 0:
+            for atom in (tma_vn, tma_do, tma_dv, tma_h, tma_dh, tma_v, tma_A):
+                cpasync.prefetch_descriptor(atom)
+
+        @cute.struct
+        class Smem:
+            bars: cute.struct.MemRange[cutlass.Int64, stages * 2]
+            vn: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(a_smem)], 1024]
+            do: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(a_smem)], 1024]
+            dv: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(a_smem)], 1024]
+            h: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(b_smem)], 1024]
+            dh: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(b_smem)], 1024]
+            v: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(a_smem)], 1024]
+            At: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, BT * BT], 1024]
+            abar: cute.struct.MemRange[cutlass.Int64, 1]  # Akk's load
+            part: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, BT * BV], 128]  # db's row sums
+
+        storage = SmemAllocator().allocate(Smem)
+        # a stage is released by the 8 consumer warps of each of the 2 CTAs whose copies fill it
+        ring = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.bars.data_ptr(), num_stages=stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 2 * 8),
+            tx_count=stage_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 2, 1)))
+        abar = storage.abar.data_ptr()
+        if tidx == 0:
+            cute.arch.mbarrier_init(abar, 1)
+            cute.arch.mbarrier_init_fence()
+        cute.arch.cluster_arrive_relaxed()
+
+        s_vn = storage.vn.get_tensor(a_smem.outer, swizzle=a_smem.inner)
+        s_do = storage.do.get_tensor(a_smem.outer, swizzle=a_smem.inner)
+        s_dv = storage.dv.get_tensor(a_smem.outer, swizzle=a_smem.inner)
+        s_h = storage.h.get_tensor(b_smem.outer, swizzle=b_smem.inner)
+        s_dh = storage.dh.get_tensor(b_smem.outer, swizzle=b_smem.inner)
+        s_v = storage.v.get_tensor(a_smem.outer, swizzle=a_smem.inner)
+        s_vb = storage.v.get_tensor(b_smem.outer, swizzle=b_smem.inner)
+        s_dvb = storage.dv.get_tensor(bmn_smem.outer, swizzle=bmn_smem.inner)
+        s_A = storage.At.get_tensor(a1.outer, swizzle=a1.inner)
+        s_At = storage.At.get_tensor(at1.outer, swizzle=at1.inner)
+
+        def rows_tiles(t, row_tile, height):
+            return cute.local_tile(t, (height, BV), (row_tile, None))
+
+        half = cute.make_layout(2)
+        a_parts = [(atom, *cpasync.tma_partition(atom, coord[1], half, cute.group_modes(s, 0, 2),
+                                                 cute.group_modes(rows_tiles(t, chunk, BT), 0, 2)))
+                   for atom, s, t in [(tma_vn, s_vn, vn_t), (tma_do, s_do, do_t), (tma_dv, s_dv, dv_t),
+                                      (tma_v, s_v, v_t)]]
+        b_parts = [(atom, *cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2),
+                                                 cute.group_modes(rows_tiles(t, chunk * 2 + rank, KH), 0, 2)))
+                   for atom, s, t in ((tma_h, s_h, h_t), (tma_dh, s_dh, dh_t))]
+        mma.set(warpgroup.Field.ACCUMULATE, True)
+        mma_t.set(warpgroup.Field.ACCUMULATE, True)
+        cute.arch.cluster_wait()
+
+        if wg == 0:  # the producer: its first warp issues the copies, the rest only wait at the end
+            cute.arch.setmaxregister_decrease(40)
+            if warp == 0:
+                _produce(ring, tma_A, A_t, s_A, abar, a_parts, b_parts, mask, chunk, tidx)
+        if wg == 1:  # dq and dk_h over V
+            cute.arch.setmaxregister_increase(232)
+            _sums_k(ring, mma, s_vn, s_do, s_h, s_dh, dq, dkh, chunk, rank, wtid)
+        if wg == 2:  # dw over V, and the V-side sums of this CTA's tiles
+            cute.arch.setmaxregister_increase(232)
+            _sums_a(ring, mma, mma_t, s_dv, s_h, s_vb, s_v, s_At, s_dvb, dw, dv2, dAv, dbv, beta,
+                    storage.part.data_ptr(), abar, chunk, rank, wtid)
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+
+    @cute.jit
     def probe(h: cute.Tensor, dh: cute.Tensor, vn: cute.Tensor, do: cute.Tensor, dv: cute.Tensor,
               kg: cute.Tensor, dq: cute.Tensor, dkh: cute.Tensor, dw: cute.Tensor, dA: cute.Tensor,
               v: cute.Tensor, A: cute.Tensor, beta: cute.Tensor, dv2: cute.Tensor, dAv: cute.Tensor,
@@ -348,16 +553,21 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
         tma_v, v_t = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SMulticastOp(), v, a_one, (BT, BV), 2)
         tma_A, A_t = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), A, a_one, (BT, BT))
         nch = cute.size(vn, mode=[0]) // BT
-        kernel(tma_vn, vn_t, tma_do, do_t, tma_dv, dv_t, tma_h, h_t, tma_dh, dh_t, tma_kg, kg_t, dq, dkh, dw, dA,
-               tma_v, v_t, tma_A, A_t, beta2, dv2, dAv, dbv, mma, mma_t, a_smem, b_smem, bmn_smem, a1,
-               at1).launch(
-            grid=(1, 2, nch), block=(128, 1, 1), cluster=(1, 2, 1), stream=stream)
+        if cutlass.const_expr(ws):
+            kernel_ws(tma_vn, vn_t, tma_do, do_t, tma_dv, dv_t, tma_h, h_t, tma_dh, dh_t, tma_v, v_t, tma_A, A_t,
+                      beta2, dq, dkh, dw, dv2, dAv, dbv, mma, mma_t, a_smem, b_smem, bmn_smem, a1, at1).launch(
+                grid=(1, 2, nch), block=(384, 1, 1), cluster=(1, 2, 1), stream=stream)
+        else:
+            kernel(tma_vn, vn_t, tma_do, do_t, tma_dv, dv_t, tma_h, h_t, tma_dh, dh_t, tma_kg, kg_t, dq, dkh, dw, dA,
+                   tma_v, v_t, tma_A, A_t, beta2, dv2, dAv, dbv, mma, mma_t, a_smem, b_smem, bmn_smem, a1,
+                   at1).launch(
+                grid=(1, 2, nch), block=(128, 1, 1), cluster=(1, 2, 1), stream=stream)
 
     return probe
 
 
 def compile_offline(nch: int = 4, K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True,
-                    exchange: bool = False, vside: bool = False, dump: str | None = None):
+                    exchange: bool = False, vside: bool = False, ws: bool = False, dump: str | None = None):
     """Trace and compile for sm_90a on any machine with CuTe DSL (no GPU): the PTX and cubin
     land in ``dump`` (``CUTE_DSL_KEEP``)."""
     if dump:
@@ -374,10 +584,11 @@ def compile_offline(nch: int = 4, K: int = 128, V: int = 256, stages: int = 3, o
     import cuda.bindings.driver as cuda
 
     tensors = [from_dlpack(t, assumed_align=16) for t in args]
-    return cute.compile(build(K, V, stages, overlap, exchange, vside), *tensors, cuda.CUstream(0))
+    return cute.compile(build(K, V, stages, overlap, exchange, vside, ws), *tensors, cuda.CUstream(0))
 
 
-def sm90_row(dump: str, stages: int = 3, overlap: bool = True, exchange: bool = False, vside: bool = False) -> dict:
+def sm90_row(dump: str, stages: int = 3, overlap: bool = True, exchange: bool = False, vside: bool = False,
+             ws: bool = False) -> dict:
     """What the offline build is: wgmma and TMA instructions in its PTX, and registers and
     spills from Triton's bundled ptxas (``-v``) on that PTX. CuTe DSL 4.8.1 writes PTX ISA 8.8
     and Triton 3.6's ptxas reads up to 8.7: the header is lowered for this count only (the
@@ -399,12 +610,12 @@ def sm90_row(dump: str, stages: int = 3, overlap: bool = True, exchange: bool = 
     regs = int(re.search(r"Used (\d+) registers", log).group(1))
     spills = [int(x) for x in re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log).groups()]
     return {"kind": "compile_sm90", "kernel": "b6_cute_probe", "stages": stages, "overlap": overlap,
-            "exchange": exchange, "vside": vside, "registers": regs, "bulk_s2s": ptx.count("cp.async.bulk.shared::cluster.shared::cta"),
+            "exchange": exchange, "vside": vside, "ws": ws, "registers": regs, "bulk_s2s": ptx.count("cp.async.bulk.shared::cluster.shared::cta"),
             "spill_stores": spills[0], "spill_loads": spills[1],
             "shared_ring": stages * ((4 if vside else 3) * BT * BV + 2 * KH * BV) * 2,
             "wgmma": ptx.count("wgmma.mma_async"),
             "tma_multicast": ptx.count("multicast::cluster"), "tma_own": ptx.count(".global.tile.mbarrier") -
-            ptx.count("multicast::cluster"), "cluster": "(1, 2, 1)", "threads": 128}
+            ptx.count("multicast::cluster"), "cluster": "(1, 2, 1)", "threads": 384 if ws else 128}
 
 
 def _rel(got, want) -> float:
@@ -437,7 +648,7 @@ def diagnose(got, lefts: dict, rights: dict, K: int, V: int) -> dict:
 
 
 def gpu_run(nch: int = 32768, K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True,
-            exchange: bool = False, vside: bool = False, reps: int = 20) -> dict:
+            exchange: bool = False, vside: bool = False, ws: bool = False, reps: int = 20) -> dict:
     """On a GPU: the probe's three sums against torch's on 64 chunk-heads (relative RMS),
     then its CUDA-event time at ``nch`` chunk-heads (32,768: prod8192_gate's) against the
     bytes it must move."""
@@ -464,7 +675,7 @@ def gpu_run(nch: int = 32768, K: int = 128, V: int = 256, stages: int = 3, overl
     # (launched on torch's stream, so the events below bracket the kernel itself)
     args = [from_dlpack(t, assumed_align=16) for t in (h, dh, vn, do, dv, kg, *outs, dA, v, Akk, beta, dv2, dAv, dbv)]
     args.append(cuda.CUstream(torch.cuda.current_stream().cuda_stream))
-    run = cute.compile(build(K, V, stages, overlap, exchange, vside), *args)
+    run = cute.compile(build(K, V, stages, overlap, exchange, vside, ws), *args)
     run(*args)
     torch.cuda.synchronize()
     n = min(nch, 64)
@@ -522,7 +733,7 @@ def gpu_run(nch: int = 32768, K: int = 128, V: int = 256, stages: int = 3, overl
         moved += nch * ((2 * BT * V + BT * BT) * 2 + 2 * BT * BT * 4 + 2 * BT * 4)
     return {"kind": "gpu", "kernel": "b6_cute_probe", "chunk_heads": nch, "stages": stages, "overlap": overlap,
             "errors": errors,
-            "exchange": exchange, "vside": vside, "diagnosis": diagnosis,
+            "exchange": exchange, "vside": vside, "ws": ws, "diagnosis": diagnosis,
             "finite": all(bool(torch.isfinite(o).all()) for o in outs + ([dA] if exchange else [])
                           + ([dv2, dAv, dbv] if vside else [])),
             "ms": ms, "wall_ms": wall_ms, "bytes": moved,
@@ -537,24 +748,25 @@ def main(argv=None) -> int:
         import subprocess
 
         dump = argv[1] if len(argv) > 1 else "/tmp/b6_cute_probe"
-        for stages, overlap, exchange, vside in BUILDS:
+        for stages, overlap, exchange, vside, ws in BUILDS:
             sub = os.path.join(dump, f"stages{stages}{'' if overlap else '-serial'}{'-exchange' if exchange else ''}"
-                               f"{'-vside' if vside else ''}")
+                               f"{'-vside' if vside else ''}{'-ws' if ws else ''}")
             os.makedirs(sub, exist_ok=True)
             for old in os.listdir(sub):
                 os.remove(os.path.join(sub, old))
             subprocess.run([sys.executable, "-m", "research.b6_cute_probe", "compile-one", str(stages),
-                            str(int(overlap)), str(int(exchange)), str(int(vside)), sub], check=True,
+                            str(int(overlap)), str(int(exchange)), str(int(vside)), str(int(ws)), sub], check=True,
                            stdout=subprocess.DEVNULL)
-            print(json.dumps(sm90_row(sub, stages, overlap, exchange, vside)))
+            print(json.dumps(sm90_row(sub, stages, overlap, exchange, vside, ws)))
         return 0
     if argv[:1] == ["compile-one"]:
         compile_offline(stages=int(argv[1]), overlap=bool(int(argv[2])), exchange=bool(int(argv[3])),
-                        vside=bool(int(argv[4])), dump=argv[5])
+                        vside=bool(int(argv[4])), ws=bool(int(argv[5])), dump=argv[6])
         return 0
     if argv[:1] == ["gpu"]:  # every build, or those whose indices in BUILDS follow
-        for stages, overlap, exchange, vside in [BUILDS[int(i)] for i in argv[1:]] or BUILDS:
-            print(json.dumps(gpu_run(stages=stages, overlap=overlap, exchange=exchange, vside=vside)), flush=True)
+        for stages, overlap, exchange, vside, ws in [BUILDS[int(i)] for i in argv[1:]] or BUILDS:
+            print(json.dumps(gpu_run(stages=stages, overlap=overlap, exchange=exchange, vside=vside, ws=ws)),
+                  flush=True)
         return 0
     print(__doc__)
     return 2
