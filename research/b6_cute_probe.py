@@ -23,7 +23,8 @@ multicast with the rest, the chunk's Akk read once): dA's V part ``dv v^T``, ``d
 per tile with ``dv2 = beta dvb`` written in bf16, and db's V part, the row sums of dvb v.
 With ``ws`` as well, those sums warp-specialized: a producer warpgroup (one warp issuing
 every copy, 40 registers) and two consumer warpgroups (232 each), one for dq and dk_h, one
-for dw and the V-side sums, both releasing every stage.
+for dw and the V-side sums, both releasing every stage. With ``full`` as well, the whole of
+B6 on that split (``_epi_k``, ``_epi_a``), checked against the package's reference B6.
 
 What the probe answers on a GPU: whether the cluster's V loop runs near its traffic floor
 with the V side read once for both K halves (the Gluon probe read it twice, once a CTA, or
@@ -45,14 +46,15 @@ import sys
 
 BT, KH, BV = 64, 64, 64  # chunk rows, a CTA's K half, the V tile
 # (ring stages, two tiles' products in flight, dA's K-contracted part exchanged, B6's V-side
-# sums, warp-specialized): compiled and timed
-BUILDS = ((2, True, False, False, False), (3, True, False, False, False), (3, False, False, False, False),
-          (2, True, True, False, False), (2, True, False, True, False), (3, True, False, True, True),
-          (4, True, False, True, True))
+# sums, warp-specialized, the whole of B6): compiled and timed
+BUILDS = ((2, True, False, False, False, False), (3, True, False, False, False, False),
+          (3, False, False, False, False, False), (2, True, True, False, False, False),
+          (2, True, False, True, False, False), (3, True, False, True, True, False), (4, True, False, True, True, False),
+          (2, True, False, True, True, True))
 
 
 def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exchange: bool = False,
-          vside: bool = False, ws: bool = False):
+          vside: bool = False, ws: bool = False, full: bool = False, scale: float = 128 ** -0.5):
     """The probe's host function (a ``cute.jit``), for K = 2 KH and V a multiple of BV.
     ``overlap``: a tile's stage is released once the next tile's products are issued (the
     wgmmas of two tiles in flight); else each tile's products are waited for at once.
@@ -67,7 +69,10 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
     ``ws`` (with ``vside``, without ``exchange``): the same sums warp-specialized, three
     warpgroups a CTA: a producer (its first warp issues every copy, 40 registers), one
     consumer for the sums that feed dq, dk and dg (dq, dk_h) and one for those that feed dA,
-    db and dv2 (dw and the V-side sums), 232 registers each, every stage released by both."""
+    db and dv2 (dw and the V-side sums), 232 registers each, every stage released by both.
+    ``full`` (with ``ws``): the whole of B6 for a chunk-head, the sums' epilogues on each
+    consumer (``_epi_k``, ``_epi_a``): dq, dk and dg of the K half, dA on CTA 0 after the
+    pair's partials are exchanged, db as four partials (each CTA's V and K parts), dv2."""
     import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
@@ -79,6 +84,7 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
 
     assert K == 2 * KH and V % BV == 0
     assert not ws or (vside and not exchange)
+    assert not full or ws
     NV = V // BV
     tile = (BT, KH, BV)  # (M, N, K) of each wgmma product: rows, channels, the V tile
     stage_bytes = ((4 if vside else 3) * BT * BV + 2 * KH * BV) * 2
@@ -339,20 +345,170 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
             put.advance()
 
     @cute.jit
-    def _sums_k(ring, mma, s_vn, s_do, s_h, s_dh, dq, dkh, chunk, rank, wtid):
-        """The warp-specialized build's first consumer: dq and dk_h of this CTA's K half."""
+    def _epi_k(thr_c, acc_q, acc_k, acc_s, o_q, o_k, chunk, rank, wtid, q, k, gc, beta2K, dg, dbk, s_kg, part_k,
+               dkgb_s):
+        """``full``, the first consumer after the V loop (K half j, chunk rows r): dq = (do h^T)
+        exp2(g) scale; dk_h = (v_new dh^T) exp2(g_last - g); kg = k exp2(g) (bf16, to shared
+        memory for dw kg^T); then, with dkgb = A^T dw from the other consumer, dk = dk_h +
+        dkgb exp2(g) beta, dg = q dq - k dk_h + kg dkgb beta and, on the last row, + the sum
+        over V of h dh (exp2(g_last)) + the column sums of k dk_h; and db's K part, the row
+        sums of dkgb kg."""
+        # (ordered so that few [64, 64] fragments are live at once: each is 32 registers a thread)
+        tile = lambda t: thr_c.partition_C(cute.local_tile(t, (BT, KH), (chunk, rank)))  # noqa: E731
+        o_g = cute.local_tile(gc, (BT, KH), (chunk, rank))
+        eg = cute.math.exp2(thr_c.partition_C(o_g).load())
+        dq_v = acc_q.load() * eg * scale
+        thr_c.partition_C(o_q).store(dq_v)
+        pre = tile(q).load().to(cutlass.Float32) * dq_v  # dg's q dq term
+        g_last = thr_c.partition_C(cute.make_tensor(o_g.iterator + (BT - 1) * K,
+                                                    cute.make_layout((BT, KH), stride=(0, 1)))).load()
+        dk_h = acc_k.load() * cute.math.exp2(g_last - thr_c.partition_C(o_g).load())
+        kf = tile(k).load().to(cutlass.Float32)
+        kg = kf * eg
+        thr_c.partition_C(s_kg).store(kg.to(cutlass.BFloat16))
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier_arrive(barrier_id=2, number_of_threads=256)  # kg ready for dw kg^T
+        kdk = kf * dk_h
+        pre = pre - kdk
+        # the column sums of k dk_h and the diagonal of h dh^T, through shared memory
+        thr_c.partition_C(part_k).store(kdk)
+        cute.arch.barrier(barrier_id=4, number_of_threads=128)
+        col = cutlass.Float32(0.0)
+        if wtid < KH:
+            for r in cutlass.range(BT, unroll=8):
+                col += part_k[r, wtid]
+        cute.arch.barrier(barrier_id=4, number_of_threads=128)
+        thr_c.partition_C(part_k).store(acc_s.load())
+        cute.arch.barrier(barrier_id=4, number_of_threads=128)
+        last = cutlass.Float32(0.0)
+        if wtid < KH:
+            last = part_k[wtid, wtid] * cute.math.exp2(o_g[BT - 1, wtid]) + col
+        cute.arch.barrier(barrier_id=4, number_of_threads=128)
+        for i in cutlass.range(wtid, BT * KH, 128):  # zeros but the last row
+            part_k[i // KH, i % KH] = cutlass.Float32(0.0)
+        cute.arch.barrier(barrier_id=4, number_of_threads=128)
+        if wtid < KH:
+            part_k[BT - 1, wtid] = last
+        cute.arch.barrier(barrier_id=4, number_of_threads=128)
+        pre = pre + thr_c.partition_C(part_k).load()
+        cute.arch.barrier(barrier_id=3, number_of_threads=256)  # dkgb written by the other consumer
+        dkgb_b = thr_c.partition_C(dkgb_s).load() * thr_c.partition_C(cute.local_tile(beta2K, (BT, KH), (chunk, 0))).load()
+        thr_c.partition_C(o_k).store(dk_h + dkgb_b * eg)
+        thr_c.partition_C(cute.local_tile(dg, (BT, KH), (chunk, rank))).store(pre + kg * dkgb_b)
+        cute.arch.barrier(barrier_id=4, number_of_threads=128)
+        thr_c.partition_C(part_k).store(thr_c.partition_C(dkgb_s).load() * kg)  # db's K part, by row
+        cute.arch.barrier(barrier_id=4, number_of_threads=128)
+        if wtid < BT:
+            total = cutlass.Float32(0.0)
+            for j in cutlass.range(KH, unroll=8):
+                total += part_k[wtid, j]
+            dbk[(chunk * 2 + rank) * BT + wtid] = total
+
+    @cute.jit
+    def _epi_a(mma, mma_t, thr_c, acc_w, acc_a, s_At, chunk, rank, wtid, part, s_dw, s_dwB, s_kgB, dkgb_s, xch,
+               xbar, beta1, s_dAb, s_dAbB, s_AB, dA_out):
+        """``full``, the second consumer after the V loop: dw = r(-(dv h^T)) into shared memory;
+        dkgb = A^T dw (to the other consumer); dA's partial dv v^T (this CTA's tiles) + dw kg^T
+        (this K half), CTA 1's sent into CTA 0's shared memory; on CTA 0 the sum, masked below
+        the diagonal, times beta by column, rounded; r(. A^T); A^T .; negated below the
+        diagonal into dA."""
+        thr = mma.get_slice(0)
+        thr_t = mma_t.get_slice(0)
+        thr_tc = mma_t.get_slice(wtid)
+        thr_c.partition_C(s_dw[(None, None, 0)]).store((acc_w.load() * -1.0).to(cutlass.BFloat16))
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=1, number_of_threads=128)
+        r_At = mma_t.make_fragment_A(thr_t.partition_A(s_At))
+        r_dwB = mma_t.make_fragment_B(thr_t.partition_B(s_dwB))
+        acc_g = cute.make_rmem_tensor(acc_w.shape, cutlass.Float32)
+        acc_g.fill(0.0)
+        warpgroup.fence()
+        for kb in cutlass.range(cute.size(r_At, mode=[2]), unroll_full=True):
+            cute.gemm(mma_t, acc_g, r_At[(None, None, kb, 0)], r_dwB[(None, None, kb, 0)], acc_g)
+        warpgroup.commit_group()
+        cute.arch.barrier(barrier_id=2, number_of_threads=256)  # kg written by the other consumer
+        r_dwA = mma.make_fragment_A(thr.partition_A(s_dw))
+        r_kgB = mma.make_fragment_B(thr.partition_B(s_kgB))
+        warpgroup.fence()
+        for kb in cutlass.range(cute.size(r_dwA, mode=[2]), unroll_full=True):
+            cute.gemm(mma, acc_a, r_dwA[(None, None, kb, 0)], r_kgB[(None, None, kb, 0)], acc_a)
+        warpgroup.commit_group()
+        warpgroup.wait_group(1)
+        thr_tc.partition_C(dkgb_s).store(acc_g.load())
+        cute.arch.barrier_arrive(barrier_id=3, number_of_threads=256)  # dkgb ready
+        warpgroup.wait_group(0)
+        if rank == 1:  # this CTA's partial to CTA 0
+            thr_c.partition_C(xch).store(acc_a.load())
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=1, number_of_threads=128)
+            if wtid == 0:
+                send = cute.make_copy_atom(cpasync.CopyBulkS2SOp(), cutlass.Float32, num_bits_per_copy=BT * BT * 32)
+                flat = cute.make_tensor(xch.iterator, cute.make_layout(BT * BT))
+                cute.copy(send, flat, flat, mbar_ptr=xbar, cta_rank=cutlass.Int32(0))
+        else:
+            cute.arch.mbarrier_wait(xbar, 0)
+            thr_c.partition_C(part).store(acc_a.load() + thr_c.partition_C(xch).load())
+            cute.arch.barrier(barrier_id=1, number_of_threads=128)
+            d1 = s_dAb[(None, None, 0)]
+            for i in cutlass.range(wtid, BT * BT, 128):  # below the diagonal, times beta of the column
+                r = i // BT
+                c = i % BT
+                x = cutlass.Float32(0.0)
+                if r > c:
+                    x = part[r, c] * beta1[chunk * BT + c]
+                d1[r, c] = x.to(cutlass.BFloat16)
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=1, number_of_threads=128)
+            r_d1 = mma.make_fragment_A(thr.partition_A(s_dAb))
+            r_AB = mma.make_fragment_B(thr.partition_B(s_AB))
+            acc_2 = cute.make_rmem_tensor(acc_w.shape, cutlass.Float32)
+            acc_2.fill(0.0)
+            warpgroup.fence()
+            for kb in cutlass.range(cute.size(r_d1, mode=[2]), unroll_full=True):
+                cute.gemm(mma, acc_2, r_d1[(None, None, kb, 0)], r_AB[(None, None, kb, 0)], acc_2)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            cute.arch.barrier(barrier_id=1, number_of_threads=128)
+            thr_c.partition_C(d1).store(acc_2.load().to(cutlass.BFloat16))  # r(dA1 A^T), as [r, t]
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=1, number_of_threads=128)
+            r_d2 = mma_t.make_fragment_B(thr_t.partition_B(s_dAbB))
+            acc_3 = cute.make_rmem_tensor(acc_w.shape, cutlass.Float32)
+            acc_3.fill(0.0)
+            warpgroup.fence()
+            for kb in cutlass.range(cute.size(r_At, mode=[2]), unroll_full=True):
+                cute.gemm(mma_t, acc_3, r_At[(None, None, kb, 0)], r_d2[(None, None, kb, 0)], acc_3)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            thr_tc.partition_C(part).store(acc_3.load())
+            cute.arch.barrier(barrier_id=1, number_of_threads=128)
+            for i in cutlass.range(wtid, BT * BT, 128):
+                r = i // BT
+                c = i % BT
+                x = cutlass.Float32(0.0)
+                if r > c:
+                    x = part[r, c] * -1.0
+                dA_out[chunk * BT + r, c] = x
+
+    @cute.jit
+    def _sums_k(ring, mma, s_vn, s_do, s_h, s_dh, dq, dkh, chunk, rank, wtid, s_hA, ek):
+        """The warp-specialized build's first consumer: dq and dk_h of this CTA's K half (with
+        ``full``, also h dh^T, whose diagonal is dg's last-row term, and then ``_epi_k``)."""
         thr = mma.get_slice(0)
         thr_c = mma.get_slice(wtid)
         r_vn = mma.make_fragment_A(thr.partition_A(s_vn))
         r_do = mma.make_fragment_A(thr.partition_A(s_do))
         r_h = mma.make_fragment_B(thr.partition_B(s_h))
         r_dh = mma.make_fragment_B(thr.partition_B(s_dh))
+        r_hA = mma.make_fragment_A(thr.partition_A(s_hA))
         o_q = cute.local_tile(dq, (BT, KH), (chunk, rank))
         o_k = cute.local_tile(dkh, (BT, KH), (chunk, rank))
         acc_q = cute.make_rmem_tensor(thr_c.partition_C(o_q).shape, cutlass.Float32)
         acc_k = cute.make_rmem_tensor(thr_c.partition_C(o_q).shape, cutlass.Float32)
+        acc_s = cute.make_rmem_tensor(thr_c.partition_C(o_q).shape, cutlass.Float32)
         acc_q.fill(0.0)
         acc_k.fill(0.0)
+        acc_s.fill(0.0)
         get = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
         done = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
         for v in cutlass.range_constexpr(NV):
@@ -362,6 +518,8 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
                 at = (None, None, kb, get.index)
                 cute.gemm(mma, acc_q, r_do[at], r_h[at], acc_q)
                 cute.gemm(mma, acc_k, r_vn[at], r_dh[at], acc_k)
+                if cutlass.const_expr(full):
+                    cute.gemm(mma, acc_s, r_hA[at], r_dh[at], acc_s)
             warpgroup.commit_group()
             get.advance()
             warpgroup.wait_group(1)  # the previous tile's products done: its stage released
@@ -369,12 +527,15 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
                 ring.consumer_release(done)
                 done.advance()
         warpgroup.wait_group(0)
-        thr_c.partition_C(o_q).store(acc_q.load())
-        thr_c.partition_C(o_k).store(acc_k.load())
+        if cutlass.const_expr(full):
+            _epi_k(thr_c, acc_q, acc_k, acc_s, o_q, o_k, chunk, rank, wtid, *ek)
+        else:
+            thr_c.partition_C(o_q).store(acc_q.load())
+            thr_c.partition_C(o_k).store(acc_k.load())
 
     @cute.jit
     def _sums_a(ring, mma, mma_t, s_dv, s_h, s_vb, s_v, s_At, s_dvb, dw, dv2, dAv, dbv, beta, part_ptr, abar,
-                chunk, rank, wtid):
+                chunk, rank, wtid, ea):
         """The warp-specialized build's second consumer: dw of this CTA's K half, and the V-side
         sums of its V tiles (dA's and db's partials, dv2)."""
         thr = mma.get_slice(0)
@@ -426,8 +587,9 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
                 ring.consumer_release(done)
                 done.advance()
         warpgroup.wait_group(0)
-        thr_c.partition_C(o_w).store(acc_w.load())
-        thr_c.partition_C(cute.local_tile(dAv, (BT, BT), (chunk * 2 + rank, 0))).store(acc_a.load())
+        if cutlass.const_expr(not full):
+            thr_c.partition_C(o_w).store(acc_w.load())
+            thr_c.partition_C(cute.local_tile(dAv, (BT, BT), (chunk * 2 + rank, 0))).store(acc_a.load())
         part = cute.make_tensor(part_ptr, cute.make_layout((BT, BV), stride=(BV, 1)))
         thr_tc.partition_C(part).store(prod.load())
         cute.arch.barrier(barrier_id=1, number_of_threads=128)  # this warpgroup's threads only
@@ -436,12 +598,17 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
             for j in cutlass.range(BV, unroll=8):
                 total += part[wtid, j]
             dbv[(chunk * 2 + rank) * BT + wtid] = total
+        if cutlass.const_expr(full):
+            cute.arch.barrier(barrier_id=1, number_of_threads=128)  # (part read before it is reused)
+            _epi_a(mma, mma_t, thr_c, acc_w, acc_a, s_At, chunk, rank, wtid, part, *ea)
 
     @cute.kernel
     def kernel_ws(tma_vn, vn_t, tma_do, do_t, tma_dv, dv_t, tma_h, h_t, tma_dh, dh_t, tma_v, v_t, tma_A, A_t,
-                  beta, dq, dkh, dw, dv2, dAv, dbv, mma: cute.TiledMma, mma_t: cute.TiledMma,
+                  beta, dq, dkh, dw, dv2, dAv, dbv, q, k, gc, beta2K, beta1, dg, dbk, dA_out,
+                  mma: cute.TiledMma, mma_t: cute.TiledMma,
                   a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout, bmn_smem: cute.ComposedLayout,
-                  a1: cute.ComposedLayout, at1: cute.ComposedLayout):
+                  a1: cute.ComposedLayout, at1: cute.ComposedLayout, b1: cute.ComposedLayout,
+                  bmn1: cute.ComposedLayout):
         tidx, _, _ = cute.arch.thread_idx()
         _, _, chunk = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -465,8 +632,16 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
             dh: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(b_smem)], 1024]
             v: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(a_smem)], 1024]
             At: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, BT * BT], 1024]
-            abar: cute.struct.MemRange[cutlass.Int64, 1]  # Akk's load
+            abar: cute.struct.MemRange[cutlass.Int64, 2]  # Akk's load, the peer's dA partial
             part: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, BT * BV], 128]  # db's row sums
+            # (full) kg and dw in bf16, dA's two staged products, dkgb, the first consumer's sums
+            # and the peer's dA partial (fp32)
+            kg: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, BT * KH if full else 8], 1024]
+            dwb: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, BT * KH if full else 8], 1024]
+            dAb: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, BT * BT if full else 8], 1024]
+            dkgb: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, BT * KH if full else 8], 128]
+            part_k: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, BT * KH if full else 8], 128]
+            xch: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, BT * BT if full else 8], 128]
 
         storage = SmemAllocator().allocate(Smem)
         # a stage is released by the 8 consumer warps of each of the 2 CTAs whose copies fill it
@@ -478,7 +653,11 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
         abar = storage.abar.data_ptr()
         if tidx == 0:
             cute.arch.mbarrier_init(abar, 1)
+            cute.arch.mbarrier_init(abar + 1, 1)
             cute.arch.mbarrier_init_fence()
+            if cutlass.const_expr(full):
+                if rank == 0:  # (the peer's bytes may land before this CTA waits: counted from here)
+                    cute.arch.mbarrier_arrive_and_expect_tx(abar + 1, BT * BT * 4)
         cute.arch.cluster_arrive_relaxed()
 
         s_vn = storage.vn.get_tensor(a_smem.outer, swizzle=a_smem.inner)
@@ -511,13 +690,24 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
             cute.arch.setmaxregister_decrease(40)
             if warp == 0:
                 _produce(ring, tma_A, A_t, s_A, abar, a_parts, b_parts, mask, chunk, tidx)
+        # (full) the epilogues' shared tensors: each [64, 64] tile in the layout its products read,
+        # and the same bytes in the other operand role where one is needed (their offsets agree)
+        s_hA = storage.h.get_tensor(a_smem.outer, swizzle=a_smem.inner)  # h as A (rows k, K = V)
+        f32 = cute.make_layout((BT, KH), stride=(KH, 1))
+        ek = (q, k, gc, beta2K, dg, dbk, storage.kg.get_tensor(a1.outer, swizzle=a1.inner)[(None, None, 0)],
+              cute.make_tensor(storage.part_k.data_ptr(), f32), cute.make_tensor(storage.dkgb.data_ptr(), f32))
+        ea = (storage.dwb.get_tensor(a1.outer, swizzle=a1.inner), storage.dwb.get_tensor(bmn1.outer, swizzle=bmn1.inner),
+              storage.kg.get_tensor(b1.outer, swizzle=b1.inner), cute.make_tensor(storage.dkgb.data_ptr(), f32),
+              cute.make_tensor(storage.xch.data_ptr(), f32), abar + 1, beta1,
+              storage.dAb.get_tensor(a1.outer, swizzle=a1.inner), storage.dAb.get_tensor(bmn1.outer, swizzle=bmn1.inner),
+              storage.At.get_tensor(b1.outer, swizzle=b1.inner), dA_out)
         if wg == 1:  # dq and dk_h over V
             cute.arch.setmaxregister_increase(232)
-            _sums_k(ring, mma, s_vn, s_do, s_h, s_dh, dq, dkh, chunk, rank, wtid)
+            _sums_k(ring, mma, s_vn, s_do, s_h, s_dh, dq, dkh, chunk, rank, wtid, s_hA, ek)
         if wg == 2:  # dw over V, and the V-side sums of this CTA's tiles
             cute.arch.setmaxregister_increase(232)
             _sums_a(ring, mma, mma_t, s_dv, s_h, s_vb, s_v, s_At, s_dvb, dw, dv2, dAv, dbv, beta,
-                    storage.part.data_ptr(), abar, chunk, rank, wtid)
+                    storage.part.data_ptr(), abar, chunk, rank, wtid, ea)
         cute.arch.cluster_arrive()
         cute.arch.cluster_wait()
 
@@ -525,7 +715,8 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
     def probe(h: cute.Tensor, dh: cute.Tensor, vn: cute.Tensor, do: cute.Tensor, dv: cute.Tensor,
               kg: cute.Tensor, dq: cute.Tensor, dkh: cute.Tensor, dw: cute.Tensor, dA: cute.Tensor,
               v: cute.Tensor, A: cute.Tensor, beta: cute.Tensor, dv2: cute.Tensor, dAv: cute.Tensor,
-              dbv: cute.Tensor, stream: cuda.CUstream):
+              dbv: cute.Tensor, q: cute.Tensor, k: cute.Tensor, gc: cute.Tensor, dg: cute.Tensor,
+              dbk: cute.Tensor, dA_out: cute.Tensor, stream: cuda.CUstream):
         k_major = LayoutEnum.ROW_MAJOR
         mma = sm90.make_trivial_tiled_mma(cutlass.BFloat16, cutlass.BFloat16, k_major.sm90_mma_major_mode(),
                                           k_major.sm90_mma_major_mode(), cutlass.Float32, (1, 1, 1),
@@ -542,6 +733,9 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
         a1 = sm90.make_smem_layout_a(k_major, tile, cutlass.BFloat16, 1)  # Akk's [r, s] tile: (M = r, K = s)
         at1 = sm90.make_smem_layout_a(mn_major, (BT, BV, BT), cutlass.BFloat16, 1)  # as A^T: (M = s, K = r)
         beta2 = cute.make_tensor(beta.iterator, cute.make_layout((cute.size(beta), BV), stride=(1, 0)))
+        beta2K = cute.make_tensor(beta.iterator, cute.make_layout((cute.size(beta), KH), stride=(1, 0)))
+        b1 = sm90.make_smem_layout_b(k_major, tile, cutlass.BFloat16, 1)  # a [64, 64] tile as B: (N, K = its columns)
+        bmn1 = sm90.make_smem_layout_b(mn_major, (BT, BV, BT), cutlass.BFloat16, 1)  # as B: (N = its columns, K = rows)
         # one atom a tensor: an atom carries its tensor's TMA descriptor (the first run reused
         # v_new's atom for do and dv and h's for dh, so it read v_new and h twice over)
         tma_vn, vn_t = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SMulticastOp(), vn, a_one, (BT, BV), 2)
@@ -555,7 +749,8 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
         nch = cute.size(vn, mode=[0]) // BT
         if cutlass.const_expr(ws):
             kernel_ws(tma_vn, vn_t, tma_do, do_t, tma_dv, dv_t, tma_h, h_t, tma_dh, dh_t, tma_v, v_t, tma_A, A_t,
-                      beta2, dq, dkh, dw, dv2, dAv, dbv, mma, mma_t, a_smem, b_smem, bmn_smem, a1, at1).launch(
+                      beta2, dq, dkh, dw, dv2, dAv, dbv, q, k, gc, beta2K, beta, dg, dbk, dA_out, mma, mma_t, a_smem,
+                      b_smem, bmn_smem, a1, at1, b1, bmn1).launch(
                 grid=(1, 2, nch), block=(384, 1, 1), cluster=(1, 2, 1), stream=stream)
         else:
             kernel(tma_vn, vn_t, tma_do, do_t, tma_dv, dv_t, tma_h, h_t, tma_dh, dh_t, tma_kg, kg_t, dq, dkh, dw, dA,
@@ -567,7 +762,8 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
 
 
 def compile_offline(nch: int = 4, K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True,
-                    exchange: bool = False, vside: bool = False, ws: bool = False, dump: str | None = None):
+                    exchange: bool = False, vside: bool = False, ws: bool = False, full: bool = False,
+                    dump: str | None = None):
     """Trace and compile for sm_90a on any machine with CuTe DSL (no GPU): the PTX and cubin
     land in ``dump`` (``CUTE_DSL_KEEP``)."""
     if dump:
@@ -581,14 +777,16 @@ def compile_offline(nch: int = 4, K: int = 128, V: int = 256, stages: int = 3, o
     args += [torch.zeros(nch * BT, K, **bf)] + [torch.zeros(nch * BT, K) for _ in range(3)] + [torch.zeros(nch * BT, BT)]
     args += [torch.zeros(nch * BT, V, **bf), torch.zeros(nch * BT, BT, **bf), torch.zeros(nch * BT),
              torch.zeros(nch * BT, V, **bf), torch.zeros(2 * nch * BT, BT), torch.zeros(2 * nch * BT)]
+    args += [torch.zeros(nch * BT, K, **bf), torch.zeros(nch * BT, K, **bf), torch.zeros(nch * BT, K),
+             torch.zeros(nch * BT, K), torch.zeros(2 * nch * BT), torch.zeros(nch * BT, BT)]
     import cuda.bindings.driver as cuda
 
     tensors = [from_dlpack(t, assumed_align=16) for t in args]
-    return cute.compile(build(K, V, stages, overlap, exchange, vside, ws), *tensors, cuda.CUstream(0))
+    return cute.compile(build(K, V, stages, overlap, exchange, vside, ws, full), *tensors, cuda.CUstream(0))
 
 
 def sm90_row(dump: str, stages: int = 3, overlap: bool = True, exchange: bool = False, vside: bool = False,
-             ws: bool = False) -> dict:
+             ws: bool = False, full: bool = False) -> dict:
     """What the offline build is: wgmma and TMA instructions in its PTX, and registers and
     spills from Triton's bundled ptxas (``-v``) on that PTX. CuTe DSL 4.8.1 writes PTX ISA 8.8
     and Triton 3.6's ptxas reads up to 8.7: the header is lowered for this count only (the
@@ -610,7 +808,7 @@ def sm90_row(dump: str, stages: int = 3, overlap: bool = True, exchange: bool = 
     regs = int(re.search(r"Used (\d+) registers", log).group(1))
     spills = [int(x) for x in re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log).groups()]
     return {"kind": "compile_sm90", "kernel": "b6_cute_probe", "stages": stages, "overlap": overlap,
-            "exchange": exchange, "vside": vside, "ws": ws, "registers": regs, "bulk_s2s": ptx.count("cp.async.bulk.shared::cluster.shared::cta"),
+            "exchange": exchange, "vside": vside, "ws": ws, "full": full, "registers": regs, "bulk_s2s": ptx.count("cp.async.bulk.shared::cluster.shared::cta"),
             "spill_stores": spills[0], "spill_loads": spills[1],
             "shared_ring": stages * ((4 if vside else 3) * BT * BV + 2 * KH * BV) * 2,
             "wgmma": ptx.count("wgmma.mma_async"),
@@ -647,8 +845,26 @@ def diagnose(got, lefts: dict, rights: dict, K: int, V: int) -> dict:
     return out
 
 
+def b6_want(q, k, gc, beta, Akk, h, dh, vn, do, dv, v, scale) -> dict:
+    """B6's outputs for the probe's chunk-heads from ``kernel_fun.kda.reference.wy_dqkg_bwd``
+    (fp32, fla's roundings): the chunk-heads as the chunks of one sequence of one head, so
+    q, k, gc [n * 64, K], beta [n * 64], Akk [n * 64, 64], h and dh [n * K, V], v_new, do,
+    dv and v [n * 64, V] map onto its [1, T, 1, ...] and [1, n, 1, K, V] layouts. Each
+    output as [n, 64, ...]."""
+    from kernel_fun.kda import reference as ref
+
+    n, K = q.shape[0] // BT, q.shape[1]
+    V = v.shape[1]
+    tok = lambda x: x.view(1, n * BT, 1, *x.shape[1:])  # noqa: E731
+    dq, dk, dv2, db, dg, dA = ref.wy_dqkg_bwd(tok(q), tok(k), tok(v), tok(vn), tok(gc), tok(beta), tok(Akk),
+                                                h.view(1, n, 1, K, V), tok(do), dh.view(1, n, 1, K, V), tok(dv), scale)
+    return {"dq": dq.view(n, BT, K), "dk": dk.view(n, BT, K), "dg": dg.view(n, BT, K),
+            "dv2": dv2.float().view(n, BT, V), "db": db.view(n, BT), "dA": dA.view(n, BT, BT)}
+
+
 def gpu_run(nch: int = 32768, K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True,
-            exchange: bool = False, vside: bool = False, ws: bool = False, reps: int = 20) -> dict:
+            exchange: bool = False, vside: bool = False, ws: bool = False, full: bool = False,
+            reps: int = 20) -> dict:
     """On a GPU: the probe's three sums against torch's on 64 chunk-heads (relative RMS),
     then its CUDA-event time at ``nch`` chunk-heads (32,768: prod8192_gate's) against the
     bytes it must move."""
@@ -672,10 +888,18 @@ def gpu_run(nch: int = 32768, K: int = 128, V: int = 256, stages: int = 3, overl
     dv2 = torch.full((nch * BT, V), float("nan"), **bf)
     dAv = torch.full((2 * nch * BT, BT), float("nan"), device="cuda")
     dbv = torch.full((2 * nch * BT,), float("nan"), device="cuda")
+    # (full) q and k as unit-scale rows, the chunk cumsum of a log2 decay of 0-0.1 a token
+    q, k = (torch.randn(nch * BT, K, generator=g, **bf) * K ** -0.5 for _ in range(2))
+    gc = -(torch.rand(nch, BT, K, generator=g, device="cuda") * 0.1).cumsum(1).view(nch * BT, K)
+    dg = torch.full((nch * BT, K), float("nan"), device="cuda")
+    dbk = torch.full((2 * nch * BT,), float("nan"), device="cuda")
+    dA_out = torch.full((nch * BT, BT), float("nan"), device="cuda")
     # (launched on torch's stream, so the events below bracket the kernel itself)
-    args = [from_dlpack(t, assumed_align=16) for t in (h, dh, vn, do, dv, kg, *outs, dA, v, Akk, beta, dv2, dAv, dbv)]
+    args = [from_dlpack(t, assumed_align=16) for t in (h, dh, vn, do, dv, kg, *outs, dA, v, Akk, beta, dv2, dAv, dbv,
+                                                       q, k, gc, dg, dbk, dA_out)]
     args.append(cuda.CUstream(torch.cuda.current_stream().cuda_stream))
-    run = cute.compile(build(K, V, stages, overlap, exchange, vside, ws), *args)
+    scale = K ** -0.5
+    run = cute.compile(build(K, V, stages, overlap, exchange, vside, ws, full, scale), *args)
     run(*args)
     torch.cuda.synchronize()
     n = min(nch, 64)
@@ -683,7 +907,21 @@ def gpu_run(nch: int = 32768, K: int = 128, V: int = 256, stages: int = 3, overl
     vns, dos, dvs = (x[: n * BT].float().view(n, BT, V) for x in (vn, do, dv))
     want = [dos @ hs.transpose(1, 2), vns @ dhs.transpose(1, 2), dvs @ hs.transpose(1, 2)]
     errors, diagnosis = {}, {}
+    if full:  # B6 whole: the package's reference stage (fp32, rounded where fla's B6 rounds)
+        wants = b6_want(q[: n * BT], k[: n * BT], gc[: n * BT], beta[: n * BT], Akk[: n * BT], h[: n * K],
+                        dh[: n * K], vn[: n * BT], do[: n * BT], dv[: n * BT], v[: n * BT], scale)
+        gots = {"dq": outs[0][: n * BT].view(n, BT, K), "dk": outs[1][: n * BT].view(n, BT, K),
+                "dg": dg[: n * BT].view(n, BT, K), "dv2": dv2[: n * BT].float().view(n, BT, V),
+                "db": (dbv[: 2 * n * BT].view(n, 2, BT) + dbk[: 2 * n * BT].view(n, 2, BT)).sum(1),
+                "dA": dA_out[: n * BT].view(n, BT, BT)}
+        for name, w in wants.items():
+            errors[name] = _rel(gots[name], w)
+            if not errors[name] < 1e-2 and gots[name].shape[-1] == K:  # by K half (CTA)
+                diagnosis[name] = [_rel(gots[name][..., j * KH:(j + 1) * KH], w[..., j * KH:(j + 1) * KH])
+                                   for j in range(2)]
     for name, got, w in zip(("dq", "dkh", "dw"), outs, want):
+        if full:
+            break
         got = got[: n * BT].view(n, BT, K)
         errors[name] = _rel(got, w)
         if not errors[name] < 1e-2:  # (NaN too) which operands and tiles it did sum
@@ -694,7 +932,7 @@ def gpu_run(nch: int = 32768, K: int = 128, V: int = 256, stages: int = 3, overl
         w = sum(dw16[..., j * KH:(j + 1) * KH] @ kgs[..., j * KH:(j + 1) * KH].transpose(1, 2) for j in range(2))
         got = dA[: n * BT].view(n, BT, BT)
         errors["dA"] = ((got - w).square().mean() / w.square().mean()).sqrt().item()
-    if vside:  # dvb = A^T dv, dv2 = beta dvb (bf16), dA's V part dv v^T, db's V part sum_j dvb v
+    if vside and not full:  # dvb = A^T dv, dv2 = beta dvb (bf16), dA's V part dv v^T, db's V part sum_j dvb v
         A_s, v_s = Akk[: n * BT].float().view(n, BT, BT), v[: n * BT].float().view(n, BT, V)
         dvb = A_s.transpose(1, 2) @ dvs
         wants = {"dv2": dvb * beta[: n * BT].view(n, BT, 1), "dAv": dvs @ v_s.transpose(1, 2),
@@ -731,11 +969,15 @@ def gpu_run(nch: int = 32768, K: int = 128, V: int = 256, stages: int = 3, overl
     moved = nch * ((2 * K * V + 3 * BT * V) * 2 + 3 * BT * K * 4)
     if vside:  # v and Akk read, dv2 written (bf16), the partials of dA and db (fp32)
         moved += nch * ((2 * BT * V + BT * BT) * 2 + 2 * BT * BT * 4 + 2 * BT * 4)
+    if full:  # B6's own traffic: h, dh, v_new, do, dv, v, Akk, q, k (bf16), g, beta in; dq, dk, dg, dA, db's
+        # four partials (fp32) and dv2 (bf16) out
+        moved = nch * ((2 * K * V + 4 * BT * V + BT * BT + 2 * BT * K + BT * V) * 2
+                       + (BT * K + BT + 3 * BT * K + BT * BT + 4 * BT) * 4)
     return {"kind": "gpu", "kernel": "b6_cute_probe", "chunk_heads": nch, "stages": stages, "overlap": overlap,
             "errors": errors,
-            "exchange": exchange, "vside": vside, "ws": ws, "diagnosis": diagnosis,
-            "finite": all(bool(torch.isfinite(o).all()) for o in outs + ([dA] if exchange else [])
-                          + ([dv2, dAv, dbv] if vside else [])),
+            "exchange": exchange, "vside": vside, "ws": ws, "full": full, "diagnosis": diagnosis,
+            "finite": all(bool(torch.isfinite(o).all()) for o in (outs[:2] if full else outs) + ([dA] if exchange else [])
+                          + ([dv2, dbv, dg, dbk, dA_out] if full else [dv2, dAv, dbv] if vside else [])),
             "ms": ms, "wall_ms": wall_ms, "bytes": moved,
             "TB_s": moved / ms / 1e9, "gpu": torch.cuda.get_device_name()}
 
@@ -748,24 +990,24 @@ def main(argv=None) -> int:
         import subprocess
 
         dump = argv[1] if len(argv) > 1 else "/tmp/b6_cute_probe"
-        for stages, overlap, exchange, vside, ws in BUILDS:
+        for stages, overlap, exchange, vside, ws, full in BUILDS:
             sub = os.path.join(dump, f"stages{stages}{'' if overlap else '-serial'}{'-exchange' if exchange else ''}"
-                               f"{'-vside' if vside else ''}{'-ws' if ws else ''}")
+                               f"{'-vside' if vside else ''}{'-ws' if ws else ''}{'-full' if full else ''}")
             os.makedirs(sub, exist_ok=True)
             for old in os.listdir(sub):
                 os.remove(os.path.join(sub, old))
             subprocess.run([sys.executable, "-m", "research.b6_cute_probe", "compile-one", str(stages),
-                            str(int(overlap)), str(int(exchange)), str(int(vside)), str(int(ws)), sub], check=True,
-                           stdout=subprocess.DEVNULL)
-            print(json.dumps(sm90_row(sub, stages, overlap, exchange, vside, ws)))
+                            str(int(overlap)), str(int(exchange)), str(int(vside)), str(int(ws)), str(int(full)), sub],
+                           check=True, stdout=subprocess.DEVNULL)
+            print(json.dumps(sm90_row(sub, stages, overlap, exchange, vside, ws, full)))
         return 0
     if argv[:1] == ["compile-one"]:
         compile_offline(stages=int(argv[1]), overlap=bool(int(argv[2])), exchange=bool(int(argv[3])),
-                        vside=bool(int(argv[4])), ws=bool(int(argv[5])), dump=argv[6])
+                        vside=bool(int(argv[4])), ws=bool(int(argv[5])), full=bool(int(argv[6])), dump=argv[7])
         return 0
     if argv[:1] == ["gpu"]:  # every build, or those whose indices in BUILDS follow
-        for stages, overlap, exchange, vside, ws in [BUILDS[int(i)] for i in argv[1:]] or BUILDS:
-            print(json.dumps(gpu_run(stages=stages, overlap=overlap, exchange=exchange, vside=vside, ws=ws)),
+        for stages, overlap, exchange, vside, ws, full in [BUILDS[int(i)] for i in argv[1:]] or BUILDS:
+            print(json.dumps(gpu_run(stages=stages, overlap=overlap, exchange=exchange, vside=vside, ws=ws, full=full)),
                   flush=True)
         return 0
     print(__doc__)

@@ -21,3 +21,51 @@ def test_the_diagnosis_names_what_each_half_summed():
     assert out["K half 1"]["finite"] == 1.0
     assert out["K half 0"]["nearest"] == "do h^T over tiles [0, 1, 2, 3]" and out["K half 0"]["error"] < 1e-6
     assert out["K half 0"]["finite"] < 1.0  # the NaN reported, the comparison made where finite
+
+
+def test_the_probe_s_decomposition_of_b6_is_the_reference_stage():
+    """The full build's split of B6 (what each consumer sums over V, what the epilogues add,
+    db as V and K parts, dA's two products after the pair's partials) written in torch, against
+    ``b6_want`` (the package's reference B6 on the probe's layout), which the GPU check uses."""
+    from research.b6_cute_probe import b6_want
+
+    n, K, V = 3, 128, 256
+    g = torch.Generator().manual_seed(1)
+    bf = lambda *s, scale=1.0: (torch.randn(*s, generator=g) * scale).bfloat16()  # noqa: E731
+    q, k = bf(n * BT, K, scale=K ** -0.5), bf(n * BT, K, scale=K ** -0.5)
+    gc = -(torch.rand(n, BT, K, generator=g) * 0.1).cumsum(1).view(n * BT, K)
+    beta, Akk = torch.rand(n * BT, generator=g), bf(n * BT, BT, scale=0.1)
+    h, dh = bf(n * K, V, scale=0.1), bf(n * K, V, scale=0.1)
+    vn, do, dv, v = (bf(n * BT, V) for _ in range(4))
+    scale = K ** -0.5
+    want = b6_want(q, k, gc, beta, Akk, h, dh, vn, do, dv, v, scale)
+
+    r16 = lambda x: x.bfloat16().float()  # noqa: E731
+    f = lambda x, *s: x.float().view(n, *s)  # noqa: E731
+    qs, ks, gs, bs = f(q, BT, K), f(k, BT, K), f(gc, BT, K), f(beta, BT, 1)
+    hs, dhs, At = f(h, K, V), f(dh, K, V), f(Akk, BT, BT).transpose(1, 2)
+    vns, dos, dvs, vs = (f(x, BT, V) for x in (vn, do, dv, v))
+    eg = torch.exp2(gs)
+    acc_q, acc_k, acc_s = dos @ hs.transpose(1, 2), vns @ dhs.transpose(1, 2), hs @ dhs.transpose(1, 2)
+    acc_w = dvs @ hs.transpose(1, 2)
+    dvb = At @ dvs
+    dq = acc_q * eg * scale
+    dk_h = acc_k * torch.exp2(gs[:, -1:] - gs)
+    kg = ks * eg
+    dw = r16(-acc_w)
+    dkgb = At @ dw
+    kdk = ks * dk_h
+    dg = qs * dq - kdk + kg * dkgb * bs
+    dg[:, -1] += torch.diagonal(acc_s, dim1=1, dim2=2) * torch.exp2(gs[:, -1]) + kdk.sum(1)
+    halves = [slice(0, 64), slice(64, 128)]
+    parts = [sum(dvs[..., t] @ vs[..., t].transpose(1, 2) for t in (slice(64 * j, 64 * j + 64),
+                                                                     slice(64 * j + 128, 64 * j + 192)))
+             + dw[..., c] @ r16(kg[..., c]).transpose(1, 2) for j, c in enumerate(halves)]
+    strict = torch.ones(BT, BT).tril(-1).bool()
+    d1 = r16(torch.where(strict, (parts[0] + parts[1]) * bs.transpose(1, 2), 0.0))
+    dA = torch.where(strict, -(At @ r16(d1 @ At)), 0.0)
+    db = (dvb * vs).sum(-1) + sum((dkgb[..., c] * kg[..., c]).sum(-1) for c in halves)
+    got = {"dq": dq, "dk": dk_h + dkgb * eg * bs, "dg": dg, "dv2": r16(dvb * bs), "db": db, "dA": dA}
+    for name, w in want.items():
+        err = ((got[name] - w).square().mean() / w.square().mean()).sqrt().item()
+        assert err < 1e-6, (name, err)  # the same arithmetic, summed in another order
