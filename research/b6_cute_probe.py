@@ -89,6 +89,80 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
     tile = (BT, KH, BV)  # (M, N, K) of each wgmma product: rows, channels, the V tile
     stage_bytes = ((4 if vside else 3) * BT * BV + 2 * KH * BV) * 2
 
+    def _smem_type(a_smem, b_smem):
+        """Both kernels' shared memory (a field a build does not use takes 8 elements)."""
+
+        @cute.struct
+        class Smem:
+            bars: cute.struct.MemRange[cutlass.Int64, stages * 2]
+            vn: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(a_smem)], 1024]
+            do: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(a_smem)], 1024]
+            dv: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(a_smem)], 1024]
+            h: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(b_smem)], 1024]
+            dh: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(b_smem)], 1024]
+            v: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(a_smem) if vside else 8], 1024]
+            At: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, BT * BT], 1024]  # the chunk's Akk
+            xbars: cute.struct.MemRange[cutlass.Int64, 3]  # kg's load, the peer's dA part, Akk's load
+            part: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, BT * BT], 128]  # sent / received; row sums
+            # (full) kg and dw in bf16, dA's two staged products, dkgb, the first consumer's sums
+            # and the peer's dA partial (fp32)
+            kg: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, BT * KH if full else 8], 1024]
+            dwb: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, BT * KH if full else 8], 1024]
+            dAb: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, BT * BT if full else 8], 1024]
+            dkgb: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, BT * KH if full else 8], 128]
+            part_k: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, BT * KH if full else 8], 128]
+            xch: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, BT * BT if full else 8], 128]
+
+        return Smem
+
+    def _stage_views(storage, a_smem, b_smem, bmn_smem, a1, at1):
+        """The ring's tiles and Akk's as the products read them: v_new, do, dv, h, dh; with
+        ``vside`` also v as an A and as a B operand, dv as the MN-major B operand of A^T dv,
+        Akk as read ([r, s]) and as A^T (MN-major A); else None for those. A [64, 64] tile lies
+        as rows of 64 contiguous values under one swizzle, so the same bytes serve either role
+        (offset r * 64 + j read as (M = r, K = j) or as (N = j, K = r))."""
+        ring = tuple(getattr(storage, n).get_tensor(lay.outer, swizzle=lay.inner)
+                     for n, lay in (("vn", a_smem), ("do", a_smem), ("dv", a_smem), ("h", b_smem), ("dh", b_smem)))
+        if not vside:
+            return ring + (None,) * 5
+        return ring + (storage.v.get_tensor(a_smem.outer, swizzle=a_smem.inner),
+                       storage.v.get_tensor(b_smem.outer, swizzle=b_smem.inner),
+                       storage.dv.get_tensor(bmn_smem.outer, swizzle=bmn_smem.inner),
+                       storage.At.get_tensor(a1.outer, swizzle=a1.inner),
+                       storage.At.get_tensor(at1.outer, swizzle=at1.inner))
+
+    def _ring(storage, consumer_warps):
+        """The ring of stages: filled by one thread's copies (``stage_bytes`` a stage, half of
+        the multicast ones from the peer), released by each consumer warp of both CTAs (each
+        CTA's copies fill both)."""
+        return pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.bars.data_ptr(), num_stages=stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 2 * consumer_warps),
+            tx_count=stage_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 2, 1)))
+
+    def _pair(rank):
+        """(this CTA's coordinate in the (1, 2, 1) cluster, the multicast mask to both CTAs)."""
+        cluster = cute.make_layout((1, 2, 1))  # (M, N, K): the two K halves side by side
+        coord = cluster.get_flat_coord(rank)
+        return coord, cute.make_layout_image_mask(cluster, coord, mode=1)
+
+    def _copy_parts(multicast, own, coord, chunk, rank):
+        """Each copy's (atom, shared part, global part): the ``multicast`` (atom, stage tensor,
+        TMA tensor) triples loaded half by each CTA of the pair for both, ``own`` this CTA's K
+        half's."""
+
+        def rows_tiles(t, row_tile, height):  # this chunk-head's tiles: (rows, V tile, tile index)
+            return cute.local_tile(t, (height, BV), (row_tile, None))
+
+        a_parts = [(atom, *cpasync.tma_partition(atom, coord[1], cute.make_layout(2), cute.group_modes(s, 0, 2),
+                                                 cute.group_modes(rows_tiles(t, chunk, BT), 0, 2)))
+                   for atom, s, t in multicast]
+        b_parts = [(atom, *cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2),
+                                                 cute.group_modes(rows_tiles(t, chunk * 2 + rank, KH), 0, 2)))
+                   for atom, s, t in own]
+        return a_parts, b_parts
+
     @cute.jit
     def _fill(ring, state, a_parts, b_parts, mask):
         """Warp 0: one stage's five copies (v_new, do and dv multicast to both CTAs, this
@@ -112,9 +186,7 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
         _, _, chunk = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-        cluster = cute.make_layout((1, 2, 1))  # (M, N, K): the two K halves side by side
-        coord = cluster.get_flat_coord(rank)
-        mask = cute.make_layout_image_mask(cluster, coord, mode=1)
+        coord, mask = _pair(rank)
 
         if warp == 0:
             for atom in (tma_vn, tma_do, tma_dv, tma_h, tma_dh):
@@ -123,26 +195,8 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
                 cpasync.prefetch_descriptor(tma_v)
                 cpasync.prefetch_descriptor(tma_A)
 
-        @cute.struct
-        class Smem:
-            bars: cute.struct.MemRange[cutlass.Int64, stages * 2]
-            vn: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(a_smem)], 1024]
-            do: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(a_smem)], 1024]
-            dv: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(a_smem)], 1024]
-            h: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(b_smem)], 1024]
-            dh: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(b_smem)], 1024]
-            v: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(a_smem) if vside else 8], 1024]
-            At: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, BT * BT], 1024]  # the chunk's Akk
-            xbars: cute.struct.MemRange[cutlass.Int64, 3]  # kg's load, the peer's dA part, Akk's load
-            part: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, BT * BT], 128]  # sent / received
-
-        storage = SmemAllocator().allocate(Smem)
-        # the consumers of a stage: this CTA's 4 warps, for each of the 2 CTAs whose copies fill it
-        ring = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.bars.data_ptr(), num_stages=stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 2 * 4),
-            tx_count=stage_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 2, 1)))
+        storage = SmemAllocator().allocate(_smem_type(a_smem, b_smem))
+        ring = _ring(storage, 4)  # the warpgroup's 4 warps consume
         xbar = storage.xbars.data_ptr()
         if cutlass.const_expr(exchange):
             if tidx == 0:
@@ -157,33 +211,11 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
                 cute.arch.mbarrier_init_fence()
         cute.arch.cluster_arrive_relaxed()
 
-        s_vn = storage.vn.get_tensor(a_smem.outer, swizzle=a_smem.inner)
-        s_do = storage.do.get_tensor(a_smem.outer, swizzle=a_smem.inner)
-        s_dv = storage.dv.get_tensor(a_smem.outer, swizzle=a_smem.inner)
-        s_h = storage.h.get_tensor(b_smem.outer, swizzle=b_smem.inner)
-        s_dh = storage.dh.get_tensor(b_smem.outer, swizzle=b_smem.inner)
-        if cutlass.const_expr(vside):
-            # v as a [64, 64] tile per stage in A's K-major layout: as dA's B operand (rows s,
-            # K = the V tile) that is B's K-major layout too, offset s * 64 + j either way;
-            # and dv's stage, offset r * 64 + j, is the MN-major B operand of A^T dv as it lies
-            s_v = storage.v.get_tensor(a_smem.outer, swizzle=a_smem.inner)
-            s_vb = storage.v.get_tensor(b_smem.outer, swizzle=b_smem.inner)
-            s_dvb = storage.dv.get_tensor(bmn_smem.outer, swizzle=bmn_smem.inner)
-            s_A = storage.At.get_tensor(a1.outer, swizzle=a1.inner)  # Akk's tile as read, [r, s]
-            s_At = storage.At.get_tensor(at1.outer, swizzle=at1.inner)  # the same bytes as A^T, MN-major
-
-        # this chunk-head's tiles: (rows, V tile, tile index along V)
-        def rows_tiles(t, row_tile, height):
-            return cute.local_tile(t, (height, BV), (row_tile, None))
-
-        half = cute.make_layout(2)
-        a_parts = [(atom, *cpasync.tma_partition(atom, coord[1], half, cute.group_modes(s, 0, 2),
-                                                 cute.group_modes(rows_tiles(t, chunk, BT), 0, 2)))
-                   for atom, s, t in [(tma_vn, s_vn, vn_t), (tma_do, s_do, do_t), (tma_dv, s_dv, dv_t)]
-                   + ([(tma_v, s_v, v_t)] if vside else [])]
-        b_parts = [(atom, *cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2),
-                                                 cute.group_modes(rows_tiles(t, chunk * 2 + rank, KH), 0, 2)))
-                   for atom, s, t in ((tma_h, s_h, h_t), (tma_dh, s_dh, dh_t))]
+        s_vn, s_do, s_dv, s_h, s_dh, s_v, s_vb, s_dvb, s_A, s_At = _stage_views(storage, a_smem, b_smem, bmn_smem, a1,
+                                                                                at1)
+        a_parts, b_parts = _copy_parts([(tma_vn, s_vn, vn_t), (tma_do, s_do, do_t), (tma_dv, s_dv, dv_t)]
+                                       + ([(tma_v, s_v, v_t)] if vside else []),
+                                       ((tma_h, s_h, h_t), (tma_dh, s_dh, dh_t)), coord, chunk, rank)
 
         thr = mma.get_slice(0)  # (the operands' partition: one for the warpgroup)
         thr_c = mma.get_slice(tidx)  # (the accumulators': each thread's own rows and columns)
@@ -405,6 +437,18 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
             dbk[(chunk * 2 + rank) * BT + wtid] = total
 
     @cute.jit
+    def _tile_product(tmma, s_a, s_b, acc):
+        """acc += the product of two single-stage [64, 64] operand tiles in shared memory, as
+        ``tmma`` reads them, issued and committed as one group (the caller waits on it)."""
+        thr = tmma.get_slice(0)
+        r_a = tmma.make_fragment_A(thr.partition_A(s_a))
+        r_b = tmma.make_fragment_B(thr.partition_B(s_b))
+        warpgroup.fence()
+        for kb in cutlass.range(cute.size(r_a, mode=[2]), unroll_full=True):
+            cute.gemm(tmma, acc, r_a[(None, None, kb, 0)], r_b[(None, None, kb, 0)], acc)
+        warpgroup.commit_group()
+
+    @cute.jit
     def _epi_a(mma, mma_t, thr_c, acc_w, acc_a, s_At, chunk, rank, wtid, part, s_dw, s_dwB, s_kgB, dkgb_s, xch,
                xbar, beta1, s_dAb, s_dAbB, s_AB, dA_out):
         """``full``, the second consumer after the V loop: dw = r(-(dv h^T)) into shared memory;
@@ -412,27 +456,15 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
         (this K half), CTA 1's sent into CTA 0's shared memory; on CTA 0 the sum, masked below
         the diagonal, times beta by column, rounded; r(. A^T); A^T .; negated below the
         diagonal into dA."""
-        thr = mma.get_slice(0)
-        thr_t = mma_t.get_slice(0)
         thr_tc = mma_t.get_slice(wtid)
         thr_c.partition_C(s_dw[(None, None, 0)]).store((acc_w.load() * -1.0).to(cutlass.BFloat16))
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=1, number_of_threads=128)
-        r_At = mma_t.make_fragment_A(thr_t.partition_A(s_At))
-        r_dwB = mma_t.make_fragment_B(thr_t.partition_B(s_dwB))
         acc_g = cute.make_rmem_tensor(acc_w.shape, cutlass.Float32)
         acc_g.fill(0.0)
-        warpgroup.fence()
-        for kb in cutlass.range(cute.size(r_At, mode=[2]), unroll_full=True):
-            cute.gemm(mma_t, acc_g, r_At[(None, None, kb, 0)], r_dwB[(None, None, kb, 0)], acc_g)
-        warpgroup.commit_group()
+        _tile_product(mma_t, s_At, s_dwB, acc_g)  # dkgb = A^T dw
         cute.arch.barrier(barrier_id=2, number_of_threads=256)  # kg written by the other consumer
-        r_dwA = mma.make_fragment_A(thr.partition_A(s_dw))
-        r_kgB = mma.make_fragment_B(thr.partition_B(s_kgB))
-        warpgroup.fence()
-        for kb in cutlass.range(cute.size(r_dwA, mode=[2]), unroll_full=True):
-            cute.gemm(mma, acc_a, r_dwA[(None, None, kb, 0)], r_kgB[(None, None, kb, 0)], acc_a)
-        warpgroup.commit_group()
+        _tile_product(mma, s_dw, s_kgB, acc_a)  # + dw kg^T
         warpgroup.wait_group(1)
         thr_tc.partition_C(dkgb_s).store(acc_g.load())
         cute.arch.barrier_arrive(barrier_id=3, number_of_threads=256)  # dkgb ready
@@ -459,26 +491,17 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
                 d1[r, c] = x.to(cutlass.BFloat16)
             cute.arch.fence_view_async_shared()
             cute.arch.barrier(barrier_id=1, number_of_threads=128)
-            r_d1 = mma.make_fragment_A(thr.partition_A(s_dAb))
-            r_AB = mma.make_fragment_B(thr.partition_B(s_AB))
             acc_2 = cute.make_rmem_tensor(acc_w.shape, cutlass.Float32)
             acc_2.fill(0.0)
-            warpgroup.fence()
-            for kb in cutlass.range(cute.size(r_d1, mode=[2]), unroll_full=True):
-                cute.gemm(mma, acc_2, r_d1[(None, None, kb, 0)], r_AB[(None, None, kb, 0)], acc_2)
-            warpgroup.commit_group()
+            _tile_product(mma, s_dAb, s_AB, acc_2)  # . A^T
             warpgroup.wait_group(0)
             cute.arch.barrier(barrier_id=1, number_of_threads=128)
             thr_c.partition_C(d1).store(acc_2.load().to(cutlass.BFloat16))  # r(dA1 A^T), as [r, t]
             cute.arch.fence_view_async_shared()
             cute.arch.barrier(barrier_id=1, number_of_threads=128)
-            r_d2 = mma_t.make_fragment_B(thr_t.partition_B(s_dAbB))
             acc_3 = cute.make_rmem_tensor(acc_w.shape, cutlass.Float32)
             acc_3.fill(0.0)
-            warpgroup.fence()
-            for kb in cutlass.range(cute.size(r_At, mode=[2]), unroll_full=True):
-                cute.gemm(mma_t, acc_3, r_At[(None, None, kb, 0)], r_d2[(None, None, kb, 0)], acc_3)
-            warpgroup.commit_group()
+            _tile_product(mma_t, s_At, s_dAbB, acc_3)  # A^T .
             warpgroup.wait_group(0)
             thr_tc.partition_C(part).store(acc_3.load())
             cute.arch.barrier(barrier_id=1, number_of_threads=128)
@@ -615,73 +638,28 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
         wg = warp // 4
         wtid = tidx % 128  # the thread within its warpgroup
         rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-        cluster = cute.make_layout((1, 2, 1))
-        coord = cluster.get_flat_coord(rank)
-        mask = cute.make_layout_image_mask(cluster, coord, mode=1)
+        coord, mask = _pair(rank)
         if warp == 0:
             for atom in (tma_vn, tma_do, tma_dv, tma_h, tma_dh, tma_v, tma_A):
                 cpasync.prefetch_descriptor(atom)
 
-        @cute.struct
-        class Smem:
-            bars: cute.struct.MemRange[cutlass.Int64, stages * 2]
-            vn: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(a_smem)], 1024]
-            do: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(a_smem)], 1024]
-            dv: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(a_smem)], 1024]
-            h: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(b_smem)], 1024]
-            dh: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(b_smem)], 1024]
-            v: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(a_smem)], 1024]
-            At: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, BT * BT], 1024]
-            abar: cute.struct.MemRange[cutlass.Int64, 2]  # Akk's load, the peer's dA partial
-            part: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, BT * BV], 128]  # db's row sums
-            # (full) kg and dw in bf16, dA's two staged products, dkgb, the first consumer's sums
-            # and the peer's dA partial (fp32)
-            kg: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, BT * KH if full else 8], 1024]
-            dwb: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, BT * KH if full else 8], 1024]
-            dAb: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, BT * BT if full else 8], 1024]
-            dkgb: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, BT * KH if full else 8], 128]
-            part_k: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, BT * KH if full else 8], 128]
-            xch: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, BT * BT if full else 8], 128]
-
-        storage = SmemAllocator().allocate(Smem)
-        # a stage is released by the 8 consumer warps of each of the 2 CTAs whose copies fill it
-        ring = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.bars.data_ptr(), num_stages=stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 2 * 8),
-            tx_count=stage_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 2, 1)))
-        abar = storage.abar.data_ptr()
+        storage = SmemAllocator().allocate(_smem_type(a_smem, b_smem))
+        ring = _ring(storage, 8)  # two consumer warpgroups
+        abar = storage.xbars.data_ptr() + 2  # Akk's load; the one before it, the peer's dA partial
         if tidx == 0:
             cute.arch.mbarrier_init(abar, 1)
-            cute.arch.mbarrier_init(abar + 1, 1)
+            cute.arch.mbarrier_init(abar - 1, 1)
             cute.arch.mbarrier_init_fence()
             if cutlass.const_expr(full):
                 if rank == 0:  # (the peer's bytes may land before this CTA waits: counted from here)
-                    cute.arch.mbarrier_arrive_and_expect_tx(abar + 1, BT * BT * 4)
+                    cute.arch.mbarrier_arrive_and_expect_tx(abar - 1, BT * BT * 4)
         cute.arch.cluster_arrive_relaxed()
 
-        s_vn = storage.vn.get_tensor(a_smem.outer, swizzle=a_smem.inner)
-        s_do = storage.do.get_tensor(a_smem.outer, swizzle=a_smem.inner)
-        s_dv = storage.dv.get_tensor(a_smem.outer, swizzle=a_smem.inner)
-        s_h = storage.h.get_tensor(b_smem.outer, swizzle=b_smem.inner)
-        s_dh = storage.dh.get_tensor(b_smem.outer, swizzle=b_smem.inner)
-        s_v = storage.v.get_tensor(a_smem.outer, swizzle=a_smem.inner)
-        s_vb = storage.v.get_tensor(b_smem.outer, swizzle=b_smem.inner)
-        s_dvb = storage.dv.get_tensor(bmn_smem.outer, swizzle=bmn_smem.inner)
-        s_A = storage.At.get_tensor(a1.outer, swizzle=a1.inner)
-        s_At = storage.At.get_tensor(at1.outer, swizzle=at1.inner)
-
-        def rows_tiles(t, row_tile, height):
-            return cute.local_tile(t, (height, BV), (row_tile, None))
-
-        half = cute.make_layout(2)
-        a_parts = [(atom, *cpasync.tma_partition(atom, coord[1], half, cute.group_modes(s, 0, 2),
-                                                 cute.group_modes(rows_tiles(t, chunk, BT), 0, 2)))
-                   for atom, s, t in [(tma_vn, s_vn, vn_t), (tma_do, s_do, do_t), (tma_dv, s_dv, dv_t),
-                                      (tma_v, s_v, v_t)]]
-        b_parts = [(atom, *cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2),
-                                                 cute.group_modes(rows_tiles(t, chunk * 2 + rank, KH), 0, 2)))
-                   for atom, s, t in ((tma_h, s_h, h_t), (tma_dh, s_dh, dh_t))]
+        s_vn, s_do, s_dv, s_h, s_dh, s_v, s_vb, s_dvb, s_A, s_At = _stage_views(storage, a_smem, b_smem, bmn_smem, a1,
+                                                                                at1)
+        a_parts, b_parts = _copy_parts([(tma_vn, s_vn, vn_t), (tma_do, s_do, do_t), (tma_dv, s_dv, dv_t),
+                                        (tma_v, s_v, v_t)], ((tma_h, s_h, h_t), (tma_dh, s_dh, dh_t)), coord, chunk,
+                                       rank)
         mma.set(warpgroup.Field.ACCUMULATE, True)
         mma_t.set(warpgroup.Field.ACCUMULATE, True)
         cute.arch.cluster_wait()
@@ -698,7 +676,7 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
               cute.make_tensor(storage.part_k.data_ptr(), f32), cute.make_tensor(storage.dkgb.data_ptr(), f32))
         ea = (storage.dwb.get_tensor(a1.outer, swizzle=a1.inner), storage.dwb.get_tensor(bmn1.outer, swizzle=bmn1.inner),
               storage.kg.get_tensor(b1.outer, swizzle=b1.inner), cute.make_tensor(storage.dkgb.data_ptr(), f32),
-              cute.make_tensor(storage.xch.data_ptr(), f32), abar + 1, beta1,
+              cute.make_tensor(storage.xch.data_ptr(), f32), abar - 1, beta1,
               storage.dAb.get_tensor(a1.outer, swizzle=a1.inner), storage.dAb.get_tensor(bmn1.outer, swizzle=bmn1.inner),
               storage.At.get_tensor(b1.outer, swizzle=b1.inner), dA_out)
         if wg == 1:  # dq and dk_h over V
