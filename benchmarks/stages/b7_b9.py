@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from benchmarks.stages.common import StageBench, qk_and_gate
+from kernel_fun.kda.problems import dt_bias_init
 
 # Beside the pin: 16-channel K slices (no spills, twice the programs) and 8 warps.
 SWEEP = (dict(BK=16, num_warps=4, num_stages=1), dict(BK=32, num_warps=8, num_stages=1))
@@ -59,7 +60,7 @@ def make_inputs(p, device, seed: int = 0) -> dict:
         dq=randn(B, T, HV, K, dtype=f32), dk=randn(B, T, HV, K, dtype=f32), db=randn(B, T, HV, dtype=f32),
         dg=randn(B, T, HV, K, dtype=f32), safe_gate=p.safe_gate,
         g=torch.randn(B, T, HV, K, generator=gen, device=device).bfloat16(), A_log=A_log,
-        dt_bias=dt + torch.log(-torch.expm1(-dt)), lower_bound=p.lower_bound,
+        dt_bias=dt_bias_init(dt, p.strong_gate), lower_bound=p.lower_bound,
         chunk_size=64, cu_seqlens=None, chunk_indices=None,
     )
 

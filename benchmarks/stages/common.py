@@ -56,6 +56,7 @@ def qk_and_gate(p: Problem, device, seed: int):
     Kimi-style gate (A_log, dt_bias initialised as Kimi-Linear does, or zero where
     ``p.strong_gate``; ``p.lower_bound``'s form where the problem has one)."""
     from kernel_fun.kda import reference as ref
+    from kernel_fun.kda.problems import dt_bias_init
 
     gen = torch.Generator(device=device).manual_seed(seed)
 
@@ -67,8 +68,7 @@ def qk_and_gate(p: Problem, device, seed: int):
     k = torch.nn.functional.normalize(randn(B, T, H, K, dtype=torch.float32), dim=-1).bfloat16()
     A_log = torch.log(torch.empty(HV, device=device).uniform_(1, 16, generator=gen))
     dt = torch.exp(torch.empty(HV * K, device=device).uniform_(-6.9, -2.3, generator=gen))
-    dt_bias = torch.zeros_like(dt) if p.strong_gate else dt + torch.log(-torch.expm1(-dt))
-    gc = ref.gate_cumsum(randn(B, T, HV, K), True, A_log, dt_bias, lower_bound=p.lower_bound)
+    gc = ref.gate_cumsum(randn(B, T, HV, K), True, A_log, dt_bias_init(dt, p.strong_gate), lower_bound=p.lower_bound)
     return randn, q, k, gc.contiguous()
 
 

@@ -351,9 +351,7 @@ def causal_conv1d(x, weight=None, bias=None, residual=None, initial_state=None, 
     """
     traced = isinstance(x, torch.Tensor) and (wants_operator(x) or env_flag("KERNEL_FUN_CCONV_OPS"))
     if cp_context is not None and weight is not None:
-        why = context_reason(cp_context, initial_state, output_final_state)
-        if why is None and traced:
-            why = "cp_context under torch.compile, export or a dispatch mode"
+        why = context_reason(cp_context, initial_state, output_final_state, traced)
         if why is None:  # the rank before's last tokens as the first sequence's initial state
             x3 = x if x.dim() == 3 else x.reshape(x.shape[0], x.shape[1], weight.shape[0])
             h0 = conv_cp.halo_state(x3, weight.shape[1], cp_context)

@@ -403,9 +403,7 @@ def _decide(args, kwargs, traced: bool = False, stacklevel: int = 4) -> tuple[_C
         return None, switch
     c = _bind(args, kwargs)
     if c.cp_context is not None:  # (its offsets already in the call: chunk_kda put them there)
-        why = cp.unsupported(c.cp_context, c)
-        if why is None and traced:
-            why = "cp_context under torch.compile, export or a dispatch mode"
+        why = cp.unsupported(c.cp_context, c, traced)
         if why is not None:
             return c, why
     _validate(c, stacklevel)  # (the warning's stack level: the caller of the caller's caller)

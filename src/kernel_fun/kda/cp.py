@@ -43,8 +43,9 @@ from kernel_fun import _fla as fla
 from kernel_fun.kda import reference as ref
 
 
-def context_reason(ctx, initial_state, output_final_state) -> str | None:
-    """Why an op's call with context ``ctx`` goes to fla, else None: what both ops check."""
+def context_reason(ctx, initial_state, output_final_state, traced: bool = False) -> str | None:
+    """Why an op's call with context ``ctx`` goes to fla, else None: what both ops check
+    (``traced``: the call is under torch.compile, export or a dispatch mode)."""
     layout = getattr(ctx, "layout", "contiguous")
     if layout not in ("contiguous", "zigzag"):
         return f"cp_context with layout={layout!r}"
@@ -54,16 +55,19 @@ def context_reason(ctx, initial_state, output_final_state) -> str | None:
         return "cp_context with an initial or final state (fla's own check)"
     if not dist.is_available() or not dist.is_initialized():
         return "cp_context without an initialized torch.distributed"
+    if traced:
+        return "cp_context under torch.compile, export or a dispatch mode"
     return None
 
 
-def unsupported(ctx, c) -> str | None:
-    """Why a ``chunk_kda`` call with context ``ctx`` goes to fla, else None (``c`` the bound call)."""
+def unsupported(ctx, c, traced: bool = False) -> str | None:
+    """Why a ``chunk_kda`` call with context ``ctx`` goes to fla, else None (``c`` the bound
+    call, ``traced`` as ``context_reason``'s)."""
     if c.use_graph:
         return "cp_context with use_graph"
     if c.return_intermediate_states:
         return "cp_context with return_intermediate_states"
-    return context_reason(ctx, c.initial_state, c.output_final_state)
+    return context_reason(ctx, c.initial_state, c.output_final_state, traced)
 
 
 def all_gather(summary: torch.Tensor, group) -> torch.Tensor:

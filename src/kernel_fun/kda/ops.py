@@ -5,11 +5,12 @@ fake tensors, export.
 backward chain (``kernel_fun.kda.chain``), the second registered as the first's autograd
 formula. Packed calls other than fla 0.6's capacity-shaped ones take the same pair under
 other names, ``_fwd_packed`` / ``_bwd_packed``, tagged ``cudagraph_unsafe``: their chunk
-count is the offsets' data, so CUDA-graph trees run them between their graphs. Everything that crosses between them is a tensor or a constant: the call's flags
-as one integer (``FLAG_NAMES``' bits), ``scale``, ``lower_bound``; the forward returns
-a fixed list of tensors (``OUTPUTS``: o, the final state, h, then what the backward reads),
-an absent one as a size-0 placeholder, and each operator's fake implementation gives every
-output's shape, dtype and strides from the inputs' metadata and the flags alone. Which
+count is the offsets' data, so CUDA-graph trees run them between their graphs. Everything
+that crosses between them is a tensor or a constant: the call's flags as one integer
+(``FLAG_NAMES``' bits), ``scale``, ``lower_bound``; the forward returns a fixed list of
+tensors (``OUTPUTS``: o, the final state, h, then what the backward reads), an absent one
+as a size-0 placeholder, and each operator's fake implementation gives every output's
+shape, dtype and strides from the inputs' metadata and the flags alone. Which
 implementation runs each stage is decided inside, when the operator runs (the dispatcher
 of ``kernel_fun.kda.stages``, as in eager mode): it never changes an output's shape, so the
 fake implementation need not know it, and a compiled model follows ``use_impls``, the

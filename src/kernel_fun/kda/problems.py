@@ -109,6 +109,12 @@ STAGE_SHAPES["prod8192_strong"] = dataclasses.replace(SHAPES["prod8192_gate"], n
 STAGE_SHAPES["grid1024_strong"] = dataclasses.replace(STAGE_SHAPES["grid1024"], name="grid1024_strong", strong_gate=True)
 
 
+def dt_bias_init(dt: torch.Tensor, strong_gate: bool = False) -> torch.Tensor:
+    """dt_bias as Kimi-Linear initialises it from a draw of dt (dt's inverse softplus), or
+    zeros with ``strong_gate`` (``Problem.strong_gate``)."""
+    return torch.zeros_like(dt) if strong_gate else dt + torch.log(-torch.expm1(-dt))
+
+
 def problem(name: str) -> Problem:
     """The named problem: a bench shape (``SHAPES``) or a stage shape (``STAGE_SHAPES``)."""
     if name in SHAPES:
@@ -136,9 +142,9 @@ def make_inputs(p: Problem, device="cpu", seed: int = 0, requires_grad: bool = T
     if p.gate_in_kernel:
         kwargs["g"] = randn(B, T, HV, K)
         kwargs["A_log"] = torch.log(torch.empty(HV).uniform_(1, 16, generator=gen)).to(device)
-        # Mamba/Kimi-style init: dt log-uniform in [1e-3, 1e-1], dt_bias its inverse softplus.
+        # Mamba/Kimi-style init: dt log-uniform in [1e-3, 1e-1]
         dt = torch.exp(torch.empty(HV * K).uniform_(math.log(1e-3), math.log(1e-1), generator=gen))
-        kwargs["dt_bias"] = torch.zeros_like(dt).to(device) if p.strong_gate else (dt + torch.log(-torch.expm1(-dt))).to(device)
+        kwargs["dt_bias"] = dt_bias_init(dt, p.strong_gate).to(device)
     else:
         kwargs["g"] = (F.logsigmoid(torch.randn(B, T, HV, K, generator=gen)) / 16).to(device=device, dtype=p.dtype)
     if p.beta_sigmoid_in_kernel:

@@ -49,7 +49,7 @@ import triton.language as tl
 from kernel_fun._triton import GUARD_SPAN, chunk_coords, config_over, dot3, prefetch_rows, to
 
 @triton.jit
-def gate_bwd(st, n_t, dy, g_raw, dt_bias, dg_out, A, lower_bound, o_k, m_k,
+def _gate_bwd(st, n_t, dy, g_raw, dt_bias, dg_out, A, lower_bound, o_k, m_k,
               HV: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr,
               USE_LOWER_BOUND: tl.constexpr):
     """B9 on rows st .. st + BC - 1 (the kernel passes the whole chunk): dy (d loss / d
@@ -210,7 +210,7 @@ def intra_bwd_kernel(
         A = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
         if HAS_BIAS:
             dt_bias += i_hv * K
-        da, dbias = gate_bwd(0, n_t, b_dg, g_raw + off, dt_bias, dg2 + off, A, lower_bound, o_k, m_k, HV, K, BT,
+        da, dbias = _gate_bwd(0, n_t, b_dg, g_raw + off, dt_bias, dg2 + off, A, lower_bound, o_k, m_k, HV, K, BT,
                               HAS_BIAS, USE_LOWER_BOUND)
         tl.store(dA_part + (i_k * NT_ALL + i_tg) * HV + i_hv, da)
         if HAS_BIAS:
