@@ -122,11 +122,15 @@ def ptxas_numbers(log: str) -> dict:
         m = re.search(pattern, log)
         return int(m.group(1)) if m else 0
 
+    notes = {}  # ptxas's notes on lost speed: wgmmas serialised (C7514/C7515), a wait (C7517) or fence (C7519) added
+    for code in re.findall(r"\((C75\d\d)\)", log):
+        notes[code] = notes.get(code, 0) + 1
     return {
         "registers": grab(r"Used (\d+) registers"),
         "spill_stores": grab(r"(\d+) bytes spill stores"),
         "spill_loads": grab(r"(\d+) bytes spill loads"),
         "stack": grab(r"(\d+) bytes stack frame"),
+        "ptxas_notes": notes,
     }
 
 

@@ -1,7 +1,12 @@
 """B6's V loop as a 2-CTA cluster in CuTe DSL (sm_90a): the first steps of the cluster design
 in docs/log/bwd-fused.md. Not registered. Run twice on an H100 with defects each time (the
 accumulators stored through one thread's slice; then one TMA atom reused for three tensors,
-so it read v_new for do and dv): both fixed, compiled offline, not yet re-run.
+so it read v_new for do and dv): both fixed, compiled offline, not yet re-run. Since then
+every build compiles without spills and without ptxas's notes that cost speed: the
+warp-specialized builds had their setmaxnreg dropped (no .minnctapersm, so ptxas could not
+know the register count at entry) and every wgmma serialised (accumulators zeroed by stores
+the compiler sank past the fence; a branch between a group's wgmmas; an accumulator read
+while a later group ran, inside the loop over chunk-heads).
 
 A chunk-head is one cluster of two CTAs, CTA j owning channels 64j..64j+63 of K=128. Per V
 tile of 64, the tiles both CTAs need -- v_new, do and dv ([64, 64] bf16 at the chunk's rows)
@@ -24,7 +29,9 @@ per tile with ``dv2 = beta dvb`` written in bf16, and db's V part, the row sums 
 With ``ws`` as well, those sums warp-specialized: a producer warpgroup (one warp issuing
 every copy, 40 registers) and two consumer warpgroups (232 each), one for dq and dk_h, one
 for dw and the V-side sums, both releasing every stage. With ``full`` as well, the whole of
-B6 on that split (``_epi_k``, ``_epi_a``), checked against the package's reference B6.
+B6 on that split (``_epi_k``, ``_epi_a``), checked against the package's reference B6. With
+``persist`` as well, that build as one cluster a pair of SMs looping over chunk-heads, the
+ring running on across them so the next chunk-head's loads overlap the last one's epilogues.
 
 What the probe answers on a GPU: whether the cluster's V loop runs near its traffic floor
 with the V side read once for both K halves (the Gluon probe read it twice, once a CTA, or
@@ -46,15 +53,17 @@ import sys
 
 BT, KH, BV = 64, 64, 64  # chunk rows, a CTA's K half, the V tile
 # (ring stages, two tiles' products in flight, dA's K-contracted part exchanged, B6's V-side
-# sums, warp-specialized, the whole of B6): compiled and timed
-BUILDS = ((2, True, False, False, False, False), (3, True, False, False, False, False),
-          (3, False, False, False, False, False), (2, True, True, False, False, False),
-          (2, True, False, True, False, False), (3, True, False, True, True, False), (4, True, False, True, True, False),
-          (2, True, False, True, True, True))
+# sums, warp-specialized, the whole of B6, persistent): compiled and timed
+BUILDS = ((2, True, False, False, False, False, False), (3, True, False, False, False, False, False),
+          (3, False, False, False, False, False, False), (2, True, True, False, False, False, False),
+          (2, True, False, True, False, False, False), (3, True, False, True, True, False, False),
+          (4, True, False, True, True, False, False), (2, True, False, True, True, True, False),
+          (2, True, False, True, True, True, True))
 
 
 def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exchange: bool = False,
-          vside: bool = False, ws: bool = False, full: bool = False, scale: float = 128 ** -0.5):
+          vside: bool = False, ws: bool = False, full: bool = False, persist: bool = False,
+          scale: float = 128 ** -0.5, clusters: int = 66):
     """The probe's host function (a ``cute.jit``), for K = 2 KH and V a multiple of BV.
     ``overlap``: a tile's stage is released once the next tile's products are issued (the
     wgmmas of two tiles in flight); else each tile's products are waited for at once.
@@ -72,7 +81,13 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
     db and dv2 (dw and the V-side sums), 232 registers each, every stage released by both.
     ``full`` (with ``ws``): the whole of B6 for a chunk-head, the sums' epilogues on each
     consumer (``_epi_k``, ``_epi_a``): dq, dk and dg of the K half, dA on CTA 0 after the
-    pair's partials are exchanged, db as four partials (each CTA's V and K parts), dv2."""
+    pair's partials are exchanged, db as four partials (each CTA's V and K parts), dv2.
+    ``persist`` (with ``full``): ``clusters`` clusters, each taking chunk-heads in turn, the
+    ring running on across them (the producer streams the next chunk-head's tiles while the
+    consumers finish the last one's epilogues); Akk in two slots, each with a full and an
+    empty barrier; the consumers' hand-offs (kg, dkgb) each handed back by a named barrier;
+    the pair's dA exchange armed again on CTA 0 after each read, CTA 1 sending the next
+    partial only after CTA 0's remote arrive says the last one was read."""
     import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
@@ -81,13 +96,47 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
     from cutlass.memory import SmemAllocator
     from cutlass.tensor_utils import LayoutEnum
     from cutlass.cute.nvgpu import cpasync, warpgroup
+    from cutlass._mlir.dialects.nvvm import MemScopeKind
+
+    CLUSTER = MemScopeKind.CLUSTER
 
     assert K == 2 * KH and V % BV == 0
     assert not ws or (vside and not exchange)
     assert not full or ws
+    assert not persist or full
+    NA = 2 if persist else 1  # Akk's slots
     NV = V // BV
+    assert not vside or NV % 2 == 0  # (each CTA of the pair has V tiles, the first at v = rank)
     tile = (BT, KH, BV)  # (M, N, K) of each wgmma product: rows, channels, the V tile
     stage_bytes = ((4 if vside else 3) * BT * BV + 2 * KH * BV) * 2
+
+    class _Mma:
+        """A tiled MMA as two, their accumulate field set once at the kernel's top: ``acc``
+        adds to the accumulator, ``fresh`` overwrites it (the wgmma's scale-d off). (Setting
+        the field inside a dynamic branch defines the MMA's value there, and no use after the
+        branch may take it.) Partitions and fragments come from ``acc``."""
+
+        def __init__(self, acc, fresh):
+            acc.set(warpgroup.Field.ACCUMULATE, True)
+            fresh.set(warpgroup.Field.ACCUMULATE, False)
+            self.acc, self.fresh = acc, fresh
+
+        def __getattr__(self, name):
+            return getattr(self.acc, name)
+
+    def _mac(tmma, acc, a, b, fresh):
+        """acc += a b, one wgmma; or, ``fresh``, acc = a b. Never zero an accumulator by
+        storing to it: the compiler may sink those stores between the wgmma fence and the
+        wgmma, and ptxas then serialises every wgmma of the function (C7514/C7515) or waits
+        on the group before (C7517)."""
+        cute.gemm(tmma.fresh if fresh else tmma.acc, acc, a, b, acc)
+
+    def _sums(tmma, terms):
+        """Products over one tile's K blocks, interleaved by block: for each (acc, a, b, first)
+        term, acc += a b (acc = a b where ``first``), a and b the stage's fragments."""
+        for kb in range(cute.size(terms[0][1], mode=[2])):
+            for acc, a, b, first in terms:
+                _mac(tmma, acc, a[(None, None, kb)], b[(None, None, kb)], first and kb == 0)
 
     def _smem_type(a_smem, b_smem):
         """Both kernels' shared memory (a field a build does not use takes 8 elements)."""
@@ -101,8 +150,9 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
             h: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(b_smem)], 1024]
             dh: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(b_smem)], 1024]
             v: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(a_smem) if vside else 8], 1024]
-            At: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, BT * BT], 1024]  # the chunk's Akk
-            xbars: cute.struct.MemRange[cutlass.Int64, 3]  # kg's load, the peer's dA part, Akk's load
+            At: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, BT * BT * NA], 1024]  # the chunk's Akk
+            # kg's load, the peer's dA part, Akk's slots full and empty, the sent dA part read
+            xbars: cute.struct.MemRange[cutlass.Int64, 7]
             part: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, BT * BT], 128]  # sent / received; row sums
             # (full) kg and dw in bf16, dA's two staged products, dkgb, the first consumer's sums
             # and the peer's dA partial (fp32)
@@ -164,25 +214,26 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
         return a_parts, b_parts
 
     @cute.jit
-    def _fill(ring, state, a_parts, b_parts, mask):
-        """Warp 0: one stage's five copies (v_new, do and dv multicast to both CTAs, this
-        CTA's h and dh), on the stage's barrier, each through its own tensor's TMA atom (an
-        atom holds its tensor's descriptor: the partitions give coordinates only)."""
+    def _fill(ring, state, a_parts, b_parts, mask, v):
+        """Warp 0: V tile v's copies into the next stage (v_new, do and dv multicast to both
+        CTAs, this CTA's h and dh), on the stage's barrier, each through its own tensor's TMA
+        atom (an atom holds its tensor's descriptor: the partitions give coordinates only)."""
         ring.producer_acquire(state)
         bar = ring.producer_get_barrier(state)
         for atom, s_part, g_part in a_parts:
-            cute.copy(atom, g_part[(None, state.count)], s_part[(None, state.index)], tma_bar_ptr=bar,
-                      mcast_mask=mask)
+            cute.copy(atom, g_part[(None, v)], s_part[(None, state.index)], tma_bar_ptr=bar, mcast_mask=mask)
         for atom, s_part, g_part in b_parts:
-            cute.copy(atom, g_part[(None, state.count)], s_part[(None, state.index)], tma_bar_ptr=bar)
+            cute.copy(atom, g_part[(None, v)], s_part[(None, state.index)], tma_bar_ptr=bar)
         ring.producer_commit(state)
 
     @cute.kernel
     def kernel(tma_vn, vn_t, tma_do, do_t, tma_dv, dv_t, tma_h, h_t, tma_dh, dh_t, tma_kg, kg_t, dq, dkh, dw, dA,
                tma_v, v_t, tma_A, A_t, beta, dv2, dAv, dbv, mma: cute.TiledMma, mma_t: cute.TiledMma,
+               mma_z: cute.TiledMma, mma_tz: cute.TiledMma,
                a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout, bmn_smem: cute.ComposedLayout,
                a1: cute.ComposedLayout, at1: cute.ComposedLayout):
         tidx, _, _ = cute.arch.thread_idx()
+        mma, mma_t = _Mma(mma, mma_z), _Mma(mma_t, mma_tz)
         _, _, chunk = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
@@ -226,9 +277,6 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
         acc_q = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
         acc_k = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
         acc_w = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
-        acc_q.fill(0.0)
-        acc_k.fill(0.0)
-        acc_w.fill(0.0)
         if cutlass.const_expr(vside):
             thr_t = mma_t.get_slice(0)
             thr_tc = mma_t.get_slice(tidx)
@@ -236,7 +284,6 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
             r_dvb = mma_t.make_fragment_B(thr_t.partition_B(s_dvb))
             r_vb = mma.make_fragment_B(thr.partition_B(s_vb))
             acc_a = cute.make_rmem_tensor(acc_shape, cutlass.Float32)  # dA's V part, this CTA's tiles
-            acc_a.fill(0.0)
             acc_b = cute.make_rmem_tensor(thr_tc.partition_C(outs[0]).shape, cutlass.Float32)  # a tile's dvb
             prod = cute.make_rmem_tensor(thr_tc.partition_C(outs[0]).shape, cutlass.Float32)  # sum of dvb * v
             prod.fill(0.0)
@@ -255,41 +302,40 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
 
         if warp == 0:
             for _ in cutlass.range(min(stages, NV), unroll=1):
-                _fill(ring, put, a_parts, b_parts, mask)
+                _fill(ring, put, a_parts, b_parts, mask, put.count)
                 put.advance()
-        mma.set(warpgroup.Field.ACCUMULATE, True)
         if cutlass.const_expr(vside):
             cute.arch.mbarrier_wait(xbar + 2, 0)
         done = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
         for v in cutlass.range_constexpr(NV):  # (unrolled: NV is 4 at V=256)
             ring.consumer_wait(get)
-            mine = False
+            at = (None, None, None, get.index)
+            terms = [(acc_q, r_do[at], r_h[at], v == 0), (acc_k, r_vn[at], r_dh[at], v == 0),
+                     (acc_w, r_dv[at], r_h[at], v == 0)]
             if cutlass.const_expr(vside):
-                mine = rank == v % 2
-                if mine:  # dvb = A^T dv first, its own group, so its epilogue runs under the rest
+                if rank == v % 2:  # (each branch whole, its fence in it: a branch between wgmmas makes
+                    # each its own group, and ptxas adds a fence where the branch lacks one)
+                    # dvb = A^T dv first, its own group, so its epilogue runs under the rest; and dA's
+                    # V part, whose first tile on this CTA is v = rank
                     warpgroup.fence()
-                    mma_t.set(warpgroup.Field.ACCUMULATE, False)
-                    for kb in cutlass.range(cute.size(r_At, mode=[2]), unroll_full=True):
-                        cute.gemm(mma_t, acc_b, r_At[(None, None, kb, 0)], r_dvb[(None, None, kb, get.index)], acc_b)
-                        mma_t.set(warpgroup.Field.ACCUMULATE, True)
+                    _sums(mma_t, [(acc_b, r_At[(None, None, None, 0)], r_dvb[at], True)])
                     warpgroup.commit_group()
-            warpgroup.fence()
-            for kb in cutlass.range(cute.size(r_vn, mode=[2]), unroll_full=True):
-                at = (None, None, kb, get.index)
-                cute.gemm(mma, acc_q, r_do[at], r_h[at], acc_q)
-                cute.gemm(mma, acc_k, r_vn[at], r_dh[at], acc_k)
-                cute.gemm(mma, acc_w, r_dv[at], r_h[at], acc_w)
-                if cutlass.const_expr(vside):
-                    if mine:
-                        cute.gemm(mma, acc_a, r_dv[at], r_vb[at], acc_a)
-            warpgroup.commit_group()
-            if cutlass.const_expr(vside):
-                if mine:  # dvb done (the group before), this tile's sums still running
-                    warpgroup.wait_group(1)
+                    warpgroup.fence()
+                    _sums(mma, terms + [(acc_a, r_dv[at], r_vb[at], v < 2)])
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(1)  # dvb done, this tile's sums still running
                     tile_out = thr_tc.partition_C(cute.local_tile(dv2, (BT, BV), (chunk, v)))
                     tile_out.store((acc_b.load() * beta_rows.load()).to(cutlass.BFloat16))
                     v_here = thr_tc.partition_C(s_v[(None, None, get.index)]).load().to(cutlass.Float32)
                     prod.store(prod.load() + acc_b.load() * v_here)
+                else:
+                    warpgroup.fence()
+                    _sums(mma, terms)
+                    warpgroup.commit_group()
+            else:
+                warpgroup.fence()
+                _sums(mma, terms)
+                warpgroup.commit_group()
             get.advance()
             # a stage is refilled only after this CTA released it: warp 0 is a consumer too, and
             # waiting there for a release it has yet to make would stall the warpgroup's wgmmas
@@ -299,14 +345,14 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
                     ring.consumer_release(done)
                     done.advance()
                     if warp == 0 and put.count < NV:
-                        _fill(ring, put, a_parts, b_parts, mask)
+                        _fill(ring, put, a_parts, b_parts, mask, put.count)
                         put.advance()
             else:
                 warpgroup.wait_group(0)
                 ring.consumer_release(done)
                 done.advance()
                 if warp == 0 and put.count < NV:
-                    _fill(ring, put, a_parts, b_parts, mask)
+                    _fill(ring, put, a_parts, b_parts, mask, put.count)
                     put.advance()
         warpgroup.wait_group(0)
 
@@ -340,10 +386,8 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
             cute.arch.sync_threads()
             cute.arch.mbarrier_wait(xbar, 0)
             acc_p = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
-            acc_p.fill(0.0)
             warpgroup.fence()
-            for kb in cutlass.range(cute.size(r_dv, mode=[2]), unroll_full=True):
-                cute.gemm(mma, acc_p, r_dv[(None, None, kb, 0)], r_h[(None, None, kb, 0)], acc_p)
+            _sums(mma, [(acc_p, r_dv[(None, None, None, 0)], r_h[(None, None, None, 0)], True)])
             warpgroup.commit_group()
             warpgroup.wait_group(0)
             part = cute.make_tensor(storage.part.data_ptr(), cute.make_layout((BT, BT), stride=(BT, 1)))
@@ -364,27 +408,38 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
         cute.arch.cluster_wait()
 
     @cute.jit
-    def _produce(ring, tma_A, A_t, s_A, abar, a_parts, b_parts, mask, chunk, tidx):
-        """The warp-specialized build's producer warp: Akk once, then every V tile's stage."""
-        if tidx == 0:
-            cute.arch.mbarrier_arrive_and_expect_tx(abar, BT * BT * 2)
-        a_s, a_g = cpasync.tma_partition(tma_A, 0, cute.make_layout(1), cute.group_modes(s_A, 0, 2),
-                                         cute.group_modes(cute.local_tile(A_t, (BT, BT), (chunk, None)), 0, 2))
-        cute.copy(tma_A, a_g[(None, 0)], a_s[(None, 0)], tma_bar_ptr=abar)
+    def _produce(ring, tma_A, A_t, s_A, abar, multicast, own, coord, mask, rank, first, step, nch, tidx):
+        """The warp-specialized build's producer warp: per chunk-head of this cluster's (first,
+        first + step, ...), its Akk into the next of the NA slots (once the epilogue NA
+        chunk-heads back has released it), then its V tiles' stages, the ring's state running
+        on across chunk-heads."""
         put = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
-        for _ in cutlass.range(NV, unroll=1):
-            _fill(ring, put, a_parts, b_parts, mask)
-            put.advance()
+        for it in cutlass.range((nch - first + step - 1) // step, unroll=1):
+            chunk = first + it * step
+            slot = it % NA
+            if it >= NA:  # (persist) the slot's last Akk read: released by that chunk-head's epilogue
+                cute.arch.mbarrier_wait(abar + 2 + slot, (it // NA - 1) % 2)
+            if tidx == 0:
+                cute.arch.mbarrier_arrive_and_expect_tx(abar + slot, BT * BT * 2)
+            a_s, a_g = cpasync.tma_partition(tma_A, 0, cute.make_layout(1), cute.group_modes(s_A, 0, 2),
+                                             cute.group_modes(cute.local_tile(A_t, (BT, BT), (chunk, None)), 0, 2))
+            cute.copy(tma_A, a_g[(None, 0)], a_s[(None, slot)], tma_bar_ptr=abar + slot)
+            a_parts, b_parts = _copy_parts(multicast, own, coord, chunk, rank)
+            for v in cutlass.range(NV, unroll=1):
+                _fill(ring, put, a_parts, b_parts, mask, v)
+                put.advance()
 
     @cute.jit
-    def _epi_k(thr_c, acc_q, acc_k, acc_s, o_q, o_k, chunk, rank, wtid, q, k, gc, beta2K, dg, dbk, s_kg, part_k,
-               dkgb_s):
+    def _epi_k(thr_c, acc_q, acc_k, acc_s, o_q, o_k, chunk, rank, wtid, it, more, q, k, gc, beta2K, dg, dbk, s_kg,
+               part_k, dkgb_s):
         """``full``, the first consumer after the V loop (K half j, chunk rows r): dq = (do h^T)
         exp2(g) scale; dk_h = (v_new dh^T) exp2(g_last - g); kg = k exp2(g) (bf16, to shared
         memory for dw kg^T); then, with dkgb = A^T dw from the other consumer, dk = dk_h +
         dkgb exp2(g) beta, dg = q dq - k dk_h + kg dkgb beta and, on the last row, + the sum
         over V of h dh (exp2(g_last)) + the column sums of k dk_h; and db's K part, the row
-        sums of dkgb kg."""
+        sums of dkgb kg. (``persist``: kg is written once the other consumer has handed the
+        last one back, and dkgb handed back once read; ``it`` counts this CTA's chunk-heads,
+        ``more`` says another follows.)"""
         # (ordered so that few [64, 64] fragments are live at once: each is 32 registers a thread)
         tile = lambda t: thr_c.partition_C(cute.local_tile(t, (BT, KH), (chunk, rank)))  # noqa: E731
         o_g = cute.local_tile(gc, (BT, KH), (chunk, rank))
@@ -397,6 +452,9 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
         dk_h = acc_k.load() * cute.math.exp2(g_last - thr_c.partition_C(o_g).load())
         kf = tile(k).load().to(cutlass.Float32)
         kg = kf * eg
+        if cutlass.const_expr(persist):
+            if it > 0:  # the other consumer's dw kg^T of the last chunk-head done
+                cute.arch.barrier(barrier_id=5, number_of_threads=256)
         thr_c.partition_C(s_kg).store(kg.to(cutlass.BFloat16))
         cute.arch.fence_view_async_shared()
         cute.arch.barrier_arrive(barrier_id=2, number_of_threads=256)  # kg ready for dw kg^T
@@ -429,6 +487,9 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
         thr_c.partition_C(cute.local_tile(dg, (BT, KH), (chunk, rank))).store(pre + kg * dkgb_b)
         cute.arch.barrier(barrier_id=4, number_of_threads=128)
         thr_c.partition_C(part_k).store(thr_c.partition_C(dkgb_s).load() * kg)  # db's K part, by row
+        if cutlass.const_expr(persist):
+            if more:  # dkgb read: the other consumer may write the next
+                cute.arch.barrier_arrive(barrier_id=6, number_of_threads=256)
         cute.arch.barrier(barrier_id=4, number_of_threads=128)
         if wtid < BT:
             total = cutlass.Float32(0.0)
@@ -437,39 +498,50 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
             dbk[(chunk * 2 + rank) * BT + wtid] = total
 
     @cute.jit
-    def _tile_product(tmma, s_a, s_b, acc):
-        """acc += the product of two single-stage [64, 64] operand tiles in shared memory, as
-        ``tmma`` reads them, issued and committed as one group (the caller waits on it)."""
+    def _tile_product(tmma, s_a, s_b, acc, ia=0, ib=0, fresh=True):
+        """acc = (or, not ``fresh``, +=) the product of two [64, 64] operand tiles in shared
+        memory (stage ``ia`` of s_a, ``ib`` of s_b), as ``tmma`` reads them, issued and
+        committed as one group (the caller waits on it)."""
         thr = tmma.get_slice(0)
         r_a = tmma.make_fragment_A(thr.partition_A(s_a))
         r_b = tmma.make_fragment_B(thr.partition_B(s_b))
         warpgroup.fence()
-        for kb in cutlass.range(cute.size(r_a, mode=[2]), unroll_full=True):
-            cute.gemm(tmma, acc, r_a[(None, None, kb, 0)], r_b[(None, None, kb, 0)], acc)
+        _sums(tmma, [(acc, r_a[(None, None, None, ia)], r_b[(None, None, None, ib)], fresh)])
         warpgroup.commit_group()
 
     @cute.jit
-    def _epi_a(mma, mma_t, thr_c, acc_w, acc_a, s_At, chunk, rank, wtid, part, s_dw, s_dwB, s_kgB, dkgb_s, xch,
-               xbar, beta1, s_dAb, s_dAbB, s_AB, dA_out):
+    def _epi_a(mma, mma_t, thr_c, acc_w, acc_a, s_At, chunk, rank, wtid, it, more, slot, part, s_dw, s_dwB, s_kgB,
+               dkgb_s, xch, xbar, beta1, s_dAb, s_dAbB, s_AB, dA_out):
         """``full``, the second consumer after the V loop: dw = r(-(dv h^T)) into shared memory;
         dkgb = A^T dw (to the other consumer); dA's partial dv v^T (this CTA's tiles) + dw kg^T
         (this K half), CTA 1's sent into CTA 0's shared memory; on CTA 0 the sum, masked below
         the diagonal, times beta by column, rounded; r(. A^T); A^T .; negated below the
-        diagonal into dA."""
+        diagonal into dA. Akk is read from its ``slot``. (``persist``: the barriers after xbar,
+        the peer's dA part, are Akk's two slots full, their two empties, and on CTA 1 the sent
+        part read; dkgb is written once the other consumer has handed the last one back, and
+        kg handed back once read.)"""
         thr_tc = mma_t.get_slice(wtid)
         thr_c.partition_C(s_dw[(None, None, 0)]).store((acc_w.load() * -1.0).to(cutlass.BFloat16))
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=1, number_of_threads=128)
         acc_g = cute.make_rmem_tensor(acc_w.shape, cutlass.Float32)
-        acc_g.fill(0.0)
-        _tile_product(mma_t, s_At, s_dwB, acc_g)  # dkgb = A^T dw
+        _tile_product(mma_t, s_At, s_dwB, acc_g, slot)  # dkgb = A^T dw
         cute.arch.barrier(barrier_id=2, number_of_threads=256)  # kg written by the other consumer
-        _tile_product(mma, s_dw, s_kgB, acc_a)  # + dw kg^T
+        _tile_product(mma, s_dw, s_kgB, acc_a, fresh=False)  # + dw kg^T
         warpgroup.wait_group(1)
+        if cutlass.const_expr(persist):
+            if it > 0:  # the other consumer done with the last dkgb
+                cute.arch.barrier(barrier_id=6, number_of_threads=256)
         thr_tc.partition_C(dkgb_s).store(acc_g.load())
         cute.arch.barrier_arrive(barrier_id=3, number_of_threads=256)  # dkgb ready
         warpgroup.wait_group(0)
+        if cutlass.const_expr(persist):
+            if more:  # kg read: the other consumer may write the next
+                cute.arch.barrier_arrive(barrier_id=5, number_of_threads=256)
         if rank == 1:  # this CTA's partial to CTA 0
+            if cutlass.const_expr(persist):
+                if it > 0:  # CTA 0 has read the last one
+                    cute.arch.mbarrier_wait(xbar + 5, (it - 1) % 2)
             thr_c.partition_C(xch).store(acc_a.load())
             cute.arch.fence_view_async_shared()
             cute.arch.barrier(barrier_id=1, number_of_threads=128)
@@ -478,9 +550,14 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
                 flat = cute.make_tensor(xch.iterator, cute.make_layout(BT * BT))
                 cute.copy(send, flat, flat, mbar_ptr=xbar, cta_rank=cutlass.Int32(0))
         else:
-            cute.arch.mbarrier_wait(xbar, 0)
+            cute.arch.mbarrier_wait(xbar, it % 2)
             thr_c.partition_C(part).store(acc_a.load() + thr_c.partition_C(xch).load())
             cute.arch.barrier(barrier_id=1, number_of_threads=128)
+            if cutlass.const_expr(persist):
+                if more:
+                    if wtid == 0:  # armed for the next partial, then CTA 1 told this one was read
+                        cute.arch.mbarrier_arrive_and_expect_tx(xbar, BT * BT * 4)
+                        cute.arch.mbarrier_arrive(xbar + 5, peer_cta_rank_in_cluster=1, scope=CLUSTER)
             d1 = s_dAb[(None, None, 0)]
             for i in cutlass.range(wtid, BT * BT, 128):  # below the diagonal, times beta of the column
                 r = i // BT
@@ -492,16 +569,14 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
             cute.arch.fence_view_async_shared()
             cute.arch.barrier(barrier_id=1, number_of_threads=128)
             acc_2 = cute.make_rmem_tensor(acc_w.shape, cutlass.Float32)
-            acc_2.fill(0.0)
-            _tile_product(mma, s_dAb, s_AB, acc_2)  # . A^T
+            _tile_product(mma, s_dAb, s_AB, acc_2, 0, slot)  # . A^T
             warpgroup.wait_group(0)
             cute.arch.barrier(barrier_id=1, number_of_threads=128)
             thr_c.partition_C(d1).store(acc_2.load().to(cutlass.BFloat16))  # r(dA1 A^T), as [r, t]
             cute.arch.fence_view_async_shared()
             cute.arch.barrier(barrier_id=1, number_of_threads=128)
             acc_3 = cute.make_rmem_tensor(acc_w.shape, cutlass.Float32)
-            acc_3.fill(0.0)
-            _tile_product(mma_t, s_At, s_dAbB, acc_3)  # A^T .
+            _tile_product(mma_t, s_At, s_dAbB, acc_3, slot)  # A^T .
             warpgroup.wait_group(0)
             thr_tc.partition_C(part).store(acc_3.load())
             cute.arch.barrier(barrier_id=1, number_of_threads=128)
@@ -512,11 +587,16 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
                 if r > c:
                     x = part[r, c] * -1.0
                 dA_out[chunk * BT + r, c] = x
+        if cutlass.const_expr(persist):  # every Akk product of this warpgroup waited: the slot is free
+            cute.arch.barrier(barrier_id=1, number_of_threads=128)
+            if wtid == 0:
+                cute.arch.mbarrier_arrive(xbar + 3 + slot)
 
     @cute.jit
-    def _sums_k(ring, mma, s_vn, s_do, s_h, s_dh, dq, dkh, chunk, rank, wtid, s_hA, ek):
-        """The warp-specialized build's first consumer: dq and dk_h of this CTA's K half (with
-        ``full``, also h dh^T, whose diagonal is dg's last-row term, and then ``_epi_k``)."""
+    def _sums_k(ring, mma, s_vn, s_do, s_h, s_dh, dq, dkh, first, step, nch, rank, wtid, s_hA, ek):
+        """The warp-specialized build's first consumer, per chunk-head of this cluster's: dq
+        and dk_h of this CTA's K half (with ``full``, also h dh^T, whose diagonal is dg's
+        last-row term, and then ``_epi_k``)."""
         thr = mma.get_slice(0)
         thr_c = mma.get_slice(wtid)
         r_vn = mma.make_fragment_A(thr.partition_A(s_vn))
@@ -524,43 +604,44 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
         r_h = mma.make_fragment_B(thr.partition_B(s_h))
         r_dh = mma.make_fragment_B(thr.partition_B(s_dh))
         r_hA = mma.make_fragment_A(thr.partition_A(s_hA))
-        o_q = cute.local_tile(dq, (BT, KH), (chunk, rank))
-        o_k = cute.local_tile(dkh, (BT, KH), (chunk, rank))
-        acc_q = cute.make_rmem_tensor(thr_c.partition_C(o_q).shape, cutlass.Float32)
-        acc_k = cute.make_rmem_tensor(thr_c.partition_C(o_q).shape, cutlass.Float32)
-        acc_s = cute.make_rmem_tensor(thr_c.partition_C(o_q).shape, cutlass.Float32)
-        acc_q.fill(0.0)
-        acc_k.fill(0.0)
-        acc_s.fill(0.0)
+        shape = thr_c.partition_C(cute.local_tile(dq, (BT, KH), (0, 0))).shape
+        acc_q = cute.make_rmem_tensor(shape, cutlass.Float32)
+        acc_k = cute.make_rmem_tensor(shape, cutlass.Float32)
+        acc_s = cute.make_rmem_tensor(shape, cutlass.Float32)
         get = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
         done = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
-        for v in cutlass.range_constexpr(NV):
-            ring.consumer_wait(get)
-            warpgroup.fence()
-            for kb in cutlass.range(cute.size(r_vn, mode=[2]), unroll_full=True):
-                at = (None, None, kb, get.index)
-                cute.gemm(mma, acc_q, r_do[at], r_h[at], acc_q)
-                cute.gemm(mma, acc_k, r_vn[at], r_dh[at], acc_k)
-                if cutlass.const_expr(full):
-                    cute.gemm(mma, acc_s, r_hA[at], r_dh[at], acc_s)
-            warpgroup.commit_group()
-            get.advance()
-            warpgroup.wait_group(1)  # the previous tile's products done: its stage released
-            if cutlass.const_expr(v > 0):
-                ring.consumer_release(done)
-                done.advance()
-        warpgroup.wait_group(0)
-        if cutlass.const_expr(full):
-            _epi_k(thr_c, acc_q, acc_k, acc_s, o_q, o_k, chunk, rank, wtid, *ek)
-        else:
-            thr_c.partition_C(o_q).store(acc_q.load())
-            thr_c.partition_C(o_k).store(acc_k.load())
+        mine_n = (nch - first + step - 1) // step
+        for it in cutlass.range(mine_n, unroll=1):
+            chunk = first + it * step
+            o_q = cute.local_tile(dq, (BT, KH), (chunk, rank))
+            o_k = cute.local_tile(dkh, (BT, KH), (chunk, rank))
+            for v in cutlass.range_constexpr(NV):
+                ring.consumer_wait(get)
+                at = (None, None, None, get.index)
+                warpgroup.fence()
+                _sums(mma, [(acc_q, r_do[at], r_h[at], v == 0), (acc_k, r_vn[at], r_dh[at], v == 0)]
+                      + ([(acc_s, r_hA[at], r_dh[at], v == 0)] if full else []))
+                warpgroup.commit_group()
+                get.advance()
+                warpgroup.wait_group(1)  # the previous tile's products done: its stage released
+                if cutlass.const_expr(v > 0):
+                    ring.consumer_release(done)
+                    done.advance()
+            warpgroup.wait_group(0)
+            ring.consumer_release(done)  # the last tile's stage
+            done.advance()
+            if cutlass.const_expr(full):
+                _epi_k(thr_c, acc_q, acc_k, acc_s, o_q, o_k, chunk, rank, wtid, it, it < mine_n - 1, *ek)
+            else:
+                thr_c.partition_C(o_q).store(acc_q.load())
+                thr_c.partition_C(o_k).store(acc_k.load())
 
     @cute.jit
     def _sums_a(ring, mma, mma_t, s_dv, s_h, s_vb, s_v, s_At, s_dvb, dw, dv2, dAv, dbv, beta, part_ptr, abar,
-                chunk, rank, wtid, ea):
-        """The warp-specialized build's second consumer: dw of this CTA's K half, and the V-side
-        sums of its V tiles (dA's and db's partials, dv2)."""
+                first, step, nch, rank, wtid, ea):
+        """The warp-specialized build's second consumer, per chunk-head of this cluster's: dw of
+        this CTA's K half, and the V-side sums of its V tiles (dA's and db's partials, dv2);
+        with ``full``, then ``_epi_a``. Akk from slot it % NA, once its load has landed."""
         thr = mma.get_slice(0)
         thr_c = mma.get_slice(wtid)
         thr_t = mma_t.get_slice(0)
@@ -570,70 +651,79 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
         r_vb = mma.make_fragment_B(thr.partition_B(s_vb))
         r_At = mma_t.make_fragment_A(thr_t.partition_A(s_At))
         r_dvb = mma_t.make_fragment_B(thr_t.partition_B(s_dvb))
-        o_w = cute.local_tile(dw, (BT, KH), (chunk, rank))
-        acc_w = cute.make_rmem_tensor(thr_c.partition_C(o_w).shape, cutlass.Float32)
-        acc_a = cute.make_rmem_tensor(thr_c.partition_C(o_w).shape, cutlass.Float32)
-        acc_b = cute.make_rmem_tensor(thr_tc.partition_C(o_w).shape, cutlass.Float32)
-        prod = cute.make_rmem_tensor(thr_tc.partition_C(o_w).shape, cutlass.Float32)
-        acc_w.fill(0.0)
-        acc_a.fill(0.0)
-        prod.fill(0.0)
-        beta_rows = thr_tc.partition_C(cute.local_tile(beta, (BT, BV), (chunk, 0)))
-        cute.arch.mbarrier_wait(abar, 0)
+        shape = thr_c.partition_C(cute.local_tile(dw, (BT, KH), (0, 0))).shape
+        shape_t = thr_tc.partition_C(cute.local_tile(dw, (BT, KH), (0, 0))).shape
+        acc_w = cute.make_rmem_tensor(shape, cutlass.Float32)
+        acc_a = cute.make_rmem_tensor(shape, cutlass.Float32)
+        acc_b = cute.make_rmem_tensor(shape_t, cutlass.Float32)
+        prod = cute.make_rmem_tensor(shape_t, cutlass.Float32)
+        part = cute.make_tensor(part_ptr, cute.make_layout((BT, BV), stride=(BV, 1)))
         get = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
         done = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
-        for v in cutlass.range_constexpr(NV):
-            ring.consumer_wait(get)
-            mine = rank == v % 2
-            if mine:  # dvb = A^T dv first, its own group
-                acc_b.fill(0.0)
-                warpgroup.fence()
-                for kb in cutlass.range(cute.size(r_At, mode=[2]), unroll_full=True):
-                    cute.gemm(mma_t, acc_b, r_At[(None, None, kb, 0)], r_dvb[(None, None, kb, get.index)], acc_b)
-                warpgroup.commit_group()
-            warpgroup.fence()
-            for kb in cutlass.range(cute.size(r_dv, mode=[2]), unroll_full=True):
-                at = (None, None, kb, get.index)
-                cute.gemm(mma, acc_w, r_dv[at], r_h[at], acc_w)
-                if mine:
-                    cute.gemm(mma, acc_a, r_dv[at], r_vb[at], acc_a)
-            warpgroup.commit_group()
-            if mine:  # dvb done, this tile's other sums still running
+        mine_n = (nch - first + step - 1) // step
+        for it in cutlass.range(mine_n, unroll=1):
+            chunk = first + it * step
+            slot = it % NA
+            prod.fill(0.0)
+            beta_rows = thr_tc.partition_C(cute.local_tile(beta, (BT, BV), (chunk, 0)))
+            cute.arch.mbarrier_wait(abar + slot, (it // NA) % 2)
+            for v in cutlass.range_constexpr(NV):
+                ring.consumer_wait(get)
+                at = (None, None, None, get.index)
+                if rank == v % 2:  # this CTA's tile (each branch whole: see the one-warpgroup loop)
+                    # dvb = A^T dv, its own group; dw and dA's V part (its first tile here is v = rank)
+                    warpgroup.fence()
+                    _sums(mma_t, [(acc_b, r_At[(None, None, None, slot)], r_dvb[at], True)])
+                    warpgroup.commit_group()
+                    warpgroup.fence()
+                    _sums(mma, [(acc_w, r_dv[at], r_h[at], v == 0), (acc_a, r_dv[at], r_vb[at], v < 2)])
+                    warpgroup.commit_group()
+                    # dvb's epilogue once this tile's products are done: read while the tile's other
+                    # sums ran, inside the loop over chunk-heads, ptxas serialises every wgmma
+                    # (C7514); the other consumer's products keep the tensor cores busy meanwhile
+                    warpgroup.wait_group(0)
+                    tile_out = thr_tc.partition_C(cute.local_tile(dv2, (BT, BV), (chunk, v)))
+                    tile_out.store((acc_b.load() * beta_rows.load()).to(cutlass.BFloat16))
+                    v_here = thr_tc.partition_C(s_v[(None, None, get.index)]).load().to(cutlass.Float32)
+                    prod.store(prod.load() + acc_b.load() * v_here)
+                else:  # the other CTA's: dw only
+                    warpgroup.fence()
+                    _sums(mma, [(acc_w, r_dv[at], r_h[at], v == 0)])
+                    warpgroup.commit_group()
+                get.advance()
                 warpgroup.wait_group(1)
-                tile_out = thr_tc.partition_C(cute.local_tile(dv2, (BT, BV), (chunk, v)))
-                tile_out.store((acc_b.load() * beta_rows.load()).to(cutlass.BFloat16))
-                v_here = thr_tc.partition_C(s_v[(None, None, get.index)]).load().to(cutlass.Float32)
-                prod.store(prod.load() + acc_b.load() * v_here)
-            get.advance()
-            warpgroup.wait_group(1)
-            if cutlass.const_expr(v > 0):
-                ring.consumer_release(done)
-                done.advance()
-        warpgroup.wait_group(0)
-        if cutlass.const_expr(not full):
-            thr_c.partition_C(o_w).store(acc_w.load())
-            thr_c.partition_C(cute.local_tile(dAv, (BT, BT), (chunk * 2 + rank, 0))).store(acc_a.load())
-        part = cute.make_tensor(part_ptr, cute.make_layout((BT, BV), stride=(BV, 1)))
-        thr_tc.partition_C(part).store(prod.load())
-        cute.arch.barrier(barrier_id=1, number_of_threads=128)  # this warpgroup's threads only
-        if wtid < BT:
-            total = cutlass.Float32(0.0)
-            for j in cutlass.range(BV, unroll=8):
-                total += part[wtid, j]
-            dbv[(chunk * 2 + rank) * BT + wtid] = total
-        if cutlass.const_expr(full):
+                if cutlass.const_expr(v > 0):
+                    ring.consumer_release(done)
+                    done.advance()
+            warpgroup.wait_group(0)
+            ring.consumer_release(done)  # the last tile's stage
+            done.advance()
+            if cutlass.const_expr(not full):
+                thr_c.partition_C(cute.local_tile(dw, (BT, KH), (chunk, rank))).store(acc_w.load())
+                thr_c.partition_C(cute.local_tile(dAv, (BT, BT), (chunk * 2 + rank, 0))).store(acc_a.load())
+            thr_tc.partition_C(part).store(prod.load())
+            cute.arch.barrier(barrier_id=1, number_of_threads=128)  # this warpgroup's threads only
+            if wtid < BT:
+                total = cutlass.Float32(0.0)
+                for j in cutlass.range(BV, unroll=8):
+                    total += part[wtid, j]
+                dbv[(chunk * 2 + rank) * BT + wtid] = total
             cute.arch.barrier(barrier_id=1, number_of_threads=128)  # (part read before it is reused)
-            _epi_a(mma, mma_t, thr_c, acc_w, acc_a, s_At, chunk, rank, wtid, part, *ea)
+            if cutlass.const_expr(full):
+                _epi_a(mma, mma_t, thr_c, acc_w, acc_a, s_At, chunk, rank, wtid, it, it < mine_n - 1, slot, part,
+                       *ea)
 
     @cute.kernel
     def kernel_ws(tma_vn, vn_t, tma_do, do_t, tma_dv, dv_t, tma_h, h_t, tma_dh, dh_t, tma_v, v_t, tma_A, A_t,
                   beta, dq, dkh, dw, dv2, dAv, dbv, q, k, gc, beta2K, beta1, dg, dbk, dA_out,
-                  mma: cute.TiledMma, mma_t: cute.TiledMma,
+                  mma: cute.TiledMma, mma_t: cute.TiledMma, mma_z: cute.TiledMma, mma_tz: cute.TiledMma,
                   a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout, bmn_smem: cute.ComposedLayout,
-                  a1: cute.ComposedLayout, at1: cute.ComposedLayout, b1: cute.ComposedLayout,
-                  bmn1: cute.ComposedLayout):
+                  a1: cute.ComposedLayout, b1: cute.ComposedLayout, bmn1: cute.ComposedLayout,
+                  aA: cute.ComposedLayout, atA: cute.ComposedLayout, bA: cute.ComposedLayout, nch: cutlass.Int32):
         tidx, _, _ = cute.arch.thread_idx()
-        _, _, chunk = cute.arch.block_idx()
+        mma, mma_t = _Mma(mma, mma_z), _Mma(mma_t, mma_tz)
+        _, _, first = cute.arch.block_idx()  # the cluster's first chunk-head; then every step-th
+        _, _, step = cute.arch.grid_dim()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg = warp // 4
         wtid = tidx % 128  # the thread within its warpgroup
@@ -645,29 +735,28 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
 
         storage = SmemAllocator().allocate(_smem_type(a_smem, b_smem))
         ring = _ring(storage, 8)  # two consumer warpgroups
-        abar = storage.xbars.data_ptr() + 2  # Akk's load; the one before it, the peer's dA partial
+        # Akk's slots loaded, then (persist) the slots released and on CTA 1 the sent dA part
+        # read; the one before them, the peer's dA partial landed
+        abar = storage.xbars.data_ptr() + 2
         if tidx == 0:
-            cute.arch.mbarrier_init(abar, 1)
-            cute.arch.mbarrier_init(abar - 1, 1)
+            for i in cutlass.range_constexpr(-1, 5):
+                cute.arch.mbarrier_init(abar + i, 1)
             cute.arch.mbarrier_init_fence()
             if cutlass.const_expr(full):
                 if rank == 0:  # (the peer's bytes may land before this CTA waits: counted from here)
                     cute.arch.mbarrier_arrive_and_expect_tx(abar - 1, BT * BT * 4)
         cute.arch.cluster_arrive_relaxed()
 
-        s_vn, s_do, s_dv, s_h, s_dh, s_v, s_vb, s_dvb, s_A, s_At = _stage_views(storage, a_smem, b_smem, bmn_smem, a1,
-                                                                                at1)
-        a_parts, b_parts = _copy_parts([(tma_vn, s_vn, vn_t), (tma_do, s_do, do_t), (tma_dv, s_dv, dv_t),
-                                        (tma_v, s_v, v_t)], ((tma_h, s_h, h_t), (tma_dh, s_dh, dh_t)), coord, chunk,
-                                       rank)
-        mma.set(warpgroup.Field.ACCUMULATE, True)
-        mma_t.set(warpgroup.Field.ACCUMULATE, True)
+        s_vn, s_do, s_dv, s_h, s_dh, s_v, s_vb, s_dvb, s_A, s_At = _stage_views(storage, a_smem, b_smem, bmn_smem, aA,
+                                                                                atA)
         cute.arch.cluster_wait()
 
         if wg == 0:  # the producer: its first warp issues the copies, the rest only wait at the end
             cute.arch.setmaxregister_decrease(40)
             if warp == 0:
-                _produce(ring, tma_A, A_t, s_A, abar, a_parts, b_parts, mask, chunk, tidx)
+                _produce(ring, tma_A, A_t, s_A, abar,
+                         [(tma_vn, s_vn, vn_t), (tma_do, s_do, do_t), (tma_dv, s_dv, dv_t), (tma_v, s_v, v_t)],
+                         [(tma_h, s_h, h_t), (tma_dh, s_dh, dh_t)], coord, mask, rank, first, step, nch, tidx)
         # (full) the epilogues' shared tensors: each [64, 64] tile in the layout its products read,
         # and the same bytes in the other operand role where one is needed (their offsets agree)
         s_hA = storage.h.get_tensor(a_smem.outer, swizzle=a_smem.inner)  # h as A (rows k, K = V)
@@ -678,14 +767,14 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
               storage.kg.get_tensor(b1.outer, swizzle=b1.inner), cute.make_tensor(storage.dkgb.data_ptr(), f32),
               cute.make_tensor(storage.xch.data_ptr(), f32), abar - 1, beta1,
               storage.dAb.get_tensor(a1.outer, swizzle=a1.inner), storage.dAb.get_tensor(bmn1.outer, swizzle=bmn1.inner),
-              storage.At.get_tensor(b1.outer, swizzle=b1.inner), dA_out)
+              storage.At.get_tensor(bA.outer, swizzle=bA.inner), dA_out)
         if wg == 1:  # dq and dk_h over V
             cute.arch.setmaxregister_increase(232)
-            _sums_k(ring, mma, s_vn, s_do, s_h, s_dh, dq, dkh, chunk, rank, wtid, s_hA, ek)
+            _sums_k(ring, mma, s_vn, s_do, s_h, s_dh, dq, dkh, first, step, nch, rank, wtid, s_hA, ek)
         if wg == 2:  # dw over V, and the V-side sums of this CTA's tiles
             cute.arch.setmaxregister_increase(232)
             _sums_a(ring, mma, mma_t, s_dv, s_h, s_vb, s_v, s_At, s_dvb, dw, dv2, dAv, dbv, beta,
-                    storage.part.data_ptr(), abar, chunk, rank, wtid, ea)
+                    storage.part.data_ptr(), abar, first, step, nch, rank, wtid, ea)
         cute.arch.cluster_arrive()
         cute.arch.cluster_wait()
 
@@ -696,17 +785,18 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
               dbv: cute.Tensor, q: cute.Tensor, k: cute.Tensor, gc: cute.Tensor, dg: cute.Tensor,
               dbk: cute.Tensor, dA_out: cute.Tensor, stream: cuda.CUstream):
         k_major = LayoutEnum.ROW_MAJOR
-        mma = sm90.make_trivial_tiled_mma(cutlass.BFloat16, cutlass.BFloat16, k_major.sm90_mma_major_mode(),
-                                          k_major.sm90_mma_major_mode(), cutlass.Float32, (1, 1, 1),
-                                          tiler_mn=(BT, KH))
+        mn_major = LayoutEnum.COL_MAJOR
+        # (two of each: see _Mma) K-major operands, [64, 64] outputs; and MN-major (A^T products)
+        mma, mma_z = (sm90.make_trivial_tiled_mma(cutlass.BFloat16, cutlass.BFloat16, k_major.sm90_mma_major_mode(),
+                                                  k_major.sm90_mma_major_mode(), cutlass.Float32, (1, 1, 1),
+                                                  tiler_mn=(BT, KH)) for _ in range(2))
+        mma_t, mma_tz = (sm90.make_trivial_tiled_mma(cutlass.BFloat16, cutlass.BFloat16, mn_major.sm90_mma_major_mode(),
+                                                     mn_major.sm90_mma_major_mode(), cutlass.Float32, (1, 1, 1),
+                                                     tiler_mn=(BT, BV)) for _ in range(2))
         a_smem = sm90.make_smem_layout_a(k_major, tile, cutlass.BFloat16, stages)
         b_smem = sm90.make_smem_layout_b(k_major, tile, cutlass.BFloat16, stages)
         a_one = cute.slice_(a_smem, (None, None, 0))
         b_one = cute.slice_(b_smem, (None, None, 0))
-        mn_major = LayoutEnum.COL_MAJOR
-        mma_t = sm90.make_trivial_tiled_mma(cutlass.BFloat16, cutlass.BFloat16, mn_major.sm90_mma_major_mode(),
-                                            mn_major.sm90_mma_major_mode(), cutlass.Float32, (1, 1, 1),
-                                            tiler_mn=(BT, BV))
         bmn_smem = sm90.make_smem_layout_b(mn_major, (BT, BV, BT), cutlass.BFloat16, stages)
         a1 = sm90.make_smem_layout_a(k_major, tile, cutlass.BFloat16, 1)  # Akk's [r, s] tile: (M = r, K = s)
         at1 = sm90.make_smem_layout_a(mn_major, (BT, BV, BT), cutlass.BFloat16, 1)  # as A^T: (M = s, K = r)
@@ -714,6 +804,10 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
         beta2K = cute.make_tensor(beta.iterator, cute.make_layout((cute.size(beta), KH), stride=(1, 0)))
         b1 = sm90.make_smem_layout_b(k_major, tile, cutlass.BFloat16, 1)  # a [64, 64] tile as B: (N, K = its columns)
         bmn1 = sm90.make_smem_layout_b(mn_major, (BT, BV, BT), cutlass.BFloat16, 1)  # as B: (N = its columns, K = rows)
+        # Akk's NA slots, in the three roles: as read, as A^T, as B of . A^T
+        aA = sm90.make_smem_layout_a(k_major, tile, cutlass.BFloat16, NA)
+        atA = sm90.make_smem_layout_a(mn_major, (BT, BV, BT), cutlass.BFloat16, NA)
+        bA = sm90.make_smem_layout_b(k_major, tile, cutlass.BFloat16, NA)
         # one atom a tensor: an atom carries its tensor's TMA descriptor (the first run reused
         # v_new's atom for do and dv and h's for dh, so it read v_new and h twice over)
         tma_vn, vn_t = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SMulticastOp(), vn, a_one, (BT, BV), 2)
@@ -727,13 +821,14 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
         nch = cute.size(vn, mode=[0]) // BT
         if cutlass.const_expr(ws):
             kernel_ws(tma_vn, vn_t, tma_do, do_t, tma_dv, dv_t, tma_h, h_t, tma_dh, dh_t, tma_v, v_t, tma_A, A_t,
-                      beta2, dq, dkh, dw, dv2, dAv, dbv, q, k, gc, beta2K, beta, dg, dbk, dA_out, mma, mma_t, a_smem,
-                      b_smem, bmn_smem, a1, at1, b1, bmn1).launch(
-                grid=(1, 2, nch), block=(384, 1, 1), cluster=(1, 2, 1), stream=stream)
+                      beta2, dq, dkh, dw, dv2, dAv, dbv, q, k, gc, beta2K, beta, dg, dbk, dA_out, mma, mma_t,
+                      mma_z, mma_tz, a_smem, b_smem, bmn_smem, a1, b1, bmn1, aA, atA, bA, nch).launch(
+                grid=(1, 2, min(nch, clusters) if persist else nch), block=(384, 1, 1), cluster=(1, 2, 1),
+                min_blocks_per_mp=1, stream=stream)
         else:
             kernel(tma_vn, vn_t, tma_do, do_t, tma_dv, dv_t, tma_h, h_t, tma_dh, dh_t, tma_kg, kg_t, dq, dkh, dw, dA,
-                   tma_v, v_t, tma_A, A_t, beta2, dv2, dAv, dbv, mma, mma_t, a_smem, b_smem, bmn_smem, a1,
-                   at1).launch(
+                   tma_v, v_t, tma_A, A_t, beta2, dv2, dAv, dbv, mma, mma_t, mma_z, mma_tz, a_smem, b_smem,
+                   bmn_smem, a1, at1).launch(
                 grid=(1, 2, nch), block=(128, 1, 1), cluster=(1, 2, 1), stream=stream)
 
     return probe
@@ -741,7 +836,7 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
 
 def compile_offline(nch: int = 4, K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True,
                     exchange: bool = False, vside: bool = False, ws: bool = False, full: bool = False,
-                    dump: str | None = None):
+                    persist: bool = False, dump: str | None = None):
     """Trace and compile for sm_90a on any machine with CuTe DSL (no GPU): the PTX and cubin
     land in ``dump`` (``CUTE_DSL_KEEP``)."""
     if dump:
@@ -760,11 +855,12 @@ def compile_offline(nch: int = 4, K: int = 128, V: int = 256, stages: int = 3, o
     import cuda.bindings.driver as cuda
 
     tensors = [from_dlpack(t, assumed_align=16) for t in args]
-    return cute.compile(build(K, V, stages, overlap, exchange, vside, ws, full), *tensors, cuda.CUstream(0))
+    return cute.compile(build(K, V, stages, overlap, exchange, vside, ws, full, persist), *tensors,
+                        cuda.CUstream(0))
 
 
 def sm90_row(dump: str, stages: int = 3, overlap: bool = True, exchange: bool = False, vside: bool = False,
-             ws: bool = False, full: bool = False) -> dict:
+             ws: bool = False, full: bool = False, persist: bool = False) -> dict:
     """What the offline build is: wgmma and TMA instructions in its PTX, and registers and
     spills from Triton's bundled ptxas (``-v``) on that PTX. CuTe DSL 4.8.1 writes PTX ISA 8.8
     and Triton 3.6's ptxas reads up to 8.7: the header is lowered for this count only (the
@@ -775,7 +871,7 @@ def sm90_row(dump: str, stages: int = 3, overlap: bool = True, exchange: bool = 
 
     import triton
 
-    (ptx_path,) = glob.glob(os.path.join(dump, "*.ptx"))
+    (ptx_path,) = glob.glob(os.path.join(dump, "*.sm_90a.ptx"))
     ptx = open(ptx_path).read()
     lowered = os.path.join(dump, "isa87.ptx")
     with open(lowered, "w") as f:
@@ -785,13 +881,26 @@ def sm90_row(dump: str, stages: int = 3, overlap: bool = True, exchange: bool = 
                          text=True, check=True).stderr
     regs = int(re.search(r"Used (\d+) registers", log).group(1))
     spills = [int(x) for x in re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log).groups()]
+    # ptxas's notes that cost speed: setmaxnreg ignored (C7508), every wgmma serialised (C7514,
+    # C7515), a wait (C7517) or a fence (C7519) added; and in the cubin that runs (CuTe DSL's
+    # own build), the setmaxnreg instructions, wgmmas and local-memory stores it kept
+    notes = {}
+    for code in re.findall(r"\((C75\d\d)\)", log):
+        notes[code] = notes.get(code, 0) + 1
+    (cubin,) = glob.glob(os.path.join(dump, "*.cubin"))
+    sass = subprocess.run([os.path.join(os.path.dirname(ptxas), "nvdisasm"), "-c", cubin], capture_output=True,
+                          text=True, check=True).stdout
+    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
     return {"kind": "compile_sm90", "kernel": "b6_cute_probe", "stages": stages, "overlap": overlap,
-            "exchange": exchange, "vside": vside, "ws": ws, "full": full, "registers": regs, "bulk_s2s": ptx.count("cp.async.bulk.shared::cluster.shared::cta"),
+            "exchange": exchange, "vside": vside, "ws": ws, "full": full, "persist": persist, "registers": regs,
+            "bulk_s2s": ptx.count("cp.async.bulk.shared::cluster.shared::cta"),
             "spill_stores": spills[0], "spill_loads": spills[1],
             "shared_ring": stages * ((4 if vside else 3) * BT * BV + 2 * KH * BV) * 2,
             "wgmma": ptx.count("wgmma.mma_async"),
             "tma_multicast": ptx.count("multicast::cluster"), "tma_own": ptx.count(".global.tile.mbarrier") -
-            ptx.count("multicast::cluster"), "cluster": "(1, 2, 1)", "threads": 384 if ws else 128}
+            ptx.count("multicast::cluster"), "cluster": "(1, 2, 1)", "threads": 384 if ws else 128,
+            "ptxas_notes": notes, "sass_setmaxnreg": sum(o.startswith("USETMAXREG") for o in ops),
+            "sass_hgmma": sum(o.startswith("HGMMA") for o in ops), "sass_stl": sum(o.startswith("STL") for o in ops)}
 
 
 def _rel(got, want) -> float:
@@ -842,10 +951,11 @@ def b6_want(q, k, gc, beta, Akk, h, dh, vn, do, dv, v, scale) -> dict:
 
 def gpu_run(nch: int = 32768, K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True,
             exchange: bool = False, vside: bool = False, ws: bool = False, full: bool = False,
-            reps: int = 20) -> dict:
-    """On a GPU: the probe's three sums against torch's on 64 chunk-heads (relative RMS),
-    then its CUDA-event time at ``nch`` chunk-heads (32,768: prod8192_gate's) against the
-    bytes it must move."""
+            persist: bool = False, reps: int = 20) -> dict:
+    """On a GPU: the probe's sums against torch's on 64 chunk-heads spread evenly over all
+    ``nch`` (so a persistent cluster's later chunk-heads are among them), relative RMS; then
+    its CUDA-event time at ``nch`` chunk-heads (32,768: prod8192_gate's) against the bytes it
+    must move."""
     import time
 
     import cuda.bindings.driver as cuda
@@ -877,21 +987,27 @@ def gpu_run(nch: int = 32768, K: int = 128, V: int = 256, stages: int = 3, overl
                                                        q, k, gc, dg, dbk, dA_out)]
     args.append(cuda.CUstream(torch.cuda.current_stream().cuda_stream))
     scale = K ** -0.5
-    run = cute.compile(build(K, V, stages, overlap, exchange, vside, ws, full, scale), *args)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    run = cute.compile(build(K, V, stages, overlap, exchange, vside, ws, full, persist, scale, sms // 2), *args)
     run(*args)
     torch.cuda.synchronize()
     n = min(nch, 64)
-    hs, dhs = (x[: n * K].float().view(n, K, V) for x in (h, dh))
-    vns, dos, dvs = (x[: n * BT].float().view(n, BT, V) for x in (vn, do, dv))
+    sel = torch.linspace(0, nch - 1, n, device="cuda").round().long()
+
+    def pick(x, rows):  # the chunk-heads sel of x, laid out [nch * rows, ...], as [n * rows, ...]
+        return x.view(nch, rows, *x.shape[1:])[sel].reshape(n * rows, *x.shape[1:])
+
+    hs, dhs = (pick(x, K).float().view(n, K, V) for x in (h, dh))
+    vns, dos, dvs = (pick(x, BT).float().view(n, BT, V) for x in (vn, do, dv))
     want = [dos @ hs.transpose(1, 2), vns @ dhs.transpose(1, 2), dvs @ hs.transpose(1, 2)]
     errors, diagnosis = {}, {}
     if full:  # B6 whole: the package's reference stage (fp32, rounded where fla's B6 rounds)
-        wants = b6_want(q[: n * BT], k[: n * BT], gc[: n * BT], beta[: n * BT], Akk[: n * BT], h[: n * K],
-                        dh[: n * K], vn[: n * BT], do[: n * BT], dv[: n * BT], v[: n * BT], scale)
-        gots = {"dq": outs[0][: n * BT].view(n, BT, K), "dk": outs[1][: n * BT].view(n, BT, K),
-                "dg": dg[: n * BT].view(n, BT, K), "dv2": dv2[: n * BT].float().view(n, BT, V),
-                "db": (dbv[: 2 * n * BT].view(n, 2, BT) + dbk[: 2 * n * BT].view(n, 2, BT)).sum(1),
-                "dA": dA_out[: n * BT].view(n, BT, BT)}
+        wants = b6_want(pick(q, BT), pick(k, BT), pick(gc, BT), pick(beta, BT), pick(Akk, BT), pick(h, K),
+                        pick(dh, K), pick(vn, BT), pick(do, BT), pick(dv, BT), pick(v, BT), scale)
+        gots = {"dq": pick(outs[0], BT).view(n, BT, K), "dk": pick(outs[1], BT).view(n, BT, K),
+                "dg": pick(dg, BT).view(n, BT, K), "dv2": pick(dv2, BT).float().view(n, BT, V),
+                "db": (pick(dbv, 2 * BT).view(n, 2, BT) + pick(dbk, 2 * BT).view(n, 2, BT)).sum(1),
+                "dA": pick(dA_out, BT).view(n, BT, BT)}
         for name, w in wants.items():
             errors[name] = _rel(gots[name], w)
             if not errors[name] < 1e-2 and gots[name].shape[-1] == K:  # by K half (CTA)
@@ -900,23 +1016,23 @@ def gpu_run(nch: int = 32768, K: int = 128, V: int = 256, stages: int = 3, overl
     for name, got, w in zip(("dq", "dkh", "dw"), outs, want):
         if full:
             break
-        got = got[: n * BT].view(n, BT, K)
+        got = pick(got, BT).view(n, BT, K)
         errors[name] = _rel(got, w)
         if not errors[name] < 1e-2:  # (NaN too) which operands and tiles it did sum
             diagnosis[name] = diagnose(got, {"do": dos, "v_new": vns, "dv": dvs}, {"h": hs, "dh": dhs}, K, V)
     if exchange:  # dw rounded to bf16 per K half, times kg's half, the halves summed
-        dw16 = outs[2][: n * BT].view(n, BT, K).to(torch.bfloat16).float()
-        kgs = kg[: n * BT].float().view(n, BT, K)
+        dw16 = pick(outs[2], BT).view(n, BT, K).to(torch.bfloat16).float()
+        kgs = pick(kg, BT).float().view(n, BT, K)
         w = sum(dw16[..., j * KH:(j + 1) * KH] @ kgs[..., j * KH:(j + 1) * KH].transpose(1, 2) for j in range(2))
-        got = dA[: n * BT].view(n, BT, BT)
+        got = pick(dA, BT).view(n, BT, BT)
         errors["dA"] = ((got - w).square().mean() / w.square().mean()).sqrt().item()
     if vside and not full:  # dvb = A^T dv, dv2 = beta dvb (bf16), dA's V part dv v^T, db's V part sum_j dvb v
-        A_s, v_s = Akk[: n * BT].float().view(n, BT, BT), v[: n * BT].float().view(n, BT, V)
+        A_s, v_s = pick(Akk, BT).float().view(n, BT, BT), pick(v, BT).float().view(n, BT, V)
         dvb = A_s.transpose(1, 2) @ dvs
-        wants = {"dv2": dvb * beta[: n * BT].view(n, BT, 1), "dAv": dvs @ v_s.transpose(1, 2),
+        wants = {"dv2": dvb * pick(beta, BT).view(n, BT, 1), "dAv": dvs @ v_s.transpose(1, 2),
                  "dbv": (dvb * v_s).sum(-1)}
-        gots = {"dv2": dv2[: n * BT].float().view(n, BT, V),
-                "dAv": dAv[: 2 * n * BT].view(n, 2, BT, BT).sum(1), "dbv": dbv[: 2 * n * BT].view(n, 2, BT).sum(1)}
+        gots = {"dv2": pick(dv2, BT).float().view(n, BT, V),
+                "dAv": pick(dAv, 2 * BT).view(n, 2, BT, BT).sum(1), "dbv": pick(dbv, 2 * BT).view(n, 2, BT).sum(1)}
         for name, w in wants.items():
             errors[name] = _rel(gots[name], w)
         if not max(errors[name] for name in wants) < 1e-2:  # by V tile, and by CTA (tile parity)
@@ -927,8 +1043,8 @@ def gpu_run(nch: int = 32768, K: int = 128, V: int = 256, stages: int = 3, overl
                 w_a = sum(dvs[..., t] @ v_s[..., t].transpose(1, 2) for t in mine)
                 w_b = sum((dvb[..., t] * v_s[..., t]).sum(-1) for t in mine)
                 diagnosis[f"CTA {j} partials"] = {
-                    "dAv": _rel(dAv[: 2 * n * BT].view(n, 2, BT, BT)[:, j], w_a),
-                    "dbv": _rel(dbv[: 2 * n * BT].view(n, 2, BT)[:, j], w_b)}
+                    "dAv": _rel(pick(dAv, 2 * BT).view(n, 2, BT, BT)[:, j], w_a),
+                    "dbv": _rel(pick(dbv, 2 * BT).view(n, 2, BT)[:, j], w_b)}
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(reps):
@@ -953,7 +1069,7 @@ def gpu_run(nch: int = 32768, K: int = 128, V: int = 256, stages: int = 3, overl
                        + (BT * K + BT + 3 * BT * K + BT * BT + 4 * BT) * 4)
     return {"kind": "gpu", "kernel": "b6_cute_probe", "chunk_heads": nch, "stages": stages, "overlap": overlap,
             "errors": errors,
-            "exchange": exchange, "vside": vside, "ws": ws, "full": full, "diagnosis": diagnosis,
+            "exchange": exchange, "vside": vside, "ws": ws, "full": full, "persist": persist, "diagnosis": diagnosis,
             "finite": all(bool(torch.isfinite(o).all()) for o in (outs[:2] if full else outs) + ([dA] if exchange else [])
                           + ([dv2, dbv, dg, dbk, dA_out] if full else [dv2, dAv, dbv] if vside else [])),
             "ms": ms, "wall_ms": wall_ms, "bytes": moved,
@@ -968,25 +1084,27 @@ def main(argv=None) -> int:
         import subprocess
 
         dump = argv[1] if len(argv) > 1 else "/tmp/b6_cute_probe"
-        for stages, overlap, exchange, vside, ws, full in BUILDS:
+        for stages, overlap, exchange, vside, ws, full, persist in BUILDS:
             sub = os.path.join(dump, f"stages{stages}{'' if overlap else '-serial'}{'-exchange' if exchange else ''}"
-                               f"{'-vside' if vside else ''}{'-ws' if ws else ''}{'-full' if full else ''}")
+                               f"{'-vside' if vside else ''}{'-ws' if ws else ''}{'-full' if full else ''}"
+                               f"{'-persist' if persist else ''}")
             os.makedirs(sub, exist_ok=True)
             for old in os.listdir(sub):
                 os.remove(os.path.join(sub, old))
             subprocess.run([sys.executable, "-m", "research.b6_cute_probe", "compile-one", str(stages),
-                            str(int(overlap)), str(int(exchange)), str(int(vside)), str(int(ws)), str(int(full)), sub],
-                           check=True, stdout=subprocess.DEVNULL)
-            print(json.dumps(sm90_row(sub, stages, overlap, exchange, vside, ws, full)))
+                            str(int(overlap)), str(int(exchange)), str(int(vside)), str(int(ws)), str(int(full)),
+                            str(int(persist)), sub], check=True, stdout=subprocess.DEVNULL)
+            print(json.dumps(sm90_row(sub, stages, overlap, exchange, vside, ws, full, persist)))
         return 0
     if argv[:1] == ["compile-one"]:
         compile_offline(stages=int(argv[1]), overlap=bool(int(argv[2])), exchange=bool(int(argv[3])),
-                        vside=bool(int(argv[4])), ws=bool(int(argv[5])), full=bool(int(argv[6])), dump=argv[7])
+                        vside=bool(int(argv[4])), ws=bool(int(argv[5])), full=bool(int(argv[6])),
+                        persist=bool(int(argv[7])), dump=argv[8])
         return 0
     if argv[:1] == ["gpu"]:  # every build, or those whose indices in BUILDS follow
-        for stages, overlap, exchange, vside, ws, full in [BUILDS[int(i)] for i in argv[1:]] or BUILDS:
-            print(json.dumps(gpu_run(stages=stages, overlap=overlap, exchange=exchange, vside=vside, ws=ws, full=full)),
-                  flush=True)
+        for stages, overlap, exchange, vside, ws, full, persist in [BUILDS[int(i)] for i in argv[1:]] or BUILDS:
+            print(json.dumps(gpu_run(stages=stages, overlap=overlap, exchange=exchange, vside=vside, ws=ws, full=full,
+                                     persist=persist)), flush=True)
         return 0
     print(__doc__)
     return 2

@@ -1,5 +1,6 @@
 """Every shipped kernel build as ptxas assembles it for sm_90a (``benchmarks.compile_report``,
-no GPU needed): it compiles, it spills no more than its committed row says, it has no more
+no GPU needed): it compiles, ptxas notes no lost speed (wgmmas serialised, waits or fences
+added), it spills no more than its committed row says, it has no more
 wgmma with 32-byte operand rows than its row (the shape that read past its shared allocation
 on the H200 in a kernel since removed: docs/log/prep.md; B6 at V=64 has four, sanitizer-clean
 on the H200: docs/log/layout.md), and its machine code is the committed row's, so a change to
@@ -56,6 +57,8 @@ def test_every_shipped_build_compiles_as_committed(compiled):
         if row["wgmma_32B_rows"] > old["wgmma_32B_rows"]:
             problems.append(f"{row['wgmma_32B_rows']} wgmma with 32-byte operand rows, committed "
                             f"{old['wgmma_32B_rows']}")
+        if row["ptxas_notes"]:  # none today: a serialised wgmma or an added wait is lost speed
+            problems.append(f"ptxas notes {row['ptxas_notes']}")
         if row["sass_sha"] != old["sass_sha"]:
             problems.append(f"machine code {row['sass_sha']}, committed {old['sass_sha']}")
         if problems:
