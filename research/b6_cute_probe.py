@@ -1046,14 +1046,34 @@ def gpu_run(nch: int = 32768, K: int = 128, V: int = 256, stages: int = 3, overl
                     "dAv": _rel(pick(dAv, 2 * BT).view(n, 2, BT, BT)[:, j], w_a),
                     "dbv": _rel(pick(dbv, 2 * BT).view(n, 2, BT)[:, j], w_b)}
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        run(*args)
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    ms = sorted(times)[len(times) // 2]
+
+    def timed(fn):  # median CUDA-event time of reps calls, each its own
+        times = []
+        for _ in range(reps):
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        return sorted(times)[len(times) // 2]
+
+    registered = {}
+    if full:  # the registered Triton B6 on the same tensors (the chunk-heads as one sequence of one
+        # head): every output of every chunk-head against it, and its time in this process
+        from kernel_fun.kda.kernels import b6_wy_bwd
+
+        tok = lambda x: x.view(1, nch * BT, 1, *x.shape[1:])  # noqa: E731
+        reg_args = (tok(q), tok(k), tok(v), tok(vn), tok(gc), tok(beta), tok(Akk), h.view(1, nch, 1, K, V), tok(do),
+                    dh.view(1, nch, 1, K, V), tok(dv), scale, BT, None, None)
+        r_dq, r_dk, r_dv2, r_db, r_dg, r_dA = b6_wy_bwd.wy_dqkg_bwd(*reg_args)
+        ours = {"dq": outs[0], "dk": outs[1], "dg": dg, "dv2": dv2.float(),
+                "db": (dbv.view(nch, 2, BT) + dbk.view(nch, 2, BT)).sum(1).view(-1), "dA": dA_out}
+        theirs = {"dq": r_dq, "dk": r_dk, "dg": r_dg, "dv2": r_dv2.float(), "db": r_db, "dA": r_dA}
+        registered = {"vs_registered": {name: _rel(ours[name].reshape(-1), theirs[name].reshape(-1))
+                                        for name in ours},
+                      "registered_ms": timed(lambda: b6_wy_bwd.wy_dqkg_bwd(*reg_args))}
+        del r_dq, r_dk, r_dv2, r_db, r_dg, r_dA, ours, theirs
+    ms = timed(lambda: run(*args))
     torch.cuda.synchronize()
     wall = time.perf_counter()
     for _ in range(reps):  # (a cross-check: reps back to back, wall clock over all of them)
@@ -1072,7 +1092,7 @@ def gpu_run(nch: int = 32768, K: int = 128, V: int = 256, stages: int = 3, overl
             "exchange": exchange, "vside": vside, "ws": ws, "full": full, "persist": persist, "diagnosis": diagnosis,
             "finite": all(bool(torch.isfinite(o).all()) for o in (outs[:2] if full else outs) + ([dA] if exchange else [])
                           + ([dv2, dbv, dg, dbk, dA_out] if full else [dv2, dAv, dbv] if vside else [])),
-            "ms": ms, "wall_ms": wall_ms, "bytes": moved,
+            "ms": ms, "wall_ms": wall_ms, "bytes": moved, **registered,
             "TB_s": moved / ms / 1e9, "gpu": torch.cuda.get_device_name()}
 
 
