@@ -63,7 +63,7 @@ BUILDS = ((2, True, False, False, False, False, False), (3, True, False, False, 
 
 def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exchange: bool = False,
           vside: bool = False, ws: bool = False, full: bool = False, persist: bool = False,
-          scale: float = 128 ** -0.5, clusters: int = 66):
+          scale: float = 128 ** -0.5, clusters: int = 66, H: int = 1):
     """The probe's host function (a ``cute.jit``), for K = 2 KH and V a multiple of BV.
     ``overlap``: a tile's stage is released once the next tile's products are issued (the
     wgmmas of two tiles in flight); else each tile's products are waited for at once.
@@ -87,7 +87,10 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
     consumers finish the last one's epilogues); Akk in two slots, each with a full and an
     empty barrier; the consumers' hand-offs (kg, dkgb) each handed back by a named barrier;
     the pair's dA exchange armed again on CTA 0 after each read, CTA 1 sending the next
-    partial only after CTA 0's remote arrive says the last one was read."""
+    partial only after CTA 0's remote arrive says the last one was read.
+    ``H`` (warp-specialized builds): the token tensors hold H heads side by side, as the op's
+    [B, T, H, C] tensors viewed [B * T, H * C] (beta [B * T * H]); chunk-head c is the chunk of
+    rows c // H at head c % H, h and dh's [K, V] block c as the op's [B, NT, H, K, V] has it."""
     import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
@@ -104,6 +107,7 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
     assert not ws or (vside and not exchange)
     assert not full or ws
     assert not persist or full
+    assert H == 1 or ws
     NA = 2 if persist else 1  # Akk's slots
     NV = V // BV
     assert not vside or NV % 2 == 0  # (each CTA of the pair has V tiles, the first at v = rank)
@@ -199,14 +203,15 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
 
     def _copy_parts(multicast, own, coord, chunk, rank):
         """Each copy's (atom, shared part, global part): the ``multicast`` (atom, stage tensor,
-        TMA tensor) triples loaded half by each CTA of the pair for both, ``own`` this CTA's K
-        half's."""
+        TMA tensor) triples loaded half by each CTA of the pair for both (the chunk's rows, its
+        tiles across every head: a head's V tile v is tile head * NV + v), ``own`` this CTA's K
+        half's of the chunk-head's state block."""
 
         def rows_tiles(t, row_tile, height):  # this chunk-head's tiles: (rows, V tile, tile index)
             return cute.local_tile(t, (height, BV), (row_tile, None))
 
         a_parts = [(atom, *cpasync.tma_partition(atom, coord[1], cute.make_layout(2), cute.group_modes(s, 0, 2),
-                                                 cute.group_modes(rows_tiles(t, chunk, BT), 0, 2)))
+                                                 cute.group_modes(rows_tiles(t, chunk // H, BT), 0, 2)))
                    for atom, s, t in multicast]
         b_parts = [(atom, *cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2),
                                                  cute.group_modes(rows_tiles(t, chunk * 2 + rank, KH), 0, 2)))
@@ -214,14 +219,16 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
         return a_parts, b_parts
 
     @cute.jit
-    def _fill(ring, state, a_parts, b_parts, mask, v):
+    def _fill(ring, state, a_parts, b_parts, mask, v, head=0):
         """Warp 0: V tile v's copies into the next stage (v_new, do and dv multicast to both
-        CTAs, this CTA's h and dh), on the stage's barrier, each through its own tensor's TMA
-        atom (an atom holds its tensor's descriptor: the partitions give coordinates only)."""
+        CTAs, at ``head``'s columns; this CTA's h and dh), on the stage's barrier, each through
+        its own tensor's TMA atom (an atom holds its tensor's descriptor: the partitions give
+        coordinates only)."""
         ring.producer_acquire(state)
         bar = ring.producer_get_barrier(state)
         for atom, s_part, g_part in a_parts:
-            cute.copy(atom, g_part[(None, v)], s_part[(None, state.index)], tma_bar_ptr=bar, mcast_mask=mask)
+            cute.copy(atom, g_part[(None, head * NV + v)], s_part[(None, state.index)], tma_bar_ptr=bar,
+                      mcast_mask=mask)
         for atom, s_part, g_part in b_parts:
             cute.copy(atom, g_part[(None, v)], s_part[(None, state.index)], tma_bar_ptr=bar)
         ring.producer_commit(state)
@@ -422,11 +429,12 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
             if tidx == 0:
                 cute.arch.mbarrier_arrive_and_expect_tx(abar + slot, BT * BT * 2)
             a_s, a_g = cpasync.tma_partition(tma_A, 0, cute.make_layout(1), cute.group_modes(s_A, 0, 2),
-                                             cute.group_modes(cute.local_tile(A_t, (BT, BT), (chunk, None)), 0, 2))
-            cute.copy(tma_A, a_g[(None, 0)], a_s[(None, slot)], tma_bar_ptr=abar + slot)
+                                             cute.group_modes(cute.local_tile(A_t, (BT, BT), (chunk // H, None)),
+                                                              0, 2))
+            cute.copy(tma_A, a_g[(None, chunk % H)], a_s[(None, slot)], tma_bar_ptr=abar + slot)
             a_parts, b_parts = _copy_parts(multicast, own, coord, chunk, rank)
             for v in cutlass.range(NV, unroll=1):
-                _fill(ring, put, a_parts, b_parts, mask, v)
+                _fill(ring, put, a_parts, b_parts, mask, v, chunk % H)
                 put.advance()
 
     @cute.jit
@@ -441,13 +449,14 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
         last one back, and dkgb handed back once read; ``it`` counts this CTA's chunk-heads,
         ``more`` says another follows.)"""
         # (ordered so that few [64, 64] fragments are live at once: each is 32 registers a thread)
-        tile = lambda t: thr_c.partition_C(cute.local_tile(t, (BT, KH), (chunk, rank)))  # noqa: E731
-        o_g = cute.local_tile(gc, (BT, KH), (chunk, rank))
+        rt, kt = chunk // H, chunk % H * 2 + rank  # the chunk's row tile, this K half's column tile
+        tile = lambda t: thr_c.partition_C(cute.local_tile(t, (BT, KH), (rt, kt)))  # noqa: E731
+        o_g = cute.local_tile(gc, (BT, KH), (rt, kt))
         eg = cute.math.exp2(thr_c.partition_C(o_g).load())
         dq_v = acc_q.load() * eg * scale
         thr_c.partition_C(o_q).store(dq_v)
         pre = tile(q).load().to(cutlass.Float32) * dq_v  # dg's q dq term
-        g_last = thr_c.partition_C(cute.make_tensor(o_g.iterator + (BT - 1) * K,
+        g_last = thr_c.partition_C(cute.make_tensor(o_g.iterator + (BT - 1) * H * K,
                                                     cute.make_layout((BT, KH), stride=(0, 1)))).load()
         dk_h = acc_k.load() * cute.math.exp2(g_last - thr_c.partition_C(o_g).load())
         kf = tile(k).load().to(cutlass.Float32)
@@ -482,9 +491,10 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
         cute.arch.barrier(barrier_id=4, number_of_threads=128)
         pre = pre + thr_c.partition_C(part_k).load()
         cute.arch.barrier(barrier_id=3, number_of_threads=256)  # dkgb written by the other consumer
-        dkgb_b = thr_c.partition_C(dkgb_s).load() * thr_c.partition_C(cute.local_tile(beta2K, (BT, KH), (chunk, 0))).load()
+        beta_k = cute.make_tensor(beta2K.iterator + rt * BT * H + chunk % H, cute.make_layout((BT, KH), stride=(H, 0)))
+        dkgb_b = thr_c.partition_C(dkgb_s).load() * thr_c.partition_C(beta_k).load()
         thr_c.partition_C(o_k).store(dk_h + dkgb_b * eg)
-        thr_c.partition_C(cute.local_tile(dg, (BT, KH), (chunk, rank))).store(pre + kg * dkgb_b)
+        thr_c.partition_C(cute.local_tile(dg, (BT, KH), (rt, kt))).store(pre + kg * dkgb_b)
         cute.arch.barrier(barrier_id=4, number_of_threads=128)
         thr_c.partition_C(part_k).store(thr_c.partition_C(dkgb_s).load() * kg)  # db's K part, by row
         if cutlass.const_expr(persist):
@@ -564,7 +574,7 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
                 c = i % BT
                 x = cutlass.Float32(0.0)
                 if r > c:
-                    x = part[r, c] * beta1[chunk * BT + c]
+                    x = part[r, c] * beta1[(chunk // H * BT + c) * H + chunk % H]
                 d1[r, c] = x.to(cutlass.BFloat16)
             cute.arch.fence_view_async_shared()
             cute.arch.barrier(barrier_id=1, number_of_threads=128)
@@ -586,7 +596,7 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
                 x = cutlass.Float32(0.0)
                 if r > c:
                     x = part[r, c] * -1.0
-                dA_out[chunk * BT + r, c] = x
+                dA_out[chunk // H * BT + r, chunk % H * BT + c] = x
         if cutlass.const_expr(persist):  # every Akk product of this warpgroup waited: the slot is free
             cute.arch.barrier(barrier_id=1, number_of_threads=128)
             if wtid == 0:
@@ -613,8 +623,8 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
         mine_n = (nch - first + step - 1) // step
         for it in cutlass.range(mine_n, unroll=1):
             chunk = first + it * step
-            o_q = cute.local_tile(dq, (BT, KH), (chunk, rank))
-            o_k = cute.local_tile(dkh, (BT, KH), (chunk, rank))
+            o_q = cute.local_tile(dq, (BT, KH), (chunk // H, chunk % H * 2 + rank))
+            o_k = cute.local_tile(dkh, (BT, KH), (chunk // H, chunk % H * 2 + rank))
             for v in cutlass.range_constexpr(NV):
                 ring.consumer_wait(get)
                 at = (None, None, None, get.index)
@@ -665,7 +675,8 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
             chunk = first + it * step
             slot = it % NA
             prod.fill(0.0)
-            beta_rows = thr_tc.partition_C(cute.local_tile(beta, (BT, BV), (chunk, 0)))
+            beta_rows = thr_tc.partition_C(cute.make_tensor(beta.iterator + chunk // H * BT * H + chunk % H,
+                                                            cute.make_layout((BT, BV), stride=(H, 0))))
             cute.arch.mbarrier_wait(abar + slot, (it // NA) % 2)
             for v in cutlass.range_constexpr(NV):
                 ring.consumer_wait(get)
@@ -682,7 +693,7 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
                     # sums ran, inside the loop over chunk-heads, ptxas serialises every wgmma
                     # (C7514); the other consumer's products keep the tensor cores busy meanwhile
                     warpgroup.wait_group(0)
-                    tile_out = thr_tc.partition_C(cute.local_tile(dv2, (BT, BV), (chunk, v)))
+                    tile_out = thr_tc.partition_C(cute.local_tile(dv2, (BT, BV), (chunk // H, chunk % H * NV + v)))
                     tile_out.store((acc_b.load() * beta_rows.load()).to(cutlass.BFloat16))
                     v_here = thr_tc.partition_C(s_v[(None, None, get.index)]).load().to(cutlass.Float32)
                     prod.store(prod.load() + acc_b.load() * v_here)
@@ -699,7 +710,8 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
             ring.consumer_release(done)  # the last tile's stage
             done.advance()
             if cutlass.const_expr(not full):
-                thr_c.partition_C(cute.local_tile(dw, (BT, KH), (chunk, rank))).store(acc_w.load())
+                thr_c.partition_C(cute.local_tile(dw, (BT, KH), (chunk // H, chunk % H * 2 + rank))).store(
+                    acc_w.load())
                 thr_c.partition_C(cute.local_tile(dAv, (BT, BT), (chunk * 2 + rank, 0))).store(acc_a.load())
             thr_tc.partition_C(part).store(prod.load())
             cute.arch.barrier(barrier_id=1, number_of_threads=128)  # this warpgroup's threads only
@@ -818,7 +830,7 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
         tma_kg, kg_t = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), kg, b_one, (BT, KH))
         tma_v, v_t = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SMulticastOp(), v, a_one, (BT, BV), 2)
         tma_A, A_t = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), A, a_one, (BT, BT))
-        nch = cute.size(vn, mode=[0]) // BT
+        nch = cute.size(vn, mode=[0]) // BT * H  # (chunk-heads: the chunks' rows at each head)
         if cutlass.const_expr(ws):
             kernel_ws(tma_vn, vn_t, tma_do, do_t, tma_dv, dv_t, tma_h, h_t, tma_dh, dh_t, tma_v, v_t, tma_A, A_t,
                       beta2, dq, dkh, dw, dv2, dAv, dbv, q, k, gc, beta2K, beta, dg, dbk, dA_out, mma, mma_t,
@@ -834,29 +846,120 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
     return probe
 
 
+ARGS = ("h", "dh", "vn", "do", "dv", "kg", "dq", "dkh", "dw", "dA", "v", "A", "beta", "dv2", "dAv", "dbv", "q", "k",
+        "gc", "dg", "dbk", "dA_out")  # the probe's tensors, in its order
+
+
+def probe_shapes(nrt: int, H: int = 1, K: int = 128, V: int = 256) -> dict:
+    """Each of the probe's tensors' (shape, dtype) for nrt chunks of rows at H heads (nrt * H
+    chunk-heads): the op's [B, T, H, C] tensors as [B * T, H * C], h and dh as [chunk-heads *
+    K, V], beta [B * T * H]; the pair's partials by chunk-head."""
+    import torch
+
+    bf, f32 = torch.bfloat16, torch.float32
+    R, nch = nrt * BT, nrt * H
+    tok = lambda C, dtype: ((R, H * C), dtype)  # noqa: E731
+    return {"h": ((nch * K, V), bf), "dh": ((nch * K, V), bf), "vn": tok(V, bf), "do": tok(V, bf), "dv": tok(V, bf),
+            "kg": tok(K, bf), "dq": tok(K, f32), "dkh": tok(K, f32), "dw": tok(K, f32), "dA": tok(BT, f32),
+            "v": tok(V, bf), "A": tok(BT, bf), "beta": ((R * H,), f32), "dv2": tok(V, bf),
+            "dAv": ((2 * nch * BT, BT), f32), "dbv": ((2 * nch * BT,), f32), "q": tok(K, bf), "k": tok(K, bf),
+            "gc": tok(K, f32), "dg": tok(K, f32), "dbk": ((2 * nch * BT,), f32), "dA_out": tok(BT, f32)}
+
+
 def compile_offline(nch: int = 4, K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True,
                     exchange: bool = False, vside: bool = False, ws: bool = False, full: bool = False,
-                    persist: bool = False, dump: str | None = None):
+                    persist: bool = False, dump: str | None = None, H: int = 1):
     """Trace and compile for sm_90a on any machine with CuTe DSL (no GPU): the PTX and cubin
-    land in ``dump`` (``CUTE_DSL_KEEP``)."""
+    land in ``dump`` (``CUTE_DSL_KEEP``). ``nch`` chunks of rows at ``H`` heads."""
     if dump:
         os.environ.update(CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx,cubin", CUTE_DSL_DUMP_DIR=dump)
+    import cuda.bindings.driver as cuda
     import cutlass.cute as cute
     import torch
     from cutlass.cute.runtime import from_dlpack
 
-    bf = dict(dtype=torch.bfloat16)
-    args = [torch.zeros(nch * K, V, **bf), torch.zeros(nch * K, V, **bf)] + [torch.zeros(nch * BT, V, **bf)] * 3
-    args += [torch.zeros(nch * BT, K, **bf)] + [torch.zeros(nch * BT, K) for _ in range(3)] + [torch.zeros(nch * BT, BT)]
-    args += [torch.zeros(nch * BT, V, **bf), torch.zeros(nch * BT, BT, **bf), torch.zeros(nch * BT),
-             torch.zeros(nch * BT, V, **bf), torch.zeros(2 * nch * BT, BT), torch.zeros(2 * nch * BT)]
-    args += [torch.zeros(nch * BT, K, **bf), torch.zeros(nch * BT, K, **bf), torch.zeros(nch * BT, K),
-             torch.zeros(nch * BT, K), torch.zeros(2 * nch * BT), torch.zeros(nch * BT, BT)]
-    import cuda.bindings.driver as cuda
-
-    tensors = [from_dlpack(t, assumed_align=16) for t in args]
-    return cute.compile(build(K, V, stages, overlap, exchange, vside, ws, full, persist), *tensors,
+    tensors = [from_dlpack(torch.zeros(shape, dtype=dtype), assumed_align=16)
+               for shape, dtype in probe_shapes(nch, H, K, V).values()]
+    return cute.compile(build(K, V, stages, overlap, exchange, vside, ws, full, persist, H=H), *tensors,
                         cuda.CUstream(0))
+
+
+_COMPILED: dict = {}
+
+
+def supports(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, cu_seqlens, chunk_indices,
+             state_v_first=False):
+    """None when ``wy_dqkg_bwd`` (the probe as B6) takes the call, else why not: an sm_90 GPU
+    with CuTe DSL, chunks of 64 over dense sequences of whole chunks, K=128, V=256, one q/k
+    head a v head, bf16 tensors and fp32 gates, [K, V] states."""
+    import torch
+
+    B, T, H, K = k.shape
+    HV, V = v.shape[2], v.shape[3]
+    if not k.is_cuda or torch.cuda.get_device_capability(k.device) != (9, 0):
+        return "the probe is built for sm_90a"
+    try:
+        import cutlass.cute  # noqa: F401
+    except ImportError:
+        return "CuTe DSL (nvidia-cutlass-dsl) is not installed"
+    if chunk_size != BT or cu_seqlens is not None or T % BT:
+        return f"chunk_size={chunk_size}, cu_seqlens {'given' if cu_seqlens is not None else 'none'}, T={T} " \
+               f"(the probe takes dense sequences of whole chunks of {BT})"
+    if (K, V) != (2 * KH, 256) or HV != H or state_v_first:
+        return f"K={K}, V={V}, H={H}, HV={HV}, state_v_first={state_v_first} (the probe: K=128, V=256, H=HV, [K, V])"
+    if any(x.dtype != torch.bfloat16 for x in (q, k, v, v_new, A, h, do, dh, dv)) or gc.dtype != torch.float32:
+        return "the probe takes bf16 tensors and an fp32 gate"
+    if not all(x.is_contiguous() for x in (q, k, v, v_new, gc, A, h, do, dh, dv)):
+        return "the probe views its tensors as dense [B * T, H * C]"
+    if h.numel() >= 2 ** 31:
+        return "more than 2^31 state elements"
+    return None
+
+
+def wy_dqkg_bwd(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, cu_seqlens, chunk_indices,
+                state_v_first=False, build_index: int = 8):
+    """B6 with fla's contract (the stage registry's: dq, dk, dv2, db, dg, dA, fp32 but dv2) from
+    the probe's ``BUILDS[build_index]`` (the persistent whole B6 by default), compiled once a
+    shape: a candidate for ``python -m benchmarks.op --candidate
+    B6=research.b6_cute_probe:wy_dqkg_bwd:supports``. db is the sum of the pair's four
+    partials, added here."""
+    import cuda.bindings.driver as cuda
+    import cutlass.cute as cute
+    import torch
+    from cutlass.cute.runtime import from_dlpack
+
+    why = supports(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, cu_seqlens, chunk_indices,
+                   state_v_first)
+    if why:
+        raise ValueError(why)
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    R = B * T
+    nrt, dev, f32 = R // BT, k.device, torch.float32
+    nch = nrt * H
+    dq, dk, dg = (torch.empty(B, T, H, K, device=dev, dtype=f32) for _ in range(3))
+    dv2 = torch.empty_like(v)
+    dA = torch.empty(B, T, H, BT, device=dev, dtype=f32)
+    dbv, dbk = (torch.empty(2 * nch * BT, device=dev, dtype=f32) for _ in range(2))
+    small = lambda *shape, dtype=f32: torch.empty(*shape, device=dev, dtype=dtype)  # noqa: E731 (unused by B6)
+    flat = lambda x: x.view(R, -1)  # noqa: E731
+    tensors = dict(h=h.view(nch * K, V), dh=dh.view(nch * K, V), vn=flat(v_new), do=flat(do), dv=flat(dv),
+                   kg=small(BT, KH, dtype=torch.bfloat16), dq=flat(dq), dkh=flat(dk), dw=small(BT, KH),
+                   dA=small(BT, BT), v=flat(v), A=flat(A), beta=beta.to(f32).contiguous().view(-1), dv2=flat(dv2),
+                   dAv=small(2 * BT, BT), dbv=dbv, q=flat(q), k=flat(k), gc=flat(gc), dg=flat(dg), dbk=dbk,
+                   dA_out=flat(dA))
+    args = [from_dlpack(tensors[name], assumed_align=16) for name in ARGS]
+    args.append(cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream))
+    key = (R, H, float(scale), build_index, dev.index)
+    if key not in _COMPILED:
+        stages, overlap, exchange, vside, ws, full, persist = BUILDS[build_index]
+        assert full, "B6's contract needs a whole-B6 build"
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        _COMPILED[key] = cute.compile(build(K, V, stages, overlap, exchange, vside, ws, full, persist, float(scale),
+                                            sms // 2, H), *args)
+    _COMPILED[key](*args)
+    db = (dbv + dbk).view(nrt, H, 2, BT).sum(2).transpose(1, 2).reshape(B, T, H)
+    return dq, dk, dv2, db, dg, dA
 
 
 def sm90_row(dump: str, stages: int = 3, overlap: bool = True, exchange: bool = False, vside: bool = False,
@@ -1119,7 +1222,7 @@ def main(argv=None) -> int:
     if argv[:1] == ["compile-one"]:
         compile_offline(stages=int(argv[1]), overlap=bool(int(argv[2])), exchange=bool(int(argv[3])),
                         vside=bool(int(argv[4])), ws=bool(int(argv[5])), full=bool(int(argv[6])),
-                        persist=bool(int(argv[7])), dump=argv[8])
+                        persist=bool(int(argv[7])), dump=argv[8], H=int(argv[9]) if len(argv) > 9 else 1)
         return 0
     if argv[:1] == ["gpu"]:  # every build, or those whose indices in BUILDS follow
         for stages, overlap, exchange, vside, ws, full, persist in [BUILDS[int(i)] for i in argv[1:]] or BUILDS:

@@ -69,3 +69,42 @@ def test_the_probe_s_decomposition_of_b6_is_the_reference_stage():
     for name, w in want.items():
         err = ((got[name] - w).square().mean() / w.square().mean()).sqrt().item()
         assert err < 1e-6, (name, err)  # the same arithmetic, summed in another order
+
+
+def test_the_op_layout_the_probe_reads():
+    """What the probe as the op's B6 (``wy_dqkg_bwd``) relies on, for B=2, T=128, H=3: the op's
+    [B, T, H, C] tensors viewed [B * T, H * C] give chunk-head c = rt * H + hh (rt = b * NT + t)
+    its tile (rt, hh * 2 + j) for K half j and (rt, hh * NV + v) for V tile v; h viewed [c * K,
+    V] gives it row block c * 2 + j; beta [B * T * H] its row r at (rt * 64 + r) * H + hh; and
+    the pair's db partials, written at (c * 2 + j) * 64 + r, sum back to [B, T, H] as the
+    wrapper adds them."""
+    B, T, H, K, V = 2, 128, 3, 128, 256
+    NT, NV = T // BT, V // 64
+    g = torch.Generator().manual_seed(2)
+    q, v, beta = torch.randn(B, T, H, K, generator=g), torch.randn(B, T, H, V, generator=g), torch.randn(B, T, H)
+    h = torch.randn(B, NT, H, K, V, generator=g)
+    q2, v2, h2, beta1 = q.view(B * T, H * K), v.view(B * T, H * V), h.view(-1, V), beta.view(-1)
+    db = torch.randn(B, T, H, generator=g)
+    dbv, dbk = torch.zeros(2 * B * NT * H * BT), torch.zeros(2 * B * NT * H * BT)
+    for b in range(B):
+        for t in range(NT):
+            for hh in range(H):
+                rt = b * NT + t
+                c = rt * H + hh
+                rows = slice(rt * BT, (rt + 1) * BT)
+                for j in range(2):
+                    assert torch.equal(q2[rows, (hh * 2 + j) * KH:(hh * 2 + j + 1) * KH],
+                                       q[b, t * BT:(t + 1) * BT, hh, j * KH:(j + 1) * KH])
+                    assert torch.equal(h2[(c * 2 + j) * KH:(c * 2 + j + 1) * KH], h[b, t, hh, j * KH:(j + 1) * KH])
+                for vt in range(NV):
+                    assert torch.equal(v2[rows, (hh * NV + vt) * 64:(hh * NV + vt + 1) * 64],
+                                       v[b, t * BT:(t + 1) * BT, hh, vt * 64:(vt + 1) * 64])
+                r = torch.arange(BT)
+                assert torch.equal(beta1[(rt * BT + r) * H + hh], beta[b, t * BT:(t + 1) * BT, hh])
+                # the four partials of db: each value split among CTA j's V and K parts (0.1 + 0.3 and
+                # 0.2 + 0.4 of it)
+                for j in range(2):
+                    dbv[(c * 2 + j) * BT + r] = db[b, t * BT:(t + 1) * BT, hh] * (0.1 + 0.2 * j)
+                    dbk[(c * 2 + j) * BT + r] = db[b, t * BT:(t + 1) * BT, hh] * (0.2 + 0.2 * j)
+    summed = (dbv + dbk).view(B * NT, H, 2, BT).sum(2).transpose(1, 2).reshape(B, T, H)  # as wy_dqkg_bwd adds them
+    assert torch.allclose(summed, db, rtol=1e-6, atol=1e-6)
