@@ -962,12 +962,16 @@ def wy_dqkg_bwd(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, c
     return dq, dk, dv2, db, dg, dA
 
 
-def sm90_row(dump: str, stages: int = 3, overlap: bool = True, exchange: bool = False, vside: bool = False,
-             ws: bool = False, full: bool = False, persist: bool = False) -> dict:
-    """What the offline build is: wgmma and TMA instructions in its PTX, and registers and
-    spills from Triton's bundled ptxas (``-v``) on that PTX. CuTe DSL 4.8.1 writes PTX ISA 8.8
-    and Triton 3.6's ptxas reads up to 8.7: the header is lowered for this count only (the
-    cubin CuTe DSL built with its own compiler is the one that runs)."""
+def ptxas_report(dump: str) -> dict:
+    """What a CuTe DSL build dumped in ``dump`` is:
+    - registers and spills from Triton's bundled ptxas (``-v``) on its PTX. CuTe DSL 4.8.1
+      writes PTX ISA 8.8 and Triton 3.6's ptxas reads up to 8.7, so the header is lowered for
+      this count only (the cubin CuTe DSL built with its own compiler is the one that runs);
+    - ptxas's notes that cost speed: setmaxnreg ignored (C7508), every wgmma serialised
+      (C7514, C7515), a wait (C7517) or a fence (C7519) added;
+    - in the cubin that runs, the setmaxnreg instructions, wgmmas and local-memory stores it
+      kept;
+    - and the PTX itself (``ptx``)."""
     import glob
     import re
     import subprocess
@@ -984,9 +988,6 @@ def sm90_row(dump: str, stages: int = 3, overlap: bool = True, exchange: bool = 
                          text=True, check=True).stderr
     regs = int(re.search(r"Used (\d+) registers", log).group(1))
     spills = [int(x) for x in re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log).groups()]
-    # ptxas's notes that cost speed: setmaxnreg ignored (C7508), every wgmma serialised (C7514,
-    # C7515), a wait (C7517) or a fence (C7519) added; and in the cubin that runs (CuTe DSL's
-    # own build), the setmaxnreg instructions, wgmmas and local-memory stores it kept
     notes = {}
     for code in re.findall(r"\((C75\d\d)\)", log):
         notes[code] = notes.get(code, 0) + 1
@@ -994,16 +995,24 @@ def sm90_row(dump: str, stages: int = 3, overlap: bool = True, exchange: bool = 
     sass = subprocess.run([os.path.join(os.path.dirname(ptxas), "nvdisasm"), "-c", cubin], capture_output=True,
                           text=True, check=True).stdout
     ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
+    return {"registers": regs, "spill_stores": spills[0], "spill_loads": spills[1], "ptxas_notes": notes,
+            "sass_setmaxnreg": sum(o.startswith("USETMAXREG") for o in ops),
+            "sass_hgmma": sum(o.startswith("HGMMA") for o in ops), "sass_stl": sum(o.startswith("STL") for o in ops),
+            "ptx": ptx}
+
+
+def sm90_row(dump: str, stages: int = 3, overlap: bool = True, exchange: bool = False, vside: bool = False,
+             ws: bool = False, full: bool = False, persist: bool = False) -> dict:
+    """What the offline build is (``ptxas_report``), with its wgmma, TMA and bulk-copy counts."""
+    report = ptxas_report(dump)
+    ptx = report.pop("ptx")
     return {"kind": "compile_sm90", "kernel": "b6_cute_probe", "stages": stages, "overlap": overlap,
-            "exchange": exchange, "vside": vside, "ws": ws, "full": full, "persist": persist, "registers": regs,
+            "exchange": exchange, "vside": vside, "ws": ws, "full": full, "persist": persist, **report,
             "bulk_s2s": ptx.count("cp.async.bulk.shared::cluster.shared::cta"),
-            "spill_stores": spills[0], "spill_loads": spills[1],
             "shared_ring": stages * ((4 if vside else 3) * BT * BV + 2 * KH * BV) * 2,
             "wgmma": ptx.count("wgmma.mma_async"),
             "tma_multicast": ptx.count("multicast::cluster"), "tma_own": ptx.count(".global.tile.mbarrier") -
-            ptx.count("multicast::cluster"), "cluster": "(1, 2, 1)", "threads": 384 if ws else 128,
-            "ptxas_notes": notes, "sass_setmaxnreg": sum(o.startswith("USETMAXREG") for o in ops),
-            "sass_hgmma": sum(o.startswith("HGMMA") for o in ops), "sass_stl": sum(o.startswith("STL") for o in ops)}
+            ptx.count("multicast::cluster"), "cluster": "(1, 2, 1)", "threads": 384 if ws else 128}
 
 
 def _rel(got, want) -> float:
