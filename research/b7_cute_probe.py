@@ -1,37 +1,47 @@
-"""B7's sums across 16-row blocks, on chip in CuTe DSL (sm_90a): the first piece of B7 for the
-fused backward kernel (docs/log/bwd-fused.md, step 6). Not registered; compiled offline, not
-yet run.
+"""B7's three sums on chip in CuTe DSL (sm_90a): the first piece of B7 for the fused backward
+kernel (docs/log/bwd-fused.md, step 6). Not registered; compiled offline, not yet run.
 
 CuTe DSL 4.8.1 has no tf32 warpgroup MMA for Hopper: its warpgroup ops take bf16/fp16, fp8
 and int8; tf32 is only in the sm80 warp MMA and in Blackwell's tcgen05. So where the Triton
 kernels take three tf32 products (``dot3``), this takes three bf16 ones. Each fp32 operand
 is split into a bf16 high part and a bf16 remainder, and the product is hi*hi + hi*lo + lo*hi
 (``split``; the lo*lo term, about 2^-16 of the product, is dropped). Without ``split``, one
-bf16 product.
+bf16 product (kept for the CPU twin's comparison).
 
 For one chunk-head's K half (a CTA of one warpgroup), g is the chunk cumsum in log2
-(non-increasing). The rows fall in four blocks of 16; a(r) is the first row of r's block,
-n(s) the first row of the block after s's, and f(r, s) = exp2(g_r - g_s). For the pairs with
-s before r's block (the blocks form of research/b7_blocks.py, the candidate measured level
-with fla under strong gates):
+(non-increasing) and f(r, s) = exp2(g_r - g_s). The sums are B7's, over the pairs s <= r:
 
-    x_q[r]  = sum_s dAqk[r, s] k_s f(r, s)                       (dq's part)
-    x_kr[r] = sum_s dAkk[r, s] k_s f(r, s)                       (dk's row part, beta_r not applied)
-    x_c[s]  = sum_r (dAqk[r, s] q_r + dAkk[r, s] beta_r k_r) f(r, s)   (dk's column part)
+    x_q[r]  = sum_{s <= r} dAqk[r, s] k_s f(r, s)                          (dq's part)
+    x_kr[r] = sum_{s < r} dAkk[r, s] k_s f(r, s)             (dk's row part, beta_r not applied)
+    x_c[s]  = sum_{r >= s} dAqk[r, s] q_r f(r, s) + sum_{r > s} dAkk[r, s] beta_r k_r f(r, s)
+                                                                          (dk's column part)
 
-Each is a product of 16-row blocks through two anchors, every factor at most 1:
-- Row role, per block j < 3 (n_j = 16 (j + 1)): dA's columns of block j times kx_j = k
-  exp2(g[n_j] - g) on block j's rows. The rows after block j take it times exp2(g[a(r)] -
-  g[n_j]); at the end every row takes exp2(g_r - g[a(r)]).
-- Column role, per block i > 0 (a_i = 16 i): dA's rows of block i, transposed, times yq_i = q
-  exp2(g - g[a_i]) and yk_i = beta k exp2(g - g[a_i]) on block i's rows. The columns before
-  block i take it times exp2(g[a_i] - g[n(s)]); at the end every column takes exp2(g[n(s)] - g_s).
+The rows fall in four blocks of 16; a(r) is the first row of r's block, n(s) the first of the
+block after s's, m(r) = a(r) + 8 the middle one. Each sum is made of products of 16-row
+blocks through anchors:
+- **Pairs across blocks** (s before r's block; the blocks form of research/b7_blocks.py),
+  every factor at most 1:
+  - Row role, per block j < 3 (n_j = 16 (j + 1)): dA's columns of block j times kx_j = k
+    exp2(g[n_j] - g) on block j's rows. The rows after block j take it times exp2(g[a(r)] -
+    g[n_j]); at the end every row takes exp2(g_r - g[a(r)]).
+  - Column role, per block i > 0 (a_i = 16 i): dA's rows of block i, transposed, times yq_i =
+    q exp2(g - g[a_i]) and yk_i = beta k exp2(g - g[a_i]). The columns before block i take it
+    times exp2(g[a_i] - g[n(s)]); at the end every column takes exp2(g[n(s)] - g_s).
+- **Pairs within a block** (``within``), through the middle rows:
+  - dA's tiles made block diagonal; one [64, 64] product a role and dA against kxm = k
+    exp2(g[m] - g), or yqm = q exp2(g - g[m]) and ykm = beta k exp2(g - g[m]);
+  - then each row times exp2(g_r - g[m(r)]), each column times exp2(g[m(s)] - g_s).
+  - Every factor stays within 2^+-GUARD where every block's half span does (g[a] - g[m] and
+    g[m] - g[a + 15], per channel). A CTA where one does not (a decay past 8 log2 units a
+    token, or a NaN gate) takes the pairs within its blocks one by one, each with its own
+    exp2, read from memory. Exact for any gate.
 
-dA's tiles, split, lie once in shared memory. They are the A operand of the row role as they
-lie (M = r, K = s) and of the column role read MN-major (M = s, K = r), the same bytes. The
-B operands are built on chip, split, as [64 channels, 64 rows] K-major tiles, a block's rows
-its k block: 128-byte rows, never the 32-byte rows that read past their end on the H200.
-Each block takes three wgmmas a dA into a fresh accumulator, then the scaling in registers.
+dA's tiles, split and with their upper triangles zeroed, lie once in shared memory. They are
+the A operand of the row role as they lie (M = r, K = s) and of the column role read MN-major
+(M = s, K = r), the same bytes. The B operands are built on chip, split, as [64 channels, 64
+rows] K-major tiles, a block's rows its k block: 128-byte rows, never the 32-byte rows that
+read past their end on the H200. Each block takes three wgmmas a dA into a fresh
+accumulator, then the scaling in registers.
 
 Layout: dAqk, dAkk [NCH * 64, 64] fp32; q, k [NCH * 64, K] bf16; g [NCH * 64, K] fp32; beta
 [NCH * 64] fp32; out x_q, x_kr, x_c [NCH * 64, K] fp32.
@@ -47,12 +57,13 @@ import sys
 
 BT, KH, BC = 64, 64, 16  # chunk rows, a CTA's K half, the row block
 NB = BT // BC
-BUILDS = (True, False)  # split: the three-product split first, one bf16 product second
+GUARD = 64  # the pairs within a block go through its middle row where every factor stays within 2^+-GUARD
+BUILDS = ((True, True), (True, False))  # (split, within): the whole sums, and the sums across blocks alone
 
 
-def build(K: int = 128, split: bool = True):
+def build(K: int = 128, split: bool = True, within: bool = True):
     """The probe's host function (a ``cute.jit``) for K = 2 KH: one CTA of 128 threads a
-    (K half, chunk-head)."""
+    (K half, chunk-head). ``within``: the pairs within a block too."""
     import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
@@ -111,8 +122,10 @@ def build(K: int = 128, split: bool = True):
             yql: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(b_l)], 1024]
             ykh: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(b_l)], 1024]
             ykl: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(b_l)], 1024]
+            ok: cute.struct.MemRange[cutlass.Int32, 4]  # (within) the middle rows' factors in range
 
         storage = SmemAllocator().allocate(Smem)
+        s_ok = cute.make_tensor(storage.ok.data_ptr(), cute.make_layout(1))
         s_qh, s_ql, s_kh, s_kl = (getattr(storage, n).get_tensor(a_l.outer, swizzle=a_l.inner)
                                   for n in ("qh", "ql", "kh", "kl"))
         s_xh, s_xl, s_yqh, s_yql, s_ykh, s_ykl = (getattr(storage, n).get_tensor(b_l.outer, swizzle=b_l.inner)
@@ -122,25 +135,30 @@ def build(K: int = 128, split: bool = True):
         g_qq = cute.local_tile(q, (BT, KH), (chunk, half))
         g_kk = cute.local_tile(k, (BT, KH), (chunk, half))
         g_g = cute.local_tile(g, (BT, KH), (chunk, half))
-        # dA's columns of the first three blocks, split (the row role reads them for every row, the
-        # column role for the rows of the last three blocks)
-        for i in cutlass.range(tidx, BT * (BT - BC), 128, unroll=4):
-            r = i // (BT - BC)
-            s = i % (BT - BC)
-            hi, lo = _parts(g_q[r, s])
+        # dA's tiles, split, its upper triangle zeroed (dAqk keeps its diagonal): the row role
+        # reads them as they lie, the column role MN-major
+        for i in cutlass.range(tidx, BT * BT, 128, unroll=4):
+            r = i // BT
+            s = i % BT
+            vq = f32(0.0)
+            vk = f32(0.0)
+            if s <= r:
+                vq = g_q[r, s]
+            if s < r:
+                vk = g_k[r, s]
+            hi, lo = _parts(vq)
             s_qh[r, s, 0] = hi
             s_ql[r, s, 0] = lo
-            hi, lo = _parts(g_k[r, s])
+            hi, lo = _parts(vk)
             s_kh[r, s, 0] = hi
             s_kl[r, s, 0] = lo
-        # the B operands (n = channel, k = row), split: kx_j = k exp2(g[n_j] - g) on the rows of
-        # block j < 3; yq_i = q exp2(g - g[a_i]) and yk_i = beta k exp2(g - g[a_i]) on the rows of
-        # block i > 0
+        # the B operands across blocks (n = channel, k = row), split: kx_j = k exp2(g[n_j] - g)
+        # on the rows of block j < 3; yq_i = q exp2(g - g[a_i]) and yk_i = beta k exp2(g - g[a_i])
+        # on the rows of block i > 0
         for i in cutlass.range(tidx, (NB - 1) * BC * KH, 128, unroll=2):
             j = i // (BC * KH)
-            row = i % (BC * KH) // KH
             c = i % KH
-            s = j * BC + row
+            s = j * BC + i % (BC * KH) // KH
             hi, lo = _parts(g_kk[s, c].to(f32) * cute.arch.exp2(g_g[(j + 1) * BC, c] - g_g[s, c]))
             s_xh[c, s, 0] = hi
             s_xl[c, s, 0] = lo
@@ -152,26 +170,37 @@ def build(K: int = 128, split: bool = True):
             hi, lo = _parts(beta[chunk * BT + r] * g_kk[r, c].to(f32) * down)
             s_ykh[c, r, 0] = hi
             s_ykl[c, r, 0] = lo
+        if cutlass.const_expr(within):  # whether every block's factors through its middle row stay
+            if tidx == 0:  # within 2^+-GUARD (NaN gates: not)
+                s_ok[0] = 1
         cute.arch.fence_view_async_shared()  # (the generic proxy's stores seen by the wgmmas)
         cute.arch.sync_threads()
+        if cutlass.const_expr(within):
+            for i in cutlass.range(tidx, NB * KH, 128):
+                u = i // KH * BC
+                c = i % KH
+                g_m = g_g[u + BC // 2, c]
+                if not (g_g[u, c] - g_m <= GUARD and g_m - g_g[u + BC - 1, c] <= GUARD):
+                    s_ok[0] = 0
 
         thr_c = mma.get_slice(tidx)
         shape = thr_c.partition_C(g_g).shape
         coords = thr_c.partition_C(cute.make_identity_tensor((BT, KH)))
-
         b_tiles = (s_xh, s_xl, s_yqh, s_yql, s_ykh, s_ykl)
-        # row role: rows r after block j take dA[r, block j] kx_j, through the anchors a(r), n_j
         r_a, r_b = _fragments(mma, (s_qh, s_ql, s_kh, s_kl), b_tiles)
+        t_a, t_b = _fragments(mma_t, [getattr(storage, n).get_tensor(at_l.outer, swizzle=at_l.inner)
+                                      for n in ("qh", "ql", "kh", "kl")], b_tiles)
         p_q = cute.make_rmem_tensor(shape, f32)  # (wgmma accumulators: each block's products)
         p_k = cute.make_rmem_tensor(shape, f32)
         o_q = cute.make_rmem_tensor(shape, f32)  # (the sums: registers the wgmmas never touch)
         o_k = cute.make_rmem_tensor(shape, f32)
-        g_a = cute.make_rmem_tensor(shape, f32)
+        o_c = cute.make_rmem_tensor(shape, f32)
         o_q.fill(0.0)
         o_k.fill(0.0)
-        for i in cutlass.range_constexpr(cute.size(shape)):
-            r, c = coords[i]
-            g_a[i] = g_g[r // BC * BC, c]
+        o_c.fill(0.0)
+
+        # row role across blocks: rows r after block j take dA[r, block j] kx_j through the
+        # anchors a(r) and n_j, then exp2(g_r - g[a(r)])
         for j in cutlass.range_constexpr(NB - 1):
             warpgroup.fence()
             _products(mma, mma_z, p_q, r_a[0], r_a[1], r_b[0], r_b[1], j, j, True)
@@ -182,42 +211,108 @@ def build(K: int = 128, split: bool = True):
             for i in cutlass.range_constexpr(cute.size(shape)):
                 r, c = coords[i]
                 if r >= n:
-                    e = cute.arch.exp2(g_a[i] - g_g[n, c])
+                    e = cute.arch.exp2(g_g[r // BC * BC, c] - g_g[n, c])
                     o_q[i] = o_q[i] + e * p_q[i]
                     o_k[i] = o_k[i] + e * p_k[i]
         for i in cutlass.range_constexpr(cute.size(shape)):
             r, c = coords[i]
-            down = cute.arch.exp2(g_g[r, c] - g_a[i])
+            down = cute.arch.exp2(g_g[r, c] - g_g[r // BC * BC, c])
             o_q[i] = o_q[i] * down
             o_k[i] = o_k[i] * down
-        thr_c.partition_C(cute.local_tile(x_q, (BT, KH), (chunk, half))).store(o_q.load())
-        thr_c.partition_C(cute.local_tile(x_kr, (BT, KH), (chunk, half))).store(o_k.load())
-
-        # column role: columns s before block i take dA[block i, s]^T (yq_i + yk_i), through the
-        # anchors a_i and n(s), the first row of s's next block
-        r_a, r_b = _fragments(mma_t, [getattr(storage, n).get_tensor(at_l.outer, swizzle=at_l.inner)
-                                       for n in ("qh", "ql", "kh", "kl")], b_tiles)
-        p_c = cute.make_rmem_tensor(shape, f32)
-        o_c = cute.make_rmem_tensor(shape, f32)
-        g_n = cute.make_rmem_tensor(shape, f32)
-        o_c.fill(0.0)
-        for i in cutlass.range_constexpr(cute.size(shape)):
-            s, c = coords[i]
-            g_n[i] = g_g[cutlass.min(s // BC * BC + BC, BT - 1), c]  # (rows of the last block: unused)
+        # column role across blocks: columns s before block i take dA[block i, s]^T (yq_i + yk_i)
+        # through the anchors a_i and n(s), then exp2(g[n(s)] - g_s)
         for i_b in cutlass.range_constexpr(1, NB):
             warpgroup.fence()
-            _products(mma_t, mma_tz, p_c, r_a[0], r_a[1], r_b[2], r_b[3], i_b, i_b, True)
-            _products(mma_t, mma_tz, p_c, r_a[2], r_a[3], r_b[4], r_b[5], i_b, i_b, False)
+            _products(mma_t, mma_tz, p_q, t_a[0], t_a[1], t_b[2], t_b[3], i_b, i_b, True)
+            _products(mma_t, mma_tz, p_q, t_a[2], t_a[3], t_b[4], t_b[5], i_b, i_b, False)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
             for i in cutlass.range_constexpr(cute.size(shape)):
                 s, c = coords[i]
                 if s < i_b * BC:
-                    o_c[i] = o_c[i] + cute.arch.exp2(g_g[i_b * BC, c] - g_n[i]) * p_c[i]
+                    o_c[i] = o_c[i] + cute.arch.exp2(g_g[i_b * BC, c] - g_g[s // BC * BC + BC, c]) * p_q[i]
         for i in cutlass.range_constexpr(cute.size(shape)):
             s, c = coords[i]
             if s < BT - BC:
-                o_c[i] = o_c[i] * cute.arch.exp2(g_n[i] - g_g[s, c])
+                o_c[i] = o_c[i] * cute.arch.exp2(g_g[s // BC * BC + BC, c] - g_g[s, c])
+
+        if cutlass.const_expr(within):
+            # the pairs within a block through its middle row m(s) = a(s) + 8: dA's off-diagonal
+            # blocks zeroed (the tiles block diagonal), the B operands rebuilt on all rows: kxm =
+            # k exp2(g[m] - g), yqm = q exp2(g - g[m]), ykm = beta k exp2(g - g[m])
+            cute.arch.sync_threads()  # (every product across blocks done: each thread waited on its own)
+            for i in cutlass.range(tidx, BT * BT, 128, unroll=4):
+                r = i // BT
+                s = i % BT
+                if r // BC != s // BC:
+                    zero = f32(0.0).to(bf16)
+                    s_qh[r, s, 0] = zero
+                    s_ql[r, s, 0] = zero
+                    s_kh[r, s, 0] = zero
+                    s_kl[r, s, 0] = zero
+            for i in cutlass.range(tidx, BT * KH, 128, unroll=2):
+                s = i // KH
+                c = i % KH
+                g_m = g_g[s // BC * BC + BC // 2, c]
+                hi, lo = _parts(g_kk[s, c].to(f32) * cute.arch.exp2(g_m - g_g[s, c]))
+                s_xh[c, s, 0] = hi
+                s_xl[c, s, 0] = lo
+                up = cute.arch.exp2(g_g[s, c] - g_m)
+                hi, lo = _parts(g_qq[s, c].to(f32) * up)
+                s_yqh[c, s, 0] = hi
+                s_yql[c, s, 0] = lo
+                hi, lo = _parts(beta[chunk * BT + s] * g_kk[s, c].to(f32) * up)
+                s_ykh[c, s, 0] = hi
+                s_ykl[c, s, 0] = lo
+            cute.arch.fence_view_async_shared()
+            cute.arch.sync_threads()
+            if s_ok[0] == 1:  # (the same for every thread: whole wgmma groups in each branch)
+                # row role: [64, 64] block-diagonal products, each row then times exp2(g_r - g[m(r)]);
+                # dAqk's and dAkk's one after the other (one accumulator: o_c is live here)
+                for o, a_hi, a_lo in ((o_q, r_a[0], r_a[1]), (o_k, r_a[2], r_a[3])):
+                    warpgroup.fence()
+                    for j in cutlass.range_constexpr(NB):
+                        _products(mma, mma_z, p_q, a_hi, a_lo, r_b[0], r_b[1], j, j, j == 0)
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(0)
+                    for i in cutlass.range_constexpr(cute.size(shape)):
+                        r, c = coords[i]
+                        o[i] = o[i] + cute.arch.exp2(g_g[r, c] - g_g[r // BC * BC + BC // 2, c]) * p_q[i]
+                # column role: dA^T's block-diagonal products, each column then times exp2(g[m(s)] - g_s)
+                warpgroup.fence()
+                for j in cutlass.range_constexpr(NB):
+                    _products(mma_t, mma_tz, p_q, t_a[0], t_a[1], t_b[2], t_b[3], j, j, j == 0)
+                    _products(mma_t, mma_tz, p_q, t_a[2], t_a[3], t_b[4], t_b[5], j, j, False)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+                for i in cutlass.range_constexpr(cute.size(shape)):
+                    s, c = coords[i]
+                    o_c[i] = o_c[i] + cute.arch.exp2(g_g[s // BC * BC + BC // 2, c] - g_g[s, c]) * p_q[i]
+            else:  # some factor through a middle row past 2^GUARD: each pair's own exp2, from memory
+                for i in cutlass.range_constexpr(cute.size(shape)):
+                    t, c = coords[i]
+                    u = t // BC * BC
+                    sq = f32(0.0)
+                    sk = f32(0.0)
+                    sc = f32(0.0)
+                    for jj in cutlass.range(BC, unroll=1):
+                        s = u + jj
+                        if s <= t:
+                            f = cute.arch.exp2(g_g[t, c] - g_g[s, c]) * g_kk[s, c].to(f32)
+                            sq += g_q[t, s] * f
+                            if s < t:
+                                sk += g_k[t, s] * f
+                        if s >= t:
+                            f = cute.arch.exp2(g_g[s, c] - g_g[t, c])
+                            w = g_q[s, t] * g_qq[s, c].to(f32)
+                            if s > t:
+                                w += g_k[s, t] * beta[chunk * BT + s] * g_kk[s, c].to(f32)
+                            sc += w * f
+                    o_q[i] = o_q[i] + sq
+                    o_k[i] = o_k[i] + sk
+                    o_c[i] = o_c[i] + sc
+        thr_c.partition_C(cute.local_tile(x_q, (BT, KH), (chunk, half))).store(o_q.load())
+        thr_c.partition_C(cute.local_tile(x_kr, (BT, KH), (chunk, half))).store(o_k.load())
         thr_c.partition_C(cute.local_tile(x_c, (BT, KH), (chunk, half))).store(o_c.load())
 
     @cute.jit
@@ -243,10 +338,11 @@ def build(K: int = 128, split: bool = True):
 ARGS = ("dAqk", "dAkk", "q", "k", "g", "beta", "x_q", "x_kr", "x_c")  # the probe's tensors, in its order
 
 
-def _tensors(nch: int, K: int, device: str, seed: int = 0) -> dict:
+def _tensors(nch: int, K: int, device: str, seed: int = 0, strength: float = 0.3) -> dict:
     """dAqk (lower, with its diagonal), dAkk (strictly lower), q and k, g (the chunk cumsum of
-    a log2 decay of 0-0.3 a token and channel: strong enough that the blocks' anchors
-    matter), beta; and the outputs, NaN."""
+    a log2 decay of 0-``strength`` a token and channel: at 0.3 strong enough that the blocks'
+    anchors matter, at 10 past the middle rows' guard in a quarter of the CTAs), beta; and the
+    outputs, NaN."""
     import torch
 
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -255,39 +351,60 @@ def _tensors(nch: int, K: int, device: str, seed: int = 0) -> dict:
     dAqk = torch.randn(nch, BT, BT, generator=gen, device=device) * lower
     dAkk = torch.randn(nch, BT, BT, generator=gen, device=device) * (rows[:, None] > rows[None, :])
     q, k = ((torch.randn(nch * BT, K, generator=gen, device=device) * K ** -0.5).bfloat16() for _ in range(2))
-    g = -(torch.rand(nch, BT, K, generator=gen, device=device) * 0.3).cumsum(1)
+    g = -(torch.rand(nch, BT, K, generator=gen, device=device) * strength).cumsum(1)
     beta = torch.rand(nch * BT, generator=gen, device=device)
     out = {n: torch.full((nch * BT, K), float("nan"), device=device) for n in ("x_q", "x_kr", "x_c")}
     return {"dAqk": dAqk.view(nch * BT, BT), "dAkk": dAkk.view(nch * BT, BT), "q": q, "k": k,
             "g": g.view(nch * BT, K), "beta": beta, **out}
 
 
-def want(dAqk, dAkk, q, k, g, beta) -> tuple:
-    """x_q, x_kr and x_c in float64 from their definitions, over the pairs (r, s) with s before
-    r's block and the factor exp2(g_r - g_s): x_q[r] = sum_s dAqk[r, s] k_s, x_kr[r] = sum_s
-    dAkk[r, s] k_s (dk's row part, beta_r not applied), x_c[s] = sum_r dAqk[r, s] q_r + dAkk[r,
-    s] beta_r k_r (dk's column part)."""
+def middle_rows_in_range(g):
+    """[n, K // 64]: whether each (chunk-head, K half)'s blocks keep every factor through their
+    middle rows within 2^+-GUARD (the kernel's fast path for the pairs within a block)."""
+    n, K = g.shape[0] // BT, g.shape[1]
+    gb = g.float().view(n, NB, BC, K // KH, KH)
+    m = gb[:, :, BC // 2]
+    ok = ((gb[:, :, 0] - m) <= GUARD) & ((m - gb[:, :, BC - 1]) <= GUARD)  # [n, NB, halves, KH]
+    return ok.all(dim=3).all(dim=1)
+
+
+def slow_share(g) -> float:
+    """The share of (chunk-head, K half) CTAs that take the pairs within a block one by one."""
+    return 1.0 - middle_rows_in_range(g).float().mean().item()
+
+
+def want(dAqk, dAkk, q, k, g, beta, within: bool = True) -> tuple:
+    """x_q, x_kr and x_c in float64 from their definitions, with the factor exp2(g_r - g_s), over
+    the pairs (r, s) with s before r's block (and, ``within``, the pairs within a block): x_q[r]
+    = sum_{s <= r} dAqk[r, s] k_s, x_kr[r] = sum_{s < r} dAkk[r, s] k_s (dk's row part, beta_r
+    not applied), x_c[s] = sum_{r >= s} dAqk[r, s] q_r + sum_{r > s} dAkk[r, s] beta_r k_r (dk's
+    column part). With ``within`` these are B7's whole sums."""
     import torch
 
     n, K = k.shape[0] // BT, k.shape[1]
     rows = torch.arange(BT, device=k.device)
-    across = (rows[None, :] < (rows[:, None] // BC * BC)).double()  # [r, s]: s before r's block
+    across = rows[None, :] < (rows[:, None] // BC * BC)  # [r, s]: s before r's block
+    pairs_q = (rows[None, :] <= rows[:, None]) if within else across
+    pairs_k = (rows[None, :] < rows[:, None]) if within else across
     qq, kk, gg = q.double().view(n, BT, K), k.double().view(n, BT, K), g.double().view(n, BT, K)
     bk = beta.double().view(n, BT, 1) * kk
-    f = torch.exp2(gg[:, :, None, :] - gg[:, None, :, :])  # [n, r, s, c]
-    dq_, dk_ = (dA.double().view(n, BT, BT) * across for dA in (dAqk, dAkk))
+    f = torch.exp2(torch.where((rows[None, :] <= rows[:, None])[None, :, :, None],
+                               gg[:, :, None, :] - gg[:, None, :, :], float("-inf")))  # [n, r, s, c]
+    dq_, dk_ = dAqk.double().view(n, BT, BT) * pairs_q, dAkk.double().view(n, BT, BT) * pairs_k
     x_q, x_kr = (torch.einsum("nrs,nrsc,nsc->nrc", d, f, kk) for d in (dq_, dk_))
     x_c = torch.einsum("nrs,nrsc,nrc->nsc", dq_, f, qq) + torch.einsum("nrs,nrsc,nrc->nsc", dk_, f, bk)
     return tuple(x.reshape(n * BT, K) for x in (x_q, x_kr, x_c))
 
 
-def twin(dAqk, dAkk, q, k, g, beta, split: bool = True) -> tuple:
+def twin(dAqk, dAkk, q, k, g, beta, split: bool = True, within: bool = True) -> tuple:
     """The kernel's arithmetic in torch (fp32, its bf16 roundings). Row role, per block j < 3:
     kx_j and dA's columns split (or rounded), the products, the rows after block j scaled
     through their anchors; then each row's own factor. Column role, per block i > 0: yq_i, yk_i
     and dA's rows split, the products with dA^T, the columns before block i scaled; then each
-    column's own factor. The GPU check holds the kernel to it and to ``want``; the CPU tests
-    hold it to ``want`` and ``want`` to the package's reference B7."""
+    column's own factor. ``within``: then the pairs within a block, where a (chunk-head, K half)
+    keeps every factor through its blocks' middle rows within 2^+-GUARD as the block-diagonal
+    products through them, else pair by pair in fp32. The GPU check holds the kernel to it and
+    to ``want``; the CPU tests hold it to ``want`` and ``want`` to the package's reference B7."""
     import torch
 
     n, K = k.shape[0] // BT, k.shape[1]
@@ -305,7 +422,8 @@ def twin(dAqk, dAkk, q, k, g, beta, split: bool = True) -> tuple:
         (a_hi, a_lo), (b_hi, b_lo) = parts(a), parts(b)
         return a_hi @ b_hi + ((a_hi @ b_lo + a_lo @ b_hi) if split else 0)
 
-    d_q, d_k = (dA.float().view(n, BT, BT) for dA in (dAqk, dAkk))
+    d_q = dAqk.float().view(n, BT, BT) * (rows[None, :] <= rows[:, None])
+    d_k = dAkk.float().view(n, BT, BT) * (rows[None, :] < rows[:, None])
     out = []
     for d in (d_q, d_k):
         acc = torch.zeros(n, BT, K, device=k.device)
@@ -322,10 +440,24 @@ def twin(dAqk, dAkk, q, k, g, beta, split: bool = True) -> tuple:
                 + product(d_k[:, blk].transpose(1, 2), bb[:, blk] * kk[:, blk] * down))
         acc = acc + torch.where((rows < ai)[None, :, None], torch.exp2(gg[:, ai:ai + 1] - g_n), 0.0) * prod
     out.append(torch.where((rows < BT - BC)[None, :, None], acc * torch.exp2(g_n - gg), 0.0))
+    if within:
+        same = (rows[:, None] // BC) == (rows[None, :] // BC)
+        g_m = gg[:, rows // BC * BC + BC // 2]
+        up, down = torch.exp2(gg - g_m), torch.exp2(g_m - gg)  # (each at most 2^GUARD where it is used)
+        fast = [product(d_q * same, kk * down) * up, product(d_k * same, kk * down) * up,
+                (product((d_q * same).transpose(1, 2), qq * up) + product((d_k * same).transpose(1, 2), bb * kk * up))
+                * down]
+        f = torch.exp2(torch.where((same & (rows[None, :] <= rows[:, None]))[None, :, :, None],
+                                   gg[:, :, None, :] - gg[:, None, :, :], float("-inf")))  # [n, r, s, c]
+        w_q, w_k = d_q * same, d_k * same
+        slow = [torch.einsum("nrs,nrsc,nsc->nrc", w_q, f, kk), torch.einsum("nrs,nrsc,nsc->nrc", w_k, f, kk),
+                torch.einsum("nrs,nrsc,nrc->nsc", w_q, f, qq) + torch.einsum("nrs,nrsc,nrc->nsc", w_k, f, bb * kk)]
+        ok = middle_rows_in_range(g).repeat_interleave(KH, dim=1)[:, None, :]  # [n, 1, K]
+        out = [o + torch.where(ok, a, b) for o, a, b in zip(out, fast, slow)]
     return tuple(x.reshape(n * BT, K) for x in out)
 
 
-def compile_offline(nch: int = 4, K: int = 128, split: bool = True, dump: str | None = None):
+def compile_offline(nch: int = 4, K: int = 128, split: bool = True, within: bool = True, dump: str | None = None):
     """Trace and compile for sm_90a with no GPU: the PTX and cubin land in ``dump``."""
     if dump:
         os.environ.update(CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx,cubin", CUTE_DSL_DUMP_DIR=dump)
@@ -334,20 +466,22 @@ def compile_offline(nch: int = 4, K: int = 128, split: bool = True, dump: str | 
     from cutlass.cute.runtime import from_dlpack
 
     t = _tensors(nch, K, "cpu")
-    return cute.compile(build(K, split), *[from_dlpack(t[n], assumed_align=16) for n in ARGS], cuda.CUstream(0))
+    return cute.compile(build(K, split, within), *[from_dlpack(t[n], assumed_align=16) for n in ARGS],
+                        cuda.CUstream(0))
 
 
-def sm90_row(dump: str, split: bool) -> dict:
+def sm90_row(dump: str, split: bool, within: bool) -> dict:
     """Registers, spills and ptxas's notes (research.b6_cute_probe.ptxas_report), and the wgmma
     count of the PTX."""
     from research.b6_cute_probe import ptxas_report
 
     report = ptxas_report(dump)
-    return {"kind": "compile_sm90", "kernel": "b7_cute_probe", "split": split, "threads": 128,
+    return {"kind": "compile_sm90", "kernel": "b7_cute_probe", "split": split, "within": within, "threads": 128,
             **{n: v for n, v in report.items() if n != "ptx"}, "wgmma": report["ptx"].count("wgmma.mma_async")}
 
 
-def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, reps: int = 20) -> dict:
+def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = True, reps: int = 20,
+            strength: float = 0.3) -> dict:
     """On a GPU: x_q, x_kr and x_c against float64 and against the twin on 64 chunk-heads
     spread over all, then the CUDA-event time at ``nch`` chunk-heads against the bytes it
     moves."""
@@ -356,16 +490,16 @@ def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, reps: int = 20) 
     import torch
     from cutlass.cute.runtime import from_dlpack
 
-    t = _tensors(nch, K, "cuda")
+    t = _tensors(nch, K, "cuda", strength=strength)
     args = [from_dlpack(t[n], assumed_align=16) for n in ARGS]
     args.append(cuda.CUstream(torch.cuda.current_stream().cuda_stream))
-    run = cute.compile(build(K, split), *args)
+    run = cute.compile(build(K, split, within), *args)
     run(*args)
     torch.cuda.synchronize()
     sel = torch.linspace(0, nch - 1, min(nch, 64), device="cuda").round().long()
     pick = lambda x: x.view(nch, BT, -1)[sel].reshape(len(sel) * BT, -1).squeeze(-1)  # noqa: E731
     ins = [pick(t[n]) for n in ("dAqk", "dAkk", "q", "k", "g", "beta")]
-    wants, twins = want(*ins), twin(*ins, split=split)
+    wants, twins = want(*ins, within=within), twin(*ins, split=split, within=within)
     def rel(got, w):
         return ((got.double() - w.double()).square().mean() / w.double().square().mean()).sqrt().item()
 
@@ -384,7 +518,8 @@ def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, reps: int = 20) 
     ms = sorted(times)[reps // 2]
     # dAqk and dAkk once (the second K half's from L2), q and k (bf16), g (fp32), beta; three outputs
     moved = nch * (2 * BT * BT * 4 + 2 * BT * K * 2 + BT * K * 4 + BT * 4 + 3 * BT * K * 4)
-    return {"kind": "gpu", "kernel": "b7_cute_probe", "split": split, "chunk_heads": nch, "errors": errors,
+    return {"kind": "gpu", "kernel": "b7_cute_probe", "split": split, "within": within, "strength": strength,
+            "chunk_heads": nch, "errors": errors, "slow_share": slow_share(t["g"]),
             "finite": all(bool(torch.isfinite(t[n]).all()) for n in ("x_q", "x_kr", "x_c")), "ms": ms,
             "bytes": moved, "TB_s": moved / ms / 1e9, "gpu": torch.cuda.get_device_name()}
 
@@ -395,21 +530,22 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["compile"]:  # each build in a process of its own (CuTe DSL reads its dump folder once)
         dump = argv[1] if len(argv) > 1 else "/tmp/b7_cute_probe"
-        for split in BUILDS:
-            sub = os.path.join(dump, "split" if split else "single")
+        for split, within in BUILDS:
+            sub = os.path.join(dump, ("split" if split else "single") + ("-within" if within else ""))
             os.makedirs(sub, exist_ok=True)
             for old in os.listdir(sub):
                 os.remove(os.path.join(sub, old))
-            subprocess.run([sys.executable, "-m", "research.b7_cute_probe", "compile-one", str(int(split)), sub],
-                           check=True, stdout=subprocess.DEVNULL)
-            print(json.dumps(sm90_row(sub, split)))
+            subprocess.run([sys.executable, "-m", "research.b7_cute_probe", "compile-one", str(int(split)),
+                            str(int(within)), sub], check=True, stdout=subprocess.DEVNULL)
+            print(json.dumps(sm90_row(sub, split, within)))
         return 0
     if argv[:1] == ["compile-one"]:
-        compile_offline(split=bool(int(argv[1])), dump=argv[2])
+        compile_offline(split=bool(int(argv[1])), within=bool(int(argv[2])), dump=argv[3])
         return 0
-    if argv[:1] == ["gpu"]:
-        for split in BUILDS:
-            print(json.dumps(gpu_run(split=split)), flush=True)
+    if argv[:1] == ["gpu"]:  # every build at the gentle draw, then the whole sums under gates past the guard
+        for split, within in BUILDS:
+            print(json.dumps(gpu_run(split=split, within=within)), flush=True)
+        print(json.dumps(gpu_run(strength=10.0)), flush=True)
         return 0
     print(__doc__)
     return 2

@@ -1,7 +1,8 @@
-"""The CuTe DSL B7 probe (research.b7_cute_probe) on the CPU: its definitions of the sums
-across blocks are the package's reference B7 less the pairs within a block (dq's part, and
-dk's row and column parts together); its twin (the kernel's arithmetic in torch: anchors,
-masks, bf16 split) meets them at the split's precision, and one bf16 product does not; and
+"""The CuTe DSL B7 probe (research.b7_cute_probe) on the CPU: its definitions are the package's
+reference B7 (dq's part, and dk's row and column parts together), whole or less the pairs
+within a block; its twin (the kernel's arithmetic in torch: anchors, masks, bf16 split, the
+pairs within a block through their middle rows or, past the guard, one by one) meets them at
+the split's precision under gentle and extreme gates, and one bf16 product does not; and
 where CuTe DSL is installed, both builds compile for sm_90a without spills or ptxas's speed
 notes."""
 
@@ -13,16 +14,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from research.b7_cute_probe import BC, BT, _tensors, twin, want
+from research.b7_cute_probe import BC, BT, _tensors, slow_share, twin, want
 
 
-def test_the_sums_across_blocks_are_b7_less_the_blocks():
+def test_the_sums_are_b7_s_whole_or_less_the_blocks():
     from kernel_fun.kda import reference as ref
 
     n, K = 3, 64
     t = _tensors(n, K, "cpu", seed=1)
     ins = [t[name] for name in ("dAqk", "dAkk", "q", "k", "g", "beta")]
-    x_q, x_kr, x_c = (x.view(n, BT, K) for x in want(*ins))
+    x_q, x_kr, x_c = (x.view(n, BT, K) for x in want(*ins, within=False))
     tok = lambda x: x.view(1, n * BT, 1, *x.shape[1:])  # noqa: E731
     zeros = torch.zeros(1, n * BT, 1, K, dtype=torch.float64)
     dq, dk, *_ = ref.intra_bwd(tok(t["q"]), tok(t["k"]), tok(t["g"]), tok(t["beta"]), tok(t["dAqk"]), tok(t["dAkk"]),
@@ -40,19 +41,27 @@ def test_the_sums_across_blocks_are_b7_less_the_blocks():
              + torch.einsum("nrs,nrsc,nrc->nsc", wk, f, bb * kk))
     assert ref.rel_rms(x_q + dq_in, dq.view(n, BT, K)) < 1e-12
     assert ref.rel_rms(x_kr * bb + x_c + dk_in, dk.view(n, BT, K)) < 1e-12
+    w_q, w_kr, w_c = (x.view(n, BT, K) for x in want(*ins, within=True))
+    assert ref.rel_rms(w_q, dq.view(n, BT, K)) < 1e-12
+    assert ref.rel_rms(w_kr * bb + w_c, dk.view(n, BT, K)) < 1e-12
 
 
-def test_the_twin_meets_the_definitions_at_the_split_s_precision():
-    t = _tensors(4, 128, "cpu", seed=2)
+@pytest.mark.parametrize("within", [True, False])
+@pytest.mark.parametrize("strength", [0.3, 10.0])
+def test_the_twin_meets_the_definitions_at_the_split_s_precision(within, strength):
+    t = _tensors(16, 128, "cpu", seed=2, strength=strength)
     ins = [t[name] for name in ("dAqk", "dAkk", "q", "k", "g", "beta")]
     rel = lambda got, w: ((got.double() - w).square().mean() / w.square().mean()).sqrt().item()  # noqa: E731
-    wants = want(*ins)
-    for got, w in zip(twin(*ins, split=True), wants):
+    wants = want(*ins, within=within)
+    for got, w in zip(twin(*ins, split=True, within=within), wants):
         assert rel(got, w) < 2e-5  # fla's B7 (tf32 off the diagonal): ~2e-5
-    for got, w in zip(twin(*ins, split=False), wants):
+    for got, w in zip(twin(*ins, split=False, within=within), wants):
         assert rel(got, w) > 5e-4  # one bf16 product: the split is needed
-    x_q, _, x_c = (w.view(4, BT, -1) for w in wants)
-    assert x_q[:, :BC].abs().max() == 0 and x_c[:, -BC:].abs().max() == 0  # no block before the first, after the last
+    if not within:
+        x_q, _, x_c = (w.view(16, BT, -1) for w in wants)
+        assert x_q[:, :BC].abs().max() == 0 and x_c[:, -BC:].abs().max() == 0  # no block before the first, after the last
+    # the gentle draw takes the middle rows everywhere; the extreme one both paths
+    assert slow_share(t["g"]) == 0 if strength < 1 else 0 < slow_share(t["g"]) < 1
 
 
 def test_the_probe_compiles_for_sm90a(tmp_path: Path):
@@ -62,8 +71,9 @@ def test_the_probe_compiles_for_sm90a(tmp_path: Path):
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert [r["split"] for r in rows] == [True, False]
+    assert [(r["split"], r["within"]) for r in rows] == [(True, True), (True, False)]
     for r in rows:
         assert (r["spill_stores"], r["sass_stl"], r["ptxas_notes"]) == (0, 0, {}), r
-        # three blocks a role, two dA's, three products each with the split (one without)
-        assert r["wgmma"] == r["sass_hgmma"] == (36 if r["split"] else 12), r
+        # three products a block: across blocks three blocks a role and two dA's; within, four
+        # k blocks a role and two dA's
+        assert r["wgmma"] == r["sass_hgmma"] == 3 * (12 + (16 if r["within"] else 0)), r
