@@ -16,9 +16,10 @@ For one chunk-head's K half (a CTA of one warpgroup), g is the chunk cumsum in l
     x_c[s]  = sum_{r >= s} dAqk[r, s] q_r f(r, s) + sum_{r > s} dAkk[r, s] beta_r k_r f(r, s)
                                                                           (dk's column part)
 
-The rows fall in four blocks of 16; a(r) is the first row of r's block, n(s) the first of the
-block after s's, m(r) = a(r) + 8 the middle one. Each sum is made of products of 16-row
-blocks through anchors:
+The rows fall in four blocks of 16; a(r) is the first row of r's block and n(s) the first of
+the block after s's. Each sum is made of products of 16-row blocks through anchors, each
+anchor a row at or before the rows it serves, so a row's sums follow from it and the rows
+before it, to the bit:
 - **Pairs across blocks** (s before r's block; the blocks form of research/b7_blocks.py),
   every factor at most 1:
   - Row role, per block j < 3 (n_j = 16 (j + 1)): dA's columns of block j times kx_j = k
@@ -27,14 +28,15 @@ blocks through anchors:
   - Column role, per block i > 0 (a_i = 16 i): dA's rows of block i, transposed, times yq_i =
     q exp2(g - g[a_i]) and yk_i = beta k exp2(g - g[a_i]). The columns before block i take it
     times exp2(g[a_i] - g[n(s)]); at the end every column takes exp2(g[n(s)] - g_s).
-- **Pairs within a block** (``within``), through the middle rows:
-  - dA's tiles made block diagonal; one [64, 64] product a role and dA against kxm = k
-    exp2(g[m] - g), or yqm = q exp2(g - g[m]) and ykm = beta k exp2(g - g[m]);
-  - then each row times exp2(g_r - g[m(r)]), each column times exp2(g[m(s)] - g_s).
-  - Every factor stays within 2^+-GUARD where every block's half span does (g[a] - g[m] and
-    g[m] - g[a + 15], per channel). A CTA where one does not (a decay past 8 log2 units a
-    token, or a NaN gate) takes the pairs within its blocks one by one, each with its own
-    exp2, read from memory. Exact for any gate.
+- **Pairs within a block** (``within``), through the block's first row u = a(r):
+  - dA's tiles made block diagonal; one [64, 64] product a role and dA against kxu = k
+    exp2(g[u] - g), or yqu = q exp2(g - g[u]) and yku = beta k exp2(g - g[u]);
+  - then each row times exp2(g_r - g[u]), each column times exp2(g[u] - g_s).
+  - That takes an element (row or column, channel) whose span g[u] - g is within GUARD (64:
+    kxu at most 2^64; at 0 where it is past, read only by rows past it). An element past it
+    (a decay of more than 4 log2 units a token over its block, or a NaN gate) takes its pairs
+    within the block one by one, each with its own exp2, read from memory, added to what was
+    stored. Exact for any gate, and the choice follows from the row and its block's first row.
 
 dA's tiles, split and with their upper triangles zeroed, lie once in shared memory. They are
 the A operand of the row role as they lie (M = r, K = s) and of the column role read MN-major
@@ -57,7 +59,7 @@ import sys
 
 BT, KH, BC = 64, 64, 16  # chunk rows, a CTA's K half, the row block
 NB = BT // BC
-GUARD = 64  # the pairs within a block go through its middle row where every factor stays within 2^+-GUARD
+GUARD = 64  # the pairs within a block go through its first row where its factor stays within 2^GUARD
 BUILDS = ((True, True), (True, False))  # (split, within): the whole sums, and the sums across blocks alone
 
 
@@ -122,10 +124,8 @@ def build(K: int = 128, split: bool = True, within: bool = True):
             yql: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(b_l)], 1024]
             ykh: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(b_l)], 1024]
             ykl: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(b_l)], 1024]
-            ok: cute.struct.MemRange[cutlass.Int32, 4]  # (within) the middle rows' factors in range
 
         storage = SmemAllocator().allocate(Smem)
-        s_ok = cute.make_tensor(storage.ok.data_ptr(), cute.make_layout(1))
         s_qh, s_ql, s_kh, s_kl = (getattr(storage, n).get_tensor(a_l.outer, swizzle=a_l.inner)
                                   for n in ("qh", "ql", "kh", "kl"))
         s_xh, s_xl, s_yqh, s_yql, s_ykh, s_ykl = (getattr(storage, n).get_tensor(b_l.outer, swizzle=b_l.inner)
@@ -170,18 +170,8 @@ def build(K: int = 128, split: bool = True, within: bool = True):
             hi, lo = _parts(beta[chunk * BT + r] * g_kk[r, c].to(f32) * down)
             s_ykh[c, r, 0] = hi
             s_ykl[c, r, 0] = lo
-        if cutlass.const_expr(within):  # whether every block's factors through its middle row stay
-            if tidx == 0:  # within 2^+-GUARD (NaN gates: not)
-                s_ok[0] = 1
         cute.arch.fence_view_async_shared()  # (the generic proxy's stores seen by the wgmmas)
         cute.arch.sync_threads()
-        if cutlass.const_expr(within):
-            for i in cutlass.range(tidx, NB * KH, 128):
-                u = i // KH * BC
-                c = i % KH
-                g_m = g_g[u + BC // 2, c]
-                if not (g_g[u, c] - g_m <= GUARD and g_m - g_g[u + BC - 1, c] <= GUARD):
-                    s_ok[0] = 0
 
         thr_c = mma.get_slice(tidx)
         shape = thr_c.partition_C(g_g).shape
@@ -199,6 +189,25 @@ def build(K: int = 128, split: bool = True, within: bool = True):
         o_k.fill(0.0)
         o_c.fill(0.0)
 
+        # column role across blocks: columns s before block i take dA[block i, s]^T (yq_i + yk_i)
+        # through the anchors a_i and n(s), then exp2(g[n(s)] - g_s)
+        for i_b in cutlass.range_constexpr(1, NB):
+            warpgroup.fence()
+            _products(mma_t, mma_tz, p_q, t_a[0], t_a[1], t_b[2], t_b[3], i_b, i_b, True)
+            _products(mma_t, mma_tz, p_q, t_a[2], t_a[3], t_b[4], t_b[5], i_b, i_b, False)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            for i in cutlass.range_constexpr(cute.size(shape)):
+                s, c = coords[i]
+                if s < i_b * BC:
+                    o_c[i] = o_c[i] + cute.arch.exp2(g_g[i_b * BC, c] - g_g[s // BC * BC + BC, c]) * p_q[i]
+        for i in cutlass.range_constexpr(cute.size(shape)):
+            s, c = coords[i]
+            if s < BT - BC:
+                o_c[i] = o_c[i] * cute.arch.exp2(g_g[s // BC * BC + BC, c] - g_g[s, c])
+
+        out_c = thr_c.partition_C(cute.local_tile(x_c, (BT, KH), (chunk, half)))
+        out_c.store(o_c.load())  # (the pairs within a block, below, add to it: o_c's registers free meanwhile)
         # row role across blocks: rows r after block j take dA[r, block j] kx_j through the
         # anchors a(r) and n_j, then exp2(g_r - g[a(r)])
         for j in cutlass.range_constexpr(NB - 1):
@@ -219,27 +228,12 @@ def build(K: int = 128, split: bool = True, within: bool = True):
             down = cute.arch.exp2(g_g[r, c] - g_g[r // BC * BC, c])
             o_q[i] = o_q[i] * down
             o_k[i] = o_k[i] * down
-        # column role across blocks: columns s before block i take dA[block i, s]^T (yq_i + yk_i)
-        # through the anchors a_i and n(s), then exp2(g[n(s)] - g_s)
-        for i_b in cutlass.range_constexpr(1, NB):
-            warpgroup.fence()
-            _products(mma_t, mma_tz, p_q, t_a[0], t_a[1], t_b[2], t_b[3], i_b, i_b, True)
-            _products(mma_t, mma_tz, p_q, t_a[2], t_a[3], t_b[4], t_b[5], i_b, i_b, False)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
-            for i in cutlass.range_constexpr(cute.size(shape)):
-                s, c = coords[i]
-                if s < i_b * BC:
-                    o_c[i] = o_c[i] + cute.arch.exp2(g_g[i_b * BC, c] - g_g[s // BC * BC + BC, c]) * p_q[i]
-        for i in cutlass.range_constexpr(cute.size(shape)):
-            s, c = coords[i]
-            if s < BT - BC:
-                o_c[i] = o_c[i] * cute.arch.exp2(g_g[s // BC * BC + BC, c] - g_g[s, c])
-
         if cutlass.const_expr(within):
-            # the pairs within a block through its middle row m(s) = a(s) + 8: dA's off-diagonal
-            # blocks zeroed (the tiles block diagonal), the B operands rebuilt on all rows: kxm =
-            # k exp2(g[m] - g), yqm = q exp2(g - g[m]), ykm = beta k exp2(g - g[m])
+            # the pairs within a block through its first row u (an anchor at or before every row
+            # of the block, so a row's sums follow from it and the rows before it, to the bit):
+            # dA's off-diagonal blocks zeroed (the tiles block diagonal), the B operands rebuilt on
+            # every row: kxu = k exp2(g[u] - g) (at most 2^GUARD: 0 past it, where only rows past
+            # the guard read it), yqu = q exp2(g - g[u]) and yku = beta k exp2(g - g[u]) (at most 1)
             cute.arch.sync_threads()  # (every product across blocks done: each thread waited on its own)
             for i in cutlass.range(tidx, BT * BT, 128, unroll=4):
                 r = i // BT
@@ -253,67 +247,78 @@ def build(K: int = 128, split: bool = True, within: bool = True):
             for i in cutlass.range(tidx, BT * KH, 128, unroll=2):
                 s = i // KH
                 c = i % KH
-                g_m = g_g[s // BC * BC + BC // 2, c]
-                hi, lo = _parts(g_kk[s, c].to(f32) * cute.arch.exp2(g_m - g_g[s, c]))
+                span = g_g[s // BC * BC, c] - g_g[s, c]
+                x = f32(0.0)
+                if span <= GUARD:
+                    x = g_kk[s, c].to(f32) * cute.arch.exp2(span)
+                hi, lo = _parts(x)
                 s_xh[c, s, 0] = hi
                 s_xl[c, s, 0] = lo
-                up = cute.arch.exp2(g_g[s, c] - g_m)
-                hi, lo = _parts(g_qq[s, c].to(f32) * up)
+                down = cute.arch.exp2(-span)
+                hi, lo = _parts(g_qq[s, c].to(f32) * down)
                 s_yqh[c, s, 0] = hi
                 s_yql[c, s, 0] = lo
-                hi, lo = _parts(beta[chunk * BT + s] * g_kk[s, c].to(f32) * up)
+                hi, lo = _parts(beta[chunk * BT + s] * g_kk[s, c].to(f32) * down)
                 s_ykh[c, s, 0] = hi
                 s_ykl[c, s, 0] = lo
             cute.arch.fence_view_async_shared()
             cute.arch.sync_threads()
-            if s_ok[0] == 1:  # (the same for every thread: whole wgmma groups in each branch)
-                # row role: [64, 64] block-diagonal products, each row then times exp2(g_r - g[m(r)]);
-                # dAqk's and dAkk's one after the other (one accumulator: o_c is live here)
-                for o, a_hi, a_lo in ((o_q, r_a[0], r_a[1]), (o_k, r_a[2], r_a[3])):
-                    warpgroup.fence()
-                    for j in cutlass.range_constexpr(NB):
-                        _products(mma, mma_z, p_q, a_hi, a_lo, r_b[0], r_b[1], j, j, j == 0)
-                    warpgroup.commit_group()
-                    warpgroup.wait_group(0)
-                    for i in cutlass.range_constexpr(cute.size(shape)):
-                        r, c = coords[i]
-                        o[i] = o[i] + cute.arch.exp2(g_g[r, c] - g_g[r // BC * BC + BC // 2, c]) * p_q[i]
-                # column role: dA^T's block-diagonal products, each column then times exp2(g[m(s)] - g_s)
+            # row role: [64, 64] block-diagonal products, a row within the guard then times exp2(g_r -
+            # g[u]) (one past it, its own span past 2^GUARD or NaN: pair by pair, below); dAqk's and
+            # dAkk's one after the other (one accumulator)
+            for o, a_hi, a_lo in ((o_q, r_a[0], r_a[1]), (o_k, r_a[2], r_a[3])):
                 warpgroup.fence()
                 for j in cutlass.range_constexpr(NB):
-                    _products(mma_t, mma_tz, p_q, t_a[0], t_a[1], t_b[2], t_b[3], j, j, j == 0)
-                    _products(mma_t, mma_tz, p_q, t_a[2], t_a[3], t_b[4], t_b[5], j, j, False)
+                    _products(mma, mma_z, p_q, a_hi, a_lo, r_b[0], r_b[1], j, j, j == 0)
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
                 for i in cutlass.range_constexpr(cute.size(shape)):
-                    s, c = coords[i]
-                    o_c[i] = o_c[i] + cute.arch.exp2(g_g[s // BC * BC + BC // 2, c] - g_g[s, c]) * p_q[i]
-            else:  # some factor through a middle row past 2^GUARD: each pair's own exp2, from memory
-                for i in cutlass.range_constexpr(cute.size(shape)):
-                    t, c = coords[i]
-                    u = t // BC * BC
-                    sq = f32(0.0)
-                    sk = f32(0.0)
-                    sc = f32(0.0)
-                    for jj in cutlass.range(BC, unroll=1):
-                        s = u + jj
-                        if s <= t:
-                            f = cute.arch.exp2(g_g[t, c] - g_g[s, c]) * g_kk[s, c].to(f32)
-                            sq += g_q[t, s] * f
-                            if s < t:
-                                sk += g_k[t, s] * f
-                        if s >= t:
-                            f = cute.arch.exp2(g_g[s, c] - g_g[t, c])
-                            w = g_q[s, t] * g_qq[s, c].to(f32)
-                            if s > t:
-                                w += g_k[s, t] * beta[chunk * BT + s] * g_kk[s, c].to(f32)
-                            sc += w * f
-                    o_q[i] = o_q[i] + sq
-                    o_k[i] = o_k[i] + sk
-                    o_c[i] = o_c[i] + sc
+                    r, c = coords[i]
+                    span = g_g[r // BC * BC, c] - g_g[r, c]
+                    o[i] = o[i] + f32(cutlass.select_(span <= GUARD, cute.arch.exp2(-span), f32(0.0))) * p_q[i]
         thr_c.partition_C(cute.local_tile(x_q, (BT, KH), (chunk, half))).store(o_q.load())
         thr_c.partition_C(cute.local_tile(x_kr, (BT, KH), (chunk, half))).store(o_k.load())
-        thr_c.partition_C(cute.local_tile(x_c, (BT, KH), (chunk, half))).store(o_c.load())
+        if cutlass.const_expr(within):
+            o_c.store(out_c.load())
+            # column role: dA^T's block-diagonal products, a column within the guard then times
+            # exp2(g[u] - g_s) (one past it: pair by pair, below)
+            warpgroup.fence()
+            for j in cutlass.range_constexpr(NB):
+                _products(mma_t, mma_tz, p_q, t_a[0], t_a[1], t_b[2], t_b[3], j, j, j == 0)
+                _products(mma_t, mma_tz, p_q, t_a[2], t_a[3], t_b[4], t_b[5], j, j, False)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            for i in cutlass.range_constexpr(cute.size(shape)):
+                s, c = coords[i]
+                u = s // BC * BC
+                span = g_g[u, c] - g_g[s, c]
+                o_c[i] = o_c[i] + f32(cutlass.select_(span <= GUARD, cute.arch.exp2(span), f32(0.0))) * p_q[i]
+            out_c.store(o_c.load())
+        if cutlass.const_expr(within):
+            # the elements past the guard: their pairs within the block one by one, each with its
+            # own exp2, added to what this thread stored (its registers free again)
+            out_q, out_k, out_c = (thr_c.partition_C(cute.local_tile(x, (BT, KH), (chunk, half)))
+                                   for x in (x_q, x_kr, x_c))
+            for i in cutlass.range_constexpr(cute.size(shape)):
+                t, c = coords[i]
+                u = t // BC * BC
+                if not (g_g[u, c] - g_g[t, c] <= GUARD):
+                    a_q = f32(0.0)
+                    a_k = f32(0.0)
+                    a_c = f32(0.0)
+                    for s in cutlass.range(u, t + 1, unroll=1):  # the row role: s <= t (dAkk: s < t)
+                        f = g_kk[s, c].to(f32) * cute.arch.exp2(g_g[t, c] - g_g[s, c])
+                        a_q += g_q[t, s] * f
+                        if s < t:
+                            a_k += g_k[t, s] * f
+                    for r in cutlass.range(t, u + BC, unroll=1):  # the column role: r >= t (dAkk: r > t)
+                        w = g_q[r, t] * g_qq[r, c].to(f32)
+                        if r > t:
+                            w += g_k[r, t] * beta[chunk * BT + r] * g_kk[r, c].to(f32)
+                        a_c += w * cute.arch.exp2(g_g[r, c] - g_g[t, c])
+                    out_q[i] = out_q[i] + a_q
+                    out_k[i] = out_k[i] + a_k
+                    out_c[i] = out_c[i] + a_c
 
     @cute.jit
     def probe(dAqk: cute.Tensor, dAkk: cute.Tensor, q: cute.Tensor, k: cute.Tensor, g: cute.Tensor,
@@ -341,8 +346,8 @@ ARGS = ("dAqk", "dAkk", "q", "k", "g", "beta", "x_q", "x_kr", "x_c")  # the prob
 def _tensors(nch: int, K: int, device: str, seed: int = 0, strength: float = 0.3) -> dict:
     """dAqk (lower, with its diagonal), dAkk (strictly lower), q and k, g (the chunk cumsum of
     a log2 decay of 0-``strength`` a token and channel: at 0.3 strong enough that the blocks'
-    anchors matter, at 10 past the middle rows' guard in a quarter of the CTAs), beta; and the
-    outputs, NaN."""
+    anchors matter, at 10 past the guard for a sixth of the elements), beta; and the outputs,
+    NaN."""
     import torch
 
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -358,19 +363,12 @@ def _tensors(nch: int, K: int, device: str, seed: int = 0, strength: float = 0.3
             "g": g.view(nch * BT, K), "beta": beta, **out}
 
 
-def middle_rows_in_range(g):
-    """[n, K // 64]: whether each (chunk-head, K half)'s blocks keep every factor through their
-    middle rows within 2^+-GUARD (the kernel's fast path for the pairs within a block)."""
-    n, K = g.shape[0] // BT, g.shape[1]
-    gb = g.float().view(n, NB, BC, K // KH, KH)
-    m = gb[:, :, BC // 2]
-    ok = ((gb[:, :, 0] - m) <= GUARD) & ((m - gb[:, :, BC - 1]) <= GUARD)  # [n, NB, halves, KH]
-    return ok.all(dim=3).all(dim=1)
-
-
 def slow_share(g) -> float:
-    """The share of (chunk-head, K half) CTAs that take the pairs within a block one by one."""
-    return 1.0 - middle_rows_in_range(g).float().mean().item()
+    """The share of (row, channel) elements whose span from their block's first row, g[u] - g,
+    is past GUARD (or NaN): the kernel takes their pairs within the block one by one."""
+    n, K = g.shape[0] // BT, g.shape[1]
+    gb = g.float().view(n, NB, BC, K)
+    return 1.0 - ((gb[:, :, :1] - gb) <= GUARD).float().mean().item()
 
 
 def want(dAqk, dAkk, q, k, g, beta, within: bool = True) -> tuple:
@@ -401,10 +399,10 @@ def twin(dAqk, dAkk, q, k, g, beta, split: bool = True, within: bool = True) -> 
     kx_j and dA's columns split (or rounded), the products, the rows after block j scaled
     through their anchors; then each row's own factor. Column role, per block i > 0: yq_i, yk_i
     and dA's rows split, the products with dA^T, the columns before block i scaled; then each
-    column's own factor. ``within``: then the pairs within a block, where a (chunk-head, K half)
-    keeps every factor through its blocks' middle rows within 2^+-GUARD as the block-diagonal
-    products through them, else pair by pair in fp32. The GPU check holds the kernel to it and
-    to ``want``; the CPU tests hold it to ``want`` and ``want`` to the package's reference B7."""
+    column's own factor. ``within``: then the pairs within a block, through each block's first
+    row u: an element (row, channel) whose span g[u] - g is within GUARD from the block-diagonal
+    products, one past it pair by pair in fp32. The GPU check holds the kernel to it and to
+    ``want``; the CPU tests hold it to ``want`` and ``want`` to the package's reference B7."""
     import torch
 
     n, K = k.shape[0] // BT, k.shape[1]
@@ -442,18 +440,19 @@ def twin(dAqk, dAkk, q, k, g, beta, split: bool = True, within: bool = True) -> 
     out.append(torch.where((rows < BT - BC)[None, :, None], acc * torch.exp2(g_n - gg), 0.0))
     if within:
         same = (rows[:, None] // BC) == (rows[None, :] // BC)
-        g_m = gg[:, rows // BC * BC + BC // 2]
-        up, down = torch.exp2(gg - g_m), torch.exp2(g_m - gg)  # (each at most 2^GUARD where it is used)
-        fast = [product(d_q * same, kk * down) * up, product(d_k * same, kk * down) * up,
-                (product((d_q * same).transpose(1, 2), qq * up) + product((d_k * same).transpose(1, 2), bb * kk * up))
-                * down]
+        span = gg[:, rows // BC * BC] - gg  # g[u] - g, u each row's block's first row
+        fast_row = span <= GUARD  # (NaN: not)
+        kxu = torch.where(fast_row, kk * torch.exp2(torch.where(fast_row, span, 0.0)), 0.0)
+        down = torch.exp2(-span)  # (at most 1)
+        w_q, w_k = d_q * same, d_k * same
+        fast = [product(w_q, kxu) * down, product(w_k, kxu) * down,
+                (product(w_q.transpose(1, 2), qq * down) + product(w_k.transpose(1, 2), bb * kk * down))
+                * torch.exp2(torch.where(fast_row, span, 0.0))]
         f = torch.exp2(torch.where((same & (rows[None, :] <= rows[:, None]))[None, :, :, None],
                                    gg[:, :, None, :] - gg[:, None, :, :], float("-inf")))  # [n, r, s, c]
-        w_q, w_k = d_q * same, d_k * same
         slow = [torch.einsum("nrs,nrsc,nsc->nrc", w_q, f, kk), torch.einsum("nrs,nrsc,nsc->nrc", w_k, f, kk),
                 torch.einsum("nrs,nrsc,nrc->nsc", w_q, f, qq) + torch.einsum("nrs,nrsc,nrc->nsc", w_k, f, bb * kk)]
-        ok = middle_rows_in_range(g).repeat_interleave(KH, dim=1)[:, None, :]  # [n, 1, K]
-        out = [o + torch.where(ok, a, b) for o, a, b in zip(out, fast, slow)]
+        out = [o + torch.where(fast_row, a, b) for o, a, b in zip(out, fast, slow)]
     return tuple(x.reshape(n * BT, K) for x in out)
 
 

@@ -1,7 +1,7 @@
 """The CuTe DSL B7 probe (research.b7_cute_probe) on the CPU: its definitions are the package's
 reference B7 (dq's part, and dk's row and column parts together), whole or less the pairs
 within a block; its twin (the kernel's arithmetic in torch: anchors, masks, bf16 split, the
-pairs within a block through their middle rows or, past the guard, one by one) meets them at
+pairs within a block through their first rows or, past the guard, one by one) meets them at
 the split's precision under gentle and extreme gates, and one bf16 product does not; and
 where CuTe DSL is installed, both builds compile for sm_90a without spills or ptxas's speed
 notes."""
@@ -60,7 +60,7 @@ def test_the_twin_meets_the_definitions_at_the_split_s_precision(within, strengt
     if not within:
         x_q, _, x_c = (w.view(16, BT, -1) for w in wants)
         assert x_q[:, :BC].abs().max() == 0 and x_c[:, -BC:].abs().max() == 0  # no block before the first, after the last
-    # the gentle draw takes the middle rows everywhere; the extreme one both paths
+    # the gentle draw takes the products everywhere; the extreme one both paths
     assert slow_share(t["g"]) == 0 if strength < 1 else 0 < slow_share(t["g"]) < 1
 
 
@@ -77,3 +77,30 @@ def test_the_probe_compiles_for_sm90a(tmp_path: Path):
         # three products a block: across blocks three blocks a role and two dA's; within, four
         # k blocks a role and two dA's
         assert r["wgmma"] == r["sass_hgmma"] == 3 * (12 + (16 if r["within"] else 0)), r
+
+
+@pytest.mark.parametrize("strength", [0.3, 10.0])
+def test_the_twin_is_causal_to_the_bit(strength):
+    """Rows at or before t are the same bits whatever the gates, q, k and beta after t, with dA's
+    rows after t zero (the call cut at t): every anchor is a row at or before the rows it
+    serves, and the guard's choice follows from a row and its block's first row."""
+    n, t = 4, 37
+    a = _tensors(n, 128, "cpu", seed=3, strength=strength)
+    b = {name: x.clone() for name, x in a.items()}
+    later = torch.arange(n * BT) % BT > t
+    for x in (a, b):
+        for name in ("dAqk", "dAkk"):
+            x[name][later] = 0
+    gen = torch.Generator().manual_seed(4)
+    g = b["g"].view(n, BT, -1)
+    step = torch.rand(g.shape, generator=gen) * 3 * strength * (torch.arange(BT) > t)[None, :, None]
+    b["g"] = (g - step.cumsum(1)).view(n * BT, -1)  # stronger decay after t, still non-increasing
+    for name in ("q", "k"):
+        b[name][later] = (torch.randn(b[name][later].shape, generator=gen) * 0.1).bfloat16()
+    b["beta"][later] = torch.rand(int(later.sum()), generator=gen)
+    # every gate after t moved, those in t's own block (rows 38-47, which an anchor at the block's
+    # middle row 40 would read) included
+    assert (a["g"] != b["g"])[later].all()
+    outs = [twin(*[x[name] for name in ("dAqk", "dAkk", "q", "k", "g", "beta")]) for x in (a, b)]
+    for got_a, got_b in zip(*outs):
+        assert torch.equal(got_a[~later], got_b[~later])
