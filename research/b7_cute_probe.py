@@ -515,12 +515,31 @@ def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = T
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     ms = sorted(times)[reps // 2]
+    finite = all(bool(torch.isfinite(t[n]).all()) for n in ("x_q", "x_kr", "x_c"))
+    share = slow_share(t["g"])
+    # causal to the bit: with dA's rows after row 37 of every chunk zero (the call cut there), the
+    # rows up to 37 the same bits when the gates (stronger decay), q, k and beta after it change
+    later = torch.arange(nch * BT, device="cuda") % BT > 37
+    for name in ("dAqk", "dAkk"):
+        t[name][later] = 0
+    run(*args)
+    torch.cuda.synchronize()
+    before = [t[name][~later].clone() for name in ("x_q", "x_kr", "x_c")]
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    g3 = t["g"].view(nch, BT, K)
+    step = torch.rand(g3.shape, generator=gen, device="cuda") * 3 * strength
+    g3.sub_((step * (torch.arange(BT, device="cuda") > 37)[None, :, None]).cumsum(1))
+    for name in ("q", "k"):
+        t[name][later] = (torch.randn(t[name][later].shape, generator=gen, device="cuda") * 0.1).bfloat16()
+    t["beta"][later] = torch.rand(int(later.sum()), generator=gen, device="cuda")
+    run(*args)
+    torch.cuda.synchronize()
+    causal = all(torch.equal(b, t[name][~later]) for b, name in zip(before, ("x_q", "x_kr", "x_c")))
     # dAqk and dAkk once (the second K half's from L2), q and k (bf16), g (fp32), beta; three outputs
     moved = nch * (2 * BT * BT * 4 + 2 * BT * K * 2 + BT * K * 4 + BT * 4 + 3 * BT * K * 4)
     return {"kind": "gpu", "kernel": "b7_cute_probe", "split": split, "within": within, "strength": strength,
-            "chunk_heads": nch, "errors": errors, "slow_share": slow_share(t["g"]),
-            "finite": all(bool(torch.isfinite(t[n]).all()) for n in ("x_q", "x_kr", "x_c")), "ms": ms,
-            "bytes": moved, "TB_s": moved / ms / 1e9, "gpu": torch.cuda.get_device_name()}
+            "chunk_heads": nch, "errors": errors, "slow_share": share, "finite": finite, "causal_to_the_bit": causal,
+            "ms": ms, "bytes": moved, "TB_s": moved / ms / 1e9, "gpu": torch.cuda.get_device_name()}
 
 
 def main(argv=None) -> int:
