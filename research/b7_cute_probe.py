@@ -77,10 +77,12 @@ def build(K: int = 128, split: bool = True, within: bool = True):
     assert K == 2 * KH
     bf16, f32 = cutlass.BFloat16, cutlass.Float32
 
-    def _parts(x):
-        """(hi, lo): x's bf16 rounding and the bf16 rounding of what it left."""
+    def _put(t_hi, t_lo, a, b, x):
+        """x split into t_hi[a, b] (its bf16 rounding) and t_lo[a, b] (the bf16 rounding of what
+        that left), single-stage tiles."""
         hi = x.to(bf16)
-        return hi, (x - hi.to(f32)).to(bf16)
+        t_hi[a, b, 0] = hi
+        t_lo[a, b, 0] = (x - hi.to(f32)).to(bf16)
 
     def _fragments(tmma, a_tiles, b_tiles):
         """The wgmma fragments of the A tiles (as ``tmma`` reads them) and of the B tiles."""
@@ -146,12 +148,8 @@ def build(K: int = 128, split: bool = True, within: bool = True):
                 vq = g_q[r, s]
             if s < r:
                 vk = g_k[r, s]
-            hi, lo = _parts(vq)
-            s_qh[r, s, 0] = hi
-            s_ql[r, s, 0] = lo
-            hi, lo = _parts(vk)
-            s_kh[r, s, 0] = hi
-            s_kl[r, s, 0] = lo
+            _put(s_qh, s_ql, r, s, vq)
+            _put(s_kh, s_kl, r, s, vk)
         # the B operands across blocks (n = channel, k = row), split: kx_j = k exp2(g[n_j] - g)
         # on the rows of block j < 3; yq_i = q exp2(g - g[a_i]) and yk_i = beta k exp2(g - g[a_i])
         # on the rows of block i > 0
@@ -159,17 +157,11 @@ def build(K: int = 128, split: bool = True, within: bool = True):
             j = i // (BC * KH)
             c = i % KH
             s = j * BC + i % (BC * KH) // KH
-            hi, lo = _parts(g_kk[s, c].to(f32) * cute.arch.exp2(g_g[(j + 1) * BC, c] - g_g[s, c]))
-            s_xh[c, s, 0] = hi
-            s_xl[c, s, 0] = lo
+            _put(s_xh, s_xl, c, s, g_kk[s, c].to(f32) * cute.arch.exp2(g_g[(j + 1) * BC, c] - g_g[s, c]))
             r = s + BC  # (block j + 1)
             down = cute.arch.exp2(g_g[r, c] - g_g[(j + 1) * BC, c])
-            hi, lo = _parts(g_qq[r, c].to(f32) * down)
-            s_yqh[c, r, 0] = hi
-            s_yql[c, r, 0] = lo
-            hi, lo = _parts(beta[chunk * BT + r] * g_kk[r, c].to(f32) * down)
-            s_ykh[c, r, 0] = hi
-            s_ykl[c, r, 0] = lo
+            _put(s_yqh, s_yql, c, r, g_qq[r, c].to(f32) * down)
+            _put(s_ykh, s_ykl, c, r, beta[chunk * BT + r] * g_kk[r, c].to(f32) * down)
         cute.arch.fence_view_async_shared()  # (the generic proxy's stores seen by the wgmmas)
         cute.arch.sync_threads()
 
@@ -251,16 +243,10 @@ def build(K: int = 128, split: bool = True, within: bool = True):
                 x = f32(0.0)
                 if span <= GUARD:
                     x = g_kk[s, c].to(f32) * cute.arch.exp2(span)
-                hi, lo = _parts(x)
-                s_xh[c, s, 0] = hi
-                s_xl[c, s, 0] = lo
+                _put(s_xh, s_xl, c, s, x)
                 down = cute.arch.exp2(-span)
-                hi, lo = _parts(g_qq[s, c].to(f32) * down)
-                s_yqh[c, s, 0] = hi
-                s_yql[c, s, 0] = lo
-                hi, lo = _parts(beta[chunk * BT + s] * g_kk[s, c].to(f32) * down)
-                s_ykh[c, s, 0] = hi
-                s_ykl[c, s, 0] = lo
+                _put(s_yqh, s_yql, c, s, g_qq[s, c].to(f32) * down)
+                _put(s_ykh, s_ykl, c, s, beta[chunk * BT + s] * g_kk[s, c].to(f32) * down)
             cute.arch.fence_view_async_shared()
             cute.arch.sync_threads()
             # row role: [64, 64] block-diagonal products, a row within the guard then times exp2(g_r -
