@@ -60,12 +60,22 @@ import sys
 BT, KH, BC = 64, 64, 16  # chunk rows, a CTA's K half, the row block
 NB = BT // BC
 GUARD = 64  # the pairs within a block go through its first row where its factor stays within 2^GUARD
-BUILDS = ((True, True), (True, False))  # (split, within): the whole sums, and the sums across blocks alone
+# (split, within, unit): the whole sums, the sums across blocks alone, the B7-B9 unit
+BUILDS = ((True, True, False), (True, False, False), (True, True, True))
 
 
-def build(K: int = 128, split: bool = True, within: bool = True):
+def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = False, raw: str = "bf16",
+          has_bias: bool = True, lower_bound: float | None = None):
     """The probe's host function (a ``cute.jit``) for K = 2 KH: one CTA of 128 threads a
-    (K half, chunk-head). ``within``: the pairs within a block too."""
+    (K half, chunk-head). ``within``: the pairs within a block too. ``unit`` (with ``within``):
+    then the rest of the B7-B9 unit, as the registered kernel's tail: dq2 = dq + x_q, dk2 = dk +
+    beta x_kr + x_c, db's part (per K half) the row sums of x_kr k, dg = dg + q x_q + k (beta
+    x_kr - x_c) reverse-cumsummed over the chunk (B8), then the gate's backward (B9) from the
+    raw gate (``raw`` its dtype, bf16 or fp32; ``has_bias``: dt_bias added; ``lower_bound``: the
+    sigmoid form) into dg2, with dA_log's partial per (K half, chunk-head) and dt_bias's per
+    (chunk-head, channel)."""
+    assert not unit or within
+    LOG2E = 1.4426950408889634
     import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
@@ -76,6 +86,7 @@ def build(K: int = 128, split: bool = True, within: bool = True):
 
     assert K == 2 * KH
     bf16, f32 = cutlass.BFloat16, cutlass.Float32
+    raw = {"bf16": bf16, "fp32": f32}[raw]
 
     def _put(t_hi, t_lo, a, b, x):
         """x split into t_hi[a, b] (its bf16 rounding) and t_lo[a, b] (the bf16 rounding of what
@@ -101,7 +112,10 @@ def build(K: int = 128, split: bool = True, within: bool = True):
 
     @cute.kernel
     def kernel(dAqk: cute.Tensor, dAkk: cute.Tensor, q: cute.Tensor, k: cute.Tensor, g: cute.Tensor,
-               beta: cute.Tensor, x_q: cute.Tensor, x_kr: cute.Tensor, x_c: cute.Tensor, mma: cute.TiledMma,
+               beta: cute.Tensor, x_q: cute.Tensor, x_kr: cute.Tensor, x_c: cute.Tensor, dq: cute.Tensor,
+               dk: cute.Tensor, dg: cute.Tensor, g_raw: cute.Tensor, a_log: cute.Tensor, dt_bias: cute.Tensor,
+               dq2: cute.Tensor, dk2: cute.Tensor, dg2: cute.Tensor, db_part: cute.Tensor, dA_part: cute.Tensor,
+               dbias_part: cute.Tensor, mma: cute.TiledMma,
                mma_z: cute.TiledMma, mma_t: cute.TiledMma, mma_tz: cute.TiledMma, a_l: cute.ComposedLayout,
                at_l: cute.ComposedLayout, b_l: cute.ComposedLayout):
         tidx, _, _ = cute.arch.thread_idx()
@@ -126,6 +140,9 @@ def build(K: int = 128, split: bool = True, within: bool = True):
             yql: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(b_l)], 1024]
             ykh: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(b_l)], 1024]
             ykl: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(b_l)], 1024]
+            # (unit) dg's tile for B8's cumsum and B9's sums, and db's row sums: [64, 64] fp32 each
+            f1: cute.struct.Align[cute.struct.MemRange[f32, BT * KH if unit else 4], 128]
+            f2: cute.struct.Align[cute.struct.MemRange[f32, BT * KH if unit else 4], 128]
 
         storage = SmemAllocator().allocate(Smem)
         s_qh, s_ql, s_kh, s_kl = (getattr(storage, n).get_tensor(a_l.outer, swizzle=a_l.inner)
@@ -305,10 +322,85 @@ def build(K: int = 128, split: bool = True, within: bool = True):
                     out_q[i] = out_q[i] + a_q
                     out_k[i] = out_k[i] + a_k
                     out_c[i] = out_c[i] + a_c
+        if cutlass.const_expr(unit):
+            _tail(thr_c, tidx, chunk, half, storage, x_q, x_kr, x_c, q, k, beta, dq, dk, dg, g_raw, a_log, dt_bias,
+                  dq2, dk2, dg2, db_part, dA_part, dbias_part)
+
+    @cute.jit
+    def _tail(thr_c, tidx, chunk, half, storage, x_q, x_kr, x_c, q, k, beta, dq, dk, dg, g_raw, a_log, dt_bias,
+              dq2, dk2, dg2, db_part, dA_part, dbias_part):
+        """``unit``: the B7-B9 unit's tail on this CTA's (chunk, K half), from the three sums it
+        stored (each thread its own elements)."""
+        tile = lambda t: thr_c.partition_C(cute.local_tile(t, (BT, KH), (chunk, half)))  # noqa: E731
+        rows_of = lambda ptr: thr_c.partition_C(  # noqa: E731
+            cute.make_tensor(ptr, cute.make_layout((BT, KH), stride=(1, 0))))
+        plain = cute.make_layout((BT, KH), stride=(KH, 1))
+        s_f1 = cute.make_tensor(storage.f1.data_ptr(), plain)
+        s_f2 = cute.make_tensor(storage.f2.data_ptr(), plain)
+        a_q, a_kr, a_c = tile(x_q).load(), tile(x_kr).load(), tile(x_c).load()
+        kf = tile(k).load().to(f32)
+        a_krb = a_kr * rows_of(beta.iterator + chunk * BT).load()
+        tile(dq2).store(tile(dq).load() + a_q)
+        tile(dk2).store(tile(dk).load() + a_krb + a_c)
+        thr_c.partition_C(s_f1).store(tile(dg).load() + tile(q).load().to(f32) * a_q + kf * (a_krb - a_c))
+        thr_c.partition_C(s_f2).store(a_kr * kf)
+        cute.arch.sync_threads()
+        R = cute.size(x_q, mode=[0])
+        if tidx < KH:  # B8: each channel's dg summed from the chunk's last row up
+            run = f32(0.0)
+            for j in cutlass.range(BT, unroll=8):
+                run += s_f1[BT - 1 - j, tidx]
+                s_f1[BT - 1 - j, tidx] = run
+        else:  # db's part: each row's sum over this half's channels
+            total = f32(0.0)
+            for c in cutlass.range(KH, unroll=8):
+                total += s_f2[tidx - KH, c]
+            db_part[half * R + chunk * BT + tidx - KH] = total
+        cute.arch.sync_threads()
+        dy = thr_c.partition_C(s_f1).load()
+        x = tile(g_raw).load().to(f32)
+        if cutlass.const_expr(has_bias):
+            x = x + thr_c.partition_C(cute.make_tensor(dt_bias.iterator + half * KH,
+                                                       cute.make_layout((BT, KH), stride=(0, 1)))).load()
+        A = cute.arch.exp2(a_log[0] * LOG2E)
+        if cutlass.const_expr(lower_bound is None):
+            e = cute.math.exp(-x)
+            dx = dy * (-A / (1.0 + e))
+            big = x > 20.0
+            sp = cute.where(big, x, cute.math.log(1.0 + cute.math.exp(cute.where(big, 20.0, x))))
+            da = dy * (-A * sp)
+        else:
+            sg = 1.0 / (1.0 + cute.math.exp(x * (-A)))
+            dx = dy * (lower_bound * sg * (1.0 - sg)) * A
+            da = dx * x
+        dx_out = dx.to(raw)
+        tile(dg2).store(dx_out)
+        cute.arch.sync_threads()  # (every thread's dy read before s_f1 takes dx)
+        thr_c.partition_C(s_f1).store(dx_out.to(f32))
+        thr_c.partition_C(s_f2).store(da)
+        cute.arch.sync_threads()
+        if tidx < KH:  # dt_bias's partial per channel; dA_log's per channel, then summed by thread 0
+            bias_sum = f32(0.0)
+            da_sum = f32(0.0)
+            for r in cutlass.range(BT, unroll=8):
+                bias_sum += s_f1[r, tidx]
+                da_sum += s_f2[r, tidx]
+            if cutlass.const_expr(has_bias):
+                dbias_part[chunk, half * KH + tidx] = bias_sum
+            s_f2[0, tidx] = da_sum  # (this thread's column, read whole above)
+        cute.arch.sync_threads()
+        if tidx == 0:
+            total = f32(0.0)
+            for c in cutlass.range(KH, unroll=8):
+                total += s_f2[0, c]
+            dA_part[half * cute.size(dA_part, mode=[0]) // 2 + chunk] = total
 
     @cute.jit
     def probe(dAqk: cute.Tensor, dAkk: cute.Tensor, q: cute.Tensor, k: cute.Tensor, g: cute.Tensor,
-              beta: cute.Tensor, x_q: cute.Tensor, x_kr: cute.Tensor, x_c: cute.Tensor, stream: cuda.CUstream):
+              beta: cute.Tensor, x_q: cute.Tensor, x_kr: cute.Tensor, x_c: cute.Tensor, dq: cute.Tensor,
+              dk: cute.Tensor, dg: cute.Tensor, g_raw: cute.Tensor, a_log: cute.Tensor, dt_bias: cute.Tensor,
+              dq2: cute.Tensor, dk2: cute.Tensor, dg2: cute.Tensor, db_part: cute.Tensor, dA_part: cute.Tensor,
+              dbias_part: cute.Tensor, stream: cuda.CUstream):
         k_major, mn_major = LayoutEnum.ROW_MAJOR, LayoutEnum.COL_MAJOR
         mma, mma_z = (sm90.make_trivial_tiled_mma(bf16, bf16, k_major.sm90_mma_major_mode(),
                                                   k_major.sm90_mma_major_mode(), f32, (1, 1, 1), tiler_mn=(BT, KH))
@@ -320,16 +412,18 @@ def build(K: int = 128, split: bool = True, within: bool = True):
         at_l = sm90.make_smem_layout_a(mn_major, (BT, KH, BT), bf16, 1)  # the same bytes as (M = s, K = r)
         b_l = sm90.make_smem_layout_b(k_major, (BT, KH, BT), bf16, 1)  # (N = c, K = row)
         nch = cute.size(k, mode=[0]) // BT
-        kernel(dAqk, dAkk, q, k, g, beta, x_q, x_kr, x_c, mma, mma_z, mma_t, mma_tz, a_l, at_l, b_l).launch(
+        kernel(dAqk, dAkk, q, k, g, beta, x_q, x_kr, x_c, dq, dk, dg, g_raw, a_log, dt_bias, dq2, dk2, dg2, db_part,
+               dA_part, dbias_part, mma, mma_z, mma_t, mma_tz, a_l, at_l, b_l).launch(
             grid=(2, nch, 1), block=(128, 1, 1), stream=stream)
 
     return probe
 
 
-ARGS = ("dAqk", "dAkk", "q", "k", "g", "beta", "x_q", "x_kr", "x_c")  # the probe's tensors, in its order
+ARGS = ("dAqk", "dAkk", "q", "k", "g", "beta", "x_q", "x_kr", "x_c", "dq", "dk", "dg", "g_raw", "A_log", "dt_bias",
+        "dq2", "dk2", "dg2", "db_part", "dA_part", "dbias_part")  # the probe's tensors, in its order
 
 
-def _tensors(nch: int, K: int, device: str, seed: int = 0, strength: float = 0.3) -> dict:
+def make_tensors(nch: int, K: int, device: str, seed: int = 0, strength: float = 0.3) -> dict:
     """dAqk (lower, with its diagonal), dAkk (strictly lower), q and k, g (the chunk cumsum of
     a log2 decay of 0-``strength`` a token and channel: at 0.3 strong enough that the blocks'
     anchors matter, at 10 past the guard for a sixth of the elements), beta; and the outputs,
@@ -344,9 +438,18 @@ def _tensors(nch: int, K: int, device: str, seed: int = 0, strength: float = 0.3
     q, k = ((torch.randn(nch * BT, K, generator=gen, device=device) * K ** -0.5).bfloat16() for _ in range(2))
     g = -(torch.rand(nch, BT, K, generator=gen, device=device) * strength).cumsum(1)
     beta = torch.rand(nch * BT, generator=gen, device=device)
-    out = {n: torch.full((nch * BT, K), float("nan"), device=device) for n in ("x_q", "x_kr", "x_c")}
+    out = {n: torch.full((nch * BT, K), float("nan"), device=device) for n in ("x_q", "x_kr", "x_c", "dq2", "dk2")}
+    # (unit) the incoming dq, dk, dg; the raw gate (bf16) and its parameters; the tail's outputs
+    grad = {n: torch.randn(nch * BT, K, generator=gen, device=device) * 0.1 for n in ("dq", "dk", "dg")}
+    gate = {"g_raw": (torch.randn(nch * BT, K, generator=gen, device=device) * 2).bfloat16(),
+            "A_log": torch.randn(1, generator=gen, device=device) * 0.5,
+            "dt_bias": torch.randn(K, generator=gen, device=device) * 0.5}
+    parts = {"dg2": torch.full((nch * BT, K), float("nan"), device=device).bfloat16(),
+             "db_part": torch.full((2 * nch * BT,), float("nan"), device=device),
+             "dA_part": torch.full((2 * nch,), float("nan"), device=device),
+             "dbias_part": torch.full((nch, K), float("nan"), device=device)}
     return {"dAqk": dAqk.view(nch * BT, BT), "dAkk": dAkk.view(nch * BT, BT), "q": q, "k": k,
-            "g": g.view(nch * BT, K), "beta": beta, **out}
+            "g": g.view(nch * BT, K), "beta": beta, **out, **grad, **gate, **parts}
 
 
 def slow_share(g) -> float:
@@ -442,7 +545,30 @@ def twin(dAqk, dAkk, q, k, g, beta, split: bool = True, within: bool = True) -> 
     return tuple(x.reshape(n * BT, K) for x in out)
 
 
-def compile_offline(nch: int = 4, K: int = 128, split: bool = True, within: bool = True, dump: str | None = None):
+def twin_unit(t: dict, split: bool = True) -> tuple:
+    """The ``unit`` build's arithmetic in torch on ``make_tensors``'s tensors (H = 1, the
+    softplus gate with dt_bias): the twin's sums, then the kernel's tail as written there.
+    Returns (dq2, dk2, db, dg2, dA_log, ddt_bias) with db, dA_log and ddt_bias summed over the
+    K halves' and chunk-heads' partials as a caller of the kernel adds them."""
+    import torch
+
+    a_q, a_kr, a_c = twin(*[t[n] for n in ("dAqk", "dAkk", "q", "k", "g", "beta")], split=split)
+    n, K = t["k"].shape[0] // BT, t["k"].shape[1]
+    qf, kf, bt = t["q"].float(), t["k"].float(), t["beta"].float()[:, None]
+    a_krb = a_kr * bt
+    dq2, dk2 = t["dq"] + a_q, t["dk"] + a_krb + a_c
+    db = (a_kr * kf).sum(1)
+    dy = (t["dg"] + qf * a_q + kf * (a_krb - a_c)).view(n, BT, K).flip(1).cumsum(1).flip(1).reshape(n * BT, K)
+    x = t["g_raw"].float() + t["dt_bias"].float()[None, :]
+    A = torch.exp(t["A_log"].float())
+    dx = dy * (-A / (1.0 + torch.exp(-x)))
+    sp = torch.where(x > 20.0, x, torch.log(1.0 + torch.exp(torch.where(x > 20.0, 20.0, x))))
+    dg2 = dx.to(t["g_raw"].dtype)
+    return dq2, dk2, db, dg2, (dy * (-A * sp)).sum().view(1), dg2.float().sum(0)
+
+
+def compile_offline(nch: int = 4, K: int = 128, split: bool = True, within: bool = True, unit: bool = False,
+                    dump: str | None = None):
     """Trace and compile for sm_90a with no GPU: the PTX and cubin land in ``dump``."""
     if dump:
         os.environ.update(CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx,cubin", CUTE_DSL_DUMP_DIR=dump)
@@ -450,41 +576,46 @@ def compile_offline(nch: int = 4, K: int = 128, split: bool = True, within: bool
     import cutlass.cute as cute
     from cutlass.cute.runtime import from_dlpack
 
-    t = _tensors(nch, K, "cpu")
-    return cute.compile(build(K, split, within), *[from_dlpack(t[n], assumed_align=16) for n in ARGS],
+    t = make_tensors(nch, K, "cpu")
+    return cute.compile(build(K, split, within, unit), *[from_dlpack(t[n], assumed_align=16) for n in ARGS],
                         cuda.CUstream(0))
 
 
-def sm90_row(dump: str, split: bool, within: bool) -> dict:
+def sm90_row(dump: str, split: bool, within: bool, unit: bool = False) -> dict:
     """Registers, spills and ptxas's notes (research.b6_cute_probe.ptxas_report), and the wgmma
     count of the PTX."""
     from research.b6_cute_probe import ptxas_report
 
     report = ptxas_report(dump)
-    return {"kind": "compile_sm90", "kernel": "b7_cute_probe", "split": split, "within": within, "threads": 128,
+    return {"kind": "compile_sm90", "kernel": "b7_cute_probe", "split": split, "within": within, "unit": unit,
+            "threads": 128,
             **{n: v for n, v in report.items() if n != "ptx"}, "wgmma": report["ptx"].count("wgmma.mma_async")}
 
 
-def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = True, reps: int = 20,
-            strength: float = 0.3) -> dict:
+def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = True, unit: bool = False,
+            reps: int = 20, strength: float = 0.3) -> dict:
     """On a GPU: x_q, x_kr and x_c against float64 and against the twin on 64 chunk-heads
-    spread over all, then the CUDA-event time at ``nch`` chunk-heads against the bytes it
-    moves."""
+    spread over all; with ``unit``, the unit's six outputs against the registered Triton B7-B9
+    (``b7_b9_intra_bwd.intra_bwd``) on the same tensors (the chunk-heads as one sequence of
+    one head) and its per-token ones against float64 (``reference.intra_bwd_tail``) on the 64;
+    then the CUDA-event time at ``nch`` chunk-heads against the bytes it moves, the registered
+    unit's beside it; then the kernel's causality to the bit."""
     import cuda.bindings.driver as cuda
     import cutlass.cute as cute
     import torch
     from cutlass.cute.runtime import from_dlpack
 
-    t = _tensors(nch, K, "cuda", strength=strength)
+    t = make_tensors(nch, K, "cuda", strength=strength)
     args = [from_dlpack(t[n], assumed_align=16) for n in ARGS]
     args.append(cuda.CUstream(torch.cuda.current_stream().cuda_stream))
-    run = cute.compile(build(K, split, within), *args)
+    run = cute.compile(build(K, split, within, unit), *args)
     run(*args)
     torch.cuda.synchronize()
     sel = torch.linspace(0, nch - 1, min(nch, 64), device="cuda").round().long()
     pick = lambda x: x.view(nch, BT, -1)[sel].reshape(len(sel) * BT, -1).squeeze(-1)  # noqa: E731
     ins = [pick(t[n]) for n in ("dAqk", "dAkk", "q", "k", "g", "beta")]
     wants, twins = want(*ins, within=within), twin(*ins, split=split, within=within)
+
     def rel(got, w):
         return ((got.double() - w.double()).square().mean() / w.double().square().mean()).sqrt().item()
 
@@ -493,14 +624,45 @@ def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = T
         got = pick(t[name])
         errors.update({name: rel(got, w), f"twin_{name}": rel(tw, w), f"{name}_vs_twin": rel(got, tw)})
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        run(*args)
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    ms = sorted(times)[reps // 2]
+
+    def timed(fn):  # median CUDA-event time of reps calls, each its own
+        times = []
+        for _ in range(reps):
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        return sorted(times)[reps // 2]
+
+    registered = {}
+    if unit:
+        from kernel_fun.kda import reference as ref
+        from kernel_fun.kda.kernels import b7_b9_intra_bwd
+
+        tok = lambda x: x.view(1, -1, 1, *x.shape[1:])  # noqa: E731
+        db0 = torch.zeros(1, nch * BT, 1, device="cuda")
+        reg_args = dict(q=tok(t["q"]), k=tok(t["k"]), gc=tok(t["g"]), beta=tok(t["beta"]), dAqk=tok(t["dAqk"]),
+                        dAkk=tok(t["dAkk"]), dq=tok(t["dq"]), dk=tok(t["dk"]), db=db0, dg=tok(t["dg"]),
+                        safe_gate=False, g=tok(t["g_raw"]), A_log=t["A_log"], dt_bias=t["dt_bias"], lower_bound=None,
+                        chunk_size=BT, cu_seqlens=None, chunk_indices=None)
+        theirs = b7_b9_intra_bwd.intra_bwd(**reg_args)
+        ours = (t["dq2"], t["dk2"], t["db_part"].view(2, -1).sum(0), t["dg2"], t["dA_part"].sum().view(1),
+                t["dbias_part"].sum(0))
+        names = ("dq", "dk", "db", "dg", "dA_log", "ddt_bias")
+        registered = {"vs_registered": {n: rel(a.reshape(-1).float(), b.reshape(-1).float())
+                                        for n, a, b in zip(names, ours, theirs)}}
+        picked = {n: tok(pick(t[n])) for n in ("q", "k", "g", "beta", "dAqk", "dAkk", "dq", "dk", "dg", "g_raw")}
+        exact = ref.intra_bwd_tail(picked["q"], picked["k"], picked["g"], picked["beta"], picked["dAqk"],
+                                   picked["dAkk"], picked["dq"], picked["dk"], torch.zeros_like(picked["beta"]),
+                                   picked["dg"], BT, g=picked["g_raw"], A_log=t["A_log"], dt_bias=t["dt_bias"],
+                                   exact=True)
+        for n, got, w in zip(names[:4], (pick(t["dq2"]), pick(t["dk2"]), None, pick(t["dg2"])), exact[:4]):
+            if got is not None:
+                registered.setdefault("vs_exact", {})[n] = rel(got.reshape(-1).float(), w.reshape(-1))
+        registered["registered_ms"] = timed(lambda: b7_b9_intra_bwd.intra_bwd(**reg_args))
+        del theirs
+    ms = timed(lambda: run(*args))
     finite = all(bool(torch.isfinite(t[n]).all()) for n in ("x_q", "x_kr", "x_c"))
     share = slow_share(t["g"])
     # causal to the bit: with dA's rows after row 37 of every chunk zero (the call cut there), the
@@ -523,9 +685,12 @@ def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = T
     causal = all(torch.equal(b, t[name][~later]) for b, name in zip(before, ("x_q", "x_kr", "x_c")))
     # dAqk and dAkk once (the second K half's from L2), q and k (bf16), g (fp32), beta; three outputs
     moved = nch * (2 * BT * BT * 4 + 2 * BT * K * 2 + BT * K * 4 + BT * 4 + 3 * BT * K * 4)
-    return {"kind": "gpu", "kernel": "b7_cute_probe", "split": split, "within": within, "strength": strength,
-            "chunk_heads": nch, "errors": errors, "slow_share": share, "finite": finite, "causal_to_the_bit": causal,
-            "ms": ms, "bytes": moved, "TB_s": moved / ms / 1e9, "gpu": torch.cuda.get_device_name()}
+    if unit:  # + dq, dk, dg and the raw gate in; dq2 and dk2 (fp32), dg2 (bf16) and the partials out
+        moved += nch * (3 * BT * K * 4 + BT * K * 2 + 2 * BT * K * 4 + BT * K * 2 + 2 * BT * 4 + K * 4)
+    return {"kind": "gpu", "kernel": "b7_cute_probe", "split": split, "within": within, "unit": unit,
+            "strength": strength, "chunk_heads": nch, "errors": errors, **registered, "slow_share": share,
+            "finite": finite, "causal_to_the_bit": causal, "ms": ms, "bytes": moved, "TB_s": moved / ms / 1e9,
+            "gpu": torch.cuda.get_device_name()}
 
 
 def main(argv=None) -> int:
@@ -534,21 +699,22 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["compile"]:  # each build in a process of its own (CuTe DSL reads its dump folder once)
         dump = argv[1] if len(argv) > 1 else "/tmp/b7_cute_probe"
-        for split, within in BUILDS:
-            sub = os.path.join(dump, ("split" if split else "single") + ("-within" if within else ""))
+        for split, within, unit in BUILDS:
+            sub = os.path.join(dump, ("split" if split else "single") + ("-within" if within else "")
+                               + ("-unit" if unit else ""))
             os.makedirs(sub, exist_ok=True)
             for old in os.listdir(sub):
                 os.remove(os.path.join(sub, old))
             subprocess.run([sys.executable, "-m", "research.b7_cute_probe", "compile-one", str(int(split)),
-                            str(int(within)), sub], check=True, stdout=subprocess.DEVNULL)
-            print(json.dumps(sm90_row(sub, split, within)))
+                            str(int(within)), str(int(unit)), sub], check=True, stdout=subprocess.DEVNULL)
+            print(json.dumps(sm90_row(sub, split, within, unit)))
         return 0
     if argv[:1] == ["compile-one"]:
-        compile_offline(split=bool(int(argv[1])), within=bool(int(argv[2])), dump=argv[3])
+        compile_offline(split=bool(int(argv[1])), within=bool(int(argv[2])), unit=bool(int(argv[3])), dump=argv[4])
         return 0
     if argv[:1] == ["gpu"]:  # every build at the gentle draw, then the whole sums under gates past the guard
-        for split, within in BUILDS:
-            print(json.dumps(gpu_run(split=split, within=within)), flush=True)
+        for split, within, unit in BUILDS:
+            print(json.dumps(gpu_run(split=split, within=within, unit=unit)), flush=True)
         print(json.dumps(gpu_run(strength=10.0)), flush=True)
         return 0
     print(__doc__)

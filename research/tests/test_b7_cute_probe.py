@@ -3,8 +3,8 @@ reference B7 (dq's part, and dk's row and column parts together), whole or less 
 within a block; its twin (the kernel's arithmetic in torch: anchors, masks, bf16 split, the
 pairs within a block through their first rows or, past the guard, one by one) meets them at
 the split's precision under gentle and extreme gates, and one bf16 product does not; and
-where CuTe DSL is installed, both builds compile for sm_90a without spills or ptxas's speed
-notes."""
+the unit's tail (assembly, B8, B9) meets the reference B7-B9 unit; and where CuTe DSL is
+installed, every build compiles for sm_90a without spills or ptxas's speed notes."""
 
 import json
 import subprocess
@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from research.b7_cute_probe import BC, BT, _tensors, slow_share, twin, want
+from research.b7_cute_probe import BC, BT, make_tensors, slow_share, twin, want
 
 
 def test_the_sums_are_b7_s_whole_or_less_the_blocks():
     from kernel_fun.kda import reference as ref
 
     n, K = 3, 64
-    t = _tensors(n, K, "cpu", seed=1)
+    t = make_tensors(n, K, "cpu", seed=1)
     ins = [t[name] for name in ("dAqk", "dAkk", "q", "k", "g", "beta")]
     x_q, x_kr, x_c = (x.view(n, BT, K) for x in want(*ins, within=False))
     tok = lambda x: x.view(1, n * BT, 1, *x.shape[1:])  # noqa: E731
@@ -49,7 +49,7 @@ def test_the_sums_are_b7_s_whole_or_less_the_blocks():
 @pytest.mark.parametrize("within", [True, False])
 @pytest.mark.parametrize("strength", [0.3, 10.0])
 def test_the_twin_meets_the_definitions_at_the_split_s_precision(within, strength):
-    t = _tensors(16, 128, "cpu", seed=2, strength=strength)
+    t = make_tensors(16, 128, "cpu", seed=2, strength=strength)
     ins = [t[name] for name in ("dAqk", "dAkk", "q", "k", "g", "beta")]
     rel = lambda got, w: ((got.double() - w).square().mean() / w.square().mean()).sqrt().item()  # noqa: E731
     wants = want(*ins, within=within)
@@ -71,11 +71,12 @@ def test_the_probe_compiles_for_sm90a(tmp_path: Path):
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert [(r["split"], r["within"]) for r in rows] == [(True, True), (True, False)]
+    assert [(r["split"], r["within"], r["unit"]) for r in rows] == [(True, True, False), (True, False, False),
+                                                                   (True, True, True)]
     for r in rows:
         assert (r["spill_stores"], r["sass_stl"], r["ptxas_notes"]) == (0, 0, {}), r
         # three products a block: across blocks three blocks a role and two dA's; within, four
-        # k blocks a role and two dA's
+        # k blocks a role and two dA's (the unit's tail adds none)
         assert r["wgmma"] == r["sass_hgmma"] == 3 * (12 + (16 if r["within"] else 0)), r
 
 
@@ -85,7 +86,7 @@ def test_the_twin_is_causal_to_the_bit(strength):
     rows after t zero (the call cut at t): every anchor is a row at or before the rows it
     serves, and the guard's choice follows from a row and its block's first row."""
     n, t = 4, 37
-    a = _tensors(n, 128, "cpu", seed=3, strength=strength)
+    a = make_tensors(n, 128, "cpu", seed=3, strength=strength)
     b = {name: x.clone() for name, x in a.items()}
     later = torch.arange(n * BT) % BT > t
     for x in (a, b):
@@ -104,3 +105,27 @@ def test_the_twin_is_causal_to_the_bit(strength):
     outs = [twin(*[x[name] for name in ("dAqk", "dAkk", "q", "k", "g", "beta")]) for x in (a, b)]
     for got_a, got_b in zip(*outs):
         assert torch.equal(got_a[~later], got_b[~later])
+
+
+def test_the_unit_s_tail_is_the_reference_b7_b9():
+    """The ``unit`` build's tail (the twin's sums, dq2, dk2, db's row sums, B8's reverse cumsum,
+    B9's softplus gate with dt_bias) against the reference unit in float64
+    (``reference.intra_bwd_tail``)."""
+    from kernel_fun.kda import reference as ref
+    from research.b7_cute_probe import twin_unit
+
+    n, K = 4, 128
+    t = make_tensors(n, K, "cpu", seed=6)
+    tok = lambda x: x.view(1, n * BT, 1, *x.shape[1:])  # noqa: E731
+    want_ = ref.intra_bwd_tail(tok(t["q"]), tok(t["k"]), tok(t["g"]), tok(t["beta"]), tok(t["dAqk"]), tok(t["dAkk"]),
+                               tok(t["dq"]), tok(t["dk"]), torch.zeros(1, n * BT, 1), tok(t["dg"]), BT,
+                               g=tok(t["g_raw"]), A_log=t["A_log"], dt_bias=t["dt_bias"], exact=True)
+    own = ref.intra_bwd_tail(tok(t["q"]), tok(t["k"]), tok(t["g"]), tok(t["beta"]), tok(t["dAqk"]), tok(t["dAkk"]),
+                             tok(t["dq"]), tok(t["dk"]), torch.zeros(1, n * BT, 1), tok(t["dg"]), BT,
+                             g=tok(t["g_raw"]), A_log=t["A_log"], dt_bias=t["dt_bias"])  # (fp32, bf16 dg)
+    for name, g_, w, o in zip(("dq", "dk", "db", "dg", "dA_log", "ddt_bias"), twin_unit(t), want_, own):
+        err = ref.rel_rms(g_.reshape(-1).double(), w.reshape(-1).double())
+        # the split's 2e-5, or where the output is rounded to the raw gate's bf16 (dg, and dt_bias's
+        # sum of it) no more than the fp32 reference's own rounding
+        bar = max(2e-5, 1.1 * ref.rel_rms(o.reshape(-1).double(), w.reshape(-1).double()))
+        assert err < bar, (name, err, bar)
