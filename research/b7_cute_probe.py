@@ -65,7 +65,7 @@ BUILDS = ((True, True, False), (True, False, False), (True, True, True))
 
 
 def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = False, raw: str = "bf16",
-          has_bias: bool = True, lower_bound: float | None = None):
+          has_bias: bool = True, lower_bound: float | None = None, H: int = 1):
     """The probe's host function (a ``cute.jit``) for K = 2 KH: one CTA of 128 threads a
     (K half, chunk-head). ``within``: the pairs within a block too. ``unit`` (with ``within``):
     then the rest of the B7-B9 unit, as the registered kernel's tail: dq2 = dq + x_q, dk2 = dk +
@@ -73,7 +73,9 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
     x_kr - x_c) reverse-cumsummed over the chunk (B8), then the gate's backward (B9) from the
     raw gate (``raw`` its dtype, bf16 or fp32; ``has_bias``: dt_bias added; ``lower_bound``: the
     sigmoid form) into dg2, with dA_log's partial per (K half, chunk-head) and dt_bias's per
-    (chunk-head, channel)."""
+    (chunk-head, channel). ``H``: the token tensors hold H heads side by side, as the op's [B, T, H,
+    C] viewed [B * T, H * C] (beta [B * T * H], A_log [H], dt_bias [H * K]); chunk-head c is the
+    chunk of rows c // H at head c % H, its partials by chunk-head (db's as the op's [B, T, H])."""
     assert not unit or within
     LOG2E = 1.4426950408889634
     import cuda.bindings.driver as cuda
@@ -120,6 +122,8 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
                at_l: cute.ComposedLayout, b_l: cute.ComposedLayout):
         tidx, _, _ = cute.arch.thread_idx()
         half, chunk, _ = cute.arch.block_idx()
+        rt, ct = chunk // H, chunk % H * 2 + half  # the chunk's row tile; this K half's column tile
+        head = chunk % H
         for m, on in ((mma, True), (mma_z, False), (mma_t, True), (mma_tz, False)):  # (each MMA twice, its
             m.set(warpgroup.Field.ACCUMULATE, on)  # field set here once: see research.b6_cute_probe's _Mma)
 
@@ -149,11 +153,12 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
                                   for n in ("qh", "ql", "kh", "kl"))
         s_xh, s_xl, s_yqh, s_yql, s_ykh, s_ykl = (getattr(storage, n).get_tensor(b_l.outer, swizzle=b_l.inner)
                                                   for n in ("xh", "xl", "yqh", "yql", "ykh", "ykl"))
-        g_q = cute.local_tile(dAqk, (BT, BT), (chunk, 0))
-        g_k = cute.local_tile(dAkk, (BT, BT), (chunk, 0))
-        g_qq = cute.local_tile(q, (BT, KH), (chunk, half))
-        g_kk = cute.local_tile(k, (BT, KH), (chunk, half))
-        g_g = cute.local_tile(g, (BT, KH), (chunk, half))
+        g_q = cute.local_tile(dAqk, (BT, BT), (rt, head))
+        g_k = cute.local_tile(dAkk, (BT, BT), (rt, head))
+        g_qq = cute.local_tile(q, (BT, KH), (rt, ct))
+        g_kk = cute.local_tile(k, (BT, KH), (rt, ct))
+        g_g = cute.local_tile(g, (BT, KH), (rt, ct))
+        g_b = cute.make_tensor(beta.iterator + rt * BT * H + head, cute.make_layout(BT, stride=H))  # beta by row
         # dA's tiles, split, its upper triangle zeroed (dAqk keeps its diagonal): the row role
         # reads them as they lie, the column role MN-major
         for i in cutlass.range(tidx, BT * BT, 128, unroll=4):
@@ -178,7 +183,7 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
             r = s + BC  # (block j + 1)
             down = cute.arch.exp2(g_g[r, c] - g_g[(j + 1) * BC, c])
             _put(s_yqh, s_yql, c, r, g_qq[r, c].to(f32) * down)
-            _put(s_ykh, s_ykl, c, r, beta[chunk * BT + r] * g_kk[r, c].to(f32) * down)
+            _put(s_ykh, s_ykl, c, r, g_b[r] * g_kk[r, c].to(f32) * down)
         cute.arch.fence_view_async_shared()  # (the generic proxy's stores seen by the wgmmas)
         cute.arch.sync_threads()
 
@@ -215,7 +220,7 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
             if s < BT - BC:
                 o_c[i] = o_c[i] * cute.arch.exp2(g_g[s // BC * BC + BC, c] - g_g[s, c])
 
-        out_c = thr_c.partition_C(cute.local_tile(x_c, (BT, KH), (chunk, half)))
+        out_c = thr_c.partition_C(cute.local_tile(x_c, (BT, KH), (rt, ct)))
         out_c.store(o_c.load())  # (the pairs within a block, below, add to it: o_c's registers free meanwhile)
         # row role across blocks: rows r after block j take dA[r, block j] kx_j through the
         # anchors a(r) and n_j, then exp2(g_r - g[a(r)])
@@ -263,7 +268,7 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
                 _put(s_xh, s_xl, c, s, x)
                 down = cute.arch.exp2(-span)
                 _put(s_yqh, s_yql, c, s, g_qq[s, c].to(f32) * down)
-                _put(s_ykh, s_ykl, c, s, beta[chunk * BT + s] * g_kk[s, c].to(f32) * down)
+                _put(s_ykh, s_ykl, c, s, g_b[s] * g_kk[s, c].to(f32) * down)
             cute.arch.fence_view_async_shared()
             cute.arch.sync_threads()
             # row role: [64, 64] block-diagonal products, a row within the guard then times exp2(g_r -
@@ -279,8 +284,8 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
                     r, c = coords[i]
                     span = g_g[r // BC * BC, c] - g_g[r, c]
                     o[i] = o[i] + f32(cutlass.select_(span <= GUARD, cute.arch.exp2(-span), f32(0.0))) * p_q[i]
-        thr_c.partition_C(cute.local_tile(x_q, (BT, KH), (chunk, half))).store(o_q.load())
-        thr_c.partition_C(cute.local_tile(x_kr, (BT, KH), (chunk, half))).store(o_k.load())
+        thr_c.partition_C(cute.local_tile(x_q, (BT, KH), (rt, ct))).store(o_q.load())
+        thr_c.partition_C(cute.local_tile(x_kr, (BT, KH), (rt, ct))).store(o_k.load())
         if cutlass.const_expr(within):
             o_c.store(out_c.load())
             # column role: dA^T's block-diagonal products, a column within the guard then times
@@ -300,7 +305,7 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
         if cutlass.const_expr(within):
             # the elements past the guard: their pairs within the block one by one, each with its
             # own exp2, added to what this thread stored (its registers free again)
-            out_q, out_k, out_c = (thr_c.partition_C(cute.local_tile(x, (BT, KH), (chunk, half)))
+            out_q, out_k, out_c = (thr_c.partition_C(cute.local_tile(x, (BT, KH), (rt, ct)))
                                    for x in (x_q, x_kr, x_c))
             for i in cutlass.range_constexpr(cute.size(shape)):
                 t, c = coords[i]
@@ -317,7 +322,7 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
                     for r in cutlass.range(t, u + BC, unroll=1):  # the column role: r >= t (dAkk: r > t)
                         w = g_q[r, t] * g_qq[r, c].to(f32)
                         if r > t:
-                            w += g_k[r, t] * beta[chunk * BT + r] * g_kk[r, c].to(f32)
+                            w += g_k[r, t] * g_b[r] * g_kk[r, c].to(f32)
                         a_c += w * cute.arch.exp2(g_g[r, c] - g_g[t, c])
                     out_q[i] = out_q[i] + a_q
                     out_k[i] = out_k[i] + a_k
@@ -331,15 +336,16 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
               dq2, dk2, dg2, db_part, dA_part, dbias_part):
         """``unit``: the B7-B9 unit's tail on this CTA's (chunk, K half), from the three sums it
         stored (each thread its own elements)."""
-        tile = lambda t: thr_c.partition_C(cute.local_tile(t, (BT, KH), (chunk, half)))  # noqa: E731
+        rt, ct, head = chunk // H, chunk % H * 2 + half, chunk % H
+        tile = lambda t: thr_c.partition_C(cute.local_tile(t, (BT, KH), (rt, ct)))  # noqa: E731
         rows_of = lambda ptr: thr_c.partition_C(  # noqa: E731
-            cute.make_tensor(ptr, cute.make_layout((BT, KH), stride=(1, 0))))
+            cute.make_tensor(ptr, cute.make_layout((BT, KH), stride=(H, 0))))
         plain = cute.make_layout((BT, KH), stride=(KH, 1))
         s_f1 = cute.make_tensor(storage.f1.data_ptr(), plain)
         s_f2 = cute.make_tensor(storage.f2.data_ptr(), plain)
         a_q, a_kr, a_c = tile(x_q).load(), tile(x_kr).load(), tile(x_c).load()
         kf = tile(k).load().to(f32)
-        a_krb = a_kr * rows_of(beta.iterator + chunk * BT).load()
+        a_krb = a_kr * rows_of(beta.iterator + rt * BT * H + head).load()
         tile(dq2).store(tile(dq).load() + a_q)
         tile(dk2).store(tile(dk).load() + a_krb + a_c)
         thr_c.partition_C(s_f1).store(tile(dg).load() + tile(q).load().to(f32) * a_q + kf * (a_krb - a_c))
@@ -355,14 +361,14 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
             total = f32(0.0)
             for c in cutlass.range(KH, unroll=8):
                 total += s_f2[tidx - KH, c]
-            db_part[half * R + chunk * BT + tidx - KH] = total
+            db_part[half * R * H + (rt * BT + tidx - KH) * H + head] = total
         cute.arch.sync_threads()
         dy = thr_c.partition_C(s_f1).load()
         x = tile(g_raw).load().to(f32)
         if cutlass.const_expr(has_bias):
-            x = x + thr_c.partition_C(cute.make_tensor(dt_bias.iterator + half * KH,
+            x = x + thr_c.partition_C(cute.make_tensor(dt_bias.iterator + head * K + half * KH,
                                                        cute.make_layout((BT, KH), stride=(0, 1)))).load()
-        A = cute.arch.exp2(a_log[0] * LOG2E)
+        A = cute.arch.exp2(a_log[head] * LOG2E)
         if cutlass.const_expr(lower_bound is None):
             e = cute.math.exp(-x)
             dx = dy * (-A / (1.0 + e))
@@ -411,7 +417,7 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
         a_l = sm90.make_smem_layout_a(k_major, (BT, KH, BT), bf16, 1)  # dA: (M = r, K = s)
         at_l = sm90.make_smem_layout_a(mn_major, (BT, KH, BT), bf16, 1)  # the same bytes as (M = s, K = r)
         b_l = sm90.make_smem_layout_b(k_major, (BT, KH, BT), bf16, 1)  # (N = c, K = row)
-        nch = cute.size(k, mode=[0]) // BT
+        nch = cute.size(k, mode=[0]) // BT * H
         kernel(dAqk, dAkk, q, k, g, beta, x_q, x_kr, x_c, dq, dk, dg, g_raw, a_log, dt_bias, dq2, dk2, dg2, db_part,
                dA_part, dbias_part, mma, mma_z, mma_t, mma_tz, a_l, at_l, b_l).launch(
             grid=(2, nch, 1), block=(128, 1, 1), stream=stream)
@@ -567,8 +573,103 @@ def twin_unit(t: dict, split: bool = True) -> tuple:
     return dq2, dk2, db, dg2, (dy * (-A * sp)).sum().view(1), dg2.float().sum(0)
 
 
+_COMPILED: dict = {}
+
+
+def supports(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log, dt_bias, lower_bound, chunk_size,
+             cu_seqlens, chunk_indices):
+    """None when ``intra_bwd`` (the unit build as the op's B7-B9) takes the call, else why not:
+    an sm_90 GPU with CuTe DSL, the gate in the op, chunks of 64 over dense sequences of whole
+    chunks, K=128, one q/k head a gate head, dense tensors."""
+    import torch
+
+    B, T, H, K = k.shape
+    if not k.is_cuda or torch.cuda.get_device_capability(k.device) != (9, 0):
+        return "the B7 probe is built for sm_90a"
+    try:
+        import cutlass.cute  # noqa: F401
+    except ImportError:
+        return "CuTe DSL (nvidia-cutlass-dsl) is not installed"
+    if A_log is None:
+        return "a pre-computed gate (the probe's unit ends with the gate's backward)"
+    if chunk_size != BT or cu_seqlens is not None or T % BT:
+        return f"chunk_size={chunk_size}, cu_seqlens {'given' if cu_seqlens is not None else 'none'}, T={T} " \
+               f"(the probe takes dense sequences of whole chunks of {BT})"
+    if K != 2 * KH or gc.shape[2] != H:
+        return f"K={K}, H={H}, HV={gc.shape[2]} (the probe: K=128, H=HV)"
+    if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16 or g.dtype not in (torch.bfloat16, torch.float32):
+        return "the probe takes bf16 q and k and a bf16 or fp32 raw gate"
+    if not all(x.is_contiguous() for x in (q, k, gc, dAqk, dAkk, dq, dk, dg, g)):
+        return "the probe views its tensors as dense [B * T, H * C]"
+    return None
+
+
+def intra_bwd(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log, dt_bias, lower_bound, chunk_size,
+              cu_seqlens, chunk_indices):
+    """B7-B9 with the stage registry's contract ((dq, dk, db, dg, dA_log, ddt_bias)) from the
+    unit build, compiled once a shape and gate form: a candidate for ``python -m
+    benchmarks.op --candidate B7-B9=research.b7_cute_probe:intra_bwd:supports``. The three sums
+    go through scratch tensors of the outputs' shape; db's, dA_log's and dt_bias's partials are
+    added here, in a fixed order."""
+    import cuda.bindings.driver as cuda
+    import cutlass.cute as cute
+    import torch
+    from cutlass.cute.runtime import from_dlpack
+
+    why = supports(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log, dt_bias, lower_bound, chunk_size,
+                   cu_seqlens, chunk_indices)
+    if why:
+        raise ValueError(why)
+    B, T, H, K = k.shape
+    R, dev = B * T, k.device
+    tensors = unit_views(q, k, gc, beta, dAqk, dAkk, dq, dk, dg, g, A_log, dt_bias)
+    args = [from_dlpack(tensors[name], assumed_align=16) for name in ARGS]
+    args.append(cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream))
+    raw = "bf16" if g.dtype == torch.bfloat16 else "fp32"
+    key = (R, H, raw, dt_bias is not None, lower_bound, dev.index)
+    if key not in _COMPILED:
+        _COMPILED[key] = cute.compile(build(K, True, True, True, raw, dt_bias is not None,
+                                            None if lower_bound is None else float(lower_bound), H), *args)
+    _COMPILED[key](*args)
+    return unit_outputs(tensors, db, A_log, dt_bias)
+
+
+def unit_outputs(tensors: dict, db, A_log, dt_bias) -> tuple:
+    """The registry's (dq, dk, db, dg, dA_log, ddt_bias) from the unit build's outputs in
+    ``unit_views``'s tensors: db the input plus the two K halves' parts, dA_log the sum of the
+    (K half, chunk-head) partials by head, dt_bias's the sum of the chunk-heads' by channel."""
+    B, T, H = db.shape
+    K = tensors["k"].shape[1] // H
+    shape = (B, T, H, K)
+    db2 = db.float() + tensors["db_part"].view(2, B, T, H).sum(0)
+    dA_log = tensors["dA_part"].view(2, B * T // BT, H).sum((0, 1)).view_as(A_log).to(A_log.dtype)
+    ddt_bias = (tensors["dbias_part"].view(B * T // BT, H * K).sum(0).view_as(dt_bias).to(dt_bias.dtype)
+                if dt_bias is not None else None)
+    return tensors["dq2"].view(shape), tensors["dk2"].view(shape), db2, tensors["dg2"].view(shape), dA_log, ddt_bias
+
+
+def unit_views(q, k, gc, beta, dAqk, dAkk, dq, dk, dg, g, A_log, dt_bias) -> dict:
+    """The unit build's tensors (``ARGS``) for the op's: [B, T, H, C] as [B * T, H * C] (fp32
+    where the kernel reads fp32), beta [B * T * H], A_log [H], dt_bias [H * K] (zeros without
+    one), and its outputs and scratch allocated."""
+    import torch
+
+    B, T, H, K = k.shape
+    R, dev = B * T, k.device
+    nch = R // BT * H
+    flat = lambda x: x.reshape(R, -1)  # noqa: E731
+    new = lambda dtype=torch.float32: torch.empty(R, H * K, device=dev, dtype=dtype)  # noqa: E731
+    return dict(dAqk=flat(dAqk.float()), dAkk=flat(dAkk.float()), q=flat(q), k=flat(k), g=flat(gc.float()),
+                beta=beta.float().contiguous().view(-1), x_q=new(), x_kr=new(), x_c=new(), dq=flat(dq.float()),
+                dk=flat(dk.float()), dg=flat(dg.float()), g_raw=flat(g), A_log=A_log.float().contiguous().view(-1),
+                dt_bias=(dt_bias.float().contiguous().view(-1) if dt_bias is not None
+                         else torch.zeros(H * K, device=dev)),
+                dq2=new(), dk2=new(), dg2=new(g.dtype), db_part=torch.empty(2 * R * H, device=dev),
+                dA_part=torch.empty(2 * nch, device=dev), dbias_part=torch.empty(nch, K, device=dev))
+
+
 def compile_offline(nch: int = 4, K: int = 128, split: bool = True, within: bool = True, unit: bool = False,
-                    dump: str | None = None):
+                    dump: str | None = None, H: int = 1):
     """Trace and compile for sm_90a with no GPU: the PTX and cubin land in ``dump``."""
     if dump:
         os.environ.update(CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx,cubin", CUTE_DSL_DUMP_DIR=dump)
@@ -576,8 +677,16 @@ def compile_offline(nch: int = 4, K: int = 128, split: bool = True, within: bool
     import cutlass.cute as cute
     from cutlass.cute.runtime import from_dlpack
 
-    t = make_tensors(nch, K, "cpu")
-    return cute.compile(build(K, split, within, unit), *[from_dlpack(t[n], assumed_align=16) for n in ARGS],
+    if H == 1:
+        t = make_tensors(nch, K, "cpu")
+    else:  # the op's layout at H heads: one sequence of nch chunks
+        import torch
+
+        op = lambda *shape, dtype=torch.float32: torch.zeros(1, nch * BT, *shape, dtype=dtype)  # noqa: E731
+        t = unit_views(op(H, K, dtype=torch.bfloat16), op(H, K, dtype=torch.bfloat16), op(H, K), op(H), op(H, BT),
+                       op(H, BT), op(H, K), op(H, K), op(H, K), op(H, K, dtype=torch.bfloat16), torch.zeros(H),
+                       torch.zeros(H * K))
+    return cute.compile(build(K, split, within, unit, H=H), *[from_dlpack(t[n], assumed_align=16) for n in ARGS],
                         cuda.CUstream(0))
 
 
@@ -710,7 +819,8 @@ def main(argv=None) -> int:
             print(json.dumps(sm90_row(sub, split, within, unit)))
         return 0
     if argv[:1] == ["compile-one"]:
-        compile_offline(split=bool(int(argv[1])), within=bool(int(argv[2])), unit=bool(int(argv[3])), dump=argv[4])
+        compile_offline(split=bool(int(argv[1])), within=bool(int(argv[2])), unit=bool(int(argv[3])), dump=argv[4],
+                        H=int(argv[5]) if len(argv) > 5 else 1)
         return 0
     if argv[:1] == ["gpu"]:  # every build at the gentle draw, then the whole sums under gates past the guard
         for split, within, unit in BUILDS:

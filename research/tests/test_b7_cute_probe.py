@@ -129,3 +129,50 @@ def test_the_unit_s_tail_is_the_reference_b7_b9():
         # sum of it) no more than the fp32 reference's own rounding
         bar = max(2e-5, 1.1 * ref.rel_rms(o.reshape(-1).double(), w.reshape(-1).double()))
         assert err < bar, (name, err, bar)
+
+
+def test_the_op_layout_the_unit_reads_and_writes():
+    """What ``intra_bwd`` (the unit build as the op's B7-B9) relies on, for B=2, T=128, H=3: the
+    kernel's reads and writes emulated chunk-head by chunk-head from ``unit_views``'s tensors
+    at the kernel's coordinates (chunk-head c = rt * H + h: tiles (rt, 2 h + j), dA's (rt, h),
+    beta's rows at stride H, A_log[h], dt_bias[h * K + ...], db's part at (j, rt * 64 + r, h),
+    dA_log's at (j, c), dt_bias's at (c, channel)) with ``twin_unit`` for the arithmetic, then
+    ``unit_outputs`` summing the partials, against the reference unit on the op's tensors."""
+    from kernel_fun.kda import reference as ref
+    from research.b7_cute_probe import KH, twin_unit, unit_outputs, unit_views
+
+    B, T, H, K = 2, 128, 3, 128
+    gen = torch.Generator().manual_seed(7)
+    per = [make_tensors(B * T // BT, K, "cpu", seed=10 + h) for h in range(H)]  # one head's chunks each
+    op = {name: torch.stack([p[name].view(B, T, *p[name].shape[1:]) for p in per], dim=2)
+          for name in ("q", "k", "g", "dAqk", "dAkk", "dq", "dk", "dg", "g_raw")}
+    op["beta"] = torch.stack([p["beta"].view(B, T) for p in per], dim=2)
+    A_log, dt_bias = torch.randn(H, generator=gen) * 0.5, torch.randn(H * K, generator=gen) * 0.5
+    db = torch.randn(B, T, H, generator=gen)
+    t = unit_views(op["q"], op["k"], op["g"], op["beta"], op["dAqk"], op["dAkk"], op["dq"], op["dk"], op["dg"],
+                   op["g_raw"], A_log, dt_bias)
+    NT = T // BT
+    for rt in range(B * NT):
+        for h in range(H):
+            c = rt * H + h
+            rows = slice(rt * BT, (rt + 1) * BT)
+            one = {name: t[name][rows, h * K:(h + 1) * K] for name in ("q", "k", "g", "dq", "dk", "dg", "g_raw")}
+            one.update(dAqk=t["dAqk"][rows, h * BT:(h + 1) * BT], dAkk=t["dAkk"][rows, h * BT:(h + 1) * BT],
+                       beta=t["beta"][(rt * BT + torch.arange(BT)) * H + h], A_log=t["A_log"][h:h + 1],
+                       dt_bias=t["dt_bias"][h * K:(h + 1) * K])
+            dq2, dk2, db_c, dg2, da, dbias = twin_unit(one)
+            t["dq2"][rows, h * K:(h + 1) * K] = dq2
+            t["dk2"][rows, h * K:(h + 1) * K] = dk2
+            t["dg2"][rows, h * K:(h + 1) * K] = dg2
+            for j in range(2):  # each K half's part: here the whole in half 0, nothing in half 1
+                t["db_part"][j * B * T * H + (rt * BT + torch.arange(BT)) * H + h] = db_c if j == 0 else 0.0
+                t["dA_part"][j * (B * NT * H) + c] = da[0] if j == 0 else 0.0
+            t["dbias_part"][c] = dbias
+    got = unit_outputs(t, db, A_log, dt_bias)
+    want_ = ref.intra_bwd_tail(op["q"], op["k"], op["g"], op["beta"], op["dAqk"], op["dAkk"], op["dq"], op["dk"], db,
+                               op["dg"], BT, g=op["g_raw"], A_log=A_log, dt_bias=dt_bias)
+    for name, g_, w in zip(("dq", "dk", "db", "dg", "dA_log", "ddt_bias"), got, want_):
+        err = ref.rel_rms(g_.reshape(-1).double(), w.reshape(-1).double())
+        # (dg and its sum: a few elements' bf16 roundings apart, 6e-5 and 1e-5 here)
+        assert err < (5e-4 if name in ("dg", "ddt_bias") else 2e-5), (name, err)
+    assert KH * 2 == K
