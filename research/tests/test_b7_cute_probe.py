@@ -176,3 +176,17 @@ def test_the_op_layout_the_unit_reads_and_writes():
         # (dg and its sum: a few elements' bf16 roundings apart, 6e-5 and 1e-5 here)
         assert err < (5e-4 if name in ("dg", "ddt_bias") else 2e-5), (name, err)
     assert KH * 2 == K
+
+
+def test_the_unit_compiles_at_the_op_s_heads(tmp_path: Path):
+    """The unit build on the op's layout at 16 heads (as ``intra_bwd`` builds it for
+    prod8192_gate): as clean as at one."""
+    pytest.importorskip("cutlass.cute", reason="CuTe DSL (nvidia-cutlass-dsl) is not installed")
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-m", "research.b7_cute_probe", "compile-one", "1", "1", "1", str(tmp_path),
+                           "16"], cwd=root, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    from research.b7_cute_probe import sm90_row
+
+    r = sm90_row(str(tmp_path), True, True, True)
+    assert (r["spill_stores"], r["sass_stl"], r["ptxas_notes"], r["wgmma"]) == (0, 0, {}, 84), r
