@@ -1,5 +1,6 @@
-"""B7's three sums on chip in CuTe DSL (sm_90a): the first piece of B7 for the fused backward
-kernel (docs/log/bwd-fused.md, step 6). Not registered; compiled offline, not yet run.
+"""B7's three sums on chip in CuTe DSL (sm_90a), and the B7-B9 unit on them: the first piece of
+B7 for the fused backward kernel (docs/log/bwd-fused.md, steps 6-7). Not registered; compiled
+offline, not yet run.
 
 CuTe DSL 4.8.1 has no tf32 warpgroup MMA for Hopper: its warpgroup ops take bf16/fp16, fp8
 and int8; tf32 is only in the sm80 warp MMA and in Blackwell's tcgen05. So where the Triton
@@ -45,8 +46,17 @@ rows] K-major tiles, a block's rows its k block: 128-byte rows, never the 32-byt
 read past their end on the H200. Each block takes three wgmmas a dA into a fresh
 accumulator, then the scaling in registers.
 
-Layout: dAqk, dAkk [NCH * 64, 64] fp32; q, k [NCH * 64, K] bf16; g [NCH * 64, K] fp32; beta
-[NCH * 64] fp32; out x_q, x_kr, x_c [NCH * 64, K] fp32.
+With ``unit`` as well, the rest of the B7-B9 unit in the same kernel (the registered kernel's
+tail: dq2, dk2, db's part, B8's reverse cumsum, B9's gate backward and its parameters'
+partials), and ``intra_bwd`` / ``supports`` give it the stage registry's contract on the op's
+layout: a candidate for ``python -m benchmarks.op --candidate
+B7-B9=research.b7_cute_probe:intra_bwd:supports``.
+
+Layout (one head; the op's [B, T, H, C] tensors are viewed [B * T, H * C] at H heads):
+dAqk, dAkk [NCH * 64, 64] fp32; q, k [NCH * 64, K] bf16; g [NCH * 64, K] fp32; beta [NCH * 64]
+fp32; the sums x_q, x_kr, x_c [NCH * 64, K] fp32; with ``unit`` also dq, dk, dg [NCH * 64, K]
+fp32 in and dq2, dk2 out, the raw gate and dg2 [NCH * 64, K] in its dtype, A_log [H], dt_bias
+[H * K], and the partials db_part [2 * NCH * 64], dA_part [2 * NCH], dbias_part [NCH, K].
 
     python -m research.b7_cute_probe compile [dir]   # sm_90a offline (CuTe DSL installed): rows
     python -m research.b7_cute_probe gpu             # against float64 and the twin, then timed
