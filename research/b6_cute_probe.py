@@ -1015,6 +1015,21 @@ def sm90_row(dump: str, stages: int = 3, overlap: bool = True, exchange: bool = 
             ptx.count("multicast::cluster"), "cluster": "(1, 2, 1)", "threads": 384 if ws else 128}
 
 
+def event_ms(fn, reps: int) -> float:
+    """The median CUDA-event time of ``reps`` calls of ``fn``, each timed on its own."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
 def _rel(got, want) -> float:
     return ((got - want).square().mean() / want.square().mean()).sqrt().item()
 
@@ -1157,18 +1172,7 @@ def gpu_run(nch: int = 32768, K: int = 128, V: int = 256, stages: int = 3, overl
                 diagnosis[f"CTA {j} partials"] = {
                     "dAv": _rel(pick(dAv, 2 * BT).view(n, 2, BT, BT)[:, j], w_a),
                     "dbv": _rel(pick(dbv, 2 * BT).view(n, 2, BT)[:, j], w_b)}
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-
-    def timed(fn):  # median CUDA-event time of reps calls, each its own
-        times = []
-        for _ in range(reps):
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        return sorted(times)[len(times) // 2]
-
+    timed = lambda fn: event_ms(fn, reps)  # noqa: E731
     registered = {}
     if full:  # the registered Triton B6 on the same tensors (the chunk-heads as one sequence of one
         # head): every output of every chunk-head against it, and its time in this process

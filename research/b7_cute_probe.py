@@ -742,18 +742,9 @@ def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = T
     for name, w, tw in zip(("x_q", "x_kr", "x_c"), wants, twins):
         got = pick(t[name])
         errors.update({name: rel(got, w), f"twin_{name}": rel(tw, w), f"{name}_vs_twin": rel(got, tw)})
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    from research.b6_cute_probe import event_ms
 
-    def timed(fn):  # median CUDA-event time of reps calls, each its own
-        times = []
-        for _ in range(reps):
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        return sorted(times)[reps // 2]
-
+    timed = lambda fn: event_ms(fn, reps)  # noqa: E731
     registered = {}
     if unit:
         from kernel_fun.kda import reference as ref
