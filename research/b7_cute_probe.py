@@ -100,11 +100,6 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
     bf16, f32 = cutlass.BFloat16, cutlass.Float32
     raw = {"bf16": bf16, "fp32": f32}[raw]
 
-    def _ex2(x):
-        """2^x as the hardware's ex2.approx.ftz, with no side effects declared (the inline-asm
-        cute.arch.exp2 declares some, which pins every one in program order)."""
-        return cute.math.exp2(x, approx=True, ftz=True)
-
     def _put(t_hi, t_lo, a, b, x):
         """x split into t_hi[a, b] (its bf16 rounding) and t_lo[a, b] (the bf16 rounding of what
         that left), single-stage tiles."""
@@ -194,9 +189,9 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
             j = i // (BC * KH)
             c = i % KH
             s = j * BC + i % (BC * KH) // KH
-            _put(s_xh, s_xl, c, s, g_kk[s, c].to(f32) * _ex2(g_g[(j + 1) * BC, c] - g_g[s, c]))
+            _put(s_xh, s_xl, c, s, g_kk[s, c].to(f32) * cute.arch.exp2(g_g[(j + 1) * BC, c] - g_g[s, c]))
             r = s + BC  # (block j + 1)
-            down = _ex2(g_g[r, c] - g_g[(j + 1) * BC, c])
+            down = cute.arch.exp2(g_g[r, c] - g_g[(j + 1) * BC, c])
             _put(s_yqh, s_yql, c, r, g_qq[r, c].to(f32) * down)
             _put(s_ykh, s_ykl, c, r, g_b[r] * g_kk[r, c].to(f32) * down)
         cute.arch.fence_view_async_shared()  # (the generic proxy's stores seen by the wgmmas)
@@ -229,11 +224,11 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
             for i in cutlass.range_constexpr(cute.size(shape)):
                 s, c = coords[i]
                 if s < i_b * BC:
-                    o_c[i] = o_c[i] + _ex2(g_g[i_b * BC, c] - g_g[s // BC * BC + BC, c]) * p_q[i]
+                    o_c[i] = o_c[i] + cute.arch.exp2(g_g[i_b * BC, c] - g_g[s // BC * BC + BC, c]) * p_q[i]
         for i in cutlass.range_constexpr(cute.size(shape)):
             s, c = coords[i]
             if s < BT - BC:
-                o_c[i] = o_c[i] * _ex2(g_g[s // BC * BC + BC, c] - g_g[s, c])
+                o_c[i] = o_c[i] * cute.arch.exp2(g_g[s // BC * BC + BC, c] - g_g[s, c])
 
         out_c = thr_c.partition_C(cute.local_tile(x_c, (BT, KH), (rt, ct)))
         out_c.store(o_c.load())  # (the pairs within a block, below, add to it: o_c's registers free meanwhile)
@@ -249,12 +244,12 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
             for i in cutlass.range_constexpr(cute.size(shape)):
                 r, c = coords[i]
                 if r >= n:
-                    e = _ex2(g_g[r // BC * BC, c] - g_g[n, c])
+                    e = cute.arch.exp2(g_g[r // BC * BC, c] - g_g[n, c])
                     o_q[i] = o_q[i] + e * p_q[i]
                     o_k[i] = o_k[i] + e * p_k[i]
         for i in cutlass.range_constexpr(cute.size(shape)):
             r, c = coords[i]
-            down = _ex2(g_g[r, c] - g_g[r // BC * BC, c])
+            down = cute.arch.exp2(g_g[r, c] - g_g[r // BC * BC, c])
             o_q[i] = o_q[i] * down
             o_k[i] = o_k[i] * down
         if cutlass.const_expr(within):
@@ -279,9 +274,9 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
                 span = g_g[s // BC * BC, c] - g_g[s, c]
                 x = f32(0.0)
                 if span <= GUARD:
-                    x = g_kk[s, c].to(f32) * _ex2(span)
+                    x = g_kk[s, c].to(f32) * cute.arch.exp2(span)
                 _put(s_xh, s_xl, c, s, x)
-                down = _ex2(-span)
+                down = cute.arch.exp2(-span)
                 _put(s_yqh, s_yql, c, s, g_qq[s, c].to(f32) * down)
                 _put(s_ykh, s_ykl, c, s, g_b[s] * g_kk[s, c].to(f32) * down)
             cute.arch.fence_view_async_shared()
@@ -298,7 +293,7 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
                 for i in cutlass.range_constexpr(cute.size(shape)):
                     r, c = coords[i]
                     span = g_g[r // BC * BC, c] - g_g[r, c]
-                    o[i] = o[i] + f32(cutlass.select_(span <= GUARD, _ex2(-span), f32(0.0))) * p_q[i]
+                    o[i] = o[i] + f32(cutlass.select_(span <= GUARD, cute.arch.exp2(-span), f32(0.0))) * p_q[i]
         thr_c.partition_C(cute.local_tile(x_q, (BT, KH), (rt, ct))).store(o_q.load())
         thr_c.partition_C(cute.local_tile(x_kr, (BT, KH), (rt, ct))).store(o_k.load())
         if cutlass.const_expr(within):
@@ -315,7 +310,7 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
                 s, c = coords[i]
                 u = s // BC * BC
                 span = g_g[u, c] - g_g[s, c]
-                o_c[i] = o_c[i] + f32(cutlass.select_(span <= GUARD, _ex2(span), f32(0.0))) * p_q[i]
+                o_c[i] = o_c[i] + f32(cutlass.select_(span <= GUARD, cute.arch.exp2(span), f32(0.0))) * p_q[i]
             out_c.store(o_c.load())
         if cutlass.const_expr(within):
             # the elements past the guard: their pairs within the block one by one, each with its
@@ -330,7 +325,7 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
                     a_k = f32(0.0)
                     a_c = f32(0.0)
                     for s in cutlass.range(u, t + 1, unroll=1):  # the row role: s <= t (dAkk: s < t)
-                        f = g_kk[s, c].to(f32) * _ex2(g_g[t, c] - g_g[s, c])
+                        f = g_kk[s, c].to(f32) * cute.arch.exp2(g_g[t, c] - g_g[s, c])
                         a_q += g_q[t, s] * f
                         if s < t:
                             a_k += g_k[t, s] * f
@@ -338,7 +333,7 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
                         w = g_q[r, t] * g_qq[r, c].to(f32)
                         if r > t:
                             w += g_k[r, t] * g_b[r] * g_kk[r, c].to(f32)
-                        a_c += w * _ex2(g_g[r, c] - g_g[t, c])
+                        a_c += w * cute.arch.exp2(g_g[r, c] - g_g[t, c])
                     out_q[i] = out_q[i] + a_q
                     out_k[i] = out_k[i] + a_k
                     out_c[i] = out_c[i] + a_c
@@ -383,7 +378,7 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
         if cutlass.const_expr(has_bias):
             x = x + thr_c.partition_C(cute.make_tensor(dt_bias.iterator + head * K + half * KH,
                                                        cute.make_layout((BT, KH), stride=(0, 1)))).load()
-        A = _ex2(a_log[head] * LOG2E)
+        A = cute.arch.exp2(a_log[head] * LOG2E)
         if cutlass.const_expr(lower_bound is None):
             e = cute.math.exp(-x)
             dx = dy * (-A / (1.0 + e))
@@ -828,12 +823,10 @@ def main(argv=None) -> int:
         compile_offline(split=bool(int(argv[1])), within=bool(int(argv[2])), unit=bool(int(argv[3])), dump=argv[4],
                         H=int(argv[5]) if len(argv) > 5 else 1)
         return 0
-    if argv[:1] == ["gpu"]:  # every build at the gentle draw, then the whole sums under gates past the guard;
-        # or the builds whose indices in BUILDS follow
-        for split, within, unit in [BUILDS[int(i)] for i in argv[1:]] or BUILDS:
+    if argv[:1] == ["gpu"]:  # every build at the gentle draw, then the whole sums under gates past the guard
+        for split, within, unit in BUILDS:
             print(json.dumps(gpu_run(split=split, within=within, unit=unit)), flush=True)
-        if not argv[1:]:
-            print(json.dumps(gpu_run(strength=10.0)), flush=True)
+        print(json.dumps(gpu_run(strength=10.0)), flush=True)
         return 0
     print(__doc__)
     return 2
