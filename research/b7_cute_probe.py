@@ -823,10 +823,12 @@ def main(argv=None) -> int:
         compile_offline(split=bool(int(argv[1])), within=bool(int(argv[2])), unit=bool(int(argv[3])), dump=argv[4],
                         H=int(argv[5]) if len(argv) > 5 else 1)
         return 0
-    if argv[:1] == ["gpu"]:  # every build at the gentle draw, then the whole sums under gates past the guard
-        for split, within, unit in BUILDS:
+    if argv[:1] == ["gpu"]:  # every build at the gentle draw, then the whole sums under gates past the guard;
+        # or the builds whose indices in BUILDS follow
+        for split, within, unit in [BUILDS[int(i)] for i in argv[1:]] or BUILDS:
             print(json.dumps(gpu_run(split=split, within=within, unit=unit)), flush=True)
-        print(json.dumps(gpu_run(strength=10.0)), flush=True)
+        if not argv[1:]:
+            print(json.dumps(gpu_run(strength=10.0)), flush=True)
         return 0
     print(__doc__)
     return 2
