@@ -887,6 +887,20 @@ def compile_offline(nch: int = 4, K: int = 128, V: int = 256, stages: int = 3, o
 _COMPILED: dict = {}
 
 
+def cute_unavailable(t) -> str | None:
+    """Why a CuTe DSL probe cannot run on ``t``'s device (an sm_90 GPU and CuTe DSL installed),
+    or None."""
+    import torch
+
+    if not t.is_cuda or torch.cuda.get_device_capability(t.device) != (9, 0):
+        return "the CuTe probes are built for sm_90a"
+    try:
+        import cutlass.cute  # noqa: F401
+    except ImportError:
+        return "CuTe DSL (nvidia-cutlass-dsl) is not installed"
+    return None
+
+
 def supports(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, cu_seqlens, chunk_indices,
              state_v_first=False):
     """None when ``wy_dqkg_bwd`` (the probe as B6) takes the call, else why not: an sm_90 GPU
@@ -896,12 +910,9 @@ def supports(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, cu_s
 
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
-    if not k.is_cuda or torch.cuda.get_device_capability(k.device) != (9, 0):
-        return "the probe is built for sm_90a"
-    try:
-        import cutlass.cute  # noqa: F401
-    except ImportError:
-        return "CuTe DSL (nvidia-cutlass-dsl) is not installed"
+    why = cute_unavailable(k)
+    if why:
+        return why
     if chunk_size != BT or cu_seqlens is not None or T % BT:
         return f"chunk_size={chunk_size}, cu_seqlens {'given' if cu_seqlens is not None else 'none'}, T={T} " \
                f"(the probe takes dense sequences of whole chunks of {BT})"
@@ -964,11 +975,12 @@ def wy_dqkg_bwd(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, c
 
 def ptxas_report(dump: str) -> dict:
     """What a CuTe DSL build dumped in ``dump`` is:
-    - registers and spills from Triton's bundled ptxas (``-v``) on its PTX. CuTe DSL 4.8.1
+    - registers, spills, stack and ptxas's notes (``benchmarks.compile_report.ptxas_numbers``)
+      from Triton's bundled ptxas (``-v``) on its PTX. CuTe DSL 4.8.1
       writes PTX ISA 8.8 and Triton 3.6's ptxas reads up to 8.7, so the header is lowered for
       this count only (the cubin CuTe DSL built with its own compiler is the one that runs);
-    - ptxas's notes that cost speed: setmaxnreg ignored (C7508), every wgmma serialised
-      (C7514, C7515), a wait (C7517) or a fence (C7519) added;
+      (the notes that cost speed: setmaxnreg ignored (C7508), every wgmma serialised
+      (C7514, C7515), a wait (C7517) or a fence (C7519) added);
     - in the cubin that runs, the setmaxnreg instructions, wgmmas and local-memory stores it
       kept;
     - and the PTX itself (``ptx``)."""
@@ -978,6 +990,8 @@ def ptxas_report(dump: str) -> dict:
 
     import triton
 
+    from benchmarks.compile_report import ptxas_numbers
+
     (ptx_path,) = glob.glob(os.path.join(dump, "*.sm_90a.ptx"))
     ptx = open(ptx_path).read()
     lowered = os.path.join(dump, "isa87.ptx")
@@ -986,17 +1000,11 @@ def ptxas_report(dump: str) -> dict:
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     log = subprocess.run([ptxas, "-arch=sm_90a", "-v", lowered, "-o", os.devnull], capture_output=True,
                          text=True, check=True).stderr
-    regs = int(re.search(r"Used (\d+) registers", log).group(1))
-    spills = [int(x) for x in re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log).groups()]
-    notes = {}
-    for code in re.findall(r"\((C75\d\d)\)", log):
-        notes[code] = notes.get(code, 0) + 1
     (cubin,) = glob.glob(os.path.join(dump, "*.cubin"))
     sass = subprocess.run([os.path.join(os.path.dirname(ptxas), "nvdisasm"), "-c", cubin], capture_output=True,
                           text=True, check=True).stdout
     ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
-    return {"registers": regs, "spill_stores": spills[0], "spill_loads": spills[1], "ptxas_notes": notes,
-            "sass_setmaxnreg": sum(o.startswith("USETMAXREG") for o in ops),
+    return {**ptxas_numbers(log), "sass_setmaxnreg": sum(o.startswith("USETMAXREG") for o in ops),
             "sass_hgmma": sum(o.startswith("HGMMA") for o in ops), "sass_stl": sum(o.startswith("STL") for o in ops),
             "ptx": ptx}
 

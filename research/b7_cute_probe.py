@@ -593,13 +593,12 @@ def supports(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log, dt
     chunks, K=128, one q/k head a gate head, dense tensors."""
     import torch
 
+    from research.b6_cute_probe import cute_unavailable
+
     B, T, H, K = k.shape
-    if not k.is_cuda or torch.cuda.get_device_capability(k.device) != (9, 0):
-        return "the B7 probe is built for sm_90a"
-    try:
-        import cutlass.cute  # noqa: F401
-    except ImportError:
-        return "CuTe DSL (nvidia-cutlass-dsl) is not installed"
+    why = cute_unavailable(k)
+    if why:
+        return why
     if A_log is None:
         return "a pre-computed gate (the probe's unit ends with the gate's backward)"
     if chunk_size != BT or cu_seqlens is not None or T % BT:
@@ -767,9 +766,8 @@ def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = T
                                    picked["dAkk"], picked["dq"], picked["dk"], torch.zeros_like(picked["beta"]),
                                    picked["dg"], BT, g=picked["g_raw"], A_log=t["A_log"], dt_bias=t["dt_bias"],
                                    exact=True)
-        for n, got, w in zip(names[:4], (pick(t["dq2"]), pick(t["dk2"]), None, pick(t["dg2"])), exact[:4]):
-            if got is not None:
-                registered.setdefault("vs_exact", {})[n] = rel(got.reshape(-1).float(), w.reshape(-1))
+        got = (pick(t["dq2"]), pick(t["dk2"]), pick(t["db_part"].view(2, -1).sum(0)), pick(t["dg2"]))
+        registered["vs_exact"] = {n: rel(a.reshape(-1).float(), w.reshape(-1)) for n, a, w in zip(names, got, exact)}
         registered["registered_ms"] = timed(lambda: b7_b9_intra_bwd.intra_bwd(**reg_args))
         del theirs
     ms = timed(lambda: run(*args))
