@@ -100,12 +100,27 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
     bf16, f32 = cutlass.BFloat16, cutlass.Float32
     raw = {"bf16": bf16, "fp32": f32}[raw]
 
-    def _put(t_hi, t_lo, a, b, x):
-        """x split into t_hi[a, b] (its bf16 rounding) and t_lo[a, b] (the bf16 rounding of what
-        that left), single-stage tiles."""
+    def _ex2(x):
+        """2^x as the hardware's ex2.approx.ftz, with no side effects declared (the inline-asm
+        cute.arch.exp2 declares some, which pins every one, and the loads around it, in
+        program order, and keeps equal ones from being shared)."""
+        if isinstance(x, cute.TensorSSA):
+            return cute.math.exp2(x, fastmath=True)
+        return cute.math.exp2(x, approx=True, ftz=True)
+
+    def _split(x):
+        """x (fp32 values) as its bf16 rounding and the bf16 rounding of what that left."""
         hi = x.to(bf16)
-        t_hi[a, b, 0] = hi
-        t_lo[a, b, 0] = (x - hi.to(f32)).to(bf16)
+        return hi, (x - hi.to(f32)).to(bf16)
+
+    def _specs():
+        """The groups in order: ("c", i, 0, 0) the column role's block i; ("r", j, mat, tile) the
+        row role's block j, dAqk (mat 0) or dAkk (1), times kx (tile 0) or kxu (1)."""
+        specs = [("c", i, 0, 0) for i in range(NB - 1, -1, -1)]
+        for j in range(NB):
+            for tile in ((0,) if j < NB - 1 else ()) + ((1,) if within else ()):
+                specs += [("r", j, 0, tile), ("r", j, 1, tile)]
+        return specs
 
     def _fragments(tmma, a_tiles, b_tiles):
         """The wgmma fragments of the A tiles (as ``tmma`` reads them) and of the B tiles."""
@@ -132,6 +147,8 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
                at_l: cute.ComposedLayout, b_l: cute.ComposedLayout):
         tidx, _, _ = cute.arch.thread_idx()
         half, chunk, _ = cute.arch.block_idx()
+        w = cute.arch.make_warp_uniform(cute.arch.warp_idx())  # (its rows, or columns s, are block w)
+        lane = cute.arch.lane_idx()
         rt, ct = chunk // H, chunk % H * 2 + half  # the chunk's row tile; this K half's column tile
         head = chunk % H
         for m, on in ((mma, True), (mma_z, False), (mma_t, True), (mma_tz, False)):  # (each MMA twice, its
@@ -145,67 +162,79 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
             ql: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(a_l)], 1024]
             kh: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(a_l)], 1024]
             kl: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(a_l)], 1024]
-            # the B operands [64 channels, 64 rows], K-major, a block's rows its k block (128-byte
-            # rows: no operand with 32-byte rows, the shape read past its end on the H200,
-            # docs/log/prep.md): kx_j on blocks 0-2 (row role), yq_i and yk_i on blocks 1-3 (column role)
+            # the B operands [64 channels, 64 rows], MN-major (a row's 64 channels one 128-byte
+            # row: no operand with 32-byte rows, the shape read past its end on the H200,
+            # docs/log/prep.md), a block's rows its k block: kx (across blocks, row role), kxu
+            # (within a block, row role), yq and yk (column role)
             xh: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(b_l)], 1024]
             xl: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(b_l)], 1024]
+            uh: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(b_l)], 1024]
+            ul: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(b_l)], 1024]
             yqh: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(b_l)], 1024]
             yql: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(b_l)], 1024]
             ykh: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(b_l)], 1024]
             ykl: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(b_l)], 1024]
-            # (unit) dg's tile for B8's cumsum and B9's sums, and db's row sums: [64, 64] fp32 each
-            f1: cute.struct.Align[cute.struct.MemRange[f32, BT * KH if unit else 4], 128]
-            f2: cute.struct.Align[cute.struct.MemRange[f32, BT * KH if unit else 4], 128]
+            # (unit) the warps' column sums for B8's cumsum and dt_bias's partial, and their dA_log sums
+            red: cute.struct.Align[cute.struct.MemRange[f32, 2 * NB * KH + NB], 128]
 
         storage = SmemAllocator().allocate(Smem)
-        s_qh, s_ql, s_kh, s_kl = (getattr(storage, n).get_tensor(a_l.outer, swizzle=a_l.inner)
-                                  for n in ("qh", "ql", "kh", "kl"))
-        s_xh, s_xl, s_yqh, s_yql, s_ykh, s_ykl = (getattr(storage, n).get_tensor(b_l.outer, swizzle=b_l.inner)
-                                                  for n in ("xh", "xl", "yqh", "yql", "ykh", "ykl"))
+        s_a = [getattr(storage, n).get_tensor(a_l.outer, swizzle=a_l.inner) for n in ("qh", "ql", "kh", "kl")]
+        s_b = [getattr(storage, n).get_tensor(b_l.outer, swizzle=b_l.inner)
+               for n in ("xh", "xl", "uh", "ul", "yqh", "yql", "ykh", "ykl")]
         g_q = cute.local_tile(dAqk, (BT, BT), (rt, head))
         g_k = cute.local_tile(dAkk, (BT, BT), (rt, head))
         g_qq = cute.local_tile(q, (BT, KH), (rt, ct))
         g_kk = cute.local_tile(k, (BT, KH), (rt, ct))
         g_g = cute.local_tile(g, (BT, KH), (rt, ct))
         g_b = cute.make_tensor(beta.iterator + rt * BT * H + head, cute.make_layout(BT, stride=H))  # beta by row
-        # dA's tiles, split, its upper triangle zeroed (dAqk keeps its diagonal): the row role
+
+        thr_c = mma.get_slice(tidx)
+        frag = thr_c.partition_C  # (a thread's 32 elements of a [64, 64] tile: its rows are block w's)
+        shape = frag(g_g).shape
+        coords = frag(cute.make_identity_tensor((BT, KH)))
+        lay = cute.make_layout((BT, KH), stride=(0, 1))
+        anchor = lambda row: frag(cute.make_tensor(g_g[row, None].iterator, lay)).load()  # noqa: E731
+        rows_of = lambda ptr: frag(cute.make_tensor(ptr, cute.make_layout((BT, KH), stride=(H, 0))))  # noqa: E731
+        mn = lambda t: t[None, None, 0]  # noqa: E731  (an A tile as (M, K))
+        kn = lambda t: cute.make_tensor(t.iterator, cute.select(t[None, None, 0].layout, mode=[1, 0]))  # noqa: E731
+
+        def regs(x, dtype=f32):
+            r = cute.make_rmem_tensor(shape, dtype)
+            r.store(x)
+            return r
+
+        # dA's tiles, split, their upper triangles zeroed (dAqk keeps its diagonal): the row role
         # reads them as they lie, the column role MN-major
-        for i in cutlass.range(tidx, BT * BT, 128, unroll=4):
-            r = i // BT
-            s = i % BT
-            vq = f32(0.0)
-            vk = f32(0.0)
-            if s <= r:
-                vq = g_q[r, s]
-            if s < r:
-                vk = g_k[r, s]
-            _put(s_qh, s_ql, r, s, vq)
-            _put(s_kh, s_kl, r, s, vk)
-        # the B operands across blocks (n = channel, k = row), split: kx_j = k exp2(g[n_j] - g)
-        # on the rows of block j < 3; yq_i = q exp2(g - g[a_i]) and yk_i = beta k exp2(g - g[a_i])
-        # on the rows of block i > 0
-        for i in cutlass.range(tidx, (NB - 1) * BC * KH, 128, unroll=2):
-            j = i // (BC * KH)
-            c = i % KH
-            s = j * BC + i % (BC * KH) // KH
-            _put(s_xh, s_xl, c, s, g_kk[s, c].to(f32) * cute.arch.exp2(g_g[(j + 1) * BC, c] - g_g[s, c]))
-            r = s + BC  # (block j + 1)
-            down = cute.arch.exp2(g_g[r, c] - g_g[(j + 1) * BC, c])
-            _put(s_yqh, s_yql, c, r, g_qq[r, c].to(f32) * down)
-            _put(s_ykh, s_ykl, c, r, g_b[r] * g_kk[r, c].to(f32) * down)
+        vq, vk = regs(frag(g_q).load()), regs(frag(g_k).load())
+        for i in cutlass.range_constexpr(cute.size(shape)):
+            r, s = coords[i]
+            vq[i] = f32(cutlass.select_(s <= r, vq[i], f32(0.0)))
+            vk[i] = f32(cutlass.select_(s < r, vk[i], f32(0.0)))
+        for v, hi, lo in ((vq, 0, 1), (vk, 2, 3)):
+            parts = _split(v.load())
+            frag(mn(s_a[hi])).store(parts[0])
+            frag(mn(s_a[lo])).store(parts[1])
+        # the B operands, each warp its own block's rows: kx = k exp2(g[n(r)] - g) (at most 1;
+        # block 3's never read), kxu = k exp2(g[a(r)] - g) (at most 2^GUARD: 0 past it, where only
+        # rows past the guard read it), yq = q exp2(g - g[a(r)]) and yk = beta k exp2(g - g[a(r)])
+        gv = frag(g_g).load()
+        span = anchor(w * BC) - gv  # g[u] - g, u = a(r)
+        kf = frag(g_kk).load().to(f32)
+        down = _ex2(-span)
+        ops = (kf * _ex2(anchor(cutlass.select_(w < NB - 1, (w + 1) * BC, w * BC)) - gv),
+               cute.where(span <= GUARD, kf * _ex2(span), f32(0.0)),
+               frag(g_qq).load().to(f32) * down, rows_of(beta.iterator + rt * BT * H + head).load() * kf * down)
+        for n in cutlass.range_constexpr(len(ops)):
+            parts = _split(ops[n])
+            frag(kn(s_b[2 * n])).store(parts[0])
+            frag(kn(s_b[2 * n + 1])).store(parts[1])
         cute.arch.fence_view_async_shared()  # (the generic proxy's stores seen by the wgmmas)
         cute.arch.sync_threads()
 
-        thr_c = mma.get_slice(tidx)
-        shape = thr_c.partition_C(g_g).shape
-        coords = thr_c.partition_C(cute.make_identity_tensor((BT, KH)))
-        b_tiles = (s_xh, s_xl, s_yqh, s_yql, s_ykh, s_ykl)
-        r_a, r_b = _fragments(mma, (s_qh, s_ql, s_kh, s_kl), b_tiles)
+        r_a, r_b = _fragments(mma, s_a, s_b)
         t_a, t_b = _fragments(mma_t, [getattr(storage, n).get_tensor(at_l.outer, swizzle=at_l.inner)
-                                      for n in ("qh", "ql", "kh", "kl")], b_tiles)
-        p_q = cute.make_rmem_tensor(shape, f32)  # (wgmma accumulators: each block's products)
-        p_k = cute.make_rmem_tensor(shape, f32)
+                                      for n in ("qh", "ql", "kh", "kl")], s_b)
+        accs = (cute.make_rmem_tensor(shape, f32), cute.make_rmem_tensor(shape, f32))  # (wgmma accumulators)
         o_q = cute.make_rmem_tensor(shape, f32)  # (the sums: registers the wgmmas never touch)
         o_k = cute.make_rmem_tensor(shape, f32)
         o_c = cute.make_rmem_tensor(shape, f32)
@@ -213,114 +242,69 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
         o_k.fill(0.0)
         o_c.fill(0.0)
 
-        # column role across blocks: columns s before block i take dA[block i, s]^T (yq_i + yk_i)
-        # through the anchors a_i and n(s), then exp2(g[n(s)] - g_s)
-        for i_b in cutlass.range_constexpr(1, NB):
-            warpgroup.fence()
-            _products(mma_t, mma_tz, p_q, t_a[0], t_a[1], t_b[2], t_b[3], i_b, i_b, True)
-            _products(mma_t, mma_tz, p_q, t_a[2], t_a[3], t_b[4], t_b[5], i_b, i_b, False)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
-            for i in cutlass.range_constexpr(cute.size(shape)):
-                s, c = coords[i]
-                if s < i_b * BC:
-                    o_c[i] = o_c[i] + cute.arch.exp2(g_g[i_b * BC, c] - g_g[s // BC * BC + BC, c]) * p_q[i]
-        for i in cutlass.range_constexpr(cute.size(shape)):
-            s, c = coords[i]
-            if s < BT - BC:
-                o_c[i] = o_c[i] * cute.arch.exp2(g_g[s // BC * BC + BC, c] - g_g[s, c])
+        # Each group is one block's products into one of two accumulators, the next group issued
+        # before this one's epilogue. Column role, blocks i = 3 .. 0 (dA's rows of block i,
+        # transposed, times yq, yk on them): the columns s of an earlier block w take it through
+        # the anchors g[a_i] and g[n(s)] (every factor at most 1); at i = w every column takes
+        # exp2(g[n(s)] - g_s), then its pairs within the block times exp2(g[a(s)] - g_s) where that
+        # is within the guard. Row role, blocks j = 0 .. 3 (dA's columns of block j times kx, and
+        # times kxu): the rows of a later block w take the kx product through g[a(r)] and g[n_j];
+        # at j = w each row adds its kxu product where within the guard, then takes exp2(g_r - g[a(r)]).
+        specs = _specs()
 
-        out_c = thr_c.partition_C(cute.local_tile(x_c, (BT, KH), (rt, ct)))
-        out_c.store(o_c.load())  # (the pairs within a block, below, add to it: o_c's registers free meanwhile)
-        # row role across blocks: rows r after block j take dA[r, block j] kx_j through the
-        # anchors a(r) and n_j, then exp2(g_r - g[a(r)])
-        for j in cutlass.range_constexpr(NB - 1):
-            warpgroup.fence()
-            _products(mma, mma_z, p_q, r_a[0], r_a[1], r_b[0], r_b[1], j, j, True)
-            _products(mma, mma_z, p_k, r_a[2], r_a[3], r_b[0], r_b[1], j, j, True)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
-            n = (j + 1) * BC
-            for i in cutlass.range_constexpr(cute.size(shape)):
-                r, c = coords[i]
-                if r >= n:
-                    e = cute.arch.exp2(g_g[r // BC * BC, c] - g_g[n, c])
-                    o_q[i] = o_q[i] + e * p_q[i]
-                    o_k[i] = o_k[i] + e * p_k[i]
-        for i in cutlass.range_constexpr(cute.size(shape)):
-            r, c = coords[i]
-            down = cute.arch.exp2(g_g[r, c] - g_g[r // BC * BC, c])
-            o_q[i] = o_q[i] * down
-            o_k[i] = o_k[i] * down
-        if cutlass.const_expr(within):
-            # the pairs within a block through its first row u (an anchor at or before every row
-            # of the block, so a row's sums follow from it and the rows before it, to the bit):
-            # dA's off-diagonal blocks zeroed (the tiles block diagonal), the B operands rebuilt on
-            # every row: kxu = k exp2(g[u] - g) (at most 2^GUARD: 0 past it, where only rows past
-            # the guard read it), yqu = q exp2(g - g[u]) and yku = beta k exp2(g - g[u]) (at most 1)
-            cute.arch.sync_threads()  # (every product across blocks done: each thread waited on its own)
-            for i in cutlass.range(tidx, BT * BT, 128, unroll=4):
-                r = i // BT
-                s = i % BT
-                if r // BC != s // BC:
-                    zero = f32(0.0).to(bf16)
-                    s_qh[r, s, 0] = zero
-                    s_ql[r, s, 0] = zero
-                    s_kh[r, s, 0] = zero
-                    s_kl[r, s, 0] = zero
-            for i in cutlass.range(tidx, BT * KH, 128, unroll=2):
-                s = i // KH
-                c = i % KH
-                span = g_g[s // BC * BC, c] - g_g[s, c]
-                x = f32(0.0)
-                if span <= GUARD:
-                    x = g_kk[s, c].to(f32) * cute.arch.exp2(span)
-                _put(s_xh, s_xl, c, s, x)
-                down = cute.arch.exp2(-span)
-                _put(s_yqh, s_yql, c, s, g_qq[s, c].to(f32) * down)
-                _put(s_ykh, s_ykl, c, s, g_b[s] * g_kk[s, c].to(f32) * down)
-            cute.arch.fence_view_async_shared()
-            cute.arch.sync_threads()
-            # row role: [64, 64] block-diagonal products, a row within the guard then times exp2(g_r -
-            # g[u]) (one past it, its own span past 2^GUARD or NaN: pair by pair, below); dAqk's and
-            # dAkk's one after the other (one accumulator)
-            for o, a_hi, a_lo in ((o_q, r_a[0], r_a[1]), (o_k, r_a[2], r_a[3])):
+        def issue(spec, acc):
+            kind, i, mat, tile = spec
+            if kind == "c":
+                _products(mma_t, mma_tz, acc, t_a[0], t_a[1], t_b[4], t_b[5], i, i, True)
+                _products(mma_t, mma_tz, acc, t_a[2], t_a[3], t_b[6], t_b[7], i, i, False)
+            else:
+                _products(mma, mma_z, acc, r_a[2 * mat], r_a[2 * mat + 1], r_b[2 * tile], r_b[2 * tile + 1], i, i,
+                          True)
+
+        warpgroup.fence()
+        issue(specs[0], accs[0])
+        warpgroup.commit_group()
+        for n in cutlass.range_constexpr(len(specs)):
+            kind, i, mat, tile = specs[n]
+            acc = accs[n % 2]
+            if cutlass.const_expr(n + 1 < len(specs)):
                 warpgroup.fence()
-                for j in cutlass.range_constexpr(NB):
-                    _products(mma, mma_z, p_q, a_hi, a_lo, r_b[0], r_b[1], j, j, j == 0)
+                issue(specs[n + 1], accs[(n + 1) % 2])
                 warpgroup.commit_group()
+                warpgroup.wait_group(1)
+            else:
                 warpgroup.wait_group(0)
-                for i in cutlass.range_constexpr(cute.size(shape)):
-                    r, c = coords[i]
-                    span = g_g[r // BC * BC, c] - g_g[r, c]
-                    o[i] = o[i] + f32(cutlass.select_(span <= GUARD, cute.arch.exp2(-span), f32(0.0))) * p_q[i]
-        thr_c.partition_C(cute.local_tile(x_q, (BT, KH), (rt, ct))).store(o_q.load())
-        thr_c.partition_C(cute.local_tile(x_kr, (BT, KH), (rt, ct))).store(o_k.load())
-        if cutlass.const_expr(within):
-            o_c.store(out_c.load())
-            # column role: dA^T's block-diagonal products, a column within the guard then times
-            # exp2(g[u] - g_s) (one past it: pair by pair, below)
-            warpgroup.fence()
-            for j in cutlass.range_constexpr(NB):
-                _products(mma_t, mma_tz, p_q, t_a[0], t_a[1], t_b[2], t_b[3], j, j, j == 0)
-                _products(mma_t, mma_tz, p_q, t_a[2], t_a[3], t_b[4], t_b[5], j, j, False)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
-            for i in cutlass.range_constexpr(cute.size(shape)):
-                s, c = coords[i]
-                u = s // BC * BC
-                span = g_g[u, c] - g_g[s, c]
-                o_c[i] = o_c[i] + f32(cutlass.select_(span <= GUARD, cute.arch.exp2(span), f32(0.0))) * p_q[i]
-            out_c.store(o_c.load())
+            if cutlass.const_expr(kind == "c"):
+                if cutlass.const_expr(i > 0):
+                    if w < i:
+                        o_c.store(o_c.load() + _ex2(anchor(i * BC) - anchor((w + 1) * BC)) * acc.load())
+                if w == i:
+                    if cutlass.const_expr(i < NB - 1):
+                        o_c.store(o_c.load() * _ex2(anchor((i + 1) * BC) - frag(g_g).load()))
+                    if cutlass.const_expr(within):
+                        sp = anchor(i * BC) - frag(g_g).load()
+                        o_c.store(o_c.load() + cute.where(sp <= GUARD, _ex2(sp) * acc.load(), f32(0.0)))
+            else:
+                o = (o_q, o_k)[mat]
+                if cutlass.const_expr(tile == 0):
+                    if w > i:
+                        o.store(o.load() + _ex2(anchor(w * BC) - anchor((i + 1) * BC)) * acc.load())
+                else:
+                    if w == i:
+                        sp = anchor(i * BC) - frag(g_g).load()
+                        o.store(_ex2(-sp) * (o.load() + cute.where(sp <= GUARD, acc.load(), f32(0.0))))
+        if cutlass.const_expr(not within):  # (across only: every row takes its own factor at the end)
+            down = _ex2(frag(g_g).load() - anchor(w * BC))
+            o_q.store(o_q.load() * down)
+            o_k.store(o_k.load() * down)
         if cutlass.const_expr(within):
             # the elements past the guard: their pairs within the block one by one, each with its
-            # own exp2, added to what this thread stored (its registers free again)
-            out_q, out_k, out_c = (thr_c.partition_C(cute.local_tile(x, (BT, KH), (rt, ct)))
-                                   for x in (x_q, x_kr, x_c))
+            # own exp2, read from memory (none under gentle gates)
+            sp = regs(anchor(w * BC) - frag(g_g).load())
             for i in cutlass.range_constexpr(cute.size(shape)):
                 t, c = coords[i]
                 u = t // BC * BC
-                if not (g_g[u, c] - g_g[t, c] <= GUARD):
+                if not (sp[i] <= GUARD):
                     a_q = f32(0.0)
                     a_k = f32(0.0)
                     a_c = f32(0.0)
@@ -330,54 +314,81 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
                         if s < t:
                             a_k += g_k[t, s] * f
                     for r in cutlass.range(t, u + BC, unroll=1):  # the column role: r >= t (dAkk: r > t)
-                        w = g_q[r, t] * g_qq[r, c].to(f32)
+                        wt = g_q[r, t] * g_qq[r, c].to(f32)
                         if r > t:
-                            w += g_k[r, t] * g_b[r] * g_kk[r, c].to(f32)
-                        a_c += w * cute.arch.exp2(g_g[r, c] - g_g[t, c])
-                    out_q[i] = out_q[i] + a_q
-                    out_k[i] = out_k[i] + a_k
-                    out_c[i] = out_c[i] + a_c
+                            wt += g_k[r, t] * g_b[r] * g_kk[r, c].to(f32)
+                        a_c += wt * cute.arch.exp2(g_g[r, c] - g_g[t, c])
+                    o_q[i] = o_q[i] + a_q
+                    o_k[i] = o_k[i] + a_k
+                    o_c[i] = o_c[i] + a_c
         if cutlass.const_expr(unit):
-            _tail(thr_c, tidx, chunk, half, storage, x_q, x_kr, x_c, q, k, beta, dq, dk, dg, g_raw, a_log, dt_bias,
-                  dq2, dk2, dg2, db_part, dA_part, dbias_part)
+            _tail(thr_c, shape, w, lane, chunk, half, storage, o_q, o_k, o_c, q, k, beta, dq, dk, dg, g_raw, a_log,
+                  dt_bias, dq2, dk2, dg2, db_part, dA_part, dbias_part)
+        else:
+            for o, x in ((o_q, x_q), (o_k, x_kr), (o_c, x_c)):
+                frag(cute.local_tile(x, (BT, KH), (rt, ct))).store(o.load())
 
     @cute.jit
-    def _tail(thr_c, tidx, chunk, half, storage, x_q, x_kr, x_c, q, k, beta, dq, dk, dg, g_raw, a_log, dt_bias,
-              dq2, dk2, dg2, db_part, dA_part, dbias_part):
-        """``unit``: the B7-B9 unit's tail on this CTA's (chunk, K half), from the three sums it
-        stored (each thread its own elements)."""
+    def _tail(thr_c, shape, w, lane, chunk, half, storage, o_q, o_k, o_c, q, k, beta, dq, dk, dg, g_raw, a_log,
+              dt_bias, dq2, dk2, dg2, db_part, dA_part, dbias_part):
+        """``unit``: the B7-B9 unit's tail on this CTA's (chunk, K half), from the three sums in
+        registers. A thread's element i = a + 2 b + 4 n of the wgmma layout is row 16 w + lane // 4
+        + 8 b and channel 8 n + 2 (lane % 4) + a."""
         rt, ct, head = chunk // H, chunk % H * 2 + half, chunk % H
-        tile = lambda t: thr_c.partition_C(cute.local_tile(t, (BT, KH), (rt, ct)))  # noqa: E731
-        rows_of = lambda ptr: thr_c.partition_C(  # noqa: E731
-            cute.make_tensor(ptr, cute.make_layout((BT, KH), stride=(H, 0))))
-        plain = cute.make_layout((BT, KH), stride=(KH, 1))
-        s_f1 = cute.make_tensor(storage.f1.data_ptr(), plain)
-        s_f2 = cute.make_tensor(storage.f2.data_ptr(), plain)
-        a_q, a_kr, a_c = tile(x_q).load(), tile(x_kr).load(), tile(x_c).load()
+        frag = thr_c.partition_C
+        tile = lambda t: frag(cute.local_tile(t, (BT, KH), (rt, ct)))  # noqa: E731
+        red = storage.red.data_ptr()
+        # (each warp's column sums [NB, KH] for B8, for dt_bias's, and its dA_log sum)
+        s_tot = cute.make_tensor(red, cute.make_layout((NB, KH), stride=(KH, 1)))
+        s_bias = cute.make_tensor(red + NB * KH, cute.make_layout((NB, KH), stride=(KH, 1)))
+        s_da = cute.make_tensor(red + 2 * NB * KH, cute.make_layout(NB))
+        lay = cute.make_layout((BT, KH), stride=(0, 1))
+        n_el = cute.size(shape)
+        a_q, a_kr, a_c = o_q.load(), o_k.load(), o_c.load()
         kf = tile(k).load().to(f32)
-        a_krb = a_kr * rows_of(beta.iterator + rt * BT * H + head).load()
+        a_krb = a_kr * frag(cute.make_tensor(beta.iterator + rt * BT * H + head,
+                                             cute.make_layout((BT, KH), stride=(H, 0)))).load()
         tile(dq2).store(tile(dq).load() + a_q)
         tile(dk2).store(tile(dk).load() + a_krb + a_c)
-        thr_c.partition_C(s_f1).store(tile(dg).load() + tile(q).load().to(f32) * a_q + kf * (a_krb - a_c))
-        thr_c.partition_C(s_f2).store(a_kr * kf)
-        cute.arch.sync_threads()
-        R = cute.size(x_q, mode=[0])
-        if tidx < KH:  # B8: each channel's dg summed from the chunk's last row up
-            run = f32(0.0)
-            for j in cutlass.range(BT, unroll=8):
-                run += s_f1[BT - 1 - j, tidx]
-                s_f1[BT - 1 - j, tidx] = run
-        else:  # db's part: each row's sum over this half's channels
+        y = cute.make_rmem_tensor(shape, f32)
+        y.store(tile(dg).load() + tile(q).load().to(f32) * a_q + kf * (a_krb - a_c))
+        # db's part: each row's sum over this half's channels (the thread's 16, then its quad's)
+        dbp = cute.make_rmem_tensor(shape, f32)
+        dbp.store(a_kr * kf)
+        for b in cutlass.range_constexpr(2):
             total = f32(0.0)
-            for c in cutlass.range(KH, unroll=8):
-                total += s_f2[tidx - KH, c]
-            db_part[half * R * H + (rt * BT + tidx - KH) * H + head] = total
+            for i in cutlass.range_constexpr(n_el):
+                if i // 2 % 2 == b:
+                    total += dbp[i]
+            total += cute.arch.shuffle_sync_bfly(total, 1)
+            total += cute.arch.shuffle_sync_bfly(total, 2)
+            if lane % 4 == 0:
+                R = cute.size(q, mode=[0])
+                db_part[half * R * H + (rt * BT + w * BC + lane // 4 + 8 * b) * H + head] = total
+        # B8: each channel's dg summed from the chunk's last row up: within the warp's block (the
+        # quad's lanes by row, then the block's second 8 rows into its first), then the later
+        # blocks' totals through shared memory
+        for d in cutlass.range_constexpr(3):
+            for i in cutlass.range_constexpr(n_el):
+                moved = cute.arch.shuffle_sync_down(y[i], 4 << d)
+                if lane + (4 << d) < 32:
+                    y[i] = y[i] + moved
+        for i in cutlass.range_constexpr(n_el):
+            if i // 2 % 2 == 0:  # (rows 8-15's sum, from the quad's first lane)
+                y[i] = y[i] + cute.arch.shuffle_sync(y[i + 2], lane % 4)
+        if lane < 4:
+            for i in cutlass.range_constexpr(n_el):
+                if i // 2 % 2 == 0:
+                    s_tot[w, i // 4 * 8 + lane * 2 + i % 2] = y[i]
         cute.arch.sync_threads()
-        dy = thr_c.partition_C(s_f1).load()
+        for v in cutlass.range_constexpr(1, NB):
+            if w < v:
+                y.store(y.load() + frag(cute.make_tensor(s_tot[v, None].iterator, lay)).load())
+        # B9: the gate's backward from the raw gate
+        dy = y.load()
         x = tile(g_raw).load().to(f32)
         if cutlass.const_expr(has_bias):
-            x = x + thr_c.partition_C(cute.make_tensor(dt_bias.iterator + head * K + half * KH,
-                                                       cute.make_layout((BT, KH), stride=(0, 1)))).load()
+            x = x + frag(cute.make_tensor(dt_bias.iterator + head * K + half * KH, lay)).load()
         A = cute.arch.exp2(a_log[head] * LOG2E)
         if cutlass.const_expr(lower_bound is None):
             e = cute.math.exp(-x)
@@ -391,25 +402,47 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
             da = dx * x
         dx_out = dx.to(raw)
         tile(dg2).store(dx_out)
-        cute.arch.sync_threads()  # (every thread's dy read before s_f1 takes dx)
-        thr_c.partition_C(s_f1).store(dx_out.to(f32))
-        thr_c.partition_C(s_f2).store(da)
+        # dt_bias's partial per channel and dA_log's per (K half, chunk-head), in a fixed order:
+        # the thread's rows, its column's lanes, then the warps
+        cols = regs_of(shape, dx_out.to(f32))
+        das = regs_of(shape, da)
+        total = f32(0.0)
+        for i in cutlass.range_constexpr(n_el):
+            total += das[i]
+        for d in cutlass.range_constexpr(5):
+            total += cute.arch.shuffle_sync_bfly(total, 1 << d)
+        for i in cutlass.range_constexpr(n_el):
+            if i // 2 % 2 == 0:
+                cols[i] = cols[i] + cols[i + 2]
+        for d in cutlass.range_constexpr(2, 5):
+            for i in cutlass.range_constexpr(n_el):
+                if i // 2 % 2 == 0:
+                    cols[i] = cols[i] + cute.arch.shuffle_sync_bfly(cols[i], 1 << d)
+        if lane < 4:
+            for i in cutlass.range_constexpr(n_el):
+                if i // 2 % 2 == 0:
+                    s_bias[w, i // 4 * 8 + lane * 2 + i % 2] = cols[i]
+        if lane == 0:
+            s_da[w] = total
         cute.arch.sync_threads()
-        if tidx < KH:  # dt_bias's partial per channel; dA_log's per channel, then summed by thread 0
-            bias_sum = f32(0.0)
-            da_sum = f32(0.0)
-            for r in cutlass.range(BT, unroll=8):
-                bias_sum += s_f1[r, tidx]
-                da_sum += s_f2[r, tidx]
+        tidx = w * 32 + lane
+        if tidx < KH:
             if cutlass.const_expr(has_bias):
+                bias_sum = f32(0.0)
+                for v in cutlass.range_constexpr(NB):
+                    bias_sum += s_bias[v, tidx]
                 dbias_part[chunk, half * KH + tidx] = bias_sum
-            s_f2[0, tidx] = da_sum  # (this thread's column, read whole above)
-        cute.arch.sync_threads()
         if tidx == 0:
-            total = f32(0.0)
-            for c in cutlass.range(KH, unroll=8):
-                total += s_f2[0, c]
-            dA_part[half * cute.size(dA_part, mode=[0]) // 2 + chunk] = total
+            da_sum = f32(0.0)
+            for v in cutlass.range_constexpr(NB):
+                da_sum += s_da[v]
+            dA_part[half * cute.size(dA_part, mode=[0]) // 2 + chunk] = da_sum
+
+    def regs_of(shape, x):
+        r = cute.make_rmem_tensor(shape, f32)
+        r.store(x)
+        return r
+
 
     @cute.jit
     def probe(dAqk: cute.Tensor, dAkk: cute.Tensor, q: cute.Tensor, k: cute.Tensor, g: cute.Tensor,
@@ -419,14 +452,14 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
               dbias_part: cute.Tensor, stream: cuda.CUstream):
         k_major, mn_major = LayoutEnum.ROW_MAJOR, LayoutEnum.COL_MAJOR
         mma, mma_z = (sm90.make_trivial_tiled_mma(bf16, bf16, k_major.sm90_mma_major_mode(),
-                                                  k_major.sm90_mma_major_mode(), f32, (1, 1, 1), tiler_mn=(BT, KH))
+                                                  mn_major.sm90_mma_major_mode(), f32, (1, 1, 1), tiler_mn=(BT, KH))
                       for _ in range(2))
         mma_t, mma_tz = (sm90.make_trivial_tiled_mma(bf16, bf16, mn_major.sm90_mma_major_mode(),
-                                                     k_major.sm90_mma_major_mode(), f32, (1, 1, 1),
+                                                     mn_major.sm90_mma_major_mode(), f32, (1, 1, 1),
                                                      tiler_mn=(BT, KH)) for _ in range(2))
         a_l = sm90.make_smem_layout_a(k_major, (BT, KH, BT), bf16, 1)  # dA: (M = r, K = s)
         at_l = sm90.make_smem_layout_a(mn_major, (BT, KH, BT), bf16, 1)  # the same bytes as (M = s, K = r)
-        b_l = sm90.make_smem_layout_b(k_major, (BT, KH, BT), bf16, 1)  # (N = c, K = row)
+        b_l = sm90.make_smem_layout_b(mn_major, (BT, KH, BT), bf16, 1)  # (N = c, K = row), N contiguous
         nch = cute.size(k, mode=[0]) // BT * H
         kernel(dAqk, dAkk, q, k, g, beta, x_q, x_kr, x_c, dq, dk, dg, g_raw, a_log, dt_bias, dq2, dk2, dg2, db_part,
                dA_part, dbias_part, mma, mma_z, mma_t, mma_tz, a_l, at_l, b_l).launch(

@@ -75,9 +75,9 @@ def test_the_probe_compiles_for_sm90a(tmp_path: Path):
                                                                    (True, True, True)]
     for r in rows:
         assert (r["spill_stores"], r["sass_stl"], r["ptxas_notes"]) == (0, 0, {}), r
-        # three products a block: across blocks three blocks a role and two dA's; within, four
-        # k blocks a role and two dA's (the unit's tail adds none)
-        assert r["wgmma"] == r["sass_hgmma"] == 3 * (12 + (16 if r["within"] else 0)), r
+        # three products a block and dA: the column role's four blocks, the row role's three
+        # across blocks and, within, its four (the unit's tail adds none)
+        assert r["wgmma"] == r["sass_hgmma"] == 3 * 2 * (4 + 3 + (4 if r["within"] else 0)), r
 
 
 @pytest.mark.parametrize("strength", [0.3, 10.0])
