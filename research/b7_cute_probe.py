@@ -1,6 +1,5 @@
 """B7's three sums on chip in CuTe DSL (sm_90a), and the B7-B9 unit on them: the first piece of
-B7 for the fused backward kernel (docs/log/bwd-fused.md, steps 6-7). Not registered; compiled
-offline, not yet run.
+B7 for the fused backward kernel (docs/log/bwd-fused.md, steps 6-8). Not registered.
 
 CuTe DSL 4.8.1 has no tf32 warpgroup MMA for Hopper: its warpgroup ops take bf16/fp16, fp8
 and int8; tf32 is only in the sm80 warp MMA and in Blackwell's tcgen05. So where the Triton
@@ -30,21 +29,33 @@ before it, to the bit:
     q exp2(g - g[a_i]) and yk_i = beta k exp2(g - g[a_i]). The columns before block i take it
     times exp2(g[a_i] - g[n(s)]); at the end every column takes exp2(g[n(s)] - g_s).
 - **Pairs within a block** (``within``), through the block's first row u = a(r):
-  - dA's tiles made block diagonal; one [64, 64] product a role and dA against kxu = k
-    exp2(g[u] - g), or yqu = q exp2(g - g[u]) and yku = beta k exp2(g - g[u]);
-  - then each row times exp2(g_r - g[u]), each column times exp2(g[u] - g_s).
+  - per block, dA's columns of the block times kxu = k exp2(g[u] - g) (row role), or its
+    rows, transposed, times yq and yk above (column role, the same operands as across);
+  - the block's own rows (columns) of that product, each row then times exp2(g_r - g[u]),
+    each column times exp2(g[u] - g_s).
   - That takes an element (row or column, channel) whose span g[u] - g is within GUARD (64:
     kxu at most 2^64; at 0 where it is past, read only by rows past it). An element past it
     (a decay of more than 4 log2 units a token over its block, or a NaN gate) takes its pairs
-    within the block one by one, each with its own exp2, read from memory, added to what was
-    stored. Exact for any gate, and the choice follows from the row and its block's first row.
+    within the block one by one, each with its own exp2, read from memory, added to its
+    sums. Exact for any gate, and the choice follows from the row and its block's first row.
 
 dA's tiles, split and with their upper triangles zeroed, lie once in shared memory. They are
 the A operand of the row role as they lie (M = r, K = s) and of the column role read MN-major
-(M = s, K = r), the same bytes. The B operands are built on chip, split, as [64 channels, 64
-rows] K-major tiles, a block's rows its k block: 128-byte rows, never the 32-byte rows that
-read past their end on the H200. Each block takes three wgmmas a dA into a fresh
-accumulator, then the scaling in registers.
+(M = s, K = r), the same bytes. The B operands are built on chip, split, as [64 rows, 64
+channels] MN-major tiles (128-byte rows, never the 32-byte rows that read past their end on
+the H200): kx, kxu, yq and yk, each warp writing its own block's rows (in the wgmma layout warp
+w holds rows 16 w .. 16 w + 15, so a(r) is the same row for all of a thread's elements).
+
+The elementwise work is on register fragments in that layout: g, q, k and the anchors' rows
+(g[a], g[n], read with a row stride of 0) are loaded once a phase as whole fragments, never an
+element at a time, and exp2 is the hardware's ex2 with no side effects declared. The products
+run as one stream of 18 groups (three bf16 wgmmas a block and dA), alternating between two
+accumulators so that the next group is issued before this one's epilogue: the column role's
+blocks 3 .. 0, then the row role's blocks 0 .. 3, kx and kxu each. A group's epilogue is
+warp-uniform: a block earlier (column role) or later (row role) than the warp's takes its
+across factor; the warp's own block adds its within products and its own factor. No pass
+zeroes dA's off-diagonal blocks: the within products' rows outside the warp's block are never
+read.
 
 With ``unit`` as well, the rest of the B7-B9 unit in the same kernel (the registered kernel's
 tail: dq2, dk2, db's part, B8's reverse cumsum, B9's gate backward and its parameters'
@@ -116,7 +127,7 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
     def _specs():
         """The groups in order: ("c", i, 0, 0) the column role's block i; ("r", j, mat, tile) the
         row role's block j, dAqk (mat 0) or dAkk (1), times kx (tile 0) or kxu (1)."""
-        specs = [("c", i, 0, 0) for i in range(NB - 1, -1, -1)]
+        specs = [("c", i, 0, 0) for i in range(NB - 1, -1 if within else 0, -1)]
         for j in range(NB):
             for tile in ((0,) if j < NB - 1 else ()) + ((1,) if within else ()):
                 specs += [("r", j, 0, tile), ("r", j, 1, tile)]
@@ -293,7 +304,10 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
                     if w == i:
                         sp = anchor(i * BC) - frag(g_g).load()
                         o.store(_ex2(-sp) * (o.load() + cute.where(sp <= GUARD, acc.load(), f32(0.0))))
-        if cutlass.const_expr(not within):  # (across only: every row takes its own factor at the end)
+        if cutlass.const_expr(not within):  # (across only: block 0's columns and every row take their own
+            # factors at the end)
+            if w == 0:
+                o_c.store(o_c.load() * _ex2(anchor(BC) - frag(g_g).load()))
             down = _ex2(frag(g_g).load() - anchor(w * BC))
             o_q.store(o_q.load() * down)
             o_k.store(o_k.load() * down)
@@ -651,8 +665,8 @@ def intra_bwd(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log, d
     """B7-B9 with the stage registry's contract ((dq, dk, db, dg, dA_log, ddt_bias)) from the
     unit build, compiled once a shape and gate form: a candidate for ``python -m
     benchmarks.op --candidate B7-B9=research.b7_cute_probe:intra_bwd:supports``. The three sums
-    go through scratch tensors of the outputs' shape; db's, dA_log's and dt_bias's partials are
-    added here, in a fixed order."""
+    stay in the kernel's registers; db's, dA_log's and dt_bias's partials are added here, in a
+    fixed order."""
     import cuda.bindings.driver as cuda
     import cutlass.cute as cute
     import torch
@@ -693,7 +707,7 @@ def unit_outputs(tensors: dict, db, A_log, dt_bias) -> tuple:
 def unit_views(q, k, gc, beta, dAqk, dAkk, dq, dk, dg, g, A_log, dt_bias) -> dict:
     """The unit build's tensors (``ARGS``) for the op's: [B, T, H, C] as [B * T, H * C] (fp32
     where the kernel reads fp32), beta [B * T * H], A_log [H], dt_bias [H * K] (zeros without
-    one), and its outputs and scratch allocated."""
+    one), and its outputs allocated (the sums' three a placeholder: the unit keeps them in registers)."""
     import torch
 
     B, T, H, K = k.shape
@@ -701,8 +715,9 @@ def unit_views(q, k, gc, beta, dAqk, dAkk, dq, dk, dg, g, A_log, dt_bias) -> dic
     nch = R // BT * H
     flat = lambda x: x.reshape(R, -1)  # noqa: E731
     new = lambda dtype=torch.float32: torch.empty(R, H * K, device=dev, dtype=dtype)  # noqa: E731
+    unused = torch.empty(BT, H * K, device=dev)  # (the sums' outputs: the unit keeps them in registers)
     return dict(dAqk=flat(dAqk.float()), dAkk=flat(dAkk.float()), q=flat(q), k=flat(k), g=flat(gc.float()),
-                beta=beta.float().contiguous().view(-1), x_q=new(), x_kr=new(), x_c=new(), dq=flat(dq.float()),
+                beta=beta.float().contiguous().view(-1), x_q=unused, x_kr=unused, x_c=unused, dq=flat(dq.float()),
                 dk=flat(dk.float()), dg=flat(dg.float()), g_raw=flat(g), A_log=A_log.float().contiguous().view(-1),
                 dt_bias=(dt_bias.float().contiguous().view(-1) if dt_bias is not None
                          else torch.zeros(H * K, device=dev)),
@@ -746,7 +761,8 @@ def sm90_row(dump: str, split: bool, within: bool, unit: bool = False) -> dict:
 def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = True, unit: bool = False,
             reps: int = 20, strength: float = 0.3) -> dict:
     """On a GPU: x_q, x_kr and x_c against float64 and against the twin on 64 chunk-heads
-    spread over all; with ``unit``, the unit's six outputs against the registered Triton B7-B9
+    spread over all (with ``unit``, which keeps them in registers, the twin's alone); with
+    ``unit``, the unit's six outputs against the registered Triton B7-B9
     (``b7_b9_intra_bwd.intra_bwd``) on the same tensors (the chunk-heads as one sequence of
     one head) and its per-token ones against float64 (``reference.intra_bwd_tail``) on the 64;
     then the CUDA-event time at ``nch`` chunk-heads against the bytes it moves, the registered
@@ -772,8 +788,10 @@ def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = T
 
     errors = {}
     for name, w, tw in zip(("x_q", "x_kr", "x_c"), wants, twins):
-        got = pick(t[name])
-        errors.update({name: rel(got, w), f"twin_{name}": rel(tw, w), f"{name}_vs_twin": rel(got, tw)})
+        errors[f"twin_{name}"] = rel(tw, w)
+        if not unit:  # (the unit keeps its sums in registers: its outputs are checked below)
+            got = pick(t[name])
+            errors.update({name: rel(got, w), f"{name}_vs_twin": rel(got, tw)})
     from research.b6_cute_probe import event_ms
 
     timed = lambda fn: event_ms(fn, reps)  # noqa: E731
@@ -804,7 +822,8 @@ def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = T
         registered["registered_ms"] = timed(lambda: b7_b9_intra_bwd.intra_bwd(**reg_args))
         del theirs
     ms = timed(lambda: run(*args))
-    finite = all(bool(torch.isfinite(t[n]).all()) for n in ("x_q", "x_kr", "x_c"))
+    outs = ("dq2", "dk2") if unit else ("x_q", "x_kr", "x_c")  # (per row and causal: dg2 is B8's reverse cumsum)
+    finite = all(bool(torch.isfinite(t[n]).all()) for n in outs + (("dg2",) if unit else ()))
     share = slow_share(t["g"])
     # causal to the bit: with dA's rows after row 37 of every chunk zero (the call cut there), the
     # rows up to 37 the same bits when the gates (stronger decay), q, k and beta after it change
@@ -813,7 +832,7 @@ def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = T
         t[name][later] = 0
     run(*args)
     torch.cuda.synchronize()
-    before = [t[name][~later].clone() for name in ("x_q", "x_kr", "x_c")]
+    before = [t[name][~later].clone() for name in outs]
     gen = torch.Generator(device="cuda").manual_seed(5)
     g3 = t["g"].view(nch, BT, K)
     step = torch.rand(g3.shape, generator=gen, device="cuda") * 3 * strength
@@ -823,11 +842,13 @@ def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = T
     t["beta"][later] = torch.rand(int(later.sum()), generator=gen, device="cuda")
     run(*args)
     torch.cuda.synchronize()
-    causal = all(torch.equal(b, t[name][~later]) for b, name in zip(before, ("x_q", "x_kr", "x_c")))
-    # dAqk and dAkk once (the second K half's from L2), q and k (bf16), g (fp32), beta; three outputs
-    moved = nch * (2 * BT * BT * 4 + 2 * BT * K * 2 + BT * K * 4 + BT * 4 + 3 * BT * K * 4)
-    if unit:  # + dq, dk, dg and the raw gate in; dq2 and dk2 (fp32), dg2 (bf16) and the partials out
-        moved += nch * (3 * BT * K * 4 + BT * K * 2 + 2 * BT * K * 4 + BT * K * 2 + 2 * BT * 4 + K * 4)
+    causal = all(torch.equal(b, t[name][~later]) for b, name in zip(before, outs))
+    # dAqk and dAkk once (the second K half's from L2), q and k (bf16), g (fp32), beta; then the
+    # three sums out, or (unit) dq, dk, dg and the raw gate in, dq2 and dk2 (fp32), dg2 (bf16)
+    # and the partials out
+    moved = nch * (2 * BT * BT * 4 + 2 * BT * K * 2 + BT * K * 4 + BT * 4)
+    moved += nch * ((3 * BT * K * 4 + BT * K * 2 + 2 * BT * K * 4 + BT * K * 2 + 2 * BT * 4 + K * 4) if unit
+                    else 3 * BT * K * 4)
     return {"kind": "gpu", "kernel": "b7_cute_probe", "split": split, "within": within, "unit": unit,
             "strength": strength, "chunk_heads": nch, "errors": errors, **registered, "slow_share": share,
             "finite": finite, "causal_to_the_bit": causal, "ms": ms, "bytes": moved, "TB_s": moved / ms / 1e9,
