@@ -135,6 +135,39 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
         on the group before (C7517)."""
         cute.gemm(tmma.fresh if fresh else tmma.acc, acc, a, b, acc)
 
+    def _regs(x):
+        """x (a thread's [64, 64] wgmma-layout fragment, fp32 values) in registers."""
+        r = cute.make_rmem_tensor(x.shape, cutlass.Float32)
+        r.store(x)
+        return r
+
+    def _quad_row_sums(x):
+        """The sums over a [64, 64] tile's columns of x (a thread's wgmma-layout fragment: its
+        element i = a + 2 b + 4 n is row lane // 4 + 8 b of the warp's 16, column 8 n + 2 (lane %
+        4) + a) for the thread's two rows, in every lane of its quad."""
+        sums = []
+        for b in (0, 1):
+            t = cutlass.Float32(0.0)
+            for i in range(cute.size(x.shape)):
+                if i // 2 % 2 == b:
+                    t = t + x[i]
+            t = t + cute.arch.shuffle_sync_bfly(t, 1)
+            sums.append(t + cute.arch.shuffle_sync_bfly(t, 2))
+        return sums
+
+    def _warp_col_sums(x):
+        """The sums over the warp's 16 rows of x (as in ``_quad_row_sums``) by column, in the
+        elements of row b = 0 (registers, in every lane with the column)."""
+        c = _regs(x)
+        for i in range(cute.size(x.shape)):
+            if i // 2 % 2 == 0:
+                c[i] = c[i] + c[i + 2]
+        for d in (4, 8, 16):
+            for i in range(cute.size(x.shape)):
+                if i // 2 % 2 == 0:
+                    c[i] = c[i] + cute.arch.shuffle_sync_bfly(c[i], d)
+        return c
+
     def _sums(tmma, terms):
         """Products over one tile's K blocks, interleaved by block: for each (acc, a, b, first)
         term, acc += a b (acc = a b where ``first``), a and b the stage's fragments."""
@@ -456,56 +489,54 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
         dq_v = acc_q.load() * eg * scale
         thr_c.partition_C(o_q).store(dq_v)
         pre = tile(q).load().to(cutlass.Float32) * dq_v  # dg's q dq term
-        g_last = thr_c.partition_C(cute.make_tensor(o_g.iterator + (BT - 1) * H * K,
-                                                    cute.make_layout((BT, KH), stride=(0, 1)))).load()
-        dk_h = acc_k.load() * cute.math.exp2(g_last - thr_c.partition_C(o_g).load())
         kf = tile(k).load().to(cutlass.Float32)
-        kg = kf * eg
+        kg = kf * eg  # (eg read again at the end, from g: its registers free meanwhile)
         if cutlass.const_expr(persist):
             if it > 0:  # the other consumer's dw kg^T of the last chunk-head done
                 cute.arch.barrier(barrier_id=5, number_of_threads=256)
         thr_c.partition_C(s_kg).store(kg.to(cutlass.BFloat16))
         cute.arch.fence_view_async_shared()
         cute.arch.barrier_arrive(barrier_id=2, number_of_threads=256)  # kg ready for dw kg^T
-        kdk = kf * dk_h
-        pre = pre - kdk
-        # the column sums of k dk_h and the diagonal of h dh^T, through shared memory
-        thr_c.partition_C(part_k).store(kdk)
+        g_last = thr_c.partition_C(cute.make_tensor(o_g.iterator + (BT - 1) * H * K,
+                                                    cute.make_layout((BT, KH), stride=(0, 1))))
+        dk_h = lambda: acc_k.load() * cute.math.exp2(g_last.load() - thr_c.partition_C(o_g).load())  # noqa: E731
+        kdk = kf * dk_h()  # (dk_h formed again at the end from acc_k: its registers free meanwhile)
+        lane, w = wtid % 32, wtid // 32
+        # dg's last row: + the diagonal of h dh^T times exp2(g_last) and the column sums of k dk_h
+        # (each warp's through its lanes, then the four warps' through shared memory)
+        s_col = cute.make_tensor(part_k.iterator, cute.make_layout((4, KH), stride=(KH, 1)))
+        s_diag = cute.make_tensor(part_k.iterator + 4 * KH, cute.make_layout(KH))
+        pre_r = _regs(pre - kdk)
+        cols = _warp_col_sums(kdk)
+        if lane < 4:
+            for i in cutlass.range_constexpr(cute.size(cols)):
+                if cutlass.const_expr(i // 2 % 2 == 0):
+                    s_col[w, i // 4 * 8 + lane * 2 + i % 2] = cols[i]
+        coords = thr_c.partition_C(cute.make_identity_tensor((BT, KH)))
+        for i in cutlass.range_constexpr(cute.size(acc_s)):
+            r, c = coords[i]
+            if r == c:
+                s_diag[c] = acc_s[i] * cute.math.exp2(o_g[BT - 1, c])
         cute.arch.barrier(barrier_id=4, number_of_threads=128)
-        col = cutlass.Float32(0.0)
-        if wtid < KH:
-            for r in cutlass.range(BT, unroll=8):
-                col += part_k[r, wtid]
-        cute.arch.barrier(barrier_id=4, number_of_threads=128)
-        thr_c.partition_C(part_k).store(acc_s.load())
-        cute.arch.barrier(barrier_id=4, number_of_threads=128)
-        last = cutlass.Float32(0.0)
-        if wtid < KH:
-            last = part_k[wtid, wtid] * cute.math.exp2(o_g[BT - 1, wtid]) + col
-        cute.arch.barrier(barrier_id=4, number_of_threads=128)
-        for i in cutlass.range(wtid, BT * KH, 128):  # zeros but the last row
-            part_k[i // KH, i % KH] = cutlass.Float32(0.0)
-        cute.arch.barrier(barrier_id=4, number_of_threads=128)
-        if wtid < KH:
-            part_k[BT - 1, wtid] = last
-        cute.arch.barrier(barrier_id=4, number_of_threads=128)
-        pre = pre + thr_c.partition_C(part_k).load()
+        if wtid >= 124:  # (the threads holding row 63: warp 3's last quad, b = 1)
+            for i in cutlass.range_constexpr(cute.size(pre_r)):
+                if cutlass.const_expr(i // 2 % 2 == 1):
+                    c = i // 4 * 8 + lane % 4 * 2 + i % 2
+                    pre_r[i] = pre_r[i] + (s_diag[c] + (s_col[0, c] + s_col[1, c] + s_col[2, c] + s_col[3, c]))
+        cute.arch.barrier(barrier_id=4, number_of_threads=128)  # (read before the next chunk-head's writes)
         cute.arch.barrier(barrier_id=3, number_of_threads=256)  # dkgb written by the other consumer
-        beta_k = cute.make_tensor(beta2K.iterator + rt * BT * H + chunk % H, cute.make_layout((BT, KH), stride=(H, 0)))
-        dkgb_b = thr_c.partition_C(dkgb_s).load() * thr_c.partition_C(beta_k).load()
-        thr_c.partition_C(o_k).store(dk_h + dkgb_b * eg)
-        thr_c.partition_C(cute.local_tile(dg, (BT, KH), (rt, kt))).store(pre + kg * dkgb_b)
-        cute.arch.barrier(barrier_id=4, number_of_threads=128)
-        thr_c.partition_C(part_k).store(thr_c.partition_C(dkgb_s).load() * kg)  # db's K part, by row
+        dkgb = thr_c.partition_C(dkgb_s).load()
         if cutlass.const_expr(persist):
             if more:  # dkgb read: the other consumer may write the next
                 cute.arch.barrier_arrive(barrier_id=6, number_of_threads=256)
-        cute.arch.barrier(barrier_id=4, number_of_threads=128)
-        if wtid < BT:
-            total = cutlass.Float32(0.0)
-            for j in cutlass.range(KH, unroll=8):
-                total += part_k[wtid, j]
-            dbk[(chunk * 2 + rank) * BT + wtid] = total
+        beta_k = cute.make_tensor(beta2K.iterator + rt * BT * H + chunk % H, cute.make_layout((BT, KH), stride=(H, 0)))
+        dkgb_b = dkgb * thr_c.partition_C(beta_k).load()
+        thr_c.partition_C(o_k).store(dk_h() + dkgb_b * cute.math.exp2(thr_c.partition_C(o_g).load()))
+        thr_c.partition_C(cute.local_tile(dg, (BT, KH), (rt, kt))).store(pre_r.load() + kg * dkgb_b)
+        s0, s1 = _quad_row_sums(dkgb * kg)  # db's K part, by row
+        if lane % 4 == 0:
+            dbk[(chunk * 2 + rank) * BT + w * 16 + lane // 4] = s0
+            dbk[(chunk * 2 + rank) * BT + w * 16 + lane // 4 + 8] = s1
 
     @cute.jit
     def _tile_product(tmma, s_a, s_b, acc, ia=0, ib=0, fresh=True):
@@ -520,7 +551,7 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
         warpgroup.commit_group()
 
     @cute.jit
-    def _epi_a(mma, mma_t, thr_c, acc_w, acc_a, s_At, chunk, rank, wtid, it, more, slot, part, s_dw, s_dwB, s_kgB,
+    def _epi_a(mma, mma_t, thr_c, acc_w, acc_a, s_At, chunk, rank, wtid, it, more, slot, s_dw, s_dwB, s_kgB,
                dkgb_s, xch, xbar, beta1, s_dAb, s_dAbB, s_AB, dA_out):
         """``full``, the second consumer after the V loop: dw = r(-(dv h^T)) into shared memory;
         dkgb = A^T dw (to the other consumer); dA's partial dv v^T (this CTA's tiles) + dw kg^T
@@ -561,21 +592,21 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
                 cute.copy(send, flat, flat, mbar_ptr=xbar, cta_rank=cutlass.Int32(0))
         else:
             cute.arch.mbarrier_wait(xbar, it % 2)
-            thr_c.partition_C(part).store(acc_a.load() + thr_c.partition_C(xch).load())
-            cute.arch.barrier(barrier_id=1, number_of_threads=128)
+            coords = thr_c.partition_C(cute.make_identity_tensor((BT, BT)))
+            d = _regs(acc_a.load() + thr_c.partition_C(xch).load())
+            cute.arch.barrier(barrier_id=1, number_of_threads=128)  # (every thread's share of xch read)
             if cutlass.const_expr(persist):
                 if more:
                     if wtid == 0:  # armed for the next partial, then CTA 1 told this one was read
                         cute.arch.mbarrier_arrive_and_expect_tx(xbar, BT * BT * 4)
                         cute.arch.mbarrier_arrive(xbar + 5, peer_cta_rank_in_cluster=1, scope=CLUSTER)
             d1 = s_dAb[(None, None, 0)]
-            for i in cutlass.range(wtid, BT * BT, 128):  # below the diagonal, times beta of the column
-                r = i // BT
-                c = i % BT
-                x = cutlass.Float32(0.0)
-                if r > c:
-                    x = part[r, c] * beta1[(chunk // H * BT + c) * H + chunk % H]
-                d1[r, c] = x.to(cutlass.BFloat16)
+            beta_c = thr_c.partition_C(cute.make_tensor(beta1.iterator + chunk // H * BT * H + chunk % H,
+                                                        cute.make_layout((BT, BT), stride=(0, H)))).load()
+            for i in cutlass.range_constexpr(cute.size(d)):  # below the diagonal, times beta of the column
+                r, c = coords[i]
+                d[i] = cutlass.Float32(cutlass.select_(r > c, d[i], cutlass.Float32(0.0)))
+            thr_c.partition_C(d1).store((d.load() * beta_c).to(cutlass.BFloat16))
             cute.arch.fence_view_async_shared()
             cute.arch.barrier(barrier_id=1, number_of_threads=128)
             acc_2 = cute.make_rmem_tensor(acc_w.shape, cutlass.Float32)
@@ -588,15 +619,11 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
             acc_3 = cute.make_rmem_tensor(acc_w.shape, cutlass.Float32)
             _tile_product(mma_t, s_At, s_dAbB, acc_3, slot)  # A^T .
             warpgroup.wait_group(0)
-            thr_tc.partition_C(part).store(acc_3.load())
-            cute.arch.barrier(barrier_id=1, number_of_threads=128)
-            for i in cutlass.range(wtid, BT * BT, 128):
-                r = i // BT
-                c = i % BT
-                x = cutlass.Float32(0.0)
-                if r > c:
-                    x = part[r, c] * -1.0
-                dA_out[chunk // H * BT + r, chunk % H * BT + c] = x
+            coords_t = thr_tc.partition_C(cute.make_identity_tensor((BT, BT)))
+            for i in cutlass.range_constexpr(cute.size(acc_3)):  # negated below the diagonal
+                r, c = coords_t[i]
+                acc_3[i] = cutlass.Float32(cutlass.select_(r > c, -acc_3[i], cutlass.Float32(0.0)))
+            thr_tc.partition_C(cute.local_tile(dA_out, (BT, BT), (chunk // H, chunk % H))).store(acc_3.load())
         if cutlass.const_expr(persist):  # every Akk product of this warpgroup waited: the slot is free
             cute.arch.barrier(barrier_id=1, number_of_threads=128)
             if wtid == 0:
@@ -647,7 +674,7 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
                 thr_c.partition_C(o_k).store(acc_k.load())
 
     @cute.jit
-    def _sums_a(ring, mma, mma_t, s_dv, s_h, s_vb, s_v, s_At, s_dvb, dw, dv2, dAv, dbv, beta, part_ptr, abar,
+    def _sums_a(ring, mma, mma_t, s_dv, s_h, s_vb, s_v, s_At, s_dvb, dw, dv2, dAv, dbv, beta, abar,
                 first, step, nch, rank, wtid, ea):
         """The warp-specialized build's second consumer, per chunk-head of this cluster's: dw of
         this CTA's K half, and the V-side sums of its V tiles (dA's and db's partials, dv2);
@@ -667,7 +694,6 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
         acc_a = cute.make_rmem_tensor(shape, cutlass.Float32)
         acc_b = cute.make_rmem_tensor(shape_t, cutlass.Float32)
         prod = cute.make_rmem_tensor(shape_t, cutlass.Float32)
-        part = cute.make_tensor(part_ptr, cute.make_layout((BT, BV), stride=(BV, 1)))
         get = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
         done = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
         mine_n = (nch - first + step - 1) // step
@@ -713,17 +739,12 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
                 thr_c.partition_C(cute.local_tile(dw, (BT, KH), (chunk // H, chunk % H * 2 + rank))).store(
                     acc_w.load())
                 thr_c.partition_C(cute.local_tile(dAv, (BT, BT), (chunk * 2 + rank, 0))).store(acc_a.load())
-            thr_tc.partition_C(part).store(prod.load())
-            cute.arch.barrier(barrier_id=1, number_of_threads=128)  # this warpgroup's threads only
-            if wtid < BT:
-                total = cutlass.Float32(0.0)
-                for j in cutlass.range(BV, unroll=8):
-                    total += part[wtid, j]
-                dbv[(chunk * 2 + rank) * BT + wtid] = total
-            cute.arch.barrier(barrier_id=1, number_of_threads=128)  # (part read before it is reused)
+            s0, s1 = _quad_row_sums(prod.load())  # db's V part, by row
+            if wtid % 4 == 0:
+                dbv[(chunk * 2 + rank) * BT + wtid // 32 * 16 + wtid % 32 // 4] = s0
+                dbv[(chunk * 2 + rank) * BT + wtid // 32 * 16 + wtid % 32 // 4 + 8] = s1
             if cutlass.const_expr(full):
-                _epi_a(mma, mma_t, thr_c, acc_w, acc_a, s_At, chunk, rank, wtid, it, it < mine_n - 1, slot, part,
-                       *ea)
+                _epi_a(mma, mma_t, thr_c, acc_w, acc_a, s_At, chunk, rank, wtid, it, it < mine_n - 1, slot, *ea)
 
     @cute.kernel
     def kernel_ws(tma_vn, vn_t, tma_do, do_t, tma_dv, dv_t, tma_h, h_t, tma_dh, dh_t, tma_v, v_t, tma_A, A_t,
@@ -785,8 +806,8 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
             _sums_k(ring, mma, s_vn, s_do, s_h, s_dh, dq, dkh, first, step, nch, rank, wtid, s_hA, ek)
         if wg == 2:  # dw over V, and the V-side sums of this CTA's tiles
             cute.arch.setmaxregister_increase(232)
-            _sums_a(ring, mma, mma_t, s_dv, s_h, s_vb, s_v, s_At, s_dvb, dw, dv2, dAv, dbv, beta,
-                    storage.part.data_ptr(), abar, first, step, nch, rank, wtid, ea)
+            _sums_a(ring, mma, mma_t, s_dv, s_h, s_vb, s_v, s_At, s_dvb, dw, dv2, dAv, dbv, beta, abar, first, step,
+                    nch, rank, wtid, ea)
         cute.arch.cluster_arrive()
         cute.arch.cluster_wait()
 
