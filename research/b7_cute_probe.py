@@ -608,11 +608,13 @@ def twin(dAqk, dAkk, q, k, g, beta, split: bool = True, within: bool = True) -> 
     return tuple(x.reshape(n * BT, K) for x in out)
 
 
-def twin_unit(t: dict, split: bool = True) -> tuple:
-    """The ``unit`` build's arithmetic in torch on ``make_tensors``'s tensors (H = 1, the
-    softplus gate with dt_bias): the twin's sums, then the kernel's tail as written there.
-    Returns (dq2, dk2, db, dg2, dA_log, ddt_bias) with db, dA_log and ddt_bias summed over the
-    K halves' and chunk-heads' partials as a caller of the kernel adds them."""
+def twin_unit(t: dict, split: bool = True, lower_bound: float | None = None, has_bias: bool = True) -> tuple:
+    """The ``unit`` build's arithmetic in torch on ``make_tensors``'s tensors (H = 1): the
+    twin's sums, then the kernel's tail as written there, for the gate form the build takes
+    (softplus, or with ``lower_bound`` the sigmoid form; ``has_bias``: dt_bias added). Returns
+    (dq2, dk2, db, dg2, dA_log, ddt_bias) with db, dA_log and ddt_bias summed over the K
+    halves' and chunk-heads' partials as a caller of the kernel adds them (ddt_bias None
+    without dt_bias)."""
     import torch
 
     a_q, a_kr, a_c = twin(*[t[n] for n in ("dAqk", "dAkk", "q", "k", "g", "beta")], split=split)
@@ -622,12 +624,18 @@ def twin_unit(t: dict, split: bool = True) -> tuple:
     dq2, dk2 = t["dq"] + a_q, t["dk"] + a_krb + a_c
     db = (a_kr * kf).sum(1)
     dy = (t["dg"] + qf * a_q + kf * (a_krb - a_c)).view(n, BT, K).flip(1).cumsum(1).flip(1).reshape(n * BT, K)
-    x = t["g_raw"].float() + t["dt_bias"].float()[None, :]
+    x = t["g_raw"].float() + (t["dt_bias"].float()[None, :] if has_bias else 0.0)
     A = torch.exp(t["A_log"].float())
-    dx = dy * (-A / (1.0 + torch.exp(-x)))
-    sp = torch.where(x > 20.0, x, torch.log(1.0 + torch.exp(torch.where(x > 20.0, 20.0, x))))
+    if lower_bound is None:
+        dx = dy * (-A / (1.0 + torch.exp(-x)))
+        sp = torch.where(x > 20.0, x, torch.log(1.0 + torch.exp(torch.where(x > 20.0, 20.0, x))))
+        da = dy * (-A * sp)
+    else:
+        sg = 1.0 / (1.0 + torch.exp(x * -A))
+        dx = dy * (lower_bound * sg * (1.0 - sg)) * A
+        da = dx * x
     dg2 = dx.to(t["g_raw"].dtype)
-    return dq2, dk2, db, dg2, (dy * (-A * sp)).sum().view(1), dg2.float().sum(0)
+    return dq2, dk2, db, dg2, da.sum().view(1), (dg2.float().sum(0) if has_bias else None)
 
 
 _COMPILED: dict = {}
@@ -726,7 +734,7 @@ def unit_views(q, k, gc, beta, dAqk, dAkk, dq, dk, dg, g, A_log, dt_bias) -> dic
 
 
 def compile_offline(nch: int = 4, K: int = 128, split: bool = True, within: bool = True, unit: bool = False,
-                    dump: str | None = None, H: int = 1):
+                    dump: str | None = None, H: int = 1, has_bias: bool = True, lower_bound: float | None = None):
     """Trace and compile for sm_90a with no GPU: the PTX and cubin land in ``dump``."""
     if dump:
         os.environ.update(CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx,cubin", CUTE_DSL_DUMP_DIR=dump)
@@ -743,7 +751,7 @@ def compile_offline(nch: int = 4, K: int = 128, split: bool = True, within: bool
         t = unit_views(op(H, K, dtype=torch.bfloat16), op(H, K, dtype=torch.bfloat16), op(H, K), op(H), op(H, BT),
                        op(H, BT), op(H, K), op(H, K), op(H, K), op(H, K, dtype=torch.bfloat16), torch.zeros(H),
                        torch.zeros(H * K))
-    return cute.compile(build(K, split, within, unit, H=H), *[from_dlpack(t[n], assumed_align=16) for n in ARGS],
+    return cute.compile(build(K, split, within, unit, "bf16", has_bias, lower_bound, H), *[from_dlpack(t[n], assumed_align=16) for n in ARGS],
                         cuda.CUstream(0))
 
 
@@ -759,7 +767,7 @@ def sm90_row(dump: str, split: bool, within: bool, unit: bool = False) -> dict:
 
 
 def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = True, unit: bool = False,
-            reps: int = 20, strength: float = 0.3) -> dict:
+            reps: int = 20, strength: float = 0.3, lower_bound: float | None = None, has_bias: bool = True) -> dict:
     """On a GPU: x_q, x_kr and x_c against float64 and against the twin on 64 chunk-heads
     spread over all (with ``unit``, which keeps them in registers, the twin's alone); with
     ``unit``, the unit's six outputs against the registered Triton B7-B9
@@ -775,7 +783,9 @@ def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = T
     t = make_tensors(nch, K, "cuda", strength=strength)
     args = [from_dlpack(t[n], assumed_align=16) for n in ARGS]
     args.append(cuda.CUstream(torch.cuda.current_stream().cuda_stream))
-    run = cute.compile(build(K, split, within, unit), *args)
+    if not has_bias:  # (the build without dt_bias never reads it: zeros, as ``unit_views`` passes)
+        t["dt_bias"].zero_()
+    run = cute.compile(build(K, split, within, unit, "bf16", has_bias, lower_bound), *args)
     run(*args)
     torch.cuda.synchronize()
     sel = torch.linspace(0, nch - 1, min(nch, 64), device="cuda").round().long()
@@ -802,21 +812,22 @@ def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = T
 
         tok = lambda x: x.view(1, -1, 1, *x.shape[1:])  # noqa: E731
         db0 = torch.zeros(1, nch * BT, 1, device="cuda")
+        bias = t["dt_bias"] if has_bias else None
         reg_args = dict(q=tok(t["q"]), k=tok(t["k"]), gc=tok(t["g"]), beta=tok(t["beta"]), dAqk=tok(t["dAqk"]),
                         dAkk=tok(t["dAkk"]), dq=tok(t["dq"]), dk=tok(t["dk"]), db=db0, dg=tok(t["dg"]),
-                        safe_gate=False, g=tok(t["g_raw"]), A_log=t["A_log"], dt_bias=t["dt_bias"], lower_bound=None,
+                        safe_gate=False, g=tok(t["g_raw"]), A_log=t["A_log"], dt_bias=bias, lower_bound=lower_bound,
                         chunk_size=BT, cu_seqlens=None, chunk_indices=None)
         theirs = b7_b9_intra_bwd.intra_bwd(**reg_args)
         ours = (t["dq2"], t["dk2"], t["db_part"].view(2, -1).sum(0), t["dg2"], t["dA_part"].sum().view(1),
                 t["dbias_part"].sum(0))
         names = ("dq", "dk", "db", "dg", "dA_log", "ddt_bias")
         registered = {"vs_registered": {n: rel(a.reshape(-1).float(), b.reshape(-1).float())
-                                        for n, a, b in zip(names, ours, theirs)}}
+                                        for n, a, b in zip(names, ours, theirs) if b is not None}}
         picked = {n: tok(pick(t[n])) for n in ("q", "k", "g", "beta", "dAqk", "dAkk", "dq", "dk", "dg", "g_raw")}
         exact = ref.intra_bwd_tail(picked["q"], picked["k"], picked["g"], picked["beta"], picked["dAqk"],
                                    picked["dAkk"], picked["dq"], picked["dk"], torch.zeros_like(picked["beta"]),
-                                   picked["dg"], BT, g=picked["g_raw"], A_log=t["A_log"], dt_bias=t["dt_bias"],
-                                   exact=True)
+                                   picked["dg"], BT, g=picked["g_raw"], A_log=t["A_log"], dt_bias=bias,
+                                   lower_bound=lower_bound, exact=True)
         got = (pick(t["dq2"]), pick(t["dk2"]), pick(t["db_part"].view(2, -1).sum(0)), pick(t["dg2"]))
         registered["vs_exact"] = {n: rel(a.reshape(-1).float(), w.reshape(-1)) for n, a, w in zip(names, got, exact)}
         registered["registered_ms"] = timed(lambda: b7_b9_intra_bwd.intra_bwd(**reg_args))
@@ -850,7 +861,8 @@ def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = T
     moved += nch * ((3 * BT * K * 4 + BT * K * 2 + 2 * BT * K * 4 + BT * K * 2 + 2 * BT * 4 + K * 4) if unit
                     else 3 * BT * K * 4)
     return {"kind": "gpu", "kernel": "b7_cute_probe", "split": split, "within": within, "unit": unit,
-            "strength": strength, "chunk_heads": nch, "errors": errors, **registered, "slow_share": share,
+            "strength": strength, "lower_bound": lower_bound, "has_bias": has_bias, "chunk_heads": nch,
+            "errors": errors, **registered, "slow_share": share,
             "finite": finite, "causal_to_the_bit": causal, "ms": ms, "bytes": moved, "TB_s": moved / ms / 1e9,
             "gpu": torch.cuda.get_device_name()}
 
@@ -872,13 +884,20 @@ def main(argv=None) -> int:
             print(json.dumps(sm90_row(sub, split, within, unit)))
         return 0
     if argv[:1] == ["compile-one"]:
+        # (then optionally H, and a unit's gate form: lb, nobias)
         compile_offline(split=bool(int(argv[1])), within=bool(int(argv[2])), unit=bool(int(argv[3])), dump=argv[4],
-                        H=int(argv[5]) if len(argv) > 5 else 1)
+                        H=int(argv[5]) if len(argv) > 5 else 1, has_bias="nobias" not in argv[6:],
+                        lower_bound=-5.0 if "lb" in argv[6:] else None)
         return 0
     if argv[:1] == ["gpu"]:  # every build at the gentle draw, then the whole sums under gates past the guard;
         # or the builds whose indices in BUILDS follow
-        for split, within, unit in [BUILDS[int(i)] for i in argv[1:]] or BUILDS:
-            print(json.dumps(gpu_run(split=split, within=within, unit=unit)), flush=True)
+        # (a unit build's index may carry its gate form: 2:lb the lower-bounded sigmoid, 2:nobias
+        # no dt_bias, 2:lb:nobias both)
+        for arg in argv[1:] or [str(i) for i in range(len(BUILDS))]:
+            index, *form = arg.split(":")
+            split, within, unit = BUILDS[int(index)]
+            print(json.dumps(gpu_run(split=split, within=within, unit=unit, has_bias="nobias" not in form,
+                                     lower_bound=-5.0 if "lb" in form else None)), flush=True)
         if not argv[1:]:
             print(json.dumps(gpu_run(strength=10.0)), flush=True)
         return 0

@@ -107,23 +107,27 @@ def test_the_twin_is_causal_to_the_bit(strength):
         assert torch.equal(got_a[~later], got_b[~later])
 
 
-def test_the_unit_s_tail_is_the_reference_b7_b9():
+@pytest.mark.parametrize("lower_bound,has_bias", [(None, True), (None, False), (-5.0, True), (-5.0, False)])
+def test_the_unit_s_tail_is_the_reference_b7_b9(lower_bound, has_bias):
     """The ``unit`` build's tail (the twin's sums, dq2, dk2, db's row sums, B8's reverse cumsum,
-    B9's softplus gate with dt_bias) against the reference unit in float64
-    (``reference.intra_bwd_tail``)."""
+    B9's gate backward in each form the build compiles: softplus or lower-bounded sigmoid, with
+    and without dt_bias) against the reference unit in float64 (``reference.intra_bwd_tail``)."""
     from kernel_fun.kda import reference as ref
     from research.b7_cute_probe import twin_unit
 
     n, K = 4, 128
     t = make_tensors(n, K, "cpu", seed=6)
     tok = lambda x: x.view(1, n * BT, 1, *x.shape[1:])  # noqa: E731
-    want_ = ref.intra_bwd_tail(tok(t["q"]), tok(t["k"]), tok(t["g"]), tok(t["beta"]), tok(t["dAqk"]), tok(t["dAkk"]),
-                               tok(t["dq"]), tok(t["dk"]), torch.zeros(1, n * BT, 1), tok(t["dg"]), BT,
-                               g=tok(t["g_raw"]), A_log=t["A_log"], dt_bias=t["dt_bias"], exact=True)
-    own = ref.intra_bwd_tail(tok(t["q"]), tok(t["k"]), tok(t["g"]), tok(t["beta"]), tok(t["dAqk"]), tok(t["dAkk"]),
-                             tok(t["dq"]), tok(t["dk"]), torch.zeros(1, n * BT, 1), tok(t["dg"]), BT,
-                             g=tok(t["g_raw"]), A_log=t["A_log"], dt_bias=t["dt_bias"])  # (fp32, bf16 dg)
-    for name, g_, w, o in zip(("dq", "dk", "db", "dg", "dA_log", "ddt_bias"), twin_unit(t), want_, own):
+    args = (tok(t["q"]), tok(t["k"]), tok(t["g"]), tok(t["beta"]), tok(t["dAqk"]), tok(t["dAkk"]), tok(t["dq"]),
+            tok(t["dk"]), torch.zeros(1, n * BT, 1), tok(t["dg"]), BT)
+    gate = dict(g=tok(t["g_raw"]), A_log=t["A_log"], dt_bias=t["dt_bias"] if has_bias else None,
+                lower_bound=lower_bound)
+    want_ = ref.intra_bwd_tail(*args, **gate, exact=True)
+    own = ref.intra_bwd_tail(*args, **gate)  # (fp32, bf16 dg)
+    got = twin_unit(t, lower_bound=lower_bound, has_bias=has_bias)
+    assert (got[5] is None) == (want_[5] is None) == (not has_bias)
+    for name, g_, w, o in [x for x in zip(("dq", "dk", "db", "dg", "dA_log", "ddt_bias"), got, want_, own)
+                           if x[1] is not None]:
         err = ref.rel_rms(g_.reshape(-1).double(), w.reshape(-1).double())
         # the split's 2e-5, or where the output is rounded to the raw gate's bf16 (dg, and dt_bias's
         # sum of it) no more than the fp32 reference's own rounding
@@ -177,13 +181,15 @@ def test_the_op_layout_the_unit_reads_and_writes():
         assert err < (5e-4 if name in ("dg", "ddt_bias") else 2e-5), (name, err)
 
 
-def test_the_unit_compiles_at_the_op_s_heads(tmp_path: Path):
+@pytest.mark.parametrize("form", [[], ["lb", "nobias"]])
+def test_the_unit_compiles_at_the_op_s_heads(tmp_path: Path, form):
     """The unit build on the op's layout at 16 heads (as ``intra_bwd`` builds it for
-    prod8192_gate): as clean as at one."""
+    prod8192_gate), with the softplus gate and dt_bias or the lower-bounded gate without it:
+    as clean as at one."""
     pytest.importorskip("cutlass.cute", reason="CuTe DSL (nvidia-cutlass-dsl) is not installed")
     root = Path(__file__).resolve().parents[2]
     done = subprocess.run([sys.executable, "-m", "research.b7_cute_probe", "compile-one", "1", "1", "1", str(tmp_path),
-                           "16"], cwd=root, capture_output=True, text=True, timeout=900)
+                           "16", *form], cwd=root, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     from research.b7_cute_probe import sm90_row
 
