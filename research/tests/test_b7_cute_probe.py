@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from research.b7_cute_probe import BC, BT, make_tensors, slow_share, twin, want
+from research.b7_cute_probe import BC, BT, KH, make_tensors, slow_share, twin, want
 
 
 def test_the_sums_are_b7_s_whole_or_less_the_blocks():
@@ -195,3 +195,54 @@ def test_the_unit_compiles_at_the_op_s_heads(tmp_path: Path, form):
 
     r = sm90_row(str(tmp_path), True, True, True)
     assert (r["spill_stores"], r["sass_stl"], r["ptxas_notes"], r["wgmma"]) == (0, 0, {}, 66), r
+
+
+def test_the_tail_s_lane_arithmetic():
+    """The unit's tail moves values between lanes (``_tail``, and the B6 probe's
+    ``_quad_row_sums`` / ``_warp_col_sums``): emulated here on a [64, 64] tile laid out as the
+    wgmma accumulator (thread t's element i = a + 2 b + 4 n at row 16 (t // 32) + t % 32 // 4 + 8 b,
+    column 8 n + 2 (t % 4) + a), each step as the kernel writes it, against torch: B8's reverse
+    cumsum by column, the rows' sums, the columns' sums."""
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(BT, KH, generator=gen, dtype=torch.float64)
+    t = torch.arange(128)
+    i = torch.arange(32)
+    a, b, n = i % 2, i // 2 % 2, i // 4
+    rows = (16 * (t // 32) + t % 32 // 4)[:, None] + 8 * b[None, :]
+    cols = (2 * (t % 4))[:, None] + (a + 8 * n)[None, :]
+    lane, w = t % 32, t // 32
+    frag = x[rows, cols]  # [thread, element]
+
+    def from_lane(v, src):  # each thread reads v at the lane src[t] of its own warp
+        return v[w * 32 + src]
+
+    # B8: the quad's lanes by row (shuffle down by 4, 8, 16), the block's second 8 rows into its
+    # first (from the quad's first lane), then the later warps' block totals
+    y = frag.clone()
+    for d in (4, 8, 16):
+        moved = from_lane(y, torch.where(lane + d < 32, lane + d, lane))
+        y = torch.where((lane + d < 32)[:, None], y + moved, y)
+    first = from_lane(y, lane % 4)
+    y[:, b == 0] += first[:, b == 1]
+    tot = torch.zeros(4, KH, dtype=torch.float64)
+    for th in range(4 * 32):
+        if lane[th] < 4:
+            for el in range(32):
+                if b[el] == 0:
+                    tot[w[th], n[el] * 8 + lane[th] * 2 + a[el]] = y[th, el]
+    for v in range(1, 4):
+        y += torch.where((w < v)[:, None], tot[v][cols], 0.0)
+    want_cumsum = x.flip(0).cumsum(0).flip(0)
+    assert torch.allclose(y, want_cumsum[rows, cols])
+    # the rows' sums: the thread's 16 elements of each row, then butterflies 1 and 2
+    for bb in (0, 1):
+        s = frag[:, b == bb].sum(1)
+        for d in (1, 2):
+            s = s + from_lane(s, lane ^ d)
+        assert torch.allclose(s, x.sum(1)[16 * w + lane // 4 + 8 * bb])
+    # the warps' column sums: the thread's two rows, then butterflies 4, 8, 16, then the warps
+    c = frag[:, b == 0] + frag[:, b == 1]
+    for d in (4, 8, 16):
+        c = c + from_lane(c, lane ^ d)
+    got = sum(c[32 * v:32 * v + 4] for v in range(4))  # lanes 0-3 of each warp
+    assert torch.allclose(got, x.sum(0)[cols[:4, b == 0]])
