@@ -135,39 +135,6 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
         on the group before (C7517)."""
         cute.gemm(tmma.fresh if fresh else tmma.acc, acc, a, b, acc)
 
-    def _regs(x):
-        """x (a thread's [64, 64] wgmma-layout fragment, fp32 values) in registers."""
-        r = cute.make_rmem_tensor(x.shape, cutlass.Float32)
-        r.store(x)
-        return r
-
-    def _quad_row_sums(x):
-        """The sums over a [64, 64] tile's columns of x (a thread's wgmma-layout fragment: its
-        element i = a + 2 b + 4 n is row lane // 4 + 8 b of the warp's 16, column 8 n + 2 (lane %
-        4) + a) for the thread's two rows, in every lane of its quad."""
-        sums = []
-        for b in (0, 1):
-            t = cutlass.Float32(0.0)
-            for i in range(cute.size(x.shape)):
-                if i // 2 % 2 == b:
-                    t = t + x[i]
-            t = t + cute.arch.shuffle_sync_bfly(t, 1)
-            sums.append(t + cute.arch.shuffle_sync_bfly(t, 2))
-        return sums
-
-    def _warp_col_sums(x):
-        """The sums over the warp's 16 rows of x (as in ``_quad_row_sums``) by column, in the
-        elements of row b = 0 (registers, in every lane with the column)."""
-        c = _regs(x)
-        for i in range(cute.size(x.shape)):
-            if i // 2 % 2 == 0:
-                c[i] = c[i] + c[i + 2]
-        for d in (4, 8, 16):
-            for i in range(cute.size(x.shape)):
-                if i // 2 % 2 == 0:
-                    c[i] = c[i] + cute.arch.shuffle_sync_bfly(c[i], d)
-        return c
-
     def _sums(tmma, terms):
         """Products over one tile's K blocks, interleaved by block: for each (acc, a, b, first)
         term, acc += a b (acc = a b where ``first``), a and b the stage's fragments."""
@@ -197,7 +164,7 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
             dwb: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, BT * KH if full else 8], 1024]
             dAb: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, BT * BT if full else 8], 1024]
             dkgb: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, BT * KH if full else 8], 128]
-            part_k: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, BT * KH if full else 8], 128]
+            part_k: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 5 * KH if full else 8], 128]
             xch: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, BT * BT if full else 8], 128]
 
         return Smem
@@ -506,8 +473,8 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
         # (each warp's through its lanes, then the four warps' through shared memory)
         s_col = cute.make_tensor(part_k.iterator, cute.make_layout((4, KH), stride=(KH, 1)))
         s_diag = cute.make_tensor(part_k.iterator + 4 * KH, cute.make_layout(KH))
-        pre_r = _regs(pre - kdk)
-        cols = _warp_col_sums(kdk)
+        pre_r = regs(pre - kdk)
+        cols = warp_col_sums(kdk)
         if lane < 4:
             for i in cutlass.range_constexpr(cute.size(cols)):
                 if cutlass.const_expr(i // 2 % 2 == 0):
@@ -533,7 +500,7 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
         dkgb_b = dkgb * thr_c.partition_C(beta_k).load()
         thr_c.partition_C(o_k).store(dk_h() + dkgb_b * cute.math.exp2(thr_c.partition_C(o_g).load()))
         thr_c.partition_C(cute.local_tile(dg, (BT, KH), (rt, kt))).store(pre_r.load() + kg * dkgb_b)
-        s0, s1 = _quad_row_sums(dkgb * kg)  # db's K part, by row
+        s0, s1 = quad_row_sums(dkgb * kg)  # db's K part, by row
         if lane % 4 == 0:
             dbk[(chunk * 2 + rank) * BT + w * 16 + lane // 4] = s0
             dbk[(chunk * 2 + rank) * BT + w * 16 + lane // 4 + 8] = s1
@@ -593,7 +560,7 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
         else:
             cute.arch.mbarrier_wait(xbar, it % 2)
             coords = thr_c.partition_C(cute.make_identity_tensor((BT, BT)))
-            d = _regs(acc_a.load() + thr_c.partition_C(xch).load())
+            d = regs(acc_a.load() + thr_c.partition_C(xch).load())
             cute.arch.barrier(barrier_id=1, number_of_threads=128)  # (every thread's share of xch read)
             if cutlass.const_expr(persist):
                 if more:
@@ -739,7 +706,7 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
                 thr_c.partition_C(cute.local_tile(dw, (BT, KH), (chunk // H, chunk % H * 2 + rank))).store(
                     acc_w.load())
                 thr_c.partition_C(cute.local_tile(dAv, (BT, BT), (chunk * 2 + rank, 0))).store(acc_a.load())
-            s0, s1 = _quad_row_sums(prod.load())  # db's V part, by row
+            s0, s1 = quad_row_sums(prod.load())  # db's V part, by row
             if wtid % 4 == 0:
                 dbv[(chunk * 2 + rank) * BT + wtid // 32 * 16 + wtid % 32 // 4] = s0
                 dbv[(chunk * 2 + rank) * BT + wtid // 32 * 16 + wtid % 32 // 4 + 8] = s1
@@ -906,6 +873,51 @@ def compile_offline(nch: int = 4, K: int = 128, V: int = 256, stages: int = 3, o
 
 
 _COMPILED: dict = {}
+
+
+def regs(x):
+    """x (a thread's [64, 64] wgmma-layout fragment of fp32 values, in a CuTe DSL kernel) in
+    registers, each element addressable."""
+    import cutlass
+    import cutlass.cute as cute
+
+    r = cute.make_rmem_tensor(x.shape, cutlass.Float32)
+    r.store(x)
+    return r
+
+
+def quad_row_sums(x):
+    """The sums over a [64, 64] tile's columns of x (a thread's wgmma-layout fragment: its
+    element i = a + 2 b + 4 n is row lane // 4 + 8 b of the warp's 16, column 8 n + 2 (lane %
+    4) + a) for the thread's two rows, in every lane of its quad."""
+    import cutlass
+    import cutlass.cute as cute
+
+    sums = []
+    for b in (0, 1):
+        t = cutlass.Float32(0.0)
+        for i in range(cute.size(x.shape)):
+            if i // 2 % 2 == b:
+                t = t + x[i]
+        t = t + cute.arch.shuffle_sync_bfly(t, 1)
+        sums.append(t + cute.arch.shuffle_sync_bfly(t, 2))
+    return sums
+
+
+def warp_col_sums(x):
+    """The sums over the warp's 16 rows of x (as in ``quad_row_sums``) by column, in the
+    elements of row b = 0 (registers, in every lane with the column)."""
+    import cutlass.cute as cute
+
+    c = regs(x)
+    for i in range(cute.size(x.shape)):
+        if i // 2 % 2 == 0:
+            c[i] = c[i] + c[i + 2]
+    for d in (4, 8, 16):
+        for i in range(cute.size(x.shape)):
+            if i // 2 % 2 == 0:
+                c[i] = c[i] + cute.arch.shuffle_sync_bfly(c[i], d)
+    return c
 
 
 def cute_unavailable(t) -> str | None:

@@ -107,17 +107,17 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
     from cutlass.memory import SmemAllocator
     from cutlass.tensor_utils import LayoutEnum
 
+    from research.b6_cute_probe import quad_row_sums, regs, warp_col_sums
+
     assert K == 2 * KH
     bf16, f32 = cutlass.BFloat16, cutlass.Float32
     raw = {"bf16": bf16, "fp32": f32}[raw]
 
     def _ex2(x):
-        """2^x as the hardware's ex2.approx.ftz, with no side effects declared (the inline-asm
+        """2^x (fp32 values) as the hardware's fast ex2, with no side effects declared (the inline-asm
         cute.arch.exp2 declares some, which pins every one, and the loads around it, in
         program order, and keeps equal ones from being shared)."""
-        if isinstance(x, cute.TensorSSA):
-            return cute.math.exp2(x, fastmath=True)
-        return cute.math.exp2(x, approx=True, ftz=True)
+        return cute.math.exp2(x, fastmath=True)
 
     def _split(x):
         """x (fp32 values) as its bf16 rounding and the bf16 rounding of what that left."""
@@ -208,11 +208,6 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
         rows_of = lambda ptr: frag(cute.make_tensor(ptr, cute.make_layout((BT, KH), stride=(H, 0))))  # noqa: E731
         mn = lambda t: t[None, None, 0]  # noqa: E731  (an A tile as (M, K))
         kn = lambda t: cute.make_tensor(t.iterator, cute.select(t[None, None, 0].layout, mode=[1, 0]))  # noqa: E731
-
-        def regs(x, dtype=f32):
-            r = cute.make_rmem_tensor(shape, dtype)
-            r.store(x)
-            return r
 
         # dA's tiles, split, their upper triangles zeroed (dAqk keeps its diagonal): the row role
         # reads them as they lie, the column role MN-major
@@ -364,21 +359,13 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
                                              cute.make_layout((BT, KH), stride=(H, 0)))).load()
         tile(dq2).store(tile(dq).load() + a_q)
         tile(dk2).store(tile(dk).load() + a_krb + a_c)
-        y = cute.make_rmem_tensor(shape, f32)
-        y.store(tile(dg).load() + tile(q).load().to(f32) * a_q + kf * (a_krb - a_c))
+        y = regs(tile(dg).load() + tile(q).load().to(f32) * a_q + kf * (a_krb - a_c))
         # db's part: each row's sum over this half's channels (the thread's 16, then its quad's)
-        dbp = cute.make_rmem_tensor(shape, f32)
-        dbp.store(a_kr * kf)
-        for b in cutlass.range_constexpr(2):
-            total = f32(0.0)
-            for i in cutlass.range_constexpr(n_el):
-                if i // 2 % 2 == b:
-                    total += dbp[i]
-            total += cute.arch.shuffle_sync_bfly(total, 1)
-            total += cute.arch.shuffle_sync_bfly(total, 2)
-            if lane % 4 == 0:
-                R = cute.size(q, mode=[0])
-                db_part[half * R * H + (rt * BT + w * BC + lane // 4 + 8 * b) * H + head] = total
+        row_sums = quad_row_sums(a_kr * kf)
+        if lane % 4 == 0:
+            R = cute.size(q, mode=[0])
+            for b in cutlass.range_constexpr(2):
+                db_part[half * R * H + (rt * BT + w * BC + lane // 4 + 8 * b) * H + head] = row_sums[b]
         # B8: each channel's dg summed from the chunk's last row up: within the warp's block (the
         # quad's lanes by row, then the block's second 8 rows into its first), then the later
         # blocks' totals through shared memory
@@ -418,20 +405,13 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
         tile(dg2).store(dx_out)
         # dt_bias's partial per channel and dA_log's per (K half, chunk-head), in a fixed order:
         # the thread's rows, its column's lanes, then the warps
-        cols = regs_of(shape, dx_out.to(f32))
-        das = regs_of(shape, da)
+        cols = warp_col_sums(dx_out.to(f32))
+        das = regs(da)
         total = f32(0.0)
         for i in cutlass.range_constexpr(n_el):
             total += das[i]
         for d in cutlass.range_constexpr(5):
             total += cute.arch.shuffle_sync_bfly(total, 1 << d)
-        for i in cutlass.range_constexpr(n_el):
-            if i // 2 % 2 == 0:
-                cols[i] = cols[i] + cols[i + 2]
-        for d in cutlass.range_constexpr(2, 5):
-            for i in cutlass.range_constexpr(n_el):
-                if i // 2 % 2 == 0:
-                    cols[i] = cols[i] + cute.arch.shuffle_sync_bfly(cols[i], 1 << d)
         if lane < 4:
             for i in cutlass.range_constexpr(n_el):
                 if i // 2 % 2 == 0:
@@ -451,12 +431,6 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
             for v in cutlass.range_constexpr(NB):
                 da_sum += s_da[v]
             dA_part[half * cute.size(dA_part, mode=[0]) // 2 + chunk] = da_sum
-
-    def regs_of(shape, x):
-        r = cute.make_rmem_tensor(shape, f32)
-        r.store(x)
-        return r
-
 
     @cute.jit
     def probe(dAqk: cute.Tensor, dAkk: cute.Tensor, q: cute.Tensor, k: cute.Tensor, g: cute.Tensor,
