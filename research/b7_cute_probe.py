@@ -86,7 +86,7 @@ BUILDS = ((True, True, False), (True, False, False), (True, True, True))
 
 
 def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = False, raw: str = "bf16",
-          has_bias: bool = True, lower_bound: float | None = None, H: int = 1):
+          has_bias: bool = True, lower_bound: float | None = None, H: int = 1, l2: bool = False):
     """The probe's host function (a ``cute.jit``) for K = 2 KH: one CTA of 128 threads a
     (K half, chunk-head). ``within``: the pairs within a block too. ``unit`` (with ``within``):
     then the rest of the B7-B9 unit, as the registered kernel's tail: dq2 = dq + x_q, dk2 = dk +
@@ -96,14 +96,20 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
     sigmoid form) into dg2, with dA_log's partial per (K half, chunk-head) and dt_bias's per
     (chunk-head, channel). ``H``: the token tensors hold H heads side by side, as the op's [B, T, H,
     C] viewed [B * T, H * C] (beta [B * T * H], A_log [H], dt_bias [H * K]); chunk-head c is the
-    chunk of rows c // H at head c % H, its partials by chunk-head (db's as the op's [B, T, H])."""
+    chunk of rows c // H at head c % H, its partials by chunk-head (db's as the op's [B, T, H]).
+    ``l2`` (with ``unit``): B10 too, the l2norm backward of dq2 and dk2 (q and k the normalized
+    rows, q_rstd and k_rstd [NCH * 64] by row), written in bf16. A row's dot product over K takes
+    both K halves, so the two CTAs of a chunk-head run as a cluster and swap their halves' row
+    sums (one 512-byte copy each way, shared memory to shared memory); both add them in the same
+    order, so both halves scale by the same number."""
     assert not unit or within
+    assert not l2 or unit
     LOG2E = 1.4426950408889634
     import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
     import cutlass.utils.hopper_helpers as sm90
-    from cutlass.cute.nvgpu import warpgroup
+    from cutlass.cute.nvgpu import cpasync, warpgroup
     from cutlass.memory import SmemAllocator
     from cutlass.tensor_utils import LayoutEnum
 
@@ -153,7 +159,7 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
                beta: cute.Tensor, x_q: cute.Tensor, x_kr: cute.Tensor, x_c: cute.Tensor, dq: cute.Tensor,
                dk: cute.Tensor, dg: cute.Tensor, g_raw: cute.Tensor, a_log: cute.Tensor, dt_bias: cute.Tensor,
                dq2: cute.Tensor, dk2: cute.Tensor, dg2: cute.Tensor, db_part: cute.Tensor, dA_part: cute.Tensor,
-               dbias_part: cute.Tensor, mma: cute.TiledMma,
+               dbias_part: cute.Tensor, q_rstd: cute.Tensor, k_rstd: cute.Tensor, mma: cute.TiledMma,
                mma_z: cute.TiledMma, mma_t: cute.TiledMma, mma_tz: cute.TiledMma, a_l: cute.ComposedLayout,
                at_l: cute.ComposedLayout, b_l: cute.ComposedLayout):
         tidx, _, _ = cute.arch.thread_idx()
@@ -187,8 +193,18 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
             ykl: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(b_l)], 1024]
             # (unit) the warps' column sums for B8's cumsum and dt_bias's partial, and their dA_log sums
             red: cute.struct.Align[cute.struct.MemRange[f32, 2 * NB * KH + NB], 128]
+            # (l2) the K halves' row sums of dq2 q and dk2 k, [half, q or k, row]: this CTA's half
+            # written here, the peer's copied in, and the barrier that copy completes on
+            xch: cute.struct.Align[cute.struct.MemRange[f32, 4 * BT], 128]
+            xbar: cute.struct.Align[cute.struct.MemRange[cutlass.Int64, 1], 8]
 
         storage = SmemAllocator().allocate(Smem)
+        if cutlass.const_expr(l2):  # the barrier armed for the peer's 512 bytes before the peer can send
+            if tidx == 0:
+                cute.arch.mbarrier_init(storage.xbar.data_ptr(), 1)
+                cute.arch.mbarrier_init_fence()
+                cute.arch.mbarrier_arrive_and_expect_tx(storage.xbar.data_ptr(), 2 * BT * 4)
+            cute.arch.cluster_arrive_relaxed()
         s_a = [getattr(storage, n).get_tensor(a_l.outer, swizzle=a_l.inner) for n in ("qh", "ql", "kh", "kl")]
         s_b = [getattr(storage, n).get_tensor(b_l.outer, swizzle=b_l.inner)
                for n in ("xh", "xl", "uh", "ul", "yqh", "yql", "ykh", "ykl")]
@@ -332,17 +348,17 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
                     o_c[i] = o_c[i] + a_c
         if cutlass.const_expr(unit):
             _tail(thr_c, shape, w, lane, chunk, half, storage, o_q, o_k, o_c, q, k, beta, dq, dk, dg, g_raw, a_log,
-                  dt_bias, dq2, dk2, dg2, db_part, dA_part, dbias_part)
+                  dt_bias, dq2, dk2, dg2, db_part, dA_part, dbias_part, q_rstd, k_rstd)
         else:
             for o, x in ((o_q, x_q), (o_k, x_kr), (o_c, x_c)):
                 frag(cute.local_tile(x, (BT, KH), (rt, ct))).store(o.load())
 
     @cute.jit
     def _tail(thr_c, shape, w, lane, chunk, half, storage, o_q, o_k, o_c, q, k, beta, dq, dk, dg, g_raw, a_log,
-              dt_bias, dq2, dk2, dg2, db_part, dA_part, dbias_part):
+              dt_bias, dq2, dk2, dg2, db_part, dA_part, dbias_part, q_rstd, k_rstd):
         """``unit``: the B7-B9 unit's tail on this CTA's (chunk, K half), from the three sums in
-        registers. A thread's element i = a + 2 b + 4 n of the wgmma layout is row 16 w + lane // 4
-        + 8 b and channel 8 n + 2 (lane % 4) + a."""
+        registers (``l2``: with B10's l2norm backward of dq2 and dk2). A thread's element i = a + 2
+        b + 4 n of the wgmma layout is row 16 w + lane // 4 + 8 b and channel 8 n + 2 (lane % 4) + a."""
         rt, ct, head = chunk // H, chunk % H * 2 + half, chunk % H
         frag = thr_c.partition_C
         tile = lambda t: frag(cute.local_tile(t, (BT, KH), (rt, ct)))  # noqa: E731
@@ -357,9 +373,14 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
         kf = tile(k).load().to(f32)
         a_krb = a_kr * frag(cute.make_tensor(beta.iterator + rt * BT * H + head,
                                              cute.make_layout((BT, KH), stride=(H, 0)))).load()
-        tile(dq2).store(tile(dq).load() + a_q)
-        tile(dk2).store(tile(dk).load() + a_krb + a_c)
-        y = regs(tile(dg).load() + tile(q).load().to(f32) * a_q + kf * (a_krb - a_c))
+        qf = tile(q).load().to(f32)
+        if cutlass.const_expr(l2):
+            _l2norm_bwd(frag, w, lane, half, rt, head, storage, tile(dq).load() + a_q, qf,
+                        tile(dk).load() + a_krb + a_c, kf, q_rstd, k_rstd, tile(dq2), tile(dk2))
+        else:
+            tile(dq2).store(tile(dq).load() + a_q)
+            tile(dk2).store(tile(dk).load() + a_krb + a_c)
+        y = regs(tile(dg).load() + qf * a_q + kf * (a_krb - a_c))
         # db's part: each row's sum over this half's channels (the thread's 16, then its quad's)
         row_sums = quad_row_sums(a_kr * kf)
         if lane % 4 == 0:
@@ -431,13 +452,46 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
             for v in cutlass.range_constexpr(NB):
                 da_sum += s_da[v]
             dA_part[half * cute.size(dA_part, mode=[0]) // 2 + chunk] = da_sum
+        if cutlass.const_expr(l2):  # (the peer has what this CTA sent before either leaves)
+            cute.arch.cluster_wait()
+
+    @cute.jit
+    def _l2norm_bwd(frag, w, lane, half, rt, head, storage, dqv, qf, dkv, kf, q_rstd, k_rstd, o_q, o_k):
+        """B10 on this CTA's K half: dx = rstd (dy - (dy . y) y) for (dy, y) = (dq2, q) and (dk2, k),
+        the dot products over both halves. Each half's row sums (the thread's 16 channels, then the
+        quad's) go into ``xch[half]`` here and into the peer's by one bulk copy; each CTA then adds
+        xch[0] + xch[1], the same sum in both."""
+        xch = storage.xch.data_ptr()
+        xbar = storage.xbar.data_ptr()
+        s_x = cute.make_tensor(xch, cute.make_layout(4 * BT))
+        sums = (quad_row_sums(dqv * qf), quad_row_sums(dkv * kf))
+        if lane % 4 == 0:
+            for m in cutlass.range_constexpr(2):
+                for b in cutlass.range_constexpr(2):
+                    s_x[(half * 2 + m) * BT + w * BC + lane // 4 + 8 * b] = sums[m][b]
+        cute.arch.fence_view_async_shared()
+        cute.arch.sync_threads()
+        cute.arch.cluster_wait()  # (the peer's barrier is armed)
+        if w == 0:
+            if lane == 0:
+                send = cute.make_copy_atom(cpasync.CopyBulkS2SOp(), f32, num_bits_per_copy=2 * BT * 32)
+                mine = cute.make_tensor(xch + half * 2 * BT, cute.make_layout(2 * BT))
+                cute.copy(send, mine, mine, mbar_ptr=xbar, cta_rank=cutlass.Int32(1 - half))
+        cute.arch.mbarrier_wait(xbar, 0)
+        cute.arch.cluster_arrive_relaxed()  # (the peer's bytes are here: its copy has read them)
+        by_row = lambda m, h: frag(cute.make_tensor(xch + (h * 2 + m) * BT,  # noqa: E731
+                                                    cute.make_layout((BT, KH), stride=(1, 0)))).load()
+        rstd = lambda t: frag(cute.make_tensor(t.iterator + rt * BT * H + head,  # noqa: E731
+                                               cute.make_layout((BT, KH), stride=(H, 0)))).load()
+        for m, dy, y, r, o in ((0, dqv, qf, rstd(q_rstd), o_q), (1, dkv, kf, rstd(k_rstd), o_k)):
+            o.store((dy * r - (by_row(m, 0) + by_row(m, 1)) * y * r).to(o.element_type))
 
     @cute.jit
     def probe(dAqk: cute.Tensor, dAkk: cute.Tensor, q: cute.Tensor, k: cute.Tensor, g: cute.Tensor,
               beta: cute.Tensor, x_q: cute.Tensor, x_kr: cute.Tensor, x_c: cute.Tensor, dq: cute.Tensor,
               dk: cute.Tensor, dg: cute.Tensor, g_raw: cute.Tensor, a_log: cute.Tensor, dt_bias: cute.Tensor,
               dq2: cute.Tensor, dk2: cute.Tensor, dg2: cute.Tensor, db_part: cute.Tensor, dA_part: cute.Tensor,
-              dbias_part: cute.Tensor, stream: cuda.CUstream):
+              dbias_part: cute.Tensor, q_rstd: cute.Tensor, k_rstd: cute.Tensor, stream: cuda.CUstream):
         k_major, mn_major = LayoutEnum.ROW_MAJOR, LayoutEnum.COL_MAJOR
         mma, mma_z = (sm90.make_trivial_tiled_mma(bf16, bf16, k_major.sm90_mma_major_mode(),
                                                   mn_major.sm90_mma_major_mode(), f32, (1, 1, 1), tiler_mn=(BT, KH))
@@ -450,14 +504,14 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
         b_l = sm90.make_smem_layout_b(mn_major, (BT, KH, BT), bf16, 1)  # (N = c, K = row), N contiguous
         nch = cute.size(k, mode=[0]) // BT * H
         kernel(dAqk, dAkk, q, k, g, beta, x_q, x_kr, x_c, dq, dk, dg, g_raw, a_log, dt_bias, dq2, dk2, dg2, db_part,
-               dA_part, dbias_part, mma, mma_z, mma_t, mma_tz, a_l, at_l, b_l).launch(
-            grid=(2, nch, 1), block=(128, 1, 1), stream=stream)
+               dA_part, dbias_part, q_rstd, k_rstd, mma, mma_z, mma_t, mma_tz, a_l, at_l, b_l).launch(
+            grid=(2, nch, 1), block=(128, 1, 1), cluster=(2, 1, 1) if l2 else (1, 1, 1), stream=stream)
 
     return probe
 
 
 ARGS = ("dAqk", "dAkk", "q", "k", "g", "beta", "x_q", "x_kr", "x_c", "dq", "dk", "dg", "g_raw", "A_log", "dt_bias",
-        "dq2", "dk2", "dg2", "db_part", "dA_part", "dbias_part")  # the probe's tensors, in its order
+        "dq2", "dk2", "dg2", "db_part", "dA_part", "dbias_part", "q_rstd", "k_rstd")  # the probe's tensors, in its order
 
 
 def make_tensors(nch: int, K: int, device: str, seed: int = 0, strength: float = 0.3) -> dict:
@@ -485,8 +539,10 @@ def make_tensors(nch: int, K: int, device: str, seed: int = 0, strength: float =
              "db_part": torch.full((2 * nch * BT,), float("nan"), device=device),
              "dA_part": torch.full((2 * nch,), float("nan"), device=device),
              "dbias_part": torch.full((nch, K), float("nan"), device=device)}
+    # (l2) the rows' reciprocal norms, drawn last so that the rest is as without them
+    rstd = {n: torch.rand(nch * BT, generator=gen, device=device) * 1.5 + 0.5 for n in ("q_rstd", "k_rstd")}
     return {"dAqk": dAqk.view(nch * BT, BT), "dAkk": dAkk.view(nch * BT, BT), "q": q, "k": k,
-            "g": g.view(nch * BT, K), "beta": beta, **out, **grad, **gate, **parts}
+            "g": g.view(nch * BT, K), "beta": beta, **out, **grad, **gate, **parts, **rstd}
 
 
 def slow_share(g) -> float:
@@ -582,13 +638,15 @@ def twin(dAqk, dAkk, q, k, g, beta, split: bool = True, within: bool = True) -> 
     return tuple(x.reshape(n * BT, K) for x in out)
 
 
-def twin_unit(t: dict, split: bool = True, lower_bound: float | None = None, has_bias: bool = True) -> tuple:
+def twin_unit(t: dict, split: bool = True, lower_bound: float | None = None, has_bias: bool = True,
+              l2: bool = False) -> tuple:
     """The ``unit`` build's arithmetic in torch on ``make_tensors``'s tensors (H = 1): the
     twin's sums, then the kernel's tail as written there, for the gate form the build takes
     (softplus, or with ``lower_bound`` the sigmoid form; ``has_bias``: dt_bias added). Returns
     (dq2, dk2, db, dg2, dA_log, ddt_bias) with db, dA_log and ddt_bias summed over the K
     halves' and chunk-heads' partials as a caller of the kernel adds them (ddt_bias None
-    without dt_bias)."""
+    without dt_bias). ``l2``: dq2 and dk2 through B10's l2norm backward, in bf16, as that build
+    writes them."""
     import torch
 
     a_q, a_kr, a_c = twin(*[t[n] for n in ("dAqk", "dAkk", "q", "k", "g", "beta")], split=split)
@@ -597,6 +655,9 @@ def twin_unit(t: dict, split: bool = True, lower_bound: float | None = None, has
     a_krb = a_kr * bt
     dq2, dk2 = t["dq"] + a_q, t["dk"] + a_krb + a_c
     db = (a_kr * kf).sum(1)
+    if l2:  # B10: dx = rstd (dy - (dy . y) y) over the whole row, in bf16
+        dq2, dk2 = ((dy * r[:, None] - (dy * y).sum(1, keepdim=True) * y * r[:, None]).bfloat16()
+                    for dy, y, r in ((dq2, qf, t["q_rstd"]), (dk2, kf, t["k_rstd"])))
     dy = (t["dg"] + qf * a_q + kf * (a_krb - a_c)).view(n, BT, K).flip(1).cumsum(1).flip(1).reshape(n * BT, K)
     x = t["g_raw"].float() + (t["dt_bias"].float()[None, :] if has_bias else 0.0)
     A = torch.exp(t["A_log"].float())
@@ -686,10 +747,11 @@ def unit_outputs(tensors: dict, db, A_log, dt_bias) -> tuple:
     return tensors["dq2"].view(shape), tensors["dk2"].view(shape), db2, tensors["dg2"].view(shape), dA_log, ddt_bias
 
 
-def unit_views(q, k, gc, beta, dAqk, dAkk, dq, dk, dg, g, A_log, dt_bias) -> dict:
+def unit_views(q, k, gc, beta, dAqk, dAkk, dq, dk, dg, g, A_log, dt_bias, q_rstd=None, k_rstd=None) -> dict:
     """The unit build's tensors (``ARGS``) for the op's: [B, T, H, C] as [B * T, H * C] (fp32
     where the kernel reads fp32), beta [B * T * H], A_log [H], dt_bias [H * K] (zeros without
-    one), and its outputs allocated (the sums' three a placeholder: the unit keeps them in registers)."""
+    one), and its outputs allocated (the sums' three a placeholder: the unit keeps them in registers).
+    With q_rstd and k_rstd ([B, T, H], the ``l2`` build's): dq2 and dk2 in q's and k's dtype."""
     import torch
 
     B, T, H, K = k.shape
@@ -703,12 +765,17 @@ def unit_views(q, k, gc, beta, dAqk, dAkk, dq, dk, dg, g, A_log, dt_bias) -> dic
                 dk=flat(dk.float()), dg=flat(dg.float()), g_raw=flat(g), A_log=A_log.float().contiguous().view(-1),
                 dt_bias=(dt_bias.float().contiguous().view(-1) if dt_bias is not None
                          else torch.zeros(H * K, device=dev)),
-                dq2=new(), dk2=new(), dg2=new(g.dtype), db_part=torch.empty(2 * R * H, device=dev),
-                dA_part=torch.empty(2 * nch, device=dev), dbias_part=torch.empty(nch, K, device=dev))
+                dq2=new(q.dtype if q_rstd is not None else torch.float32),
+                dk2=new(k.dtype if k_rstd is not None else torch.float32), dg2=new(g.dtype),
+                db_part=torch.empty(2 * R * H, device=dev), dA_part=torch.empty(2 * nch, device=dev),
+                dbias_part=torch.empty(nch, K, device=dev),
+                **{n: (x.float().contiguous().view(-1) if x is not None else torch.zeros(BT, device=dev))
+                   for n, x in (("q_rstd", q_rstd), ("k_rstd", k_rstd))})
 
 
 def compile_offline(nch: int = 4, K: int = 128, split: bool = True, within: bool = True, unit: bool = False,
-                    dump: str | None = None, H: int = 1, has_bias: bool = True, lower_bound: float | None = None):
+                    dump: str | None = None, H: int = 1, has_bias: bool = True, lower_bound: float | None = None,
+                    l2: bool = False):
     """Trace and compile for sm_90a with no GPU: the PTX and cubin land in ``dump``."""
     if dump:
         os.environ.update(CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx,cubin", CUTE_DSL_DUMP_DIR=dump)
@@ -718,15 +785,17 @@ def compile_offline(nch: int = 4, K: int = 128, split: bool = True, within: bool
 
     if H == 1:
         t = make_tensors(nch, K, "cpu")
+        if l2:
+            t.update(dq2=t["dq2"].bfloat16(), dk2=t["dk2"].bfloat16())
     else:  # the op's layout at H heads: one sequence of nch chunks
         import torch
 
         op = lambda *shape, dtype=torch.float32: torch.zeros(1, nch * BT, *shape, dtype=dtype)  # noqa: E731
         t = unit_views(op(H, K, dtype=torch.bfloat16), op(H, K, dtype=torch.bfloat16), op(H, K), op(H), op(H, BT),
                        op(H, BT), op(H, K), op(H, K), op(H, K), op(H, K, dtype=torch.bfloat16), torch.zeros(H),
-                       torch.zeros(H * K))
-    return cute.compile(build(K, split, within, unit, "bf16", has_bias, lower_bound, H), *[from_dlpack(t[n], assumed_align=16) for n in ARGS],
-                        cuda.CUstream(0))
+                       torch.zeros(H * K), *((op(H), op(H)) if l2 else ()))
+    return cute.compile(build(K, split, within, unit, "bf16", has_bias, lower_bound, H, l2),
+                        *[from_dlpack(t[n], assumed_align=16) for n in ARGS], cuda.CUstream(0))
 
 
 def sm90_row(dump: str, split: bool, within: bool, unit: bool = False) -> dict:
@@ -741,25 +810,29 @@ def sm90_row(dump: str, split: bool, within: bool, unit: bool = False) -> dict:
 
 
 def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = True, unit: bool = False,
-            reps: int = 20, strength: float = 0.3, lower_bound: float | None = None, has_bias: bool = True) -> dict:
+            reps: int = 20, strength: float = 0.3, lower_bound: float | None = None, has_bias: bool = True,
+            l2: bool = False) -> dict:
     """On a GPU: x_q, x_kr and x_c against float64 and against the twin on 64 chunk-heads
     spread over all (with ``unit``, which keeps them in registers, the twin's alone); with
     ``unit``, the unit's six outputs against the registered Triton B7-B9
     (``b7_b9_intra_bwd.intra_bwd``) on the same tensors (the chunk-heads as one sequence of
     one head) and its per-token ones against float64 (``reference.intra_bwd_tail``) on the 64;
     then the CUDA-event time at ``nch`` chunk-heads against the bytes it moves, the registered
-    unit's beside it; then the kernel's causality to the bit."""
+    unit's beside it; then the kernel's causality to the bit. ``l2``: the unit with B10, held to
+    the registered unit followed by the op's B10 (fla's l2norm backward), timed against both."""
     import cuda.bindings.driver as cuda
     import cutlass.cute as cute
     import torch
     from cutlass.cute.runtime import from_dlpack
 
     t = make_tensors(nch, K, "cuda", strength=strength)
+    if l2:  # (B10 writes q's and k's dtype)
+        t.update(dq2=t["dq2"].bfloat16(), dk2=t["dk2"].bfloat16())
     args = [from_dlpack(t[n], assumed_align=16) for n in ARGS]
     args.append(cuda.CUstream(torch.cuda.current_stream().cuda_stream))
     if not has_bias:  # (the build without dt_bias never reads it: zeros, as ``unit_views`` passes)
         t["dt_bias"].zero_()
-    run = cute.compile(build(K, split, within, unit, "bf16", has_bias, lower_bound), *args)
+    run = cute.compile(build(K, split, within, unit, "bf16", has_bias, lower_bound, l2=l2), *args)
     run(*args)
     torch.cuda.synchronize()
     sel = torch.linspace(0, nch - 1, min(nch, 64), device="cuda").round().long()
@@ -792,6 +865,12 @@ def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = T
                         safe_gate=False, g=tok(t["g_raw"]), A_log=t["A_log"], dt_bias=bias, lower_bound=lower_bound,
                         chunk_size=BT, cu_seqlens=None, chunk_indices=None)
         theirs = b7_b9_intra_bwd.intra_bwd(**reg_args)
+        if l2:
+            from kernel_fun.kda.stages import stages
+
+            b10 = stages()["B10"].impls["fla"]
+            rstd = (tok(t["q_rstd"]), tok(t["k_rstd"]))
+            theirs = (*b10(reg_args["q"], rstd[0], theirs[0], reg_args["k"], rstd[1], theirs[1]), *theirs[2:])
         ours = (t["dq2"], t["dk2"], t["db_part"].view(2, -1).sum(0), t["dg2"], t["dA_part"].sum().view(1),
                 t["dbias_part"].sum(0))
         names = ("dq", "dk", "db", "dg", "dA_log", "ddt_bias")
@@ -802,9 +881,22 @@ def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = T
                                    picked["dAkk"], picked["dq"], picked["dk"], torch.zeros_like(picked["beta"]),
                                    picked["dg"], BT, g=picked["g_raw"], A_log=t["A_log"], dt_bias=bias,
                                    lower_bound=lower_bound, exact=True)
+        if l2:  # B10 in float64: dx = rstd (dy - (dy . y) y)
+            def l2_exact(y, r, dy):
+                y, r = y.double(), r.double()[..., None]
+                return dy * r - (dy * y).sum(-1, keepdim=True) * y * r
+
+            exact = (l2_exact(picked["q"], tok(pick(t["q_rstd"])), exact[0]),
+                     l2_exact(picked["k"], tok(pick(t["k_rstd"])), exact[1]), *exact[2:])
         got = (pick(t["dq2"]), pick(t["dk2"]), pick(t["db_part"].view(2, -1).sum(0)), pick(t["dg2"]))
         registered["vs_exact"] = {n: rel(a.reshape(-1).float(), w.reshape(-1)) for n, a, w in zip(names, got, exact)}
         registered["registered_ms"] = timed(lambda: b7_b9_intra_bwd.intra_bwd(**reg_args))
+        if l2:
+            def registered_l2():
+                out = b7_b9_intra_bwd.intra_bwd(**reg_args)
+                return b10(reg_args["q"], rstd[0], out[0], reg_args["k"], rstd[1], out[1])
+
+            registered["registered_with_b10_ms"] = timed(registered_l2)
         del theirs
     ms = timed(lambda: run(*args))
     outs = ("dq2", "dk2") if unit else ("x_q", "x_kr", "x_c")  # (per row and causal: dg2 is B8's reverse cumsum)
@@ -834,7 +926,9 @@ def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = T
     moved = nch * (2 * BT * BT * 4 + 2 * BT * K * 2 + BT * K * 4 + BT * 4)
     moved += nch * ((3 * BT * K * 4 + BT * K * 2 + 2 * BT * K * 4 + BT * K * 2 + 2 * BT * 4 + K * 4) if unit
                     else 3 * BT * K * 4)
-    return {"kind": "gpu", "kernel": "b7_cute_probe", "split": split, "within": within, "unit": unit,
+    if l2:  # dq2 and dk2 in bf16, the rows' rstd in
+        moved += nch * (2 * BT * 4 - 2 * BT * K * 2)
+    return {"kind": "gpu", "kernel": "b7_cute_probe", "split": split, "within": within, "unit": unit, "l2": l2,
             "strength": strength, "lower_bound": lower_bound, "has_bias": has_bias, "chunk_heads": nch,
             "errors": errors, **registered, "slow_share": share,
             "finite": finite, "causal_to_the_bit": causal, "ms": ms, "bytes": moved, "TB_s": moved / ms / 1e9,
@@ -861,17 +955,17 @@ def main(argv=None) -> int:
         # (then optionally H, and a unit's gate form: lb, nobias)
         compile_offline(split=bool(int(argv[1])), within=bool(int(argv[2])), unit=bool(int(argv[3])), dump=argv[4],
                         H=int(argv[5]) if len(argv) > 5 else 1, has_bias="nobias" not in argv[6:],
-                        lower_bound=-5.0 if "lb" in argv[6:] else None)
+                        lower_bound=-5.0 if "lb" in argv[6:] else None, l2="l2" in argv[6:])
         return 0
     if argv[:1] == ["gpu"]:  # every build at the gentle draw, then the whole sums under gates past the guard;
         # or the builds whose indices in BUILDS follow
         # (a unit build's index may carry its gate form: 2:lb the lower-bounded sigmoid, 2:nobias
-        # no dt_bias, 2:lb:nobias both)
+        # no dt_bias, 2:lb:nobias both; and 2:l2 B10 in the unit)
         for arg in argv[1:] or [str(i) for i in range(len(BUILDS))]:
             index, *form = arg.split(":")
             split, within, unit = BUILDS[int(index)]
             print(json.dumps(gpu_run(split=split, within=within, unit=unit, has_bias="nobias" not in form,
-                                     lower_bound=-5.0 if "lb" in form else None)), flush=True)
+                                     lower_bound=-5.0 if "lb" in form else None, l2="l2" in form)), flush=True)
         if not argv[1:]:
             print(json.dumps(gpu_run(strength=10.0)), flush=True)
         return 0

@@ -135,6 +135,39 @@ def test_the_unit_s_tail_is_the_reference_b7_b9(lower_bound, has_bias):
         assert err < bar, (name, err, bar)
 
 
+def test_the_unit_with_b10_is_the_reference_b7_b10():
+    """The ``l2`` build's tail: the unit's dq2 and dk2 through B10's l2norm backward (the dot
+    product over the whole row, in bf16), against the reference unit and l2norm backward in
+    float64, within the bf16 rounding of the same arithmetic from the fp32 reference; the rest
+    of the unit's outputs as without B10."""
+    from kernel_fun.kda import reference as ref
+    from research.b7_cute_probe import twin_unit
+
+    n, K = 4, 128
+    t = make_tensors(n, K, "cpu", seed=8)
+    tok = lambda x: x.view(1, n * BT, 1, *x.shape[1:])  # noqa: E731
+    args = (tok(t["q"]), tok(t["k"]), tok(t["g"]), tok(t["beta"]), tok(t["dAqk"]), tok(t["dAkk"]), tok(t["dq"]),
+            tok(t["dk"]), torch.zeros(1, n * BT, 1), tok(t["dg"]), BT)
+    gate = dict(g=tok(t["g_raw"]), A_log=t["A_log"], dt_bias=t["dt_bias"], lower_bound=None)
+    exact, own = ref.intra_bwd_tail(*args, **gate, exact=True), ref.intra_bwd_tail(*args, **gate)
+    rstd = (tok(t["q_rstd"]), tok(t["k_rstd"]))
+
+    def l2_exact(y, r, dy):
+        y, r = y.double(), r.double()[..., None]
+        return dy * r - (dy * y).sum(-1, keepdim=True) * y * r
+
+    want_ = [l2_exact(args[0], rstd[0], exact[0]), l2_exact(args[1], rstd[1], exact[1])]
+    rounded = [ref.l2norm_bwd(args[0], rstd[0], own[0]), ref.l2norm_bwd(args[1], rstd[1], own[1])]
+    got, plain = twin_unit(t, l2=True), twin_unit(t)
+    for name, g_, w, o in zip(("dq", "dk"), got, want_, rounded):
+        assert g_.dtype == torch.bfloat16
+        err = ref.rel_rms(g_.reshape(-1).double(), w.reshape(-1))
+        bar = 1.1 * ref.rel_rms(o.reshape(-1).double(), w.reshape(-1))
+        assert 0 < err < bar < 5e-3, (name, err, bar)
+    for a_, b_ in zip(got[2:], plain[2:]):
+        assert torch.equal(a_, b_)
+
+
 def test_the_op_layout_the_unit_reads_and_writes():
     """What ``intra_bwd`` (the unit build as the op's B7-B9) relies on, for B=2, T=128, H=3: the
     kernel's reads and writes emulated chunk-head by chunk-head from ``unit_views``'s tensors
@@ -181,11 +214,12 @@ def test_the_op_layout_the_unit_reads_and_writes():
         assert err < (5e-4 if name in ("dg", "ddt_bias") else 2e-5), (name, err)
 
 
-@pytest.mark.parametrize("form", [[], ["lb", "nobias"]])
+@pytest.mark.parametrize("form", [[], ["lb", "nobias"], ["l2"]])
 def test_the_unit_compiles_at_the_op_s_heads(tmp_path: Path, form):
     """The unit build on the op's layout at 16 heads (as ``intra_bwd`` builds it for
-    prod8192_gate), with the softplus gate and dt_bias or the lower-bounded gate without it:
-    as clean as at one."""
+    prod8192_gate), with the softplus gate and dt_bias or the lower-bounded gate without it,
+    or with B10 (the K halves' row sums swapped by one shared-to-shared copy each way, the
+    cluster's barrier twice): as clean as at one."""
     pytest.importorskip("cutlass.cute", reason="CuTe DSL (nvidia-cutlass-dsl) is not installed")
     root = Path(__file__).resolve().parents[2]
     done = subprocess.run([sys.executable, "-m", "research.b7_cute_probe", "compile-one", "1", "1", "1", str(tmp_path),
@@ -195,6 +229,9 @@ def test_the_unit_compiles_at_the_op_s_heads(tmp_path: Path, form):
 
     r = sm90_row(str(tmp_path), True, True, True)
     assert (r["spill_stores"], r["sass_stl"], r["ptxas_notes"], r["wgmma"]) == (0, 0, {}, 66), r
+    ptx = next(tmp_path.glob("cutlass_*.ptx")).read_text()
+    swaps, cluster_barriers = ptx.count("cp.async.bulk.shared::cluster"), ptx.count("barrier.cluster")
+    assert (swaps, cluster_barriers) == ((1, 4) if "l2" in form else (0, 0)), (swaps, cluster_barriers)
 
 
 def test_the_tail_s_lane_arithmetic():
