@@ -710,25 +710,54 @@ def intra_bwd(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log, d
     benchmarks.op --candidate B7-B9=research.b7_cute_probe:intra_bwd:supports``. The three sums
     stay in the kernel's registers; db's, dA_log's and dt_bias's partials are added here, in a
     fixed order."""
+    why = supports(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log, dt_bias, lower_bound, chunk_size,
+                   cu_seqlens, chunk_indices)
+    if why:
+        raise ValueError(why)
+    return _run_unit(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, g, A_log, dt_bias, lower_bound)
+
+
+def supports_l2(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log, dt_bias, lower_bound, chunk_size,
+                cu_seqlens, chunk_indices, q_rstd, k_rstd):
+    """None when ``intra_bwd_l2`` (the ``l2`` unit build as the op's B7-B10) takes the call: as
+    ``supports``, with the rows' rstd of q and k given."""
+    if q_rstd is None or k_rstd is None:
+        return "the l2norm is not in the op"
+    return supports(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log, dt_bias, lower_bound, chunk_size,
+                    cu_seqlens, chunk_indices)
+
+
+def intra_bwd_l2(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log, dt_bias, lower_bound, chunk_size,
+                 cu_seqlens, chunk_indices, q_rstd, k_rstd):
+    """B7-B10 with the stage registry's contract from the ``l2`` unit build (B10's dq and dk in
+    q's and k's dtype): a candidate for ``python -m benchmarks.op --candidate
+    B7-B10=research.b7_cute_probe:intra_bwd_l2:supports_l2``."""
+    why = supports_l2(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log, dt_bias, lower_bound,
+                      chunk_size, cu_seqlens, chunk_indices, q_rstd, k_rstd)
+    if why:
+        raise ValueError(why)
+    return _run_unit(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, g, A_log, dt_bias, lower_bound, q_rstd, k_rstd)
+
+
+def _run_unit(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, g, A_log, dt_bias, lower_bound, q_rstd=None, k_rstd=None):
+    """The unit build (``l2`` with q_rstd and k_rstd) on the op's tensors, compiled once a
+    shape and gate form, and its outputs as the registry's."""
     import cuda.bindings.driver as cuda
     import cutlass.cute as cute
     import torch
     from cutlass.cute.runtime import from_dlpack
 
-    why = supports(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log, dt_bias, lower_bound, chunk_size,
-                   cu_seqlens, chunk_indices)
-    if why:
-        raise ValueError(why)
     B, T, H, K = k.shape
     R, dev = B * T, k.device
-    tensors = unit_views(q, k, gc, beta, dAqk, dAkk, dq, dk, dg, g, A_log, dt_bias)
+    l2 = q_rstd is not None
+    tensors = unit_views(q, k, gc, beta, dAqk, dAkk, dq, dk, dg, g, A_log, dt_bias, q_rstd, k_rstd)
     args = [from_dlpack(tensors[name], assumed_align=16) for name in ARGS]
     args.append(cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream))
     raw = "bf16" if g.dtype == torch.bfloat16 else "fp32"
-    key = (R, H, raw, dt_bias is not None, lower_bound, dev.index)
+    key = (R, H, raw, dt_bias is not None, lower_bound, l2, dev.index)
     if key not in _COMPILED:
         _COMPILED[key] = cute.compile(build(K, True, True, True, raw, dt_bias is not None,
-                                            None if lower_bound is None else float(lower_bound), H), *args)
+                                            None if lower_bound is None else float(lower_bound), H, l2), *args)
     _COMPILED[key](*args)
     return unit_outputs(tensors, db, A_log, dt_bias)
 

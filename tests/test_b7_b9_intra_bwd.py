@@ -248,3 +248,42 @@ def test_packed_gate_unit_equals_per_sequence_calls():
         assert ref.rel_rms(got[i], torch.cat([q[i] for q in parts], 1)) <= 1e-6, i
     for i in (4, 5):
         assert ref.rel_rms(got[i], sum(q[i] for q in parts)) <= 1e-6, i
+
+
+@pytest.mark.parametrize("p", [
+    Problem("unit-l2-gva-T70", 1, 70, 1, 2, 64, 16),
+    Problem("unit-l2-varlen", 1, 100, 2, 2, 64, 16, cu_seqlens=(0, 30, 100), lower_bound=-5.0),
+], ids=lambda p: p.name)
+def test_a_b7_b10_unit_runs_in_place_of_b7_to_b10(p):
+    """With the l2norm in the op, a kernel registered for the B7-B10 unit runs in place of B7,
+    B8, B9 and B10 when it takes the call (here the registered B7-B9 unit, GVA's group sum and
+    the reference B10 in one function, counted): the same gradients, bit for bit, as the chain
+    running those stages itself; without the l2norm in the op it is never asked."""
+    from kernel_fun.kda.stages import registered
+
+    calls = []
+
+    def fused(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log, dt_bias, lower_bound, chunk_size,
+              cu_seqlens, chunk_indices, q_rstd, k_rstd):
+        calls.append(q.shape)
+        dq, dk, db, dg, dA_log, ddt_bias = unit.intra_bwd(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g,
+                                                          A_log, dt_bias, lower_bound, chunk_size, cu_seqlens,
+                                                          chunk_indices)
+        dq, dk = ref.group_sum(dq, dk, q.shape[2])
+        return (*stages()["B10"].impls["reference"](q, q_rstd, dq, k, k_rstd, dk), db, dg, dA_log, ddt_bias)
+
+    kwargs = make_inputs(p, device=DEVICE, seed=12)
+    plain = run_fwd_bwd(chunk_kda, kwargs, grid=p.dtype)
+    record = last_record().backward
+    assert record["B7-B9"] == "ours" and record["B10"] == "reference" and "B7-B10" not in record, record
+    with registered("B7-B10", "ours", fused):
+        result = run_fwd_bwd(chunk_kda, kwargs, grid=p.dtype)
+        record = last_record().backward
+        assert record["B7-B10"] == "ours" and not {"B7", "B8", "B9", "B10", "B7-B9"} & set(record), record
+        assert len(calls) == 1
+        off = run_fwd_bwd(chunk_kda, dict(kwargs, use_qk_l2norm_in_kernel=False), grid=p.dtype)
+        assert "B7-B10" not in last_record().backward and len(calls) == 1
+    for name in plain:
+        if plain[name] is not None:
+            assert torch.equal(result[name], plain[name]), name
+    assert off["dq"] is not None

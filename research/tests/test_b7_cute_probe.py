@@ -168,8 +168,10 @@ def test_the_unit_with_b10_is_the_reference_b7_b10():
         assert torch.equal(a_, b_)
 
 
-def test_the_op_layout_the_unit_reads_and_writes():
-    """What ``intra_bwd`` (the unit build as the op's B7-B9) relies on, for B=2, T=128, H=3: the
+@pytest.mark.parametrize("l2", [False, True])
+def test_the_op_layout_the_unit_reads_and_writes(l2):
+    """What ``intra_bwd`` (the unit build as the op's B7-B9; with ``l2``, ``intra_bwd_l2`` as
+    B7-B10, the rows' rstd read at stride H as beta) relies on, for B=2, T=128, H=3: the
     kernel's reads and writes emulated chunk-head by chunk-head from ``unit_views``'s tensors
     at the kernel's coordinates (chunk-head c = rt * H + h: tiles (rt, 2 h + j), dA's (rt, h),
     beta's rows at stride H, A_log[h], dt_bias[h * K + ...], db's part at (j, rt * 64 + r, h),
@@ -186,8 +188,11 @@ def test_the_op_layout_the_unit_reads_and_writes():
     op["beta"] = torch.stack([p["beta"].view(B, T) for p in per], dim=2)
     A_log, dt_bias = torch.randn(H, generator=gen) * 0.5, torch.randn(H * K, generator=gen) * 0.5
     db = torch.randn(B, T, H, generator=gen)
+    rstd = ({n: torch.rand(B, T, H, generator=gen) + 0.5 for n in ("q_rstd", "k_rstd")} if l2
+            else dict(q_rstd=None, k_rstd=None))
     t = unit_views(op["q"], op["k"], op["g"], op["beta"], op["dAqk"], op["dAkk"], op["dq"], op["dk"], op["dg"],
-                   op["g_raw"], A_log, dt_bias)
+                   op["g_raw"], A_log, dt_bias, **rstd)
+    assert (t["dq2"].dtype == torch.bfloat16) == l2
     NT = T // BT
     for rt in range(B * NT):
         for h in range(H):
@@ -196,8 +201,9 @@ def test_the_op_layout_the_unit_reads_and_writes():
             one = {name: t[name][rows, h * K:(h + 1) * K] for name in ("q", "k", "g", "dq", "dk", "dg", "g_raw")}
             one.update(dAqk=t["dAqk"][rows, h * BT:(h + 1) * BT], dAkk=t["dAkk"][rows, h * BT:(h + 1) * BT],
                        beta=t["beta"][(rt * BT + torch.arange(BT)) * H + h], A_log=t["A_log"][h:h + 1],
-                       dt_bias=t["dt_bias"][h * K:(h + 1) * K])
-            dq2, dk2, db_c, dg2, da, dbias = twin_unit(one)
+                       dt_bias=t["dt_bias"][h * K:(h + 1) * K],
+                       **{n: t[n][(rt * BT + torch.arange(BT)) * H + h] for n in ("q_rstd", "k_rstd") if l2})
+            dq2, dk2, db_c, dg2, da, dbias = twin_unit(one, l2=l2)
             t["dq2"][rows, h * K:(h + 1) * K] = dq2
             t["dk2"][rows, h * K:(h + 1) * K] = dk2
             t["dg2"][rows, h * K:(h + 1) * K] = dg2
@@ -208,10 +214,14 @@ def test_the_op_layout_the_unit_reads_and_writes():
     got = unit_outputs(t, db, A_log, dt_bias)
     want_ = ref.intra_bwd_tail(op["q"], op["k"], op["g"], op["beta"], op["dAqk"], op["dAkk"], op["dq"], op["dk"], db,
                                op["dg"], BT, g=op["g_raw"], A_log=A_log, dt_bias=dt_bias)
+    if l2:
+        want_ = (ref.l2norm_bwd(op["q"], rstd["q_rstd"], want_[0]), ref.l2norm_bwd(op["k"], rstd["k_rstd"], want_[1]),
+                 *want_[2:])
     for name, g_, w in zip(("dq", "dk", "db", "dg", "dA_log", "ddt_bias"), got, want_):
         err = ref.rel_rms(g_.reshape(-1).double(), w.reshape(-1).double())
-        # (dg and its sum: a few elements' bf16 roundings apart, 6e-5 and 1e-5 here)
-        assert err < (5e-4 if name in ("dg", "ddt_bias") else 2e-5), (name, err)
+        # (dg and its sum: a few elements' bf16 roundings apart, 6e-5 and 1e-5 here; with l2, dq
+        # and dk are bf16 on both sides, a few elements' roundings apart)
+        assert err < (5e-4 if name in ("dg", "ddt_bias") or (l2 and name in ("dq", "dk")) else 2e-5), (name, err)
 
 
 @pytest.mark.parametrize("form", [[], ["lb", "nobias"], ["l2"]])

@@ -37,6 +37,8 @@ B8          reverse chunk cumsum of dg (``chunk_local_cumsum``)
 B9          the gate's backward (``kda_gate_bwd``)
 B7-B9       B7, B8 and B9 as one unit, run in their place when kernel-fun's kernel takes it
 B10         l2norm backward of dq and dk (``l2norm_bwd``)
+B7-B10      B7 through B10 as one unit (the l2norm in the op), in their place when kernel-fun's
+            kernel takes it
 B10b        beta sigmoid backward (``fused_beta_sigmoid_bwd``)
 ==========  ============================================================================
 """
@@ -60,11 +62,7 @@ from kernel_fun.kda import reference as ref
 from kernel_fun.kda.stages import CallRecord, Dispatcher, Stage, register, set_last_record
 
 
-def _group_sum(dq, dk, H):
-    """GVA: dq and dk come at value heads; each q/k head sums its group."""
-    if dq.shape[2] == H:
-        return dq, dk
-    return tuple(d.view(*d.shape[:2], H, -1, d.shape[-1]).sum(dim=3) for d in (dq, dk))
+_group_sum = ref.group_sum  # GVA: each q/k head sums its value heads' dq and dk
 
 
 # --------------------------------------------------------------------------------------
@@ -148,6 +146,14 @@ def _ref_l2norm_bwd(q, q_rstd, dq, k, k_rstd, dk):
     return ref.l2norm_bwd(q, q_rstd, dq), ref.l2norm_bwd(k, k_rstd, dk)
 
 
+def _ref_intra_l2(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log, dt_bias, lower_bound, chunk_size,
+                  cu_seqlens, chunk_indices, q_rstd, k_rstd):
+    dq, dk, db, dg, dA_log, ddt_bias = _ref_intra_tail(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log,
+                                                       dt_bias, lower_bound, chunk_size, cu_seqlens, chunk_indices)
+    dq, dk = _group_sum(dq, dk, q.shape[2])
+    return (*_ref_l2norm_bwd(q, q_rstd, dq, k, k_rstd, dk), db, dg, dA_log, ddt_bias)
+
+
 def _stage(name, covers, title, inputs, outputs, fla_impl, reference):
     register(Stage(name=name, covers=covers, title=title, inputs=tuple(inputs.split()), outputs=outputs,
                    impls={"fla": fla_impl, "reference": reference}))
@@ -197,6 +203,11 @@ _stage("B7-B9", ("B7", "B8", "B9"), "intra backward, dg cumsum, gate backward (o
        ("dq", "dk", "db", "dg", "dA_log", "ddt_bias"), fla.intra_bwd_tail, _ref_intra_tail)
 _stage("B10", ("B10",), "l2norm bwd (q, k)", "q q_rstd dq k k_rstd dk", ("dq", "dk"), fla.l2norm_bwd,
        _ref_l2norm_bwd)
+# With the l2norm in the op, B7 through B10 as one unit, in their place only when kernel-fun's
+# kernel for it takes the call; fla's side is fla's B7-B9 unit, GVA's group sum and B10.
+_stage("B7-B10", ("B7", "B8", "B9", "B10"), "intra backward, dg cumsum, gate and l2norm backward (one pass)",
+       f"q k gc beta dAqk dAkk dq dk db dg safe_gate g A_log dt_bias lower_bound {_C} q_rstd k_rstd",
+       ("dq", "dk", "db", "dg", "dA_log", "ddt_bias"), fla.intra_bwd_l2, _ref_intra_l2)
 _stage("B10b", ("B10b",), "beta sigmoid bwd", "beta db scale", ("dbeta",), fla.beta_sigmoid_bwd,
        ref.beta_sigmoid_bwd)
 
@@ -596,18 +607,24 @@ def _run_backward(s: dict, opts: Options, run: Dispatcher, do, dht):
     gate = (dict(g=g_input, A_log=A_log, dt_bias=dt_bias, lower_bound=opts.lower_bound) if opts.use_gate_in_kernel
             else dict(g=None, A_log=None, dt_bias=None, lower_bound=None))
     dA_log = ddt_bias = None
-    if run.answer(("takes", "B7-B9"), lambda: run.takes_ours("B7-B9", **intra, **gate)):
-        dq, dk, db, dg, dA_log, ddt_bias = run.run("B7-B9", "backward", **intra, **gate)
+    rstd = dict(q_rstd=q_rstd, k_rstd=k_rstd)
+    if opts.use_qk_l2norm_in_kernel and run.answer(("takes", "B7-B10"),
+                                                   lambda: run.takes_ours("B7-B10", **intra, **gate, **rstd)):
+        dq, dk, db, dg, dA_log, ddt_bias = run.run("B7-B10", "backward", **intra, **gate, **rstd)
         del intra, dAqk, dAkk
     else:
-        dq, dk, db, dg = run.run("B7", "backward", **intra)
-        del intra, dAqk, dAkk
-        dg = run.run("B8", "backward", dg=dg, **common)
-        if opts.use_gate_in_kernel:
-            dg, dA_log, ddt_bias = run.run("B9", "backward", dyg=dg, **gate)
-    dq, dk = _group_sum(dq, dk, H)  # GVA: each q/k head sums its value heads' dq, dk
-    if opts.use_qk_l2norm_in_kernel:
-        dq, dk = run.run("B10", "backward", q=q, q_rstd=q_rstd, dq=dq, k=k, k_rstd=k_rstd, dk=dk)
+        if run.answer(("takes", "B7-B9"), lambda: run.takes_ours("B7-B9", **intra, **gate)):
+            dq, dk, db, dg, dA_log, ddt_bias = run.run("B7-B9", "backward", **intra, **gate)
+            del intra, dAqk, dAkk
+        else:
+            dq, dk, db, dg = run.run("B7", "backward", **intra)
+            del intra, dAqk, dAkk
+            dg = run.run("B8", "backward", dg=dg, **common)
+            if opts.use_gate_in_kernel:
+                dg, dA_log, ddt_bias = run.run("B9", "backward", dyg=dg, **gate)
+        dq, dk = _group_sum(dq, dk, H)  # GVA: each q/k head sums its value heads' dq, dk
+        if opts.use_qk_l2norm_in_kernel:
+            dq, dk = run.run("B10", "backward", q=q, q_rstd=q_rstd, dq=dq, k=k, k_rstd=k_rstd, dk=dk)
     if opts.use_beta_sigmoid_in_kernel:
         db = run.run("B10b", "backward", beta=beta_raw, db=db, scale=opts.beta_scale)
     set_last_record(record)

@@ -362,6 +362,13 @@ def l2norm_bwd(y: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor) -> torch.T
     return dx.to(y.dtype)
 
 
+def group_sum(dq: torch.Tensor, dk: torch.Tensor, H: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """GVA: dq and dk come at value heads ([B, T, HV, K]); each of the H q/k heads sums its group."""
+    if dq.shape[2] == H:
+        return dq, dk
+    return tuple(d.view(*d.shape[:2], H, -1, d.shape[-1]).sum(dim=3) for d in (dq, dk))
+
+
 # F1b / B10b: beta = scale * sigmoid(beta_raw) ---------------------------------------------
 def beta_sigmoid_fwd(beta: torch.Tensor, scale: float) -> torch.Tensor:
     """float32, as fla's fused kernel writes it."""
