@@ -313,7 +313,7 @@ def test_candidates_register_for_the_run_and_stay_out_of_the_readme():
     assert "ours" not in stages()["B7"].impls
     assert op.stages_off(["B7-B9", "F7-F8"]) == {"B7-B9": "fla", "F7-F8": "fla"}  # --off: a unit on fla's
     with pytest.raises(SystemExit):
-        op.stages_off(["B7-B10"])
+        op.stages_off(["B7-B11"])
     candidate = _row(impl="ours", fwdbwd_ms=30.0, candidate={"B7-B9": "fla"})
     assert "30.00" not in readme.render([_row(), candidate]) and "30.00" in readme.op_table([_row(), candidate])
 

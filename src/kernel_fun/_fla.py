@@ -434,17 +434,6 @@ def l2norm_bwd(q, q_rstd, dq, k, k_rstd, dk):
     return bwd(q, q_rstd, dq), bwd(k, k_rstd, dk)
 
 
-def intra_bwd_l2(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log, dt_bias, lower_bound, chunk_size,
-                 cu_seqlens, chunk_indices, q_rstd, k_rstd):
-    """The B7-B10 unit as fla's stages in turn: the B7-B9 unit's outputs with dq and dk summed
-    over each q/k head's value heads (GVA) and taken through the l2norm backward."""
-    dq, dk, db, dg, dA_log, ddt_bias = intra_bwd_tail(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log,
-                                                      dt_bias, lower_bound, chunk_size, cu_seqlens, chunk_indices)
-    from kernel_fun.kda.reference import group_sum
-
-    dq, dk = group_sum(dq, dk, q.shape[2])
-    return (*l2norm_bwd(q, q_rstd, dq, k, k_rstd, dk), db, dg, dA_log, ddt_bias)
-
 
 def beta_sigmoid_bwd(beta, db, scale):
     """B10b."""

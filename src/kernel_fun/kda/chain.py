@@ -146,12 +146,15 @@ def _ref_l2norm_bwd(q, q_rstd, dq, k, k_rstd, dk):
     return ref.l2norm_bwd(q, q_rstd, dq), ref.l2norm_bwd(k, k_rstd, dk)
 
 
-def _ref_intra_l2(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log, dt_bias, lower_bound, chunk_size,
-                  cu_seqlens, chunk_indices, q_rstd, k_rstd):
-    dq, dk, db, dg, dA_log, ddt_bias = _ref_intra_tail(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log,
-                                                       dt_bias, lower_bound, chunk_size, cu_seqlens, chunk_indices)
-    dq, dk = _group_sum(dq, dk, q.shape[2])
-    return (*_ref_l2norm_bwd(q, q_rstd, dq, k, k_rstd, dk), db, dg, dA_log, ddt_bias)
+def _intra_l2(tail, l2norm):
+    """The B7-B10 unit as the B7-B9 unit ``tail``, GVA's group sum and B10 ``l2norm`` in turn."""
+    def unit(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log, dt_bias, lower_bound, chunk_size,
+             cu_seqlens, chunk_indices, q_rstd, k_rstd):
+        dq, dk, db, dg, dA_log, ddt_bias = tail(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log,
+                                                dt_bias, lower_bound, chunk_size, cu_seqlens, chunk_indices)
+        dq, dk = _group_sum(dq, dk, q.shape[2])
+        return (*l2norm(q, q_rstd, dq, k, k_rstd, dk), db, dg, dA_log, ddt_bias)
+    return unit
 
 
 def _stage(name, covers, title, inputs, outputs, fla_impl, reference):
@@ -207,7 +210,8 @@ _stage("B10", ("B10",), "l2norm bwd (q, k)", "q q_rstd dq k k_rstd dk", ("dq", "
 # kernel for it takes the call; fla's side is fla's B7-B9 unit, GVA's group sum and B10.
 _stage("B7-B10", ("B7", "B8", "B9", "B10"), "intra backward, dg cumsum, gate and l2norm backward (one pass)",
        f"q k gc beta dAqk dAkk dq dk db dg safe_gate g A_log dt_bias lower_bound {_C} q_rstd k_rstd",
-       ("dq", "dk", "db", "dg", "dA_log", "ddt_bias"), fla.intra_bwd_l2, _ref_intra_l2)
+       ("dq", "dk", "db", "dg", "dA_log", "ddt_bias"), _intra_l2(fla.intra_bwd_tail, fla.l2norm_bwd),
+       _intra_l2(_ref_intra_tail, _ref_l2norm_bwd))
 _stage("B10b", ("B10b",), "beta sigmoid bwd", "beta db scale", ("dbeta",), fla.beta_sigmoid_bwd,
        ref.beta_sigmoid_bwd)
 
