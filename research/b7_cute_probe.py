@@ -827,15 +827,18 @@ def compile_offline(nch: int = 4, K: int = 128, split: bool = True, within: bool
                         *[from_dlpack(t[n], assumed_align=16) for n in ARGS], cuda.CUstream(0))
 
 
-def sm90_row(dump: str, split: bool, within: bool, unit: bool = False) -> dict:
-    """Registers, spills and ptxas's notes (research.b6_cute_probe.ptxas_report), and the wgmma
-    count of the PTX."""
+def sm90_row(dump: str, split: bool, within: bool, unit: bool = False, **form) -> dict:
+    """Registers, spills and ptxas's notes (research.b6_cute_probe.ptxas_report), and the wgmma,
+    shared-to-shared cluster copy and cluster barrier counts of the PTX (``form``: the build's
+    other arguments, recorded as they are)."""
     from research.b6_cute_probe import ptxas_report
 
     report = ptxas_report(dump)
+    ptx = report["ptx"]
     return {"kind": "compile_sm90", "kernel": "b7_cute_probe", "split": split, "within": within, "unit": unit,
-            "threads": 128,
-            **{n: v for n, v in report.items() if n != "ptx"}, "wgmma": report["ptx"].count("wgmma.mma_async")}
+            **form, "threads": 128, **{n: v for n, v in report.items() if n != "ptx"},
+            "wgmma": ptx.count("wgmma.mma_async"), "cluster_copies": ptx.count("cp.async.bulk.shared::cluster"),
+            "cluster_barriers": ptx.count("barrier.cluster")}
 
 
 def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = True, unit: bool = False,
