@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Call 2 (carry .gpu and .cute2), right after cute_a.sh on the same machine: join CuTe DSL, then
-# the fragment builds of the B7 and B6 probes, each step in its own process while LIMIT allows.
+# the fragment builds of the B7 and B6 probes, each step in its own process while LIMIT allows:
+# the unit, the unit with B10, the persistent B6, Nsight Compute on the unit, then the rest.
 source .gpu/env.sh
 source research/gpu/cute_env.sh || { echo "no cute"; exit 3; }
 LIMIT=${LIMIT:-480}
@@ -19,15 +20,15 @@ step() {  # step NAME FILE SECONDS CMD...
 step "b7 unit" b7.jsonl 150 python3 -m research.b7_cute_probe gpu 2
 step "b7 unit with b10" b7.jsonl 120 python3 -m research.b7_cute_probe gpu 2:l2
 step "b6 persistent" b6.jsonl 100 python3 -m research.b6_cute_probe gpu 8
-step "b7 sums, unit lb nobias" b7.jsonl 150 python3 -m research.b7_cute_probe gpu 0 2:lb:nobias
-step "b6 full" b6.jsonl 80 python3 -m research.b6_cute_probe gpu 7
 if [ "$(left)" -gt 90 ]; then
   echo "== ncu unit $(date +%T)" | tee -a $log
-  timeout -k 5 $(( $(left) - 10 )) ncu --clock-control none --set full --import-source yes -k regex:kernel_cutlass --launch-count 1 \
-    -f -o /tmp/unit python3 research/gpu/unit_once.py >> $log 2>&1
+  timeout -k 5 $(( $(left) > 150 ? 140 : $(left) - 10 )) ncu --clock-control none --set full --import-source yes \
+    -k regex:kernel_cutlass --launch-count 1 -f -o /tmp/unit python3 research/gpu/unit_once.py >> $log 2>&1
   echo "rc $? ncu" | tee -a $log
   ncu --import /tmp/unit.ncu-rep --page details > $OUT/unit.details.txt 2>>$log
   ncu --import /tmp/unit.ncu-rep --page source --csv --print-source sass > $OUT/unit.sass.csv 2>>$log
   ls -la $OUT | tee -a $log
 fi
+step "b7 sums, unit lb nobias" b7.jsonl 150 python3 -m research.b7_cute_probe gpu 0 2:lb:nobias
+step "b6 full" b6.jsonl 80 python3 -m research.b6_cute_probe gpu 7
 echo "done $(( $(date +%s) - start ))s" | tee -a $log
