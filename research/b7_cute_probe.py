@@ -86,7 +86,8 @@ BUILDS = ((True, True, False), (True, False, False), (True, True, True))
 
 
 def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = False, raw: str = "bf16",
-          has_bias: bool = True, lower_bound: float | None = None, H: int = 1, l2: bool = False):
+          has_bias: bool = True, lower_bound: float | None = None, H: int = 1, l2: bool = False,
+          phased: bool = False):
     """The probe's host function (a ``cute.jit``) for K = 2 KH: one CTA of 128 threads a
     (K half, chunk-head). ``within``: the pairs within a block too. ``unit`` (with ``within``):
     then the rest of the B7-B9 unit, as the registered kernel's tail: dq2 = dq + x_q, dk2 = dk +
@@ -101,7 +102,10 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
     rows, q_rstd and k_rstd [NCH * 64] by row), written in bf16. A row's dot product over K takes
     both K halves, so the two CTAs of a chunk-head run as a cluster and swap their halves' row
     sums (one 512-byte copy each way, shared memory to shared memory); both add them in the same
-    order, so both halves scale by the same number."""
+    order, so both halves scale by the same number. ``phased``: the B operands in two phases
+    through the same 32 KB, yq and yk for the column role, then kx and kxu for the row role once
+    the column products are done (64 KB of shared memory where the unit takes 96: the form a
+    kernel that also holds B6's ring needs)."""
     assert not unit or within
     assert not l2 or unit
     LOG2E = 1.4426950408889634
@@ -183,10 +187,11 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
             # row: no operand with 32-byte rows, the shape read past its end on the H200,
             # docs/log/prep.md), a block's rows its k block: kx (across blocks, row role), kxu
             # (within a block, row role), yq and yk (column role)
-            xh: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(b_l)], 1024]
-            xl: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(b_l)], 1024]
-            uh: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(b_l)], 1024]
-            ul: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(b_l)], 1024]
+            # (``phased``: kx and kxu in yq's and yk's space, these 8 elements each)
+            xh: cute.struct.Align[cute.struct.MemRange[bf16, 8 if phased else cute.cosize(b_l)], 1024]
+            xl: cute.struct.Align[cute.struct.MemRange[bf16, 8 if phased else cute.cosize(b_l)], 1024]
+            uh: cute.struct.Align[cute.struct.MemRange[bf16, 8 if phased else cute.cosize(b_l)], 1024]
+            ul: cute.struct.Align[cute.struct.MemRange[bf16, 8 if phased else cute.cosize(b_l)], 1024]
             yqh: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(b_l)], 1024]
             yql: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(b_l)], 1024]
             ykh: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(b_l)], 1024]
@@ -207,7 +212,8 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
             cute.arch.cluster_arrive_relaxed()
         s_a = [getattr(storage, n).get_tensor(a_l.outer, swizzle=a_l.inner) for n in ("qh", "ql", "kh", "kl")]
         s_b = [getattr(storage, n).get_tensor(b_l.outer, swizzle=b_l.inner)
-               for n in ("xh", "xl", "uh", "ul", "yqh", "yql", "ykh", "ykl")]
+               for n in (("yqh", "yql", "ykh", "ykl") if phased else ("xh", "xl", "uh", "ul"))
+               + ("yqh", "yql", "ykh", "ykl")]
         g_q = cute.local_tile(dAqk, (BT, BT), (rt, head))
         g_k = cute.local_tile(dAkk, (BT, BT), (rt, head))
         g_qq = cute.local_tile(q, (BT, KH), (rt, ct))
@@ -239,19 +245,28 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
         # the B operands, each warp its own block's rows: kx = k exp2(g[n(r)] - g) (at most 1;
         # block 3's never read), kxu = k exp2(g[a(r)] - g) (at most 2^GUARD: 0 past it, where only
         # rows past the guard read it), yq = q exp2(g - g[a(r)]) and yk = beta k exp2(g - g[a(r)])
-        gv = frag(g_g).load()
-        span = anchor(w * BC) - gv  # g[u] - g, u = a(r)
-        kf = frag(g_kk).load().to(f32)
-        down = _ex2(-span)
-        ops = (kf * _ex2(anchor(cutlass.select_(w < NB - 1, (w + 1) * BC, w * BC)) - gv),
-               cute.where(span <= GUARD, kf * _ex2(span), f32(0.0)),
-               frag(g_qq).load().to(f32) * down, rows_of(beta.iterator + rt * BT * H + head).load() * kf * down)
-        for n in cutlass.range_constexpr(len(ops)):
-            parts = _split(ops[n])
-            frag(kn(s_b[2 * n])).store(parts[0])
-            frag(kn(s_b[2 * n + 1])).store(parts[1])
-        cute.arch.fence_view_async_shared()  # (the generic proxy's stores seen by the wgmmas)
-        cute.arch.sync_threads()
+        # (``phased``: yq and yk here, kx and kxu after the column role)
+        def operands(roles):
+            gv = frag(g_g).load()
+            span = anchor(w * BC) - gv  # g[u] - g, u = a(r)
+            kf = frag(g_kk).load().to(f32)
+            if cutlass.const_expr(roles[0] == 0):
+                ops = [kf * _ex2(anchor(cutlass.select_(w < NB - 1, (w + 1) * BC, w * BC)) - gv),
+                       cute.where(span <= GUARD, kf * _ex2(span), f32(0.0))]
+            else:
+                ops = [None, None]
+            if cutlass.const_expr(roles[-1] == 3):
+                down = _ex2(-span)
+                ops += [frag(g_qq).load().to(f32) * down,
+                        rows_of(beta.iterator + rt * BT * H + head).load() * kf * down]
+            for n in roles:
+                parts = _split(ops[n])
+                frag(kn(s_b[2 * n])).store(parts[0])
+                frag(kn(s_b[2 * n + 1])).store(parts[1])
+            cute.arch.fence_view_async_shared()  # (the generic proxy's stores seen by the wgmmas)
+            cute.arch.sync_threads()
+
+        operands((2, 3) if phased else (0, 1, 2, 3))
 
         r_a, r_b = _fragments(mma, s_a, s_b)
         t_a, t_b = _fragments(mma_t, [getattr(storage, n).get_tensor(at_l.outer, swizzle=at_l.inner)
@@ -289,7 +304,10 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
         for n in cutlass.range_constexpr(len(specs)):
             kind, i, mat, tile = specs[n]
             acc = accs[n % 2]
-            if cutlass.const_expr(n + 1 < len(specs)):
+            # (``phased``: the last column group is waited for, and the row role's operands
+            # written over the column role's, before the first row group is issued)
+            boundary = phased and n + 1 < len(specs) and kind == "c" and specs[n + 1][0] == "r"
+            if cutlass.const_expr(n + 1 < len(specs) and not boundary):
                 warpgroup.fence()
                 issue(specs[n + 1], accs[(n + 1) % 2])
                 warpgroup.commit_group()
@@ -315,6 +333,12 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
                     if w == i:
                         sp = anchor(i * BC) - frag(g_g).load()
                         o.store(_ex2(-sp) * (o.load() + cute.where(sp <= GUARD, acc.load(), f32(0.0))))
+            if cutlass.const_expr(boundary):
+                cute.arch.sync_threads()  # (every warp's column products done: their operands free)
+                operands((0, 1))
+                warpgroup.fence()
+                issue(specs[n + 1], accs[(n + 1) % 2])
+                warpgroup.commit_group()
         if cutlass.const_expr(not within):  # (across only: block 0's columns and every row take their own
             # factors at the end)
             if w == 0:
@@ -804,7 +828,7 @@ def unit_views(q, k, gc, beta, dAqk, dAkk, dq, dk, dg, g, A_log, dt_bias, q_rstd
 
 def compile_offline(nch: int = 4, K: int = 128, split: bool = True, within: bool = True, unit: bool = False,
                     dump: str | None = None, H: int = 1, has_bias: bool = True, lower_bound: float | None = None,
-                    l2: bool = False):
+                    l2: bool = False, phased: bool = False):
     """Trace and compile for sm_90a with no GPU: the PTX and cubin land in ``dump``."""
     if dump:
         os.environ.update(CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx,cubin", CUTE_DSL_DUMP_DIR=dump)
@@ -823,7 +847,7 @@ def compile_offline(nch: int = 4, K: int = 128, split: bool = True, within: bool
         t = unit_views(op(H, K, dtype=torch.bfloat16), op(H, K, dtype=torch.bfloat16), op(H, K), op(H), op(H, BT),
                        op(H, BT), op(H, K), op(H, K), op(H, K), op(H, K, dtype=torch.bfloat16), torch.zeros(H),
                        torch.zeros(H * K), *((op(H), op(H)) if l2 else ()))
-    return cute.compile(build(K, split, within, unit, "bf16", has_bias, lower_bound, H, l2),
+    return cute.compile(build(K, split, within, unit, "bf16", has_bias, lower_bound, H, l2, phased),
                         *[from_dlpack(t[n], assumed_align=16) for n in ARGS], cuda.CUstream(0))
 
 
@@ -843,7 +867,7 @@ def sm90_row(dump: str, split: bool, within: bool, unit: bool = False, **form) -
 
 def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = True, unit: bool = False,
             reps: int = 20, strength: float = 0.3, lower_bound: float | None = None, has_bias: bool = True,
-            l2: bool = False) -> dict:
+            l2: bool = False, phased: bool = False) -> dict:
     """On a GPU: x_q, x_kr and x_c against float64 and against the twin on 64 chunk-heads
     spread over all (with ``unit``, which keeps them in registers, the twin's alone); with
     ``unit``, the unit's six outputs against the registered Triton B7-B9
@@ -864,7 +888,7 @@ def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = T
     args.append(cuda.CUstream(torch.cuda.current_stream().cuda_stream))
     if not has_bias:  # (the build without dt_bias never reads it: zeros, as ``unit_views`` passes)
         t["dt_bias"].zero_()
-    run = cute.compile(build(K, split, within, unit, "bf16", has_bias, lower_bound, l2=l2), *args)
+    run = cute.compile(build(K, split, within, unit, "bf16", has_bias, lower_bound, l2=l2, phased=phased), *args)
     run(*args)
     torch.cuda.synchronize()
     sel = torch.linspace(0, nch - 1, min(nch, 64), device="cuda").round().long()
@@ -961,6 +985,7 @@ def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = T
     if l2:  # dq2 and dk2 in bf16, the rows' rstd in
         moved += nch * (2 * BT * 4 - 2 * BT * K * 2)
     return {"kind": "gpu", "kernel": "b7_cute_probe", "split": split, "within": within, "unit": unit, "l2": l2,
+            "phased": phased,
             "strength": strength, "lower_bound": lower_bound, "has_bias": has_bias, "chunk_heads": nch,
             "errors": errors, **registered, "slow_share": share,
             "finite": finite, "causal_to_the_bit": causal, "ms": ms, "bytes": moved, "TB_s": moved / ms / 1e9,
@@ -987,17 +1012,19 @@ def main(argv=None) -> int:
         # (then optionally H, and a unit's gate form: lb, nobias)
         compile_offline(split=bool(int(argv[1])), within=bool(int(argv[2])), unit=bool(int(argv[3])), dump=argv[4],
                         H=int(argv[5]) if len(argv) > 5 else 1, has_bias="nobias" not in argv[6:],
-                        lower_bound=-5.0 if "lb" in argv[6:] else None, l2="l2" in argv[6:])
+                        lower_bound=-5.0 if "lb" in argv[6:] else None, l2="l2" in argv[6:],
+                        phased="phased" in argv[6:])
         return 0
     if argv[:1] == ["gpu"]:  # every build at the gentle draw, then the whole sums under gates past the guard;
         # or the builds whose indices in BUILDS follow
         # (a unit build's index may carry its gate form: 2:lb the lower-bounded sigmoid, 2:nobias
-        # no dt_bias, 2:lb:nobias both; and 2:l2 B10 in the unit)
+        # no dt_bias, 2:lb:nobias both; 2:l2 B10 in the unit; 2:phased the operands in two phases)
         for arg in argv[1:] or [str(i) for i in range(len(BUILDS))]:
             index, *form = arg.split(":")
             split, within, unit = BUILDS[int(index)]
             print(json.dumps(gpu_run(split=split, within=within, unit=unit, has_bias="nobias" not in form,
-                                     lower_bound=-5.0 if "lb" in form else None, l2="l2" in form)), flush=True)
+                                     lower_bound=-5.0 if "lb" in form else None, l2="l2" in form,
+                                     phased="phased" in form)), flush=True)
         if not argv[1:]:
             print(json.dumps(gpu_run(strength=10.0)), flush=True)
         return 0
