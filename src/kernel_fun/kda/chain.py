@@ -62,9 +62,6 @@ from kernel_fun.kda import reference as ref
 from kernel_fun.kda.stages import CallRecord, Dispatcher, Stage, register, set_last_record
 
 
-_group_sum = ref.group_sum  # GVA: each q/k head sums its value heads' dq and dk
-
-
 # --------------------------------------------------------------------------------------
 # The reference implementations, with the shared stage signatures
 # --------------------------------------------------------------------------------------
@@ -152,7 +149,7 @@ def _intra_l2(tail, l2norm):
              cu_seqlens, chunk_indices, q_rstd, k_rstd):
         dq, dk, db, dg, dA_log, ddt_bias = tail(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log,
                                                 dt_bias, lower_bound, chunk_size, cu_seqlens, chunk_indices)
-        dq, dk = _group_sum(dq, dk, q.shape[2])
+        dq, dk = ref.group_sum(dq, dk, q.shape[2])
         return (*l2norm(q, q_rstd, dq, k, k_rstd, dk), db, dg, dA_log, ddt_bias)
     return unit
 
@@ -626,7 +623,7 @@ def _run_backward(s: dict, opts: Options, run: Dispatcher, do, dht):
             dg = run.run("B8", "backward", dg=dg, **common)
             if opts.use_gate_in_kernel:
                 dg, dA_log, ddt_bias = run.run("B9", "backward", dyg=dg, **gate)
-        dq, dk = _group_sum(dq, dk, H)  # GVA: each q/k head sums its value heads' dq, dk
+        dq, dk = ref.group_sum(dq, dk, H)  # GVA: each q/k head sums its value heads' dq, dk
         if opts.use_qk_l2norm_in_kernel:
             dq, dk = run.run("B10", "backward", q=q, q_rstd=q_rstd, dq=dq, k=k, k_rstd=k_rstd, dk=dk)
     if opts.use_beta_sigmoid_in_kernel:
