@@ -63,7 +63,7 @@ BUILDS = ((2, True, False, False, False, False, False), (3, True, False, False, 
 
 def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exchange: bool = False,
           vside: bool = False, ws: bool = False, full: bool = False, persist: bool = False,
-          scale: float = 128 ** -0.5, clusters: int = 66, H: int = 1):
+          scale: float = 128 ** -0.5, clusters: int = 66, H: int = 1, both: bool = False):
     """The probe's host function (a ``cute.jit``), for K = 2 KH and V a multiple of BV.
     ``overlap``: a tile's stage is released once the next tile's products are issued (the
     wgmmas of two tiles in flight); else each tile's products are waited for at once.
@@ -88,6 +88,10 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
     empty barrier; the consumers' hand-offs (kg, dkgb) each handed back by a named barrier;
     the pair's dA exchange armed again on CTA 0 after each read, CTA 1 sending the next
     partial only after CTA 0's remote arrive says the last one was read.
+    ``both`` (with ``full``): the pair's dA partials exchanged both ways (each CTA's into the
+    same place of the other's, CTA r's partial in slot r), and both CTAs run dA's products on
+    the sum, the same bits in each (x0 + x1 either way round), each writing the rows of its
+    two warps' blocks: dAkk in both K halves, as a kernel with B7 after B6 needs it.
     ``H`` (warp-specialized builds): the token tensors hold H heads side by side, as the op's
     [B, T, H, C] tensors viewed [B * T, H * C] (beta [B * T * H]); chunk-head c is the chunk of
     rows c // H at head c % H, h and dh's [K, V] block c as the op's [B, NT, H, K, V] has it."""
@@ -107,6 +111,7 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
     assert not ws or (vside and not exchange)
     assert not full or ws
     assert not persist or full
+    assert not both or full
     assert H == 1 or ws
     NA = 2 if persist else 1  # Akk's slots
     NV = V // BV
@@ -165,7 +170,8 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
             dAb: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, BT * BT if full else 8], 1024]
             dkgb: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, BT * KH if full else 8], 128]
             part_k: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 5 * KH if full else 8], 128]
-            xch: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, BT * BT if full else 8], 128]
+            xch: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, (2 if both else 1) * BT * BT if full else 8],
+                                   128]
 
         return Smem
 
@@ -546,27 +552,30 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
         if cutlass.const_expr(persist):
             if more:  # kg read: the other consumer may write the next
                 cute.arch.barrier_arrive(barrier_id=5, number_of_threads=256)
-        if rank == 1:  # this CTA's partial to CTA 0
+        # (``both``: CTA r's partial in slot r of both CTAs, sent by each to the other)
+        own = cute.make_tensor(xch.iterator + (rank * BT * BT if both else 0), xch.layout)
+        peer = cute.make_tensor(xch.iterator + ((1 - rank) * BT * BT if both else 0), xch.layout)
+        if rank >= (0 if both else 1):  # this CTA's partial to the other (CTA 1's to CTA 0, or both ways)
             if cutlass.const_expr(persist):
-                if it > 0:  # CTA 0 has read the last one
+                if it > 0:  # the other has read the last one
                     cute.arch.mbarrier_wait(xbar + 5, (it - 1) % 2)
-            thr_c.partition_C(xch).store(acc_a.load())
+            thr_c.partition_C(own).store(acc_a.load())
             cute.arch.fence_view_async_shared()
             cute.arch.barrier(barrier_id=1, number_of_threads=128)
             if wtid == 0:
                 send = cute.make_copy_atom(cpasync.CopyBulkS2SOp(), cutlass.Float32, num_bits_per_copy=BT * BT * 32)
-                flat = cute.make_tensor(xch.iterator, cute.make_layout(BT * BT))
-                cute.copy(send, flat, flat, mbar_ptr=xbar, cta_rank=cutlass.Int32(0))
-        else:
+                flat = cute.make_tensor(own.iterator, cute.make_layout(BT * BT))
+                cute.copy(send, flat, flat, mbar_ptr=xbar, cta_rank=cutlass.Int32(1 - rank))
+        if rank <= (1 if both else 0):  # the other's partial (on CTA 0, or on both)
             cute.arch.mbarrier_wait(xbar, it % 2)
             coords = thr_c.partition_C(cute.make_identity_tensor((BT, BT)))
-            d = regs(acc_a.load() + thr_c.partition_C(xch).load())
-            cute.arch.barrier(barrier_id=1, number_of_threads=128)  # (every thread's share of xch read)
+            d = regs(acc_a.load() + thr_c.partition_C(peer).load())  # (x0 + x1 either way round: the same bits)
+            cute.arch.barrier(barrier_id=1, number_of_threads=128)  # (every thread's share of the peer's read)
             if cutlass.const_expr(persist):
                 if more:
-                    if wtid == 0:  # armed for the next partial, then CTA 1 told this one was read
+                    if wtid == 0:  # armed for the next partial, then the other told this one was read
                         cute.arch.mbarrier_arrive_and_expect_tx(xbar, BT * BT * 4)
-                        cute.arch.mbarrier_arrive(xbar + 5, peer_cta_rank_in_cluster=1, scope=CLUSTER)
+                        cute.arch.mbarrier_arrive(xbar + 5, peer_cta_rank_in_cluster=1 - rank, scope=CLUSTER)
             d1 = s_dAb[(None, None, 0)]
             beta_c = thr_c.partition_C(cute.make_tensor(beta1.iterator + chunk // H * BT * H + chunk % H,
                                                         cute.make_layout((BT, BT), stride=(0, H)))).load()
@@ -590,7 +599,8 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
             for i in cutlass.range_constexpr(cute.size(acc_3)):  # negated below the diagonal
                 r, c = coords_t[i]
                 acc_3[i] = cutlass.Float32(cutlass.select_(r > c, -acc_3[i], cutlass.Float32(0.0)))
-            thr_tc.partition_C(cute.local_tile(dA_out, (BT, BT), (chunk // H, chunk % H))).store(acc_3.load())
+            if (wtid // 64 - rank) * (1 if both else 0) == 0:  # (``both``: each CTA its two warps' row blocks)
+                thr_tc.partition_C(cute.local_tile(dA_out, (BT, BT), (chunk // H, chunk % H))).store(acc_3.load())
         if cutlass.const_expr(persist):  # every Akk product of this warpgroup waited: the slot is free
             cute.arch.barrier(barrier_id=1, number_of_threads=128)
             if wtid == 0:
@@ -743,7 +753,7 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
                 cute.arch.mbarrier_init(abar + i, 1)
             cute.arch.mbarrier_init_fence()
             if cutlass.const_expr(full):
-                if rank == 0:  # (the peer's bytes may land before this CTA waits: counted from here)
+                if rank <= (1 if both else 0):  # (the peer's bytes may land before this CTA waits: counted from here)
                     cute.arch.mbarrier_arrive_and_expect_tx(abar - 1, BT * BT * 4)
         cute.arch.cluster_arrive_relaxed()
 
@@ -856,7 +866,7 @@ def probe_shapes(nrt: int, H: int = 1, K: int = 128, V: int = 256) -> dict:
 
 def compile_offline(nch: int = 4, K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True,
                     exchange: bool = False, vside: bool = False, ws: bool = False, full: bool = False,
-                    persist: bool = False, dump: str | None = None, H: int = 1):
+                    persist: bool = False, dump: str | None = None, H: int = 1, both: bool = False):
     """Trace and compile for sm_90a on any machine with CuTe DSL (no GPU): the PTX and cubin
     land in ``dump`` (``CUTE_DSL_KEEP``). ``nch`` chunks of rows at ``H`` heads."""
     if dump:
@@ -868,7 +878,7 @@ def compile_offline(nch: int = 4, K: int = 128, V: int = 256, stages: int = 3, o
 
     tensors = [from_dlpack(torch.zeros(shape, dtype=dtype), assumed_align=16)
                for shape, dtype in probe_shapes(nch, H, K, V).values()]
-    return cute.compile(build(K, V, stages, overlap, exchange, vside, ws, full, persist, H=H), *tensors,
+    return cute.compile(build(K, V, stages, overlap, exchange, vside, ws, full, persist, H=H, both=both), *tensors,
                         cuda.CUstream(0))
 
 
@@ -1043,12 +1053,12 @@ def ptxas_report(dump: str) -> dict:
 
 
 def sm90_row(dump: str, stages: int = 3, overlap: bool = True, exchange: bool = False, vside: bool = False,
-             ws: bool = False, full: bool = False, persist: bool = False) -> dict:
+             ws: bool = False, full: bool = False, persist: bool = False, both: bool = False) -> dict:
     """What the offline build is (``ptxas_report``), with its wgmma, TMA and bulk-copy counts."""
     report = ptxas_report(dump)
     ptx = report.pop("ptx")
     return {"kind": "compile_sm90", "kernel": "b6_cute_probe", "stages": stages, "overlap": overlap,
-            "exchange": exchange, "vside": vside, "ws": ws, "full": full, "persist": persist, **report,
+            "exchange": exchange, "vside": vside, "ws": ws, "full": full, "persist": persist, "both": both, **report,
             "bulk_s2s": ptx.count("cp.async.bulk.shared::cluster.shared::cta"),
             "shared_ring": stages * ((4 if vside else 3) * BT * BV + 2 * KH * BV) * 2,
             "wgmma": ptx.count("wgmma.mma_async"),
@@ -1119,7 +1129,7 @@ def b6_want(q, k, gc, beta, Akk, h, dh, vn, do, dv, v, scale) -> dict:
 
 def gpu_run(nch: int = 32768, K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True,
             exchange: bool = False, vside: bool = False, ws: bool = False, full: bool = False,
-            persist: bool = False, reps: int = 20) -> dict:
+            persist: bool = False, reps: int = 20, both: bool = False) -> dict:
     """On a GPU: the probe's sums against torch's on 64 chunk-heads spread evenly over all
     ``nch`` (so a persistent cluster's later chunk-heads are among them), relative RMS; then
     its CUDA-event time at ``nch`` chunk-heads (32,768: prod8192_gate's) against the bytes it
@@ -1156,7 +1166,8 @@ def gpu_run(nch: int = 32768, K: int = 128, V: int = 256, stages: int = 3, overl
     args.append(cuda.CUstream(torch.cuda.current_stream().cuda_stream))
     scale = K ** -0.5
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    run = cute.compile(build(K, V, stages, overlap, exchange, vside, ws, full, persist, scale, sms // 2), *args)
+    run = cute.compile(build(K, V, stages, overlap, exchange, vside, ws, full, persist, scale, sms // 2, both=both),
+                       *args)
     run(*args)
     torch.cuda.synchronize()
     n = min(nch, 64)
@@ -1246,7 +1257,8 @@ def gpu_run(nch: int = 32768, K: int = 128, V: int = 256, stages: int = 3, overl
                        + (BT * K + BT + 3 * BT * K + BT * BT + 4 * BT) * 4)
     return {"kind": "gpu", "kernel": "b6_cute_probe", "chunk_heads": nch, "stages": stages, "overlap": overlap,
             "errors": errors,
-            "exchange": exchange, "vside": vside, "ws": ws, "full": full, "persist": persist, "diagnosis": diagnosis,
+            "exchange": exchange, "vside": vside, "ws": ws, "full": full, "persist": persist, "both": both,
+            "diagnosis": diagnosis,
             "finite": all(bool(torch.isfinite(o).all()) for o in (outs[:2] if full else outs) + ([dA] if exchange else [])
                           + ([dv2, dbv, dg, dbk, dA_out] if full else [dv2, dAv, dbv] if vside else [])),
             "ms": ms, "wall_ms": wall_ms, "bytes": moved, **registered,
@@ -1276,12 +1288,16 @@ def main(argv=None) -> int:
     if argv[:1] == ["compile-one"]:
         compile_offline(stages=int(argv[1]), overlap=bool(int(argv[2])), exchange=bool(int(argv[3])),
                         vside=bool(int(argv[4])), ws=bool(int(argv[5])), full=bool(int(argv[6])),
-                        persist=bool(int(argv[7])), dump=argv[8], H=int(argv[9]) if len(argv) > 9 else 1)
+                        persist=bool(int(argv[7])), dump=argv[8], H=int(argv[9]) if len(argv) > 9 else 1,
+                        both="both" in argv[10:])
         return 0
-    if argv[:1] == ["gpu"]:  # every build, or those whose indices in BUILDS follow
-        for stages, overlap, exchange, vside, ws, full, persist in [BUILDS[int(i)] for i in argv[1:]] or BUILDS:
+    if argv[:1] == ["gpu"]:  # every build, or those whose indices in BUILDS follow (8:both: build 8 with
+        # the dA exchange both ways)
+        for arg in argv[1:] or [str(i) for i in range(len(BUILDS))]:
+            index, *form = arg.split(":")
+            stages, overlap, exchange, vside, ws, full, persist = BUILDS[int(index)]
             print(json.dumps(gpu_run(stages=stages, overlap=overlap, exchange=exchange, vside=vside, ws=ws, full=full,
-                                     persist=persist)), flush=True)
+                                     persist=persist, both="both" in form)), flush=True)
         return 0
     print(__doc__)
     return 2

@@ -32,4 +32,5 @@ fi
 step "b7 sums, unit lb nobias" b7.jsonl 150 python3 -m research.b7_cute_probe gpu 0 2:lb:nobias
 step "b6 full" b6.jsonl 80 python3 -m research.b6_cute_probe gpu 7
 step "b7 unit with b10, phased" b7.jsonl 120 python3 -m research.b7_cute_probe gpu 2:l2:phased
+step "b6 persistent, dA both ways" b6.jsonl 100 python3 -m research.b6_cute_probe gpu 8:both
 echo "done $(( $(date +%s) - start ))s" | tee -a $log
