@@ -67,7 +67,9 @@ Layout (one head; the op's [B, T, H, C] tensors are viewed [B * T, H * C] at H h
 dAqk, dAkk [NCH * 64, 64] fp32; q, k [NCH * 64, K] bf16; g [NCH * 64, K] fp32; beta [NCH * 64]
 fp32; the sums x_q, x_kr, x_c [NCH * 64, K] fp32; with ``unit`` also dq, dk, dg [NCH * 64, K]
 fp32 in and dq2, dk2 out, the raw gate and dg2 [NCH * 64, K] in its dtype, A_log [H], dt_bias
-[H * K], and the partials db_part [2 * NCH * 64], dA_part [2 * NCH], dbias_part [NCH, K].
+[H * K], and the partials db_part [2 * NCH * 64], dA_part [2 * NCH], dbias_part [NCH, K]; with
+``l2`` (B10 in the unit, a chunk-head's K halves as a 2-CTA cluster) q_rstd and k_rstd [NCH * 64]
+in, dq2 and dk2 in bf16.
 
     python -m research.b7_cute_probe compile [dir]   # sm_90a offline (CuTe DSL installed): rows
     python -m research.b7_cute_probe gpu             # against float64 and the twin, then timed
