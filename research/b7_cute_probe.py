@@ -699,6 +699,12 @@ def twin_unit(t: dict, split: bool = True, lower_bound: float | None = None, has
     return dq2, dk2, db, dg2, da.sum().view(1), (dg2.float().sum(0) if has_bias else None)
 
 
+def l2norm_bwd_exact(y, rstd, dy):
+    """B10 in float64 (y the normalized rows, rstd by row): dx = rstd (dy - (dy . y) y)."""
+    y, r, dy = y.double(), rstd.double()[..., None], dy.double()
+    return dy * r - (dy * y).sum(-1, keepdim=True) * y * r
+
+
 _COMPILED: dict = {}
 
 
@@ -939,13 +945,9 @@ def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = T
                                    picked["dAkk"], picked["dq"], picked["dk"], torch.zeros_like(picked["beta"]),
                                    picked["dg"], BT, g=picked["g_raw"], A_log=t["A_log"], dt_bias=bias,
                                    lower_bound=lower_bound, exact=True)
-        if l2:  # B10 in float64: dx = rstd (dy - (dy . y) y)
-            def l2_exact(y, r, dy):
-                y, r = y.double(), r.double()[..., None]
-                return dy * r - (dy * y).sum(-1, keepdim=True) * y * r
-
-            exact = (l2_exact(picked["q"], tok(pick(t["q_rstd"])), exact[0]),
-                     l2_exact(picked["k"], tok(pick(t["k_rstd"])), exact[1]), *exact[2:])
+        if l2:
+            exact = (l2norm_bwd_exact(picked["q"], tok(pick(t["q_rstd"])), exact[0]),
+                     l2norm_bwd_exact(picked["k"], tok(pick(t["k_rstd"])), exact[1]), *exact[2:])
         got = (pick(t["dq2"]), pick(t["dk2"]), pick(t["db_part"].view(2, -1).sum(0)), pick(t["dg2"]))
         registered["vs_exact"] = {n: rel(a.reshape(-1).float(), w.reshape(-1)) for n, a, w in zip(names, got, exact)}
         registered["registered_ms"] = timed(lambda: b7_b9_intra_bwd.intra_bwd(**reg_args))

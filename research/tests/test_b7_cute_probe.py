@@ -141,7 +141,7 @@ def test_the_unit_with_b10_is_the_reference_b7_b10():
     float64, within the bf16 rounding of the same arithmetic from the fp32 reference; the rest
     of the unit's outputs as without B10."""
     from kernel_fun.kda import reference as ref
-    from research.b7_cute_probe import twin_unit
+    from research.b7_cute_probe import l2norm_bwd_exact, twin_unit
 
     n, K = 4, 128
     t = make_tensors(n, K, "cpu", seed=8)
@@ -151,12 +151,7 @@ def test_the_unit_with_b10_is_the_reference_b7_b10():
     gate = dict(g=tok(t["g_raw"]), A_log=t["A_log"], dt_bias=t["dt_bias"], lower_bound=None)
     exact, own = ref.intra_bwd_tail(*args, **gate, exact=True), ref.intra_bwd_tail(*args, **gate)
     rstd = (tok(t["q_rstd"]), tok(t["k_rstd"]))
-
-    def l2_exact(y, r, dy):
-        y, r = y.double(), r.double()[..., None]
-        return dy * r - (dy * y).sum(-1, keepdim=True) * y * r
-
-    want_ = [l2_exact(args[0], rstd[0], exact[0]), l2_exact(args[1], rstd[1], exact[1])]
+    want_ = [l2norm_bwd_exact(args[0], rstd[0], exact[0]), l2norm_bwd_exact(args[1], rstd[1], exact[1])]
     rounded = [ref.l2norm_bwd(args[0], rstd[0], own[0]), ref.l2norm_bwd(args[1], rstd[1], own[1])]
     got, plain = twin_unit(t, l2=True), twin_unit(t)
     for name, g_, w, o in zip(("dq", "dk"), got, want_, rounded):
@@ -246,7 +241,7 @@ def test_the_unit_compiles_at_the_op_s_heads(tmp_path: Path, form):
 
 def test_the_tail_s_lane_arithmetic():
     """The unit's tail moves values between lanes (``_tail``, and the B6 probe's
-    ``_quad_row_sums`` / ``_warp_col_sums``): emulated here on a [64, 64] tile laid out as the
+    ``quad_row_sums`` / ``warp_col_sums``): emulated here on a [64, 64] tile laid out as the
     wgmma accumulator (thread t's element i = a + 2 b + 4 n at row 16 (t // 32) + t % 32 // 4 + 8 b,
     column 8 n + 2 (t % 4) + a), each step as the kernel writes it, against torch: B8's reverse
     cumsum by column, the rows' sums, the columns' sums."""

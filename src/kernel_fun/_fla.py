@@ -434,7 +434,6 @@ def l2norm_bwd(q, q_rstd, dq, k, k_rstd, dk):
     return bwd(q, q_rstd, dq), bwd(k, k_rstd, dk)
 
 
-
 def beta_sigmoid_bwd(beta, db, scale):
     """B10b."""
     from fla.ops.common.gate import fused_beta_sigmoid_bwd
