@@ -89,7 +89,7 @@ BUILDS = ((True, True, False), (True, False, False), (True, True, True))
 
 def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = False, raw: str = "bf16",
           has_bias: bool = True, lower_bound: float | None = None, H: int = 1, l2: bool = False,
-          phased: bool = False):
+          phased: bool = False, wg2: bool = False, ws: bool = False):
     """The probe's host function (a ``cute.jit``) for K = 2 KH: one CTA of 128 threads a
     (K half, chunk-head). ``within``: the pairs within a block too. ``unit`` (with ``within``):
     then the rest of the B7-B9 unit, as the registered kernel's tail: dq2 = dq + x_q, dk2 = dk +
@@ -107,9 +107,21 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
     order, so both halves scale by the same number. ``phased``: the B operands in two phases
     through the same 32 KB, yq and yk for the column role, then kx and kxu for the row role once
     the column products are done (64 KB of shared memory where the unit takes 96: the form a
-    kernel that also holds B6's ring needs)."""
+    kernel that also holds B6's ring needs). ``wg2``: two warpgroups a CTA, the roles split
+    between them as a kernel whose two consumer warpgroups are at most 232 registers each needs
+    them: warpgroup 0 the column role (x_c: yq and yk, the column groups), warpgroup 1 the row
+    role (x_q and x_kr: kx and kxu, the row groups), each with its own two accumulators; with
+    ``unit``, warpgroup 0 hands x_c to warpgroup 1 through a 16 KB fp32 tile in shared memory
+    and warpgroup 1 runs the tail. Each sum's groups run in the same order as in one warpgroup,
+    so the bits are the same. ``ws`` (with ``wg2``): a third warpgroup, idle here, standing for the
+    persistent B6's producer, and the registers as that kernel sets them (384 threads, one CTA an
+    SM, setmaxnreg 40 for it and 232 for each role): whether B7's roles fit a B6 consumer's
+    registers without spilling."""
     assert not unit or within
     assert not l2 or unit
+    assert not (wg2 and phased)  # (the two roles run at once: their operands are all live)
+    assert not ws or wg2
+    assert not wg2 or within
     LOG2E = 1.4426950408889634
     import cuda.bindings.driver as cuda
     import cutlass
@@ -130,6 +142,17 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
         cute.arch.exp2 declares some, which pins every one, and the loads around it, in
         program order, and keeps equal ones from being shared)."""
         return cute.math.exp2(x, fastmath=True)
+
+    def _tail_bar():
+        """The tail's barrier: the CTA's, or (``wg2``, where warpgroup 1 runs the tail alone) warpgroup 1's."""
+        if cutlass.const_expr(wg2):
+            cute.arch.barrier(barrier_id=1, number_of_threads=128)
+        else:
+            cute.arch.sync_threads()
+
+    def _roles_bar():
+        """The two role warpgroups' barrier (``wg2``; ``ws``'s idle warpgroup never takes it)."""
+        cute.arch.barrier(barrier_id=2, number_of_threads=256)
 
     def _split(x):
         """x (fp32 values) as its bf16 rounding and the bf16 rounding of what that left."""
@@ -170,7 +193,9 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
                at_l: cute.ComposedLayout, b_l: cute.ComposedLayout):
         tidx, _, _ = cute.arch.thread_idx()
         half, chunk, _ = cute.arch.block_idx()
-        w = cute.arch.make_warp_uniform(cute.arch.warp_idx())  # (its rows, or columns s, are block w)
+        wid = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        w = wid % NB  # (its rows, or columns s, are block w)
+        wg = wid // NB  # (``wg2``: 0 the column role, 1 the row role; ``ws``: 2 idle)
         lane = cute.arch.lane_idx()
         rt, ct = chunk // H, chunk % H * 2 + half  # the chunk's row tile; this K half's column tile
         head = chunk % H
@@ -204,6 +229,8 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
             # written here, the peer's copied in, and the barrier that copy completes on
             xch: cute.struct.Align[cute.struct.MemRange[f32, 4 * BT], 128]
             xbar: cute.struct.Align[cute.struct.MemRange[cutlass.Int64, 1], 8]
+            # (``wg2`` with ``unit``) x_c, handed from warpgroup 0 to warpgroup 1's tail
+            xc: cute.struct.Align[cute.struct.MemRange[f32, BT * KH if wg2 and unit else 4], 128]
 
         storage = SmemAllocator().allocate(Smem)
         if cutlass.const_expr(l2):  # the barrier armed for the peer's 512 bytes before the peer can send
@@ -223,7 +250,7 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
         g_g = cute.local_tile(g, (BT, KH), (rt, ct))
         g_b = cute.make_tensor(beta.iterator + rt * BT * H + head, cute.make_layout(BT, stride=H))  # beta by row
 
-        thr_c = mma.get_slice(tidx)
+        thr_c = mma.get_slice(tidx % 128)
         frag = thr_c.partition_C  # (a thread's 32 elements of a [64, 64] tile: its rows are block w's)
         shape = frag(g_g).shape
         coords = frag(cute.make_identity_tensor((BT, KH)))
@@ -235,20 +262,22 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
 
         # dA's tiles, split, their upper triangles zeroed (dAqk keeps its diagonal): the row role
         # reads them as they lie, the column role MN-major
-        vq, vk = regs(frag(g_q).load()), regs(frag(g_k).load())
-        for i in cutlass.range_constexpr(cute.size(shape)):
-            r, s = coords[i]
-            vq[i] = f32(cutlass.select_(s <= r, vq[i], f32(0.0)))
-            vk[i] = f32(cutlass.select_(s < r, vk[i], f32(0.0)))
-        for v, hi, lo in ((vq, 0, 1), (vk, 2, 3)):
-            parts = _split(v.load())
-            frag(mn(s_a[hi])).store(parts[0])
-            frag(mn(s_a[lo])).store(parts[1])
+        # (``wg2``: warpgroup 0 writes dAqk's, warpgroup 1 dAkk's)
+        def da_tiles(mats):
+            for mat in mats:
+                v = regs(frag((g_q, g_k)[mat]).load())
+                for i in cutlass.range_constexpr(cute.size(shape)):
+                    r, s = coords[i]
+                    v[i] = f32(cutlass.select_(s <= r if mat == 0 else s < r, v[i], f32(0.0)))
+                parts = _split(v.load())
+                frag(mn(s_a[2 * mat])).store(parts[0])
+                frag(mn(s_a[2 * mat + 1])).store(parts[1])
         # the B operands, each warp its own block's rows: kx = k exp2(g[n(r)] - g) (at most 1;
         # block 3's never read), kxu = k exp2(g[a(r)] - g) (at most 2^GUARD: 0 past it, where only
         # rows past the guard read it), yq = q exp2(g - g[a(r)]) and yk = beta k exp2(g - g[a(r)])
-        # (``phased``: yq and yk here, kx and kxu after the column role)
-        def operands(roles):
+        # (``phased``: yq and yk here, kx and kxu after the column role; ``wg2``: warpgroup 0 writes
+        # yq and yk, warpgroup 1 kx and kxu)
+        def operands(roles, sync=True):
             gv = frag(g_g).load()
             span = anchor(w * BC) - gv  # g[u] - g, u = a(r)
             kf = frag(g_kk).load().to(f32)
@@ -265,21 +294,23 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
                 parts = _split(ops[n])
                 frag(kn(s_b[2 * n])).store(parts[0])
                 frag(kn(s_b[2 * n + 1])).store(parts[1])
-            cute.arch.fence_view_async_shared()  # (the generic proxy's stores seen by the wgmmas)
-            cute.arch.sync_threads()
+            if cutlass.const_expr(sync):
+                cute.arch.fence_view_async_shared()  # (the generic proxy's stores seen by the wgmmas)
+                cute.arch.sync_threads()
 
-        operands((2, 3) if phased else (0, 1, 2, 3))
+        if cutlass.const_expr(not wg2):
+            da_tiles((0, 1))
+            operands((2, 3) if phased else (0, 1, 2, 3))
 
-        r_a, r_b = _fragments(mma, s_a, s_b)
-        t_a, t_b = _fragments(mma_t, [getattr(storage, n).get_tensor(at_l.outer, swizzle=at_l.inner)
-                                      for n in ("qh", "ql", "kh", "kl")], s_b)
-        accs = (cute.make_rmem_tensor(shape, f32), cute.make_rmem_tensor(shape, f32))  # (wgmma accumulators)
-        o_q = cute.make_rmem_tensor(shape, f32)  # (the sums: registers the wgmmas never touch)
-        o_k = cute.make_rmem_tensor(shape, f32)
-        o_c = cute.make_rmem_tensor(shape, f32)
-        o_q.fill(0.0)
-        o_k.fill(0.0)
-        o_c.fill(0.0)
+        s_at = [getattr(storage, n).get_tensor(at_l.outer, swizzle=at_l.inner) for n in ("qh", "ql", "kh", "kl")]
+
+        def sums(names):
+            """The wgmma accumulators, and the sums (registers the wgmmas never touch), those named zeroed."""
+            accs = (cute.make_rmem_tensor(shape, f32), cute.make_rmem_tensor(shape, f32))
+            o = [cute.make_rmem_tensor(shape, f32) for _ in range(3)]
+            for n in names:
+                o[n].fill(0.0)
+            return accs, o
 
         # Each group is one block's products into one of two accumulators, the next group issued
         # before this one's epilogue. Column role, blocks i = 3 .. 0 (dA's rows of block i,
@@ -291,7 +322,7 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
         # at j = w each row adds its kxu product where within the guard, then takes exp2(g_r - g[a(r)]).
         specs = _specs()
 
-        def issue(spec, acc):
+        def issue(spec, acc, r_a, r_b, t_a, t_b):
             kind, i, mat, tile = spec
             if kind == "c":
                 _products(mma_t, mma_tz, acc, t_a[0], t_a[1], t_b[4], t_b[5], i, i, True)
@@ -300,47 +331,55 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
                 _products(mma, mma_z, acc, r_a[2 * mat], r_a[2 * mat + 1], r_b[2 * tile], r_b[2 * tile + 1], i, i,
                           True)
 
-        warpgroup.fence()
-        issue(specs[0], accs[0])
-        warpgroup.commit_group()
-        for n in cutlass.range_constexpr(len(specs)):
-            kind, i, mat, tile = specs[n]
-            acc = accs[n % 2]
-            # (``phased``: the last column group is waited for, and the row role's operands
-            # written over the column role's, before the first row group is issued)
-            boundary = phased and n + 1 < len(specs) and kind == "c" and specs[n + 1][0] == "r"
-            if cutlass.const_expr(n + 1 < len(specs) and not boundary):
-                warpgroup.fence()
-                issue(specs[n + 1], accs[(n + 1) % 2])
-                warpgroup.commit_group()
-                warpgroup.wait_group(1)
-            else:
-                warpgroup.wait_group(0)
-            if cutlass.const_expr(kind == "c"):
-                if cutlass.const_expr(i > 0):
-                    if w < i:
-                        o_c.store(o_c.load() + _ex2(anchor(i * BC) - anchor((w + 1) * BC)) * acc.load())
-                if w == i:
-                    if cutlass.const_expr(i < NB - 1):
-                        o_c.store(o_c.load() * _ex2(anchor((i + 1) * BC) - frag(g_g).load()))
-                    if cutlass.const_expr(within):
-                        sp = anchor(i * BC) - frag(g_g).load()
-                        o_c.store(o_c.load() + cute.where(sp <= GUARD, _ex2(sp) * acc.load(), f32(0.0)))
-            else:
-                o = (o_q, o_k)[mat]
-                if cutlass.const_expr(tile == 0):
-                    if w > i:
-                        o.store(o.load() + _ex2(anchor(w * BC) - anchor((i + 1) * BC)) * acc.load())
+        def stream(specs, accs, o_q, o_k, o_c):  # (the sums as arguments: the DSL rebinds what a branch writes)
+            r_a, r_b = _fragments(mma, s_a, s_b)  # (the operands' descriptors, made where they are used)
+            t_a, t_b = _fragments(mma_t, s_at, s_b)
+            frags = (r_a, r_b, t_a, t_b)
+            warpgroup.fence()
+            issue(specs[0], accs[0], *frags)
+            warpgroup.commit_group()
+            for n in cutlass.range_constexpr(len(specs)):
+                kind, i, mat, tile = specs[n]
+                acc = accs[n % 2]
+                # (``phased``: the last column group is waited for, and the row role's operands
+                # written over the column role's, before the first row group is issued)
+                boundary = phased and n + 1 < len(specs) and kind == "c" and specs[n + 1][0] == "r"
+                if cutlass.const_expr(n + 1 < len(specs) and not boundary):
+                    warpgroup.fence()
+                    issue(specs[n + 1], accs[(n + 1) % 2], *frags)
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(1)
                 else:
+                    warpgroup.wait_group(0)
+                if cutlass.const_expr(kind == "c"):
+                    if cutlass.const_expr(i > 0):
+                        if w < i:
+                            o_c.store(o_c.load() + _ex2(anchor(i * BC) - anchor((w + 1) * BC)) * acc.load())
                     if w == i:
-                        sp = anchor(i * BC) - frag(g_g).load()
-                        o.store(_ex2(-sp) * (o.load() + cute.where(sp <= GUARD, acc.load(), f32(0.0))))
-            if cutlass.const_expr(boundary):
-                cute.arch.sync_threads()  # (every warp's column products done: their operands free)
-                operands((0, 1))
-                warpgroup.fence()
-                issue(specs[n + 1], accs[(n + 1) % 2])
-                warpgroup.commit_group()
+                        if cutlass.const_expr(i < NB - 1):
+                            o_c.store(o_c.load() * _ex2(anchor((i + 1) * BC) - frag(g_g).load()))
+                        if cutlass.const_expr(within):
+                            sp = anchor(i * BC) - frag(g_g).load()
+                            o_c.store(o_c.load() + cute.where(sp <= GUARD, _ex2(sp) * acc.load(), f32(0.0)))
+                else:
+                    o = (o_q, o_k)[mat]
+                    if cutlass.const_expr(tile == 0):
+                        if w > i:
+                            o.store(o.load() + _ex2(anchor(w * BC) - anchor((i + 1) * BC)) * acc.load())
+                    else:
+                        if w == i:
+                            sp = anchor(i * BC) - frag(g_g).load()
+                            o.store(_ex2(-sp) * (o.load() + cute.where(sp <= GUARD, acc.load(), f32(0.0))))
+                if cutlass.const_expr(boundary):
+                    cute.arch.sync_threads()  # (every warp's column products done: their operands free)
+                    operands((0, 1))
+                    warpgroup.fence()
+                    issue(specs[n + 1], accs[(n + 1) % 2], *frags)
+                    warpgroup.commit_group()
+
+        if cutlass.const_expr(not wg2):
+            accs, (o_q, o_k, o_c) = sums((0, 1, 2))
+            stream(specs, accs, o_q, o_k, o_c)
         if cutlass.const_expr(not within):  # (across only: block 0's columns and every row take their own
             # factors at the end)
             if w == 0:
@@ -348,36 +387,98 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
             down = _ex2(frag(g_g).load() - anchor(w * BC))
             o_q.store(o_q.load() * down)
             o_k.store(o_k.load() * down)
-        if cutlass.const_expr(within):
-            # the elements past the guard: their pairs within the block one by one, each with its
-            # own exp2, read from memory (none under gentle gates)
+        # the elements past the guard: their pairs within the block one by one, each with its
+        # own exp2, read from memory (none under gentle gates); ``row``: x_q's and x_kr's,
+        # ``col``: x_c's
+        def slow(row, col, o_q, o_k, o_c):
             sp = regs(anchor(w * BC) - frag(g_g).load())
             for i in cutlass.range_constexpr(cute.size(shape)):
                 t, c = coords[i]
                 u = t // BC * BC
                 if not (sp[i] <= GUARD):
-                    a_q = f32(0.0)
-                    a_k = f32(0.0)
-                    a_c = f32(0.0)
-                    for s in cutlass.range(u, t + 1, unroll=1):  # the row role: s <= t (dAkk: s < t)
-                        f = g_kk[s, c].to(f32) * cute.arch.exp2(g_g[t, c] - g_g[s, c])
-                        a_q += g_q[t, s] * f
-                        if s < t:
-                            a_k += g_k[t, s] * f
-                    for r in cutlass.range(t, u + BC, unroll=1):  # the column role: r >= t (dAkk: r > t)
-                        wt = g_q[r, t] * g_qq[r, c].to(f32)
-                        if r > t:
-                            wt += g_k[r, t] * g_b[r] * g_kk[r, c].to(f32)
-                        a_c += wt * cute.arch.exp2(g_g[r, c] - g_g[t, c])
-                    o_q[i] = o_q[i] + a_q
-                    o_k[i] = o_k[i] + a_k
-                    o_c[i] = o_c[i] + a_c
-        if cutlass.const_expr(unit):
-            _tail(thr_c, shape, w, lane, chunk, half, storage, o_q, o_k, o_c, q, k, beta, dq, dk, dg, g_raw, a_log,
-                  dt_bias, dq2, dk2, dg2, db_part, dA_part, dbias_part, q_rstd, k_rstd)
-        else:
-            for o, x in ((o_q, x_q), (o_k, x_kr), (o_c, x_c)):
+                    if cutlass.const_expr(row):
+                        a_q = f32(0.0)
+                        a_k = f32(0.0)
+                        for s in cutlass.range(u, t + 1, unroll=1):  # the row role: s <= t (dAkk: s < t)
+                            f = g_kk[s, c].to(f32) * cute.arch.exp2(g_g[t, c] - g_g[s, c])
+                            a_q += g_q[t, s] * f
+                            if s < t:
+                                a_k += g_k[t, s] * f
+                        o_q[i] = o_q[i] + a_q
+                        o_k[i] = o_k[i] + a_k
+                    if cutlass.const_expr(col):
+                        a_c = f32(0.0)
+                        for r in cutlass.range(t, u + BC, unroll=1):  # the column role: r >= t (dAkk: r > t)
+                            wt = g_q[r, t] * g_qq[r, c].to(f32)
+                            if r > t:
+                                wt += g_k[r, t] * g_b[r] * g_kk[r, c].to(f32)
+                            a_c += wt * cute.arch.exp2(g_g[r, c] - g_g[t, c])
+                        o_c[i] = o_c[i] + a_c
+
+        def store(outs):
+            for o, x in outs:
                 frag(cute.local_tile(x, (BT, KH), (rt, ct))).store(o.load())
+
+        if cutlass.const_expr(not wg2):
+            if cutlass.const_expr(within):
+                slow(True, True, o_q, o_k, o_c)
+            if cutlass.const_expr(unit):
+                _tail(thr_c, shape, w, lane, chunk, half, storage, o_q, o_k, o_c, q, k, beta, dq, dk, dg, g_raw,
+                      a_log, dt_bias, dq2, dk2, dg2, db_part, dA_part, dbias_part, q_rstd, k_rstd)
+            else:
+                store(((o_q, x_q), (o_k, x_kr), (o_c, x_c)))
+
+        def role(col):
+            """(``wg2``) one warpgroup's whole part: ``col`` the column role's (dAqk's tiles, yq and yk,
+            the column groups, x_c handed over), else the row role's (dAkk's tiles, kx and kxu, the row
+            groups, then the tail on x_c handed over, or the sums to memory). Its registers are its
+            own, allocated here (``ws``: the idle warpgroup holds none)."""
+            accs, (o_q, o_k, o_c) = sums((2,) if col else (0, 1))
+            da_tiles((0,) if col else (1,))
+            operands((2, 3) if col else (0, 1), sync=False)
+            cute.arch.fence_view_async_shared()
+            _roles_bar()
+            stream([sp for sp in specs if (sp[0] == "c") == col], accs, o_q, o_k, o_c)
+            slow(not col, col, o_q, o_k, o_c)
+            # x_c from warpgroup 0 to warpgroup 1 (``unit``: through shared memory, to the tail)
+            s_xc = cute.make_tensor(storage.xc.data_ptr(), cute.make_layout((BT, KH), stride=(KH, 1)))
+            if cutlass.const_expr(col):
+                if cutlass.const_expr(unit):
+                    frag(s_xc).store(o_c.load())
+                    _roles_bar()
+                    if cutlass.const_expr(l2):  # (the two cluster barriers of warpgroup 1's B10)
+                        cute.arch.cluster_wait()
+                        cute.arch.cluster_arrive_relaxed()
+                        cute.arch.cluster_wait()
+                else:
+                    store(((o_c, x_c),))
+            else:
+                if cutlass.const_expr(unit):
+                    _roles_bar()
+                    o_c.store(frag(s_xc).load())
+                    _tail(thr_c, shape, w, lane, chunk, half, storage, o_q, o_k, o_c, q, k, beta, dq, dk, dg, g_raw,
+                          a_log, dt_bias, dq2, dk2, dg2, db_part, dA_part, dbias_part, q_rstd, k_rstd)
+                else:
+                    store(((o_q, x_q), (o_k, x_kr)))
+
+        # (``wg2``: the branches call ``role`` through ``fn``: the DSL refuses a local function called by
+        # name inside a branch on a run-time value once it captures any value, and ``role`` only
+        # reads what it captures, writing through tensors)
+        fn = {"role": role}
+        if cutlass.const_expr(wg2):
+            if wg < 2:
+                if cutlass.const_expr(ws):
+                    cute.arch.setmaxregister_increase(232)
+                if wg == 0:
+                    fn["role"](True)
+                else:
+                    fn["role"](False)
+            else:  # (``ws``'s idle warpgroup; with ``l2``, the cluster's barriers too)
+                cute.arch.setmaxregister_decrease(40)
+                if cutlass.const_expr(l2):
+                    cute.arch.cluster_wait()
+                    cute.arch.cluster_arrive_relaxed()
+                    cute.arch.cluster_wait()
 
     @cute.jit
     def _tail(thr_c, shape, w, lane, chunk, half, storage, o_q, o_k, o_c, q, k, beta, dq, dk, dg, g_raw, a_log,
@@ -400,15 +501,16 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
         a_krb = a_kr * frag(cute.make_tensor(beta.iterator + rt * BT * H + head,
                                              cute.make_layout((BT, KH), stride=(H, 0)))).load()
         qf = tile(q).load().to(f32)
-        if cutlass.const_expr(l2):
-            _l2norm_bwd(frag, w, lane, half, rt, head, storage, tile(dq).load() + a_q, qf,
-                        tile(dk).load() + a_krb + a_c, kf, q_rstd, k_rstd, tile(dq2), tile(dk2))
-        else:
-            tile(dq2).store(tile(dq).load() + a_q)
-            tile(dk2).store(tile(dk).load() + a_krb + a_c)
+        # (dg's and db's terms first, so that the three sums are dead before dq2 and dk2 are formed)
         y = regs(tile(dg).load() + qf * a_q + kf * (a_krb - a_c))
         # db's part: each row's sum over this half's channels (the thread's 16, then its quad's)
         row_sums = quad_row_sums(a_kr * kf)
+        dqv, dkv = tile(dq).load() + a_q, tile(dk).load() + a_krb + a_c
+        if cutlass.const_expr(l2):
+            _l2norm_bwd(frag, w, lane, half, rt, head, storage, dqv, qf, dkv, kf, q_rstd, k_rstd, tile(dq2), tile(dk2))
+        else:
+            tile(dq2).store(dqv)
+            tile(dk2).store(dkv)
         if lane % 4 == 0:
             R = cute.size(q, mode=[0])
             for b in cutlass.range_constexpr(2):
@@ -428,7 +530,7 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
             for i in cutlass.range_constexpr(n_el):
                 if i // 2 % 2 == 0:
                     s_tot[w, i // 4 * 8 + lane * 2 + i % 2] = y[i]
-        cute.arch.sync_threads()
+        _tail_bar()
         for v in cutlass.range_constexpr(1, NB):
             if w < v:
                 y.store(y.load() + frag(cute.make_tensor(s_tot[v, None].iterator, lay)).load())
@@ -465,7 +567,7 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
                     s_bias[w, i // 4 * 8 + lane * 2 + i % 2] = cols[i]
         if lane == 0:
             s_da[w] = total
-        cute.arch.sync_threads()
+        _tail_bar()
         tidx = w * 32 + lane
         if tidx < KH:
             if cutlass.const_expr(has_bias):
@@ -496,7 +598,7 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
                 for b in cutlass.range_constexpr(2):
                     s_x[(half * 2 + m) * BT + w * BC + lane // 4 + 8 * b] = sums[m][b]
         cute.arch.fence_view_async_shared()
-        cute.arch.sync_threads()
+        _tail_bar()
         cute.arch.cluster_wait()  # (the peer's barrier is armed)
         if w == 0:
             if lane == 0:
@@ -531,7 +633,8 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
         nch = cute.size(k, mode=[0]) // BT * H
         kernel(dAqk, dAkk, q, k, g, beta, x_q, x_kr, x_c, dq, dk, dg, g_raw, a_log, dt_bias, dq2, dk2, dg2, db_part,
                dA_part, dbias_part, q_rstd, k_rstd, mma, mma_z, mma_t, mma_tz, a_l, at_l, b_l).launch(
-            grid=(2, nch, 1), block=(128, 1, 1), cluster=(2, 1, 1) if l2 else (1, 1, 1), stream=stream)
+            grid=(2, nch, 1), block=(384 if ws else 256 if wg2 else 128, 1, 1),
+            cluster=(2, 1, 1) if l2 else (1, 1, 1), min_blocks_per_mp=1 if ws else 0, stream=stream)
 
     return probe
 
@@ -836,7 +939,7 @@ def unit_views(q, k, gc, beta, dAqk, dAkk, dq, dk, dg, g, A_log, dt_bias, q_rstd
 
 def compile_offline(nch: int = 4, K: int = 128, split: bool = True, within: bool = True, unit: bool = False,
                     dump: str | None = None, H: int = 1, has_bias: bool = True, lower_bound: float | None = None,
-                    l2: bool = False, phased: bool = False):
+                    l2: bool = False, phased: bool = False, wg2: bool = False, ws: bool = False):
     """Trace and compile for sm_90a with no GPU: the PTX and cubin land in ``dump``."""
     if dump:
         os.environ.update(CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx,cubin", CUTE_DSL_DUMP_DIR=dump)
@@ -855,7 +958,7 @@ def compile_offline(nch: int = 4, K: int = 128, split: bool = True, within: bool
         t = unit_views(op(H, K, dtype=torch.bfloat16), op(H, K, dtype=torch.bfloat16), op(H, K), op(H), op(H, BT),
                        op(H, BT), op(H, K), op(H, K), op(H, K), op(H, K, dtype=torch.bfloat16), torch.zeros(H),
                        torch.zeros(H * K), *((op(H), op(H)) if l2 else ()))
-    return cute.compile(build(K, split, within, unit, "bf16", has_bias, lower_bound, H, l2, phased),
+    return cute.compile(build(K, split, within, unit, "bf16", has_bias, lower_bound, H, l2, phased, wg2, ws),
                         *[from_dlpack(t[n], assumed_align=16) for n in ARGS], cuda.CUstream(0))
 
 
@@ -868,14 +971,14 @@ def sm90_row(dump: str, split: bool, within: bool, unit: bool = False, **form) -
     report = ptxas_report(dump)
     ptx = report["ptx"]
     return {"kind": "compile_sm90", "kernel": "b7_cute_probe", "split": split, "within": within, "unit": unit,
-            **form, "threads": 128, **{n: v for n, v in report.items() if n != "ptx"},
+            **form, "threads": 384 if form.get("ws") else 256 if form.get("wg2") else 128, **{n: v for n, v in report.items() if n != "ptx"},
             "wgmma": ptx.count("wgmma.mma_async"), "cluster_copies": ptx.count("cp.async.bulk.shared::cluster"),
             "cluster_barriers": ptx.count("barrier.cluster")}
 
 
 def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = True, unit: bool = False,
             reps: int = 20, strength: float = 0.3, lower_bound: float | None = None, has_bias: bool = True,
-            l2: bool = False, phased: bool = False) -> dict:
+            l2: bool = False, phased: bool = False, wg2: bool = False, ws: bool = False) -> dict:
     """On a GPU: x_q, x_kr and x_c against float64 and against the twin on 64 chunk-heads
     spread over all (with ``unit``, which keeps them in registers, the twin's alone); with
     ``unit``, the unit's six outputs against the registered Triton B7-B9
@@ -896,7 +999,9 @@ def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = T
     args.append(cuda.CUstream(torch.cuda.current_stream().cuda_stream))
     if not has_bias:  # (the build without dt_bias never reads it: zeros, as ``unit_views`` passes)
         t["dt_bias"].zero_()
-    run = cute.compile(build(K, split, within, unit, "bf16", has_bias, lower_bound, l2=l2, phased=phased), *args)
+    run = cute.compile(build(K, split, within, unit, "bf16", has_bias, lower_bound, l2=l2, phased=phased, wg2=wg2,
+                             ws=ws),
+                       *args)
     run(*args)
     torch.cuda.synchronize()
     sel = torch.linspace(0, nch - 1, min(nch, 64), device="cuda").round().long()
@@ -989,7 +1094,7 @@ def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = T
     if l2:  # dq2 and dk2 in bf16, the rows' rstd in
         moved += nch * (2 * BT * 4 - 2 * BT * K * 2)
     return {"kind": "gpu", "kernel": "b7_cute_probe", "split": split, "within": within, "unit": unit, "l2": l2,
-            "phased": phased,
+            "phased": phased, "wg2": wg2, "ws": ws,
             "strength": strength, "lower_bound": lower_bound, "has_bias": has_bias, "chunk_heads": nch,
             "errors": errors, **registered, "slow_share": share,
             "finite": finite, "causal_to_the_bit": causal, "ms": ms, "bytes": moved, "TB_s": moved / ms / 1e9,
@@ -1017,18 +1122,21 @@ def main(argv=None) -> int:
         compile_offline(split=bool(int(argv[1])), within=bool(int(argv[2])), unit=bool(int(argv[3])), dump=argv[4],
                         H=int(argv[5]) if len(argv) > 5 else 1, has_bias="nobias" not in argv[6:],
                         lower_bound=-5.0 if "lb" in argv[6:] else None, l2="l2" in argv[6:],
-                        phased="phased" in argv[6:])
+                        phased="phased" in argv[6:], wg2="wg2" in argv[6:] or "ws" in argv[6:],
+                        ws="ws" in argv[6:])
         return 0
     if argv[:1] == ["gpu"]:  # every build at the gentle draw, then the whole sums under gates past the guard;
         # or the builds whose indices in BUILDS follow
         # (a unit build's index may carry its gate form: 2:lb the lower-bounded sigmoid, 2:nobias
-        # no dt_bias, 2:lb:nobias both; 2:l2 B10 in the unit; 2:phased the operands in two phases)
+        # no dt_bias, 2:lb:nobias both; 2:l2 B10 in the unit; 2:phased the operands in two phases;
+        # any build's, 0:wg2, the roles on two warpgroups, 0:ws, that with an idle third and 232 registers)
         for arg in argv[1:] or [str(i) for i in range(len(BUILDS))]:
             index, *form = arg.split(":")
             split, within, unit = BUILDS[int(index)]
             print(json.dumps(gpu_run(split=split, within=within, unit=unit, has_bias="nobias" not in form,
                                      lower_bound=-5.0 if "lb" in form else None, l2="l2" in form,
-                                     phased="phased" in form)), flush=True)
+                                     phased="phased" in form, wg2="wg2" in form or "ws" in form,
+                                     ws="ws" in form)), flush=True)
         if not argv[1:]:
             print(json.dumps(gpu_run(strength=10.0)), flush=True)
         return 0

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Call 2 (carry .gpu and .cute2), right after cute_a.sh on the same machine: join CuTe DSL, then
 # the fragment builds of the B7 and B6 probes, each step in its own process while LIMIT allows:
-# the unit, the unit with B10, the persistent B6, Nsight Compute on the unit, then the rest.
+# the unit, the unit with B10, the persistent B6, Nsight Compute on the unit, the unit with B10 on two
+# warpgroups, then the rest.
 source .gpu/env.sh
 source research/gpu/cute_env.sh || { echo "no cute"; exit 3; }
 LIMIT=${LIMIT:-480}
@@ -29,6 +30,7 @@ if [ "$(left)" -gt 90 ]; then
   ncu --import /tmp/unit.ncu-rep --page source --csv --print-source sass > $OUT/unit.sass.csv 2>>$log
   ls -la $OUT | tee -a $log
 fi
+step "b7 unit with b10, roles on two warpgroups at 232 registers" b7.jsonl 120 python3 -m research.b7_cute_probe gpu 2:l2:ws
 step "b7 sums, unit lb nobias" b7.jsonl 150 python3 -m research.b7_cute_probe gpu 0 2:lb:nobias
 step "b6 full" b6.jsonl 80 python3 -m research.b6_cute_probe gpu 7
 step "b7 unit with b10, phased" b7.jsonl 120 python3 -m research.b7_cute_probe gpu 2:l2:phased
