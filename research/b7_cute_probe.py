@@ -473,7 +473,7 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
                     fn["role"](True)
                 else:
                     fn["role"](False)
-            else:  # (``ws``'s idle warpgroup; with ``l2``, the cluster's barriers too)
+            elif cutlass.const_expr(ws):  # (the idle warpgroup; with ``l2``, the cluster's barriers too)
                 cute.arch.setmaxregister_decrease(40)
                 if cutlass.const_expr(l2):
                     cute.arch.cluster_wait()
