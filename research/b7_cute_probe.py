@@ -89,7 +89,8 @@ BUILDS = ((True, True, False), (True, False, False), (True, True, True))
 
 def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = False, raw: str = "bf16",
           has_bias: bool = True, lower_bound: float | None = None, H: int = 1, l2: bool = False,
-          phased: bool = False, wg2: bool = False, ws: bool = False):
+          phased: bool = False, wg2: bool = False, ws: bool = False, body_only: bool = False,
+          dakk_global: bool = True, bars: tuple = (1, 2)):
     """The probe's host function (a ``cute.jit``) for K = 2 KH: one CTA of 128 threads a
     (K half, chunk-head). ``within``: the pairs within a block too. ``unit`` (with ``within``):
     then the rest of the B7-B9 unit, as the registered kernel's tail: dq2 = dq + x_q, dk2 = dk +
@@ -116,7 +117,12 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
     so the bits are the same. ``ws`` (with ``wg2``): a third warpgroup, idle here, standing for the
     persistent B6's producer, and the registers as that kernel sets them (384 threads, one CTA an
     SM, setmaxnreg 40 for it and 232 for each role): whether B7's roles fit a B6 consumer's
-    registers without spilling."""
+    registers without spilling.
+
+    ``body_only``: return the B7 body alone (``body``, a ``cute.jit`` function) for a kernel that
+    runs it on its own shared memory, with ``bars`` the named barriers it may take (the tail's,
+    128 threads; the two roles', 256) and ``dakk_global`` off where that kernel has written dAkk's
+    split tiles already."""
     assert not unit or within
     assert not l2 or unit
     assert not (wg2 and phased)  # (the two roles run at once: their operands are all live)
@@ -146,13 +152,13 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
     def _tail_bar():
         """The tail's barrier: the CTA's, or (``wg2``, where warpgroup 1 runs the tail alone) warpgroup 1's."""
         if cutlass.const_expr(wg2):
-            cute.arch.barrier(barrier_id=1, number_of_threads=128)
+            cute.arch.barrier(barrier_id=bars[0], number_of_threads=128)
         else:
             cute.arch.sync_threads()
 
     def _roles_bar():
         """The two role warpgroups' barrier (``wg2``; ``ws``'s idle warpgroup never takes it)."""
-        cute.arch.barrier(barrier_id=2, number_of_threads=256)
+        cute.arch.barrier(barrier_id=bars[1], number_of_threads=256)
 
     def _split(x):
         """x (fp32 values) as its bf16 rounding and the bf16 rounding of what that left."""
@@ -197,8 +203,6 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
         w = wid % NB  # (its rows, or columns s, are block w)
         wg = wid // NB  # (``wg2``: 0 the column role, 1 the row role; ``ws``: 2 idle)
         lane = cute.arch.lane_idx()
-        rt, ct = chunk // H, chunk % H * 2 + half  # the chunk's row tile; this K half's column tile
-        head = chunk % H
         for m, on in ((mma, True), (mma_z, False), (mma_t, True), (mma_tz, False)):  # (each MMA twice, its
             m.set(warpgroup.Field.ACCUMULATE, on)  # field set here once: see research.b6_cute_probe's _Mma)
 
@@ -243,6 +247,43 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
         s_b = [getattr(storage, n).get_tensor(b_l.outer, swizzle=b_l.inner)
                for n in (("yqh", "yql", "ykh", "ykl") if phased else ("xh", "xl", "uh", "ul"))
                + ("yqh", "yql", "ykh", "ykl")]
+        s_at = [getattr(storage, n).get_tensor(at_l.outer, swizzle=at_l.inner) for n in ("qh", "ql", "kh", "kl")]
+        tens = (dAqk, dAkk, q, k, g, beta, x_q, x_kr, x_c, dq, dk, dg, g_raw, a_log, dt_bias, dq2, dk2, dg2, db_part,
+                dA_part, dbias_part, q_rstd, k_rstd)
+        sm = (s_a, s_at, s_b, storage.red.data_ptr(), storage.xch.data_ptr(), storage.xbar.data_ptr(),
+              storage.xc.data_ptr())
+        mmas = (mma, mma_z, mma_t, mma_tz)
+        if cutlass.const_expr(not wg2):
+            body(0, tidx, w, lane, chunk, half, tens, sm, mmas)
+        elif wg < 2:
+            if cutlass.const_expr(ws):
+                cute.arch.setmaxregister_increase(232)
+            if wg == 0:
+                body(1, tidx % 128, w, lane, chunk, half, tens, sm, mmas)
+            else:
+                body(2, tidx % 128, w, lane, chunk, half, tens, sm, mmas)
+        elif cutlass.const_expr(ws):  # (the idle warpgroup; with ``l2``, the cluster's barriers too)
+            cute.arch.setmaxregister_decrease(40)
+            if cutlass.const_expr(l2):
+                cute.arch.cluster_wait()
+                cute.arch.cluster_arrive_relaxed()
+                cute.arch.cluster_wait()
+
+    @cute.jit
+    def body(roles, tid, w, lane, chunk, half, tens, sm, mmas):
+        """B7 (with ``unit`` the B7-B9 unit, with ``l2`` B7-B10) for one (chunk-head, K half), as one
+        warpgroup (``roles`` 0) or as one of two (``wg2``: 1 the column role, 2 the row role, ``tid``
+        the thread within its warpgroup). ``tens``: the global tensors in ``ARGS``'s order; ``sm``:
+        the shared tiles and pointers (dA's split tiles, A and as read MN-major; the B operand
+        tiles; the tail's sums, the l2 exchange and its barrier, x_c's hand-off); ``mmas``: the
+        four MMAs. A kernel that holds dAkk's split tiles already (``dakk_global`` off) skips
+        writing them."""
+        (dAqk, dAkk, q, k, g, beta, x_q, x_kr, x_c, dq, dk, dg, g_raw, a_log, dt_bias, dq2, dk2, dg2, db_part,
+         dA_part, dbias_part, q_rstd, k_rstd) = tens
+        s_a, s_at, s_b, red, xch, xbar, xc = sm
+        mma, mma_z, mma_t, mma_tz = mmas
+        rt, ct = chunk // H, chunk % H * 2 + half  # the chunk's row tile; this K half's column tile
+        head = chunk % H
         g_q = cute.local_tile(dAqk, (BT, BT), (rt, head))
         g_k = cute.local_tile(dAkk, (BT, BT), (rt, head))
         g_qq = cute.local_tile(q, (BT, KH), (rt, ct))
@@ -250,7 +291,7 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
         g_g = cute.local_tile(g, (BT, KH), (rt, ct))
         g_b = cute.make_tensor(beta.iterator + rt * BT * H + head, cute.make_layout(BT, stride=H))  # beta by row
 
-        thr_c = mma.get_slice(tidx % 128)
+        thr_c = mma.get_slice(tid)
         frag = thr_c.partition_C  # (a thread's 32 elements of a [64, 64] tile: its rows are block w's)
         shape = frag(g_g).shape
         coords = frag(cute.make_identity_tensor((BT, KH)))
@@ -298,11 +339,10 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
                 cute.arch.fence_view_async_shared()  # (the generic proxy's stores seen by the wgmmas)
                 cute.arch.sync_threads()
 
-        if cutlass.const_expr(not wg2):
-            da_tiles((0, 1))
+        if cutlass.const_expr(roles == 0):
+            da_tiles((0, 1) if dakk_global else (0,))
             operands((2, 3) if phased else (0, 1, 2, 3))
 
-        s_at = [getattr(storage, n).get_tensor(at_l.outer, swizzle=at_l.inner) for n in ("qh", "ql", "kh", "kl")]
 
         def sums(names):
             """The wgmma accumulators, and the sums (registers the wgmmas never touch), those named zeroed."""
@@ -377,10 +417,10 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
                     issue(specs[n + 1], accs[(n + 1) % 2], *frags)
                     warpgroup.commit_group()
 
-        if cutlass.const_expr(not wg2):
+        if cutlass.const_expr(roles == 0):
             accs, (o_q, o_k, o_c) = sums((0, 1, 2))
             stream(specs, accs, o_q, o_k, o_c)
-        if cutlass.const_expr(not within):  # (across only: block 0's columns and every row take their own
+        if cutlass.const_expr(roles == 0 and not within):  # (across only: block 0's columns and every row take their own
             # factors at the end)
             if w == 0:
                 o_c.store(o_c.load() * _ex2(anchor(BC) - frag(g_g).load()))
@@ -419,29 +459,26 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
             for o, x in outs:
                 frag(cute.local_tile(x, (BT, KH), (rt, ct))).store(o.load())
 
-        if cutlass.const_expr(not wg2):
+        if cutlass.const_expr(roles == 0):
             if cutlass.const_expr(within):
                 slow(True, True, o_q, o_k, o_c)
             if cutlass.const_expr(unit):
-                _tail(thr_c, shape, w, lane, chunk, half, storage, o_q, o_k, o_c, q, k, beta, dq, dk, dg, g_raw,
-                      a_log, dt_bias, dq2, dk2, dg2, db_part, dA_part, dbias_part, q_rstd, k_rstd)
+                _tail(thr_c, shape, w, lane, chunk, half, red, xch, xbar, o_q, o_k, o_c, q, k, beta, dq, dk, dg,
+                      g_raw, a_log, dt_bias, dq2, dk2, dg2, db_part, dA_part, dbias_part, q_rstd, k_rstd)
             else:
                 store(((o_q, x_q), (o_k, x_kr), (o_c, x_c)))
-
-        def role(col):
-            """(``wg2``) one warpgroup's whole part: ``col`` the column role's (dAqk's tiles, yq and yk,
-            the column groups, x_c handed over), else the row role's (dAkk's tiles, kx and kxu, the row
-            groups, then the tail on x_c handed over, or the sums to memory). Its registers are its
-            own, allocated here (``ws``: the idle warpgroup holds none)."""
+        else:  # (``wg2``) this warpgroup's role, its registers its own, allocated here
+            col = roles == 1
             accs, (o_q, o_k, o_c) = sums((2,) if col else (0, 1))
-            da_tiles((0,) if col else (1,))
+            if cutlass.const_expr(col or dakk_global):
+                da_tiles((0,) if col else (1,))
             operands((2, 3) if col else (0, 1), sync=False)
             cute.arch.fence_view_async_shared()
             _roles_bar()
             stream([sp for sp in specs if (sp[0] == "c") == col], accs, o_q, o_k, o_c)
             slow(not col, col, o_q, o_k, o_c)
             # x_c from warpgroup 0 to warpgroup 1 (``unit``: through shared memory, to the tail)
-            s_xc = cute.make_tensor(storage.xc.data_ptr(), cute.make_layout((BT, KH), stride=(KH, 1)))
+            s_xc = cute.make_tensor(xc, cute.make_layout((BT, KH), stride=(KH, 1)))
             if cutlass.const_expr(col):
                 if cutlass.const_expr(unit):
                     frag(s_xc).store(o_c.load())
@@ -456,32 +493,13 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
                 if cutlass.const_expr(unit):
                     _roles_bar()
                     o_c.store(frag(s_xc).load())
-                    _tail(thr_c, shape, w, lane, chunk, half, storage, o_q, o_k, o_c, q, k, beta, dq, dk, dg, g_raw,
-                          a_log, dt_bias, dq2, dk2, dg2, db_part, dA_part, dbias_part, q_rstd, k_rstd)
+                    _tail(thr_c, shape, w, lane, chunk, half, red, xch, xbar, o_q, o_k, o_c, q, k, beta, dq, dk, dg,
+                          g_raw, a_log, dt_bias, dq2, dk2, dg2, db_part, dA_part, dbias_part, q_rstd, k_rstd)
                 else:
                     store(((o_q, x_q), (o_k, x_kr)))
 
-        # (``wg2``: the branches call ``role`` through ``fn``: the DSL refuses a local function called by
-        # name inside a branch on a run-time value once it captures any value, and ``role`` only
-        # reads what it captures, writing through tensors)
-        fn = {"role": role}
-        if cutlass.const_expr(wg2):
-            if wg < 2:
-                if cutlass.const_expr(ws):
-                    cute.arch.setmaxregister_increase(232)
-                if wg == 0:
-                    fn["role"](True)
-                else:
-                    fn["role"](False)
-            elif cutlass.const_expr(ws):  # (the idle warpgroup; with ``l2``, the cluster's barriers too)
-                cute.arch.setmaxregister_decrease(40)
-                if cutlass.const_expr(l2):
-                    cute.arch.cluster_wait()
-                    cute.arch.cluster_arrive_relaxed()
-                    cute.arch.cluster_wait()
-
     @cute.jit
-    def _tail(thr_c, shape, w, lane, chunk, half, storage, o_q, o_k, o_c, q, k, beta, dq, dk, dg, g_raw, a_log,
+    def _tail(thr_c, shape, w, lane, chunk, half, red, xch, xbar, o_q, o_k, o_c, q, k, beta, dq, dk, dg, g_raw, a_log,
               dt_bias, dq2, dk2, dg2, db_part, dA_part, dbias_part, q_rstd, k_rstd):
         """``unit``: the B7-B9 unit's tail on this CTA's (chunk, K half), from the three sums in
         registers (``l2``: with B10's l2norm backward of dq2 and dk2). A thread's element i = a + 2
@@ -489,7 +507,6 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
         rt, ct, head = chunk // H, chunk % H * 2 + half, chunk % H
         frag = thr_c.partition_C
         tile = lambda t: frag(cute.local_tile(t, (BT, KH), (rt, ct)))  # noqa: E731
-        red = storage.red.data_ptr()
         # (each warp's column sums [NB, KH] for B8, for dt_bias's, and its dA_log sum)
         s_tot = cute.make_tensor(red, cute.make_layout((NB, KH), stride=(KH, 1)))
         s_bias = cute.make_tensor(red + NB * KH, cute.make_layout((NB, KH), stride=(KH, 1)))
@@ -507,7 +524,7 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
         row_sums = quad_row_sums(a_kr * kf)
         dqv, dkv = tile(dq).load() + a_q, tile(dk).load() + a_krb + a_c
         if cutlass.const_expr(l2):
-            _l2norm_bwd(frag, w, lane, half, rt, head, storage, dqv, qf, dkv, kf, q_rstd, k_rstd, tile(dq2), tile(dk2))
+            _l2norm_bwd(frag, w, lane, half, rt, head, xch, xbar, dqv, qf, dkv, kf, q_rstd, k_rstd, tile(dq2), tile(dk2))
         else:
             tile(dq2).store(dqv)
             tile(dk2).store(dkv)
@@ -584,13 +601,11 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
             cute.arch.cluster_wait()
 
     @cute.jit
-    def _l2norm_bwd(frag, w, lane, half, rt, head, storage, dqv, qf, dkv, kf, q_rstd, k_rstd, o_q, o_k):
+    def _l2norm_bwd(frag, w, lane, half, rt, head, xch, xbar, dqv, qf, dkv, kf, q_rstd, k_rstd, o_q, o_k):
         """B10 on this CTA's K half: dx = rstd (dy - (dy . y) y) for (dy, y) = (dq2, q) and (dk2, k),
         the dot products over both halves. Each half's row sums (the thread's 16 channels, then the
         quad's) go into ``xch[half]`` here and into the peer's by one bulk copy; each CTA then adds
         xch[0] + xch[1], the same sum in both."""
-        xch = storage.xch.data_ptr()
-        xbar = storage.xbar.data_ptr()
         s_x = cute.make_tensor(xch, cute.make_layout(4 * BT))
         sums = (quad_row_sums(dqv * qf), quad_row_sums(dkv * kf))
         if lane % 4 == 0:
@@ -613,6 +628,9 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
                                                cute.make_layout((BT, KH), stride=(H, 0)))).load()
         for m, dy, y, r, o in ((0, dqv, qf, rstd(q_rstd), o_q), (1, dkv, kf, rstd(k_rstd), o_k)):
             o.store((dy * r - (by_row(m, 0) + by_row(m, 1)) * y * r).to(o.element_type))
+
+    if body_only:
+        return body
 
     @cute.jit
     def probe(dAqk: cute.Tensor, dAkk: cute.Tensor, q: cute.Tensor, k: cute.Tensor, g: cute.Tensor,
