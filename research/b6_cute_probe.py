@@ -52,6 +52,12 @@ import os
 import sys
 
 BT, KH, BV = 64, 64, 64  # chunk rows, a CTA's K half, the V tile
+# (``fused``) B7's twelve [64, 64] bf16 tiles, 8 KB each and 1024-aligned, so one after another in
+# shared memory: dA's four split tiles, then the B operands kx, kxu, yq, yk, each split. Before B7
+# the epilogue's buffers lie over them (kg, dwb and dAb over the first three, dkgb's fp32 over kl and
+# xh, the peer's dA partial over xl and uh); during B7 the tail's sums over xh, and x_c's hand-off
+# over yqh and yql.
+B7_TILES = ("qh", "ql", "kh", "kl", "xh", "xl", "uh", "ul", "yqh", "yql", "ykh", "ykl")
 # (ring stages, two tiles' products in flight, dA's K-contracted part exchanged, B6's V-side
 # sums, warp-specialized, the whole of B6, persistent): compiled and timed
 BUILDS = ((2, True, False, False, False, False, False), (3, True, False, False, False, False, False),
@@ -63,7 +69,8 @@ BUILDS = ((2, True, False, False, False, False, False), (3, True, False, False, 
 
 def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exchange: bool = False,
           vside: bool = False, ws: bool = False, full: bool = False, persist: bool = False,
-          scale: float = 128 ** -0.5, clusters: int = 66, H: int = 1, both: bool = False):
+          scale: float = 128 ** -0.5, clusters: int = 66, H: int = 1, both: bool = False, fused: bool = False,
+          raw: str = "bf16", has_bias: bool = True, lower_bound: float | None = None):
     """The probe's host function (a ``cute.jit``), for K = 2 KH and V a multiple of BV.
     ``overlap``: a tile's stage is released once the next tile's products are issued (the
     wgmmas of two tiles in flight); else each tile's products are waited for at once.
@@ -92,6 +99,17 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
     same place of the other's, CTA r's partial in slot r), and both CTAs run dA's products on
     the sum, the same bits in each (x0 + x1 either way round), each writing the rows of its
     two warps' blocks: dAkk in both K halves, as a kernel with B7 after B6 needs it.
+    ``fused`` (with ``persist`` and ``both``): the backward's chunk kernel, B6 and then the B7-B9
+    unit for each chunk-head in the same CTAs (research.b7_cute_probe's body, its two roles on
+    the two consumer warpgroups: the first, which holds dq and dk, the column role; the second,
+    which formed dA, the row role and the tail, with the gate form ``raw``, ``has_bias``,
+    ``lower_bound``). dAkk goes from the second consumer's registers into B7's split tiles in
+    shared memory; B7's tiles lie over the epilogue's buffers and the peer's dA slot (``U``), so
+    every epilogue buffer is handed on only once B7 is done with it: the two consumers meet
+    before B7 writes (barrier 8), the next kg waits for the tail (barrier 5), and the peer is
+    told its partial was read only after the tail. dq, dk and dg go to memory from the epilogue
+    and come back into the tail (from L2) as in the unit; dA is written whole by both CTAs (the
+    tail's elements past the guard read it).
     ``H`` (warp-specialized builds): the token tensors hold H heads side by side, as the op's
     [B, T, H, C] tensors viewed [B * T, H * C] (beta [B * T * H]); chunk-head c is the chunk of
     rows c // H at head c % H, h and dh's [K, V] block c as the op's [B, NT, H, K, V] has it."""
@@ -112,8 +130,15 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
     assert not full or ws
     assert not persist or full
     assert not both or full
+    assert not fused or (persist and both)
     assert H == 1 or ws
     NA = 2 if persist else 1  # Akk's slots
+    if fused:  # B7's body, its two roles on the consumers (barriers: the tail's is the second consumer's, 1;
+        # the roles' 7), dAkk's split tiles written by the second consumer
+        from research.b7_cute_probe import build as b7_build
+
+        b7 = b7_build(K, True, True, True, raw, has_bias, lower_bound, H, wg2=True, body_only=True,
+                      dakk_global=False, bars=(1, 7))
     NV = V // BV
     assert not vside or NV % 2 == 0  # (each CTA of the pair has V tiles, the first at v = rank)
     tile = (BT, KH, BV)  # (M, N, K) of each wgmma product: rows, channels, the V tile
@@ -162,16 +187,32 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
             At: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, BT * BT * NA], 1024]  # the chunk's Akk
             # kg's load, the peer's dA part, Akk's slots full and empty, the sent dA part read
             xbars: cute.struct.MemRange[cutlass.Int64, 7]
-            part: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, BT * BT], 128]  # sent / received; row sums
+            part: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 8 if ws else BT * BT], 128]  # sent / received; row sums
             # (full) kg and dw in bf16, dA's two staged products, dkgb, the first consumer's sums
             # and the peer's dA partial (fp32)
-            kg: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, BT * KH if full else 8], 1024]
-            dwb: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, BT * KH if full else 8], 1024]
-            dAb: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, BT * BT if full else 8], 1024]
-            dkgb: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, BT * KH if full else 8], 128]
+            kg: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, BT * KH if full and not fused else 8],
+                                  1024 if full and not fused else 16]
+            dwb: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, BT * KH if full and not fused else 8],
+                                  1024 if full and not fused else 16]
+            dAb: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, BT * BT if full and not fused else 8],
+                                  1024 if full and not fused else 16]
+            dkgb: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, BT * KH if full and not fused else 8], 128]
             part_k: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 5 * KH if full else 8], 128]
-            xch: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, (2 if both else 1) * BT * BT if full else 8],
-                                   128]
+            xch: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, (1 if fused else 2 if both else 1) * BT * BT
+                                                         if full else 8], 128]
+            # (``fused``) B7's tiles, the epilogue's buffers over them (B7_TILES)
+            qh: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, BT * KH if fused else 8], 1024]
+            ql: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, BT * KH if fused else 8], 1024]
+            kh: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, BT * KH if fused else 8], 1024]
+            kl: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, BT * KH if fused else 8], 1024]
+            xh: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, BT * KH if fused else 8], 1024]
+            xl: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, BT * KH if fused else 8], 1024]
+            uh: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, BT * KH if fused else 8], 1024]
+            ul: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, BT * KH if fused else 8], 1024]
+            yqh: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, BT * KH if fused else 8], 1024]
+            yql: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, BT * KH if fused else 8], 1024]
+            ykh: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, BT * KH if fused else 8], 1024]
+            ykl: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, BT * KH if fused else 8], 1024]
 
         return Smem
 
@@ -525,7 +566,7 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
 
     @cute.jit
     def _epi_a(mma, mma_t, thr_c, acc_w, acc_a, s_At, chunk, rank, wtid, it, more, slot, s_dw, s_dwB, s_kgB,
-               dkgb_s, xch, xbar, beta1, s_dAb, s_dAbB, s_AB, dA_out):
+               dkgb_s, xch, xbar, beta1, s_dAb, s_dAbB, s_AB, dA_out, peer_f, kh_f, kl_f):
         """``full``, the second consumer after the V loop: dw = r(-(dv h^T)) into shared memory;
         dkgb = A^T dw (to the other consumer); dA's partial dv v^T (this CTA's tiles) + dw kg^T
         (this K half), CTA 1's sent into CTA 0's shared memory; on CTA 0 the sum, masked below
@@ -549,12 +590,13 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
         thr_tc.partition_C(dkgb_s).store(acc_g.load())
         cute.arch.barrier_arrive(barrier_id=3, number_of_threads=256)  # dkgb ready
         warpgroup.wait_group(0)
-        if cutlass.const_expr(persist):
+        if cutlass.const_expr(persist and not fused):  # (``fused``: once B7 is done with kg's space)
             if more:  # kg read: the other consumer may write the next
                 cute.arch.barrier_arrive(barrier_id=5, number_of_threads=256)
         # (``both``: CTA r's partial in slot r of both CTAs, sent by each to the other)
-        own = cute.make_tensor(xch.iterator + (rank * BT * BT if both else 0), xch.layout)
-        peer = cute.make_tensor(xch.iterator + ((1 - rank) * BT * BT if both else 0), xch.layout)
+        # (``fused``: this CTA's own slot here, the peer's partial lands over B7's tiles)
+        own = cute.make_tensor(xch.iterator + (rank * BT * BT if both and not fused else 0), xch.layout)
+        peer = peer_f if fused else cute.make_tensor(xch.iterator + ((1 - rank) * BT * BT if both else 0), xch.layout)
         if rank >= (0 if both else 1):  # this CTA's partial to the other (CTA 1's to CTA 0, or both ways)
             if cutlass.const_expr(persist):
                 if it > 0:  # the other has read the last one
@@ -565,13 +607,14 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
             if wtid == 0:
                 send = cute.make_copy_atom(cpasync.CopyBulkS2SOp(), cutlass.Float32, num_bits_per_copy=BT * BT * 32)
                 flat = cute.make_tensor(own.iterator, cute.make_layout(BT * BT))
-                cute.copy(send, flat, flat, mbar_ptr=xbar, cta_rank=cutlass.Int32(1 - rank))
+                to = cute.make_tensor(peer.iterator, cute.make_layout(BT * BT)) if fused else flat  # (the peer's slot)
+                cute.copy(send, flat, to, mbar_ptr=xbar, cta_rank=cutlass.Int32(1 - rank))
         if rank <= (1 if both else 0):  # the other's partial (on CTA 0, or on both)
             cute.arch.mbarrier_wait(xbar, it % 2)
             coords = thr_c.partition_C(cute.make_identity_tensor((BT, BT)))
             d = regs(acc_a.load() + thr_c.partition_C(peer).load())  # (x0 + x1 either way round: the same bits)
             cute.arch.barrier(barrier_id=1, number_of_threads=128)  # (every thread's share of the peer's read)
-            if cutlass.const_expr(persist):
+            if cutlass.const_expr(persist and not fused):  # (``fused``: after B7, whose tiles the slot lies under)
                 if more:
                     if wtid == 0:  # armed for the next partial, then the other told this one was read
                         cute.arch.mbarrier_arrive_and_expect_tx(xbar, BT * BT * 4)
@@ -599,15 +642,21 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
             for i in cutlass.range_constexpr(cute.size(acc_3)):  # negated below the diagonal
                 r, c = coords_t[i]
                 acc_3[i] = cutlass.Float32(cutlass.select_(r > c, -acc_3[i], cutlass.Float32(0.0)))
-            if (wtid // 64 - rank) * (1 if both else 0) == 0:  # (``both``: each CTA its two warps' row blocks)
+            if (wtid // 64 - rank) * (1 if both and not fused else 0) == 0:  # (``both``: each CTA its two warps'
+                # row blocks; ``fused``: both the whole tile, the same bits, for the tail's slow path)
                 thr_tc.partition_C(cute.local_tile(dA_out, (BT, BT), (chunk // H, chunk % H))).store(acc_3.load())
+            if cutlass.const_expr(fused):  # dAkk's split tiles for B7, once both consumers are done with the buffers
+                cute.arch.barrier(barrier_id=8, number_of_threads=256)
+                d_hi = acc_3.load().to(cutlass.BFloat16)
+                thr_tc.partition_C(kh_f).store(d_hi)
+                thr_tc.partition_C(kl_f).store((acc_3.load() - d_hi.to(cutlass.Float32)).to(cutlass.BFloat16))
         if cutlass.const_expr(persist):  # every Akk product of this warpgroup waited: the slot is free
             cute.arch.barrier(barrier_id=1, number_of_threads=128)
             if wtid == 0:
                 cute.arch.mbarrier_arrive(xbar + 3 + slot)
 
     @cute.jit
-    def _sums_k(ring, mma, s_vn, s_do, s_h, s_dh, dq, dkh, first, step, nch, rank, wtid, s_hA, ek):
+    def _sums_k(ring, mma, s_vn, s_do, s_h, s_dh, dq, dkh, first, step, nch, rank, wtid, s_hA, ek, b7c):
         """The warp-specialized build's first consumer, per chunk-head of this cluster's: dq
         and dk_h of this CTA's K half (with ``full``, also h dh^T, whose diagonal is dg's
         last-row term, and then ``_epi_k``)."""
@@ -646,13 +695,17 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
             done.advance()
             if cutlass.const_expr(full):
                 _epi_k(thr_c, acc_q, acc_k, acc_s, o_q, o_k, chunk, rank, wtid, it, it < mine_n - 1, *ek)
+                if cutlass.const_expr(fused):  # B7's column role, once both consumers are done with the buffers
+                    cute.arch.barrier(barrier_id=8, number_of_threads=256)
+                    b7(1, wtid, cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4, cute.arch.lane_idx(), chunk,
+                       rank, *b7c)
             else:
                 thr_c.partition_C(o_q).store(acc_q.load())
                 thr_c.partition_C(o_k).store(acc_k.load())
 
     @cute.jit
     def _sums_a(ring, mma, mma_t, s_dv, s_h, s_vb, s_v, s_At, s_dvb, dw, dv2, dAv, dbv, beta, abar,
-                first, step, nch, rank, wtid, ea):
+                first, step, nch, rank, wtid, ea, b7c):
         """The warp-specialized build's second consumer, per chunk-head of this cluster's: dw of
         this CTA's K half, and the V-side sums of its V tiles (dA's and db's partials, dv2);
         with ``full``, then ``_epi_a``. Akk from slot it % NA, once its load has landed."""
@@ -722,6 +775,14 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
                 dbv[(chunk * 2 + rank) * BT + wtid // 32 * 16 + wtid % 32 // 4 + 8] = s1
             if cutlass.const_expr(full):
                 _epi_a(mma, mma_t, thr_c, acc_w, acc_a, s_At, chunk, rank, wtid, it, it < mine_n - 1, slot, *ea)
+                if cutlass.const_expr(fused):  # B7's row role and the tail; then the buffers handed on
+                    b7(2, wtid, cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4, cute.arch.lane_idx(), chunk,
+                       rank, *b7c)
+                    if it < mine_n - 1:
+                        cute.arch.barrier_arrive(barrier_id=5, number_of_threads=256)  # the next kg may be written
+                        if wtid == 0:  # armed for the peer's next partial, then the peer told this one was read
+                            cute.arch.mbarrier_arrive_and_expect_tx(abar - 1, BT * BT * 4)
+                            cute.arch.mbarrier_arrive(abar + 4, peer_cta_rank_in_cluster=1 - rank, scope=CLUSTER)
 
     @cute.kernel
     def kernel_ws(tma_vn, vn_t, tma_do, do_t, tma_dv, dv_t, tma_h, h_t, tma_dh, dh_t, tma_v, v_t, tma_A, A_t,
@@ -729,9 +790,15 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
                   mma: cute.TiledMma, mma_t: cute.TiledMma, mma_z: cute.TiledMma, mma_tz: cute.TiledMma,
                   a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout, bmn_smem: cute.ComposedLayout,
                   a1: cute.ComposedLayout, b1: cute.ComposedLayout, bmn1: cute.ComposedLayout,
-                  aA: cute.ComposedLayout, atA: cute.ComposedLayout, bA: cute.ComposedLayout, nch: cutlass.Int32):
+                  aA: cute.ComposedLayout, atA: cute.ComposedLayout, bA: cute.ComposedLayout, nch: cutlass.Int32,
+                  dAqk, g_raw, a_log, dt_bias, dq2, dk2, dg2, db_part, dA_part, dbias_part, m7: cute.TiledMma,
+                  m7z: cute.TiledMma, m7t: cute.TiledMma, m7tz: cute.TiledMma, l7a: cute.ComposedLayout,
+                  l7at: cute.ComposedLayout, l7b: cute.ComposedLayout):
         tidx, _, _ = cute.arch.thread_idx()
         mma, mma_t = _Mma(mma, mma_z), _Mma(mma_t, mma_tz)
+        if cutlass.const_expr(fused):  # (B7's MMAs, each twice, the field set here once: see _Mma)
+            for m, on in ((m7, True), (m7z, False), (m7t, True), (m7tz, False)):
+                m.set(warpgroup.Field.ACCUMULATE, on)
         _, _, first = cute.arch.block_idx()  # the cluster's first chunk-head; then every step-th
         _, _, step = cute.arch.grid_dim()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -771,20 +838,38 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
         # and the same bytes in the other operand role where one is needed (their offsets agree)
         s_hA = storage.h.get_tensor(a_smem.outer, swizzle=a_smem.inner)  # h as A (rows k, K = V)
         f32 = cute.make_layout((BT, KH), stride=(KH, 1))
-        ek = (q, k, gc, beta2K, dg, dbk, storage.kg.get_tensor(a1.outer, swizzle=a1.inner)[(None, None, 0)],
-              cute.make_tensor(storage.part_k.data_ptr(), f32), cute.make_tensor(storage.dkgb.data_ptr(), f32))
-        ea = (storage.dwb.get_tensor(a1.outer, swizzle=a1.inner), storage.dwb.get_tensor(bmn1.outer, swizzle=bmn1.inner),
-              storage.kg.get_tensor(b1.outer, swizzle=b1.inner), cute.make_tensor(storage.dkgb.data_ptr(), f32),
+        as_f32 = lambda field: cute.recast_ptr(field.data_ptr(), dtype=cutlass.Float32)  # noqa: E731
+        # (``fused``: kg, dwb and dAb over B7's first three tiles, dkgb over kl and xh, the peer's dA
+        # partial over xl and uh: B7_TILES)
+        kg_f, dwb_f, dAb_f = (storage.qh, storage.ql, storage.kh) if fused else (storage.kg, storage.dwb, storage.dAb)
+        dkgb_p = as_f32(storage.kl if fused else storage.dkgb)
+        ek = (q, k, gc, beta2K, dg, dbk, kg_f.get_tensor(a1.outer, swizzle=a1.inner)[(None, None, 0)],
+              cute.make_tensor(storage.part_k.data_ptr(), f32), cute.make_tensor(dkgb_p, f32))
+        b7c = None
+        s7a = [getattr(storage, n).get_tensor(l7a.outer, swizzle=l7a.inner) for n in B7_TILES[:4]]
+        if cutlass.const_expr(fused):
+            s7at = [getattr(storage, n).get_tensor(l7at.outer, swizzle=l7at.inner) for n in B7_TILES[:4]]
+            s7b = [getattr(storage, n).get_tensor(l7b.outer, swizzle=l7b.inner) for n in B7_TILES[4:]]
+            # (B7's tensors in research.b7_cute_probe.ARGS's order: its sums' outputs unused, dq for
+            # them; the rstds unused without B10, beta for them)
+            tens = (dAqk, dA_out, q, k, gc, beta1, dq, dq, dq, dq, dkh, dg, g_raw, a_log, dt_bias, dq2, dk2, dg2,
+                    db_part, dA_part, dbias_part, beta1, beta1)
+            # (the tail's sums over xh, x_c's hand-off over yqh and yql; B10's exchange unused)
+            sm = (s7a, s7at, s7b, as_f32(storage.xh), as_f32(storage.xh), storage.xbars.data_ptr(), as_f32(storage.yqh))
+            b7c = (tens, sm, (m7, m7z, m7t, m7tz))
+        ea = (dwb_f.get_tensor(a1.outer, swizzle=a1.inner), dwb_f.get_tensor(bmn1.outer, swizzle=bmn1.inner),
+              kg_f.get_tensor(b1.outer, swizzle=b1.inner), cute.make_tensor(dkgb_p, f32),
               cute.make_tensor(storage.xch.data_ptr(), f32), abar - 1, beta1,
-              storage.dAb.get_tensor(a1.outer, swizzle=a1.inner), storage.dAb.get_tensor(bmn1.outer, swizzle=bmn1.inner),
-              storage.At.get_tensor(bA.outer, swizzle=bA.inner), dA_out)
+              dAb_f.get_tensor(a1.outer, swizzle=a1.inner), dAb_f.get_tensor(bmn1.outer, swizzle=bmn1.inner),
+              storage.At.get_tensor(bA.outer, swizzle=bA.inner), dA_out,
+              cute.make_tensor(as_f32(storage.xl), f32), s7a[2][None, None, 0], s7a[3][None, None, 0])
         if wg == 1:  # dq and dk_h over V
             cute.arch.setmaxregister_increase(232)
-            _sums_k(ring, mma, s_vn, s_do, s_h, s_dh, dq, dkh, first, step, nch, rank, wtid, s_hA, ek)
+            _sums_k(ring, mma, s_vn, s_do, s_h, s_dh, dq, dkh, first, step, nch, rank, wtid, s_hA, ek, b7c)
         if wg == 2:  # dw over V, and the V-side sums of this CTA's tiles
             cute.arch.setmaxregister_increase(232)
             _sums_a(ring, mma, mma_t, s_dv, s_h, s_vb, s_v, s_At, s_dvb, dw, dv2, dAv, dbv, beta, abar, first, step,
-                    nch, rank, wtid, ea)
+                    nch, rank, wtid, ea, b7c)
         cute.arch.cluster_arrive()
         cute.arch.cluster_wait()
 
@@ -793,9 +878,21 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
               kg: cute.Tensor, dq: cute.Tensor, dkh: cute.Tensor, dw: cute.Tensor, dA: cute.Tensor,
               v: cute.Tensor, A: cute.Tensor, beta: cute.Tensor, dv2: cute.Tensor, dAv: cute.Tensor,
               dbv: cute.Tensor, q: cute.Tensor, k: cute.Tensor, gc: cute.Tensor, dg: cute.Tensor,
-              dbk: cute.Tensor, dA_out: cute.Tensor, stream: cuda.CUstream):
+              dbk: cute.Tensor, dA_out: cute.Tensor, dAqk: cute.Tensor, g_raw: cute.Tensor, a_log: cute.Tensor,
+              dt_bias: cute.Tensor, dq2: cute.Tensor, dk2: cute.Tensor, dg2: cute.Tensor, db_part: cute.Tensor,
+              dA_part: cute.Tensor, dbias_part: cute.Tensor, stream: cuda.CUstream):
         k_major = LayoutEnum.ROW_MAJOR
         mn_major = LayoutEnum.COL_MAJOR
+        # (``fused``) B7's MMAs and tile layouts, as research.b7_cute_probe makes them
+        m7, m7z = (sm90.make_trivial_tiled_mma(cutlass.BFloat16, cutlass.BFloat16, k_major.sm90_mma_major_mode(),
+                                               mn_major.sm90_mma_major_mode(), cutlass.Float32, (1, 1, 1),
+                                               tiler_mn=(BT, KH)) for _ in range(2))
+        m7t, m7tz = (sm90.make_trivial_tiled_mma(cutlass.BFloat16, cutlass.BFloat16, mn_major.sm90_mma_major_mode(),
+                                                 mn_major.sm90_mma_major_mode(), cutlass.Float32, (1, 1, 1),
+                                                 tiler_mn=(BT, KH)) for _ in range(2))
+        l7a = sm90.make_smem_layout_a(k_major, (BT, KH, BT), cutlass.BFloat16, 1)
+        l7at = sm90.make_smem_layout_a(mn_major, (BT, KH, BT), cutlass.BFloat16, 1)
+        l7b = sm90.make_smem_layout_b(mn_major, (BT, KH, BT), cutlass.BFloat16, 1)
         # (two of each: see _Mma) K-major operands, [64, 64] outputs; and MN-major (A^T products)
         mma, mma_z = (sm90.make_trivial_tiled_mma(cutlass.BFloat16, cutlass.BFloat16, k_major.sm90_mma_major_mode(),
                                                   k_major.sm90_mma_major_mode(), cutlass.Float32, (1, 1, 1),
@@ -832,7 +929,8 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
         if cutlass.const_expr(ws):
             kernel_ws(tma_vn, vn_t, tma_do, do_t, tma_dv, dv_t, tma_h, h_t, tma_dh, dh_t, tma_v, v_t, tma_A, A_t,
                       beta2, dq, dkh, dw, dv2, dAv, dbv, q, k, gc, beta2K, beta, dg, dbk, dA_out, mma, mma_t,
-                      mma_z, mma_tz, a_smem, b_smem, bmn_smem, a1, b1, bmn1, aA, atA, bA, nch).launch(
+                      mma_z, mma_tz, a_smem, b_smem, bmn_smem, a1, b1, bmn1, aA, atA, bA, nch, dAqk, g_raw, a_log,
+                      dt_bias, dq2, dk2, dg2, db_part, dA_part, dbias_part, m7, m7z, m7t, m7tz, l7a, l7at, l7b).launch(
                 grid=(1, 2, min(nch, clusters) if persist else nch), block=(384, 1, 1), cluster=(1, 2, 1),
                 min_blocks_per_mp=1, stream=stream)
         else:
@@ -845,7 +943,8 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
 
 
 ARGS = ("h", "dh", "vn", "do", "dv", "kg", "dq", "dkh", "dw", "dA", "v", "A", "beta", "dv2", "dAv", "dbv", "q", "k",
-        "gc", "dg", "dbk", "dA_out")  # the probe's tensors, in its order
+        "gc", "dg", "dbk", "dA_out", "dAqk", "g_raw", "A_log", "dt_bias", "dq2", "dk2", "dg2", "db_part", "dA_part",
+        "dbias_part")  # the probe's tensors, in its order (from dAqk on, the ``fused`` build's B7 tensors)
 
 
 def probe_shapes(nrt: int, H: int = 1, K: int = 128, V: int = 256) -> dict:
@@ -861,12 +960,34 @@ def probe_shapes(nrt: int, H: int = 1, K: int = 128, V: int = 256) -> dict:
             "kg": tok(K, bf), "dq": tok(K, f32), "dkh": tok(K, f32), "dw": tok(K, f32), "dA": tok(BT, f32),
             "v": tok(V, bf), "A": tok(BT, bf), "beta": ((R * H,), f32), "dv2": tok(V, bf),
             "dAv": ((2 * nch * BT, BT), f32), "dbv": ((2 * nch * BT,), f32), "q": tok(K, bf), "k": tok(K, bf),
-            "gc": tok(K, f32), "dg": tok(K, f32), "dbk": ((2 * nch * BT,), f32), "dA_out": tok(BT, f32)}
+            "gc": tok(K, f32), "dg": tok(K, f32), "dbk": ((2 * nch * BT,), f32), "dA_out": tok(BT, f32),
+            **fused_shapes(nrt, H, K)}
+
+
+def unused_fused(dev) -> tuple:
+    """Placeholders for the ``fused`` build's B7 tensors, for the builds that never read them."""
+    import torch
+
+    return tuple(torch.empty(16, device=dev) for _ in ARGS[22:])
+
+
+def fused_shapes(nrt: int, H: int = 1, K: int = 128, raw=None) -> dict:
+    """The ``fused`` build's B7 tensors' (shape, dtype), as research.b7_cute_probe.unit_views makes
+    them (dq2 and dk2 in fp32, no B10; the raw gate and dg2 in ``raw``, bf16 by default)."""
+    import torch
+
+    raw = raw or torch.bfloat16
+    f32 = torch.float32
+    R, nch = nrt * BT, nrt * H
+    return {"dAqk": ((R, H * BT), f32), "g_raw": ((R, H * K), raw), "A_log": ((H,), f32), "dt_bias": ((H * K,), f32),
+            "dq2": ((R, H * K), f32), "dk2": ((R, H * K), f32), "dg2": ((R, H * K), raw),
+            "db_part": ((2 * R * H,), f32), "dA_part": ((2 * nch,), f32), "dbias_part": ((nch, K), f32)}
 
 
 def compile_offline(nch: int = 4, K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True,
                     exchange: bool = False, vside: bool = False, ws: bool = False, full: bool = False,
-                    persist: bool = False, dump: str | None = None, H: int = 1, both: bool = False):
+                    persist: bool = False, dump: str | None = None, H: int = 1, both: bool = False,
+                    fused: bool = False):
     """Trace and compile for sm_90a on any machine with CuTe DSL (no GPU): the PTX and cubin
     land in ``dump`` (``CUTE_DSL_KEEP``). ``nch`` chunks of rows at ``H`` heads."""
     if dump:
@@ -878,8 +999,8 @@ def compile_offline(nch: int = 4, K: int = 128, V: int = 256, stages: int = 3, o
 
     tensors = [from_dlpack(torch.zeros(shape, dtype=dtype), assumed_align=16)
                for shape, dtype in probe_shapes(nch, H, K, V).values()]
-    return cute.compile(build(K, V, stages, overlap, exchange, vside, ws, full, persist, H=H, both=both), *tensors,
-                        cuda.CUstream(0))
+    return cute.compile(build(K, V, stages, overlap, exchange, vside, ws, full, persist, H=H, both=both, fused=fused),
+                        *tensors, cuda.CUstream(0))
 
 
 _COMPILED: dict = {}
@@ -1001,7 +1122,7 @@ def wy_dqkg_bwd(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, c
                    kg=small(BT, KH, dtype=torch.bfloat16), dq=flat(dq), dkh=flat(dk), dw=small(BT, KH),
                    dA=small(BT, BT), v=flat(v), A=flat(A), beta=beta.to(f32).contiguous().view(-1), dv2=flat(dv2),
                    dAv=small(2 * BT, BT), dbv=dbv, q=flat(q), k=flat(k), gc=flat(gc), dg=flat(dg), dbk=dbk,
-                   dA_out=flat(dA))
+                   dA_out=flat(dA), **dict(zip(ARGS[22:], unused_fused(dev))))
     args = [from_dlpack(tensors[name], assumed_align=16) for name in ARGS]
     args.append(cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream))
     key = (R, H, float(scale), build_index, dev.index)
@@ -1162,7 +1283,7 @@ def gpu_run(nch: int = 32768, K: int = 128, V: int = 256, stages: int = 3, overl
     dA_out = torch.full((nch * BT, BT), float("nan"), device="cuda")
     # (launched on torch's stream, so the events below bracket the kernel itself)
     args = [from_dlpack(t, assumed_align=16) for t in (h, dh, vn, do, dv, kg, *outs, dA, v, Akk, beta, dv2, dAv, dbv,
-                                                       q, k, gc, dg, dbk, dA_out)]
+                                                       q, k, gc, dg, dbk, dA_out, *unused_fused(dev="cuda"))]
     args.append(cuda.CUstream(torch.cuda.current_stream().cuda_stream))
     scale = K ** -0.5
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -1289,7 +1410,7 @@ def main(argv=None) -> int:
         compile_offline(stages=int(argv[1]), overlap=bool(int(argv[2])), exchange=bool(int(argv[3])),
                         vside=bool(int(argv[4])), ws=bool(int(argv[5])), full=bool(int(argv[6])),
                         persist=bool(int(argv[7])), dump=argv[8], H=int(argv[9]) if len(argv) > 9 else 1,
-                        both="both" in argv[10:])
+                        both="both" in argv[10:] or "fused" in argv[10:], fused="fused" in argv[10:])
         return 0
     if argv[:1] == ["gpu"]:  # every build, or those whose indices in BUILDS follow (8:both: build 8 with
         # the dA exchange both ways)
