@@ -1250,11 +1250,13 @@ def b6_want(q, k, gc, beta, Akk, h, dh, vn, do, dv, v, scale) -> dict:
 
 def gpu_run(nch: int = 32768, K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True,
             exchange: bool = False, vside: bool = False, ws: bool = False, full: bool = False,
-            persist: bool = False, reps: int = 20, both: bool = False) -> dict:
+            persist: bool = False, reps: int = 20, both: bool = False, fused: bool = False) -> dict:
     """On a GPU: the probe's sums against torch's on 64 chunk-heads spread evenly over all
     ``nch`` (so a persistent cluster's later chunk-heads are among them), relative RMS; then
     its CUDA-event time at ``nch`` chunk-heads (32,768: prod8192_gate's) against the bytes it
-    must move."""
+    must move. ``fused``: also the B7-B9 unit's outputs against the registered Triton unit run on
+    this kernel's own B6 outputs (B7 alone), and against the registered B6 then the registered
+    unit (the whole chain); timed against the two registered kernels back to back."""
     import time
 
     import cuda.bindings.driver as cuda
@@ -1281,14 +1283,23 @@ def gpu_run(nch: int = 32768, K: int = 128, V: int = 256, stages: int = 3, overl
     dg = torch.full((nch * BT, K), float("nan"), device="cuda")
     dbk = torch.full((2 * nch * BT,), float("nan"), device="cuda")
     dA_out = torch.full((nch * BT, BT), float("nan"), device="cuda")
+    b7t = unused_fused(dev="cuda")
+    if fused:  # B7's own inputs (dAqk lower with its diagonal, the raw gate, its parameters) and outputs
+        rows = torch.arange(BT, device="cuda")
+        dAqk = (torch.randn(nch, BT, BT, generator=g, device="cuda") * (rows[:, None] >= rows[None, :])).view(-1, BT)
+        b7t = (dAqk, (torch.randn(nch * BT, K, generator=g, device="cuda") * 2).bfloat16(),
+               torch.randn(1, generator=g, device="cuda") * 0.5, torch.randn(K, generator=g, device="cuda") * 0.5,
+               *(torch.full((nch * BT, K), float("nan"), device="cuda") for _ in range(2)),
+               torch.full((nch * BT, K), float("nan"), **bf), torch.full((2 * nch * BT,), float("nan"), device="cuda"),
+               torch.full((2 * nch,), float("nan"), device="cuda"), torch.full((nch, K), float("nan"), device="cuda"))
     # (launched on torch's stream, so the events below bracket the kernel itself)
     args = [from_dlpack(t, assumed_align=16) for t in (h, dh, vn, do, dv, kg, *outs, dA, v, Akk, beta, dv2, dAv, dbv,
-                                                       q, k, gc, dg, dbk, dA_out, *unused_fused(dev="cuda"))]
+                                                       q, k, gc, dg, dbk, dA_out, *b7t)]
     args.append(cuda.CUstream(torch.cuda.current_stream().cuda_stream))
     scale = K ** -0.5
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    run = cute.compile(build(K, V, stages, overlap, exchange, vside, ws, full, persist, scale, sms // 2, both=both),
-                       *args)
+    run = cute.compile(build(K, V, stages, overlap, exchange, vside, ws, full, persist, scale, sms // 2, both=both,
+                             fused=fused), *args)
     run(*args)
     torch.cuda.synchronize()
     n = min(nch, 64)
@@ -1361,6 +1372,31 @@ def gpu_run(nch: int = 32768, K: int = 128, V: int = 256, stages: int = 3, overl
         registered = {"vs_registered": {name: _rel(ours[name].reshape(-1), theirs[name].reshape(-1))
                                         for name in ours},
                       "registered_ms": timed(lambda: b6_wy_bwd.wy_dqkg_bwd(*reg_args))}
+        if fused:  # the registered B7-B9 unit on this kernel's B6 outputs (B7 alone), then on the
+            # registered B6's (the whole chain); the unit's db from zero, so db is B7's part alone
+            from kernel_fun.kda.kernels import b7_b9_intra_bwd
+
+            dAqk, g_raw, A_log, dt_bias, dq2, dk2, dg2, db_part, dA_part, dbias_part = b7t
+            ours7 = (dq2, dk2, db_part.view(2, -1).sum(0), dg2.float(), dA_part.sum().view(1), dbias_part.sum(0))
+            names7 = ("dq", "dk", "db", "dg", "dA_log", "ddt_bias")
+
+            def unit(dq_, dk_, dg_, dA_):
+                return b7_b9_intra_bwd.intra_bwd(
+                    q=tok(q), k=tok(k), gc=tok(gc), beta=tok(beta), dAqk=tok(dAqk), dAkk=tok(dA_), dq=tok(dq_),
+                    dk=tok(dk_), db=torch.zeros(1, nch * BT, 1, device="cuda"), dg=tok(dg_), safe_gate=False,
+                    g=tok(g_raw), A_log=A_log, dt_bias=dt_bias, lower_bound=None, chunk_size=BT, cu_seqlens=None,
+                    chunk_indices=None)
+
+            for key, theirs7 in (("b7_vs_registered", unit(outs[0], outs[1], dg, dA_out)),
+                                 ("chain_vs_registered", unit(r_dq, r_dk, r_dg, r_dA))):
+                registered[key] = {n: _rel(a.reshape(-1).float(), b.reshape(-1).float())
+                                   for n, a, b in zip(names7, ours7, theirs7)}
+
+            def chain():
+                o = b6_wy_bwd.wy_dqkg_bwd(*reg_args)
+                return unit(o[0], o[1], o[4], o[5])
+
+            registered["registered_chain_ms"] = timed(chain)
         del r_dq, r_dk, r_dv2, r_db, r_dg, r_dA, ours, theirs
     ms = timed(lambda: run(*args))
     torch.cuda.synchronize()
@@ -1376,12 +1412,16 @@ def gpu_run(nch: int = 32768, K: int = 128, V: int = 256, stages: int = 3, overl
         # four partials (fp32) and dv2 (bf16) out
         moved = nch * ((2 * K * V + 4 * BT * V + BT * BT + 2 * BT * K + BT * V) * 2
                        + (BT * K + BT + 3 * BT * K + BT * BT + 4 * BT) * 4)
+    if fused:  # and B7's: dAqk and the raw gate in, dq, dk and dg back in, dq2 and dk2 (fp32), dg2 and the
+        # partials out
+        moved += nch * (BT * BT * 4 + BT * K * 2 + 3 * BT * K * 4 + 2 * BT * K * 4 + BT * K * 2 + 2 * BT * 4 + K * 4)
     return {"kind": "gpu", "kernel": "b6_cute_probe", "chunk_heads": nch, "stages": stages, "overlap": overlap,
             "errors": errors,
             "exchange": exchange, "vside": vside, "ws": ws, "full": full, "persist": persist, "both": both,
-            "diagnosis": diagnosis,
+            "fused": fused, "diagnosis": diagnosis,
             "finite": all(bool(torch.isfinite(o).all()) for o in (outs[:2] if full else outs) + ([dA] if exchange else [])
-                          + ([dv2, dbv, dg, dbk, dA_out] if full else [dv2, dAv, dbv] if vside else [])),
+                          + ([dv2, dbv, dg, dbk, dA_out] if full else [dv2, dAv, dbv] if vside else [])
+                          + (list(b7t[4:]) if fused else [])),
             "ms": ms, "wall_ms": wall_ms, "bytes": moved, **registered,
             "TB_s": moved / ms / 1e9, "gpu": torch.cuda.get_device_name()}
 
@@ -1413,12 +1453,13 @@ def main(argv=None) -> int:
                         both="both" in argv[10:] or "fused" in argv[10:], fused="fused" in argv[10:])
         return 0
     if argv[:1] == ["gpu"]:  # every build, or those whose indices in BUILDS follow (8:both: build 8 with
-        # the dA exchange both ways)
+        # the dA exchange both ways; 8:fused: that with the B7-B9 unit after B6)
         for arg in argv[1:] or [str(i) for i in range(len(BUILDS))]:
             index, *form = arg.split(":")
             stages, overlap, exchange, vside, ws, full, persist = BUILDS[int(index)]
             print(json.dumps(gpu_run(stages=stages, overlap=overlap, exchange=exchange, vside=vside, ws=ws, full=full,
-                                     persist=persist, both="both" in form)), flush=True)
+                                     persist=persist, both="both" in form or "fused" in form,
+                                     fused="fused" in form)), flush=True)
         return 0
     print(__doc__)
     return 2

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Call 2 (carry .gpu and .cute2), right after cute_a.sh on the same machine: join CuTe DSL, then
 # the fragment builds of the B7 and B6 probes, each step in its own process while LIMIT allows:
-# the unit, the unit with B10, the persistent B6, Nsight Compute on the unit, the unit with B10 on two
-# warpgroups, then the rest.
+# the unit, the unit with B10, the persistent B6, the fused B6 and B7-B9, Nsight Compute on the unit,
+# the unit with B10 on two warpgroups, then the rest.
 source .gpu/env.sh
 source research/gpu/cute_env.sh || { echo "no cute"; exit 3; }
 LIMIT=${LIMIT:-480}
@@ -21,6 +21,7 @@ step() {  # step NAME FILE SECONDS CMD...
 step "b7 unit" b7.jsonl 150 python3 -m research.b7_cute_probe gpu 2
 step "b7 unit with b10" b7.jsonl 120 python3 -m research.b7_cute_probe gpu 2:l2
 step "b6 persistent" b6.jsonl 100 python3 -m research.b6_cute_probe gpu 8
+step "b6 then b7-b9, fused" b6.jsonl 100 python3 -m research.b6_cute_probe gpu 8:fused
 if [ "$(left)" -gt 90 ]; then
   echo "== ncu unit $(date +%T)" | tee -a $log
   timeout -k 5 $(( $(left) > 150 ? 140 : $(left) - 10 )) ncu --clock-control none --set full --import-source yes \
