@@ -697,8 +697,10 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
                 _epi_k(thr_c, acc_q, acc_k, acc_s, o_q, o_k, chunk, rank, wtid, it, it < mine_n - 1, *ek)
                 if cutlass.const_expr(fused):  # B7's column role, once both consumers are done with the buffers
                     cute.arch.barrier(barrier_id=8, number_of_threads=256)
+                    # (B6's accumulators, dead here, as B7's: two accumulators and x_c; this role
+                    # never touches the row role's sums, given acc_s's registers as well)
                     b7(1, wtid, cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4, cute.arch.lane_idx(), chunk,
-                       rank, *b7c)
+                       rank, *b7c, (acc_q, acc_k, acc_s, acc_s, acc_s))
             else:
                 thr_c.partition_C(o_q).store(acc_q.load())
                 thr_c.partition_C(o_k).store(acc_k.load())
@@ -776,8 +778,10 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
             if cutlass.const_expr(full):
                 _epi_a(mma, mma_t, thr_c, acc_w, acc_a, s_At, chunk, rank, wtid, it, it < mine_n - 1, slot, *ea)
                 if cutlass.const_expr(fused):  # B7's row role and the tail; then the buffers handed on
+                    # (B6's accumulators, dead here, as B7's: two accumulators, x_q and x_kr, and x_c
+                    # over the first accumulator, which it is read into only once the stream is done)
                     b7(2, wtid, cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4, cute.arch.lane_idx(), chunk,
-                       rank, *b7c)
+                       rank, *b7c, (acc_w, acc_a, acc_b, prod, acc_w))
                     if it < mine_n - 1:
                         cute.arch.barrier_arrive(barrier_id=5, number_of_threads=256)  # the next kg may be written
                         if wtid == 0:  # armed for the peer's next partial, then the peer told this one was read
@@ -893,6 +897,8 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
         l7a = sm90.make_smem_layout_a(k_major, (BT, KH, BT), cutlass.BFloat16, 1)
         l7at = sm90.make_smem_layout_a(mn_major, (BT, KH, BT), cutlass.BFloat16, 1)
         l7b = sm90.make_smem_layout_b(mn_major, (BT, KH, BT), cutlass.BFloat16, 1)
+        a_sm = sm90.make_smem_layout_a(k_major, tile, cutlass.BFloat16, stages)
+        SMEM_BYTES["last"] = _smem_type(a_sm, sm90.make_smem_layout_b(k_major, tile, cutlass.BFloat16, stages)).size_in_bytes()
         # (two of each: see _Mma) K-major operands, [64, 64] outputs; and MN-major (A^T products)
         mma, mma_z = (sm90.make_trivial_tiled_mma(cutlass.BFloat16, cutlass.BFloat16, k_major.sm90_mma_major_mode(),
                                                   k_major.sm90_mma_major_mode(), cutlass.Float32, (1, 1, 1),
@@ -941,6 +947,8 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
 
     return probe
 
+
+SMEM_BYTES: dict = {}  # (the last build traced: its kernel's shared memory, bytes)
 
 ARGS = ("h", "dh", "vn", "do", "dv", "kg", "dq", "dkh", "dw", "dA", "v", "A", "beta", "dv2", "dAv", "dbv", "q", "k",
         "gc", "dg", "dbk", "dA_out", "dAqk", "g_raw", "A_log", "dt_bias", "dq2", "dk2", "dg2", "db_part", "dA_part",
@@ -999,8 +1007,12 @@ def compile_offline(nch: int = 4, K: int = 128, V: int = 256, stages: int = 3, o
 
     tensors = [from_dlpack(torch.zeros(shape, dtype=dtype), assumed_align=16)
                for shape, dtype in probe_shapes(nch, H, K, V).values()]
-    return cute.compile(build(K, V, stages, overlap, exchange, vside, ws, full, persist, H=H, both=both, fused=fused),
-                        *tensors, cuda.CUstream(0))
+    compiled = cute.compile(build(K, V, stages, overlap, exchange, vside, ws, full, persist, H=H, both=both,
+                                  fused=fused), *tensors, cuda.CUstream(0))
+    if dump:
+        with open(os.path.join(dump, "smem_bytes"), "w") as f:
+            f.write(str(SMEM_BYTES["last"]))
+    return compiled
 
 
 _COMPILED: dict = {}
@@ -1174,17 +1186,22 @@ def ptxas_report(dump: str) -> dict:
 
 
 def sm90_row(dump: str, stages: int = 3, overlap: bool = True, exchange: bool = False, vside: bool = False,
-             ws: bool = False, full: bool = False, persist: bool = False, both: bool = False) -> dict:
-    """What the offline build is (``ptxas_report``), with its wgmma, TMA and bulk-copy counts."""
+             ws: bool = False, full: bool = False, persist: bool = False, both: bool = False,
+             fused: bool = False) -> dict:
+    """What the offline build is (``ptxas_report``), with its wgmma, TMA and bulk-copy counts and
+    (where the build recorded it) its shared memory."""
     report = ptxas_report(dump)
     ptx = report.pop("ptx")
     return {"kind": "compile_sm90", "kernel": "b6_cute_probe", "stages": stages, "overlap": overlap,
-            "exchange": exchange, "vside": vside, "ws": ws, "full": full, "persist": persist, "both": both, **report,
+            "exchange": exchange, "vside": vside, "ws": ws, "full": full, "persist": persist, "both": both,
+            **({"fused": True} if fused else {}), **report,
             "bulk_s2s": ptx.count("cp.async.bulk.shared::cluster.shared::cta"),
             "shared_ring": stages * ((4 if vside else 3) * BT * BV + 2 * KH * BV) * 2,
             "wgmma": ptx.count("wgmma.mma_async"),
             "tma_multicast": ptx.count("multicast::cluster"), "tma_own": ptx.count(".global.tile.mbarrier") -
-            ptx.count("multicast::cluster"), "cluster": "(1, 2, 1)", "threads": 384 if ws else 128}
+            ptx.count("multicast::cluster"), "cluster": "(1, 2, 1)", "threads": 384 if ws else 128,
+            "shared_bytes": int(open(os.path.join(dump, "smem_bytes")).read())
+            if os.path.exists(os.path.join(dump, "smem_bytes")) else None}
 
 
 def event_ms(fn, reps: int) -> float:

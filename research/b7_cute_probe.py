@@ -270,14 +270,16 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
                 cute.arch.cluster_wait()
 
     @cute.jit
-    def body(roles, tid, w, lane, chunk, half, tens, sm, mmas):
+    def body(roles, tid, w, lane, chunk, half, tens, sm, mmas, regs_in=None):
         """B7 (with ``unit`` the B7-B9 unit, with ``l2`` B7-B10) for one (chunk-head, K half), as one
         warpgroup (``roles`` 0) or as one of two (``wg2``: 1 the column role, 2 the row role, ``tid``
         the thread within its warpgroup). ``tens``: the global tensors in ``ARGS``'s order; ``sm``:
         the shared tiles and pointers (dA's split tiles, A and as read MN-major; the B operand
         tiles; the tail's sums, the l2 exchange and its barrier, x_c's hand-off); ``mmas``: the
         four MMAs. A kernel that holds dAkk's split tiles already (``dakk_global`` off) skips
-        writing them."""
+        writing them. ``regs_in``: [64, 64] fp32 register fragments of the kernel's (two for the
+        accumulators, three for the sums) to take for B7's, where the kernel's own are dead by
+        now: ptxas then needs no registers beyond them."""
         (dAqk, dAkk, q, k, g, beta, x_q, x_kr, x_c, dq, dk, dg, g_raw, a_log, dt_bias, dq2, dk2, dg2, db_part,
          dA_part, dbias_part, q_rstd, k_rstd) = tens
         s_a, s_at, s_b, red, xch, xbar, xc = sm
@@ -346,8 +348,11 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
 
         def sums(names):
             """The wgmma accumulators, and the sums (registers the wgmmas never touch), those named zeroed."""
-            accs = (cute.make_rmem_tensor(shape, f32), cute.make_rmem_tensor(shape, f32))
-            o = [cute.make_rmem_tensor(shape, f32) for _ in range(3)]
+            if cutlass.const_expr(regs_in is not None):
+                accs, o = regs_in[:2], list(regs_in[2:])
+            else:
+                accs = (cute.make_rmem_tensor(shape, f32), cute.make_rmem_tensor(shape, f32))
+                o = [cute.make_rmem_tensor(shape, f32) for _ in range(3)]
             for n in names:
                 o[n].fill(0.0)
             return accs, o
