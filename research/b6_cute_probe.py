@@ -1149,6 +1149,75 @@ def wy_dqkg_bwd(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, c
     return dq, dk, dv2, db, dg, dA
 
 
+def supports_fused(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, state_v_first, chunk_size, cu_seqlens,
+                   chunk_indices, dAqk, safe_gate, g, A_log, dt_bias, lower_bound):
+    """None when ``wy_intra_bwd`` (the ``fused`` build as the op's B6-B9 unit) takes the call,
+    else why not: as ``supports`` (B6), with the gate in the op and the B7-B9 unit's own needs
+    (research.b7_cute_probe.supports)."""
+    from research.b7_cute_probe import supports as b7_supports
+
+    why = supports(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, cu_seqlens, chunk_indices,
+                   state_v_first)
+    if why:
+        return why
+    # (B7's dAkk, dq, dk and dg are this kernel's own, dense: A, q, k and gc stand for them here)
+    return b7_supports(q, k, gc, beta, dAqk, A, q, k, beta, gc, safe_gate, g, A_log, dt_bias, lower_bound, chunk_size,
+                       cu_seqlens, chunk_indices)
+
+
+def wy_intra_bwd(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, state_v_first, chunk_size, cu_seqlens,
+                 chunk_indices, dAqk, safe_gate, g, A_log, dt_bias, lower_bound):
+    """B6 through B9 with the stage registry's contract ((dq, dk, dv, db, dg, dA_log, ddt_bias))
+    from the ``fused`` build, compiled once a shape and gate form: a candidate for ``python -m
+    benchmarks.op --candidate B6-B9=research.b6_cute_probe:wy_intra_bwd:supports_fused``. dAkk
+    never leaves the kernel; db is B6's four partials and B7's two, added here."""
+    import cuda.bindings.driver as cuda
+    import cutlass.cute as cute
+    import torch
+    from cutlass.cute.runtime import from_dlpack
+
+    from research.b7_cute_probe import unit_outputs, unit_views
+
+    why = supports_fused(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, state_v_first, chunk_size, cu_seqlens,
+                         chunk_indices, dAqk, safe_gate, g, A_log, dt_bias, lower_bound)
+    if why:
+        raise ValueError(why)
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    R = B * T
+    nrt, dev, f32 = R // BT, k.device, torch.float32
+    nch = nrt * H
+    dq, dk, dg = (torch.empty(B, T, H, K, device=dev, dtype=f32) for _ in range(3))
+    dv2 = torch.empty_like(v)
+    dA = torch.empty(B, T, H, BT, device=dev, dtype=f32)
+    dbv, dbk = (torch.empty(2 * nch * BT, device=dev, dtype=f32) for _ in range(2))
+    small = lambda *shape, dtype=f32: torch.empty(*shape, device=dev, dtype=dtype)  # noqa: E731 (unused here)
+    flat = lambda x: x.view(R, -1)  # noqa: E731
+    # (B7's tensors as the unit build takes them; its dq, dk and dg are this kernel's B6 outputs)
+    seven = unit_views(q, k, gc, beta, dAqk, dA, dq, dk, dg, g, A_log, dt_bias)
+    tensors = dict(h=h.view(nch * K, V), dh=dh.view(nch * K, V), vn=flat(v_new), do=flat(do), dv=flat(dv),
+                   kg=small(BT, KH, dtype=torch.bfloat16), dq=flat(dq), dkh=flat(dk), dw=small(BT, KH),
+                   dA=small(BT, BT), v=flat(v), A=flat(A), beta=beta.to(f32).contiguous().view(-1), dv2=flat(dv2),
+                   dAv=small(2 * BT, BT), dbv=dbv, q=flat(q), k=flat(k), gc=flat(gc), dg=flat(dg), dbk=dbk,
+                   dA_out=flat(dA), **{n: seven[n] for n in ("dAqk", "g_raw", "A_log", "dt_bias", "dq2", "dk2", "dg2",
+                                                               "db_part", "dA_part", "dbias_part")})
+    args = [from_dlpack(tensors[name], assumed_align=16) for name in ARGS]
+    args.append(cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream))
+    raw = "bf16" if g.dtype == torch.bfloat16 else "fp32"
+    key = (R, H, float(scale), "fused", raw, dt_bias is not None, lower_bound, dev.index)
+    if key not in _COMPILED:
+        stages, overlap, exchange, vside, ws, full, persist = BUILDS[8]
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        _COMPILED[key] = cute.compile(build(K, V, stages, overlap, exchange, vside, ws, full, persist, float(scale),
+                                            sms // 2, H, both=True, fused=True, raw=raw,
+                                            has_bias=dt_bias is not None,
+                                            lower_bound=None if lower_bound is None else float(lower_bound)), *args)
+    _COMPILED[key](*args)
+    db6 = (dbv + dbk).view(nrt, H, 2, BT).sum(2).transpose(1, 2).reshape(B, T, H)
+    dq2, dk2, db, dg2, dA_log, ddt_bias = unit_outputs(seven, db6, A_log, dt_bias)
+    return dq2, dk2, dv2, db, dg2, dA_log, ddt_bias
+
+
 def ptxas_report(dump: str) -> dict:
     """What a CuTe DSL build dumped in ``dump`` is:
     - registers, spills, stack and ptxas's notes (``benchmarks.compile_report.ptxas_numbers``)

@@ -286,3 +286,47 @@ def test_a_b7_b10_unit_runs_in_place_of_b7_to_b10(p):
     for name in plain:
         if plain[name] is not None:
             assert torch.equal(result[name], plain[name]), name
+
+
+@pytest.mark.parametrize("p", [
+    Problem("unit6-gva-T70", 1, 70, 1, 2, 64, 32),
+    Problem("unit6-varlen", 1, 100, 2, 2, 64, 32, cu_seqlens=(0, 30, 100), lower_bound=-5.0),
+], ids=lambda p: p.name)
+def test_a_b6_b9_unit_runs_in_place_of_b6_to_b9(p):
+    """With the gate in the op, a kernel registered for the B6-B9 unit runs in place of B6 and
+    the B7-B9 unit when it takes the call (here the registered B6 and B7-B9 unit in one
+    function, counted): the same gradients, bit for bit, as the chain running those stages
+    itself, GVA's group sum and B10 after it as after the stages; with a pre-computed gate it
+    is never asked."""
+    from kernel_fun.kda.stages import registered
+
+    calls = []
+    b6 = stages()["B6"].impls["ours"]
+
+    def fused(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, state_v_first, chunk_size, cu_seqlens,
+              chunk_indices, dAqk, safe_gate, g, A_log, dt_bias, lower_bound):
+        calls.append(q.shape)
+        dq, dk, dv, db, dg, dAkk = b6(q=q, k=k, v=v, v_new=v_new, gc=gc, beta=beta, A=A, h=h, do=do, dh=dh, dv=dv,
+                                      scale=scale, state_v_first=state_v_first, chunk_size=chunk_size,
+                                      cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
+        dq, dk, db, dg, dA_log, ddt_bias = unit.intra_bwd(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g,
+                                                          A_log, dt_bias, lower_bound, chunk_size, cu_seqlens,
+                                                          chunk_indices)
+        return dq, dk, dv, db, dg, dA_log, ddt_bias
+
+    kwargs = make_inputs(p, device=DEVICE, seed=13)
+    plain = run_fwd_bwd(chunk_kda, kwargs, grid=p.dtype)
+    record = last_record().backward
+    assert record["B6"] == "ours" and record["B7-B9"] == "ours" and "B6-B9" not in record, record
+    with registered("B6-B9", "ours", fused):
+        result = run_fwd_bwd(chunk_kda, kwargs, grid=p.dtype)
+        record = last_record().backward
+        assert record["B6-B9"] == "ours" and not {"B6", "B7", "B8", "B9", "B7-B9", "B7-B10"} & set(record), record
+        assert "B10" in record  # (the l2norm in the op: B10 after the unit, on the group sums)
+        assert len(calls) == 1
+        run_fwd_bwd(chunk_kda, make_inputs(dataclasses.replace(p, gate_in_kernel=False), device=DEVICE, seed=13),
+                    grid=p.dtype)
+        assert "B6-B9" not in last_record().backward and len(calls) == 1
+    for name in plain:
+        if plain[name] is not None:
+            assert torch.equal(result[name], plain[name]), name

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Call 3 (carry .gpu), on the same warm machine after cute_a/cute_n: the whole op at
 # prod8192_gate, fla and ours with the registered stages, then ours with each candidate
-# (CAND: unit, b6 or both; default unit), each with the op bench's parity and fla in-process.
+# (CAND: any of unit, l2, b6, fused, or both for unit and b6; default unit), each with the op bench's
+# parity and fla in-process.
 source .gpu/env.sh
 source research/gpu/cute_env.sh || { echo "no cute"; exit 3; }
 log=$OUT/log; CAND=${CAND:-unit}
@@ -11,4 +12,5 @@ run --impls fla,ours
 case $CAND in *unit*|both) run --impls fla,ours --candidate B7-B9=research.b7_cute_probe:intra_bwd:supports;; esac
 case $CAND in *l2*|both) run --impls fla,ours --candidate B7-B10=research.b7_cute_probe:intra_bwd_l2:supports_l2;; esac
 case $CAND in *b6*|both) run --impls fla,ours --candidate B6=research.b6_cute_probe:wy_dqkg_bwd:supports;; esac
+case $CAND in *fused*) run --impls fla,ours --candidate B6-B9=research.b6_cute_probe:wy_intra_bwd:supports_fused;; esac
 echo "done $(date +%T)" | tee -a $log

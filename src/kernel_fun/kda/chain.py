@@ -36,6 +36,8 @@ B7          gradients through Aqk/Akk (``chunk_kda_bwd_intra``)
 B8          reverse chunk cumsum of dg (``chunk_local_cumsum``)
 B9          the gate's backward (``kda_gate_bwd``)
 B7-B9       B7, B8 and B9 as one unit, run in their place when kernel-fun's kernel takes it
+B6-B9       B6 through B9 as one unit (the gate in the op), in their place when kernel-fun's
+            kernel takes it
 B10         l2norm backward of dq and dk (``l2norm_bwd``)
 B7-B10      B7 through B10 as one unit (the l2norm in the op), in their place when kernel-fun's
             kernel takes it
@@ -154,6 +156,21 @@ def _intra_l2(tail, l2norm):
     return unit
 
 
+def _wy_intra(wy, tail):
+    """The B6-B9 unit as B6 ``wy`` then the B7-B9 unit ``tail``: dAkk passes between them."""
+    def unit(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, state_v_first, chunk_size, cu_seqlens, chunk_indices,
+             dAqk, safe_gate, g, A_log, dt_bias, lower_bound):
+        dq, dk, dv, db, dg, dAkk = wy(q=q, k=k, v=v, v_new=v_new, gc=gc, beta=beta, A=A, h=h, do=do, dh=dh, dv=dv,
+                                      scale=scale, chunk_size=chunk_size, cu_seqlens=cu_seqlens,
+                                      chunk_indices=chunk_indices, state_v_first=state_v_first)
+        dq, dk, db, dg, dA_log, ddt_bias = tail(q=q, k=k, gc=gc, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db,
+                                                dg=dg, safe_gate=safe_gate, g=g, A_log=A_log, dt_bias=dt_bias,
+                                                lower_bound=lower_bound, chunk_size=chunk_size,
+                                                cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
+        return dq, dk, dv, db, dg, dA_log, ddt_bias
+    return unit
+
+
 def _stage(name, covers, title, inputs, outputs, fla_impl, reference):
     register(Stage(name=name, covers=covers, title=title, inputs=tuple(inputs.split()), outputs=outputs,
                    impls={"fla": fla_impl, "reference": reference}))
@@ -201,6 +218,13 @@ _stage("B9", ("B9",), "gate backward", "g A_log dt_bias dyg lower_bound", ("dg",
 _stage("B7-B9", ("B7", "B8", "B9"), "intra backward, dg cumsum, gate backward (one pass)",
        f"q k gc beta dAqk dAkk dq dk db dg safe_gate g A_log dt_bias lower_bound {_C}",
        ("dq", "dk", "db", "dg", "dA_log", "ddt_bias"), fla.intra_bwd_tail, _ref_intra_tail)
+# With the gate in the op, B6 through B9 as one unit (dAkk, dq, dk and dg never leave it), in
+# their place only when kernel-fun's kernel for it takes the call; fla's side is fla's B6, then
+# fla's B7-B9 unit.
+_stage("B6-B9", ("B6", "B7", "B8", "B9"), "WY backward, intra backward, dg cumsum, gate backward (one pass)",
+       f"q k v v_new gc beta A h do dh dv scale state_v_first {_C} dAqk safe_gate g A_log dt_bias lower_bound",
+       ("dq", "dk", "dv", "db", "dg", "dA_log", "ddt_bias"), _wy_intra(fla.wy_dqkg, fla.intra_bwd_tail),
+       _wy_intra(_ref_wy_dqkg, _ref_intra_tail))
 _stage("B10", ("B10",), "l2norm bwd (q, k)", "q q_rstd dq k k_rstd dk", ("dq", "dk"), fla.l2norm_bwd,
        _ref_l2norm_bwd)
 # With the l2norm in the op, B7 through B10 as one unit, in their place only when kernel-fun's
@@ -598,31 +622,37 @@ def _run_backward(s: dict, opts: Options, run: Dispatcher, do, dht):
         dh0 = None
     if swap and dh0 is not None:
         dh0 = ref.swap_state(dh0)
-    dq, dk, dv, db, dg, dAkk = run.run(
-        "B6", "backward", q=q, k=k, v=v, v_new=v_new, gc=gc, beta=beta, A=Akk, h=h, do=do, dh=dh, dv=dv,
-        scale=opts.scale, **common, **layout,
-    )
-    del h, dh, v_new
-    intra = dict(q=q, k=k, gc=gc, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db, dg=dg,
-                 safe_gate=opts.safe_gate, **common)
+    wy = dict(q=q, k=k, v=v, v_new=v_new, gc=gc, beta=beta, A=Akk, h=h, do=do, dh=dh, dv=dv, scale=opts.scale,
+              **common, **layout)
     gate = (dict(g=g_input, A_log=A_log, dt_bias=dt_bias, lower_bound=opts.lower_bound) if opts.use_gate_in_kernel
             else dict(g=None, A_log=None, dt_bias=None, lower_bound=None))
     dA_log = ddt_bias = None
     rstd = dict(q_rstd=q_rstd, k_rstd=k_rstd)
-    if opts.use_qk_l2norm_in_kernel and run.answer(("takes", "B7-B10"),
-                                                   lambda: run.takes_ours("B7-B10", **intra, **gate, **rstd)):
-        dq, dk, db, dg, dA_log, ddt_bias = run.run("B7-B10", "backward", **intra, **gate, **rstd)
-        del intra, dAqk, dAkk
+    l2_done = False  # (B10 run inside a unit)
+    # (the B6-B9 unit only with the gate in the op: its kernel ends with the gate's backward)
+    if opts.use_gate_in_kernel and run.answer(
+            ("takes", "B6-B9"), lambda: run.takes_ours("B6-B9", **wy, dAqk=dAqk, safe_gate=opts.safe_gate, **gate)):
+        dq, dk, dv, db, dg, dA_log, ddt_bias = run.run("B6-B9", "backward", **wy, dAqk=dAqk,
+                                                       safe_gate=opts.safe_gate, **gate)
+        del wy, h, dh, v_new, dAqk
     else:
-        if run.answer(("takes", "B7-B9"), lambda: run.takes_ours("B7-B9", **intra, **gate)):
+        dq, dk, dv, db, dg, dAkk = run.run("B6", "backward", **wy)
+        del wy, h, dh, v_new
+        intra = dict(q=q, k=k, gc=gc, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db, dg=dg,
+                     safe_gate=opts.safe_gate, **common)
+        if opts.use_qk_l2norm_in_kernel and run.answer(("takes", "B7-B10"),
+                                                       lambda: run.takes_ours("B7-B10", **intra, **gate, **rstd)):
+            dq, dk, db, dg, dA_log, ddt_bias = run.run("B7-B10", "backward", **intra, **gate, **rstd)
+            l2_done = True
+        elif run.answer(("takes", "B7-B9"), lambda: run.takes_ours("B7-B9", **intra, **gate)):
             dq, dk, db, dg, dA_log, ddt_bias = run.run("B7-B9", "backward", **intra, **gate)
-            del intra, dAqk, dAkk
         else:
             dq, dk, db, dg = run.run("B7", "backward", **intra)
-            del intra, dAqk, dAkk
             dg = run.run("B8", "backward", dg=dg, **common)
             if opts.use_gate_in_kernel:
                 dg, dA_log, ddt_bias = run.run("B9", "backward", dyg=dg, **gate)
+        del intra, dAqk, dAkk
+    if not l2_done:
         dq, dk = ref.group_sum(dq, dk, H)  # GVA: each q/k head sums its value heads' dq, dk
         if opts.use_qk_l2norm_in_kernel:
             dq, dk = run.run("B10", "backward", q=q, q_rstd=q_rstd, dq=dq, k=k, k_rstd=k_rstd, dk=dk)
