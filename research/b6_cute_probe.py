@@ -1466,10 +1466,12 @@ def gpu_run(nch: int = 32768, K: int = 128, V: int = 256, stages: int = 3, overl
             ours7 = (dq2, dk2, db_part.view(2, -1).sum(0), dg2.float(), dA_part.sum().view(1), dbias_part.sum(0))
             names7 = ("dq", "dk", "db", "dg", "dA_log", "ddt_bias")
 
+            four = lambda x: x.reshape(1, nch * BT, 1, -1)  # noqa: E731  (this kernel's [rows, C] or the op's)
+
             def unit(dq_, dk_, dg_, dA_):
                 return b7_b9_intra_bwd.intra_bwd(
-                    q=tok(q), k=tok(k), gc=tok(gc), beta=tok(beta), dAqk=tok(dAqk), dAkk=tok(dA_), dq=tok(dq_),
-                    dk=tok(dk_), db=torch.zeros(1, nch * BT, 1, device="cuda"), dg=tok(dg_), safe_gate=False,
+                    q=tok(q), k=tok(k), gc=tok(gc), beta=tok(beta), dAqk=tok(dAqk), dAkk=four(dA_), dq=four(dq_),
+                    dk=four(dk_), db=torch.zeros(1, nch * BT, 1, device="cuda"), dg=four(dg_), safe_gate=False,
                     g=tok(g_raw), A_log=A_log, dt_bias=dt_bias, lower_bound=None, chunk_size=BT, cu_seqlens=None,
                     chunk_indices=None)
 
