@@ -1249,7 +1249,8 @@ def ptxas_report(dump: str) -> dict:
     sass = subprocess.run([os.path.join(os.path.dirname(ptxas), "nvdisasm"), "-c", cubin], capture_output=True,
                           text=True, check=True).stdout
     ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
-    return {**ptxas_numbers(log), "sass_setmaxnreg": sum(o.startswith("USETMAXREG") for o in ops),
+    return {**ptxas_numbers(log), "sass_instructions": len(ops),
+            "sass_setmaxnreg": sum(o.startswith("USETMAXREG") for o in ops),
             "sass_hgmma": sum(o.startswith("HGMMA") for o in ops), "sass_stl": sum(o.startswith("STL") for o in ops),
             "ptx": ptx}
 
