@@ -51,6 +51,8 @@ row-major.
 import os
 import sys
 
+from research.cute_kit import cute_unavailable, event_ms, ptxas_report, quad_row_sums, regs, warp_col_sums
+
 BT, KH, BV = 64, 64, 64  # chunk rows, a CTA's K half, the V tile
 # (``fused``) B7's twelve [64, 64] bf16 tiles, 8 KB each and 1024-aligned, so one after another in
 # shared memory: dA's four split tiles, then the B operands kx, kxu, yq, yk, each split. Before B7
@@ -1018,65 +1020,6 @@ def compile_offline(nch: int = 4, K: int = 128, V: int = 256, stages: int = 3, o
 _COMPILED: dict = {}
 
 
-def regs(x):
-    """x (a thread's [64, 64] wgmma-layout fragment of fp32 values, in a CuTe DSL kernel) in
-    registers, each element addressable."""
-    import cutlass
-    import cutlass.cute as cute
-
-    r = cute.make_rmem_tensor(x.shape, cutlass.Float32)
-    r.store(x)
-    return r
-
-
-def quad_row_sums(x):
-    """The sums over a [64, 64] tile's columns of x (a thread's wgmma-layout fragment: its
-    element i = a + 2 b + 4 n is row lane // 4 + 8 b of the warp's 16, column 8 n + 2 (lane %
-    4) + a) for the thread's two rows, in every lane of its quad."""
-    import cutlass
-    import cutlass.cute as cute
-
-    sums = []
-    for b in (0, 1):
-        t = cutlass.Float32(0.0)
-        for i in range(cute.size(x.shape)):
-            if i // 2 % 2 == b:
-                t = t + x[i]
-        t = t + cute.arch.shuffle_sync_bfly(t, 1)
-        sums.append(t + cute.arch.shuffle_sync_bfly(t, 2))
-    return sums
-
-
-def warp_col_sums(x):
-    """The sums over the warp's 16 rows of x (as in ``quad_row_sums``) by column, in the
-    elements of row b = 0 (registers, in every lane with the column)."""
-    import cutlass.cute as cute
-
-    c = regs(x)
-    for i in range(cute.size(x.shape)):
-        if i // 2 % 2 == 0:
-            c[i] = c[i] + c[i + 2]
-    for d in (4, 8, 16):
-        for i in range(cute.size(x.shape)):
-            if i // 2 % 2 == 0:
-                c[i] = c[i] + cute.arch.shuffle_sync_bfly(c[i], d)
-    return c
-
-
-def cute_unavailable(t) -> str | None:
-    """Why a CuTe DSL probe cannot run on ``t``'s device (an sm_90 GPU and CuTe DSL installed),
-    or None."""
-    import torch
-
-    if not t.is_cuda or torch.cuda.get_device_capability(t.device) != (9, 0):
-        return "the CuTe probes are built for sm_90a"
-    try:
-        import cutlass.cute  # noqa: F401
-    except ImportError:
-        return "CuTe DSL (nvidia-cutlass-dsl) is not installed"
-    return None
-
-
 def supports(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, cu_seqlens, chunk_indices,
              state_v_first=False):
     """None when ``wy_dqkg_bwd`` (the probe as B6) takes the call, else why not: an sm_90 GPU
@@ -1103,6 +1046,31 @@ def supports(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, cu_s
     return None
 
 
+def op_tensors(q, k, v, v_new, gc, beta, A, h, do, dh, dv) -> tuple:
+    """The probe's tensors (``ARGS``) for the op's [B, T, H, C] tensors viewed [B * T, H * C] (h
+    and dh [chunk-heads * K, V]), with B6's outputs allocated (dq, dk, dg and dA fp32, dv2 as v,
+    db's four partials) and placeholders for what the whole-B6 builds never read; and those
+    outputs (dq, dk, dg, dv2, dA, dbv, dbk)."""
+    import torch
+
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    R = B * T
+    nch, dev, f32 = R // BT * H, k.device, torch.float32
+    dq, dk, dg = (torch.empty(B, T, H, K, device=dev, dtype=f32) for _ in range(3))
+    dv2 = torch.empty_like(v)
+    dA = torch.empty(B, T, H, BT, device=dev, dtype=f32)
+    dbv, dbk = (torch.empty(2 * nch * BT, device=dev, dtype=f32) for _ in range(2))
+    small = lambda *shape, dtype=f32: torch.empty(*shape, device=dev, dtype=dtype)  # noqa: E731 (never read)
+    flat = lambda x: x.view(R, -1)  # noqa: E731
+    tensors = dict(h=h.view(nch * K, V), dh=dh.view(nch * K, V), vn=flat(v_new), do=flat(do), dv=flat(dv),
+                   kg=small(BT, KH, dtype=torch.bfloat16), dq=flat(dq), dkh=flat(dk), dw=small(BT, KH),
+                   dA=small(BT, BT), v=flat(v), A=flat(A), beta=beta.to(f32).contiguous().view(-1), dv2=flat(dv2),
+                   dAv=small(2 * BT, BT), dbv=dbv, q=flat(q), k=flat(k), gc=flat(gc), dg=flat(dg), dbk=dbk,
+                   dA_out=flat(dA), **dict(zip(ARGS[22:], unused_fused(dev))))
+    return tensors, (dq, dk, dg, dv2, dA, dbv, dbk)
+
+
 def wy_dqkg_bwd(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, cu_seqlens, chunk_indices,
                 state_v_first=False, build_index: int = 8):
     """B6 with fla's contract (the stage registry's: dq, dk, dv2, db, dg, dA, fp32 but dv2) from
@@ -1122,19 +1090,8 @@ def wy_dqkg_bwd(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, c
     B, T, H, K = k.shape
     V = v.shape[-1]
     R = B * T
-    nrt, dev, f32 = R // BT, k.device, torch.float32
-    nch = nrt * H
-    dq, dk, dg = (torch.empty(B, T, H, K, device=dev, dtype=f32) for _ in range(3))
-    dv2 = torch.empty_like(v)
-    dA = torch.empty(B, T, H, BT, device=dev, dtype=f32)
-    dbv, dbk = (torch.empty(2 * nch * BT, device=dev, dtype=f32) for _ in range(2))
-    small = lambda *shape, dtype=f32: torch.empty(*shape, device=dev, dtype=dtype)  # noqa: E731 (unused by B6)
-    flat = lambda x: x.view(R, -1)  # noqa: E731
-    tensors = dict(h=h.view(nch * K, V), dh=dh.view(nch * K, V), vn=flat(v_new), do=flat(do), dv=flat(dv),
-                   kg=small(BT, KH, dtype=torch.bfloat16), dq=flat(dq), dkh=flat(dk), dw=small(BT, KH),
-                   dA=small(BT, BT), v=flat(v), A=flat(A), beta=beta.to(f32).contiguous().view(-1), dv2=flat(dv2),
-                   dAv=small(2 * BT, BT), dbv=dbv, q=flat(q), k=flat(k), gc=flat(gc), dg=flat(dg), dbk=dbk,
-                   dA_out=flat(dA), **dict(zip(ARGS[22:], unused_fused(dev))))
+    nrt, dev = R // BT, k.device
+    tensors, (dq, dk, dg, dv2, dA, dbv, dbk) = op_tensors(q, k, v, v_new, gc, beta, A, h, do, dh, dv)
     args = [from_dlpack(tensors[name], assumed_align=16) for name in ARGS]
     args.append(cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream))
     key = (R, H, float(scale), build_index, dev.index)
@@ -1185,22 +1142,11 @@ def wy_intra_bwd(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, state_v_firs
     B, T, H, K = k.shape
     V = v.shape[-1]
     R = B * T
-    nrt, dev, f32 = R // BT, k.device, torch.float32
-    nch = nrt * H
-    dq, dk, dg = (torch.empty(B, T, H, K, device=dev, dtype=f32) for _ in range(3))
-    dv2 = torch.empty_like(v)
-    dA = torch.empty(B, T, H, BT, device=dev, dtype=f32)
-    dbv, dbk = (torch.empty(2 * nch * BT, device=dev, dtype=f32) for _ in range(2))
-    small = lambda *shape, dtype=f32: torch.empty(*shape, device=dev, dtype=dtype)  # noqa: E731 (unused here)
-    flat = lambda x: x.view(R, -1)  # noqa: E731
-    # (B7's tensors as the unit build takes them; its dq, dk and dg are this kernel's B6 outputs)
+    nrt, dev = R // BT, k.device
+    tensors, (dq, dk, dg, dv2, dA, dbv, dbk) = op_tensors(q, k, v, v_new, gc, beta, A, h, do, dh, dv)
+    # (B7's tensors as the unit build takes them; its dq, dk, dg and dAkk are this kernel's B6 outputs)
     seven = unit_views(q, k, gc, beta, dAqk, dA, dq, dk, dg, g, A_log, dt_bias)
-    tensors = dict(h=h.view(nch * K, V), dh=dh.view(nch * K, V), vn=flat(v_new), do=flat(do), dv=flat(dv),
-                   kg=small(BT, KH, dtype=torch.bfloat16), dq=flat(dq), dkh=flat(dk), dw=small(BT, KH),
-                   dA=small(BT, BT), v=flat(v), A=flat(A), beta=beta.to(f32).contiguous().view(-1), dv2=flat(dv2),
-                   dAv=small(2 * BT, BT), dbv=dbv, q=flat(q), k=flat(k), gc=flat(gc), dg=flat(dg), dbk=dbk,
-                   dA_out=flat(dA), **{n: seven[n] for n in ("dAqk", "g_raw", "A_log", "dt_bias", "dq2", "dk2", "dg2",
-                                                               "db_part", "dA_part", "dbias_part")})
+    tensors.update({n: seven[n] for n in ARGS[22:]})
     args = [from_dlpack(tensors[name], assumed_align=16) for name in ARGS]
     args.append(cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream))
     raw = "bf16" if g.dtype == torch.bfloat16 else "fp32"
@@ -1216,43 +1162,6 @@ def wy_intra_bwd(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, state_v_firs
     db6 = (dbv + dbk).view(nrt, H, 2, BT).sum(2).transpose(1, 2).reshape(B, T, H)
     dq2, dk2, db, dg2, dA_log, ddt_bias = unit_outputs(seven, db6, A_log, dt_bias)
     return dq2, dk2, dv2, db, dg2, dA_log, ddt_bias
-
-
-def ptxas_report(dump: str) -> dict:
-    """What a CuTe DSL build dumped in ``dump`` is:
-    - registers, spills, stack and ptxas's notes (``benchmarks.compile_report.ptxas_numbers``)
-      from Triton's bundled ptxas (``-v``) on its PTX. CuTe DSL 4.8.1
-      writes PTX ISA 8.8 and Triton 3.6's ptxas reads up to 8.7, so the header is lowered for
-      this count only (the cubin CuTe DSL built with its own compiler is the one that runs);
-      (the notes that cost speed: setmaxnreg ignored (C7508), every wgmma serialised
-      (C7514, C7515), a wait (C7517) or a fence (C7519) added);
-    - in the cubin that runs, the setmaxnreg instructions, wgmmas and local-memory stores it
-      kept;
-    - and the PTX itself (``ptx``)."""
-    import glob
-    import re
-    import subprocess
-
-    import triton
-
-    from benchmarks.compile_report import ptxas_numbers
-
-    (ptx_path,) = glob.glob(os.path.join(dump, "*.sm_90a.ptx"))
-    ptx = open(ptx_path).read()
-    lowered = os.path.join(dump, "isa87.ptx")
-    with open(lowered, "w") as f:
-        f.write(re.sub(r"^\.version 8\.8", ".version 8.7", ptx, flags=re.M))
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    log = subprocess.run([ptxas, "-arch=sm_90a", "-v", lowered, "-o", os.devnull], capture_output=True,
-                         text=True, check=True).stderr
-    (cubin,) = glob.glob(os.path.join(dump, "*.cubin"))
-    sass = subprocess.run([os.path.join(os.path.dirname(ptxas), "nvdisasm"), "-c", cubin], capture_output=True,
-                          text=True, check=True).stdout
-    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
-    return {**ptxas_numbers(log), "sass_instructions": len(ops),
-            "sass_setmaxnreg": sum(o.startswith("USETMAXREG") for o in ops),
-            "sass_hgmma": sum(o.startswith("HGMMA") for o in ops), "sass_stl": sum(o.startswith("STL") for o in ops),
-            "ptx": ptx}
 
 
 def sm90_row(dump: str, stages: int = 3, overlap: bool = True, exchange: bool = False, vside: bool = False,
@@ -1272,21 +1181,6 @@ def sm90_row(dump: str, stages: int = 3, overlap: bool = True, exchange: bool = 
             ptx.count("multicast::cluster"), "cluster": "(1, 2, 1)", "threads": 384 if ws else 128,
             "shared_bytes": int(open(os.path.join(dump, "smem_bytes")).read())
             if os.path.exists(os.path.join(dump, "smem_bytes")) else None}
-
-
-def event_ms(fn, reps: int) -> float:
-    """The median CUDA-event time of ``reps`` calls of ``fn``, each timed on its own."""
-    import torch
-
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 def _rel(got, want) -> float:

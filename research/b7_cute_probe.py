@@ -137,7 +137,7 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
     from cutlass.memory import SmemAllocator
     from cutlass.tensor_utils import LayoutEnum
 
-    from research.b6_cute_probe import quad_row_sums, regs, warp_col_sums
+    from research.cute_kit import quad_row_sums, regs, warp_col_sums
 
     assert K == 2 * KH
     bf16, f32 = cutlass.BFloat16, cutlass.Float32
@@ -841,7 +841,7 @@ def supports(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log, dt
     chunks, K=128, one q/k head a gate head, dense tensors."""
     import torch
 
-    from research.b6_cute_probe import cute_unavailable
+    from research.cute_kit import cute_unavailable
 
     B, T, H, K = k.shape
     why = cute_unavailable(k)
@@ -986,10 +986,10 @@ def compile_offline(nch: int = 4, K: int = 128, split: bool = True, within: bool
 
 
 def sm90_row(dump: str, split: bool, within: bool, unit: bool = False, **form) -> dict:
-    """Registers, spills and ptxas's notes (research.b6_cute_probe.ptxas_report), and the wgmma,
+    """Registers, spills and ptxas's notes (research.cute_kit.ptxas_report), and the wgmma,
     shared-to-shared cluster copy and cluster barrier counts of the PTX (``form``: the build's
     other arguments, recorded as they are)."""
-    from research.b6_cute_probe import ptxas_report
+    from research.cute_kit import ptxas_report
 
     report = ptxas_report(dump)
     ptx = report["ptx"]
@@ -1041,7 +1041,7 @@ def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = T
         if not unit:  # (the unit keeps its sums in registers: its outputs are checked below)
             got = pick(t[name])
             errors.update({name: rel(got, w), f"{name}_vs_twin": rel(got, tw)})
-    from research.b6_cute_probe import event_ms
+    from research.cute_kit import event_ms
 
     timed = lambda fn: event_ms(fn, reps)  # noqa: E731
     registered = {}
