@@ -247,7 +247,7 @@ def test_the_unit_compiles_at_the_op_s_heads(tmp_path: Path, form):
 
 
 def test_the_tail_s_lane_arithmetic():
-    """The unit's tail moves values between lanes (``_tail``, and research.cute_kit.s
+    """The unit's tail moves values between lanes (``_tail``, and research.cute_kit's
     ``quad_row_sums`` / ``warp_col_sums``): emulated here on a [64, 64] tile laid out as the
     wgmma accumulator (thread t's element i = a + 2 b + 4 n at row 16 (t // 32) + t % 32 // 4 + 8 b,
     column 8 n + 2 (t % 4) + a), each step as the kernel writes it, against torch: B8's reverse
