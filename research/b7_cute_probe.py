@@ -434,9 +434,18 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
             o_k.store(o_k.load() * down)
         # the elements past the guard: their pairs within the block one by one, each with its
         # own exp2, read from memory (none under gentle gates); ``row``: x_q's and x_kr's,
-        # ``col``: x_c's
+        # ``col``: x_c's. The warp skips the whole path with one branch when none of its
+        # elements is past the guard: a branch an element would be 32 jumps over cold code,
+        # each a miss in the instruction cache at its target (docs/log/bwd-fused.md)
         def slow(row, col, o_q, o_k, o_c):
             sp = regs(anchor(w * BC) - frag(g_g).load())
+            past = f32(0.0)
+            for i in cutlass.range_constexpr(cute.size(shape)):
+                past = past + f32(cutlass.select_(sp[i] <= GUARD, f32(0.0), f32(1.0)))
+            if cute.arch.vote_any_sync(past > f32(0.0)):
+                slow_elements(row, col, sp, o_q, o_k, o_c)
+
+        def slow_elements(row, col, sp, o_q, o_k, o_c):
             for i in cutlass.range_constexpr(cute.size(shape)):
                 t, c = coords[i]
                 u = t // BC * BC

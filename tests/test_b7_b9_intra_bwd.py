@@ -289,8 +289,7 @@ def test_a_b7_b10_unit_runs_in_place_of_b7_to_b10(p):
 
 
 @pytest.mark.parametrize("p", [
-    Problem("unit6-gva-T70", 1, 70, 1, 2, 64, 32),
-    Problem("unit6-varlen", 1, 100, 2, 2, 64, 32, cu_seqlens=(0, 30, 100), lower_bound=-5.0),
+    Problem("unit6-gva-varlen", 1, 100, 1, 2, 64, 32, cu_seqlens=(0, 30, 100), lower_bound=-5.0),
 ], ids=lambda p: p.name)
 def test_a_b6_b9_unit_runs_in_place_of_b6_to_b9(p):
     """With the gate in the op, a kernel registered for the B6-B9 unit runs in place of B6 and
