@@ -1,8 +1,9 @@
 """B6's V loop as a 2-CTA cluster in CuTe DSL (sm_90a): the first steps of the cluster design
-in docs/log/bwd-fused.md. Not registered. Run twice on an H100 with defects each time (the
-accumulators stored through one thread's slice; then one TMA atom reused for three tensors,
-so it read v_new for do and dv): both fixed, compiled offline, not yet re-run. Since then
-every build compiles without spills and without ptxas's notes that cost speed: the
+in docs/log/bwd-fused.md, up to the whole B6 persistent and, with ``fused``, B6 and the B7-B9
+unit in one kernel. Not registered. Measured on an H100 (2026-12-06, docs/log/bwd-fused.md):
+every build right, the persistent B6 7.02 ms against the registered B6's 5.77, the fused
+kernel 41.3 against the registered B6 and unit's 15.19 (B7's code, fetch-bound, serial behind
+B6). Every build compiles without spills and without ptxas's notes that cost speed: the
 warp-specialized builds had their setmaxnreg dropped (no .minnctapersm, so ptxas could not
 know the register count at entry) and every wgmma serialised (accumulators zeroed by stores
 the compiler sank past the fence; a branch between a group's wgmmas; an accumulator read

@@ -1,5 +1,8 @@
 """B7's three sums on chip in CuTe DSL (sm_90a), and the B7-B9 unit on them: the first piece of
-B7 for the fused backward kernel (docs/log/bwd-fused.md, steps 6-8). Not registered.
+B7 for the fused backward kernel (docs/log/bwd-fused.md, steps 6-11). Not registered. Measured
+on an H100 (2026-12-06): right everywhere, but the unit takes 19.2 ms against the registered
+unit's 9.85. Nsight Compute puts 64% of its stalls on instruction fetch: 145 KB of hot
+straight-line code. Its body also runs inside research.b6_cute_probe's fused kernel.
 
 CuTe DSL 4.8.1 has no tf32 warpgroup MMA for Hopper: its warpgroup ops take bf16/fp16, fp8
 and int8; tf32 is only in the sm80 warp MMA and in Blackwell's tcgen05. So where the Triton
