@@ -574,14 +574,18 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
         if cutlass.const_expr(has_bias):
             x = x + frag(cute.make_tensor(dt_bias.iterator + head * K + half * KH, lay)).load()
         A = cute.arch.exp2(a_log[head] * LOG2E)
+        # (exp, log and the reciprocals in the hardware's approximate forms, as Triton's exp and log
+        # are in the registered unit: the accurate library forms cost ~1,000 more instructions a
+        # thread, in a kernel whose time follows its instruction count, docs/log/bwd-fused.md)
         if cutlass.const_expr(lower_bound is None):
-            e = cute.math.exp(-x)
-            dx = dy * (-A / (1.0 + e))
+            e = cute.math.exp(-x, fastmath=True)
+            dx = dy * (-A * cute.math.rcp(1.0 + e, approx=True, ftz=True))
             big = x > 20.0
-            sp = cute.where(big, x, cute.math.log(1.0 + cute.math.exp(cute.where(big, 20.0, x))))
+            sp = cute.where(big, x, cute.math.log(1.0 + cute.math.exp(cute.where(big, 20.0, x), fastmath=True),
+                                                  fastmath=True))
             da = dy * (-A * sp)
         else:
-            sg = 1.0 / (1.0 + cute.math.exp(x * (-A)))
+            sg = cute.math.rcp(1.0 + cute.math.exp(x * (-A), fastmath=True), approx=True, ftz=True)
             dx = dy * (lower_bound * sg * (1.0 - sg)) * A
             da = dx * x
         dx_out = dx.to(raw)
@@ -810,7 +814,9 @@ def twin_unit(t: dict, split: bool = True, lower_bound: float | None = None, has
     (dq2, dk2, db, dg2, dA_log, ddt_bias) with db, dA_log and ddt_bias summed over the K
     halves' and chunk-heads' partials as a caller of the kernel adds them (ddt_bias None
     without dt_bias). ``l2``: dq2 and dk2 through B10's l2norm backward, in bf16, as that build
-    writes them."""
+    writes them. (The kernel's B9 takes exp, log and the reciprocals in the hardware's
+    approximate forms, the twin torch's: a few units in the last place of fp32 apart, before
+    dg2's bf16 rounding.)"""
     import torch
 
     a_q, a_kr, a_c = twin(*[t[n] for n in ("dAqk", "dAkk", "q", "k", "g", "beta")], split=split)
