@@ -92,7 +92,7 @@ BUILDS = ((True, True, False), (True, False, False), (True, True, True))
 
 def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = False, raw: str = "bf16",
           has_bias: bool = True, lower_bound: float | None = None, H: int = 1, l2: bool = False,
-          phased: bool = False, wg2: bool = False, ws: bool = False, body_only: bool = False,
+          phased: bool = False, wg2: bool = False, ws: bool = False, body_only: bool = False, stm: bool = False,
           dakk_global: bool = True, bars: tuple = (1, 2)):
     """The probe's host function (a ``cute.jit``) for K = 2 KH: one CTA of 128 threads a
     (K half, chunk-head). ``within``: the pairs within a block too. ``unit`` (with ``within``):
@@ -122,6 +122,10 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
     SM, setmaxnreg 40 for it and 232 for each role): whether B7's roles fit a B6 consumer's
     registers without spilling.
 
+    ``stm``: the bf16 tiles (dA's split tiles, the B operands) written to shared memory by
+    stmatrix, four 8x8 blocks an instruction, where the fragment's 2-element stores each
+    computed their own swizzled address (the unit 13,840 to 13,152 SASS instructions).
+
     ``body_only``: return the B7 body alone (``body``, a ``cute.jit`` function) for a kernel that
     runs it on its own shared memory, with ``bars`` the named barriers it may take (the tail's,
     128 threads; the two roles', 256) and ``dakk_global`` off where that kernel has written dAkk's
@@ -136,7 +140,7 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
     import cutlass
     import cutlass.cute as cute
     import cutlass.utils.hopper_helpers as sm90
-    from cutlass.cute.nvgpu import cpasync, warpgroup
+    from cutlass.cute.nvgpu import cpasync, warp, warpgroup
     from cutlass.memory import SmemAllocator
     from cutlass.tensor_utils import LayoutEnum
 
@@ -305,6 +309,21 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
         rows_of = lambda ptr: frag(cute.make_tensor(ptr, cute.make_layout((BT, KH), stride=(H, 0))))  # noqa: E731
         mn = lambda t: t[None, None, 0]  # noqa: E731  (an A tile as (M, K))
         kn = lambda t: cute.make_tensor(t.iterator, cute.select(t[None, None, 0].layout, mode=[1, 0]))  # noqa: E731
+        # (``stm``: the bf16 tiles written by stmatrix, four 8x8 blocks an instruction, where a
+        # fragment's 2-element stores each computed their own swizzled address)
+        st_copy = (cute.make_tiled_copy_C(cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), bf16), mma)
+                   if stm else None)
+
+        def put(view, vals):
+            """vals (bf16, this thread's elements of a [64, 64] tile in the wgmma layout) into the
+            shared tile ``view`` (rows, columns)."""
+            if cutlass.const_expr(stm):
+                st_thr = st_copy.get_slice(tid)
+                r = cute.make_rmem_tensor(shape, bf16)
+                r.store(vals)
+                cute.copy(st_copy, st_thr.retile(r), st_thr.partition_D(view))
+            else:
+                frag(view).store(vals)
 
         # dA's tiles, split, their upper triangles zeroed (dAqk keeps its diagonal): the row role
         # reads them as they lie, the column role MN-major
@@ -316,8 +335,8 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
                     r, s = coords[i]
                     v[i] = f32(cutlass.select_(s <= r if mat == 0 else s < r, v[i], f32(0.0)))
                 parts = _split(v.load())
-                frag(mn(s_a[2 * mat])).store(parts[0])
-                frag(mn(s_a[2 * mat + 1])).store(parts[1])
+                put(mn(s_a[2 * mat]), parts[0])
+                put(mn(s_a[2 * mat + 1]), parts[1])
         # the B operands, each warp its own block's rows: kx = k exp2(g[n(r)] - g) (at most 1;
         # block 3's never read), kxu = k exp2(g[a(r)] - g) (at most 2^GUARD: 0 past it, where only
         # rows past the guard read it), yq = q exp2(g - g[a(r)]) and yk = beta k exp2(g - g[a(r)])
@@ -338,8 +357,8 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
                         rows_of(beta.iterator + rt * BT * H + head).load() * kf * down]
             for n in roles:
                 parts = _split(ops[n])
-                frag(kn(s_b[2 * n])).store(parts[0])
-                frag(kn(s_b[2 * n + 1])).store(parts[1])
+                put(kn(s_b[2 * n]), parts[0])
+                put(kn(s_b[2 * n + 1]), parts[1])
             if cutlass.const_expr(sync):
                 cute.arch.fence_view_async_shared()  # (the generic proxy's stores seen by the wgmmas)
                 cute.arch.sync_threads()
@@ -980,7 +999,7 @@ def unit_views(q, k, gc, beta, dAqk, dAkk, dq, dk, dg, g, A_log, dt_bias, q_rstd
 
 def compile_offline(nch: int = 4, K: int = 128, split: bool = True, within: bool = True, unit: bool = False,
                     dump: str | None = None, H: int = 1, has_bias: bool = True, lower_bound: float | None = None,
-                    l2: bool = False, phased: bool = False, wg2: bool = False, ws: bool = False):
+                    l2: bool = False, phased: bool = False, wg2: bool = False, ws: bool = False, stm: bool = False):
     """Trace and compile for sm_90a with no GPU: the PTX and cubin land in ``dump``."""
     if dump:
         os.environ.update(CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx,cubin", CUTE_DSL_DUMP_DIR=dump)
@@ -999,7 +1018,7 @@ def compile_offline(nch: int = 4, K: int = 128, split: bool = True, within: bool
         t = unit_views(op(H, K, dtype=torch.bfloat16), op(H, K, dtype=torch.bfloat16), op(H, K), op(H), op(H, BT),
                        op(H, BT), op(H, K), op(H, K), op(H, K), op(H, K, dtype=torch.bfloat16), torch.zeros(H),
                        torch.zeros(H * K), *((op(H), op(H)) if l2 else ()))
-    return cute.compile(build(K, split, within, unit, "bf16", has_bias, lower_bound, H, l2, phased, wg2, ws),
+    return cute.compile(build(K, split, within, unit, "bf16", has_bias, lower_bound, H, l2, phased, wg2, ws, stm=stm),
                         *[from_dlpack(t[n], assumed_align=16) for n in ARGS], cuda.CUstream(0))
 
 
@@ -1019,7 +1038,7 @@ def sm90_row(dump: str, split: bool, within: bool, unit: bool = False, **form) -
 
 def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = True, unit: bool = False,
             reps: int = 20, strength: float = 0.3, lower_bound: float | None = None, has_bias: bool = True,
-            l2: bool = False, phased: bool = False, wg2: bool = False, ws: bool = False) -> dict:
+            l2: bool = False, phased: bool = False, wg2: bool = False, ws: bool = False, stm: bool = False) -> dict:
     """On a GPU: x_q, x_kr and x_c against float64 and against the twin on 64 chunk-heads
     spread over all (with ``unit``, which keeps them in registers, the twin's alone); with
     ``unit``, the unit's six outputs against the registered Triton B7-B9
@@ -1041,7 +1060,7 @@ def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = T
     if not has_bias:  # (the build without dt_bias never reads it: zeros, as ``unit_views`` passes)
         t["dt_bias"].zero_()
     run = cute.compile(build(K, split, within, unit, "bf16", has_bias, lower_bound, l2=l2, phased=phased, wg2=wg2,
-                             ws=ws),
+                             ws=ws, stm=stm),
                        *args)
     run(*args)
     torch.cuda.synchronize()
@@ -1135,7 +1154,7 @@ def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = T
     if l2:  # dq2 and dk2 in bf16, the rows' rstd in
         moved += nch * (2 * BT * 4 - 2 * BT * K * 2)
     return {"kind": "gpu", "kernel": "b7_cute_probe", "split": split, "within": within, "unit": unit, "l2": l2,
-            "phased": phased, "wg2": wg2, "ws": ws,
+            "phased": phased, "wg2": wg2, "ws": ws, "stm": stm,
             "strength": strength, "lower_bound": lower_bound, "has_bias": has_bias, "chunk_heads": nch,
             "errors": errors, **registered, "slow_share": share,
             "finite": finite, "causal_to_the_bit": causal, "ms": ms, "bytes": moved, "TB_s": moved / ms / 1e9,
@@ -1164,20 +1183,21 @@ def main(argv=None) -> int:
                         H=int(argv[5]) if len(argv) > 5 else 1, has_bias="nobias" not in argv[6:],
                         lower_bound=-5.0 if "lb" in argv[6:] else None, l2="l2" in argv[6:],
                         phased="phased" in argv[6:], wg2="wg2" in argv[6:] or "ws" in argv[6:],
-                        ws="ws" in argv[6:])
+                        ws="ws" in argv[6:], stm="stm" in argv[6:])
         return 0
     if argv[:1] == ["gpu"]:  # every build at the gentle draw, then the whole sums under gates past the guard;
         # or the builds whose indices in BUILDS follow
         # (a unit build's index may carry its gate form: 2:lb the lower-bounded sigmoid, 2:nobias
         # no dt_bias, 2:lb:nobias both; 2:l2 B10 in the unit; 2:phased the operands in two phases;
-        # any build's, 0:wg2, the roles on two warpgroups, 0:ws, that with an idle third and 232 registers)
+        # any build's, 0:wg2, the roles on two warpgroups, 0:ws, that with an idle third and 232 registers;
+        # 0:stm, the shared tiles written by stmatrix)
         for arg in argv[1:] or [str(i) for i in range(len(BUILDS))]:
             index, *form = arg.split(":")
             split, within, unit = BUILDS[int(index)]
             print(json.dumps(gpu_run(split=split, within=within, unit=unit, has_bias="nobias" not in form,
                                      lower_bound=-5.0 if "lb" in form else None, l2="l2" in form,
                                      phased="phased" in form, wg2="wg2" in form or "ws" in form,
-                                     ws="ws" in form)), flush=True)
+                                     ws="ws" in form, stm="stm" in form)), flush=True)
         if not argv[1:]:
             print(json.dumps(gpu_run(strength=10.0)), flush=True)
         return 0
