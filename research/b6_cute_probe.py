@@ -852,9 +852,9 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
         dkgb_p = as_f32(storage.kl if fused else storage.dkgb)
         ek = (q, k, gc, beta2K, dg, dbk, kg_f.get_tensor(a1.outer, swizzle=a1.inner)[(None, None, 0)],
               cute.make_tensor(storage.part_k.data_ptr(), f32), cute.make_tensor(dkgb_p, f32))
-        b7c = None
-        s7a = [getattr(storage, n).get_tensor(l7a.outer, swizzle=l7a.inner) for n in B7_TILES[:4]]
+        b7c, b7_ea = None, (None, None, None)  # (B7's context; and what the dA epilogue hands B7)
         if cutlass.const_expr(fused):
+            s7a = [getattr(storage, n).get_tensor(l7a.outer, swizzle=l7a.inner) for n in B7_TILES[:4]]
             s7at = [getattr(storage, n).get_tensor(l7at.outer, swizzle=l7at.inner) for n in B7_TILES[:4]]
             s7b = [getattr(storage, n).get_tensor(l7b.outer, swizzle=l7b.inner) for n in B7_TILES[4:]]
             # (B7's tensors in research.b7_cute_probe.ARGS's order: its sums' outputs unused, dq for
@@ -864,12 +864,13 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
             # (the tail's sums over xh, x_c's hand-off over yqh and yql; B10's exchange unused)
             sm = (s7a, s7at, s7b, as_f32(storage.xh), as_f32(storage.xh), storage.xbars.data_ptr(), as_f32(storage.yqh))
             b7c = (tens, sm, (m7, m7z, m7t, m7tz))
+            # (the peer's dA partial over xl and uh; dAkk's split tiles)
+            b7_ea = (cute.make_tensor(as_f32(storage.xl), f32), s7a[2][None, None, 0], s7a[3][None, None, 0])
         ea = (dwb_f.get_tensor(a1.outer, swizzle=a1.inner), dwb_f.get_tensor(bmn1.outer, swizzle=bmn1.inner),
               kg_f.get_tensor(b1.outer, swizzle=b1.inner), cute.make_tensor(dkgb_p, f32),
               cute.make_tensor(storage.xch.data_ptr(), f32), abar - 1, beta1,
               dAb_f.get_tensor(a1.outer, swizzle=a1.inner), dAb_f.get_tensor(bmn1.outer, swizzle=bmn1.inner),
-              storage.At.get_tensor(bA.outer, swizzle=bA.inner), dA_out,
-              cute.make_tensor(as_f32(storage.xl), f32), s7a[2][None, None, 0], s7a[3][None, None, 0])
+              storage.At.get_tensor(bA.outer, swizzle=bA.inner), dA_out, *b7_ea)
         if wg == 1:  # dq and dk_h over V
             cute.arch.setmaxregister_increase(232)
             _sums_k(ring, mma, s_vn, s_do, s_h, s_dh, dq, dkh, first, step, nch, rank, wtid, s_hA, ek, b7c)
@@ -1072,6 +1073,22 @@ def op_tensors(q, k, v, v_new, gc, beta, A, h, do, dh, dv) -> tuple:
     return tensors, (dq, dk, dg, dv2, dA, dbv, dbk)
 
 
+def pair_db(dbv, dbk, shape):
+    """B6's db ([B, T, H]) from the pair's four partials by chunk-head (each CTA's V and K parts)."""
+    B, T, H, _ = shape
+    return (dbv + dbk).view(B * T // BT, H, 2, BT).sum(2).transpose(1, 2).reshape(B, T, H)
+
+
+def launch_args(tensors: dict, dev) -> list:
+    """The probe's arguments (``ARGS``, then torch's current stream on ``dev``) from ``tensors``."""
+    import cuda.bindings.driver as cuda
+    import torch
+    from cutlass.cute.runtime import from_dlpack
+
+    return [from_dlpack(tensors[name], assumed_align=16) for name in ARGS] + [
+        cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream)]
+
+
 def wy_dqkg_bwd(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, cu_seqlens, chunk_indices,
                 state_v_first=False, build_index: int = 8):
     """B6 with fla's contract (the stage registry's: dq, dk, dv2, db, dg, dA, fp32 but dv2) from
@@ -1079,10 +1096,8 @@ def wy_dqkg_bwd(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, c
     shape: a candidate for ``python -m benchmarks.op --candidate
     B6=research.b6_cute_probe:wy_dqkg_bwd:supports``. db is the sum of the pair's four
     partials, added here."""
-    import cuda.bindings.driver as cuda
     import cutlass.cute as cute
     import torch
-    from cutlass.cute.runtime import from_dlpack
 
     why = supports(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, cu_seqlens, chunk_indices,
                    state_v_first)
@@ -1091,10 +1106,9 @@ def wy_dqkg_bwd(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, c
     B, T, H, K = k.shape
     V = v.shape[-1]
     R = B * T
-    nrt, dev = R // BT, k.device
+    dev = k.device
     tensors, (dq, dk, dg, dv2, dA, dbv, dbk) = op_tensors(q, k, v, v_new, gc, beta, A, h, do, dh, dv)
-    args = [from_dlpack(tensors[name], assumed_align=16) for name in ARGS]
-    args.append(cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream))
+    args = launch_args(tensors, dev)
     key = (R, H, float(scale), build_index, dev.index)
     if key not in _COMPILED:
         stages, overlap, exchange, vside, ws, full, persist = BUILDS[build_index]
@@ -1103,7 +1117,7 @@ def wy_dqkg_bwd(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, c
         _COMPILED[key] = cute.compile(build(K, V, stages, overlap, exchange, vside, ws, full, persist, float(scale),
                                             sms // 2, H), *args)
     _COMPILED[key](*args)
-    db = (dbv + dbk).view(nrt, H, 2, BT).sum(2).transpose(1, 2).reshape(B, T, H)
+    db = pair_db(dbv, dbk, k.shape)
     return dq, dk, dv2, db, dg, dA
 
 
@@ -1129,10 +1143,8 @@ def wy_intra_bwd(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, state_v_firs
     from the ``fused`` build, compiled once a shape and gate form: a candidate for ``python -m
     benchmarks.op --candidate B6-B9=research.b6_cute_probe:wy_intra_bwd:supports_fused``. dAkk
     never leaves the kernel; db is B6's four partials and B7's two, added here."""
-    import cuda.bindings.driver as cuda
     import cutlass.cute as cute
     import torch
-    from cutlass.cute.runtime import from_dlpack
 
     from research.b7_cute_probe import unit_outputs, unit_views
 
@@ -1143,13 +1155,12 @@ def wy_intra_bwd(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, state_v_firs
     B, T, H, K = k.shape
     V = v.shape[-1]
     R = B * T
-    nrt, dev = R // BT, k.device
+    dev = k.device
     tensors, (dq, dk, dg, dv2, dA, dbv, dbk) = op_tensors(q, k, v, v_new, gc, beta, A, h, do, dh, dv)
     # (B7's tensors as the unit build takes them; its dq, dk, dg and dAkk are this kernel's B6 outputs)
     seven = unit_views(q, k, gc, beta, dAqk, dA, dq, dk, dg, g, A_log, dt_bias)
     tensors.update({n: seven[n] for n in ARGS[22:]})
-    args = [from_dlpack(tensors[name], assumed_align=16) for name in ARGS]
-    args.append(cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream))
+    args = launch_args(tensors, dev)
     raw = "bf16" if g.dtype == torch.bfloat16 else "fp32"
     key = (R, H, float(scale), "fused", raw, dt_bias is not None, lower_bound, dev.index)
     if key not in _COMPILED:
@@ -1160,7 +1171,7 @@ def wy_intra_bwd(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, state_v_firs
                                             has_bias=dt_bias is not None,
                                             lower_bound=None if lower_bound is None else float(lower_bound)), *args)
     _COMPILED[key](*args)
-    db6 = (dbv + dbk).view(nrt, H, 2, BT).sum(2).transpose(1, 2).reshape(B, T, H)
+    db6 = pair_db(dbv, dbk, k.shape)
     dq2, dk2, db, dg2, dA_log, ddt_bias = unit_outputs(seven, db6, A_log, dt_bias)
     return dq2, dk2, dv2, db, dg2, dA_log, ddt_bias
 

@@ -259,18 +259,15 @@ def test_a_b7_b10_unit_runs_in_place_of_b7_to_b10(p):
     B8, B9 and B10 when it takes the call (here the registered B7-B9 unit, GVA's group sum and
     the reference B10 in one function, counted): the same gradients, bit for bit, as the chain
     running those stages itself; without the l2norm in the op it is never asked."""
+    from kernel_fun.kda.chain import _intra_l2
     from kernel_fun.kda.stages import registered
 
     calls = []
+    unit_l2 = _intra_l2(unit.intra_bwd, stages()["B10"].impls["reference"])
 
-    def fused(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log, dt_bias, lower_bound, chunk_size,
-              cu_seqlens, chunk_indices, q_rstd, k_rstd):
-        calls.append(q.shape)
-        dq, dk, db, dg, dA_log, ddt_bias = unit.intra_bwd(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g,
-                                                          A_log, dt_bias, lower_bound, chunk_size, cu_seqlens,
-                                                          chunk_indices)
-        dq, dk = ref.group_sum(dq, dk, q.shape[2])
-        return (*stages()["B10"].impls["reference"](q, q_rstd, dq, k, k_rstd, dk), db, dg, dA_log, ddt_bias)
+    def fused(**inputs):
+        calls.append(inputs["q"].shape)
+        return unit_l2(**inputs)
 
     kwargs = make_inputs(p, device=DEVICE, seed=12)
     plain = run_fwd_bwd(chunk_kda, kwargs, grid=p.dtype)
@@ -297,21 +294,15 @@ def test_a_b6_b9_unit_runs_in_place_of_b6_to_b9(p):
     function, counted): the same gradients, bit for bit, as the chain running those stages
     itself, GVA's group sum and B10 after it as after the stages; with a pre-computed gate it
     is never asked."""
+    from kernel_fun.kda.chain import _wy_intra
     from kernel_fun.kda.stages import registered
 
     calls = []
-    b6 = stages()["B6"].impls["ours"]
+    unit6 = _wy_intra(stages()["B6"].impls["ours"], unit.intra_bwd)
 
-    def fused(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, state_v_first, chunk_size, cu_seqlens,
-              chunk_indices, dAqk, safe_gate, g, A_log, dt_bias, lower_bound):
-        calls.append(q.shape)
-        dq, dk, dv, db, dg, dAkk = b6(q=q, k=k, v=v, v_new=v_new, gc=gc, beta=beta, A=A, h=h, do=do, dh=dh, dv=dv,
-                                      scale=scale, state_v_first=state_v_first, chunk_size=chunk_size,
-                                      cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
-        dq, dk, db, dg, dA_log, ddt_bias = unit.intra_bwd(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g,
-                                                          A_log, dt_bias, lower_bound, chunk_size, cu_seqlens,
-                                                          chunk_indices)
-        return dq, dk, dv, db, dg, dA_log, ddt_bias
+    def fused(**inputs):
+        calls.append(inputs["q"].shape)
+        return unit6(**inputs)
 
     kwargs = make_inputs(p, device=DEVICE, seed=13)
     plain = run_fwd_bwd(chunk_kda, kwargs, grid=p.dtype)
