@@ -259,11 +259,11 @@ def test_a_b7_b10_unit_runs_in_place_of_b7_to_b10(p):
     B8, B9 and B10 when it takes the call (here the registered B7-B9 unit, GVA's group sum and
     the reference B10 in one function, counted): the same gradients, bit for bit, as the chain
     running those stages itself; without the l2norm in the op it is never asked."""
-    from kernel_fun.kda.chain import _intra_l2
+    from kernel_fun.kda.chain import intra_l2_unit
     from kernel_fun.kda.stages import registered
 
     calls = []
-    unit_l2 = _intra_l2(unit.intra_bwd, stages()["B10"].impls["reference"])
+    unit_l2 = intra_l2_unit(unit.intra_bwd, stages()["B10"].impls["reference"])
 
     def fused(**inputs):
         calls.append(inputs["q"].shape)
@@ -294,11 +294,11 @@ def test_a_b6_b9_unit_runs_in_place_of_b6_to_b9(p):
     function, counted): the same gradients, bit for bit, as the chain running those stages
     itself, GVA's group sum and B10 after it as after the stages; with a pre-computed gate it
     is never asked."""
-    from kernel_fun.kda.chain import _wy_intra
+    from kernel_fun.kda.chain import wy_intra_unit
     from kernel_fun.kda.stages import registered
 
     calls = []
-    unit6 = _wy_intra(stages()["B6"].impls["ours"], unit.intra_bwd)
+    unit6 = wy_intra_unit(stages()["B6"].impls["ours"], unit.intra_bwd)
 
     def fused(**inputs):
         calls.append(inputs["q"].shape)

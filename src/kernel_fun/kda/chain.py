@@ -145,7 +145,7 @@ def _ref_l2norm_bwd(q, q_rstd, dq, k, k_rstd, dk):
     return ref.l2norm_bwd(q, q_rstd, dq), ref.l2norm_bwd(k, k_rstd, dk)
 
 
-def _intra_l2(tail, l2norm):
+def intra_l2_unit(tail, l2norm):
     """The B7-B10 unit as the B7-B9 unit ``tail``, GVA's group sum and B10 ``l2norm`` in turn."""
     def unit(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log, dt_bias, lower_bound, chunk_size,
              cu_seqlens, chunk_indices, q_rstd, k_rstd):
@@ -156,7 +156,7 @@ def _intra_l2(tail, l2norm):
     return unit
 
 
-def _wy_intra(wy, tail):
+def wy_intra_unit(wy, tail):
     """The B6-B9 unit as B6 ``wy`` then the B7-B9 unit ``tail``: dAkk passes between them."""
     def unit(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, state_v_first, chunk_size, cu_seqlens, chunk_indices,
              dAqk, safe_gate, g, A_log, dt_bias, lower_bound):
@@ -223,16 +223,16 @@ _stage("B7-B9", ("B7", "B8", "B9"), "intra backward, dg cumsum, gate backward (o
 # fla's B7-B9 unit.
 _stage("B6-B9", ("B6", "B7", "B8", "B9"), "WY backward, intra backward, dg cumsum, gate backward (one pass)",
        f"q k v v_new gc beta A h do dh dv scale state_v_first {_C} dAqk safe_gate g A_log dt_bias lower_bound",
-       ("dq", "dk", "dv", "db", "dg", "dA_log", "ddt_bias"), _wy_intra(fla.wy_dqkg, fla.intra_bwd_tail),
-       _wy_intra(_ref_wy_dqkg, _ref_intra_tail))
+       ("dq", "dk", "dv", "db", "dg", "dA_log", "ddt_bias"), wy_intra_unit(fla.wy_dqkg, fla.intra_bwd_tail),
+       wy_intra_unit(_ref_wy_dqkg, _ref_intra_tail))
 _stage("B10", ("B10",), "l2norm bwd (q, k)", "q q_rstd dq k k_rstd dk", ("dq", "dk"), fla.l2norm_bwd,
        _ref_l2norm_bwd)
 # With the l2norm in the op, B7 through B10 as one unit, in their place only when kernel-fun's
 # kernel for it takes the call; fla's side is fla's B7-B9 unit, GVA's group sum and B10.
 _stage("B7-B10", ("B7", "B8", "B9", "B10"), "intra backward, dg cumsum, gate and l2norm backward (one pass)",
        f"q k gc beta dAqk dAkk dq dk db dg safe_gate g A_log dt_bias lower_bound {_C} q_rstd k_rstd",
-       ("dq", "dk", "db", "dg", "dA_log", "ddt_bias"), _intra_l2(fla.intra_bwd_tail, fla.l2norm_bwd),
-       _intra_l2(_ref_intra_tail, _ref_l2norm_bwd))
+       ("dq", "dk", "db", "dg", "dA_log", "ddt_bias"), intra_l2_unit(fla.intra_bwd_tail, fla.l2norm_bwd),
+       intra_l2_unit(_ref_intra_tail, _ref_l2norm_bwd))
 _stage("B10b", ("B10b",), "beta sigmoid bwd", "beta db scale", ("dbeta",), fla.beta_sigmoid_bwd,
        ref.beta_sigmoid_bwd)
 
