@@ -3,6 +3,7 @@
 # the fragment builds of the B7 and B6 probes, each step in its own process while LIMIT allows:
 # the unit (and with its tiles by stmatrix), the unit with B10, the persistent B6, the fused B6
 # and B7-B9, Nsight Compute on the unit, the unit with B10 on two warpgroups, then the rest.
+# ONLY (a bash regex over the step names, "ncu" for the profile) runs just the steps it matches.
 source .gpu/env.sh
 source research/gpu/cute_env.sh || { echo "no cute"; exit 3; }
 LIMIT=${LIMIT:-480}
@@ -12,6 +13,7 @@ log=$OUT/log
 echo "commit $(cat .gpu/commit) $(python3 -c 'import torch; print(torch.cuda.get_device_name())')" | tee -a $log
 step() {  # step NAME FILE SECONDS CMD...
   local name=$1 file=$2 want=$3; shift 3
+  if [ -n "$ONLY" ] && ! [[ "$name" =~ $ONLY ]]; then return; fi
   local l; l=$(left)
   if [ "$l" -lt 30 ]; then echo "skip $name: ${l}s left" | tee -a $log; return; fi
   [ "$want" -gt "$l" ] && want=$l
@@ -23,7 +25,7 @@ step "b7 unit, tiles by stmatrix" b7.jsonl 100 python3 -m research.b7_cute_probe
 step "b7 unit with b10" b7.jsonl 120 python3 -m research.b7_cute_probe gpu 2:l2
 step "b6 persistent" b6.jsonl 100 python3 -m research.b6_cute_probe gpu 8
 step "b6 then b7-b9, fused" b6.jsonl 100 python3 -m research.b6_cute_probe gpu 8:fused
-if [ "$(left)" -gt 90 ]; then
+if [ "$(left)" -gt 90 ] && { [ -z "$ONLY" ] || [[ ncu =~ $ONLY ]]; }; then
   echo "== ncu unit $(date +%T)" | tee -a $log
   timeout -k 5 $(( $(left) > 150 ? 140 : $(left) - 10 )) ncu --clock-control none --set full --import-source yes \
     -k regex:kernel_cutlass --launch-count 1 -f -o /tmp/unit python3 research/gpu/unit_once.py >> $log 2>&1
