@@ -952,7 +952,8 @@ def _run_unit(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, g, A_log, dt_bias, low
     key = (R, H, raw, dt_bias is not None, lower_bound, l2, dev.index)
     if key not in _COMPILED:
         _COMPILED[key] = cute.compile(build(K, True, True, True, raw, dt_bias is not None,
-                                            None if lower_bound is None else float(lower_bound), H, l2), *args)
+                                            None if lower_bound is None else float(lower_bound), H, l2, stm=True),
+                                     *args)
     _COMPILED[key](*args)
     return unit_outputs(tensors, db, A_log, dt_bias)
 
