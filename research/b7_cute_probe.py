@@ -979,6 +979,9 @@ def unit_views(q, k, gc, beta, dAqk, dAkk, dq, dk, dg, g, A_log, dt_bias, q_rstd
     With q_rstd and k_rstd ([B, T, H], the ``l2`` build's): dq2 and dk2 in q's and k's dtype."""
     import torch
 
+    q, k, gc, beta, dAqk, dAkk, dq, dk, dg, g, A_log, dt_bias, q_rstd, k_rstd = (  # (views for dlpack: no autograd)
+        None if x is None else x.detach()
+        for x in (q, k, gc, beta, dAqk, dAkk, dq, dk, dg, g, A_log, dt_bias, q_rstd, k_rstd))
     B, T, H, K = k.shape
     R, dev = B * T, k.device
     nch = R // BT * H
