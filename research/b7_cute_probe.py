@@ -1194,14 +1194,15 @@ def main(argv=None) -> int:
         # (a unit build's index may carry its gate form: 2:lb the lower-bounded sigmoid, 2:nobias
         # no dt_bias, 2:lb:nobias both; 2:l2 B10 in the unit; 2:phased the operands in two phases;
         # any build's, 0:wg2, the roles on two warpgroups, 0:ws, that with an idle third and 232 registers;
-        # 0:stm, the shared tiles written by stmatrix)
+        # 0:stm, the shared tiles written by stmatrix; 2:strong, the gates past the guard)
         for arg in argv[1:] or [str(i) for i in range(len(BUILDS))]:
             index, *form = arg.split(":")
             split, within, unit = BUILDS[int(index)]
             print(json.dumps(gpu_run(split=split, within=within, unit=unit, has_bias="nobias" not in form,
                                      lower_bound=-5.0 if "lb" in form else None, l2="l2" in form,
                                      phased="phased" in form, wg2="wg2" in form or "ws" in form,
-                                     ws="ws" in form, stm="stm" in form)), flush=True)
+                                     ws="ws" in form, stm="stm" in form,
+                                     strength=10.0 if "strong" in form else 0.3)), flush=True)
         if not argv[1:]:
             print(json.dumps(gpu_run(strength=10.0)), flush=True)
         return 0
