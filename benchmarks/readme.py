@@ -27,20 +27,22 @@ IMPL_NAMES = {
 
 
 def op_table(rows: list[dict]) -> str:
-    """Whole-op rows: one line per (shape, impl), fla's row first, speedups against it."""
+    """Whole-op rows: one line per (shape, GPU, impl), the H200's first, fla's row first, speedups
+    against fla's on the same GPU."""
     every = [r for r in rows if r.get("kind") == "chunk_kda"]
-    rows = latest(every, "shape", "impl")
-    fla = {r["shape"]: r for r in rows if r["impl"] == "fla"}
-    # A row is compared with fla's row of the same bench run (same commit and shape) where
+    rows = latest(every, "shape", "gpu", "impl")
+    fla = {(r["shape"], r["gpu"]): r for r in rows if r["impl"] == "fla"}
+    # A row is compared with fla's row of the same bench run (same commit, GPU and shape) where
     # there is one: the two were timed interleaved in one process.
-    same_run = {(r["shape"], r["commit"]): r for r in latest(every, "shape", "impl", "commit") if r["impl"] == "fla"}
+    same_run = {(r["shape"], r["gpu"], r["commit"]): r for r in latest(every, "shape", "gpu", "impl", "commit")
+                if r["impl"] == "fla"}
     lines = [
         "| shape | implementation | fwd ms | fwd+bwd ms | vs fla (fwd+bwd) | first call s | peak GiB | parity | GPU, date, commit |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     order = {"fla": 0, "chain_fla": 1, "ours": 2}
-    for r in sorted(rows, key=lambda r: (r["shape"], order.get(r["impl"], 9))):
-        base = same_run.get((r["shape"], r["commit"]), fla.get(r["shape"]))
+    for r in sorted(rows, key=lambda r: (r["shape"], r["gpu"] != "NVIDIA H200", r["gpu"], order.get(r["impl"], 9))):
+        base = same_run.get((r["shape"], r["gpu"], r["commit"]), fla.get((r["shape"], r["gpu"])))
         ratio = None
         if base and r.get("fwdbwd_ms") and base.get("fwdbwd_ms"):
             ratio = base["fwdbwd_ms"] / r["fwdbwd_ms"]

@@ -89,6 +89,15 @@ def test_red_rows_say_so():
     assert "dk over budget" in readme.op_table([_row(parity={"ok": True, "over_budget": ["dk"]})])
 
 
+def test_op_table_keeps_each_gpu_and_compares_within_it():
+    h100 = dict(gpu="NVIDIA H100 80GB HBM3", date="2026-12-01T10:00:00+00:00", commit="def")
+    table = readme.op_table([_row(), _row(impl="ours", fwdbwd_ms=23.0),
+                             _row(**h100, fwdbwd_ms=60.0), _row(**h100, impl="ours", fwdbwd_ms=40.0)])
+    lines = [line for line in table.splitlines() if line.startswith("| prod8192_gate")]
+    assert len(lines) == 4 and "H200" in lines[0] and "H100" in lines[-1]  # (the H200's first, both kept)
+    assert "| 2.000x |" in lines[1] and "| 1.500x |" in lines[3]  # (each against fla on its own GPU)
+
+
 def test_readme_stage_table_lists_shipped_designs_only():
     from kernel_fun.kda.kernels.b6_wy_bwd import CONFIGS
 
