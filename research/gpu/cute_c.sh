@@ -6,6 +6,7 @@
 source .gpu/env.sh
 source research/gpu/cute_env.sh || { echo "no cute"; exit 3; }
 log=$OUT/log; CAND=${CAND:-unit}
+export KERNEL_FUN_COMMIT=$(cut -c1-12 .gpu/commit)  # (the rows' commit: the machine's copy of .git may be older)
 echo "commit $(cat .gpu/commit) $(python3 -c 'import torch; print(torch.cuda.get_device_name())')" | tee -a $log
 run() { echo "== $* $(date +%T)" | tee -a $log; python3 -m benchmarks.op --shapes prod8192_gate --out $OUT/op.jsonl "$@" 2>&1 | tail -25 | tee -a $log; }
 [ "${BASE:-1}" = 0 ] || run --impls fla,ours
