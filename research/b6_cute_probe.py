@@ -140,7 +140,7 @@ def build(K: int = 128, V: int = 256, stages: int = 3, overlap: bool = True, exc
         # the roles' 7), dAkk's split tiles written by the second consumer
         from research.b7_cute_probe import build as b7_build
 
-        b7 = b7_build(K, True, True, True, raw, has_bias, lower_bound, H, wg2=True, body_only=True,
+        b7 = b7_build(K, True, True, True, raw, has_bias, lower_bound, H, wg2=True, body_only=True, stm=True,
                       dakk_global=False, bars=(1, 7))
     NV = V // BV
     assert not vside or NV % 2 == 0  # (each CTA of the pair has V tiles, the first at v = rank)

@@ -93,7 +93,7 @@ BUILDS = ((True, True, False), (True, False, False), (True, True, True))
 def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = False, raw: str = "bf16",
           has_bias: bool = True, lower_bound: float | None = None, H: int = 1, l2: bool = False,
           phased: bool = False, wg2: bool = False, ws: bool = False, body_only: bool = False, stm: bool = False,
-          dakk_global: bool = True, bars: tuple = (1, 2)):
+          dakk_global: bool = True, bars: tuple = (1, 2), pf: bool = False):
     """The probe's host function (a ``cute.jit``) for K = 2 KH: one CTA of 128 threads a
     (K half, chunk-head). ``within``: the pairs within a block too. ``unit`` (with ``within``):
     then the rest of the B7-B9 unit, as the registered kernel's tail: dq2 = dq + x_q, dk2 = dk +
@@ -125,6 +125,11 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
     ``stm``: the bf16 tiles (dA's split tiles, the B operands) written to shared memory by
     stmatrix, four 8x8 blocks an instruction, where the fragment's 2-element stores each
     computed their own swizzled address (the unit 13,840 to 13,152 SASS instructions).
+
+    ``pf``: first, every 128-byte line the CTA will read of its [64, C] tiles (dA's two, q, k,
+    g, and with ``unit`` dq, dk, dg and the raw gate) asked into L2 by one prefetch a line, ~8 a
+    thread: the loads after the first wait on L2, not DRAM (the profile's largest stall was the
+    global loads' scoreboard, with two warps a scheduler to hide it).
 
     ``body_only``: return the B7 body alone (``body``, a ``cute.jit`` function) for a kernel that
     runs it on its own shared memory, with ``bars`` the named barriers it may take (the tail's,
@@ -313,6 +318,22 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
         # fragment's 2-element stores each computed their own swizzled address)
         st_copy = (cute.make_tiled_copy_C(cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), bf16), mma)
                    if stm else None)
+
+        def prefetch_l2(tiles):
+            """Each 128-byte line of these [64, C] tiles (rows contiguous) into L2, a line a thread in turn."""
+            for t in tiles:
+                per_row = cute.size(t, mode=[1]) * t.element_type.width // 8 // 128
+                n_lines = BT * per_row
+                for j in cutlass.range_constexpr((n_lines + 127) // 128):
+                    line = tid + 128 * j
+                    if line < n_lines:
+                        at = (line // per_row, line % per_row * (1024 // t.element_type.width))
+                        cute.arch.prefetch((t.iterator + cute.crd2idx(at, t.layout)).llvm_ptr, cache_level="L2")
+
+        if cutlass.const_expr(pf and roles != 1):
+            rt_tile = lambda x: cute.local_tile(x, (BT, KH), (rt, ct))  # noqa: E731
+            prefetch_l2([g_q, g_k, g_qq, g_kk, g_g] + ([rt_tile(dq), rt_tile(dk), rt_tile(dg), rt_tile(g_raw)]
+                                                         if unit else []))
 
         def put(view, vals):
             """vals (bf16, this thread's elements of a [64, 64] tile in the wgmma layout) into the
@@ -1003,7 +1024,8 @@ def unit_views(q, k, gc, beta, dAqk, dAkk, dq, dk, dg, g, A_log, dt_bias, q_rstd
 
 def compile_offline(nch: int = 4, K: int = 128, split: bool = True, within: bool = True, unit: bool = False,
                     dump: str | None = None, H: int = 1, has_bias: bool = True, lower_bound: float | None = None,
-                    l2: bool = False, phased: bool = False, wg2: bool = False, ws: bool = False, stm: bool = False):
+                    l2: bool = False, phased: bool = False, wg2: bool = False, ws: bool = False, stm: bool = False,
+                    pf: bool = False):
     """Trace and compile for sm_90a with no GPU: the PTX and cubin land in ``dump``."""
     if dump:
         os.environ.update(CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx,cubin", CUTE_DSL_DUMP_DIR=dump)
@@ -1022,7 +1044,8 @@ def compile_offline(nch: int = 4, K: int = 128, split: bool = True, within: bool
         t = unit_views(op(H, K, dtype=torch.bfloat16), op(H, K, dtype=torch.bfloat16), op(H, K), op(H), op(H, BT),
                        op(H, BT), op(H, K), op(H, K), op(H, K), op(H, K, dtype=torch.bfloat16), torch.zeros(H),
                        torch.zeros(H * K), *((op(H), op(H)) if l2 else ()))
-    return cute.compile(build(K, split, within, unit, "bf16", has_bias, lower_bound, H, l2, phased, wg2, ws, stm=stm),
+    return cute.compile(build(K, split, within, unit, "bf16", has_bias, lower_bound, H, l2, phased, wg2, ws, stm=stm,
+                              pf=pf),
                         *[from_dlpack(t[n], assumed_align=16) for n in ARGS], cuda.CUstream(0))
 
 
@@ -1042,7 +1065,8 @@ def sm90_row(dump: str, split: bool, within: bool, unit: bool = False, **form) -
 
 def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = True, unit: bool = False,
             reps: int = 20, strength: float = 0.3, lower_bound: float | None = None, has_bias: bool = True,
-            l2: bool = False, phased: bool = False, wg2: bool = False, ws: bool = False, stm: bool = False) -> dict:
+            l2: bool = False, phased: bool = False, wg2: bool = False, ws: bool = False, stm: bool = False,
+            pf: bool = False) -> dict:
     """On a GPU: x_q, x_kr and x_c against float64 and against the twin on 64 chunk-heads
     spread over all (with ``unit``, which keeps them in registers, the twin's alone); with
     ``unit``, the unit's six outputs against the registered Triton B7-B9
@@ -1064,7 +1088,7 @@ def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = T
     if not has_bias:  # (the build without dt_bias never reads it: zeros, as ``unit_views`` passes)
         t["dt_bias"].zero_()
     run = cute.compile(build(K, split, within, unit, "bf16", has_bias, lower_bound, l2=l2, phased=phased, wg2=wg2,
-                             ws=ws, stm=stm),
+                             ws=ws, stm=stm, pf=pf),
                        *args)
     run(*args)
     torch.cuda.synchronize()
@@ -1158,7 +1182,7 @@ def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = T
     if l2:  # dq2 and dk2 in bf16, the rows' rstd in
         moved += nch * (2 * BT * 4 - 2 * BT * K * 2)
     return {"kind": "gpu", "kernel": "b7_cute_probe", "split": split, "within": within, "unit": unit, "l2": l2,
-            "phased": phased, "wg2": wg2, "ws": ws, "stm": stm,
+            "phased": phased, "wg2": wg2, "ws": ws, "stm": stm, "pf": pf,
             "strength": strength, "lower_bound": lower_bound, "has_bias": has_bias, "chunk_heads": nch,
             "errors": errors, **registered, "slow_share": share,
             "finite": finite, "causal_to_the_bit": causal, "ms": ms, "bytes": moved, "TB_s": moved / ms / 1e9,
@@ -1187,21 +1211,22 @@ def main(argv=None) -> int:
                         H=int(argv[5]) if len(argv) > 5 else 1, has_bias="nobias" not in argv[6:],
                         lower_bound=-5.0 if "lb" in argv[6:] else None, l2="l2" in argv[6:],
                         phased="phased" in argv[6:], wg2="wg2" in argv[6:] or "ws" in argv[6:],
-                        ws="ws" in argv[6:], stm="stm" in argv[6:])
+                        ws="ws" in argv[6:], stm="stm" in argv[6:], pf="pf" in argv[6:])
         return 0
     if argv[:1] == ["gpu"]:  # every build at the gentle draw, then the whole sums under gates past the guard;
         # or the builds whose indices in BUILDS follow
         # (a unit build's index may carry its gate form: 2:lb the lower-bounded sigmoid, 2:nobias
         # no dt_bias, 2:lb:nobias both; 2:l2 B10 in the unit; 2:phased the operands in two phases;
         # any build's, 0:wg2, the roles on two warpgroups, 0:ws, that with an idle third and 232 registers;
-        # 0:stm, the shared tiles written by stmatrix; 2:strong, the gates past the guard)
+        # 0:stm, the shared tiles written by stmatrix; 0:pf, the CTA's tiles prefetched into L2 first;
+        # 2:strong, the gates past the guard)
         for arg in argv[1:] or [str(i) for i in range(len(BUILDS))]:
             index, *form = arg.split(":")
             split, within, unit = BUILDS[int(index)]
             print(json.dumps(gpu_run(split=split, within=within, unit=unit, has_bias="nobias" not in form,
                                      lower_bound=-5.0 if "lb" in form else None, l2="l2" in form,
                                      phased="phased" in form, wg2="wg2" in form or "ws" in form,
-                                     ws="ws" in form, stm="stm" in form,
+                                     ws="ws" in form, stm="stm" in form, pf="pf" in form,
                                      strength=10.0 if "strong" in form else 0.3)), flush=True)
         if not argv[1:]:
             print(json.dumps(gpu_run(strength=10.0)), flush=True)

@@ -220,14 +220,14 @@ def test_the_op_layout_the_unit_reads_and_writes(l2):
 
 
 @pytest.mark.parametrize("form", [[], ["lb", "nobias"], ["l2"], ["l2", "phased"], ["wg2"], ["ws"], ["l2", "ws"],
-                                  ["stm"]])
+                                  ["stm"], ["stm", "pf"]])
 def test_the_unit_compiles_at_the_op_s_heads(tmp_path: Path, form):
     """The unit build on the op's layout at 16 heads (as ``intra_bwd`` builds it for
     prod8192_gate), with the softplus gate and dt_bias or the lower-bounded gate without it,
     or with B10 (the K halves' row sums swapped by one shared-to-shared copy each way, the
     cluster's barrier twice), and that with its B operands in two phases, or its roles on two
     warpgroups (with an idle third, each role in the 232 registers a B6 consumer has), or its
-    shared tiles written by stmatrix: as clean as at one."""
+    shared tiles written by stmatrix (and its tiles prefetched into L2 first): as clean as at one."""
     pytest.importorskip("cutlass.cute", reason="CuTe DSL (nvidia-cutlass-dsl) is not installed")
     root = Path(__file__).resolve().parents[2]
     done = subprocess.run([sys.executable, "-m", "research.b7_cute_probe", "compile-one", "1", "1", "1", str(tmp_path),
@@ -245,6 +245,9 @@ def test_the_unit_compiles_at_the_op_s_heads(tmp_path: Path, form):
     # column role's and the idle warpgroup's branches take those three as well)
     want = ((1, 10 if "ws" in form else 4) if "l2" in form else (0, 0))
     assert (swaps, cluster_barriers) == want, (swaps, cluster_barriers)
+    # (``pf``: a prefetch a thread for each of the fp32 tiles, dA's two, g, dq, dk, dg, and one on half
+    # the threads for each bf16 tile, q, k, the raw gate: nine in the code)
+    assert ptx.count("prefetch.L2") == (9 if "pf" in form else 0)
 
 
 def test_the_tail_s_lane_arithmetic():
