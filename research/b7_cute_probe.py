@@ -93,7 +93,8 @@ BUILDS = ((True, True, False), (True, False, False), (True, True, True))
 def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = False, raw: str = "bf16",
           has_bias: bool = True, lower_bound: float | None = None, H: int = 1, l2: bool = False,
           phased: bool = False, wg2: bool = False, ws: bool = False, body_only: bool = False, stm: bool = False,
-          dakk_global: bool = True, bars: tuple = (1, 2), pf: bool = False):
+          dakk_global: bool = True, bars: tuple = (1, 2), pf: bool = False, ks: int = KH,
+          ctas: int = 0):
     """The probe's host function (a ``cute.jit``) for K = 2 KH: one CTA of 128 threads a
     (K half, chunk-head). ``within``: the pairs within a block too. ``unit`` (with ``within``):
     then the rest of the B7-B9 unit, as the registered kernel's tail: dq2 = dq + x_q, dk2 = dk +
@@ -131,6 +132,13 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
     thread: the loads after the first wait on L2, not DRAM (the profile's largest stall was the
     global loads' scoreboard, with two warps a scheduler to hide it).
 
+    ``ks``: the channels a CTA takes, 64 (a K half) or 32 (a K quarter, four CTAs a chunk-head):
+    at 32 its three sums and two accumulators are [64, 32], 16 registers a thread each where 64
+    channels take 32, so three CTAs an SM may fit where two do at 64 (the unit's time is its
+    loads' latency at two warps a scheduler, docs/log/bwd-fused.md); dA's tiles are loaded and
+    split by four CTAs, not two. Not with ``l2``, ``wg2`` or ``body_only``. ``ctas``: the CTAs an
+    SM the launch asks ptxas to fit (its registers capped to match; 0 leaves them free).
+
     ``body_only``: return the B7 body alone (``body``, a ``cute.jit`` function) for a kernel that
     runs it on its own shared memory, with ``bars`` the named barriers it may take (the tail's,
     128 threads; the two roles', 256) and ``dakk_global`` off where that kernel has written dAkk's
@@ -151,7 +159,9 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
 
     from research.cute_kit import quad_row_sums, regs, warp_col_sums
 
-    assert K == 2 * KH
+    KH = ks  # (the CTA's channels: a K half, or with ks = 32 a quarter)
+    NS = K // KH  # (the CTAs a chunk-head)
+    assert K == NS * KH and (NS == 2 or not (l2 or wg2 or body_only))
     bf16, f32 = cutlass.BFloat16, cutlass.Float32
     raw = {"bf16": bf16, "fp32": f32}[raw]
 
@@ -296,7 +306,7 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
          dA_part, dbias_part, q_rstd, k_rstd) = tens
         s_a, s_at, s_b, red, xch, xbar, xc = sm
         mma, mma_z, mma_t, mma_tz = mmas
-        rt, ct = chunk // H, chunk % H * 2 + half  # the chunk's row tile; this K half's column tile
+        rt, ct = chunk // H, chunk % H * NS + half  # the chunk's row tile; this K slice's column tile
         head = chunk % H
         g_q = cute.local_tile(dAqk, (BT, BT), (rt, head))
         g_k = cute.local_tile(dAkk, (BT, BT), (rt, head))
@@ -349,15 +359,19 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
         # dA's tiles, split, their upper triangles zeroed (dAqk keeps its diagonal): the row role
         # reads them as they lie, the column role MN-major
         # (``wg2``: warpgroup 0 writes dAqk's, warpgroup 1 dAkk's)
+        # (``ks`` = 32: each [64, 64] tile as two [64, 32] column blocks, the fragment's shape)
         def da_tiles(mats):
             for mat in mats:
-                v = regs(frag((g_q, g_k)[mat]).load())
-                for i in cutlass.range_constexpr(cute.size(shape)):
-                    r, s = coords[i]
-                    v[i] = f32(cutlass.select_(s <= r if mat == 0 else s < r, v[i], f32(0.0)))
-                parts = _split(v.load())
-                put(mn(s_a[2 * mat]), parts[0])
-                put(mn(s_a[2 * mat + 1]), parts[1])
+                for j in cutlass.range_constexpr(BT // KH):
+                    cols = lambda t: cute.local_tile(t, (BT, KH), (0, j))  # noqa: E731
+                    v = regs(frag(cols((g_q, g_k)[mat])).load())
+                    for i in cutlass.range_constexpr(cute.size(shape)):
+                        r, s = coords[i]
+                        s = s + j * KH
+                        v[i] = f32(cutlass.select_(s <= r if mat == 0 else s < r, v[i], f32(0.0)))
+                    parts = _split(v.load())
+                    put(cols(mn(s_a[2 * mat])), parts[0])
+                    put(cols(mn(s_a[2 * mat + 1])), parts[1])
         # the B operands, each warp its own block's rows: kx = k exp2(g[n(r)] - g) (at most 1;
         # block 3's never read), kxu = k exp2(g[a(r)] - g) (at most 2^GUARD: 0 past it, where only
         # rows past the guard read it), yq = q exp2(g - g[a(r)]) and yk = beta k exp2(g - g[a(r)])
@@ -561,7 +575,7 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
         """``unit``: the B7-B9 unit's tail on this CTA's (chunk, K half), from the three sums in
         registers (``l2``: with B10's l2norm backward of dq2 and dk2). A thread's element i = a + 2
         b + 4 n of the wgmma layout is row 16 w + lane // 4 + 8 b and channel 8 n + 2 (lane % 4) + a."""
-        rt, ct, head = chunk // H, chunk % H * 2 + half, chunk % H
+        rt, ct, head = chunk // H, chunk % H * NS + half, chunk % H
         frag = thr_c.partition_C
         tile = lambda t: frag(cute.local_tile(t, (BT, KH), (rt, ct)))  # noqa: E731
         # (each warp's column sums [NB, KH] for B8, for dt_bias's, and its dA_log sum)
@@ -657,7 +671,7 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
             da_sum = f32(0.0)
             for v in cutlass.range_constexpr(NB):
                 da_sum += s_da[v]
-            dA_part[half * cute.size(dA_part, mode=[0]) // 2 + chunk] = da_sum
+            dA_part[half * (cute.size(dA_part, mode=[0]) // NS) + chunk] = da_sum
         if cutlass.const_expr(l2):  # (the peer has what this CTA sent before either leaves)
             cute.arch.cluster_wait()
 
@@ -712,8 +726,8 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
         nch = cute.size(k, mode=[0]) // BT * H
         kernel(dAqk, dAkk, q, k, g, beta, x_q, x_kr, x_c, dq, dk, dg, g_raw, a_log, dt_bias, dq2, dk2, dg2, db_part,
                dA_part, dbias_part, q_rstd, k_rstd, mma, mma_z, mma_t, mma_tz, a_l, at_l, b_l).launch(
-            grid=(2, nch, 1), block=(384 if ws else 256 if wg2 else 128, 1, 1),
-            cluster=(2, 1, 1) if l2 else (1, 1, 1), min_blocks_per_mp=1 if ws else 0, stream=stream)
+            grid=(NS, nch, 1), block=(384 if ws else 256 if wg2 else 128, 1, 1),
+            cluster=(2, 1, 1) if l2 else (1, 1, 1), min_blocks_per_mp=1 if ws else ctas, stream=stream)
 
     return probe
 
@@ -722,11 +736,11 @@ ARGS = ("dAqk", "dAkk", "q", "k", "g", "beta", "x_q", "x_kr", "x_c", "dq", "dk",
         "dq2", "dk2", "dg2", "db_part", "dA_part", "dbias_part", "q_rstd", "k_rstd")  # the probe's tensors, in its order
 
 
-def make_tensors(nch: int, K: int, device: str, seed: int = 0, strength: float = 0.3) -> dict:
+def make_tensors(nch: int, K: int, device: str, seed: int = 0, strength: float = 0.3, ns: int = 2) -> dict:
     """dAqk (lower, with its diagonal), dAkk (strictly lower), q and k, g (the chunk cumsum of
     a log2 decay of 0-``strength`` a token and channel: at 0.3 strong enough that the blocks'
     anchors matter, at 10 past the guard for a sixth of the elements), beta; and the outputs,
-    NaN."""
+    NaN (db's and dA_log's partials for ``ns`` K slices)."""
     import torch
 
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -744,8 +758,8 @@ def make_tensors(nch: int, K: int, device: str, seed: int = 0, strength: float =
             "A_log": torch.randn(1, generator=gen, device=device) * 0.5,
             "dt_bias": torch.randn(K, generator=gen, device=device) * 0.5}
     parts = {"dg2": torch.full((nch * BT, K), float("nan"), device=device).bfloat16(),
-             "db_part": torch.full((2 * nch * BT,), float("nan"), device=device),
-             "dA_part": torch.full((2 * nch,), float("nan"), device=device),
+             "db_part": torch.full((ns * nch * BT,), float("nan"), device=device),
+             "dA_part": torch.full((ns * nch,), float("nan"), device=device),
              "dbias_part": torch.full((nch, K), float("nan"), device=device)}
     # (l2) the rows' reciprocal norms, drawn last so that the rest is as without them
     rstd = {n: torch.rand(nch * BT, generator=gen, device=device) * 1.5 + 0.5 for n in ("q_rstd", "k_rstd")}
@@ -1025,7 +1039,7 @@ def unit_views(q, k, gc, beta, dAqk, dAkk, dq, dk, dg, g, A_log, dt_bias, q_rstd
 def compile_offline(nch: int = 4, K: int = 128, split: bool = True, within: bool = True, unit: bool = False,
                     dump: str | None = None, H: int = 1, has_bias: bool = True, lower_bound: float | None = None,
                     l2: bool = False, phased: bool = False, wg2: bool = False, ws: bool = False, stm: bool = False,
-                    pf: bool = False):
+                    pf: bool = False, ks: int = KH, ctas: int = 0):
     """Trace and compile for sm_90a with no GPU: the PTX and cubin land in ``dump``."""
     if dump:
         os.environ.update(CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx,cubin", CUTE_DSL_DUMP_DIR=dump)
@@ -1034,7 +1048,7 @@ def compile_offline(nch: int = 4, K: int = 128, split: bool = True, within: bool
     from cutlass.cute.runtime import from_dlpack
 
     if H == 1:
-        t = make_tensors(nch, K, "cpu")
+        t = make_tensors(nch, K, "cpu", ns=K // ks)
         if l2:
             t.update(dq2=t["dq2"].bfloat16(), dk2=t["dk2"].bfloat16())
     else:  # the op's layout at H heads: one sequence of nch chunks
@@ -1045,7 +1059,7 @@ def compile_offline(nch: int = 4, K: int = 128, split: bool = True, within: bool
                        op(H, BT), op(H, K), op(H, K), op(H, K), op(H, K, dtype=torch.bfloat16), torch.zeros(H),
                        torch.zeros(H * K), *((op(H), op(H)) if l2 else ()))
     return cute.compile(build(K, split, within, unit, "bf16", has_bias, lower_bound, H, l2, phased, wg2, ws, stm=stm,
-                              pf=pf),
+                              pf=pf, ks=ks, ctas=ctas),
                         *[from_dlpack(t[n], assumed_align=16) for n in ARGS], cuda.CUstream(0))
 
 
@@ -1066,7 +1080,7 @@ def sm90_row(dump: str, split: bool, within: bool, unit: bool = False, **form) -
 def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = True, unit: bool = False,
             reps: int = 20, strength: float = 0.3, lower_bound: float | None = None, has_bias: bool = True,
             l2: bool = False, phased: bool = False, wg2: bool = False, ws: bool = False, stm: bool = False,
-            pf: bool = False) -> dict:
+            pf: bool = False, ks: int = KH, ctas: int = 0) -> dict:
     """On a GPU: x_q, x_kr and x_c against float64 and against the twin on 64 chunk-heads
     spread over all (with ``unit``, which keeps them in registers, the twin's alone); with
     ``unit``, the unit's six outputs against the registered Triton B7-B9
@@ -1080,7 +1094,8 @@ def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = T
     import torch
     from cutlass.cute.runtime import from_dlpack
 
-    t = make_tensors(nch, K, "cuda", strength=strength)
+    ns = K // ks
+    t = make_tensors(nch, K, "cuda", strength=strength, ns=ns)
     if l2:  # (B10 writes q's and k's dtype)
         t.update(dq2=t["dq2"].bfloat16(), dk2=t["dk2"].bfloat16())
     args = [from_dlpack(t[n], assumed_align=16) for n in ARGS]
@@ -1088,7 +1103,7 @@ def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = T
     if not has_bias:  # (the build without dt_bias never reads it: zeros, as ``unit_views`` passes)
         t["dt_bias"].zero_()
     run = cute.compile(build(K, split, within, unit, "bf16", has_bias, lower_bound, l2=l2, phased=phased, wg2=wg2,
-                             ws=ws, stm=stm, pf=pf),
+                             ws=ws, stm=stm, pf=pf, ks=ks, ctas=ctas),
                        *args)
     run(*args)
     torch.cuda.synchronize()
@@ -1128,7 +1143,7 @@ def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = T
             b10 = stages()["B10"].impls["fla"]
             rstd = (tok(t["q_rstd"]), tok(t["k_rstd"]))
             theirs = (*b10(reg_args["q"], rstd[0], theirs[0], reg_args["k"], rstd[1], theirs[1]), *theirs[2:])
-        ours = (t["dq2"], t["dk2"], t["db_part"].view(2, -1).sum(0), t["dg2"], t["dA_part"].sum().view(1),
+        ours = (t["dq2"], t["dk2"], t["db_part"].view(ns, -1).sum(0), t["dg2"], t["dA_part"].sum().view(1),
                 t["dbias_part"].sum(0))
         names = ("dq", "dk", "db", "dg", "dA_log", "ddt_bias")
         registered = {"vs_registered": {n: rel(a.reshape(-1).float(), b.reshape(-1).float())
@@ -1141,7 +1156,7 @@ def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = T
         if l2:
             exact = (l2norm_bwd_exact(picked["q"], tok(pick(t["q_rstd"])), exact[0]),
                      l2norm_bwd_exact(picked["k"], tok(pick(t["k_rstd"])), exact[1]), *exact[2:])
-        got = (pick(t["dq2"]), pick(t["dk2"]), pick(t["db_part"].view(2, -1).sum(0)), pick(t["dg2"]))
+        got = (pick(t["dq2"]), pick(t["dk2"]), pick(t["db_part"].view(ns, -1).sum(0)), pick(t["dg2"]))
         registered["vs_exact"] = {n: rel(a.reshape(-1).float(), w.reshape(-1)) for n, a, w in zip(names, got, exact)}
         registered["registered_ms"] = timed(lambda: b7_b9_intra_bwd.intra_bwd(**reg_args))
         if l2:
@@ -1182,7 +1197,7 @@ def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = T
     if l2:  # dq2 and dk2 in bf16, the rows' rstd in
         moved += nch * (2 * BT * 4 - 2 * BT * K * 2)
     return {"kind": "gpu", "kernel": "b7_cute_probe", "split": split, "within": within, "unit": unit, "l2": l2,
-            "phased": phased, "wg2": wg2, "ws": ws, "stm": stm, "pf": pf,
+            "phased": phased, "wg2": wg2, "ws": ws, "stm": stm, "pf": pf, "ks": ks, "ctas": ctas,
             "strength": strength, "lower_bound": lower_bound, "has_bias": has_bias, "chunk_heads": nch,
             "errors": errors, **registered, "slow_share": share,
             "finite": finite, "causal_to_the_bit": causal, "ms": ms, "bytes": moved, "TB_s": moved / ms / 1e9,
@@ -1211,7 +1226,8 @@ def main(argv=None) -> int:
                         H=int(argv[5]) if len(argv) > 5 else 1, has_bias="nobias" not in argv[6:],
                         lower_bound=-5.0 if "lb" in argv[6:] else None, l2="l2" in argv[6:],
                         phased="phased" in argv[6:], wg2="wg2" in argv[6:] or "ws" in argv[6:],
-                        ws="ws" in argv[6:], stm="stm" in argv[6:], pf="pf" in argv[6:])
+                        ws="ws" in argv[6:], stm="stm" in argv[6:], pf="pf" in argv[6:],
+                        ks=32 if "ks32" in argv[6:] else KH, ctas=4 if "ctas4" in argv[6:] else 0)
         return 0
     if argv[:1] == ["gpu"]:  # every build at the gentle draw, then the whole sums under gates past the guard;
         # or the builds whose indices in BUILDS follow
@@ -1219,6 +1235,7 @@ def main(argv=None) -> int:
         # no dt_bias, 2:lb:nobias both; 2:l2 B10 in the unit; 2:phased the operands in two phases;
         # any build's, 0:wg2, the roles on two warpgroups, 0:ws, that with an idle third and 232 registers;
         # 0:stm, the shared tiles written by stmatrix; 0:pf, the CTA's tiles prefetched into L2 first;
+        # 0:ks32, a CTA a K quarter; 0:ctas4, registers capped for four CTAs an SM;
         # 2:strong, the gates past the guard)
         for arg in argv[1:] or [str(i) for i in range(len(BUILDS))]:
             index, *form = arg.split(":")
@@ -1227,6 +1244,7 @@ def main(argv=None) -> int:
                                      lower_bound=-5.0 if "lb" in form else None, l2="l2" in form,
                                      phased="phased" in form, wg2="wg2" in form or "ws" in form,
                                      ws="ws" in form, stm="stm" in form, pf="pf" in form,
+                                     ks=32 if "ks32" in form else KH, ctas=4 if "ctas4" in form else 0,
                                      strength=10.0 if "strong" in form else 0.3)), flush=True)
         if not argv[1:]:
             print(json.dumps(gpu_run(strength=10.0)), flush=True)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Call 2 (carry .gpu and .cute2), right after cute_a.sh on the same machine: join CuTe DSL, then
 # the fragment builds of the B7 and B6 probes, each step in its own process while LIMIT allows:
-# the unit (and with its tiles by stmatrix, and those prefetched into L2), the unit with B10, the persistent B6, the fused B6
+# the unit (and with its tiles by stmatrix, and those prefetched into L2, and a CTA a K quarter), the unit with B10, the persistent B6, the fused B6
 # and B7-B9, Nsight Compute on the unit, the unit with B10 on two warpgroups, then the rest.
 # ONLY (a bash regex over the step names, "ncu" for the profile) runs just the steps it matches.
 source .gpu/env.sh
@@ -24,6 +24,9 @@ step "b7 unit" b7.jsonl 150 python3 -m research.b7_cute_probe gpu 2
 step "b7 unit, tiles by stmatrix" b7.jsonl 100 python3 -m research.b7_cute_probe gpu 2:stm
 step "b7 unit, tiles by stmatrix, prefetched into L2" b7.jsonl 100 python3 -m research.b7_cute_probe gpu 2:stm:pf
 step "b7 unit with b10, tiles by stmatrix, prefetched into L2" b7.jsonl 100 python3 -m research.b7_cute_probe gpu 2:l2:stm:pf
+step "b7 unit, a CTA a K quarter (ks32)" b7.jsonl 100 python3 -m research.b7_cute_probe gpu 2:stm:ks32
+step "b7 unit, ks32, phased" b7.jsonl 100 python3 -m research.b7_cute_probe gpu 2:stm:ks32:phased
+step "b7 unit, ks32, phased, four CTAs an SM" b7.jsonl 100 python3 -m research.b7_cute_probe gpu 2:stm:ks32:phased:ctas4
 step "b7 unit with b10" b7.jsonl 120 python3 -m research.b7_cute_probe gpu 2:l2
 step "b6 persistent" b6.jsonl 100 python3 -m research.b6_cute_probe gpu 8
 step "b6 then b7-b9, fused" b6.jsonl 100 python3 -m research.b6_cute_probe gpu 8:fused
