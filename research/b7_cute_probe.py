@@ -94,7 +94,7 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
           has_bias: bool = True, lower_bound: float | None = None, H: int = 1, l2: bool = False,
           phased: bool = False, wg2: bool = False, ws: bool = False, body_only: bool = False, stm: bool = False,
           dakk_global: bool = True, bars: tuple = (1, 2), pf: bool = False, ks: int = KH,
-          ctas: int = 0):
+          ctas: int = 0, su: bool = False):
     """The probe's host function (a ``cute.jit``) for K = 2 KH: one CTA of 128 threads a
     (K half, chunk-head). ``within``: the pairs within a block too. ``unit`` (with ``within``):
     then the rest of the B7-B9 unit, as the registered kernel's tail: dq2 = dq + x_q, dk2 = dk +
@@ -138,6 +138,10 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
     loads' latency at two warps a scheduler, docs/log/bwd-fused.md); dA's tiles are loaded and
     split by four CTAs, not two. Not with ``l2``, ``wg2`` or ``body_only``. ``ctas``: the CTAs an
     SM the launch asks ptxas to fit (its registers capped to match; 0 leaves them free).
+
+    ``su``: the pair-by-pair path's loops unrolled over the block's 16 rows, each pair's term
+    selected (not branched) by whether it is in the sum, so that a warp's loads for an element
+    go out together, not one dependent round trip a pair (cold code, behind the warp's vote).
 
     ``body_only``: return the B7 body alone (``body``, a ``cute.jit`` function) for a kernel that
     runs it on its own shared memory, with ``bars`` the named barriers it may take (the tail's,
@@ -510,20 +514,35 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
                     if cutlass.const_expr(row):
                         a_q = f32(0.0)
                         a_k = f32(0.0)
-                        for s in cutlass.range(u, t + 1, unroll=1):  # the row role: s <= t (dAkk: s < t)
-                            f = g_kk[s, c].to(f32) * cute.arch.exp2(g_g[t, c] - g_g[s, c])
-                            a_q += g_q[t, s] * f
-                            if s < t:
-                                a_k += g_k[t, s] * f
+                        if cutlass.const_expr(su):  # (s = u + o over the block; terms with s > t selected away,
+                            # their exp2 possibly inf)
+                            for o in cutlass.range_constexpr(BC):
+                                s = u + o
+                                f = g_kk[s, c].to(f32) * cute.arch.exp2(g_g[t, c] - g_g[s, c])
+                                a_q += cutlass.select_(s <= t, g_q[t, s] * f, f32(0.0))
+                                a_k += cutlass.select_(s < t, g_k[t, s] * f, f32(0.0))
+                        else:
+                            for s in cutlass.range(u, t + 1, unroll=1):  # the row role: s <= t (dAkk: s < t)
+                                f = g_kk[s, c].to(f32) * cute.arch.exp2(g_g[t, c] - g_g[s, c])
+                                a_q += g_q[t, s] * f
+                                if s < t:
+                                    a_k += g_k[t, s] * f
                         o_q[i] = o_q[i] + a_q
                         o_k[i] = o_k[i] + a_k
                     if cutlass.const_expr(col):
                         a_c = f32(0.0)
-                        for r in cutlass.range(t, u + BC, unroll=1):  # the column role: r >= t (dAkk: r > t)
-                            wt = g_q[r, t] * g_qq[r, c].to(f32)
-                            if r > t:
-                                wt += g_k[r, t] * g_b[r] * g_kk[r, c].to(f32)
-                            a_c += wt * cute.arch.exp2(g_g[r, c] - g_g[t, c])
+                        if cutlass.const_expr(su):  # (r = u + o over the block; terms with r < t selected away)
+                            for o in cutlass.range_constexpr(BC):
+                                r = u + o
+                                wt = g_q[r, t] * g_qq[r, c].to(f32) + cutlass.select_(
+                                    r > t, g_k[r, t] * g_b[r] * g_kk[r, c].to(f32), f32(0.0))
+                                a_c += cutlass.select_(r >= t, wt * cute.arch.exp2(g_g[r, c] - g_g[t, c]), f32(0.0))
+                        else:
+                            for r in cutlass.range(t, u + BC, unroll=1):  # the column role: r >= t (dAkk: r > t)
+                                wt = g_q[r, t] * g_qq[r, c].to(f32)
+                                if r > t:
+                                    wt += g_k[r, t] * g_b[r] * g_kk[r, c].to(f32)
+                                a_c += wt * cute.arch.exp2(g_g[r, c] - g_g[t, c])
                         o_c[i] = o_c[i] + a_c
 
         def store(outs):
@@ -736,11 +755,15 @@ ARGS = ("dAqk", "dAkk", "q", "k", "g", "beta", "x_q", "x_kr", "x_c", "dq", "dk",
         "dq2", "dk2", "dg2", "db_part", "dA_part", "dbias_part", "q_rstd", "k_rstd")  # the probe's tensors, in its order
 
 
-def make_tensors(nch: int, K: int, device: str, seed: int = 0, strength: float = 0.3, ns: int = 2) -> dict:
+def make_tensors(nch: int, K: int, device: str, seed: int = 0, strength: float = 0.3, ns: int = 2,
+                 bench_gate: bool = False) -> dict:
     """dAqk (lower, with its diagonal), dAkk (strictly lower), q and k, g (the chunk cumsum of
     a log2 decay of 0-``strength`` a token and channel: at 0.3 strong enough that the blocks'
     anchors matter, at 10 past the guard for a sixth of the elements), beta; and the outputs,
-    NaN (db's and dA_log's partials for ``ns`` K slices)."""
+    NaN (db's and dA_log's partials for ``ns`` K slices). ``bench_gate``: g drawn as the op
+    bench's gate makes it (``kernel_fun.kda.problems.make_inputs``: A in 1-16 a chunk-head,
+    Kimi's dt_bias a channel, softplus of a normal draw plus it, in log2 units), where a few
+    elements of the strongest heads are past the guard."""
     import torch
 
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -750,6 +773,14 @@ def make_tensors(nch: int, K: int, device: str, seed: int = 0, strength: float =
     dAkk = torch.randn(nch, BT, BT, generator=gen, device=device) * (rows[:, None] > rows[None, :])
     q, k = ((torch.randn(nch * BT, K, generator=gen, device=device) * K ** -0.5).bfloat16() for _ in range(2))
     g = -(torch.rand(nch, BT, K, generator=gen, device=device) * strength).cumsum(1)
+    if bench_gate:
+        import math
+
+        A = torch.empty(nch, 1, 1, device=device).uniform_(1, 16, generator=gen)
+        dt = torch.exp(torch.empty(K, device=device).uniform_(math.log(1e-3), math.log(1e-1), generator=gen))
+        bias = dt + torch.log(-torch.expm1(-dt))
+        x = torch.randn(nch, BT, K, generator=gen, device=device)
+        g = -(A * torch.nn.functional.softplus(x + bias) * 1.4426950408889634).cumsum(1)
     beta = torch.rand(nch * BT, generator=gen, device=device)
     out = {n: torch.full((nch * BT, K), float("nan"), device=device) for n in ("x_q", "x_kr", "x_c", "dq2", "dk2")}
     # (unit) the incoming dq, dk, dg; the raw gate (bf16) and its parameters; the tail's outputs
@@ -1039,7 +1070,7 @@ def unit_views(q, k, gc, beta, dAqk, dAkk, dq, dk, dg, g, A_log, dt_bias, q_rstd
 def compile_offline(nch: int = 4, K: int = 128, split: bool = True, within: bool = True, unit: bool = False,
                     dump: str | None = None, H: int = 1, has_bias: bool = True, lower_bound: float | None = None,
                     l2: bool = False, phased: bool = False, wg2: bool = False, ws: bool = False, stm: bool = False,
-                    pf: bool = False, ks: int = KH, ctas: int = 0):
+                    pf: bool = False, ks: int = KH, ctas: int = 0, su: bool = False):
     """Trace and compile for sm_90a with no GPU: the PTX and cubin land in ``dump``."""
     if dump:
         os.environ.update(CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx,cubin", CUTE_DSL_DUMP_DIR=dump)
@@ -1059,7 +1090,7 @@ def compile_offline(nch: int = 4, K: int = 128, split: bool = True, within: bool
                        op(H, BT), op(H, K), op(H, K), op(H, K), op(H, K, dtype=torch.bfloat16), torch.zeros(H),
                        torch.zeros(H * K), *((op(H), op(H)) if l2 else ()))
     return cute.compile(build(K, split, within, unit, "bf16", has_bias, lower_bound, H, l2, phased, wg2, ws, stm=stm,
-                              pf=pf, ks=ks, ctas=ctas),
+                              pf=pf, ks=ks, ctas=ctas, su=su),
                         *[from_dlpack(t[n], assumed_align=16) for n in ARGS], cuda.CUstream(0))
 
 
@@ -1080,7 +1111,7 @@ def sm90_row(dump: str, split: bool, within: bool, unit: bool = False, **form) -
 def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = True, unit: bool = False,
             reps: int = 20, strength: float = 0.3, lower_bound: float | None = None, has_bias: bool = True,
             l2: bool = False, phased: bool = False, wg2: bool = False, ws: bool = False, stm: bool = False,
-            pf: bool = False, ks: int = KH, ctas: int = 0) -> dict:
+            pf: bool = False, ks: int = KH, ctas: int = 0, bench_gate: bool = False, su: bool = False) -> dict:
     """On a GPU: x_q, x_kr and x_c against float64 and against the twin on 64 chunk-heads
     spread over all (with ``unit``, which keeps them in registers, the twin's alone); with
     ``unit``, the unit's six outputs against the registered Triton B7-B9
@@ -1095,7 +1126,7 @@ def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = T
     from cutlass.cute.runtime import from_dlpack
 
     ns = K // ks
-    t = make_tensors(nch, K, "cuda", strength=strength, ns=ns)
+    t = make_tensors(nch, K, "cuda", strength=strength, ns=ns, bench_gate=bench_gate)
     if l2:  # (B10 writes q's and k's dtype)
         t.update(dq2=t["dq2"].bfloat16(), dk2=t["dk2"].bfloat16())
     args = [from_dlpack(t[n], assumed_align=16) for n in ARGS]
@@ -1103,7 +1134,7 @@ def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = T
     if not has_bias:  # (the build without dt_bias never reads it: zeros, as ``unit_views`` passes)
         t["dt_bias"].zero_()
     run = cute.compile(build(K, split, within, unit, "bf16", has_bias, lower_bound, l2=l2, phased=phased, wg2=wg2,
-                             ws=ws, stm=stm, pf=pf, ks=ks, ctas=ctas),
+                             ws=ws, stm=stm, pf=pf, ks=ks, ctas=ctas, su=su),
                        *args)
     run(*args)
     torch.cuda.synchronize()
@@ -1197,7 +1228,7 @@ def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = T
     if l2:  # dq2 and dk2 in bf16, the rows' rstd in
         moved += nch * (2 * BT * 4 - 2 * BT * K * 2)
     return {"kind": "gpu", "kernel": "b7_cute_probe", "split": split, "within": within, "unit": unit, "l2": l2,
-            "phased": phased, "wg2": wg2, "ws": ws, "stm": stm, "pf": pf, "ks": ks, "ctas": ctas,
+            "phased": phased, "wg2": wg2, "ws": ws, "stm": stm, "pf": pf, "ks": ks, "ctas": ctas, "bench_gate": bench_gate, "su": su,
             "strength": strength, "lower_bound": lower_bound, "has_bias": has_bias, "chunk_heads": nch,
             "errors": errors, **registered, "slow_share": share,
             "finite": finite, "causal_to_the_bit": causal, "ms": ms, "bytes": moved, "TB_s": moved / ms / 1e9,
@@ -1227,7 +1258,8 @@ def main(argv=None) -> int:
                         lower_bound=-5.0 if "lb" in argv[6:] else None, l2="l2" in argv[6:],
                         phased="phased" in argv[6:], wg2="wg2" in argv[6:] or "ws" in argv[6:],
                         ws="ws" in argv[6:], stm="stm" in argv[6:], pf="pf" in argv[6:],
-                        ks=32 if "ks32" in argv[6:] else KH, ctas=4 if "ctas4" in argv[6:] else 0)
+                        ks=32 if "ks32" in argv[6:] else KH, ctas=4 if "ctas4" in argv[6:] else 0,
+                        su="su" in argv[6:])
         return 0
     if argv[:1] == ["gpu"]:  # every build at the gentle draw, then the whole sums under gates past the guard;
         # or the builds whose indices in BUILDS follow
@@ -1235,7 +1267,8 @@ def main(argv=None) -> int:
         # no dt_bias, 2:lb:nobias both; 2:l2 B10 in the unit; 2:phased the operands in two phases;
         # any build's, 0:wg2, the roles on two warpgroups, 0:ws, that with an idle third and 232 registers;
         # 0:stm, the shared tiles written by stmatrix; 0:pf, the CTA's tiles prefetched into L2 first;
-        # 0:ks32, a CTA a K quarter; 0:ctas4, registers capped for four CTAs an SM;
+        # 0:ks32, a CTA a K quarter; 0:ctas4, registers capped for four CTAs an SM; 0:benchgate, the
+        # op bench's gate draw; 0:su, the pair-by-pair path unrolled;
         # 2:strong, the gates past the guard)
         for arg in argv[1:] or [str(i) for i in range(len(BUILDS))]:
             index, *form = arg.split(":")
@@ -1245,6 +1278,7 @@ def main(argv=None) -> int:
                                      phased="phased" in form, wg2="wg2" in form or "ws" in form,
                                      ws="ws" in form, stm="stm" in form, pf="pf" in form,
                                      ks=32 if "ks32" in form else KH, ctas=4 if "ctas4" in form else 0,
+                                     bench_gate="benchgate" in form, su="su" in form,
                                      strength=10.0 if "strong" in form else 0.3)), flush=True)
         if not argv[1:]:
             print(json.dumps(gpu_run(strength=10.0)), flush=True)

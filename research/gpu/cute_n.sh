@@ -27,6 +27,9 @@ step "b7 unit with b10, tiles by stmatrix, prefetched into L2" b7.jsonl 100 pyth
 step "b7 unit, a CTA a K quarter (ks32)" b7.jsonl 100 python3 -m research.b7_cute_probe gpu 2:stm:ks32
 step "b7 unit, ks32, phased" b7.jsonl 100 python3 -m research.b7_cute_probe gpu 2:stm:ks32:phased
 step "b7 unit, ks32, phased, four CTAs an SM" b7.jsonl 100 python3 -m research.b7_cute_probe gpu 2:stm:ks32:phased:ctas4
+step "b7 unit, bench gates" b7.jsonl 100 python3 -m research.b7_cute_probe gpu 2:stm:benchgate
+step "b7 unit, bench gates, pair-by-pair path unrolled (su)" b7.jsonl 100 python3 -m research.b7_cute_probe gpu 2:stm:benchgate:su
+step "b7 unit, strong gates, su" b7.jsonl 100 python3 -m research.b7_cute_probe gpu 2:stm:strong:su
 step "b7 unit with b10" b7.jsonl 120 python3 -m research.b7_cute_probe gpu 2:l2
 step "b6 persistent" b6.jsonl 100 python3 -m research.b6_cute_probe gpu 8
 step "b6 then b7-b9, fused" b6.jsonl 100 python3 -m research.b6_cute_probe gpu 8:fused
