@@ -139,9 +139,10 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
     split by four CTAs, not two. Not with ``l2``, ``wg2`` or ``body_only``. ``ctas``: the CTAs an
     SM the launch asks ptxas to fit (its registers capped to match; 0 leaves them free).
 
-    ``su``: the pair-by-pair path's loops unrolled over the block's 16 rows, each pair's term
-    selected (not branched) by whether it is in the sum, so that a warp's loads for an element
-    go out together, not one dependent round trip a pair (cold code, behind the warp's vote).
+    ``su``: the pair-by-pair path's loops unrolled by four, the dAkk term selected (not
+    branched), and the fast exp2 that declares no side effects, so that four pairs' loads go out
+    together, not one dependent round trip a pair (fully unrolled over the block's 16 rows the
+    path was slower: 16 x 32 copies of the loop body, each fetched once).
 
     ``body_only``: return the B7 body alone (``body``, a ``cute.jit`` function) for a kernel that
     runs it on its own shared memory, with ``bars`` the named barriers it may take (the tail's,
@@ -514,12 +515,10 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
                     if cutlass.const_expr(row):
                         a_q = f32(0.0)
                         a_k = f32(0.0)
-                        if cutlass.const_expr(su):  # (s = u + o over the block; terms with s > t selected away,
-                            # their exp2 possibly inf)
-                            for o in cutlass.range_constexpr(BC):
-                                s = u + o
-                                f = g_kk[s, c].to(f32) * cute.arch.exp2(g_g[t, c] - g_g[s, c])
-                                a_q += cutlass.select_(s <= t, g_q[t, s] * f, f32(0.0))
+                        if cutlass.const_expr(su):  # (four pairs an iteration, their loads free to go out together)
+                            for s in cutlass.range(u, t + 1, unroll=4):
+                                f = g_kk[s, c].to(f32) * _ex2(g_g[t, c] - g_g[s, c])
+                                a_q += g_q[t, s] * f
                                 a_k += cutlass.select_(s < t, g_k[t, s] * f, f32(0.0))
                         else:
                             for s in cutlass.range(u, t + 1, unroll=1):  # the row role: s <= t (dAkk: s < t)
@@ -531,12 +530,11 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
                         o_k[i] = o_k[i] + a_k
                     if cutlass.const_expr(col):
                         a_c = f32(0.0)
-                        if cutlass.const_expr(su):  # (r = u + o over the block; terms with r < t selected away)
-                            for o in cutlass.range_constexpr(BC):
-                                r = u + o
+                        if cutlass.const_expr(su):
+                            for r in cutlass.range(t, u + BC, unroll=4):
                                 wt = g_q[r, t] * g_qq[r, c].to(f32) + cutlass.select_(
                                     r > t, g_k[r, t] * g_b[r] * g_kk[r, c].to(f32), f32(0.0))
-                                a_c += cutlass.select_(r >= t, wt * cute.arch.exp2(g_g[r, c] - g_g[t, c]), f32(0.0))
+                                a_c += wt * _ex2(g_g[r, c] - g_g[t, c])
                         else:
                             for r in cutlass.range(t, u + BC, unroll=1):  # the column role: r >= t (dAkk: r > t)
                                 wt = g_q[r, t] * g_qq[r, c].to(f32)
