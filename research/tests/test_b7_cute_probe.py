@@ -220,14 +220,15 @@ def test_the_op_layout_the_unit_reads_and_writes(l2):
 
 
 @pytest.mark.parametrize("form", [[], ["lb", "nobias"], ["l2"], ["l2", "phased"], ["wg2"], ["ws"], ["l2", "ws"],
-                                  ["stm"], ["stm", "pf"]])
+                                  ["stm"], ["stm", "pf"], ["stm", "ks32"], ["stm", "su"]])
 def test_the_unit_compiles_at_the_op_s_heads(tmp_path: Path, form):
     """The unit build on the op's layout at 16 heads (as ``intra_bwd`` builds it for
     prod8192_gate), with the softplus gate and dt_bias or the lower-bounded gate without it,
     or with B10 (the K halves' row sums swapped by one shared-to-shared copy each way, the
     cluster's barrier twice), and that with its B operands in two phases, or its roles on two
     warpgroups (with an idle third, each role in the 232 registers a B6 consumer has), or its
-    shared tiles written by stmatrix (and its tiles prefetched into L2 first): as clean as at one."""
+    shared tiles written by stmatrix (and its tiles prefetched into L2 first, or a CTA a K quarter,
+    or its pair-by-pair loops unrolled): as clean as at one."""
     pytest.importorskip("cutlass.cute", reason="CuTe DSL (nvidia-cutlass-dsl) is not installed")
     root = Path(__file__).resolve().parents[2]
     done = subprocess.run([sys.executable, "-m", "research.b7_cute_probe", "compile-one", "1", "1", "1", str(tmp_path),
@@ -239,6 +240,7 @@ def test_the_unit_compiles_at_the_op_s_heads(tmp_path: Path, form):
     assert (r["spill_stores"], r["sass_stl"], r["ptxas_notes"], r["wgmma"]) == (0, 0, {}, 66), r
     # (``ws``: the registers at entry for 384 threads, and both setmaxnreg kept)
     assert (r["registers"], r["sass_setmaxnreg"]) == ((168, 2) if "ws" in form else (r["registers"], 0)), r
+    assert "ks32" not in form or r["registers"] <= 168, r  # (three CTAs an SM)
     ptx = next(tmp_path.glob("cutlass_*.ptx")).read_text()
     swaps, cluster_barriers = ptx.count("cp.async.bulk.shared::cluster"), ptx.count("barrier.cluster")
     # (the cluster's barriers: the first arrive, and B10's wait, arrive and wait; with ``ws`` the
