@@ -1000,26 +1000,45 @@ def intra_bwd_l2(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log
 
 def _run_unit(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, g, A_log, dt_bias, lower_bound, q_rstd=None, k_rstd=None):
     """The unit build (``l2`` with q_rstd and k_rstd) on the op's tensors, compiled once a
-    shape and gate form, and its outputs as the registry's."""
+    shape and gate form, and its outputs as the registry's. (The rows, B * T, as a run-time
+    extent would make one build serve every B * T, for 184 more SASS instructions, 1.4%, not
+    measured: ``compile_offline(dyn=True)``. As measured, a new B * T compiles again, ~9 s.)"""
     import cuda.bindings.driver as cuda
     import cutlass.cute as cute
     import torch
-    from cutlass.cute.runtime import from_dlpack
 
     B, T, H, K = k.shape
-    R, dev = B * T, k.device
+    dev = k.device
     l2 = q_rstd is not None
     tensors = unit_views(q, k, gc, beta, dAqk, dAkk, dq, dk, dg, g, A_log, dt_bias, q_rstd, k_rstd)
-    args = [from_dlpack(tensors[name], assumed_align=16) for name in ARGS]
+    args = dlpack_args(tensors)
     args.append(cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream))
     raw = "bf16" if g.dtype == torch.bfloat16 else "fp32"
-    key = (R, H, raw, dt_bias is not None, lower_bound, l2, dev.index)
+    key = (B * T, H, raw, dt_bias is not None, lower_bound, l2, dev.index)
     if key not in _COMPILED:
         _COMPILED[key] = cute.compile(build(K, True, True, True, raw, dt_bias is not None,
                                             None if lower_bound is None else float(lower_bound), H, l2, stm=True),
                                      *args)
     _COMPILED[key](*args)
     return unit_outputs(tensors, db, A_log, dt_bias)
+
+
+# the tensors whose first extent follows the rows (B * T): a run-time extent in ``dlpack_args``
+ROW_ARGS = ("dAqk", "dAkk", "q", "k", "g", "beta", "dq", "dk", "dg", "g_raw", "dq2", "dk2", "dg2", "db_part",
+            "dA_part", "dbias_part")
+
+
+def dlpack_args(tensors: dict, rows_dynamic: bool = False, l2: bool = False) -> list:
+    """``tensors`` (``ARGS``) as CuTe tensors; ``rows_dynamic``: with the first extent of those
+    that follow the rows (and, ``l2``, the rows' rstd) a run-time value, so that one compiled
+    build serves any B * T (the strides, the heads and channels stay compile-time)."""
+    from cutlass.cute.runtime import from_dlpack
+
+    dynamic = set(ROW_ARGS) | ({"q_rstd", "k_rstd"} if l2 else set()) if rows_dynamic else set()
+    # (the rows in whole chunks: every extent but the chunk-heads' partials a multiple of 64)
+    return [from_dlpack(tensors[n], assumed_align=16).mark_compact_shape_dynamic(
+        mode=0, divisibility=1 if n in ("dA_part", "dbias_part") else BT) if n in dynamic
+        else from_dlpack(tensors[n], assumed_align=16) for n in ARGS]
 
 
 def unit_outputs(tensors: dict, db, A_log, dt_bias) -> tuple:
@@ -1068,13 +1087,13 @@ def unit_views(q, k, gc, beta, dAqk, dAkk, dq, dk, dg, g, A_log, dt_bias, q_rstd
 def compile_offline(nch: int = 4, K: int = 128, split: bool = True, within: bool = True, unit: bool = False,
                     dump: str | None = None, H: int = 1, has_bias: bool = True, lower_bound: float | None = None,
                     l2: bool = False, phased: bool = False, wg2: bool = False, ws: bool = False, stm: bool = False,
-                    pf: bool = False, ks: int = KH, ctas: int = 0, su: bool = False):
-    """Trace and compile for sm_90a with no GPU: the PTX and cubin land in ``dump``."""
+                    pf: bool = False, ks: int = KH, ctas: int = 0, su: bool = False, dyn: bool = False):
+    """Trace and compile for sm_90a with no GPU: the PTX and cubin land in ``dump`` (``dyn``: the
+    rows a run-time extent, one build for any B * T)."""
     if dump:
         os.environ.update(CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx,cubin", CUTE_DSL_DUMP_DIR=dump)
     import cuda.bindings.driver as cuda
     import cutlass.cute as cute
-    from cutlass.cute.runtime import from_dlpack
 
     if H == 1:
         t = make_tensors(nch, K, "cpu", ns=K // ks)
@@ -1089,7 +1108,7 @@ def compile_offline(nch: int = 4, K: int = 128, split: bool = True, within: bool
                        torch.zeros(H * K), *((op(H), op(H)) if l2 else ()))
     return cute.compile(build(K, split, within, unit, "bf16", has_bias, lower_bound, H, l2, phased, wg2, ws, stm=stm,
                               pf=pf, ks=ks, ctas=ctas, su=su),
-                        *[from_dlpack(t[n], assumed_align=16) for n in ARGS], cuda.CUstream(0))
+                        *dlpack_args(t, rows_dynamic=dyn, l2=l2), cuda.CUstream(0))
 
 
 def sm90_row(dump: str, split: bool, within: bool, unit: bool = False, **form) -> dict:
@@ -1257,7 +1276,7 @@ def main(argv=None) -> int:
                         phased="phased" in argv[6:], wg2="wg2" in argv[6:] or "ws" in argv[6:],
                         ws="ws" in argv[6:], stm="stm" in argv[6:], pf="pf" in argv[6:],
                         ks=32 if "ks32" in argv[6:] else KH, ctas=4 if "ctas4" in argv[6:] else 0,
-                        su="su" in argv[6:])
+                        su="su" in argv[6:], dyn="dyn" in argv[6:])
         return 0
     if argv[:1] == ["gpu"]:  # every build at the gentle draw, then the whole sums under gates past the guard;
         # or the builds whose indices in BUILDS follow
