@@ -129,14 +129,14 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
 
     ``pf``: first, every 128-byte line the CTA will read of its [64, C] tiles (dA's two, q, k,
     g, and with ``unit`` dq, dk, dg and the raw gate) asked into L2 by one prefetch a line, ~8 a
-    thread: the loads after the first wait on L2, not DRAM (the profile's largest stall was the
-    global loads' scoreboard, with two warps a scheduler to hide it).
+    thread: the loads after the first wait on L2, not DRAM (the profile's largest stall is the
+    global loads' scoreboard). Measured on an H100: -2.6% on the unit, +4.6% with B10; off.
 
     ``ks``: the channels a CTA takes, 64 (a K half) or 32 (a K quarter, four CTAs a chunk-head):
     at 32 its three sums and two accumulators are [64, 32], 16 registers a thread each where 64
-    channels take 32, so three CTAs an SM may fit where two do at 64 (the unit's time is its
-    loads' latency at two warps a scheduler, docs/log/bwd-fused.md); dA's tiles are loaded and
-    split by four CTAs, not two. Not with ``l2``, ``wg2`` or ``body_only``. ``ctas``: the CTAs an
+    channels take 32, so three CTAs an SM fit where two do at 64 (130 registers); dA's tiles are
+    loaded and split by four CTAs, not two. Measured on an H100: 7.03 ms against 6.80 at 64 (more
+    warps an SM do not buy time, docs/log/bwd-fused.md). Not with ``l2``, ``wg2`` or ``body_only``. ``ctas``: the CTAs an
     SM the launch asks ptxas to fit (its registers capped to match; 0 leaves them free).
 
     ``su``: the pair-by-pair path's loops unrolled by four, the dAkk term selected (not
@@ -1245,7 +1245,8 @@ def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = T
     if l2:  # dq2 and dk2 in bf16, the rows' rstd in
         moved += nch * (2 * BT * 4 - 2 * BT * K * 2)
     return {"kind": "gpu", "kernel": "b7_cute_probe", "split": split, "within": within, "unit": unit, "l2": l2,
-            "phased": phased, "wg2": wg2, "ws": ws, "stm": stm, "pf": pf, "ks": ks, "ctas": ctas, "bench_gate": bench_gate, "su": su,
+            "phased": phased, "wg2": wg2, "ws": ws, "stm": stm, "pf": pf, "ks": ks, "ctas": ctas,
+            "bench_gate": bench_gate, "su": su,
             "strength": strength, "lower_bound": lower_bound, "has_bias": has_bias, "chunk_heads": nch,
             "errors": errors, **registered, "slow_share": share,
             "finite": finite, "causal_to_the_bit": causal, "ms": ms, "bytes": moved, "TB_s": moved / ms / 1e9,
