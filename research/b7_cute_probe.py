@@ -136,8 +136,9 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
     at 32 its three sums and two accumulators are [64, 32], 16 registers a thread each where 64
     channels take 32, so three CTAs an SM fit where two do at 64 (130 registers); dA's tiles are
     loaded and split by four CTAs, not two. Measured on an H100: 7.03 ms against 6.80 at 64 (more
-    warps an SM do not buy time, docs/log/bwd-fused.md). Not with ``l2``, ``wg2`` or ``body_only``. ``ctas``: the CTAs an
-    SM the launch asks ptxas to fit (its registers capped to match; 0 leaves them free).
+    warps an SM do not buy time, docs/log/bwd-fused.md). Not with ``l2``, ``wg2`` or
+    ``body_only``. ``ctas``: the CTAs an SM the launch asks ptxas to fit (its registers capped to
+    match; 0 leaves them free).
 
     ``su``: the pair-by-pair path's loops unrolled by four, the dAkk term selected (not
     branched), and the fast exp2 that declares no side effects, so that four pairs' loads go out
