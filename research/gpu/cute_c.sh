@@ -2,13 +2,14 @@
 # Call 3 (carry .gpu), on the same warm machine after cute_a/cute_n: the whole op at
 # prod8192_gate, fla and ours with the registered stages, then ours with each candidate
 # (CAND: any of unit, l2, b6, fused, or both for unit and b6; default unit), each with the op bench's
-# parity and fla in-process. BASE=0 leaves out the first (registered) run.
+# parity and fla in-process. BASE=0 leaves out the first (registered) run; SHAPES (comma-separated)
+# other shapes than prod8192_gate (each one's first fla compile takes minutes on a fresh machine).
 source .gpu/env.sh
 source research/gpu/cute_env.sh || { echo "no cute"; exit 3; }
 log=$OUT/log; CAND=${CAND:-unit}
 export KERNEL_FUN_COMMIT=$(cut -c1-12 .gpu/commit)  # (the rows' commit: the machine's copy of .git may be older)
 echo "commit $(cat .gpu/commit) $(python3 -c 'import torch; print(torch.cuda.get_device_name())')" | tee -a $log
-run() { echo "== $* $(date +%T)" | tee -a $log; python3 -m benchmarks.op --shapes prod8192_gate --out $OUT/op.jsonl "$@" 2>&1 | tail -25 | tee -a $log; }
+run() { echo "== $* $(date +%T)" | tee -a $log; python3 -m benchmarks.op --shapes ${SHAPES:-prod8192_gate} --out $OUT/op.jsonl "$@" 2>&1 | tail -25 | tee -a $log; }
 [ "${BASE:-1}" = 0 ] || run --impls fla,ours
 case $CAND in *unit*|both) run --impls fla,ours --candidate B7-B9=research.b7_cute_probe:intra_bwd:supports;; esac
 case $CAND in *l2*|both) run --impls fla,ours --candidate B7-B10=research.b7_cute_probe:intra_bwd_l2:supports_l2;; esac
