@@ -1055,7 +1055,8 @@ def op_tensors(q, k, v, v_new, gc, beta, A, h, do, dh, dv) -> tuple:
     outputs (dq, dk, dg, dv2, dA, dbv, dbk)."""
     import torch
 
-    B, T, H, K = k.shape
+    q, k, v, v_new, gc, beta, A, h, do, dh, dv = (x.detach() for x in (q, k, v, v_new, gc, beta, A, h, do, dh, dv))
+    B, T, H, K = k.shape  # (the views above for dlpack, which refuses a tensor that requires grad)
     V = v.shape[-1]
     R = B * T
     nch, dev, f32 = R // BT * H, k.device, torch.float32
