@@ -94,7 +94,7 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
           has_bias: bool = True, lower_bound: float | None = None, H: int = 1, l2: bool = False,
           phased: bool = False, wg2: bool = False, ws: bool = False, body_only: bool = False, stm: bool = False,
           dakk_global: bool = True, bars: tuple = (1, 2), pf: bool = False, ks: int = KH,
-          ctas: int = 0, su: bool = False):
+          ctas: int = 0, su: bool = False, tq: bool = False):
     """The probe's host function (a ``cute.jit``) for K = 2 KH: one CTA of 128 threads a
     (K half, chunk-head). ``within``: the pairs within a block too. ``unit`` (with ``within``):
     then the rest of the B7-B9 unit, as the registered kernel's tail: dq2 = dq + x_q, dk2 = dk +
@@ -145,6 +145,12 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
     together, not one dependent round trip a pair (fully unrolled over the block's 16 rows the
     path was slower: 16 x 32 copies of the loop body, each fetched once).
 
+    ``tq``: the tail's dg and dq copied by cp.async into the column role's operand tiles (32 KB)
+    as soon as the column role's last group is done, while the row role's ten groups run: the
+    tail reads them from shared memory, each thread the pairs it copied (a layout that interleaves
+    the threads, so a warp's reads are 256 contiguous bytes), not from global memory after the
+    stream. One warpgroup (not ``wg2``, ``phased`` or ``body_only``).
+
     ``body_only``: return the B7 body alone (``body``, a ``cute.jit`` function) for a kernel that
     runs it on its own shared memory, with ``bars`` the named barriers it may take (the tail's,
     128 threads; the two roles', 256) and ``dakk_global`` off where that kernel has written dAkk's
@@ -168,6 +174,7 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
     KH = ks  # (the CTA's channels: a K half, or with ks = 32 a quarter)
     NS = K // KH  # (the CTAs a chunk-head)
     assert K == NS * KH and (NS == 2 or not (l2 or wg2 or body_only))
+    assert not tq or not (wg2 or phased or body_only)
     bf16, f32 = cutlass.BFloat16, cutlass.Float32
     raw = {"bf16": bf16, "fp32": f32}[raw]
 
@@ -279,7 +286,7 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
         tens = (dAqk, dAkk, q, k, g, beta, x_q, x_kr, x_c, dq, dk, dg, g_raw, a_log, dt_bias, dq2, dk2, dg2, db_part,
                 dA_part, dbias_part, q_rstd, k_rstd)
         sm = (s_a, s_at, s_b, storage.red.data_ptr(), storage.xch.data_ptr(), storage.xbar.data_ptr(),
-              storage.xc.data_ptr())
+              storage.xc.data_ptr(), storage.yqh.data_ptr())
         mmas = (mma, mma_z, mma_t, mma_tz)
         if cutlass.const_expr(not wg2):
             body(0, tidx, w, lane, chunk, half, tens, sm, mmas)
@@ -310,7 +317,7 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
         now: ptxas then needs no registers beyond them."""
         (dAqk, dAkk, q, k, g, beta, x_q, x_kr, x_c, dq, dk, dg, g_raw, a_log, dt_bias, dq2, dk2, dg2, db_part,
          dA_part, dbias_part, q_rstd, k_rstd) = tens
-        s_a, s_at, s_b, red, xch, xbar, xc = sm
+        s_a, s_at, s_b, red, xch, xbar, xc = sm[:7]
         mma, mma_z, mma_t, mma_tz = mmas
         rt, ct = chunk // H, chunk % H * NS + half  # the chunk's row tile; this K slice's column tile
         head = chunk % H
@@ -439,6 +446,27 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
                 _products(mma, mma_z, acc, r_a[2 * mat], r_a[2 * mat + 1], r_b[2 * tile], r_b[2 * tile + 1], i, i,
                           True)
 
+        def staged(x_idx):
+            """``tq``: dg's (0) or dq's (1) [64, KH] fp32 tile in the column role's operand tiles, laid
+            out so that thread tid's pair p (elements 2p, 2p + 1 of its fragment) is at 2 (128 p + tid):
+            row 16 w + 8 b + r8 and column 8 n + 2 q + a at a + 2 q + 8 r8 + 64 w + 256 b + 512 n."""
+            base = cute.recast_ptr(sm[7], dtype=f32) + x_idx * BT * KH
+            return cute.make_tensor(base, cute.make_layout(((8, 2, NB), (2, 4, KH // 8)),
+                                                           stride=((8, 256, 64), (1, 2, 512))))
+
+        def stage_tail():
+            """``tq``: dg and dq into ``staged``, by cp.async, 8 bytes a copy, one group."""
+            g2s = cute.make_copy_atom(cpasync.CopyG2SOp(), f32, num_bits_per_copy=64)
+            for x_idx, x in ((0, dg), (1, dq)):
+                t = cute.local_tile(x, (BT, KH), (rt, ct))  # (as global memory: cp.async reads no generic address)
+                g = cute.make_tensor(cute.make_ptr(f32, t.iterator.toint(), cute.AddressSpace.gmem, assumed_align=16),
+                                     t.layout)
+                fg, fs = frag(g), frag(staged(x_idx))
+                for pair in cutlass.range_constexpr(cute.size(shape) // 2):
+                    cute.copy(g2s, cute.make_tensor(fg.iterator + fg.layout(2 * pair), cute.make_layout(2)),
+                              cute.make_tensor(fs.iterator + fs.layout(2 * pair), cute.make_layout(2)))
+            cute.arch.cp_async_commit_group()
+
         def stream(specs, accs, o_q, o_k, o_c):  # (the sums as arguments: the DSL rebinds what a branch writes)
             r_a, r_b = _fragments(mma, s_a, s_b)  # (the operands' descriptors, made where they are used)
             t_a, t_b = _fragments(mma_t, s_at, s_b)
@@ -478,6 +506,8 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
                         if w == i:
                             sp = anchor(i * BC) - frag(g_g).load()
                             o.store(_ex2(-sp) * (o.load() + cute.where(sp <= GUARD, acc.load(), f32(0.0))))
+                if cutlass.const_expr(tq and kind == "c" and n + 1 < len(specs) and specs[n + 1][0] == "r"):
+                    stage_tail()  # (the column role's last group is done: its operand tiles are free)
                 if cutlass.const_expr(boundary):
                     cute.arch.sync_threads()  # (every warp's column products done: their operands free)
                     operands((0, 1))
@@ -552,8 +582,11 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
             if cutlass.const_expr(within):
                 slow(True, True, o_q, o_k, o_c)
             if cutlass.const_expr(unit):
+                if cutlass.const_expr(tq):
+                    cute.arch.cp_async_wait_group(0)  # (each thread reads back only the pairs it copied)
                 _tail(thr_c, shape, w, lane, chunk, half, red, xch, xbar, o_q, o_k, o_c, q, k, beta, dq, dk, dg,
-                      g_raw, a_log, dt_bias, dq2, dk2, dg2, db_part, dA_part, dbias_part, q_rstd, k_rstd)
+                      g_raw, a_log, dt_bias, dq2, dk2, dg2, db_part, dA_part, dbias_part, q_rstd, k_rstd,
+                      *((staged(0), staged(1)) if tq else ()))
             else:
                 store(((o_q, x_q), (o_k, x_kr), (o_c, x_c)))
         else:  # (``wg2``) this warpgroup's role, its registers its own, allocated here
@@ -589,9 +622,10 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
 
     @cute.jit
     def _tail(thr_c, shape, w, lane, chunk, half, red, xch, xbar, o_q, o_k, o_c, q, k, beta, dq, dk, dg, g_raw, a_log,
-              dt_bias, dq2, dk2, dg2, db_part, dA_part, dbias_part, q_rstd, k_rstd):
+              dt_bias, dq2, dk2, dg2, db_part, dA_part, dbias_part, q_rstd, k_rstd, dg_s=None, dq_s=None):
         """``unit``: the B7-B9 unit's tail on this CTA's (chunk, K half), from the three sums in
-        registers (``l2``: with B10's l2norm backward of dq2 and dk2). A thread's element i = a + 2
+        registers (``l2``: with B10's l2norm backward of dq2 and dk2; ``dg_s`` and ``dq_s``, with
+        ``tq``: dg's and dq's tiles in shared memory, read there). A thread's element i = a + 2
         b + 4 n of the wgmma layout is row 16 w + lane // 4 + 8 b and channel 8 n + 2 (lane % 4) + a."""
         rt, ct, head = chunk // H, chunk % H * NS + half, chunk % H
         frag = thr_c.partition_C
@@ -608,10 +642,12 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
                                              cute.make_layout((BT, KH), stride=(H, 0)))).load()
         qf = tile(q).load().to(f32)
         # (dg's and db's terms first, so that the three sums are dead before dq2 and dk2 are formed)
-        y = regs(tile(dg).load() + qf * a_q + kf * (a_krb - a_c))
+        dg_in = frag(dg_s).load() if cutlass.const_expr(dg_s is not None) else tile(dg).load()
+        y = regs(dg_in + qf * a_q + kf * (a_krb - a_c))
         # db's part: each row's sum over this half's channels (the thread's 16, then its quad's)
         row_sums = quad_row_sums(a_kr * kf)
-        dqv, dkv = tile(dq).load() + a_q, tile(dk).load() + a_krb + a_c
+        dq_in = frag(dq_s).load() if cutlass.const_expr(dq_s is not None) else tile(dq).load()
+        dqv, dkv = dq_in + a_q, tile(dk).load() + a_krb + a_c
         if cutlass.const_expr(l2):
             _l2norm_bwd(frag, w, lane, half, rt, head, xch, xbar, dqv, qf, dkv, kf, q_rstd, k_rstd, tile(dq2), tile(dk2))
         else:
@@ -1088,7 +1124,8 @@ def unit_views(q, k, gc, beta, dAqk, dAkk, dq, dk, dg, g, A_log, dt_bias, q_rstd
 def compile_offline(nch: int = 4, K: int = 128, split: bool = True, within: bool = True, unit: bool = False,
                     dump: str | None = None, H: int = 1, has_bias: bool = True, lower_bound: float | None = None,
                     l2: bool = False, phased: bool = False, wg2: bool = False, ws: bool = False, stm: bool = False,
-                    pf: bool = False, ks: int = KH, ctas: int = 0, su: bool = False, dyn: bool = False):
+                    pf: bool = False, ks: int = KH, ctas: int = 0, su: bool = False, dyn: bool = False,
+                    tq: bool = False):
     """Trace and compile for sm_90a with no GPU: the PTX and cubin land in ``dump`` (``dyn``: the
     rows a run-time extent, one build for any B * T)."""
     if dump:
@@ -1108,7 +1145,7 @@ def compile_offline(nch: int = 4, K: int = 128, split: bool = True, within: bool
                        op(H, BT), op(H, K), op(H, K), op(H, K), op(H, K, dtype=torch.bfloat16), torch.zeros(H),
                        torch.zeros(H * K), *((op(H), op(H)) if l2 else ()))
     return cute.compile(build(K, split, within, unit, "bf16", has_bias, lower_bound, H, l2, phased, wg2, ws, stm=stm,
-                              pf=pf, ks=ks, ctas=ctas, su=su),
+                              pf=pf, ks=ks, ctas=ctas, su=su, tq=tq),
                         *dlpack_args(t, rows_dynamic=dyn, l2=l2), cuda.CUstream(0))
 
 
@@ -1129,7 +1166,8 @@ def sm90_row(dump: str, split: bool, within: bool, unit: bool = False, **form) -
 def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = True, unit: bool = False,
             reps: int = 20, strength: float = 0.3, lower_bound: float | None = None, has_bias: bool = True,
             l2: bool = False, phased: bool = False, wg2: bool = False, ws: bool = False, stm: bool = False,
-            pf: bool = False, ks: int = KH, ctas: int = 0, bench_gate: bool = False, su: bool = False) -> dict:
+            pf: bool = False, ks: int = KH, ctas: int = 0, bench_gate: bool = False, su: bool = False,
+            tq: bool = False) -> dict:
     """On a GPU: x_q, x_kr and x_c against float64 and against the twin on 64 chunk-heads
     spread over all (with ``unit``, which keeps them in registers, the twin's alone); with
     ``unit``, the unit's six outputs against the registered Triton B7-B9
@@ -1152,7 +1190,7 @@ def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = T
     if not has_bias:  # (the build without dt_bias never reads it: zeros, as ``unit_views`` passes)
         t["dt_bias"].zero_()
     run = cute.compile(build(K, split, within, unit, "bf16", has_bias, lower_bound, l2=l2, phased=phased, wg2=wg2,
-                             ws=ws, stm=stm, pf=pf, ks=ks, ctas=ctas, su=su),
+                             ws=ws, stm=stm, pf=pf, ks=ks, ctas=ctas, su=su, tq=tq),
                        *args)
     run(*args)
     torch.cuda.synchronize()
@@ -1247,7 +1285,7 @@ def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = T
         moved += nch * (2 * BT * 4 - 2 * BT * K * 2)
     return {"kind": "gpu", "kernel": "b7_cute_probe", "split": split, "within": within, "unit": unit, "l2": l2,
             "phased": phased, "wg2": wg2, "ws": ws, "stm": stm, "pf": pf, "ks": ks, "ctas": ctas,
-            "bench_gate": bench_gate, "su": su,
+            "bench_gate": bench_gate, "su": su, "tq": tq,
             "strength": strength, "lower_bound": lower_bound, "has_bias": has_bias, "chunk_heads": nch,
             "errors": errors, **registered, "slow_share": share,
             "finite": finite, "causal_to_the_bit": causal, "ms": ms, "bytes": moved, "TB_s": moved / ms / 1e9,
@@ -1278,7 +1316,7 @@ def main(argv=None) -> int:
                         phased="phased" in argv[6:], wg2="wg2" in argv[6:] or "ws" in argv[6:],
                         ws="ws" in argv[6:], stm="stm" in argv[6:], pf="pf" in argv[6:],
                         ks=32 if "ks32" in argv[6:] else KH, ctas=4 if "ctas4" in argv[6:] else 0,
-                        su="su" in argv[6:], dyn="dyn" in argv[6:])
+                        su="su" in argv[6:], dyn="dyn" in argv[6:], tq="tq" in argv[6:])
         return 0
     if argv[:1] == ["gpu"]:  # every build at the gentle draw, then the whole sums under gates past the guard;
         # or the builds whose indices in BUILDS follow
@@ -1287,7 +1325,7 @@ def main(argv=None) -> int:
         # any build's, 0:wg2, the roles on two warpgroups, 0:ws, that with an idle third and 232 registers;
         # 0:stm, the shared tiles written by stmatrix; 0:pf, the CTA's tiles prefetched into L2 first;
         # 0:ks32, a CTA a K quarter; 0:ctas4, registers capped for four CTAs an SM; 0:benchgate, the
-        # op bench's gate draw; 0:su, the pair-by-pair path unrolled;
+        # op bench's gate draw; 0:su, the pair-by-pair path unrolled; 2:tq, dg and dq staged by cp.async;
         # 2:strong, the gates past the guard)
         for arg in argv[1:] or [str(i) for i in range(len(BUILDS))]:
             index, *form = arg.split(":")
@@ -1297,7 +1335,7 @@ def main(argv=None) -> int:
                                      phased="phased" in form, wg2="wg2" in form or "ws" in form,
                                      ws="ws" in form, stm="stm" in form, pf="pf" in form,
                                      ks=32 if "ks32" in form else KH, ctas=4 if "ctas4" in form else 0,
-                                     bench_gate="benchgate" in form, su="su" in form,
+                                     bench_gate="benchgate" in form, su="su" in form, tq="tq" in form,
                                      strength=10.0 if "strong" in form else 0.3)), flush=True)
         if not argv[1:]:
             print(json.dumps(gpu_run(strength=10.0)), flush=True)

@@ -220,7 +220,8 @@ def test_the_op_layout_the_unit_reads_and_writes(l2):
 
 
 @pytest.mark.parametrize("form", [[], ["lb", "nobias"], ["l2"], ["l2", "phased"], ["wg2"], ["ws"], ["l2", "ws"],
-                                  ["stm"], ["stm", "pf"], ["stm", "ks32"], ["stm", "su"], ["stm", "dyn"]])
+                                  ["stm"], ["stm", "pf"], ["stm", "ks32"], ["stm", "su"], ["stm", "dyn"],
+                                  ["stm", "tq"]])
 def test_the_unit_compiles_at_the_op_s_heads(tmp_path: Path, form):
     """The unit build on the op's layout at 16 heads (as ``intra_bwd`` builds it for
     prod8192_gate), with the softplus gate and dt_bias or the lower-bounded gate without it,
@@ -228,7 +229,8 @@ def test_the_unit_compiles_at_the_op_s_heads(tmp_path: Path, form):
     cluster's barrier twice), and that with its B operands in two phases, or its roles on two
     warpgroups (with an idle third, each role in the 232 registers a B6 consumer has), or its
     shared tiles written by stmatrix (and its tiles prefetched into L2 first, or a CTA a K quarter,
-    or its pair-by-pair loops unrolled, or its rows a run-time extent): as clean as at one."""
+    or its pair-by-pair loops unrolled, or its rows a run-time extent, or dg and dq staged in shared
+    memory by cp.async): as clean as at one."""
     pytest.importorskip("cutlass.cute", reason="CuTe DSL (nvidia-cutlass-dsl) is not installed")
     root = Path(__file__).resolve().parents[2]
     done = subprocess.run([sys.executable, "-m", "research.b7_cute_probe", "compile-one", "1", "1", "1", str(tmp_path),
@@ -250,6 +252,8 @@ def test_the_unit_compiles_at_the_op_s_heads(tmp_path: Path, form):
     # (``pf``: a prefetch a thread for each of the fp32 tiles, dA's two, g, dq, dk, dg, and one on half
     # the threads for each bf16 tile, q, k, the raw gate: nine in the code)
     assert ptx.count("prefetch.L2") == (9 if "pf" in form else 0)
+    # (``tq``: 8 bytes a copy, 16 pairs a thread for each of dg and dq, one group waited on once)
+    assert ptx.count("cp.async.ca.shared.global") == (32 if "tq" in form else 0)
 
 
 def test_the_tail_s_lane_arithmetic():
