@@ -1,0 +1,128 @@
+"""On an sm_90 GPU with CuTe DSL and fla: the CuTe B7-B9 unit (``research.b7_cute_probe``,
+``intra_bwd``, and ``intra_bwd_l2`` for B7-B10) as the op's candidate.
+
+- On the chain's own B7 inputs (fla's chain, captured) at shapes the unit takes, under Kimi's
+  gates and gates strong enough that the pair-by-pair path runs: held to fla's three stages and
+  to the float64 stages as the registered unit is (``tail_misses``: within fla's budgets, and no
+  worse than 10% past fla's own error).
+- The whole op with the candidate in its stage's place: the launch witness (the CuTe kernel ran,
+  the registered Triton unit did not; the record names ours), the result against fla's
+  ``chunk_kda``; and at T = 500, a shape it does not take, no CuTe kernel and the chain as without
+  the candidate.
+
+The registration run (issue 50) runs these beside the stage and whole-op timings."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from benchmarks.parity import tail_misses
+from kernel_fun import _fla
+from kernel_fun.kda import chunk_kda, last_record, use_impls
+from kernel_fun.kda import reference as ref
+from kernel_fun.kda.problems import SHAPES, make_inputs, run_fwd_bwd
+from kernel_fun.kda.stages import capture_stages, registered
+
+pytestmark = pytest.mark.gpu
+
+PROD = SHAPES["prod8192_gate"]
+# dense sequences of whole chunks at the production heads (K = 128, H = HV = 16): the unit's shapes
+TAKEN = [
+    dataclasses.replace(PROD, name="T1024", B=2, T=1024),
+    dataclasses.replace(PROD, name="T1024-layer", B=2, T=1024, state_v_first=True, beta_sigmoid_in_kernel=True),
+    dataclasses.replace(PROD, name="T1024-safe", B=2, T=1024, safe_gate=True, lower_bound=-5.0),
+]
+NOT_TAKEN = dataclasses.replace(PROD, name="T500", B=2, T=500)  # (not whole chunks: the stage goes to fla)
+NAMES = ("dq", "dk", "db", "dg", "dA_log", "ddt_bias")
+
+
+@pytest.fixture(autouse=True)
+def _cute_on_sm90():
+    pytest.importorskip("cutlass.cute", reason="CuTe DSL (nvidia-cutlass-dsl) is not installed")
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the CuTe unit is built for sm_90a")
+
+
+def _strong(kwargs: dict) -> dict:
+    """The raw gate scaled and shifted as the registered unit's GPU test does: exp2 differences
+    inside a block pass the guard, so the pair-by-pair path runs."""
+    kwargs["g"] = (kwargs["g"].detach() * 8 + 12).requires_grad_(True)
+    return kwargs
+
+
+@pytest.mark.parametrize("p", TAKEN, ids=lambda p: p.name)
+@pytest.mark.parametrize("gates", ["kimi", "strong"])
+def test_the_cute_unit_on_the_chain_s_inputs_matches_fla_stages(p, gates):
+    from research import b7_cute_probe
+
+    if gates == "strong" and p.safe_gate:
+        pytest.skip("safe_gate bounds the gate")
+    kwargs = make_inputs(p, device="cuda", seed=5)
+    if gates == "strong":
+        kwargs = _strong(kwargs)
+    with use_impls({"B7-B9": "fla", "B7-B10": "fla"}), capture_stages() as log:  # B7, B8, B9 one by one
+        run_fwd_bwd(chunk_kda, kwargs, grid=p.dtype)
+    (b7,) = [x for name, _, x, _ in log if name == "B7"]
+    (b9,) = [x for name, _, x, _ in log if name == "B9"]
+    gate = {n: b9[n] for n in ("g", "A_log", "dt_bias", "lower_bound")}
+    assert b7_cute_probe.supports(**b7, **gate) is None  # (the CuTe unit takes these: no fallback compared)
+    theirs = _fla.intra_bwd_tail(**b7, **gate)
+    exact = ref.intra_bwd_tail(**{n: t for n, t in b7.items() if n not in ("chunk_indices", "safe_gate")}, **gate,
+                               exact=True)
+    ours = b7_cute_probe.intra_bwd(**b7, **gate)
+    fla_exact = {n: ref.rel_rms(a, b) for n, a, b in zip(NAMES, theirs, exact) if b is not None}
+    vs_fla = {n: ref.rel_rms(a, b) for n, a, b in zip(NAMES, ours, theirs) if b is not None}
+    vs_exact = {n: ref.rel_rms(a, b) for n, a, b in zip(NAMES, ours, exact) if b is not None}
+    print(p.name, gates, "vs fla", vs_fla, "vs exact", vs_exact, "fla vs exact", fla_exact)
+    assert all(torch.isfinite(t).all() for t in ours if t is not None)
+    assert not tail_misses(vs_exact, fla_exact, vs_fla), tail_misses(vs_exact, fla_exact, vs_fla)
+
+
+def _op_with(stage: str, p, gates: str = "kimi"):
+    """fla's chunk_kda and ours with the CuTe unit as ``stage`` on the same inputs: (ours, fla's,
+    our record, the CUDA kernels our call launched)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from research import b7_cute_probe
+
+    fn, supports = ((b7_cute_probe.intra_bwd, b7_cute_probe.supports) if stage == "B7-B9" else
+                    (b7_cute_probe.intra_bwd_l2, b7_cute_probe.supports_l2))
+    kwargs = make_inputs(p, device="cuda", seed=9)
+    if gates == "strong":
+        kwargs = _strong(kwargs)
+    theirs = run_fwd_bwd(_fla.chunk_kda(), kwargs, grid=p.dtype)
+    with registered(stage, "ours", fn, supports), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        ours = run_fwd_bwd(chunk_kda, kwargs, grid=p.dtype)
+        torch.cuda.synchronize()
+        record = last_record()
+    kernels = {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
+    return ours, theirs, record, kernels
+
+
+@pytest.mark.parametrize("stage", ["B7-B9", "B7-B10"])
+@pytest.mark.parametrize("gates", ["kimi", "strong"])
+def test_the_whole_op_with_the_cute_unit_tracks_fla_and_ran_it(stage, gates):
+    ours, theirs, record, kernels = _op_with(stage, TAKEN[0], gates)
+    assert record.backward[stage] == "ours", record
+    assert any(k.startswith("kernel_cutlass") for k in kernels), sorted(kernels)
+    assert "intra_bwd_kernel" not in kernels and "chunk_kda_bwd_kernel_intra" not in kernels, sorted(kernels)
+    errors = {n: ref.rel_rms(ours[n], theirs[n]) for n in theirs if theirs[n] is not None}
+    print(stage, gates, "whole op vs fla", errors)
+    assert all(torch.isfinite(ours[n]).all() for n in ours if ours[n] is not None)
+    # (as the registered chain's launch witness test bounds its drift from fla: fp32 sums
+    # reassociated, a bf16 rounding downstream one ulp apart; the bench's oracle is the verdict)
+    assert all(e <= 5e-3 for e in errors.values()), errors
+
+
+@pytest.mark.parametrize("stage", ["B7-B9", "B7-B10"])
+def test_a_shape_the_cute_unit_does_not_take_runs_without_it(stage):
+    """T = 500: the candidate's support check refuses, and the chain runs what it runs without
+    it (B7, B8 and B9 one by one; or, for B7-B10, the registered B7-B9 unit and B10)."""
+    ours, theirs, record, kernels = _op_with(stage, NOT_TAKEN)
+    assert record.backward.get(stage) != "ours", record
+    assert not any(k.startswith("kernel_cutlass") for k in kernels), sorted(kernels)
+    errors = {n: ref.rel_rms(ours[n], theirs[n]) for n in theirs if theirs[n] is not None}
+    assert all(e <= 5e-3 for e in errors.values()), errors
