@@ -82,8 +82,9 @@ def test_the_cute_unit_on_the_chain_s_inputs_matches_fla_stages(p, gates):
 
 
 def _op_with(stage: str, p, gates: str = "kimi"):
-    """fla's chunk_kda and ours with the CuTe unit as ``stage`` on the same inputs: (ours, fla's,
-    our record, the CUDA kernels our call launched)."""
+    """fla's chunk_kda, ours with the CuTe unit as ``stage`` and ours as registered, on the same
+    inputs: (ours with the unit, fla's, ours as registered, the record of the call with the unit,
+    the CUDA kernels that call launched)."""
     from torch.profiler import ProfilerActivity, profile
 
     from research import b7_cute_probe
@@ -94,35 +95,38 @@ def _op_with(stage: str, p, gates: str = "kimi"):
     if gates == "strong":
         kwargs = _strong(kwargs)
     theirs = run_fwd_bwd(_fla.chunk_kda(), kwargs, grid=p.dtype)
+    shipped = run_fwd_bwd(chunk_kda, kwargs, grid=p.dtype)
     with registered(stage, "ours", fn, supports), profile(activities=[ProfilerActivity.CUDA]) as prof:
         ours = run_fwd_bwd(chunk_kda, kwargs, grid=p.dtype)
         torch.cuda.synchronize()
         record = last_record()
     kernels = {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
-    return ours, theirs, record, kernels
+    return ours, theirs, shipped, record, kernels
 
 
 @pytest.mark.parametrize("stage", ["B7-B9", "B7-B10"])
 @pytest.mark.parametrize("gates", ["kimi", "strong"])
 def test_the_whole_op_with_the_cute_unit_tracks_fla_and_ran_it(stage, gates):
-    ours, theirs, record, kernels = _op_with(stage, TAKEN[0], gates)
+    ours, theirs, shipped, record, kernels = _op_with(stage, TAKEN[0], gates)
     assert record.backward[stage] == "ours", record
     assert any(k.startswith("kernel_cutlass") for k in kernels), sorted(kernels)
     assert "intra_bwd_kernel" not in kernels and "chunk_kda_bwd_kernel_intra" not in kernels, sorted(kernels)
     errors = {n: ref.rel_rms(ours[n], theirs[n]) for n in theirs if theirs[n] is not None}
-    print(stage, gates, "whole op vs fla", errors)
+    registered_errors = {n: ref.rel_rms(shipped[n], theirs[n]) for n in theirs if theirs[n] is not None}
+    print(stage, gates, "whole op vs fla", errors, "registered vs fla", registered_errors)
     assert all(torch.isfinite(ours[n]).all() for n in ours if ours[n] is not None)
-    # (as the registered chain's launch witness test bounds its drift from fla: fp32 sums
-    # reassociated, a bf16 rounding downstream one ulp apart; the bench's oracle is the verdict)
-    assert all(e <= 5e-3 for e in errors.values()), errors
+    # (the registered chain's launch witness test bounds its drift from fla by 5e-3: fp32 sums
+    # reassociated, a bf16 rounding downstream one ulp apart; under strong gates the registered
+    # chain's own drift may pass that, and the unit may not drift meaningfully further)
+    worse = {n: (e, registered_errors[n]) for n, e in errors.items() if e > max(5e-3, 1.1 * registered_errors[n])}
+    assert not worse, worse
 
 
 @pytest.mark.parametrize("stage", ["B7-B9", "B7-B10"])
 def test_a_shape_the_cute_unit_does_not_take_runs_without_it(stage):
     """T = 500: the candidate's support check refuses, and the chain runs what it runs without
     it (B7, B8 and B9 one by one; or, for B7-B10, the registered B7-B9 unit and B10)."""
-    ours, theirs, record, kernels = _op_with(stage, NOT_TAKEN)
+    ours, theirs, shipped, record, kernels = _op_with(stage, NOT_TAKEN)
     assert record.backward.get(stage) != "ours", record
     assert not any(k.startswith("kernel_cutlass") for k in kernels), sorted(kernels)
-    errors = {n: ref.rel_rms(ours[n], theirs[n]) for n in theirs if theirs[n] is not None}
-    assert all(e <= 5e-3 for e in errors.values()), errors
+    assert all(torch.equal(ours[n], shipped[n]) for n in shipped if shipped[n] is not None)  # (as without it)
