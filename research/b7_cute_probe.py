@@ -94,7 +94,7 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
           has_bias: bool = True, lower_bound: float | None = None, H: int = 1, l2: bool = False,
           phased: bool = False, wg2: bool = False, ws: bool = False, body_only: bool = False, stm: bool = False,
           dakk_global: bool = True, bars: tuple = (1, 2), pf: bool = False, ks: int = KH,
-          ctas: int = 0, su: bool = False, tq: bool = False):
+          ctas: int = 0, su: bool = False, tq: bool = False, G: int = 1):
     """The probe's host function (a ``cute.jit``) for K = 2 KH: one CTA of 128 threads a
     (K half, chunk-head). ``within``: the pairs within a block too. ``unit`` (with ``within``):
     then the rest of the B7-B9 unit, as the registered kernel's tail: dq2 = dq + x_q, dk2 = dk +
@@ -151,6 +151,11 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
     the threads, so a warp's reads are 256 contiguous bytes), not from global memory after the
     stream. One warpgroup (not ``wg2``, ``phased`` or ``body_only``).
 
+    ``G``: value heads a q/k head (GVA): ``H`` counts the value heads (gc, beta, dA, the incoming
+    and outgoing gradients, the gate), q and k hold H / G heads, and chunk-head c reads q's and
+    k's head c % H // G. dq2 and dk2 stay by value head (the chain sums each group after the
+    unit). Not with ``l2`` (B10 needs the group's sum first), ``wg2`` or ``body_only``.
+
     ``body_only``: return the B7 body alone (``body``, a ``cute.jit`` function) for a kernel that
     runs it on its own shared memory, with ``bars`` the named barriers it may take (the tail's,
     128 threads; the two roles', 256) and ``dakk_global`` off where that kernel has written dAkk's
@@ -175,6 +180,7 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
     NS = K // KH  # (the CTAs a chunk-head)
     assert K == NS * KH and (NS == 2 or not (l2 or wg2 or body_only))
     assert not tq or not (wg2 or phased or body_only)
+    assert G == 1 or not (l2 or wg2 or body_only)
     bf16, f32 = cutlass.BFloat16, cutlass.Float32
     raw = {"bf16": bf16, "fp32": f32}[raw]
 
@@ -323,8 +329,9 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
         head = chunk % H
         g_q = cute.local_tile(dAqk, (BT, BT), (rt, head))
         g_k = cute.local_tile(dAkk, (BT, BT), (rt, head))
-        g_qq = cute.local_tile(q, (BT, KH), (rt, ct))
-        g_kk = cute.local_tile(k, (BT, KH), (rt, ct))
+        ctq = chunk % H // G * NS + half  # (q's and k's column tile: the value head's q/k head)
+        g_qq = cute.local_tile(q, (BT, KH), (rt, ctq))
+        g_kk = cute.local_tile(k, (BT, KH), (rt, ctq))
         g_g = cute.local_tile(g, (BT, KH), (rt, ct))
         g_b = cute.make_tensor(beta.iterator + rt * BT * H + head, cute.make_layout(BT, stride=H))  # beta by row
 
@@ -630,6 +637,7 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
         rt, ct, head = chunk // H, chunk % H * NS + half, chunk % H
         frag = thr_c.partition_C
         tile = lambda t: frag(cute.local_tile(t, (BT, KH), (rt, ct)))  # noqa: E731
+        tile_qk = lambda t: frag(cute.local_tile(t, (BT, KH), (rt, chunk % H // G * NS + half)))  # noqa: E731
         # (each warp's column sums [NB, KH] for B8, for dt_bias's, and its dA_log sum)
         s_tot = cute.make_tensor(red, cute.make_layout((NB, KH), stride=(KH, 1)))
         s_bias = cute.make_tensor(red + NB * KH, cute.make_layout((NB, KH), stride=(KH, 1)))
@@ -637,10 +645,10 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
         lay = cute.make_layout((BT, KH), stride=(0, 1))
         n_el = cute.size(shape)
         a_q, a_kr, a_c = o_q.load(), o_k.load(), o_c.load()
-        kf = tile(k).load().to(f32)
+        kf = tile_qk(k).load().to(f32)
         a_krb = a_kr * frag(cute.make_tensor(beta.iterator + rt * BT * H + head,
                                              cute.make_layout((BT, KH), stride=(H, 0)))).load()
-        qf = tile(q).load().to(f32)
+        qf = tile_qk(q).load().to(f32)
         # (dg's and db's terms first, so that the three sums are dead before dq2 and dk2 are formed)
         dg_in = frag(dg_s).load() if cutlass.const_expr(dg_s is not None) else tile(dg).load()
         y = regs(dg_in + qf * a_q + kf * (a_krb - a_c))
@@ -976,7 +984,7 @@ def supports(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log, dt
              cu_seqlens, chunk_indices):
     """None when ``intra_bwd`` (the unit build as the op's B7-B9) takes the call, else why not:
     an sm_90 GPU with CuTe DSL, the gate in the op, chunks of 64 over dense sequences of whole
-    chunks, K=128, one q/k head a gate head, dense tensors."""
+    chunks, K=128, value heads a multiple of the q/k heads (GVA), dense tensors."""
     import torch
 
     from research.cute_kit import cute_unavailable
@@ -990,8 +998,8 @@ def supports(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log, dt
     if chunk_size != BT or cu_seqlens is not None or T % BT:
         return f"chunk_size={chunk_size}, cu_seqlens {'given' if cu_seqlens is not None else 'none'}, T={T} " \
                f"(the probe takes dense sequences of whole chunks of {BT})"
-    if K != 2 * KH or gc.shape[2] != H:
-        return f"K={K}, H={H}, HV={gc.shape[2]} (the probe: K=128, H=HV)"
+    if K != 2 * KH or gc.shape[2] % H:
+        return f"K={K}, H={H}, HV={gc.shape[2]} (the probe: K=128, HV a multiple of H)"
     if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16 or g.dtype not in (torch.bfloat16, torch.float32):
         return "the probe takes bf16 q and k and a bf16 or fp32 raw gate"
     if not all(x.is_contiguous() for x in (q, k, gc, dAqk, dAkk, dq, dk, dg, g)):
@@ -1019,6 +1027,8 @@ def supports_l2(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log,
     ``supports``, with the rows' rstd of q and k given."""
     if q_rstd is None or k_rstd is None:
         return "the l2norm is not in the op"
+    if gc.shape[2] != k.shape[2]:
+        return f"H={k.shape[2]}, HV={gc.shape[2]} (B10 in the unit needs H = HV: GVA's group sum comes first)"
     return supports(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log, dt_bias, lower_bound, chunk_size,
                     cu_seqlens, chunk_indices)
 
@@ -1044,17 +1054,18 @@ def _run_unit(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, g, A_log, dt_bias, low
     import cutlass.cute as cute
     import torch
 
-    B, T, H, K = k.shape
-    dev = k.device
+    B, T, Hq, K = k.shape
+    H, dev = gc.shape[2], k.device  # (value heads: Hq of them for q and k, GVA's G = H / Hq)
     l2 = q_rstd is not None
     tensors = unit_views(q, k, gc, beta, dAqk, dAkk, dq, dk, dg, g, A_log, dt_bias, q_rstd, k_rstd)
     args = dlpack_args(tensors)
     args.append(cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream))
     raw = "bf16" if g.dtype == torch.bfloat16 else "fp32"
-    key = (B * T, H, raw, dt_bias is not None, lower_bound, l2, dev.index)
+    key = (B * T, H, Hq, raw, dt_bias is not None, lower_bound, l2, dev.index)
     if key not in _COMPILED:
         _COMPILED[key] = cute.compile(build(K, True, True, True, raw, dt_bias is not None,
-                                            None if lower_bound is None else float(lower_bound), H, l2, stm=True),
+                                            None if lower_bound is None else float(lower_bound), H, l2, stm=True,
+                                            G=H // Hq),
                                      *args)
     _COMPILED[key](*args)
     return unit_outputs(tensors, db, A_log, dt_bias)
@@ -1083,7 +1094,7 @@ def unit_outputs(tensors: dict, db, A_log, dt_bias) -> tuple:
     ``unit_views``'s tensors: db the input plus the two K halves' parts, dA_log the sum of the
     (K half, chunk-head) partials by head, dt_bias's the sum of the chunk-heads' by channel."""
     B, T, H = db.shape
-    K = tensors["k"].shape[1] // H
+    K = tensors["g"].shape[1] // H
     shape = (B, T, H, K)
     db2 = db.float() + tensors["db_part"].view(2, B, T, H).sum(0)
     dA_log = tensors["dA_part"].view(2, B * T // BT, H).sum((0, 1)).view_as(A_log).to(A_log.dtype)
@@ -1102,7 +1113,8 @@ def unit_views(q, k, gc, beta, dAqk, dAkk, dq, dk, dg, g, A_log, dt_bias, q_rstd
     q, k, gc, beta, dAqk, dAkk, dq, dk, dg, g, A_log, dt_bias, q_rstd, k_rstd = (  # (views for dlpack: no autograd)
         None if x is None else x.detach()
         for x in (q, k, gc, beta, dAqk, dAkk, dq, dk, dg, g, A_log, dt_bias, q_rstd, k_rstd))
-    B, T, H, K = k.shape
+    B, T, _, K = k.shape
+    H = gc.shape[2]  # (the value heads; q and k may have fewer, GVA)
     R, dev = B * T, k.device
     nch = R // BT * H
     flat = lambda x: x.reshape(R, -1)  # noqa: E731
@@ -1125,7 +1137,7 @@ def compile_offline(nch: int = 4, K: int = 128, split: bool = True, within: bool
                     dump: str | None = None, H: int = 1, has_bias: bool = True, lower_bound: float | None = None,
                     l2: bool = False, phased: bool = False, wg2: bool = False, ws: bool = False, stm: bool = False,
                     pf: bool = False, ks: int = KH, ctas: int = 0, su: bool = False, dyn: bool = False,
-                    tq: bool = False):
+                    tq: bool = False, G: int = 1):
     """Trace and compile for sm_90a with no GPU: the PTX and cubin land in ``dump`` (``dyn``: the
     rows a run-time extent, one build for any B * T)."""
     if dump:
@@ -1141,11 +1153,11 @@ def compile_offline(nch: int = 4, K: int = 128, split: bool = True, within: bool
         import torch
 
         op = lambda *shape, dtype=torch.float32: torch.zeros(1, nch * BT, *shape, dtype=dtype)  # noqa: E731
-        t = unit_views(op(H, K, dtype=torch.bfloat16), op(H, K, dtype=torch.bfloat16), op(H, K), op(H), op(H, BT),
-                       op(H, BT), op(H, K), op(H, K), op(H, K), op(H, K, dtype=torch.bfloat16), torch.zeros(H),
-                       torch.zeros(H * K), *((op(H), op(H)) if l2 else ()))
+        t = unit_views(op(H // G, K, dtype=torch.bfloat16), op(H // G, K, dtype=torch.bfloat16), op(H, K), op(H),
+                       op(H, BT), op(H, BT), op(H, K), op(H, K), op(H, K), op(H, K, dtype=torch.bfloat16),
+                       torch.zeros(H), torch.zeros(H * K), *((op(H), op(H)) if l2 else ()))
     return cute.compile(build(K, split, within, unit, "bf16", has_bias, lower_bound, H, l2, phased, wg2, ws, stm=stm,
-                              pf=pf, ks=ks, ctas=ctas, su=su, tq=tq),
+                              pf=pf, ks=ks, ctas=ctas, su=su, tq=tq, G=G),
                         *dlpack_args(t, rows_dynamic=dyn, l2=l2), cuda.CUstream(0))
 
 
@@ -1316,7 +1328,8 @@ def main(argv=None) -> int:
                         phased="phased" in argv[6:], wg2="wg2" in argv[6:] or "ws" in argv[6:],
                         ws="ws" in argv[6:], stm="stm" in argv[6:], pf="pf" in argv[6:],
                         ks=32 if "ks32" in argv[6:] else KH, ctas=4 if "ctas4" in argv[6:] else 0,
-                        su="su" in argv[6:], dyn="dyn" in argv[6:], tq="tq" in argv[6:])
+                        su="su" in argv[6:], dyn="dyn" in argv[6:], tq="tq" in argv[6:],
+                        G=2 if "gva2" in argv[6:] else 1)
         return 0
     if argv[:1] == ["gpu"]:  # every build at the gentle draw, then the whole sums under gates past the guard;
         # or the builds whose indices in BUILDS follow

@@ -163,10 +163,11 @@ def test_the_unit_with_b10_is_the_reference_b7_b10():
         assert torch.equal(a_, b_)
 
 
-@pytest.mark.parametrize("l2", [False, True])
-def test_the_op_layout_the_unit_reads_and_writes(l2):
+@pytest.mark.parametrize("l2, G", [(False, 1), (True, 1), (False, 2)], ids=["unit", "l2", "gva"])
+def test_the_op_layout_the_unit_reads_and_writes(l2, G):
     """What ``intra_bwd`` (the unit build as the op's B7-B9; with ``l2``, ``intra_bwd_l2`` as
-    B7-B10, the rows' rstd read at stride H as beta) relies on, for B=2, T=128, H=3: the
+    B7-B10, the rows' rstd read at stride H as beta; with G = 2, GVA: 4 value heads on 2 q/k
+    heads, value head h reading q's and k's head h // 2) relies on, for B=2, T=128, H=3: the
     kernel's reads and writes emulated chunk-head by chunk-head from ``unit_views``'s tensors
     at the kernel's coordinates (chunk-head c = rt * H + h: tiles (rt, 2 h + j), dA's (rt, h),
     beta's rows at stride H, A_log[h], dt_bias[h * K + ...], db's part at (j, rt * 64 + r, h),
@@ -175,11 +176,12 @@ def test_the_op_layout_the_unit_reads_and_writes(l2):
     from kernel_fun.kda import reference as ref
     from research.b7_cute_probe import twin_unit, unit_outputs, unit_views
 
-    B, T, H, K = 2, 128, 3, 128
+    B, T, H, K = 2, 128, 3 if G == 1 else 4, 128
     gen = torch.Generator().manual_seed(7)
     per = [make_tensors(B * T // BT, K, "cpu", seed=10 + h) for h in range(H)]  # one head's chunks each
     op = {name: torch.stack([p[name].view(B, T, *p[name].shape[1:]) for p in per], dim=2)
           for name in ("q", "k", "g", "dAqk", "dAkk", "dq", "dk", "dg", "g_raw")}
+    op["q"], op["k"] = op["q"][:, :, ::G].contiguous(), op["k"][:, :, ::G].contiguous()  # (H / G q/k heads)
     op["beta"] = torch.stack([p["beta"].view(B, T) for p in per], dim=2)
     A_log, dt_bias = torch.randn(H, generator=gen) * 0.5, torch.randn(H * K, generator=gen) * 0.5
     db = torch.randn(B, T, H, generator=gen)
@@ -193,7 +195,8 @@ def test_the_op_layout_the_unit_reads_and_writes(l2):
         for h in range(H):
             c = rt * H + h
             rows = slice(rt * BT, (rt + 1) * BT)
-            one = {name: t[name][rows, h * K:(h + 1) * K] for name in ("q", "k", "g", "dq", "dk", "dg", "g_raw")}
+            one = {name: t[name][rows, h * K:(h + 1) * K] for name in ("g", "dq", "dk", "dg", "g_raw")}
+            one.update({name: t[name][rows, h // G * K:(h // G + 1) * K] for name in ("q", "k")})
             one.update(dAqk=t["dAqk"][rows, h * BT:(h + 1) * BT], dAkk=t["dAkk"][rows, h * BT:(h + 1) * BT],
                        beta=t["beta"][(rt * BT + torch.arange(BT)) * H + h], A_log=t["A_log"][h:h + 1],
                        dt_bias=t["dt_bias"][h * K:(h + 1) * K],
@@ -208,7 +211,7 @@ def test_the_op_layout_the_unit_reads_and_writes(l2):
             t["dbias_part"][c] = dbias
     got = unit_outputs(t, db, A_log, dt_bias)
     want_ = ref.intra_bwd_tail(op["q"], op["k"], op["g"], op["beta"], op["dAqk"], op["dAkk"], op["dq"], op["dk"], db,
-                               op["dg"], BT, g=op["g_raw"], A_log=A_log, dt_bias=dt_bias)
+                               op["dg"], BT, g=op["g_raw"], A_log=A_log, dt_bias=dt_bias)  # (dq, dk by value head)
     if l2:
         want_ = (ref.l2norm_bwd(op["q"], rstd["q_rstd"], want_[0]), ref.l2norm_bwd(op["k"], rstd["k_rstd"], want_[1]),
                  *want_[2:])
@@ -221,7 +224,7 @@ def test_the_op_layout_the_unit_reads_and_writes(l2):
 
 @pytest.mark.parametrize("form", [[], ["lb", "nobias"], ["l2"], ["l2", "phased"], ["wg2"], ["ws"], ["l2", "ws"],
                                   ["stm"], ["stm", "pf"], ["stm", "ks32"], ["stm", "su"], ["stm", "dyn"],
-                                  ["stm", "tq"]])
+                                  ["stm", "tq"], ["stm", "gva2"]])
 def test_the_unit_compiles_at_the_op_s_heads(tmp_path: Path, form):
     """The unit build on the op's layout at 16 heads (as ``intra_bwd`` builds it for
     prod8192_gate), with the softplus gate and dt_bias or the lower-bounded gate without it,
@@ -230,7 +233,7 @@ def test_the_unit_compiles_at_the_op_s_heads(tmp_path: Path, form):
     warpgroups (with an idle third, each role in the 232 registers a B6 consumer has), or its
     shared tiles written by stmatrix (and its tiles prefetched into L2 first, or a CTA a K quarter,
     or its pair-by-pair loops unrolled, or its rows a run-time extent, or dg and dq staged in shared
-    memory by cp.async): as clean as at one."""
+    memory by cp.async, or GVA's two value heads a q/k head): as clean as at one."""
     pytest.importorskip("cutlass.cute", reason="CuTe DSL (nvidia-cutlass-dsl) is not installed")
     root = Path(__file__).resolve().parents[2]
     done = subprocess.run([sys.executable, "-m", "research.b7_cute_probe", "compile-one", "1", "1", "1", str(tmp_path),

@@ -34,6 +34,7 @@ TAKEN = [
     dataclasses.replace(PROD, name="T1024", B=2, T=1024),
     dataclasses.replace(PROD, name="T1024-layer", B=2, T=1024, state_v_first=True, beta_sigmoid_in_kernel=True),
     dataclasses.replace(PROD, name="T1024-safe", B=2, T=1024, safe_gate=True, lower_bound=-5.0),
+    dataclasses.replace(PROD, name="T1024-gva", B=2, T=1024, H=8),  # (16 value heads on 8 q/k heads)
 ]
 NOT_TAKEN = dataclasses.replace(PROD, name="T500", B=2, T=500)  # (not whole chunks: the stage goes to fla)
 NAMES = ("dq", "dk", "db", "dg", "dA_log", "ddt_bias")
