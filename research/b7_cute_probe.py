@@ -94,7 +94,7 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
           has_bias: bool = True, lower_bound: float | None = None, H: int = 1, l2: bool = False,
           phased: bool = False, wg2: bool = False, ws: bool = False, body_only: bool = False, stm: bool = False,
           dakk_global: bool = True, bars: tuple = (1, 2), pf: bool = False, ks: int = KH,
-          ctas: int = 0, su: bool = False, tq: bool = False, G: int = 1):
+          ctas: int = 0, su: bool = False, tq: bool = False, G: int = 1, var: bool = False):
     """The probe's host function (a ``cute.jit``) for K = 2 KH: one CTA of 128 threads a
     (K half, chunk-head). ``within``: the pairs within a block too. ``unit`` (with ``within``):
     then the rest of the B7-B9 unit, as the registered kernel's tail: dq2 = dq + x_q, dk2 = dk +
@@ -156,6 +156,14 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
     k's head c % H // G. dq2 and dk2 stay by value head (the chain sums each group after the
     unit). Not with ``l2`` (B10 needs the group's sum first), ``wg2`` or ``body_only``.
 
+    ``var`` (with ``unit``): chunks of any length up to 64 anywhere in the rows (packed sequences,
+    or T not a multiple of 64): ``chunk_rows`` [chunks, 2] gives each chunk's first row and
+    length, the grid takes chunks x H chunk-heads. Rows past a chunk's end are never read or
+    written: the loads of rows are predicated (their values 0), the stores too, and g past the
+    end reads as the chunk's last row's (a flat continuation: every factor stays finite, and the
+    zero rows and columns of dA, q, k and beta add nothing). The pair-by-pair path takes the
+    chunk's rows alone. Not with ``l2``, ``wg2``, ``pf``, ``tq`` or ``body_only``.
+
     ``body_only``: return the B7 body alone (``body``, a ``cute.jit`` function) for a kernel that
     runs it on its own shared memory, with ``bars`` the named barriers it may take (the tail's,
     128 threads; the two roles', 256) and ``dakk_global`` off where that kernel has written dAkk's
@@ -181,6 +189,7 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
     assert K == NS * KH and (NS == 2 or not (l2 or wg2 or body_only))
     assert not tq or not (wg2 or phased or body_only)
     assert G == 1 or not (l2 or wg2 or body_only)
+    assert not var or (unit and not (l2 or wg2 or pf or tq or body_only or phased))
     bf16, f32 = cutlass.BFloat16, cutlass.Float32
     raw = {"bf16": bf16, "fp32": f32}[raw]
 
@@ -200,6 +209,40 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
     def _roles_bar():
         """The two role warpgroups' barrier (``wg2``; ``ws``'s idle warpgroup never takes it)."""
         cute.arch.barrier(barrier_id=bars[1], number_of_threads=256)
+
+    # (each helper below defined for the build it is in: the DSL takes no closure over a Python
+    # flag into staged control flow)
+    if var:
+        def _tile(x, rt, row0, ctile, width=KH):
+            """x's [64, width] tile at column tile ``ctile`` of the 64 rows from row0 (those past the
+            chunk's end never touched)."""
+            C = cute.size(x, mode=[1])
+            return cute.make_tensor(x.iterator + row0 * C + ctile * width,
+                                    cute.make_layout((BT, width), stride=(C, 1)))
+
+        def _ld(f, ok):
+            """A thread's fragment of a global view, loaded: the rows past the chunk's end (``ok``
+            false) not read, 0."""
+            r = cute.make_rmem_tensor(f.shape, f.element_type)
+            r.fill(0)
+            cute.copy(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), f.element_type), f, r, pred=ok)
+            return r.load()
+
+        def _st(f, vals, ok):
+            """vals into a thread's fragment of a global view, not past the chunk's end."""
+            r = cute.make_rmem_tensor(f.shape, f.element_type)
+            r.store(vals)
+            cute.copy(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), f.element_type), r, f, pred=ok)
+    else:
+        def _tile(x, rt, row0, ctile, width=KH):
+            """x's [64, width] tile at row tile rt, column tile ``ctile``."""
+            return cute.local_tile(x, (BT, width), (rt, ctile))
+
+        def _ld(f, ok):
+            return f.load()
+
+        def _st(f, vals, ok):
+            f.store(vals)
 
     def _split(x):
         """x (fp32 values) as its bf16 rounding and the bf16 rounding of what that left."""
@@ -235,7 +278,8 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
                beta: cute.Tensor, x_q: cute.Tensor, x_kr: cute.Tensor, x_c: cute.Tensor, dq: cute.Tensor,
                dk: cute.Tensor, dg: cute.Tensor, g_raw: cute.Tensor, a_log: cute.Tensor, dt_bias: cute.Tensor,
                dq2: cute.Tensor, dk2: cute.Tensor, dg2: cute.Tensor, db_part: cute.Tensor, dA_part: cute.Tensor,
-               dbias_part: cute.Tensor, q_rstd: cute.Tensor, k_rstd: cute.Tensor, mma: cute.TiledMma,
+               dbias_part: cute.Tensor, q_rstd: cute.Tensor, k_rstd: cute.Tensor, chunk_rows: cute.Tensor,
+               mma: cute.TiledMma,
                mma_z: cute.TiledMma, mma_t: cute.TiledMma, mma_tz: cute.TiledMma, a_l: cute.ComposedLayout,
                at_l: cute.ComposedLayout, b_l: cute.ComposedLayout):
         tidx, _, _ = cute.arch.thread_idx()
@@ -290,7 +334,7 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
                + ("yqh", "yql", "ykh", "ykl")]
         s_at = [getattr(storage, n).get_tensor(at_l.outer, swizzle=at_l.inner) for n in ("qh", "ql", "kh", "kl")]
         tens = (dAqk, dAkk, q, k, g, beta, x_q, x_kr, x_c, dq, dk, dg, g_raw, a_log, dt_bias, dq2, dk2, dg2, db_part,
-                dA_part, dbias_part, q_rstd, k_rstd)
+                dA_part, dbias_part, q_rstd, k_rstd, chunk_rows)
         sm = (s_a, s_at, s_b, storage.red.data_ptr(), storage.xch.data_ptr(), storage.xbar.data_ptr(),
               storage.xc.data_ptr(), storage.yqh.data_ptr())
         mmas = (mma, mma_z, mma_t, mma_tz)
@@ -322,26 +366,39 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
         accumulators, three for the sums) to take for B7's, where the kernel's own are dead by
         now: ptxas then needs no registers beyond them."""
         (dAqk, dAkk, q, k, g, beta, x_q, x_kr, x_c, dq, dk, dg, g_raw, a_log, dt_bias, dq2, dk2, dg2, db_part,
-         dA_part, dbias_part, q_rstd, k_rstd) = tens
+         dA_part, dbias_part, q_rstd, k_rstd) = tens[:23]
         s_a, s_at, s_b, red, xch, xbar, xc = sm[:7]
         mma, mma_z, mma_t, mma_tz = mmas
         rt, ct = chunk // H, chunk % H * NS + half  # the chunk's row tile; this K slice's column tile
         head = chunk % H
-        g_q = cute.local_tile(dAqk, (BT, BT), (rt, head))
-        g_k = cute.local_tile(dAkk, (BT, BT), (rt, head))
+        # (``var``: the chunk's first row and its length from chunk_rows; else whole chunks)
+        row0, nval = (tens[23][chunk // H, 0], tens[23][chunk // H, 1]) if cutlass.const_expr(var) else (rt * BT, BT)
+        g_q = _tile(dAqk, rt, row0, head, BT)
+        g_k = _tile(dAkk, rt, row0, head, BT)
         ctq = chunk % H // G * NS + half  # (q's and k's column tile: the value head's q/k head)
-        g_qq = cute.local_tile(q, (BT, KH), (rt, ctq))
-        g_kk = cute.local_tile(k, (BT, KH), (rt, ctq))
-        g_g = cute.local_tile(g, (BT, KH), (rt, ct))
-        g_b = cute.make_tensor(beta.iterator + rt * BT * H + head, cute.make_layout(BT, stride=H))  # beta by row
+        g_qq = _tile(q, rt, row0, ctq)
+        g_kk = _tile(k, rt, row0, ctq)
+        g_g = _tile(g, rt, row0, ct)
+        g_b = cute.make_tensor(beta.iterator + row0 * H + head, cute.make_layout(BT, stride=H))  # beta by row
 
         thr_c = mma.get_slice(tid)
         frag = thr_c.partition_C  # (a thread's 32 elements of a [64, 64] tile: its rows are block w's)
         shape = frag(g_g).shape
         coords = frag(cute.make_identity_tensor((BT, KH)))
+        ok = None  # (``var``: which of the thread's elements are the chunk's rows)
+        if cutlass.const_expr(var):
+            ok = cute.make_rmem_tensor(shape, cutlass.Boolean)
+            for i in cutlass.range_constexpr(cute.size(shape)):
+                ok[i] = coords[i][0] < nval
         lay = cute.make_layout((BT, KH), stride=(0, 1))
-        anchor = lambda row: frag(cute.make_tensor(g_g[row, None].iterator, lay)).load()  # noqa: E731
         rows_of = lambda ptr: frag(cute.make_tensor(ptr, cute.make_layout((BT, KH), stride=(H, 0))))  # noqa: E731
+        if cutlass.const_expr(var):  # (an anchor past the chunk's end is its last row; so is g)
+            anchor = lambda row: frag(cute.make_tensor(g_g[cutlass.min(row, nval - 1), None].iterator,  # noqa: E731
+                                                       lay)).load()
+            gload = lambda: cute.where(ok.load(), _ld(frag(g_g), ok), anchor(nval - 1))  # noqa: E731
+        else:
+            anchor = lambda row: frag(cute.make_tensor(g_g[row, None].iterator, lay)).load()  # noqa: E731
+            gload = lambda: frag(g_g).load()  # noqa: E731
         mn = lambda t: t[None, None, 0]  # noqa: E731  (an A tile as (M, K))
         kn = lambda t: cute.make_tensor(t.iterator, cute.select(t[None, None, 0].layout, mode=[1, 0]))  # noqa: E731
         # (``stm``: the bf16 tiles written by stmatrix, four 8x8 blocks an instruction, where a
@@ -384,7 +441,7 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
             for mat in mats:
                 for j in cutlass.range_constexpr(BT // KH):
                     cols = lambda t: cute.local_tile(t, (BT, KH), (0, j))  # noqa: E731
-                    v = regs(frag(cols((g_q, g_k)[mat])).load())
+                    v = regs(_ld(frag(cols((g_q, g_k)[mat])), ok))
                     for i in cutlass.range_constexpr(cute.size(shape)):
                         r, s = coords[i]
                         s = s + j * KH
@@ -398,9 +455,9 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
         # (``phased``: yq and yk here, kx and kxu after the column role; ``wg2``: warpgroup 0 writes
         # yq and yk, warpgroup 1 kx and kxu)
         def operands(roles, sync=True):
-            gv = frag(g_g).load()
+            gv = gload()
             span = anchor(w * BC) - gv  # g[u] - g, u = a(r)
-            kf = frag(g_kk).load().to(f32)
+            kf = _ld(frag(g_kk), ok).to(f32)
             if cutlass.const_expr(roles[0] == 0):
                 ops = [kf * _ex2(anchor(cutlass.select_(w < NB - 1, (w + 1) * BC, w * BC)) - gv),
                        cute.where(span <= GUARD, kf * _ex2(span), f32(0.0))]
@@ -408,8 +465,8 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
                 ops = [None, None]
             if cutlass.const_expr(roles[-1] == 3):
                 down = _ex2(-span)
-                ops += [frag(g_qq).load().to(f32) * down,
-                        rows_of(beta.iterator + rt * BT * H + head).load() * kf * down]
+                ops += [_ld(frag(g_qq), ok).to(f32) * down,
+                        _ld(rows_of(beta.iterator + row0 * H + head), ok) * kf * down]
             for n in roles:
                 parts = _split(ops[n])
                 put(kn(s_b[2 * n]), parts[0])
@@ -500,9 +557,9 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
                             o_c.store(o_c.load() + _ex2(anchor(i * BC) - anchor((w + 1) * BC)) * acc.load())
                     if w == i:
                         if cutlass.const_expr(i < NB - 1):
-                            o_c.store(o_c.load() * _ex2(anchor((i + 1) * BC) - frag(g_g).load()))
+                            o_c.store(o_c.load() * _ex2(anchor((i + 1) * BC) - gload()))
                         if cutlass.const_expr(within):
-                            sp = anchor(i * BC) - frag(g_g).load()
+                            sp = anchor(i * BC) - gload()
                             o_c.store(o_c.load() + cute.where(sp <= GUARD, _ex2(sp) * acc.load(), f32(0.0)))
                 else:
                     o = (o_q, o_k)[mat]
@@ -511,7 +568,7 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
                             o.store(o.load() + _ex2(anchor(w * BC) - anchor((i + 1) * BC)) * acc.load())
                     else:
                         if w == i:
-                            sp = anchor(i * BC) - frag(g_g).load()
+                            sp = anchor(i * BC) - gload()
                             o.store(_ex2(-sp) * (o.load() + cute.where(sp <= GUARD, acc.load(), f32(0.0))))
                 if cutlass.const_expr(tq and kind == "c" and n + 1 < len(specs) and specs[n + 1][0] == "r"):
                     stage_tail()  # (the column role's last group is done: its operand tiles are free)
@@ -538,7 +595,10 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
         # elements is past the guard: a branch an element would be 32 jumps over cold code,
         # each a miss in the instruction cache at its target (docs/log/bwd-fused.md)
         def slow(row, col, o_q, o_k, o_c):
-            sp = regs(anchor(w * BC) - frag(g_g).load())
+            sp = regs(anchor(w * BC) - gload())
+            if cutlass.const_expr(var):  # (the chunk's rows alone: a row past its end counts as inside)
+                for i in cutlass.range_constexpr(cute.size(shape)):
+                    sp[i] = f32(cutlass.select_(coords[i][0] < nval, sp[i], f32(0.0)))
             past = f32(0.0)
             for i in cutlass.range_constexpr(cute.size(shape)):
                 past = past + f32(cutlass.select_(sp[i] <= GUARD, f32(0.0), f32(1.0)))
@@ -549,6 +609,7 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
             for i in cutlass.range_constexpr(cute.size(shape)):
                 t, c = coords[i]
                 u = t // BC * BC
+                end = cutlass.min(u + BC, nval) if cutlass.const_expr(var) else u + BC  # (the block's rows in the chunk)
                 if not (sp[i] <= GUARD):
                     if cutlass.const_expr(row):
                         a_q = f32(0.0)
@@ -569,12 +630,12 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
                     if cutlass.const_expr(col):
                         a_c = f32(0.0)
                         if cutlass.const_expr(su):
-                            for r in cutlass.range(t, u + BC, unroll=4):
+                            for r in cutlass.range(t, end, unroll=4):
                                 wt = g_q[r, t] * g_qq[r, c].to(f32) + cutlass.select_(
                                     r > t, g_k[r, t] * g_b[r] * g_kk[r, c].to(f32), f32(0.0))
                                 a_c += wt * _ex2(g_g[r, c] - g_g[t, c])
                         else:
-                            for r in cutlass.range(t, u + BC, unroll=1):  # the column role: r >= t (dAkk: r > t)
+                            for r in cutlass.range(t, end, unroll=1):  # the column role: r >= t (dAkk: r > t)
                                 wt = g_q[r, t] * g_qq[r, c].to(f32)
                                 if r > t:
                                     wt += g_k[r, t] * g_b[r] * g_kk[r, c].to(f32)
@@ -593,7 +654,7 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
                     cute.arch.cp_async_wait_group(0)  # (each thread reads back only the pairs it copied)
                 _tail(thr_c, shape, w, lane, chunk, half, red, xch, xbar, o_q, o_k, o_c, q, k, beta, dq, dk, dg,
                       g_raw, a_log, dt_bias, dq2, dk2, dg2, db_part, dA_part, dbias_part, q_rstd, k_rstd,
-                      *((staged(0), staged(1)) if tq else ()))
+                      *((staged(0), staged(1)) if tq else (None, None)), (row0, nval, ok))
             else:
                 store(((o_q, x_q), (o_k, x_kr), (o_c, x_c)))
         else:  # (``wg2``) this warpgroup's role, its registers its own, allocated here
@@ -629,15 +690,18 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
 
     @cute.jit
     def _tail(thr_c, shape, w, lane, chunk, half, red, xch, xbar, o_q, o_k, o_c, q, k, beta, dq, dk, dg, g_raw, a_log,
-              dt_bias, dq2, dk2, dg2, db_part, dA_part, dbias_part, q_rstd, k_rstd, dg_s=None, dq_s=None):
+              dt_bias, dq2, dk2, dg2, db_part, dA_part, dbias_part, q_rstd, k_rstd, dg_s=None, dq_s=None,
+              rows=None):
         """``unit``: the B7-B9 unit's tail on this CTA's (chunk, K half), from the three sums in
         registers (``l2``: with B10's l2norm backward of dq2 and dk2; ``dg_s`` and ``dq_s``, with
-        ``tq``: dg's and dq's tiles in shared memory, read there). A thread's element i = a + 2
+        ``tq``: dg's and dq's tiles in shared memory, read there; ``rows``: the chunk's first row, its
+        length and which of the thread's elements are in it, ``var``'s). A thread's element i = a + 2
         b + 4 n of the wgmma layout is row 16 w + lane // 4 + 8 b and channel 8 n + 2 (lane % 4) + a."""
         rt, ct, head = chunk // H, chunk % H * NS + half, chunk % H
+        row0, nval, ok = rows if cutlass.const_expr(rows is not None) else (rt * BT, BT, None)
         frag = thr_c.partition_C
-        tile = lambda t: frag(cute.local_tile(t, (BT, KH), (rt, ct)))  # noqa: E731
-        tile_qk = lambda t: frag(cute.local_tile(t, (BT, KH), (rt, chunk % H // G * NS + half)))  # noqa: E731
+        tile = lambda t: frag(_tile(t, rt, row0, ct))  # noqa: E731
+        tile_qk = lambda t: frag(_tile(t, rt, row0, chunk % H // G * NS + half))  # noqa: E731
         # (each warp's column sums [NB, KH] for B8, for dt_bias's, and its dA_log sum)
         s_tot = cute.make_tensor(red, cute.make_layout((NB, KH), stride=(KH, 1)))
         s_bias = cute.make_tensor(red + NB * KH, cute.make_layout((NB, KH), stride=(KH, 1)))
@@ -645,26 +709,31 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
         lay = cute.make_layout((BT, KH), stride=(0, 1))
         n_el = cute.size(shape)
         a_q, a_kr, a_c = o_q.load(), o_k.load(), o_c.load()
-        kf = tile_qk(k).load().to(f32)
-        a_krb = a_kr * frag(cute.make_tensor(beta.iterator + rt * BT * H + head,
-                                             cute.make_layout((BT, KH), stride=(H, 0)))).load()
-        qf = tile_qk(q).load().to(f32)
+        kf = _ld(tile_qk(k), ok).to(f32)
+        a_krb = a_kr * _ld(frag(cute.make_tensor(beta.iterator + row0 * H + head,
+                                                 cute.make_layout((BT, KH), stride=(H, 0)))), ok)
+        qf = _ld(tile_qk(q), ok).to(f32)
         # (dg's and db's terms first, so that the three sums are dead before dq2 and dk2 are formed)
-        dg_in = frag(dg_s).load() if cutlass.const_expr(dg_s is not None) else tile(dg).load()
+        dg_in = frag(dg_s).load() if cutlass.const_expr(dg_s is not None) else _ld(tile(dg), ok)
         y = regs(dg_in + qf * a_q + kf * (a_krb - a_c))
         # db's part: each row's sum over this half's channels (the thread's 16, then its quad's)
         row_sums = quad_row_sums(a_kr * kf)
-        dq_in = frag(dq_s).load() if cutlass.const_expr(dq_s is not None) else tile(dq).load()
-        dqv, dkv = dq_in + a_q, tile(dk).load() + a_krb + a_c
+        dq_in = frag(dq_s).load() if cutlass.const_expr(dq_s is not None) else _ld(tile(dq), ok)
+        dqv, dkv = dq_in + a_q, _ld(tile(dk), ok) + a_krb + a_c
         if cutlass.const_expr(l2):
             _l2norm_bwd(frag, w, lane, half, rt, head, xch, xbar, dqv, qf, dkv, kf, q_rstd, k_rstd, tile(dq2), tile(dk2))
         else:
-            tile(dq2).store(dqv)
-            tile(dk2).store(dkv)
+            _st(tile(dq2), dqv, ok)
+            _st(tile(dk2), dkv, ok)
         if lane % 4 == 0:
             R = cute.size(q, mode=[0])
             for b in cutlass.range_constexpr(2):
-                db_part[half * R * H + (rt * BT + w * BC + lane // 4 + 8 * b) * H + head] = row_sums[b]
+                row = w * BC + lane // 4 + 8 * b
+                if cutlass.const_expr(var):
+                    if row < nval:
+                        db_part[half * R * H + (row0 + row) * H + head] = row_sums[b]
+                else:
+                    db_part[half * R * H + (row0 + row) * H + head] = row_sums[b]
         # B8: each channel's dg summed from the chunk's last row up: within the warp's block (the
         # quad's lanes by row, then the block's second 8 rows into its first), then the later
         # blocks' totals through shared memory
@@ -686,7 +755,7 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
                 y.store(y.load() + frag(cute.make_tensor(s_tot[v, None].iterator, lay)).load())
         # B9: the gate's backward from the raw gate
         dy = y.load()
-        x = tile(g_raw).load().to(f32)
+        x = _ld(tile(g_raw), ok).to(f32)
         if cutlass.const_expr(has_bias):
             x = x + frag(cute.make_tensor(dt_bias.iterator + head * K + half * KH, lay)).load()
         A = cute.arch.exp2(a_log[head] * LOG2E)
@@ -705,7 +774,7 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
             dx = dy * (lower_bound * sg * (1.0 - sg)) * A
             da = dx * x
         dx_out = dx.to(raw)
-        tile(dg2).store(dx_out)
+        _st(tile(dg2), dx_out, ok)
         # dt_bias's partial per channel and dA_log's per (K half, chunk-head), in a fixed order:
         # the thread's rows, its column's lanes, then the warps
         cols = warp_col_sums(dx_out.to(f32))
@@ -774,7 +843,8 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
               beta: cute.Tensor, x_q: cute.Tensor, x_kr: cute.Tensor, x_c: cute.Tensor, dq: cute.Tensor,
               dk: cute.Tensor, dg: cute.Tensor, g_raw: cute.Tensor, a_log: cute.Tensor, dt_bias: cute.Tensor,
               dq2: cute.Tensor, dk2: cute.Tensor, dg2: cute.Tensor, db_part: cute.Tensor, dA_part: cute.Tensor,
-              dbias_part: cute.Tensor, q_rstd: cute.Tensor, k_rstd: cute.Tensor, stream: cuda.CUstream):
+              dbias_part: cute.Tensor, q_rstd: cute.Tensor, k_rstd: cute.Tensor, chunk_rows: cute.Tensor,
+              stream: cuda.CUstream):
         k_major, mn_major = LayoutEnum.ROW_MAJOR, LayoutEnum.COL_MAJOR
         mma, mma_z = (sm90.make_trivial_tiled_mma(bf16, bf16, k_major.sm90_mma_major_mode(),
                                                   mn_major.sm90_mma_major_mode(), f32, (1, 1, 1), tiler_mn=(BT, KH))
@@ -785,9 +855,9 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
         a_l = sm90.make_smem_layout_a(k_major, (BT, KH, BT), bf16, 1)  # dA: (M = r, K = s)
         at_l = sm90.make_smem_layout_a(mn_major, (BT, KH, BT), bf16, 1)  # the same bytes as (M = s, K = r)
         b_l = sm90.make_smem_layout_b(mn_major, (BT, KH, BT), bf16, 1)  # (N = c, K = row), N contiguous
-        nch = cute.size(k, mode=[0]) // BT * H
+        nch = (cute.size(chunk_rows, mode=[0]) if cutlass.const_expr(var) else cute.size(k, mode=[0]) // BT) * H
         kernel(dAqk, dAkk, q, k, g, beta, x_q, x_kr, x_c, dq, dk, dg, g_raw, a_log, dt_bias, dq2, dk2, dg2, db_part,
-               dA_part, dbias_part, q_rstd, k_rstd, mma, mma_z, mma_t, mma_tz, a_l, at_l, b_l).launch(
+               dA_part, dbias_part, q_rstd, k_rstd, chunk_rows, mma, mma_z, mma_t, mma_tz, a_l, at_l, b_l).launch(
             grid=(NS, nch, 1), block=(384 if ws else 256 if wg2 else 128, 1, 1),
             cluster=(2, 1, 1) if l2 else (1, 1, 1), min_blocks_per_mp=1 if ws else ctas, stream=stream)
 
@@ -795,7 +865,8 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
 
 
 ARGS = ("dAqk", "dAkk", "q", "k", "g", "beta", "x_q", "x_kr", "x_c", "dq", "dk", "dg", "g_raw", "A_log", "dt_bias",
-        "dq2", "dk2", "dg2", "db_part", "dA_part", "dbias_part", "q_rstd", "k_rstd")  # the probe's tensors, in its order
+        "dq2", "dk2", "dg2", "db_part", "dA_part", "dbias_part", "q_rstd", "k_rstd",
+        "chunk_rows")  # the probe's tensors, in its order (chunk_rows: ``var``'s [chunks, 2] int32, else a placeholder)
 
 
 def make_tensors(nch: int, K: int, device: str, seed: int = 0, strength: float = 0.3, ns: int = 2,
@@ -838,7 +909,8 @@ def make_tensors(nch: int, K: int, device: str, seed: int = 0, strength: float =
     # (l2) the rows' reciprocal norms, drawn last so that the rest is as without them
     rstd = {n: torch.rand(nch * BT, generator=gen, device=device) * 1.5 + 0.5 for n in ("q_rstd", "k_rstd")}
     return {"dAqk": dAqk.view(nch * BT, BT), "dAkk": dAkk.view(nch * BT, BT), "q": q, "k": k,
-            "g": g.view(nch * BT, K), "beta": beta, **out, **grad, **gate, **parts, **rstd}
+            "g": g.view(nch * BT, K), "beta": beta, **out, **grad, **gate, **parts, **rstd,
+            "chunk_rows": torch.zeros(1, 2, dtype=torch.int32, device=device)}
 
 
 def slow_share(g) -> float:
@@ -983,8 +1055,9 @@ _COMPILED: dict = {}
 def supports(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log, dt_bias, lower_bound, chunk_size,
              cu_seqlens, chunk_indices):
     """None when ``intra_bwd`` (the unit build as the op's B7-B9) takes the call, else why not:
-    an sm_90 GPU with CuTe DSL, the gate in the op, chunks of 64 over dense sequences of whole
-    chunks, K=128, value heads a multiple of the q/k heads (GVA), dense tensors."""
+    an sm_90 GPU with CuTe DSL, the gate in the op, chunks of 64 (packed sequences and T not a
+    multiple of 64 through the ``var`` build), K=128, value heads a multiple of the q/k heads
+    (GVA), dense tensors."""
     import torch
 
     from research.cute_kit import cute_unavailable
@@ -995,9 +1068,10 @@ def supports(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log, dt
         return why
     if A_log is None:
         return "a pre-computed gate (the probe's unit ends with the gate's backward)"
-    if chunk_size != BT or cu_seqlens is not None or T % BT:
-        return f"chunk_size={chunk_size}, cu_seqlens {'given' if cu_seqlens is not None else 'none'}, T={T} " \
-               f"(the probe takes dense sequences of whole chunks of {BT})"
+    if chunk_size != BT:
+        return f"chunk_size={chunk_size} (the probe's chunks are {BT})"
+    if cu_seqlens is not None and chunk_indices is None:
+        return "packed sequences without their chunk_indices"
     if K != 2 * KH or gc.shape[2] % H:
         return f"K={K}, H={H}, HV={gc.shape[2]} (the probe: K=128, HV a multiple of H)"
     if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16 or g.dtype not in (torch.bfloat16, torch.float32):
@@ -1018,7 +1092,8 @@ def intra_bwd(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log, d
                    cu_seqlens, chunk_indices)
     if why:
         raise ValueError(why)
-    return _run_unit(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, g, A_log, dt_bias, lower_bound)
+    return _run_unit(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, g, A_log, dt_bias, lower_bound,
+                     cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
 
 
 def supports_l2(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log, dt_bias, lower_bound, chunk_size,
@@ -1029,6 +1104,8 @@ def supports_l2(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log,
         return "the l2norm is not in the op"
     if gc.shape[2] != k.shape[2]:
         return f"H={k.shape[2]}, HV={gc.shape[2]} (B10 in the unit needs H = HV: GVA's group sum comes first)"
+    if cu_seqlens is not None or k.shape[1] % BT:
+        return "B10 in the unit takes dense sequences of whole chunks (the var build has no B10)"
     return supports(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log, dt_bias, lower_bound, chunk_size,
                     cu_seqlens, chunk_indices)
 
@@ -1045,11 +1122,14 @@ def intra_bwd_l2(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log
     return _run_unit(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, g, A_log, dt_bias, lower_bound, q_rstd, k_rstd)
 
 
-def _run_unit(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, g, A_log, dt_bias, lower_bound, q_rstd=None, k_rstd=None):
+def _run_unit(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, g, A_log, dt_bias, lower_bound, q_rstd=None, k_rstd=None,
+              cu_seqlens=None, chunk_indices=None):
     """The unit build (``l2`` with q_rstd and k_rstd) on the op's tensors, compiled once a
     shape and gate form, and its outputs as the registry's. (The rows, B * T, as a run-time
     extent would make one build serve every B * T, for 184 more SASS instructions, 1.4%, not
-    measured: ``compile_offline(dyn=True)``. As measured, a new B * T compiles again, ~9 s.)"""
+    measured: ``compile_offline(dyn=True)``. As measured, a new B * T compiles again, ~9 s.)
+    Packed sequences, or T not a multiple of 64, take the ``var`` build, its rows and chunks
+    run-time extents: one build for every batch of them."""
     import cuda.bindings.driver as cuda
     import cutlass.cute as cute
     import torch
@@ -1057,15 +1137,17 @@ def _run_unit(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, g, A_log, dt_bias, low
     B, T, Hq, K = k.shape
     H, dev = gc.shape[2], k.device  # (value heads: Hq of them for q and k, GVA's G = H / Hq)
     l2 = q_rstd is not None
-    tensors = unit_views(q, k, gc, beta, dAqk, dAkk, dq, dk, dg, g, A_log, dt_bias, q_rstd, k_rstd)
-    args = dlpack_args(tensors)
+    var = cu_seqlens is not None or T % BT != 0
+    tensors = unit_views(q, k, gc, beta, dAqk, dAkk, dq, dk, dg, g, A_log, dt_bias, q_rstd, k_rstd, cu_seqlens,
+                         chunk_indices)
+    args = dlpack_args(tensors, rows_dynamic=var, l2=l2, whole=not var)
     args.append(cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream))
     raw = "bf16" if g.dtype == torch.bfloat16 else "fp32"
-    key = (B * T, H, Hq, raw, dt_bias is not None, lower_bound, l2, dev.index)
+    key = (None if var else B * T, H, Hq, raw, dt_bias is not None, lower_bound, l2, var, dev.index)
     if key not in _COMPILED:
         _COMPILED[key] = cute.compile(build(K, True, True, True, raw, dt_bias is not None,
                                             None if lower_bound is None else float(lower_bound), H, l2, stm=True,
-                                            G=H // Hq),
+                                            G=H // Hq, var=var),
                                      *args)
     _COMPILED[key](*args)
     return unit_outputs(tensors, db, A_log, dt_bias)
@@ -1076,16 +1158,17 @@ ROW_ARGS = ("dAqk", "dAkk", "q", "k", "g", "beta", "dq", "dk", "dg", "g_raw", "d
             "dA_part", "dbias_part")
 
 
-def dlpack_args(tensors: dict, rows_dynamic: bool = False, l2: bool = False) -> list:
+def dlpack_args(tensors: dict, rows_dynamic: bool = False, l2: bool = False, whole: bool = True) -> list:
     """``tensors`` (``ARGS``) as CuTe tensors; ``rows_dynamic``: with the first extent of those
-    that follow the rows (and, ``l2``, the rows' rstd) a run-time value, so that one compiled
-    build serves any B * T (the strides, the heads and channels stay compile-time)."""
+    that follow the rows (and, ``l2``, the rows' rstd; and the chunks' map) a run-time value, so
+    that one compiled build serves any B * T (the strides, the heads and channels stay
+    compile-time); ``whole``: the rows in whole chunks, every such extent but the chunk-heads'
+    partials a multiple of 64."""
     from cutlass.cute.runtime import from_dlpack
 
-    dynamic = set(ROW_ARGS) | ({"q_rstd", "k_rstd"} if l2 else set()) if rows_dynamic else set()
-    # (the rows in whole chunks: every extent but the chunk-heads' partials a multiple of 64)
+    dynamic = set(ROW_ARGS) | {"chunk_rows"} | ({"q_rstd", "k_rstd"} if l2 else set()) if rows_dynamic else set()
     return [from_dlpack(tensors[n], assumed_align=16).mark_compact_shape_dynamic(
-        mode=0, divisibility=1 if n in ("dA_part", "dbias_part") else BT) if n in dynamic
+        mode=0, divisibility=BT if whole and n not in ("dA_part", "dbias_part", "chunk_rows") else 1) if n in dynamic
         else from_dlpack(tensors[n], assumed_align=16) for n in ARGS]
 
 
@@ -1097,17 +1180,20 @@ def unit_outputs(tensors: dict, db, A_log, dt_bias) -> tuple:
     K = tensors["g"].shape[1] // H
     shape = (B, T, H, K)
     db2 = db.float() + tensors["db_part"].view(2, B, T, H).sum(0)
-    dA_log = tensors["dA_part"].view(2, B * T // BT, H).sum((0, 1)).view_as(A_log).to(A_log.dtype)
-    ddt_bias = (tensors["dbias_part"].view(B * T // BT, H * K).sum(0).view_as(dt_bias).to(dt_bias.dtype)
+    dA_log = tensors["dA_part"].view(2, -1, H).sum((0, 1)).view_as(A_log).to(A_log.dtype)
+    ddt_bias = (tensors["dbias_part"].view(-1, H * K).sum(0).view_as(dt_bias).to(dt_bias.dtype)
                 if dt_bias is not None else None)
     return tensors["dq2"].view(shape), tensors["dk2"].view(shape), db2, tensors["dg2"].view(shape), dA_log, ddt_bias
 
 
-def unit_views(q, k, gc, beta, dAqk, dAkk, dq, dk, dg, g, A_log, dt_bias, q_rstd=None, k_rstd=None) -> dict:
+def unit_views(q, k, gc, beta, dAqk, dAkk, dq, dk, dg, g, A_log, dt_bias, q_rstd=None, k_rstd=None,
+               cu_seqlens=None, chunk_indices=None) -> dict:
     """The unit build's tensors (``ARGS``) for the op's: [B, T, H, C] as [B * T, H * C] (fp32
     where the kernel reads fp32), beta [B * T * H], A_log [H], dt_bias [H * K] (zeros without
     one), and its outputs allocated (the sums' three a placeholder: the unit keeps them in registers).
-    With q_rstd and k_rstd ([B, T, H], the ``l2`` build's): dq2 and dk2 in q's and k's dtype."""
+    With q_rstd and k_rstd ([B, T, H], the ``l2`` build's): dq2 and dk2 in q's and k's dtype.
+    With packed sequences (``cu_seqlens``, ``chunk_indices`` its (sequence, chunk) pairs) or T
+    not a multiple of 64, the ``var`` build's chunk_rows: each chunk's first row and length."""
     import torch
 
     q, k, gc, beta, dAqk, dAkk, dq, dk, dg, g, A_log, dt_bias, q_rstd, k_rstd = (  # (views for dlpack: no autograd)
@@ -1116,7 +1202,8 @@ def unit_views(q, k, gc, beta, dAqk, dAkk, dq, dk, dg, g, A_log, dt_bias, q_rstd
     B, T, _, K = k.shape
     H = gc.shape[2]  # (the value heads; q and k may have fewer, GVA)
     R, dev = B * T, k.device
-    nch = R // BT * H
+    rows = chunk_rows(B, T, cu_seqlens, chunk_indices, dev)
+    nch = (R // BT if rows is None else rows.shape[0]) * H
     flat = lambda x: x.reshape(R, -1)  # noqa: E731
     new = lambda dtype=torch.float32: torch.empty(R, H * K, device=dev, dtype=dtype)  # noqa: E731
     unused = torch.empty(BT, H * K, device=dev)  # (the sums' outputs: the unit keeps them in registers)
@@ -1130,16 +1217,37 @@ def unit_views(q, k, gc, beta, dAqk, dAkk, dq, dk, dg, g, A_log, dt_bias, q_rstd
                 db_part=torch.empty(2 * R * H, device=dev), dA_part=torch.empty(2 * nch, device=dev),
                 dbias_part=torch.empty(nch, K, device=dev),
                 **{n: (x.float().contiguous().view(-1) if x is not None else torch.zeros(BT, device=dev))
-                   for n, x in (("q_rstd", q_rstd), ("k_rstd", k_rstd))})
+                   for n, x in (("q_rstd", q_rstd), ("k_rstd", k_rstd))},
+                chunk_rows=rows if rows is not None else torch.zeros(1, 2, dtype=torch.int32, device=dev))
+
+
+def chunk_rows(B: int, T: int, cu_seqlens=None, chunk_indices=None, device="cpu"):
+    """[chunks, 2] int32, each chunk's first row in [B * T] and its length (at most 64): the
+    ``var`` build's map, for packed sequences (``chunk_indices``' (sequence, chunk) pairs over
+    ``cu_seqlens``) or B sequences of T tokens with T not a multiple of 64; None where every
+    chunk is whole and in order (the dense build's rows)."""
+    import torch
+
+    if cu_seqlens is None:
+        if T % BT == 0:
+            return None
+        starts = torch.arange(B, device=device)[:, None] * T + torch.arange(0, T, BT, device=device)[None, :]
+        ends = (torch.arange(B, device=device)[:, None] + 1) * T
+    else:
+        cu = cu_seqlens.to(device=device, dtype=torch.int64)
+        seq, i = chunk_indices.to(device=device, dtype=torch.int64).unbind(-1)
+        starts, ends = cu[seq] + i * BT, cu[seq + 1]
+    return torch.stack([starts.reshape(-1), (ends - starts).clamp(max=BT).reshape(-1)], -1).to(torch.int32).contiguous()
 
 
 def compile_offline(nch: int = 4, K: int = 128, split: bool = True, within: bool = True, unit: bool = False,
                     dump: str | None = None, H: int = 1, has_bias: bool = True, lower_bound: float | None = None,
                     l2: bool = False, phased: bool = False, wg2: bool = False, ws: bool = False, stm: bool = False,
                     pf: bool = False, ks: int = KH, ctas: int = 0, su: bool = False, dyn: bool = False,
-                    tq: bool = False, G: int = 1):
+                    tq: bool = False, G: int = 1, var: bool = False):
     """Trace and compile for sm_90a with no GPU: the PTX and cubin land in ``dump`` (``dyn``: the
-    rows a run-time extent, one build for any B * T)."""
+    rows a run-time extent, one build for any B * T; ``var``: the op's layout with T 20 short of
+    whole chunks, its rows and chunks run-time extents)."""
     if dump:
         os.environ.update(CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx,cubin", CUTE_DSL_DUMP_DIR=dump)
     import cuda.bindings.driver as cuda
@@ -1152,13 +1260,14 @@ def compile_offline(nch: int = 4, K: int = 128, split: bool = True, within: bool
     else:  # the op's layout at H heads: one sequence of nch chunks
         import torch
 
-        op = lambda *shape, dtype=torch.float32: torch.zeros(1, nch * BT, *shape, dtype=dtype)  # noqa: E731
+        T = nch * BT - (20 if var else 0)
+        op = lambda *shape, dtype=torch.float32: torch.zeros(1, T, *shape, dtype=dtype)  # noqa: E731
         t = unit_views(op(H // G, K, dtype=torch.bfloat16), op(H // G, K, dtype=torch.bfloat16), op(H, K), op(H),
                        op(H, BT), op(H, BT), op(H, K), op(H, K), op(H, K), op(H, K, dtype=torch.bfloat16),
                        torch.zeros(H), torch.zeros(H * K), *((op(H), op(H)) if l2 else ()))
     return cute.compile(build(K, split, within, unit, "bf16", has_bias, lower_bound, H, l2, phased, wg2, ws, stm=stm,
-                              pf=pf, ks=ks, ctas=ctas, su=su, tq=tq, G=G),
-                        *dlpack_args(t, rows_dynamic=dyn, l2=l2), cuda.CUstream(0))
+                              pf=pf, ks=ks, ctas=ctas, su=su, tq=tq, G=G, var=var),
+                        *dlpack_args(t, rows_dynamic=dyn or var, l2=l2, whole=not var), cuda.CUstream(0))
 
 
 def sm90_row(dump: str, split: bool, within: bool, unit: bool = False, **form) -> dict:
@@ -1329,7 +1438,7 @@ def main(argv=None) -> int:
                         ws="ws" in argv[6:], stm="stm" in argv[6:], pf="pf" in argv[6:],
                         ks=32 if "ks32" in argv[6:] else KH, ctas=4 if "ctas4" in argv[6:] else 0,
                         su="su" in argv[6:], dyn="dyn" in argv[6:], tq="tq" in argv[6:],
-                        G=2 if "gva2" in argv[6:] else 1)
+                        G=2 if "gva2" in argv[6:] else 1, var="var" in argv[6:])
         return 0
     if argv[:1] == ["gpu"]:  # every build at the gentle draw, then the whole sums under gates past the guard;
         # or the builds whose indices in BUILDS follow

@@ -224,7 +224,7 @@ def test_the_op_layout_the_unit_reads_and_writes(l2, G):
 
 @pytest.mark.parametrize("form", [[], ["lb", "nobias"], ["l2"], ["l2", "phased"], ["wg2"], ["ws"], ["l2", "ws"],
                                   ["stm"], ["stm", "pf"], ["stm", "ks32"], ["stm", "su"], ["stm", "dyn"],
-                                  ["stm", "tq"], ["stm", "gva2"]])
+                                  ["stm", "tq"], ["stm", "gva2"], ["stm", "var"]])
 def test_the_unit_compiles_at_the_op_s_heads(tmp_path: Path, form):
     """The unit build on the op's layout at 16 heads (as ``intra_bwd`` builds it for
     prod8192_gate), with the softplus gate and dt_bias or the lower-bounded gate without it,
@@ -233,7 +233,8 @@ def test_the_unit_compiles_at_the_op_s_heads(tmp_path: Path, form):
     warpgroups (with an idle third, each role in the 232 registers a B6 consumer has), or its
     shared tiles written by stmatrix (and its tiles prefetched into L2 first, or a CTA a K quarter,
     or its pair-by-pair loops unrolled, or its rows a run-time extent, or dg and dq staged in shared
-    memory by cp.async, or GVA's two value heads a q/k head): as clean as at one."""
+    memory by cp.async, or GVA's two value heads a q/k head, or chunks of any length): as clean as
+    at one."""
     pytest.importorskip("cutlass.cute", reason="CuTe DSL (nvidia-cutlass-dsl) is not installed")
     root = Path(__file__).resolve().parents[2]
     done = subprocess.run([sys.executable, "-m", "research.b7_cute_probe", "compile-one", "1", "1", "1", str(tmp_path),
@@ -308,3 +309,89 @@ def test_the_tail_s_lane_arithmetic():
         c = c + from_lane(c, lane ^ d)
     got = sum(c[32 * v:32 * v + 4] for v in range(4))  # lanes 0-3 of each warp
     assert torch.allclose(got, x.sum(0)[cols[:4, b == 0]])
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["T100", "packed"])
+def test_the_var_build_s_rows_are_the_reference_b7_b9(packed):
+    """What the ``var`` build (packed sequences, T not a multiple of 64) relies on, emulated
+    chunk by chunk on the CPU: ``chunk_rows``' first rows and lengths, each chunk's rows past
+    its end read as 0 (dA, q, k, beta, the incoming gradients, the raw gate), ``twin_unit``'s
+    arithmetic on the 64 rows, only the chunk's rows written, and ``unit_outputs`` summing the
+    partials: against the reference unit with cu_seqlens. (g past the end is the last row's, as
+    the kernel reads it; the twin's exact pair factors never meet it, the kernel's anchors do:
+    that part is the GPU test's, research/tests/test_cute_unit_gpu.py.)"""
+    from kernel_fun.kda import reference as ref
+    from research.b7_cute_probe import chunk_rows, twin_unit, unit_outputs, unit_views
+
+    H, K = 2, 128
+    if packed:
+        B, T, cu = 1, 230, torch.tensor([0, 70, 134, 200, 230])  # (70: 64 + 6; 64 exactly; 66; 30)
+        seqs = torch.arange(len(cu) - 1)
+        per_seq = (cu[1:] - cu[:-1] + BT - 1) // BT
+        ci = torch.stack([seqs.repeat_interleave(per_seq),
+                          torch.cat([torch.arange(int(n)) for n in per_seq])], -1)
+    else:
+        B, T, cu, ci = 2, 100, None, None
+    R = B * T
+    gen = torch.Generator().manual_seed(3)
+    src = make_tensors(R // BT + 2, K, "cpu", seed=4)  # (rows enough for any chunk's 64)
+    take = lambda x: x[:R].view(B, T, 1, *x.shape[1:]).expand(B, T, H, *x.shape[1:]).contiguous()  # noqa: E731
+    op = {n: take(src[n]) for n in ("q", "k", "dq", "dk", "dg", "g_raw", "dAqk", "dAkk")}
+    op["q"], op["k"] = op["q"][:, :, :1].contiguous(), op["k"][:, :, :1].contiguous()  # (GVA: one q/k head)
+    op["beta"] = src["beta"][:R].view(B, T, 1).expand(B, T, H).contiguous()
+    # g: each sequence's chunk cumsum of a decay (B4's gc), by chunk of the sequence
+    step = -(torch.rand(B, T, H, K, generator=gen) * 0.3)
+    starts = (cu[:-1].tolist() if packed else [b * T for b in range(B)])
+    ends = (cu[1:].tolist() if packed else [(b + 1) * T for b in range(B)])
+    gflat, sflat = torch.zeros(R, H, K), step.view(R, H, K)
+    for a, e in zip(starts, ends):
+        for c0 in range(a, e, BT):
+            gflat[c0:min(c0 + BT, e)] = sflat[c0:min(c0 + BT, e)].cumsum(0)
+    op["g"] = gflat.view(B, T, H, K)
+    rows_ = torch.arange(BT)
+    mask_q, mask_k = rows_[:, None] >= rows_[None, :], rows_[:, None] > rows_[None, :]
+    for name, m in (("dAqk", mask_q), ("dAkk", mask_k)):  # (each chunk's dA: its own rows and columns)
+        flat = op[name].view(R, H, BT).clone()
+        for a, e in zip(starts, ends):
+            for c0 in range(a, e, BT):
+                n = min(BT, e - c0)
+                flat[c0:c0 + n] *= (m[:n, :] & (rows_[None, :] < n)).view(n, 1, BT)
+        op[name] = flat.view(B, T, H, BT)
+    A_log, dt_bias = torch.randn(H, generator=gen) * 0.5, torch.randn(H * K, generator=gen) * 0.5
+    db = torch.randn(B, T, H, generator=gen)
+    t = unit_views(op["q"], op["k"], op["g"], op["beta"], op["dAqk"], op["dAkk"], op["dq"], op["dk"], op["dg"],
+                   op["g_raw"], A_log, dt_bias, cu_seqlens=cu, chunk_indices=ci)
+    cr = chunk_rows(B, T, cu, ci)
+    assert torch.equal(t["chunk_rows"], cr) and cr[:, 1].max() <= BT and int(cr[:, 1].sum()) == R
+    assert cr.shape[0] == (sum((e - a + BT - 1) // BT for a, e in zip(starts, ends)))
+    for chunk, (row0, n) in enumerate(cr.tolist()):
+        for h in range(H):
+            c = chunk * H + h
+            rows = torch.arange(row0, row0 + BT).clamp(max=R - 1)  # (the emulation's rows; past n unused)
+            valid = torch.arange(BT) < n
+            z = lambda x: x * valid.view(BT, *([1] * (x.dim() - 1))).to(x.dtype)  # noqa: E731
+            one = {name: z(t[name][rows, h * K:(h + 1) * K]) for name in ("dq", "dk", "dg", "g_raw")}
+            one.update({name: z(t[name][rows, 0:K]) for name in ("q", "k")})
+            g_one = t["g"][rows, h * K:(h + 1) * K]
+            one["g"] = torch.where(valid[:, None], g_one, g_one[n - 1][None, :])  # (flat past the end)
+            one.update(dAqk=z(t["dAqk"][rows, h * BT:(h + 1) * BT]), dAkk=z(t["dAkk"][rows, h * BT:(h + 1) * BT]),
+                       beta=z(t["beta"][rows * H + h]), A_log=t["A_log"][h:h + 1],
+                       dt_bias=t["dt_bias"][h * K:(h + 1) * K])
+            dq2, dk2, db_c, dg2, da, dbias = twin_unit(one)
+            keep = slice(row0, row0 + n)
+            t["dq2"][keep, h * K:(h + 1) * K] = dq2[:n]
+            t["dk2"][keep, h * K:(h + 1) * K] = dk2[:n]
+            t["dg2"][keep, h * K:(h + 1) * K] = dg2[:n]
+            for j in range(2):
+                t["db_part"][j * R * H + torch.arange(row0, row0 + n) * H + h] = db_c[:n] if j == 0 else 0.0
+                t["dA_part"][j * (cr.shape[0] * H) + c] = da[0] if j == 0 else 0.0
+            t["dbias_part"][c] = dbias
+    got = unit_outputs(t, db, A_log, dt_bias)
+    cu_ref = cu if packed else torch.arange(0, R + 1, T)
+    flat = lambda x: x.reshape(1, R, *x.shape[2:])  # noqa: E731
+    want_ = ref.intra_bwd_tail(*(flat(op[n]) for n in ("q", "k", "g", "beta", "dAqk", "dAkk", "dq", "dk")), flat(db),
+                               flat(op["dg"]), BT, cu_seqlens=cu_ref, g=flat(op["g_raw"]), A_log=A_log,
+                               dt_bias=dt_bias)
+    for name, g_, w in zip(("dq", "dk", "db", "dg", "dA_log", "ddt_bias"), got, want_):
+        err = ref.rel_rms(g_.reshape(-1).double(), w.reshape(-1).double())
+        assert err < (5e-4 if name in ("dg", "ddt_bias") else 2e-5), (name, err)

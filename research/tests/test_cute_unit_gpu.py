@@ -5,10 +5,11 @@
   gates and gates strong enough that the pair-by-pair path runs: held to fla's three stages and
   to the float64 stages as the registered unit is (``tail_misses``: within fla's budgets, and no
   worse than 10% past fla's own error).
-- The whole op with the candidate in its stage's place: the launch witness (the CuTe kernel ran,
-  the registered Triton unit did not; the record names ours), the result against fla's
-  ``chunk_kda``; and at T = 500, a shape it does not take, no CuTe kernel and the chain as without
-  the candidate.
+- The whole op with the candidate in its stage's place (the unit's ``var`` build too, at T = 500
+  and on packed sequences): the launch witness (the CuTe kernel ran, the registered Triton unit
+  did not; the record names ours), the result against fla's ``chunk_kda`` as close as the
+  registered chain's; and where a candidate refuses, no CuTe kernel and the chain's bits as
+  without it.
 
 The registration run (issue 50) runs these beside the stage and whole-op timings."""
 
@@ -35,8 +36,18 @@ TAKEN = [
     dataclasses.replace(PROD, name="T1024-layer", B=2, T=1024, state_v_first=True, beta_sigmoid_in_kernel=True),
     dataclasses.replace(PROD, name="T1024-safe", B=2, T=1024, safe_gate=True, lower_bound=-5.0),
     dataclasses.replace(PROD, name="T1024-gva", B=2, T=1024, H=8),  # (16 value heads on 8 q/k heads)
+    # the var build: T not a multiple of 64, and packed sequences (one shorter than a chunk, one
+    # ending exactly at a chunk's end, the last ending the tensor mid-chunk)
+    dataclasses.replace(PROD, name="T500", B=2, T=500),
+    dataclasses.replace(PROD, name="varlen", B=1, T=700, cu_seqlens=(0, 30, 158, 700)),
 ]
-NOT_TAKEN = dataclasses.replace(PROD, name="T500", B=2, T=500)  # (not whole chunks: the stage goes to fla)
+# what each candidate refuses: a pre-computed gate (the unit ends with the gate's backward); B10 in
+# the unit, T not a multiple of 64
+NOT_TAKEN = {"B7-B9": dataclasses.replace(PROD, name="pregated", B=1, T=512, gate_in_kernel=False,
+                                          l2norm_in_kernel=False),
+             "B7-B10": dataclasses.replace(PROD, name="T500", B=2, T=500)}
+# the whole op: each candidate where it runs, the B7-B9 unit's var build too
+WHOLE = [("B7-B9", TAKEN[0]), ("B7-B10", TAKEN[0]), ("B7-B9", TAKEN[4]), ("B7-B9", TAKEN[5])]
 NAMES = ("dq", "dk", "db", "dg", "dA_log", "ddt_bias")
 
 
@@ -105,10 +116,10 @@ def _op_with(stage: str, p, gates: str = "kimi"):
     return ours, theirs, shipped, record, kernels
 
 
-@pytest.mark.parametrize("stage", ["B7-B9", "B7-B10"])
+@pytest.mark.parametrize("stage, p", WHOLE, ids=[f"{s}-{p.name}" for s, p in WHOLE])
 @pytest.mark.parametrize("gates", ["kimi", "strong"])
-def test_the_whole_op_with_the_cute_unit_tracks_fla_and_ran_it(stage, gates):
-    ours, theirs, shipped, record, kernels = _op_with(stage, TAKEN[0], gates)
+def test_the_whole_op_with_the_cute_unit_tracks_fla_and_ran_it(stage, p, gates):
+    ours, theirs, shipped, record, kernels = _op_with(stage, p, gates)
     assert record.backward[stage] == "ours", record
     assert any(k.startswith("kernel_cutlass") for k in kernels), sorted(kernels)
     assert "intra_bwd_kernel" not in kernels and "chunk_kda_bwd_kernel_intra" not in kernels, sorted(kernels)
@@ -125,9 +136,10 @@ def test_the_whole_op_with_the_cute_unit_tracks_fla_and_ran_it(stage, gates):
 
 @pytest.mark.parametrize("stage", ["B7-B9", "B7-B10"])
 def test_a_shape_the_cute_unit_does_not_take_runs_without_it(stage):
-    """T = 500: the candidate's support check refuses, and the chain runs what it runs without
-    it (B7, B8 and B9 one by one; or, for B7-B10, the registered B7-B9 unit and B10)."""
-    ours, theirs, shipped, record, kernels = _op_with(stage, NOT_TAKEN)
+    """A pre-computed gate (B7-B9), T = 500 (B7-B10): the candidate's support check refuses, and
+    the chain runs what it runs without it (B7 and B8 one by one; the registered B7-B9 unit and
+    B10), to the bit."""
+    ours, theirs, shipped, record, kernels = _op_with(stage, NOT_TAKEN[stage])
     assert record.backward.get(stage) != "ours", record
     assert not any(k.startswith("kernel_cutlass") for k in kernels), sorted(kernels)
     assert all(torch.equal(ours[n], shipped[n]) for n in shipped if shipped[n] is not None)  # (as without it)
