@@ -162,7 +162,8 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
     written: the loads of rows are predicated (their values 0), the stores too, and g past the
     end reads as the chunk's last row's (a flat continuation: every factor stays finite, and the
     zero rows and columns of dA, q, k and beta add nothing). The pair-by-pair path takes the
-    chunk's rows alone. Not with ``l2``, ``wg2``, ``pf``, ``tq`` or ``body_only``.
+    chunk's rows alone; with ``l2``, B10's rstd and outputs too. Not with ``wg2``, ``pf``, ``tq``
+    or ``body_only``.
 
     ``body_only``: return the B7 body alone (``body``, a ``cute.jit`` function) for a kernel that
     runs it on its own shared memory, with ``bars`` the named barriers it may take (the tail's,
@@ -189,7 +190,7 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
     assert K == NS * KH and (NS == 2 or not (l2 or wg2 or body_only))
     assert not tq or not (wg2 or phased or body_only)
     assert G == 1 or not (l2 or wg2 or body_only)
-    assert not var or (unit and not (l2 or wg2 or pf or tq or body_only or phased))
+    assert not var or (unit and not (wg2 or pf or tq or body_only or phased))
     bf16, f32 = cutlass.BFloat16, cutlass.Float32
     raw = {"bf16": bf16, "fp32": f32}[raw]
 
@@ -721,7 +722,8 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
         dq_in = frag(dq_s).load() if cutlass.const_expr(dq_s is not None) else _ld(tile(dq), ok)
         dqv, dkv = dq_in + a_q, _ld(tile(dk), ok) + a_krb + a_c
         if cutlass.const_expr(l2):
-            _l2norm_bwd(frag, w, lane, half, rt, head, xch, xbar, dqv, qf, dkv, kf, q_rstd, k_rstd, tile(dq2), tile(dk2))
+            _l2norm_bwd(frag, w, lane, half, row0, ok, head, xch, xbar, dqv, qf, dkv, kf, q_rstd, k_rstd, tile(dq2),
+                        tile(dk2))
         else:
             _st(tile(dq2), dqv, ok)
             _st(tile(dk2), dkv, ok)
@@ -807,11 +809,12 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
             cute.arch.cluster_wait()
 
     @cute.jit
-    def _l2norm_bwd(frag, w, lane, half, rt, head, xch, xbar, dqv, qf, dkv, kf, q_rstd, k_rstd, o_q, o_k):
+    def _l2norm_bwd(frag, w, lane, half, row0, ok, head, xch, xbar, dqv, qf, dkv, kf, q_rstd, k_rstd, o_q, o_k):
         """B10 on this CTA's K half: dx = rstd (dy - (dy . y) y) for (dy, y) = (dq2, q) and (dk2, k),
         the dot products over both halves. Each half's row sums (the thread's 16 channels, then the
         quad's) go into ``xch[half]`` here and into the peer's by one bulk copy; each CTA then adds
-        xch[0] + xch[1], the same sum in both."""
+        xch[0] + xch[1], the same sum in both. (``var``: the rstd and the outputs of the chunk's
+        rows alone.)"""
         s_x = cute.make_tensor(xch, cute.make_layout(4 * BT))
         sums = (quad_row_sums(dqv * qf), quad_row_sums(dkv * kf))
         if lane % 4 == 0:
@@ -830,10 +833,10 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
         cute.arch.cluster_arrive_relaxed()  # (the peer's bytes are here: its copy has read them)
         by_row = lambda m, h: frag(cute.make_tensor(xch + (h * 2 + m) * BT,  # noqa: E731
                                                     cute.make_layout((BT, KH), stride=(1, 0)))).load()
-        rstd = lambda t: frag(cute.make_tensor(t.iterator + rt * BT * H + head,  # noqa: E731
-                                               cute.make_layout((BT, KH), stride=(H, 0)))).load()
+        rstd = lambda t: _ld(frag(cute.make_tensor(t.iterator + row0 * H + head,  # noqa: E731
+                                                   cute.make_layout((BT, KH), stride=(H, 0)))), ok)
         for m, dy, y, r, o in ((0, dqv, qf, rstd(q_rstd), o_q), (1, dkv, kf, rstd(k_rstd), o_k)):
-            o.store((dy * r - (by_row(m, 0) + by_row(m, 1)) * y * r).to(o.element_type))
+            _st(o, (dy * r - (by_row(m, 0) + by_row(m, 1)) * y * r).to(o.element_type), ok)
 
     if body_only:
         return body
@@ -1104,8 +1107,6 @@ def supports_l2(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log,
         return "the l2norm is not in the op"
     if gc.shape[2] != k.shape[2]:
         return f"H={k.shape[2]}, HV={gc.shape[2]} (B10 in the unit needs H = HV: GVA's group sum comes first)"
-    if cu_seqlens is not None or k.shape[1] % BT:
-        return "B10 in the unit takes dense sequences of whole chunks (the var build has no B10)"
     return supports(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log, dt_bias, lower_bound, chunk_size,
                     cu_seqlens, chunk_indices)
 

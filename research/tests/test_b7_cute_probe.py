@@ -224,7 +224,8 @@ def test_the_op_layout_the_unit_reads_and_writes(l2, G):
 
 @pytest.mark.parametrize("form", [[], ["lb", "nobias"], ["l2"], ["l2", "phased"], ["wg2"], ["ws"], ["l2", "ws"],
                                   ["stm"], ["stm", "pf"], ["stm", "ks32"], ["stm", "su"], ["stm", "dyn"],
-                                  ["stm", "tq"], ["stm", "gva2"], ["stm", "var"]])
+                                  ["stm", "tq"], ["stm", "gva2"], ["stm", "var"],
+                                  ["l2", "stm", "var"]])
 def test_the_unit_compiles_at_the_op_s_heads(tmp_path: Path, form):
     """The unit build on the op's layout at 16 heads (as ``intra_bwd`` builds it for
     prod8192_gate), with the softplus gate and dt_bias or the lower-bounded gate without it,
