@@ -187,7 +187,8 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
 
     KH = ks  # (the CTA's channels: a K half, or with ks = 32 a quarter)
     NS = K // KH  # (the CTAs a chunk-head)
-    assert K == NS * KH and (NS == 2 or not (l2 or wg2 or body_only))
+    assert K == NS * KH and (NS == 2 or not (wg2 or body_only)) and (NS <= 2 or not l2)
+    XCH = l2 and NS == 2  # (B10's row sums swapped between the K halves; at K = 64 one CTA holds the row)
     assert not tq or not (wg2 or phased or body_only)
     assert G == 1 or not (l2 or wg2 or body_only)
     assert not var or (unit and not (wg2 or pf or tq or body_only or phased))
@@ -323,7 +324,7 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
             xc: cute.struct.Align[cute.struct.MemRange[f32, BT * KH if wg2 and unit else 4], 128]
 
         storage = SmemAllocator().allocate(Smem)
-        if cutlass.const_expr(l2):  # the barrier armed for the peer's 512 bytes before the peer can send
+        if cutlass.const_expr(XCH):  # the barrier armed for the peer's 512 bytes before the peer can send
             if tidx == 0:
                 cute.arch.mbarrier_init(storage.xbar.data_ptr(), 1)
                 cute.arch.mbarrier_init_fence()
@@ -805,7 +806,7 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
             for v in cutlass.range_constexpr(NB):
                 da_sum += s_da[v]
             dA_part[half * (cute.size(dA_part, mode=[0]) // NS) + chunk] = da_sum
-        if cutlass.const_expr(l2):  # (the peer has what this CTA sent before either leaves)
+        if cutlass.const_expr(XCH):  # (the peer has what this CTA sent before either leaves)
             cute.arch.cluster_wait()
 
     @cute.jit
@@ -823,20 +824,23 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
                     s_x[(half * 2 + m) * BT + w * BC + lane // 4 + 8 * b] = sums[m][b]
         cute.arch.fence_view_async_shared()
         _tail_bar()
-        cute.arch.cluster_wait()  # (the peer's barrier is armed)
-        if w == 0:
-            if lane == 0:
-                send = cute.make_copy_atom(cpasync.CopyBulkS2SOp(), f32, num_bits_per_copy=2 * BT * 32)
-                mine = cute.make_tensor(xch + half * 2 * BT, cute.make_layout(2 * BT))
-                cute.copy(send, mine, mine, mbar_ptr=xbar, cta_rank=cutlass.Int32(1 - half))
-        cute.arch.mbarrier_wait(xbar, 0)
-        cute.arch.cluster_arrive_relaxed()  # (the peer's bytes are here: its copy has read them)
+        if cutlass.const_expr(XCH):
+            cute.arch.cluster_wait()  # (the peer's barrier is armed)
+            if w == 0:
+                if lane == 0:
+                    send = cute.make_copy_atom(cpasync.CopyBulkS2SOp(), f32, num_bits_per_copy=2 * BT * 32)
+                    mine = cute.make_tensor(xch + half * 2 * BT, cute.make_layout(2 * BT))
+                    cute.copy(send, mine, mine, mbar_ptr=xbar, cta_rank=cutlass.Int32(1 - half))
+            cute.arch.mbarrier_wait(xbar, 0)
+            cute.arch.cluster_arrive_relaxed()  # (the peer's bytes are here: its copy has read them)
         by_row = lambda m, h: frag(cute.make_tensor(xch + (h * 2 + m) * BT,  # noqa: E731
                                                     cute.make_layout((BT, KH), stride=(1, 0)))).load()
+        whole = (lambda m: by_row(m, 0) + by_row(m, 1)) if cutlass.const_expr(XCH) else (  # noqa: E731
+            lambda m: by_row(m, 0))  # (K = 64: the CTA's own sums are the row's)
         rstd = lambda t: _ld(frag(cute.make_tensor(t.iterator + row0 * H + head,  # noqa: E731
                                                    cute.make_layout((BT, KH), stride=(H, 0)))), ok)
         for m, dy, y, r, o in ((0, dqv, qf, rstd(q_rstd), o_q), (1, dkv, kf, rstd(k_rstd), o_k)):
-            _st(o, (dy * r - (by_row(m, 0) + by_row(m, 1)) * y * r).to(o.element_type), ok)
+            _st(o, (dy * r - whole(m) * y * r).to(o.element_type), ok)
 
     if body_only:
         return body
@@ -862,7 +866,7 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
         kernel(dAqk, dAkk, q, k, g, beta, x_q, x_kr, x_c, dq, dk, dg, g_raw, a_log, dt_bias, dq2, dk2, dg2, db_part,
                dA_part, dbias_part, q_rstd, k_rstd, chunk_rows, mma, mma_z, mma_t, mma_tz, a_l, at_l, b_l).launch(
             grid=(NS, nch, 1), block=(384 if ws else 256 if wg2 else 128, 1, 1),
-            cluster=(2, 1, 1) if l2 else (1, 1, 1), min_blocks_per_mp=1 if ws else ctas, stream=stream)
+            cluster=(2, 1, 1) if XCH else (1, 1, 1), min_blocks_per_mp=1 if ws else ctas, stream=stream)
 
     return probe
 
@@ -1059,8 +1063,8 @@ def supports(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log, dt
              cu_seqlens, chunk_indices):
     """None when ``intra_bwd`` (the unit build as the op's B7-B9) takes the call, else why not:
     an sm_90 GPU with CuTe DSL, the gate in the op, chunks of 64 (packed sequences and T not a
-    multiple of 64 through the ``var`` build), K=128, value heads a multiple of the q/k heads
-    (GVA), dense tensors."""
+    multiple of 64 through the ``var`` build), K=64 (one CTA a chunk-head) or 128, value heads a
+    multiple of the q/k heads (GVA), dense tensors."""
     import torch
 
     from research.cute_kit import cute_unavailable
@@ -1075,8 +1079,8 @@ def supports(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log, dt
         return f"chunk_size={chunk_size} (the probe's chunks are {BT})"
     if cu_seqlens is not None and chunk_indices is None:
         return "packed sequences without their chunk_indices"
-    if K != 2 * KH or gc.shape[2] % H:
-        return f"K={K}, H={H}, HV={gc.shape[2]} (the probe: K=128, HV a multiple of H)"
+    if K not in (KH, 2 * KH) or gc.shape[2] % H:
+        return f"K={K}, H={H}, HV={gc.shape[2]} (the probe: K=64 or 128, HV a multiple of H)"
     if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16 or g.dtype not in (torch.bfloat16, torch.float32):
         return "the probe takes bf16 q and k and a bf16 or fp32 raw gate"
     if not all(x.is_contiguous() for x in (q, k, gc, dAqk, dAkk, dq, dk, dg, g)):
@@ -1175,13 +1179,14 @@ def dlpack_args(tensors: dict, rows_dynamic: bool = False, l2: bool = False, who
 
 def unit_outputs(tensors: dict, db, A_log, dt_bias) -> tuple:
     """The registry's (dq, dk, db, dg, dA_log, ddt_bias) from the unit build's outputs in
-    ``unit_views``'s tensors: db the input plus the two K halves' parts, dA_log the sum of the
+    ``unit_views``'s tensors: db the input plus the K slices' parts, dA_log the sum of the
     (K half, chunk-head) partials by head, dt_bias's the sum of the chunk-heads' by channel."""
     B, T, H = db.shape
     K = tensors["g"].shape[1] // H
+    NS = K // KH  # (the CTAs a chunk-head, each with its partials)
     shape = (B, T, H, K)
-    db2 = db.float() + tensors["db_part"].view(2, B, T, H).sum(0)
-    dA_log = tensors["dA_part"].view(2, -1, H).sum((0, 1)).view_as(A_log).to(A_log.dtype)
+    db2 = db.float() + tensors["db_part"].view(NS, B, T, H).sum(0)
+    dA_log = tensors["dA_part"].view(NS, -1, H).sum((0, 1)).view_as(A_log).to(A_log.dtype)
     ddt_bias = (tensors["dbias_part"].view(-1, H * K).sum(0).view_as(dt_bias).to(dt_bias.dtype)
                 if dt_bias is not None else None)
     return tensors["dq2"].view(shape), tensors["dk2"].view(shape), db2, tensors["dg2"].view(shape), dA_log, ddt_bias
@@ -1202,7 +1207,7 @@ def unit_views(q, k, gc, beta, dAqk, dAkk, dq, dk, dg, g, A_log, dt_bias, q_rstd
         for x in (q, k, gc, beta, dAqk, dAkk, dq, dk, dg, g, A_log, dt_bias, q_rstd, k_rstd))
     B, T, _, K = k.shape
     H = gc.shape[2]  # (the value heads; q and k may have fewer, GVA)
-    R, dev = B * T, k.device
+    R, dev, NS = B * T, k.device, K // KH  # (NS: the CTAs a chunk-head, K's halves, or one at K = 64)
     rows = chunk_rows(B, T, cu_seqlens, chunk_indices, dev)
     nch = (R // BT if rows is None else rows.shape[0]) * H
     flat = lambda x: x.reshape(R, -1)  # noqa: E731
@@ -1215,7 +1220,7 @@ def unit_views(q, k, gc, beta, dAqk, dAkk, dq, dk, dg, g, A_log, dt_bias, q_rstd
                          else torch.zeros(H * K, device=dev)),
                 dq2=new(q.dtype if q_rstd is not None else torch.float32),
                 dk2=new(k.dtype if k_rstd is not None else torch.float32), dg2=new(g.dtype),
-                db_part=torch.empty(2 * R * H, device=dev), dA_part=torch.empty(2 * nch, device=dev),
+                db_part=torch.empty(NS * R * H, device=dev), dA_part=torch.empty(NS * nch, device=dev),
                 dbias_part=torch.empty(nch, K, device=dev),
                 **{n: (x.float().contiguous().view(-1) if x is not None else torch.zeros(BT, device=dev))
                    for n, x in (("q_rstd", q_rstd), ("k_rstd", k_rstd))},
@@ -1439,7 +1444,8 @@ def main(argv=None) -> int:
                         ws="ws" in argv[6:], stm="stm" in argv[6:], pf="pf" in argv[6:],
                         ks=32 if "ks32" in argv[6:] else KH, ctas=4 if "ctas4" in argv[6:] else 0,
                         su="su" in argv[6:], dyn="dyn" in argv[6:], tq="tq" in argv[6:],
-                        G=2 if "gva2" in argv[6:] else 1, var="var" in argv[6:])
+                        G=2 if "gva2" in argv[6:] else 1, var="var" in argv[6:],
+                        K=64 if "k64" in argv[6:] else 128)
         return 0
     if argv[:1] == ["gpu"]:  # every build at the gentle draw, then the whole sums under gates past the guard;
         # or the builds whose indices in BUILDS follow

@@ -163,11 +163,13 @@ def test_the_unit_with_b10_is_the_reference_b7_b10():
         assert torch.equal(a_, b_)
 
 
-@pytest.mark.parametrize("l2, G", [(False, 1), (True, 1), (False, 2)], ids=["unit", "l2", "gva"])
-def test_the_op_layout_the_unit_reads_and_writes(l2, G):
+@pytest.mark.parametrize("l2, G, K", [(False, 1, 128), (True, 1, 128), (False, 2, 128), (False, 1, 64), (True, 1, 64)],
+                         ids=["unit", "l2", "gva", "k64", "l2-k64"])
+def test_the_op_layout_the_unit_reads_and_writes(l2, G, K):
     """What ``intra_bwd`` (the unit build as the op's B7-B9; with ``l2``, ``intra_bwd_l2`` as
     B7-B10, the rows' rstd read at stride H as beta; with G = 2, GVA: 4 value heads on 2 q/k
-    heads, value head h reading q's and k's head h // 2) relies on, for B=2, T=128, H=3: the
+    heads, value head h reading q's and k's head h // 2; at K = 64 one CTA a chunk-head, its
+    partials alone) relies on, for B=2, T=128, H=3: the
     kernel's reads and writes emulated chunk-head by chunk-head from ``unit_views``'s tensors
     at the kernel's coordinates (chunk-head c = rt * H + h: tiles (rt, 2 h + j), dA's (rt, h),
     beta's rows at stride H, A_log[h], dt_bias[h * K + ...], db's part at (j, rt * 64 + r, h),
@@ -176,7 +178,7 @@ def test_the_op_layout_the_unit_reads_and_writes(l2, G):
     from kernel_fun.kda import reference as ref
     from research.b7_cute_probe import twin_unit, unit_outputs, unit_views
 
-    B, T, H, K = 2, 128, 3 if G == 1 else 4, 128
+    B, T, H = 2, 128, 3 if G == 1 else 4
     gen = torch.Generator().manual_seed(7)
     per = [make_tensors(B * T // BT, K, "cpu", seed=10 + h) for h in range(H)]  # one head's chunks each
     op = {name: torch.stack([p[name].view(B, T, *p[name].shape[1:]) for p in per], dim=2)
@@ -205,7 +207,7 @@ def test_the_op_layout_the_unit_reads_and_writes(l2, G):
             t["dq2"][rows, h * K:(h + 1) * K] = dq2
             t["dk2"][rows, h * K:(h + 1) * K] = dk2
             t["dg2"][rows, h * K:(h + 1) * K] = dg2
-            for j in range(2):  # each K half's part: here the whole in half 0, nothing in half 1
+            for j in range(K // 64):  # each K slice's part: here the whole in slice 0, nothing in slice 1
                 t["db_part"][j * B * T * H + (rt * BT + torch.arange(BT)) * H + h] = db_c if j == 0 else 0.0
                 t["dA_part"][j * (B * NT * H) + c] = da[0] if j == 0 else 0.0
             t["dbias_part"][c] = dbias
@@ -225,7 +227,7 @@ def test_the_op_layout_the_unit_reads_and_writes(l2, G):
 @pytest.mark.parametrize("form", [[], ["lb", "nobias"], ["l2"], ["l2", "phased"], ["wg2"], ["ws"], ["l2", "ws"],
                                   ["stm"], ["stm", "pf"], ["stm", "ks32"], ["stm", "su"], ["stm", "dyn"],
                                   ["stm", "tq"], ["stm", "gva2"], ["stm", "var"],
-                                  ["l2", "stm", "var"]])
+                                  ["l2", "stm", "var"], ["stm", "k64"], ["l2", "stm", "k64"]])
 def test_the_unit_compiles_at_the_op_s_heads(tmp_path: Path, form):
     """The unit build on the op's layout at 16 heads (as ``intra_bwd`` builds it for
     prod8192_gate), with the softplus gate and dt_bias or the lower-bounded gate without it,
@@ -234,8 +236,8 @@ def test_the_unit_compiles_at_the_op_s_heads(tmp_path: Path, form):
     warpgroups (with an idle third, each role in the 232 registers a B6 consumer has), or its
     shared tiles written by stmatrix (and its tiles prefetched into L2 first, or a CTA a K quarter,
     or its pair-by-pair loops unrolled, or its rows a run-time extent, or dg and dq staged in shared
-    memory by cp.async, or GVA's two value heads a q/k head, or chunks of any length): as clean as
-    at one."""
+    memory by cp.async, or GVA's two value heads a q/k head, or chunks of any length, or K = 64 in
+    one CTA a chunk-head): as clean as at one."""
     pytest.importorskip("cutlass.cute", reason="CuTe DSL (nvidia-cutlass-dsl) is not installed")
     root = Path(__file__).resolve().parents[2]
     done = subprocess.run([sys.executable, "-m", "research.b7_cute_probe", "compile-one", "1", "1", "1", str(tmp_path),
@@ -252,7 +254,7 @@ def test_the_unit_compiles_at_the_op_s_heads(tmp_path: Path, form):
     swaps, cluster_barriers = ptx.count("cp.async.bulk.shared::cluster"), ptx.count("barrier.cluster")
     # (the cluster's barriers: the first arrive, and B10's wait, arrive and wait; with ``ws`` the
     # column role's and the idle warpgroup's branches take those three as well)
-    want = ((1, 10 if "ws" in form else 4) if "l2" in form else (0, 0))
+    want = ((1, 10 if "ws" in form else 4) if "l2" in form and "k64" not in form else (0, 0))
     assert (swaps, cluster_barriers) == want, (swaps, cluster_barriers)
     # (``pf``: a prefetch a thread for each of the fp32 tiles, dA's two, g, dq, dk, dg, and one on half
     # the threads for each bf16 tile, q, k, the raw gate: nine in the code)

@@ -40,6 +40,7 @@ TAKEN = [
     # ending exactly at a chunk's end, the last ending the tensor mid-chunk)
     dataclasses.replace(PROD, name="T500", B=2, T=500),
     dataclasses.replace(PROD, name="varlen", B=1, T=700, cu_seqlens=(0, 30, 158, 700)),
+    dataclasses.replace(PROD, name="T1024-k64", B=2, T=1024, K=64),  # (one CTA a chunk-head)
 ]
 # what each candidate refuses: a pre-computed gate (the unit ends with the gate's backward); GVA
 # for B10 in the unit (the group's sum comes first)
@@ -47,7 +48,7 @@ NOT_TAKEN = {"B7-B9": dataclasses.replace(PROD, name="pregated", B=1, T=512, gat
                                           l2norm_in_kernel=False),
              "B7-B10": TAKEN[3]}
 # the whole op: each candidate where it runs, the var builds too
-WHOLE = [(stage, p) for stage in ("B7-B9", "B7-B10") for p in (TAKEN[0], TAKEN[4], TAKEN[5])]
+WHOLE = [(stage, p) for stage in ("B7-B9", "B7-B10") for p in (TAKEN[0], TAKEN[4], TAKEN[5], TAKEN[6])]
 NAMES = ("dq", "dk", "db", "dg", "dA_log", "ddt_bias")
 
 
