@@ -42,11 +42,12 @@ TAKEN = [
     dataclasses.replace(PROD, name="varlen", B=1, T=700, cu_seqlens=(0, 30, 158, 700)),
     dataclasses.replace(PROD, name="T1024-k64", B=2, T=1024, K=64),  # (one CTA a chunk-head)
 ]
-# what each candidate refuses: a pre-computed gate (the unit ends with the gate's backward); GVA
-# for B10 in the unit (the group's sum comes first)
-NOT_TAKEN = {"B7-B9": dataclasses.replace(PROD, name="pregated", B=1, T=512, gate_in_kernel=False,
-                                          l2norm_in_kernel=False),
-             "B7-B10": TAKEN[3]}
+# what each candidate refuses: a pre-computed gate (the unit ends with the gate's backward), K = 100
+# (the unit's K slices are 64 wide); GVA for B10 in the unit (the group's sum comes first)
+K100 = dataclasses.replace(PROD, name="T512-k100", B=1, T=512, K=100)
+NOT_TAKEN = [("B7-B9", dataclasses.replace(PROD, name="pregated", B=1, T=512, gate_in_kernel=False,
+                                           l2norm_in_kernel=False)),
+             ("B7-B9", K100), ("B7-B10", K100), ("B7-B10", TAKEN[3])]
 # the whole op: each candidate where it runs, the var builds too
 WHOLE = [(stage, p) for stage in ("B7-B9", "B7-B10") for p in (TAKEN[0], TAKEN[4], TAKEN[5], TAKEN[6])]
 NAMES = ("dq", "dk", "db", "dg", "dA_log", "ddt_bias")
@@ -135,12 +136,12 @@ def test_the_whole_op_with_the_cute_unit_tracks_fla_and_ran_it(stage, p, gates):
     assert not worse, worse
 
 
-@pytest.mark.parametrize("stage", ["B7-B9", "B7-B10"])
-def test_a_shape_the_cute_unit_does_not_take_runs_without_it(stage):
-    """A pre-computed gate (B7-B9), GVA (B7-B10): the candidate's support check refuses, and
+@pytest.mark.parametrize("stage, p", NOT_TAKEN, ids=[f"{s}-{p.name}" for s, p in NOT_TAKEN])
+def test_a_shape_the_cute_unit_does_not_take_runs_without_it(stage, p):
+    """A pre-computed gate, K = 100, GVA for B7-B10: the candidate's support check refuses, and
     the chain runs what it runs without it (B7 and B8 one by one; the registered B7-B9 unit and
     B10), to the bit."""
-    ours, theirs, shipped, record, kernels = _op_with(stage, NOT_TAKEN[stage])
+    ours, theirs, shipped, record, kernels = _op_with(stage, p)
     assert record.backward.get(stage) != "ours", record
     assert not any(k.startswith("kernel_cutlass") for k in kernels), sorted(kernels)
     assert all(torch.equal(ours[n], shipped[n]) for n in shipped if shipped[n] is not None)  # (as without it)
