@@ -93,8 +93,8 @@ BUILDS = ((True, True, False), (True, False, False), (True, True, True))
 def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = False, raw: str = "bf16",
           has_bias: bool = True, lower_bound: float | None = None, H: int = 1, l2: bool = False,
           phased: bool = False, wg2: bool = False, ws: bool = False, body_only: bool = False, stm: bool = False,
-          dakk_global: bool = True, bars: tuple = (1, 2), pf: bool = False, ks: int = KH,
-          ctas: int = 0, su: bool = False, tq: bool = False, G: int = 1, var: bool = False):
+          dakk_global: bool = True, bars: tuple = (1, 2), su: bool = False, tq: bool = False, G: int = 1,
+          var: bool = False):
     """The probe's host function (a ``cute.jit``) for K = 2 KH: one CTA of 128 threads a
     (K half, chunk-head). ``within``: the pairs within a block too. ``unit`` (with ``within``):
     then the rest of the B7-B9 unit, as the registered kernel's tail: dq2 = dq + x_q, dk2 = dk +
@@ -127,19 +127,6 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
     stmatrix, four 8x8 blocks an instruction, where the fragment's 2-element stores each
     computed their own swizzled address (the unit 13,840 to 13,152 SASS instructions).
 
-    ``pf``: first, every 128-byte line the CTA will read of its [64, C] tiles (dA's two, q, k,
-    g, and with ``unit`` dq, dk, dg and the raw gate) asked into L2 by one prefetch a line, ~8 a
-    thread: the loads after the first wait on L2, not DRAM (the profile's largest stall is the
-    global loads' scoreboard). Measured on an H100: -2.6% on the unit, +4.6% with B10; off.
-
-    ``ks``: the channels a CTA takes, 64 (a K half) or 32 (a K quarter, four CTAs a chunk-head):
-    at 32 its three sums and two accumulators are [64, 32], 16 registers a thread each where 64
-    channels take 32, so three CTAs an SM fit where two do at 64 (130 registers); dA's tiles are
-    loaded and split by four CTAs, not two. Measured on an H100: 7.03 ms against 6.80 at 64 (more
-    warps an SM do not buy time, docs/log/bwd-fused.md). Not with ``l2``, ``wg2`` or
-    ``body_only``. ``ctas``: the CTAs an SM the launch asks ptxas to fit (its registers capped to
-    match; 0 leaves them free).
-
     ``su``: the pair-by-pair path's loops unrolled by four, the dAkk term selected (not
     branched), and the fast exp2 that declares no side effects, so that four pairs' loads go out
     together, not one dependent round trip a pair (fully unrolled over the block's 16 rows the
@@ -162,8 +149,8 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
     written: the loads of rows are predicated (their values 0), the stores too, and g past the
     end reads as the chunk's last row's (a flat continuation: every factor stays finite, and the
     zero rows and columns of dA, q, k and beta add nothing). The pair-by-pair path takes the
-    chunk's rows alone; with ``l2``, B10's rstd and outputs too. Not with ``wg2``, ``pf``, ``tq``
-    or ``body_only``.
+    chunk's rows alone; with ``l2``, B10's rstd and outputs too. Not with ``wg2``, ``tq`` or
+    ``body_only``.
 
     ``body_only``: return the B7 body alone (``body``, a ``cute.jit`` function) for a kernel that
     runs it on its own shared memory, with ``bars`` the named barriers it may take (the tail's,
@@ -185,13 +172,12 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
 
     from research.cute_kit import quad_row_sums, regs, warp_col_sums
 
-    KH = ks  # (the CTA's channels: a K half, or with ks = 32 a quarter)
-    NS = K // KH  # (the CTAs a chunk-head)
-    assert K == NS * KH and (NS == 2 or not (wg2 or body_only)) and (NS <= 2 or not l2)
+    NS = K // KH  # (the CTAs a chunk-head: K's halves, or one at K = 64)
+    assert K == NS * KH and NS in (1, 2) and (NS == 2 or not (wg2 or body_only))
     XCH = l2 and NS == 2  # (B10's row sums swapped between the K halves; at K = 64 one CTA holds the row)
     assert not tq or not (wg2 or phased or body_only)
     assert G == 1 or not (l2 or wg2 or body_only)
-    assert not var or (unit and not (wg2 or pf or tq or body_only or phased))
+    assert not var or (unit and not (wg2 or tq or body_only or phased))
     bf16, f32 = cutlass.BFloat16, cutlass.Float32
     raw = {"bf16": bf16, "fp32": f32}[raw]
 
@@ -408,22 +394,6 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
         st_copy = (cute.make_tiled_copy_C(cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), bf16), mma)
                    if stm else None)
 
-        def prefetch_l2(tiles):
-            """Each 128-byte line of these [64, C] tiles (rows contiguous) into L2, a line a thread in turn."""
-            for t in tiles:
-                per_row = cute.size(t, mode=[1]) * t.element_type.width // 8 // 128
-                n_lines = BT * per_row
-                for j in cutlass.range_constexpr((n_lines + 127) // 128):
-                    line = tid + 128 * j
-                    if line < n_lines:
-                        at = (line // per_row, line % per_row * (1024 // t.element_type.width))
-                        cute.arch.prefetch((t.iterator + cute.crd2idx(at, t.layout)).llvm_ptr, cache_level="L2")
-
-        if cutlass.const_expr(pf and roles != 1):
-            rt_tile = lambda x: cute.local_tile(x, (BT, KH), (rt, ct))  # noqa: E731
-            prefetch_l2([g_q, g_k, g_qq, g_kk, g_g] + ([rt_tile(dq), rt_tile(dk), rt_tile(dg), rt_tile(g_raw)]
-                                                         if unit else []))
-
         def put(view, vals):
             """vals (bf16, this thread's elements of a [64, 64] tile in the wgmma layout) into the
             shared tile ``view`` (rows, columns)."""
@@ -438,19 +408,15 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
         # dA's tiles, split, their upper triangles zeroed (dAqk keeps its diagonal): the row role
         # reads them as they lie, the column role MN-major
         # (``wg2``: warpgroup 0 writes dAqk's, warpgroup 1 dAkk's)
-        # (``ks`` = 32: each [64, 64] tile as two [64, 32] column blocks, the fragment's shape)
         def da_tiles(mats):
             for mat in mats:
-                for j in cutlass.range_constexpr(BT // KH):
-                    cols = lambda t: cute.local_tile(t, (BT, KH), (0, j))  # noqa: E731
-                    v = regs(_ld(frag(cols((g_q, g_k)[mat])), ok))
-                    for i in cutlass.range_constexpr(cute.size(shape)):
-                        r, s = coords[i]
-                        s = s + j * KH
-                        v[i] = f32(cutlass.select_(s <= r if mat == 0 else s < r, v[i], f32(0.0)))
-                    parts = _split(v.load())
-                    put(cols(mn(s_a[2 * mat])), parts[0])
-                    put(cols(mn(s_a[2 * mat + 1])), parts[1])
+                v = regs(_ld(frag((g_q, g_k)[mat]), ok))
+                for i in cutlass.range_constexpr(cute.size(shape)):
+                    r, s = coords[i]
+                    v[i] = f32(cutlass.select_(s <= r if mat == 0 else s < r, v[i], f32(0.0)))
+                parts = _split(v.load())
+                put(mn(s_a[2 * mat]), parts[0])
+                put(mn(s_a[2 * mat + 1]), parts[1])
         # the B operands, each warp its own block's rows: kx = k exp2(g[n(r)] - g) (at most 1;
         # block 3's never read), kxu = k exp2(g[a(r)] - g) (at most 2^GUARD: 0 past it, where only
         # rows past the guard read it), yq = q exp2(g - g[a(r)]) and yk = beta k exp2(g - g[a(r)])
@@ -866,7 +832,7 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
         kernel(dAqk, dAkk, q, k, g, beta, x_q, x_kr, x_c, dq, dk, dg, g_raw, a_log, dt_bias, dq2, dk2, dg2, db_part,
                dA_part, dbias_part, q_rstd, k_rstd, chunk_rows, mma, mma_z, mma_t, mma_tz, a_l, at_l, b_l).launch(
             grid=(NS, nch, 1), block=(384 if ws else 256 if wg2 else 128, 1, 1),
-            cluster=(2, 1, 1) if XCH else (1, 1, 1), min_blocks_per_mp=1 if ws else ctas, stream=stream)
+            cluster=(2, 1, 1) if XCH else (1, 1, 1), min_blocks_per_mp=1 if ws else 0, stream=stream)
 
     return probe
 
@@ -1249,7 +1215,7 @@ def chunk_rows(B: int, T: int, cu_seqlens=None, chunk_indices=None, device="cpu"
 def compile_offline(nch: int = 4, K: int = 128, split: bool = True, within: bool = True, unit: bool = False,
                     dump: str | None = None, H: int = 1, has_bias: bool = True, lower_bound: float | None = None,
                     l2: bool = False, phased: bool = False, wg2: bool = False, ws: bool = False, stm: bool = False,
-                    pf: bool = False, ks: int = KH, ctas: int = 0, su: bool = False, dyn: bool = False,
+                    su: bool = False, dyn: bool = False,
                     tq: bool = False, G: int = 1, var: bool = False):
     """Trace and compile for sm_90a with no GPU: the PTX and cubin land in ``dump`` (``dyn``: the
     rows a run-time extent, one build for any B * T; ``var``: the op's layout with T 20 short of
@@ -1260,7 +1226,7 @@ def compile_offline(nch: int = 4, K: int = 128, split: bool = True, within: bool
     import cutlass.cute as cute
 
     if H == 1:
-        t = make_tensors(nch, K, "cpu", ns=K // ks)
+        t = make_tensors(nch, K, "cpu", ns=K // KH)
         if l2:
             t.update(dq2=t["dq2"].bfloat16(), dk2=t["dk2"].bfloat16())
     else:  # the op's layout at H heads: one sequence of nch chunks
@@ -1272,7 +1238,7 @@ def compile_offline(nch: int = 4, K: int = 128, split: bool = True, within: bool
                        op(H, BT), op(H, BT), op(H, K), op(H, K), op(H, K), op(H, K, dtype=torch.bfloat16),
                        torch.zeros(H), torch.zeros(H * K), *((op(H), op(H)) if l2 else ()))
     return cute.compile(build(K, split, within, unit, "bf16", has_bias, lower_bound, H, l2, phased, wg2, ws, stm=stm,
-                              pf=pf, ks=ks, ctas=ctas, su=su, tq=tq, G=G, var=var),
+                              su=su, tq=tq, G=G, var=var),
                         *dlpack_args(t, rows_dynamic=dyn or var, l2=l2, whole=not var), cuda.CUstream(0))
 
 
@@ -1293,7 +1259,7 @@ def sm90_row(dump: str, split: bool, within: bool, unit: bool = False, **form) -
 def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = True, unit: bool = False,
             reps: int = 20, strength: float = 0.3, lower_bound: float | None = None, has_bias: bool = True,
             l2: bool = False, phased: bool = False, wg2: bool = False, ws: bool = False, stm: bool = False,
-            pf: bool = False, ks: int = KH, ctas: int = 0, bench_gate: bool = False, su: bool = False,
+            bench_gate: bool = False, su: bool = False,
             tq: bool = False) -> dict:
     """On a GPU: x_q, x_kr and x_c against float64 and against the twin on 64 chunk-heads
     spread over all (with ``unit``, which keeps them in registers, the twin's alone); with
@@ -1308,7 +1274,7 @@ def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = T
     import torch
     from cutlass.cute.runtime import from_dlpack
 
-    ns = K // ks
+    ns = K // KH
     t = make_tensors(nch, K, "cuda", strength=strength, ns=ns, bench_gate=bench_gate)
     if l2:  # (B10 writes q's and k's dtype)
         t.update(dq2=t["dq2"].bfloat16(), dk2=t["dk2"].bfloat16())
@@ -1317,7 +1283,7 @@ def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = T
     if not has_bias:  # (the build without dt_bias never reads it: zeros, as ``unit_views`` passes)
         t["dt_bias"].zero_()
     run = cute.compile(build(K, split, within, unit, "bf16", has_bias, lower_bound, l2=l2, phased=phased, wg2=wg2,
-                             ws=ws, stm=stm, pf=pf, ks=ks, ctas=ctas, su=su, tq=tq),
+                             ws=ws, stm=stm, su=su, tq=tq),
                        *args)
     run(*args)
     torch.cuda.synchronize()
@@ -1411,7 +1377,7 @@ def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = T
     if l2:  # dq2 and dk2 in bf16, the rows' rstd in
         moved += nch * (2 * BT * 4 - 2 * BT * K * 2)
     return {"kind": "gpu", "kernel": "b7_cute_probe", "split": split, "within": within, "unit": unit, "l2": l2,
-            "phased": phased, "wg2": wg2, "ws": ws, "stm": stm, "pf": pf, "ks": ks, "ctas": ctas,
+            "phased": phased, "wg2": wg2, "ws": ws, "stm": stm,
             "bench_gate": bench_gate, "su": su, "tq": tq,
             "strength": strength, "lower_bound": lower_bound, "has_bias": has_bias, "chunk_heads": nch,
             "errors": errors, **registered, "slow_share": share,
@@ -1441,8 +1407,7 @@ def main(argv=None) -> int:
                         H=int(argv[5]) if len(argv) > 5 else 1, has_bias="nobias" not in argv[6:],
                         lower_bound=-5.0 if "lb" in argv[6:] else None, l2="l2" in argv[6:],
                         phased="phased" in argv[6:], wg2="wg2" in argv[6:] or "ws" in argv[6:],
-                        ws="ws" in argv[6:], stm="stm" in argv[6:], pf="pf" in argv[6:],
-                        ks=32 if "ks32" in argv[6:] else KH, ctas=4 if "ctas4" in argv[6:] else 0,
+                        ws="ws" in argv[6:], stm="stm" in argv[6:],
                         su="su" in argv[6:], dyn="dyn" in argv[6:], tq="tq" in argv[6:],
                         G=2 if "gva2" in argv[6:] else 1, var="var" in argv[6:],
                         K=64 if "k64" in argv[6:] else 128)
@@ -1452,8 +1417,7 @@ def main(argv=None) -> int:
         # (a unit build's index may carry its gate form: 2:lb the lower-bounded sigmoid, 2:nobias
         # no dt_bias, 2:lb:nobias both; 2:l2 B10 in the unit; 2:phased the operands in two phases;
         # any build's, 0:wg2, the roles on two warpgroups, 0:ws, that with an idle third and 232 registers;
-        # 0:stm, the shared tiles written by stmatrix; 0:pf, the CTA's tiles prefetched into L2 first;
-        # 0:ks32, a CTA a K quarter; 0:ctas4, registers capped for four CTAs an SM; 0:benchgate, the
+        # 0:stm, the shared tiles written by stmatrix; 0:benchgate, the
         # op bench's gate draw; 0:su, the pair-by-pair path unrolled; 2:tq, dg and dq staged by cp.async;
         # 2:strong, the gates past the guard)
         for arg in argv[1:] or [str(i) for i in range(len(BUILDS))]:
@@ -1462,8 +1426,7 @@ def main(argv=None) -> int:
             print(json.dumps(gpu_run(split=split, within=within, unit=unit, has_bias="nobias" not in form,
                                      lower_bound=-5.0 if "lb" in form else None, l2="l2" in form,
                                      phased="phased" in form, wg2="wg2" in form or "ws" in form,
-                                     ws="ws" in form, stm="stm" in form, pf="pf" in form,
-                                     ks=32 if "ks32" in form else KH, ctas=4 if "ctas4" in form else 0,
+                                     ws="ws" in form, stm="stm" in form,
                                      bench_gate="benchgate" in form, su="su" in form, tq="tq" in form,
                                      strength=10.0 if "strong" in form else 0.3)), flush=True)
         if not argv[1:]:

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Call 2 (carry .gpu and .cute2), right after cute_a.sh on the same machine: join CuTe DSL, then
 # the fragment builds of the B7 and B6 probes, each step in its own process while LIMIT allows:
-# the unit (and with its tiles by stmatrix, and those prefetched into L2, and a CTA a K quarter), the unit with B10, the persistent B6, the fused B6
-# and B7-B9, Nsight Compute on the unit, the unit with B10 on two warpgroups, then the rest.
+# the unit (and with its tiles by stmatrix), its pair-by-pair path and staged tail, the unit with
+# B10, the persistent B6, the fused B6 and B7-B9, Nsight Compute on the unit, the unit with B10 on
+# two warpgroups, then the rest.
 # ONLY (a bash regex over the step names, "ncu" for the profile) runs just the steps it matches.
 source .gpu/env.sh
 source research/gpu/cute_env.sh || { echo "no cute"; exit 3; }
@@ -22,11 +23,6 @@ step() {  # step NAME FILE SECONDS CMD...
 }
 step "b7 unit" b7.jsonl 150 python3 -m research.b7_cute_probe gpu 2
 step "b7 unit, tiles by stmatrix" b7.jsonl 100 python3 -m research.b7_cute_probe gpu 2:stm
-step "b7 unit, tiles by stmatrix, prefetched into L2" b7.jsonl 100 python3 -m research.b7_cute_probe gpu 2:stm:pf
-step "b7 unit with b10, tiles by stmatrix, prefetched into L2" b7.jsonl 100 python3 -m research.b7_cute_probe gpu 2:l2:stm:pf
-step "b7 unit, a CTA a K quarter (ks32)" b7.jsonl 100 python3 -m research.b7_cute_probe gpu 2:stm:ks32
-step "b7 unit, ks32, phased" b7.jsonl 100 python3 -m research.b7_cute_probe gpu 2:stm:ks32:phased
-step "b7 unit, ks32, phased, four CTAs an SM" b7.jsonl 100 python3 -m research.b7_cute_probe gpu 2:stm:ks32:phased:ctas4
 step "b7 unit, bench gates" b7.jsonl 100 python3 -m research.b7_cute_probe gpu 2:stm:benchgate
 step "b7 unit, bench gates, pair-by-pair path unrolled (su)" b7.jsonl 100 python3 -m research.b7_cute_probe gpu 2:stm:benchgate:su
 step "b7 unit, strong gates, su" b7.jsonl 100 python3 -m research.b7_cute_probe gpu 2:stm:strong:su
