@@ -133,7 +133,7 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
     path was slower: 16 x 32 copies of the loop body, each fetched once).
 
     ``tq``: the tail's dg and dq copied by cp.async into the column role's operand tiles (32 KB)
-    as soon as the column role's last group is done, while the row role's ten groups run: the
+    as soon as the column role's last group is done, while the row role's fourteen groups run: the
     tail reads them from shared memory, each thread the pairs it copied (a layout that interleaves
     the threads, so a warp's reads are 256 contiguous bytes), not from global memory after the
     stream. One warpgroup (not ``wg2``, ``phased`` or ``body_only``).
