@@ -1074,6 +1074,23 @@ def op_tensors(q, k, v, v_new, gc, beta, A, h, do, dh, dv) -> tuple:
     return tensors, (dq, dk, dg, dv2, dA, dbv, dbk)
 
 
+def _run_build(form_key: tuple, build_index: int, k, v, scale, args: list, **form) -> None:
+    """The probe's ``BUILDS[build_index]`` (``form``: the build's other arguments) at the op's
+    shape, a cluster of two SMs a pair of CTAs, compiled once a shape, scale and ``form_key``,
+    run on ``args`` (``launch_args``)."""
+    import cutlass.cute as cute
+    import torch
+
+    B, T, H, K = k.shape
+    key = (B * T, H, float(scale), form_key, k.device.index)
+    if key not in _COMPILED:
+        stages, overlap, exchange, vside, ws, full, persist = BUILDS[build_index]
+        sms = torch.cuda.get_device_properties(k.device).multi_processor_count
+        _COMPILED[key] = cute.compile(build(K, v.shape[-1], stages, overlap, exchange, vside, ws, full, persist,
+                                            float(scale), sms // 2, H, **form), *args)
+    _COMPILED[key](*args)
+
+
 def pair_db(dbv, dbk, shape):
     """B6's db ([B, T, H]) from the pair's four partials by chunk-head (each CTA's V and K parts)."""
     B, T, H, _ = shape
@@ -1097,27 +1114,14 @@ def wy_dqkg_bwd(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, c
     shape: a candidate for ``python -m benchmarks.op --candidate
     B6=research.b6_cute_probe:wy_dqkg_bwd:supports``. db is the sum of the pair's four
     partials, added here."""
-    import cutlass.cute as cute
-    import torch
 
     why = supports(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, chunk_size, cu_seqlens, chunk_indices,
                    state_v_first)
     if why:
         raise ValueError(why)
-    B, T, H, K = k.shape
-    V = v.shape[-1]
-    R = B * T
-    dev = k.device
+    assert BUILDS[build_index][5], "B6's contract needs a whole-B6 build"
     tensors, (dq, dk, dg, dv2, dA, dbv, dbk) = op_tensors(q, k, v, v_new, gc, beta, A, h, do, dh, dv)
-    args = launch_args(tensors, dev)
-    key = (R, H, float(scale), build_index, dev.index)
-    if key not in _COMPILED:
-        stages, overlap, exchange, vside, ws, full, persist = BUILDS[build_index]
-        assert full, "B6's contract needs a whole-B6 build"
-        sms = torch.cuda.get_device_properties(dev).multi_processor_count
-        _COMPILED[key] = cute.compile(build(K, V, stages, overlap, exchange, vside, ws, full, persist, float(scale),
-                                            sms // 2, H), *args)
-    _COMPILED[key](*args)
+    _run_build((build_index,), build_index, k, v, scale, launch_args(tensors, k.device))
     db = pair_db(dbv, dbk, k.shape)
     return dq, dk, dv2, db, dg, dA
 
@@ -1144,7 +1148,6 @@ def wy_intra_bwd(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, state_v_firs
     from the ``fused`` build, compiled once a shape and gate form: a candidate for ``python -m
     benchmarks.op --candidate B6-B9=research.b6_cute_probe:wy_intra_bwd:supports_fused``. dAkk
     never leaves the kernel; db is B6's four partials and B7's two, added here."""
-    import cutlass.cute as cute
     import torch
 
     from research.b7_cute_probe import unit_outputs, unit_views
@@ -1153,25 +1156,14 @@ def wy_intra_bwd(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, state_v_firs
                          chunk_indices, dAqk, safe_gate, g, A_log, dt_bias, lower_bound)
     if why:
         raise ValueError(why)
-    B, T, H, K = k.shape
-    V = v.shape[-1]
-    R = B * T
-    dev = k.device
     tensors, (dq, dk, dg, dv2, dA, dbv, dbk) = op_tensors(q, k, v, v_new, gc, beta, A, h, do, dh, dv)
     # (B7's tensors as the unit build takes them; its dq, dk, dg and dAkk are this kernel's B6 outputs)
     seven = unit_views(q, k, gc, beta, dAqk, dA, dq, dk, dg, g, A_log, dt_bias)
     tensors.update({n: seven[n] for n in ARGS[22:]})
-    args = launch_args(tensors, dev)
     raw = "bf16" if g.dtype == torch.bfloat16 else "fp32"
-    key = (R, H, float(scale), "fused", raw, dt_bias is not None, lower_bound, dev.index)
-    if key not in _COMPILED:
-        stages, overlap, exchange, vside, ws, full, persist = BUILDS[8]
-        sms = torch.cuda.get_device_properties(dev).multi_processor_count
-        _COMPILED[key] = cute.compile(build(K, V, stages, overlap, exchange, vside, ws, full, persist, float(scale),
-                                            sms // 2, H, both=True, fused=True, raw=raw,
-                                            has_bias=dt_bias is not None,
-                                            lower_bound=None if lower_bound is None else float(lower_bound)), *args)
-    _COMPILED[key](*args)
+    _run_build(("fused", raw, dt_bias is not None, lower_bound), 8, k, v, scale, launch_args(tensors, k.device),
+               both=True, fused=True, raw=raw, has_bias=dt_bias is not None,
+               lower_bound=None if lower_bound is None else float(lower_bound))
     db6 = pair_db(dbv, dbk, k.shape)
     dq2, dk2, db, dg2, dA_log, ddt_bias = unit_outputs(seven, db6, A_log, dt_bias)
     return dq2, dk2, dv2, db, dg2, dA_log, ddt_bias

@@ -250,6 +250,23 @@ def test_packed_gate_unit_equals_per_sequence_calls():
         assert ref.rel_rms(got[i], sum(q[i] for q in parts)) <= 1e-6, i
 
 
+def _counted(fn):
+    """(calls, fn counted): each call's q shape appended to calls, for a unit test's "asked once"."""
+    calls = []
+
+    def counted(**inputs):
+        calls.append(inputs["q"].shape)
+        return fn(**inputs)
+
+    return calls, counted
+
+
+def _assert_bitwise(result: dict, plain: dict) -> None:
+    for name in plain:
+        if plain[name] is not None:
+            assert torch.equal(result[name], plain[name]), name
+
+
 @pytest.mark.parametrize("p", [
     Problem("unit-l2-gva-T70", 1, 70, 1, 2, 64, 16),
     Problem("unit-l2-varlen", 1, 100, 2, 2, 64, 16, cu_seqlens=(0, 30, 100), lower_bound=-5.0),
@@ -262,13 +279,7 @@ def test_a_b7_b10_unit_runs_in_place_of_b7_to_b10(p):
     from kernel_fun.kda.chain import intra_l2_unit
     from kernel_fun.kda.stages import registered
 
-    calls = []
-    unit_l2 = intra_l2_unit(unit.intra_bwd, stages()["B10"].impls["reference"])
-
-    def fused(**inputs):
-        calls.append(inputs["q"].shape)
-        return unit_l2(**inputs)
-
+    calls, fused = _counted(intra_l2_unit(unit.intra_bwd, stages()["B10"].impls["reference"]))
     kwargs = make_inputs(p, device=DEVICE, seed=12)
     plain = run_fwd_bwd(chunk_kda, kwargs, grid=p.dtype)
     record = last_record().backward
@@ -280,9 +291,7 @@ def test_a_b7_b10_unit_runs_in_place_of_b7_to_b10(p):
         assert len(calls) == 1
         run_fwd_bwd(chunk_kda, dict(kwargs, use_qk_l2norm_in_kernel=False), grid=p.dtype)
         assert "B7-B10" not in last_record().backward and len(calls) == 1
-    for name in plain:
-        if plain[name] is not None:
-            assert torch.equal(result[name], plain[name]), name
+    _assert_bitwise(result, plain)
 
 
 @pytest.mark.parametrize("p", [
@@ -297,13 +306,7 @@ def test_a_b6_b9_unit_runs_in_place_of_b6_to_b9(p):
     from kernel_fun.kda.chain import wy_intra_unit
     from kernel_fun.kda.stages import registered
 
-    calls = []
-    unit6 = wy_intra_unit(stages()["B6"].impls["ours"], unit.intra_bwd)
-
-    def fused(**inputs):
-        calls.append(inputs["q"].shape)
-        return unit6(**inputs)
-
+    calls, fused = _counted(wy_intra_unit(stages()["B6"].impls["ours"], unit.intra_bwd))
     kwargs = make_inputs(p, device=DEVICE, seed=13)
     plain = run_fwd_bwd(chunk_kda, kwargs, grid=p.dtype)
     record = last_record().backward
@@ -317,6 +320,4 @@ def test_a_b6_b9_unit_runs_in_place_of_b6_to_b9(p):
         run_fwd_bwd(chunk_kda, make_inputs(dataclasses.replace(p, gate_in_kernel=False), device=DEVICE, seed=13),
                     grid=p.dtype)
         assert "B6-B9" not in last_record().backward and len(calls) == 1
-    for name in plain:
-        if plain[name] is not None:
-            assert torch.equal(result[name], plain[name]), name
+    _assert_bitwise(result, plain)
