@@ -52,7 +52,7 @@ row-major.
 import os
 import sys
 
-from research.cute_kit import cute_unavailable, event_ms, ptxas_report, quad_row_sums, regs, warp_col_sums
+from research.cute_kit import cute_unavailable, ptxas_report, quad_row_sums, regs, warp_col_sums
 
 BT, KH, BV = 64, 64, 64  # chunk rows, a CTA's K half, the V tile
 # (``fused``) B7's twelve [64, 64] bf16 tiles, 8 KB each and 1024-aligned, so one after another in
@@ -1342,7 +1342,11 @@ def gpu_run(nch: int = 32768, K: int = 128, V: int = 256, stages: int = 3, overl
                 diagnosis[f"CTA {j} partials"] = {
                     "dAv": _rel(pick(dAv, 2 * BT).view(n, 2, BT, BT)[:, j], w_a),
                     "dbv": _rel(pick(dbv, 2 * BT).view(n, 2, BT)[:, j], w_b)}
-    timed = lambda fn: event_ms(fn, reps)  # noqa: E731
+    import statistics
+
+    from kernel_fun.bench.timing import cuda_times
+
+    timed = lambda fn: statistics.median(cuda_times(fn, reps))  # noqa: E731
     registered = {}
     if full:  # the registered Triton B6 on the same tensors (the chunk-heads as one sequence of one
         # head): every output of every chunk-head against it, and its time in this process

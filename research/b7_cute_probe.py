@@ -1301,9 +1301,11 @@ def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = T
         if not unit:  # (the unit keeps its sums in registers: its outputs are checked below)
             got = pick(t[name])
             errors.update({name: rel(got, w), f"{name}_vs_twin": rel(got, tw)})
-    from research.cute_kit import event_ms
+    import statistics
 
-    timed = lambda fn: event_ms(fn, reps)  # noqa: E731
+    from kernel_fun.bench.timing import cuda_times
+
+    timed = lambda fn: statistics.median(cuda_times(fn, reps))  # noqa: E731
     registered = {}
     if unit:
         from kernel_fun.kda import reference as ref

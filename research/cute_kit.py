@@ -1,6 +1,6 @@
 """What the CuTe DSL probes (research.b6_cute_probe, research.b7_cute_probe) share: register
 fragment helpers for the wgmma accumulator layout, the check that CuTe DSL can run here, the
-offline compile report, and the CUDA-event timer."""
+offline compile report."""
 
 import os
 
@@ -99,18 +99,3 @@ def ptxas_report(dump: str) -> dict:
             "sass_setmaxnreg": sum(o.startswith("USETMAXREG") for o in ops),
             "sass_hgmma": sum(o.startswith("HGMMA") for o in ops), "sass_stl": sum(o.startswith("STL") for o in ops),
             "ptx": ptx}
-
-
-def event_ms(fn, reps: int) -> float:
-    """The median CUDA-event time of ``reps`` calls of ``fn``, each timed on its own."""
-    import torch
-
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
