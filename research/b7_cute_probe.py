@@ -1093,6 +1093,17 @@ def intra_bwd_l2(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log
     return _run_unit(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, g, A_log, dt_bias, lower_bound, q_rstd, k_rstd)
 
 
+def unit_form():
+    """The candidate's options, ``su`` and ``tq`` (both off by default), from KERNEL_FUN_B7_FORM
+    (comma-separated): a GPU run compares them in the whole op without an edit between calls."""
+    import os
+
+    form = {f.strip() for f in os.environ.get("KERNEL_FUN_B7_FORM", "").split(",") if f.strip()}
+    if form - {"su", "tq"}:
+        raise ValueError(f"KERNEL_FUN_B7_FORM: unknown options {sorted(form - {'su', 'tq'})}")
+    return "su" in form, "tq" in form
+
+
 def _run_unit(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, g, A_log, dt_bias, lower_bound, q_rstd=None, k_rstd=None,
               cu_seqlens=None, chunk_indices=None):
     """The unit build (``l2`` with q_rstd and k_rstd) on the op's tensors, compiled once a
@@ -1114,11 +1125,13 @@ def _run_unit(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, g, A_log, dt_bias, low
     args = dlpack_args(tensors, rows_dynamic=var, l2=l2, whole=not var)
     args.append(cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream))
     raw = "bf16" if g.dtype == torch.bfloat16 else "fp32"
-    key = (None if var else B * T, H, Hq, raw, dt_bias is not None, lower_bound, l2, var, dev.index)
+    su, tq = unit_form()
+    tq = tq and not var  # (the var build stages no tail)
+    key = (None if var else B * T, H, Hq, raw, dt_bias is not None, lower_bound, l2, var, su, tq, dev.index)
     if key not in _COMPILED:
         _COMPILED[key] = cute.compile(build(K, True, True, True, raw, dt_bias is not None,
                                             None if lower_bound is None else float(lower_bound), H, l2, stm=True,
-                                            G=H // Hq, var=var),
+                                            G=H // Hq, var=var, su=su, tq=tq),
                                      *args)
     _COMPILED[key](*args)
     return unit_outputs(tensors, db, A_log, dt_bias)
