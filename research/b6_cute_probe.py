@@ -1082,7 +1082,7 @@ def _run_build(form_key: tuple, build_index: int, k, v, scale, args: list, **for
     import torch
 
     B, T, H, K = k.shape
-    key = (B * T, H, float(scale), form_key, k.device.index)
+    key = (B * T, H, K, v.shape[-1], float(scale), form_key, k.device.index)
     if key not in _COMPILED:
         stages, overlap, exchange, vside, ws, full, persist = BUILDS[build_index]
         sms = torch.cuda.get_device_properties(k.device).multi_processor_count

@@ -1090,7 +1090,8 @@ def intra_bwd_l2(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log
                       chunk_size, cu_seqlens, chunk_indices, q_rstd, k_rstd)
     if why:
         raise ValueError(why)
-    return _run_unit(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, g, A_log, dt_bias, lower_bound, q_rstd, k_rstd)
+    return _run_unit(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, g, A_log, dt_bias, lower_bound, q_rstd, k_rstd,
+                     cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
 
 
 def unit_form():
@@ -1127,7 +1128,7 @@ def _run_unit(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, g, A_log, dt_bias, low
     raw = "bf16" if g.dtype == torch.bfloat16 else "fp32"
     su, tq = unit_form()
     tq = tq and not var  # (the var build stages no tail)
-    key = (None if var else B * T, H, Hq, raw, dt_bias is not None, lower_bound, l2, var, su, tq, dev.index)
+    key = (None if var else B * T, H, Hq, K, raw, dt_bias is not None, lower_bound, l2, var, su, tq, dev.index)
     if key not in _COMPILED:
         _COMPILED[key] = cute.compile(build(K, True, True, True, raw, dt_bias is not None,
                                             None if lower_bound is None else float(lower_bound), H, l2, stm=True,
