@@ -15,7 +15,6 @@ run; ``--off STAGE`` puts a stage (or a fused unit) of ours on fla's. Rows of ei
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 from pathlib import Path
 
@@ -36,8 +35,7 @@ def register_candidates(specs: list[str]) -> dict[str, str]:
                              f"{sorted(stages())}; got {spec!r}")
         module = importlib.import_module(parts[0])
         add_impl(stage, "ours", getattr(module, parts[1]), getattr(module, parts[2]) if len(parts) == 3 else None)
-        form = os.environ.get("KERNEL_FUN_B7_FORM")  # (the CuTe unit's options, research.b7_cute_probe.unit_form)
-        chosen[stage] = f"{target} [{form}]" if form and parts[0] == "research.b7_cute_probe" else target
+        chosen[stage] = target
     return chosen
 
 

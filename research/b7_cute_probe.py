@@ -93,7 +93,7 @@ BUILDS = ((True, True, False), (True, False, False), (True, True, True))
 def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = False, raw: str = "bf16",
           has_bias: bool = True, lower_bound: float | None = None, H: int = 1, l2: bool = False,
           phased: bool = False, wg2: bool = False, ws: bool = False, body_only: bool = False, stm: bool = False,
-          dakk_global: bool = True, bars: tuple = (1, 2), su: bool = False, tq: bool = False, G: int = 1,
+          dakk_global: bool = True, bars: tuple = (1, 2), G: int = 1,
           var: bool = False):
     """The probe's host function (a ``cute.jit``) for K = 2 KH: one CTA of 128 threads a
     (K half, chunk-head). ``within``: the pairs within a block too. ``unit`` (with ``within``):
@@ -127,17 +127,6 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
     stmatrix, four 8x8 blocks an instruction, where the fragment's 2-element stores each
     computed their own swizzled address (the unit 13,840 to 13,152 SASS instructions).
 
-    ``su``: the pair-by-pair path's loops unrolled by four, the dAkk term selected (not
-    branched), and the fast exp2 that declares no side effects, so that four pairs' loads go out
-    together, not one dependent round trip a pair (fully unrolled over the block's 16 rows the
-    path was slower: 16 x 32 copies of the loop body, each fetched once).
-
-    ``tq``: the tail's dg and dq copied by cp.async into the column role's operand tiles (32 KB)
-    as soon as the column role's last group is done, while the row role's fourteen groups run: the
-    tail reads them from shared memory, each thread the pairs it copied (a layout that interleaves
-    the threads, so a warp's reads are 256 contiguous bytes), not from global memory after the
-    stream. One warpgroup (not ``wg2``, ``phased`` or ``body_only``).
-
     ``G``: value heads a q/k head (GVA): ``H`` counts the value heads (gc, beta, dA, the incoming
     and outgoing gradients, the gate), q and k hold H / G heads, and chunk-head c reads q's and
     k's head c % H // G. dq2 and dk2 stay by value head (the chain sums each group after the
@@ -149,8 +138,7 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
     written: the loads of rows are predicated (their values 0), the stores too, and g past the
     end reads as the chunk's last row's (a flat continuation: every factor stays finite, and the
     zero rows and columns of dA, q, k and beta add nothing). The pair-by-pair path takes the
-    chunk's rows alone; with ``l2``, B10's rstd and outputs too. Not with ``wg2``, ``tq`` or
-    ``body_only``.
+    chunk's rows alone; with ``l2``, B10's rstd and outputs too. Not with ``wg2`` or ``body_only``.
 
     ``body_only``: return the B7 body alone (``body``, a ``cute.jit`` function) for a kernel that
     runs it on its own shared memory, with ``bars`` the named barriers it may take (the tail's,
@@ -175,9 +163,8 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
     NS = K // KH  # (the CTAs a chunk-head: K's halves, or one at K = 64)
     assert K == NS * KH and NS in (1, 2) and (NS == 2 or not (wg2 or body_only))
     XCH = l2 and NS == 2  # (B10's row sums swapped between the K halves; at K = 64 one CTA holds the row)
-    assert not tq or not (wg2 or phased or body_only)
     assert G == 1 or not (l2 or wg2 or body_only)
-    assert not var or (unit and not (wg2 or tq or body_only or phased))
+    assert not var or (unit and not (wg2 or body_only or phased))
     bf16, f32 = cutlass.BFloat16, cutlass.Float32
     raw = {"bf16": bf16, "fp32": f32}[raw]
 
@@ -478,27 +465,6 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
                 _products(mma, mma_z, acc, r_a[2 * mat], r_a[2 * mat + 1], r_b[2 * tile], r_b[2 * tile + 1], i, i,
                           True)
 
-        def staged(x_idx):
-            """``tq``: dg's (0) or dq's (1) [64, KH] fp32 tile in the column role's operand tiles, laid
-            out so that thread tid's pair p (elements 2p, 2p + 1 of its fragment) is at 2 (128 p + tid):
-            row 16 w + 8 b + r8 and column 8 n + 2 q + a at a + 2 q + 8 r8 + 64 w + 256 b + 512 n."""
-            base = cute.recast_ptr(sm[7], dtype=f32) + x_idx * BT * KH
-            return cute.make_tensor(base, cute.make_layout(((8, 2, NB), (2, 4, KH // 8)),
-                                                           stride=((8, 256, 64), (1, 2, 512))))
-
-        def stage_tail():
-            """``tq``: dg and dq into ``staged``, by cp.async, 8 bytes a copy, one group."""
-            g2s = cute.make_copy_atom(cpasync.CopyG2SOp(), f32, num_bits_per_copy=64)
-            for x_idx, x in ((0, dg), (1, dq)):
-                t = cute.local_tile(x, (BT, KH), (rt, ct))  # (as global memory: cp.async reads no generic address)
-                g = cute.make_tensor(cute.make_ptr(f32, t.iterator.toint(), cute.AddressSpace.gmem, assumed_align=16),
-                                     t.layout)
-                fg, fs = frag(g), frag(staged(x_idx))
-                for pair in cutlass.range_constexpr(cute.size(shape) // 2):
-                    cute.copy(g2s, cute.make_tensor(fg.iterator + fg.layout(2 * pair), cute.make_layout(2)),
-                              cute.make_tensor(fs.iterator + fs.layout(2 * pair), cute.make_layout(2)))
-            cute.arch.cp_async_commit_group()
-
         def stream(specs, accs, o_q, o_k, o_c):  # (the sums as arguments: the DSL rebinds what a branch writes)
             r_a, r_b = _fragments(mma, s_a, s_b)  # (the operands' descriptors, made where they are used)
             t_a, t_b = _fragments(mma_t, s_at, s_b)
@@ -538,8 +504,6 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
                         if w == i:
                             sp = anchor(i * BC) - gload()
                             o.store(_ex2(-sp) * (o.load() + cute.where(sp <= GUARD, acc.load(), f32(0.0))))
-                if cutlass.const_expr(tq and kind == "c" and n + 1 < len(specs) and specs[n + 1][0] == "r"):
-                    stage_tail()  # (the column role's last group is done: its operand tiles are free)
                 if cutlass.const_expr(boundary):
                     cute.arch.sync_threads()  # (every warp's column products done: their operands free)
                     operands((0, 1))
@@ -582,32 +546,20 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
                     if cutlass.const_expr(row):
                         a_q = f32(0.0)
                         a_k = f32(0.0)
-                        if cutlass.const_expr(su):  # (four pairs an iteration, their loads free to go out together)
-                            for s in cutlass.range(u, t + 1, unroll=4):
-                                f = g_kk[s, c].to(f32) * _ex2(g_g[t, c] - g_g[s, c])
-                                a_q += g_q[t, s] * f
-                                a_k += cutlass.select_(s < t, g_k[t, s] * f, f32(0.0))
-                        else:
-                            for s in cutlass.range(u, t + 1, unroll=1):  # the row role: s <= t (dAkk: s < t)
-                                f = g_kk[s, c].to(f32) * cute.arch.exp2(g_g[t, c] - g_g[s, c])
-                                a_q += g_q[t, s] * f
-                                if s < t:
-                                    a_k += g_k[t, s] * f
+                        for s in cutlass.range(u, t + 1, unroll=1):  # the row role: s <= t (dAkk: s < t)
+                            f = g_kk[s, c].to(f32) * cute.arch.exp2(g_g[t, c] - g_g[s, c])
+                            a_q += g_q[t, s] * f
+                            if s < t:
+                                a_k += g_k[t, s] * f
                         o_q[i] = o_q[i] + a_q
                         o_k[i] = o_k[i] + a_k
                     if cutlass.const_expr(col):
                         a_c = f32(0.0)
-                        if cutlass.const_expr(su):
-                            for r in cutlass.range(t, end, unroll=4):
-                                wt = g_q[r, t] * g_qq[r, c].to(f32) + cutlass.select_(
-                                    r > t, g_k[r, t] * g_b[r] * g_kk[r, c].to(f32), f32(0.0))
-                                a_c += wt * _ex2(g_g[r, c] - g_g[t, c])
-                        else:
-                            for r in cutlass.range(t, end, unroll=1):  # the column role: r >= t (dAkk: r > t)
-                                wt = g_q[r, t] * g_qq[r, c].to(f32)
-                                if r > t:
-                                    wt += g_k[r, t] * g_b[r] * g_kk[r, c].to(f32)
-                                a_c += wt * cute.arch.exp2(g_g[r, c] - g_g[t, c])
+                        for r in cutlass.range(t, end, unroll=1):  # the column role: r >= t (dAkk: r > t)
+                            wt = g_q[r, t] * g_qq[r, c].to(f32)
+                            if r > t:
+                                wt += g_k[r, t] * g_b[r] * g_kk[r, c].to(f32)
+                            a_c += wt * cute.arch.exp2(g_g[r, c] - g_g[t, c])
                         o_c[i] = o_c[i] + a_c
 
         def store(outs):
@@ -618,11 +570,9 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
             if cutlass.const_expr(within):
                 slow(True, True, o_q, o_k, o_c)
             if cutlass.const_expr(unit):
-                if cutlass.const_expr(tq):
-                    cute.arch.cp_async_wait_group(0)  # (each thread reads back only the pairs it copied)
                 _tail(thr_c, shape, w, lane, chunk, half, red, xch, xbar, o_q, o_k, o_c, q, k, beta, dq, dk, dg,
                       g_raw, a_log, dt_bias, dq2, dk2, dg2, db_part, dA_part, dbias_part, q_rstd, k_rstd,
-                      *((staged(0), staged(1)) if tq else (None, None)), (row0, nval, ok))
+                      (row0, nval, ok))
             else:
                 store(((o_q, x_q), (o_k, x_kr), (o_c, x_c)))
         else:  # (``wg2``) this warpgroup's role, its registers its own, allocated here
@@ -658,11 +608,9 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
 
     @cute.jit
     def _tail(thr_c, shape, w, lane, chunk, half, red, xch, xbar, o_q, o_k, o_c, q, k, beta, dq, dk, dg, g_raw, a_log,
-              dt_bias, dq2, dk2, dg2, db_part, dA_part, dbias_part, q_rstd, k_rstd, dg_s=None, dq_s=None,
-              rows=None):
+              dt_bias, dq2, dk2, dg2, db_part, dA_part, dbias_part, q_rstd, k_rstd, rows=None):
         """``unit``: the B7-B9 unit's tail on this CTA's (chunk, K half), from the three sums in
-        registers (``l2``: with B10's l2norm backward of dq2 and dk2; ``dg_s`` and ``dq_s``, with
-        ``tq``: dg's and dq's tiles in shared memory, read there; ``rows``: the chunk's first row, its
+        registers (``l2``: with B10's l2norm backward of dq2 and dk2; ``rows``: the chunk's first row, its
         length and which of the thread's elements are in it, ``var``'s). A thread's element i = a + 2
         b + 4 n of the wgmma layout is row 16 w + lane // 4 + 8 b and channel 8 n + 2 (lane % 4) + a."""
         rt, ct, head = chunk // H, chunk % H * NS + half, chunk % H
@@ -682,12 +630,10 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
                                                  cute.make_layout((BT, KH), stride=(H, 0)))), ok)
         qf = _ld(tile_qk(q), ok).to(f32)
         # (dg's and db's terms first, so that the three sums are dead before dq2 and dk2 are formed)
-        dg_in = frag(dg_s).load() if cutlass.const_expr(dg_s is not None) else _ld(tile(dg), ok)
-        y = regs(dg_in + qf * a_q + kf * (a_krb - a_c))
+        y = regs(_ld(tile(dg), ok) + qf * a_q + kf * (a_krb - a_c))
         # db's part: each row's sum over this half's channels (the thread's 16, then its quad's)
         row_sums = quad_row_sums(a_kr * kf)
-        dq_in = frag(dq_s).load() if cutlass.const_expr(dq_s is not None) else _ld(tile(dq), ok)
-        dqv, dkv = dq_in + a_q, _ld(tile(dk), ok) + a_krb + a_c
+        dqv, dkv = _ld(tile(dq), ok) + a_q, _ld(tile(dk), ok) + a_krb + a_c
         if cutlass.const_expr(l2):
             _l2norm_bwd(frag, w, lane, half, row0, ok, head, xch, xbar, dqv, qf, dkv, kf, q_rstd, k_rstd, tile(dq2),
                         tile(dk2))
@@ -1094,17 +1040,6 @@ def intra_bwd_l2(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log
                      cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
 
 
-def unit_form():
-    """The candidate's options, ``su`` and ``tq`` (both off by default), from KERNEL_FUN_B7_FORM
-    (comma-separated): a GPU run compares them in the whole op without an edit between calls."""
-    import os
-
-    form = {f.strip() for f in os.environ.get("KERNEL_FUN_B7_FORM", "").split(",") if f.strip()}
-    if form - {"su", "tq"}:
-        raise ValueError(f"KERNEL_FUN_B7_FORM: unknown options {sorted(form - {'su', 'tq'})}")
-    return "su" in form, "tq" in form
-
-
 def _run_unit(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, g, A_log, dt_bias, lower_bound, q_rstd=None, k_rstd=None,
               cu_seqlens=None, chunk_indices=None):
     """The unit build (``l2`` with q_rstd and k_rstd) on the op's tensors, compiled once a
@@ -1126,13 +1061,11 @@ def _run_unit(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, g, A_log, dt_bias, low
     args = dlpack_args(tensors, rows_dynamic=var, l2=l2, whole=not var)
     args.append(cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream))
     raw = "bf16" if g.dtype == torch.bfloat16 else "fp32"
-    su, tq = unit_form()
-    tq = tq and not var  # (the var build stages no tail)
-    key = (None if var else B * T, H, Hq, K, raw, dt_bias is not None, lower_bound, l2, var, su, tq, dev.index)
+    key = (None if var else B * T, H, Hq, K, raw, dt_bias is not None, lower_bound, l2, var, dev.index)
     if key not in _COMPILED:
         _COMPILED[key] = cute.compile(build(K, True, True, True, raw, dt_bias is not None,
                                             None if lower_bound is None else float(lower_bound), H, l2, stm=True,
-                                            G=H // Hq, var=var, su=su, tq=tq),
+                                            G=H // Hq, var=var),
                                      *args)
     _COMPILED[key](*args)
     return unit_outputs(tensors, db, A_log, dt_bias)
@@ -1229,8 +1162,7 @@ def chunk_rows(B: int, T: int, cu_seqlens=None, chunk_indices=None, device="cpu"
 def compile_offline(nch: int = 4, K: int = 128, split: bool = True, within: bool = True, unit: bool = False,
                     dump: str | None = None, H: int = 1, has_bias: bool = True, lower_bound: float | None = None,
                     l2: bool = False, phased: bool = False, wg2: bool = False, ws: bool = False, stm: bool = False,
-                    su: bool = False, dyn: bool = False,
-                    tq: bool = False, G: int = 1, var: bool = False):
+                    dyn: bool = False, G: int = 1, var: bool = False):
     """Trace and compile for sm_90a with no GPU: the PTX and cubin land in ``dump`` (``dyn``: the
     rows a run-time extent, one build for any B * T; ``var``: the op's layout with T 20 short of
     whole chunks, its rows and chunks run-time extents)."""
@@ -1252,7 +1184,7 @@ def compile_offline(nch: int = 4, K: int = 128, split: bool = True, within: bool
                        op(H, BT), op(H, BT), op(H, K), op(H, K), op(H, K), op(H, K, dtype=torch.bfloat16),
                        torch.zeros(H), torch.zeros(H * K), *((op(H), op(H)) if l2 else ()))
     return cute.compile(build(K, split, within, unit, "bf16", has_bias, lower_bound, H, l2, phased, wg2, ws, stm=stm,
-                              su=su, tq=tq, G=G, var=var),
+                              G=G, var=var),
                         *dlpack_args(t, rows_dynamic=dyn or var, l2=l2, whole=not var), cuda.CUstream(0))
 
 
@@ -1273,8 +1205,7 @@ def sm90_row(dump: str, split: bool, within: bool, unit: bool = False, **form) -
 def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = True, unit: bool = False,
             reps: int = 20, strength: float = 0.3, lower_bound: float | None = None, has_bias: bool = True,
             l2: bool = False, phased: bool = False, wg2: bool = False, ws: bool = False, stm: bool = False,
-            bench_gate: bool = False, su: bool = False,
-            tq: bool = False) -> dict:
+            bench_gate: bool = False) -> dict:
     """On a GPU: x_q, x_kr and x_c against float64 and against the twin on 64 chunk-heads
     spread over all (with ``unit``, which keeps them in registers, the twin's alone); with
     ``unit``, the unit's six outputs against the registered Triton B7-B9
@@ -1297,7 +1228,7 @@ def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = T
     if not has_bias:  # (the build without dt_bias never reads it: zeros, as ``unit_views`` passes)
         t["dt_bias"].zero_()
     run = cute.compile(build(K, split, within, unit, "bf16", has_bias, lower_bound, l2=l2, phased=phased, wg2=wg2,
-                             ws=ws, stm=stm, su=su, tq=tq),
+                             ws=ws, stm=stm),
                        *args)
     run(*args)
     torch.cuda.synchronize()
@@ -1394,7 +1325,7 @@ def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = T
         moved += nch * (2 * BT * 4 - 2 * BT * K * 2)
     return {"kind": "gpu", "kernel": "b7_cute_probe", "split": split, "within": within, "unit": unit, "l2": l2,
             "phased": phased, "wg2": wg2, "ws": ws, "stm": stm,
-            "bench_gate": bench_gate, "su": su, "tq": tq,
+            "bench_gate": bench_gate,
             "strength": strength, "lower_bound": lower_bound, "has_bias": has_bias, "chunk_heads": nch,
             "errors": errors, **registered, "slow_share": share,
             "finite": finite, "causal_to_the_bit": causal, "ms": ms, "bytes": moved, "TB_s": moved / ms / 1e9,
@@ -1424,7 +1355,7 @@ def main(argv=None) -> int:
                         lower_bound=-5.0 if "lb" in argv[6:] else None, l2="l2" in argv[6:],
                         phased="phased" in argv[6:], wg2="wg2" in argv[6:] or "ws" in argv[6:],
                         ws="ws" in argv[6:], stm="stm" in argv[6:],
-                        su="su" in argv[6:], dyn="dyn" in argv[6:], tq="tq" in argv[6:],
+                        dyn="dyn" in argv[6:],
                         G=2 if "gva2" in argv[6:] else 1, var="var" in argv[6:],
                         K=64 if "k64" in argv[6:] else 128)
         return 0
@@ -1434,8 +1365,7 @@ def main(argv=None) -> int:
         # no dt_bias, 2:lb:nobias both; 2:l2 B10 in the unit; 2:phased the operands in two phases;
         # any build's, 0:wg2, the roles on two warpgroups, 0:ws, that with an idle third and 232 registers;
         # 0:stm, the shared tiles written by stmatrix; 0:benchgate, the
-        # op bench's gate draw; 0:su, the pair-by-pair path unrolled; 2:tq, dg and dq staged by cp.async;
-        # 2:strong, the gates past the guard)
+        # op bench's gate draw; 2:strong, the gates past the guard)
         for arg in argv[1:] or [str(i) for i in range(len(BUILDS))]:
             index, *form = arg.split(":")
             split, within, unit = BUILDS[int(index)]
@@ -1443,7 +1373,7 @@ def main(argv=None) -> int:
                                      lower_bound=-5.0 if "lb" in form else None, l2="l2" in form,
                                      phased="phased" in form, wg2="wg2" in form or "ws" in form,
                                      ws="ws" in form, stm="stm" in form,
-                                     bench_gate="benchgate" in form, su="su" in form, tq="tq" in form,
+                                     bench_gate="benchgate" in form,
                                      strength=10.0 if "strong" in form else 0.3)), flush=True)
         if not argv[1:]:
             print(json.dumps(gpu_run(strength=10.0)), flush=True)

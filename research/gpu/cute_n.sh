@@ -24,10 +24,7 @@ step() {  # step NAME FILE SECONDS CMD...
 step "b7 unit" b7.jsonl 150 python3 -m research.b7_cute_probe gpu 2
 step "b7 unit, tiles by stmatrix" b7.jsonl 100 python3 -m research.b7_cute_probe gpu 2:stm
 step "b7 unit, bench gates" b7.jsonl 100 python3 -m research.b7_cute_probe gpu 2:stm:benchgate
-step "b7 unit, bench gates, pair-by-pair path unrolled (su)" b7.jsonl 100 python3 -m research.b7_cute_probe gpu 2:stm:benchgate:su
-step "b7 unit, strong gates, su" b7.jsonl 100 python3 -m research.b7_cute_probe gpu 2:stm:strong:su
-step "b7 unit, dg and dq staged by cp.async (tq)" b7.jsonl 100 python3 -m research.b7_cute_probe gpu 2:stm:tq
-step "b7 unit, bench gates, su and tq" b7.jsonl 100 python3 -m research.b7_cute_probe gpu 2:stm:benchgate:su:tq
+step "b7 unit, strong gates" b7.jsonl 100 python3 -m research.b7_cute_probe gpu 2:stm:strong
 step "b7 unit with b10" b7.jsonl 120 python3 -m research.b7_cute_probe gpu 2:l2
 step "b6 persistent" b6.jsonl 100 python3 -m research.b6_cute_probe gpu 8
 step "b6 then b7-b9, fused" b6.jsonl 100 python3 -m research.b6_cute_probe gpu 8:fused

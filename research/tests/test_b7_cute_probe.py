@@ -225,8 +225,7 @@ def test_the_op_layout_the_unit_reads_and_writes(l2, G, K):
 
 
 @pytest.mark.parametrize("form", [[], ["lb", "nobias"], ["l2"], ["l2", "phased"], ["wg2"], ["ws"], ["l2", "ws"],
-                                  ["stm"], ["stm", "su"], ["stm", "dyn"],
-                                  ["stm", "tq"], ["stm", "gva2"], ["stm", "var"],
+                                  ["stm"], ["stm", "dyn"], ["stm", "gva2"], ["stm", "var"],
                                   ["l2", "stm", "var"], ["stm", "k64"], ["l2", "stm", "k64"]])
 def test_the_unit_compiles_at_the_op_s_heads(tmp_path: Path, form):
     """The unit build on the op's layout at 16 heads (as ``intra_bwd`` builds it for
@@ -234,10 +233,8 @@ def test_the_unit_compiles_at_the_op_s_heads(tmp_path: Path, form):
     or with B10 (the K halves' row sums swapped by one shared-to-shared copy each way, the
     cluster's barrier twice), and that with its B operands in two phases, or its roles on two
     warpgroups (with an idle third, each role in the 232 registers a B6 consumer has), or its
-    shared tiles written by stmatrix (and its pair-by-pair loops unrolled, or its rows a run-time
-    extent, or dg and dq staged in shared
-    memory by cp.async, or GVA's two value heads a q/k head, or chunks of any length, or K = 64 in
-    one CTA a chunk-head): as clean as at one."""
+    shared tiles written by stmatrix (and its rows a run-time extent, or GVA's two value heads a
+    q/k head, or chunks of any length, or K = 64 in one CTA a chunk-head): as clean as at one."""
     pytest.importorskip("cutlass.cute", reason="CuTe DSL (nvidia-cutlass-dsl) is not installed")
     root = Path(__file__).resolve().parents[2]
     done = subprocess.run([sys.executable, "-m", "research.b7_cute_probe", "compile-one", "1", "1", "1", str(tmp_path),
@@ -255,8 +252,7 @@ def test_the_unit_compiles_at_the_op_s_heads(tmp_path: Path, form):
     # column role's and the idle warpgroup's branches take those three as well)
     want = ((1, 10 if "ws" in form else 4) if "l2" in form and "k64" not in form else (0, 0))
     assert (swaps, cluster_barriers) == want, (swaps, cluster_barriers)
-    # (``tq``: 8 bytes a copy, 16 pairs a thread for each of dg and dq, one group waited on once)
-    assert ptx.count("cp.async.ca.shared.global") == (32 if "tq" in form else 0)
+    assert ptx.count("cp.async.ca.shared.global") == 0  # (the tail reads dg and dq from global memory)
 
 
 def test_the_tail_s_lane_arithmetic():
