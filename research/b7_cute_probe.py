@@ -93,7 +93,7 @@ BUILDS = ((True, True, False), (True, False, False), (True, True, True))
 def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = False, raw: str = "bf16",
           has_bias: bool = True, lower_bound: float | None = None, H: int = 1, l2: bool = False,
           phased: bool = False, wg2: bool = False, ws: bool = False, body_only: bool = False, stm: bool = False,
-          dakk_global: bool = True, bars: tuple = (1, 2), G: int = 1,
+          dakk_global: bool = True, bars: tuple = (1, 2), G: int = 1, wp: bool = False,
           var: bool = False):
     """The probe's host function (a ``cute.jit``) for K = 2 KH: one CTA of 128 threads a
     (K half, chunk-head). ``within``: the pairs within a block too. ``unit`` (with ``within``):
@@ -139,6 +139,14 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
     end reads as the chunk's last row's (a flat continuation: every factor stays finite, and the
     zero rows and columns of dA, q, k and beta add nothing). The pair-by-pair path takes the
     chunk's rows alone; with ``l2``, B10's rstd and outputs too. Not with ``wg2`` or ``body_only``.
+
+    ``wp``: the pair-by-pair path warp-parallel. For each element index i of the fragment, the
+    warp votes which lanes have element i past the guard; for each such lane (a warp-uniform
+    loop), its (t, c) goes to every lane by shuffle. Lanes 0-15 each take one s of the row role's
+    s <= t, lanes 16-31 one r of the column role's r >= t, all loads and exp2s at once, and the
+    sums come back by four butterfly shuffles to the lane that owns the element. Against one
+    dependent round trip a pair (up to 16 an element), one round trip an element; the code stays
+    one body an element index, as before. The sums' order is a tree, not s ascending.
 
     ``body_only``: return the B7 body alone (``body``, a ``cute.jit`` function) for a kernel that
     runs it on its own shared memory, with ``bars`` the named barriers it may take (the tail's,
@@ -531,13 +539,70 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
             if cutlass.const_expr(var):  # (the chunk's rows alone: a row past its end counts as inside)
                 for i in cutlass.range_constexpr(cute.size(shape)):
                     sp[i] = f32(cutlass.select_(coords[i][0] < nval, sp[i], f32(0.0)))
-            past = f32(0.0)
-            for i in cutlass.range_constexpr(cute.size(shape)):
-                past = past + f32(cutlass.select_(sp[i] <= GUARD, f32(0.0), f32(1.0)))
-            if cute.arch.vote_any_sync(past > f32(0.0)):
-                slow_elements(row, col, sp, o_q, o_k, o_c)
+            if cutlass.const_expr(wp):  # (which elements are past the guard, one bit each: sp dies here)
+                flags = cutlass.Int32(0)
+                for i in cutlass.range_constexpr(cute.size(shape)):
+                    flags = flags | (cutlass.Int32(cutlass.select_(sp[i] <= GUARD, cutlass.Int32(0),
+                                                                    cutlass.Int32(1))) << i)
+                if cute.arch.vote_any_sync(flags != 0):
+                    slow_warp(row, col, flags, o_q, o_k, o_c)
+            else:
+                past = f32(0.0)
+                for i in cutlass.range_constexpr(cute.size(shape)):
+                    past = past + f32(cutlass.select_(sp[i] <= GUARD, f32(0.0), f32(1.0)))
+                if cute.arch.vote_any_sync(past > f32(0.0)):
+                    slow_serial(row, col, sp, o_q, o_k, o_c)
 
-        def slow_elements(row, col, sp, o_q, o_k, o_c):
+        def slow_warp(row, col, flags, o_q, o_k, o_c):
+            j = lane % BC  # (lanes 0-15: s = u + j of the row role; lanes 16-31: r = t + j of the column role)
+            for i in cutlass.range_constexpr(cute.size(shape)):
+                mask = cute.arch.vote_ballot_sync(((flags >> i) & 1) != 0)
+                # (what the loop adds to the element, three scalars: the loop and its branches carry
+                # these, not the fragments, which the DSL would otherwise rebind whole)
+                a_q = f32(0.0)
+                a_k = f32(0.0)
+                a_c = f32(0.0)
+                if mask != 0:
+                    for src in cutlass.range(32, unroll=1):
+                        if ((mask >> src) & 1) != 0:
+                            t = cute.arch.shuffle_sync(coords[i][0], src)
+                            c = cute.arch.shuffle_sync(coords[i][1], src)
+                            u = t // BC * BC
+                            end = cutlass.min(u + BC, nval) if cutlass.const_expr(var) else u + BC
+                            s = u + j
+                            r = t + j
+                            v_q = f32(0.0)
+                            v_k = f32(0.0)
+                            v_c = f32(0.0)
+                            if cutlass.const_expr(row):
+                                if lane < BC:
+                                    if s <= t:  # the row role: s <= t (dAkk: s < t)
+                                        f = g_kk[s, c].to(f32) * _ex2(g_g[t, c] - g_g[s, c])
+                                        v_q = g_q[t, s] * f
+                                        if s < t:
+                                            v_k = g_k[t, s] * f
+                            if cutlass.const_expr(col):
+                                if lane >= BC:
+                                    if r < end:  # the column role: r >= t (dAkk: r > t)
+                                        wt = g_q[r, t] * g_qq[r, c].to(f32)
+                                        if r > t:
+                                            wt += g_k[r, t] * g_b[r] * g_kk[r, c].to(f32)
+                                        v_c = wt * _ex2(g_g[r, c] - g_g[t, c])
+                            for d in cutlass.range_constexpr(4):  # (each half's 16 lanes summed within it)
+                                v_q = v_q + cute.arch.shuffle_sync_bfly(v_q, 1 << d)
+                                v_k = v_k + cute.arch.shuffle_sync_bfly(v_k, 1 << d)
+                                v_c = v_c + cute.arch.shuffle_sync_bfly(v_c, 1 << d)
+                            mine = lane == src
+                            a_q = a_q + f32(cutlass.select_(mine, cute.arch.shuffle_sync(v_q, 0), f32(0.0)))
+                            a_k = a_k + f32(cutlass.select_(mine, cute.arch.shuffle_sync(v_k, 0), f32(0.0)))
+                            a_c = a_c + f32(cutlass.select_(mine, cute.arch.shuffle_sync(v_c, BC), f32(0.0)))
+                if cutlass.const_expr(row):
+                    o_q[i] = o_q[i] + a_q
+                    o_k[i] = o_k[i] + a_k
+                if cutlass.const_expr(col):
+                    o_c[i] = o_c[i] + a_c
+
+        def slow_serial(row, col, sp, o_q, o_k, o_c):
             for i in cutlass.range_constexpr(cute.size(shape)):
                 t, c = coords[i]
                 u = t // BC * BC
@@ -1040,6 +1105,15 @@ def intra_bwd_l2(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log
                      cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
 
 
+def unit_form() -> bool:
+    """The candidate's one option, ``wp`` (off by default), from KERNEL_FUN_B7_FORM: a GPU run
+    compares the two in the whole op without an edit between calls."""
+    form = {f.strip() for f in os.environ.get("KERNEL_FUN_B7_FORM", "").split(",") if f.strip()}
+    if form - {"wp"}:
+        raise ValueError(f"KERNEL_FUN_B7_FORM: unknown options {sorted(form - {'wp'})}")
+    return "wp" in form
+
+
 def _run_unit(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, g, A_log, dt_bias, lower_bound, q_rstd=None, k_rstd=None,
               cu_seqlens=None, chunk_indices=None):
     """The unit build (``l2`` with q_rstd and k_rstd) on the op's tensors, compiled once a
@@ -1061,11 +1135,12 @@ def _run_unit(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, g, A_log, dt_bias, low
     args = dlpack_args(tensors, rows_dynamic=var, l2=l2, whole=not var)
     args.append(cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream))
     raw = "bf16" if g.dtype == torch.bfloat16 else "fp32"
-    key = (None if var else B * T, H, Hq, K, raw, dt_bias is not None, lower_bound, l2, var, dev.index)
+    wp = unit_form()
+    key = (None if var else B * T, H, Hq, K, raw, dt_bias is not None, lower_bound, l2, var, wp, dev.index)
     if key not in _COMPILED:
         _COMPILED[key] = cute.compile(build(K, True, True, True, raw, dt_bias is not None,
                                             None if lower_bound is None else float(lower_bound), H, l2, stm=True,
-                                            G=H // Hq, var=var),
+                                            G=H // Hq, var=var, wp=wp),
                                      *args)
     _COMPILED[key](*args)
     return unit_outputs(tensors, db, A_log, dt_bias)
@@ -1162,7 +1237,7 @@ def chunk_rows(B: int, T: int, cu_seqlens=None, chunk_indices=None, device="cpu"
 def compile_offline(nch: int = 4, K: int = 128, split: bool = True, within: bool = True, unit: bool = False,
                     dump: str | None = None, H: int = 1, has_bias: bool = True, lower_bound: float | None = None,
                     l2: bool = False, phased: bool = False, wg2: bool = False, ws: bool = False, stm: bool = False,
-                    dyn: bool = False, G: int = 1, var: bool = False):
+                    dyn: bool = False, G: int = 1, var: bool = False, wp: bool = False):
     """Trace and compile for sm_90a with no GPU: the PTX and cubin land in ``dump`` (``dyn``: the
     rows a run-time extent, one build for any B * T; ``var``: the op's layout with T 20 short of
     whole chunks, its rows and chunks run-time extents)."""
@@ -1184,7 +1259,7 @@ def compile_offline(nch: int = 4, K: int = 128, split: bool = True, within: bool
                        op(H, BT), op(H, BT), op(H, K), op(H, K), op(H, K), op(H, K, dtype=torch.bfloat16),
                        torch.zeros(H), torch.zeros(H * K), *((op(H), op(H)) if l2 else ()))
     return cute.compile(build(K, split, within, unit, "bf16", has_bias, lower_bound, H, l2, phased, wg2, ws, stm=stm,
-                              G=G, var=var),
+                              G=G, var=var, wp=wp),
                         *dlpack_args(t, rows_dynamic=dyn or var, l2=l2, whole=not var), cuda.CUstream(0))
 
 
@@ -1205,7 +1280,7 @@ def sm90_row(dump: str, split: bool, within: bool, unit: bool = False, **form) -
 def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = True, unit: bool = False,
             reps: int = 20, strength: float = 0.3, lower_bound: float | None = None, has_bias: bool = True,
             l2: bool = False, phased: bool = False, wg2: bool = False, ws: bool = False, stm: bool = False,
-            bench_gate: bool = False) -> dict:
+            bench_gate: bool = False, wp: bool = False) -> dict:
     """On a GPU: x_q, x_kr and x_c against float64 and against the twin on 64 chunk-heads
     spread over all (with ``unit``, which keeps them in registers, the twin's alone); with
     ``unit``, the unit's six outputs against the registered Triton B7-B9
@@ -1228,7 +1303,7 @@ def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = T
     if not has_bias:  # (the build without dt_bias never reads it: zeros, as ``unit_views`` passes)
         t["dt_bias"].zero_()
     run = cute.compile(build(K, split, within, unit, "bf16", has_bias, lower_bound, l2=l2, phased=phased, wg2=wg2,
-                             ws=ws, stm=stm),
+                             ws=ws, stm=stm, wp=wp),
                        *args)
     run(*args)
     torch.cuda.synchronize()
@@ -1325,7 +1400,7 @@ def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = T
         moved += nch * (2 * BT * 4 - 2 * BT * K * 2)
     return {"kind": "gpu", "kernel": "b7_cute_probe", "split": split, "within": within, "unit": unit, "l2": l2,
             "phased": phased, "wg2": wg2, "ws": ws, "stm": stm,
-            "bench_gate": bench_gate,
+            "bench_gate": bench_gate, "wp": wp,
             "strength": strength, "lower_bound": lower_bound, "has_bias": has_bias, "chunk_heads": nch,
             "errors": errors, **registered, "slow_share": share,
             "finite": finite, "causal_to_the_bit": causal, "ms": ms, "bytes": moved, "TB_s": moved / ms / 1e9,
@@ -1355,7 +1430,7 @@ def main(argv=None) -> int:
                         lower_bound=-5.0 if "lb" in argv[6:] else None, l2="l2" in argv[6:],
                         phased="phased" in argv[6:], wg2="wg2" in argv[6:] or "ws" in argv[6:],
                         ws="ws" in argv[6:], stm="stm" in argv[6:],
-                        dyn="dyn" in argv[6:],
+                        dyn="dyn" in argv[6:], wp="wp" in argv[6:],
                         G=2 if "gva2" in argv[6:] else 1, var="var" in argv[6:],
                         K=64 if "k64" in argv[6:] else 128)
         return 0
@@ -1365,7 +1440,8 @@ def main(argv=None) -> int:
         # no dt_bias, 2:lb:nobias both; 2:l2 B10 in the unit; 2:phased the operands in two phases;
         # any build's, 0:wg2, the roles on two warpgroups, 0:ws, that with an idle third and 232 registers;
         # 0:stm, the shared tiles written by stmatrix; 0:benchgate, the
-        # op bench's gate draw; 2:strong, the gates past the guard)
+        # op bench's gate draw; 2:strong, the gates past the guard; 2:wp, the pair-by-pair path
+        # warp-parallel)
         for arg in argv[1:] or [str(i) for i in range(len(BUILDS))]:
             index, *form = arg.split(":")
             split, within, unit = BUILDS[int(index)]
@@ -1373,7 +1449,7 @@ def main(argv=None) -> int:
                                      lower_bound=-5.0 if "lb" in form else None, l2="l2" in form,
                                      phased="phased" in form, wg2="wg2" in form or "ws" in form,
                                      ws="ws" in form, stm="stm" in form,
-                                     bench_gate="benchgate" in form,
+                                     bench_gate="benchgate" in form, wp="wp" in form,
                                      strength=10.0 if "strong" in form else 0.3)), flush=True)
         if not argv[1:]:
             print(json.dumps(gpu_run(strength=10.0)), flush=True)
