@@ -3,7 +3,8 @@
 # prod8192_gate, fla and ours with the registered stages, then ours with each candidate
 # (CAND: any of unit, l2, b6, fused, or both for unit and b6; default unit), each with the op bench's
 # parity and fla in-process. BASE=0 leaves out the first (registered) run; SHAPES (comma-separated)
-# other shapes than prod8192_gate (each one's first fla compile takes minutes on a fresh machine).
+# other shapes than prod8192_gate (each one's first fla compile takes minutes on a fresh machine);
+# KERNEL_FUN_B7_FORM=wp the unit candidate's pair-by-pair path warp-parallel.
 source .gpu/env.sh
 source research/gpu/cute_env.sh || { echo "no cute"; exit 3; }
 log=$OUT/log; CAND=${CAND:-unit}

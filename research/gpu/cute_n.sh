@@ -25,6 +25,11 @@ step "b7 unit" b7.jsonl 150 python3 -m research.b7_cute_probe gpu 2
 step "b7 unit, tiles by stmatrix" b7.jsonl 100 python3 -m research.b7_cute_probe gpu 2:stm
 step "b7 unit, bench gates" b7.jsonl 100 python3 -m research.b7_cute_probe gpu 2:stm:benchgate
 step "b7 unit, strong gates" b7.jsonl 100 python3 -m research.b7_cute_probe gpu 2:stm:strong
+step "b7 unit, bench gates, pair-by-pair path warp-parallel (wp)" b7.jsonl 100 python3 -m research.b7_cute_probe gpu 2:stm:benchgate:wp
+step "b7 unit, strong gates, wp" b7.jsonl 100 python3 -m research.b7_cute_probe gpu 2:stm:strong:wp
+step "b7 unit, gentle gates, wp" b7.jsonl 100 python3 -m research.b7_cute_probe gpu 2:stm:wp
+step "b7 unit with b10, bench gates" b7.jsonl 120 python3 -m research.b7_cute_probe gpu 2:l2:stm:benchgate
+step "b7 unit with b10, bench gates, wp" b7.jsonl 120 python3 -m research.b7_cute_probe gpu 2:l2:stm:benchgate:wp
 step "b7 unit with b10" b7.jsonl 120 python3 -m research.b7_cute_probe gpu 2:l2
 step "b6 persistent" b6.jsonl 100 python3 -m research.b6_cute_probe gpu 8
 step "b6 then b7-b9, fused" b6.jsonl 100 python3 -m research.b6_cute_probe gpu 8:fused
