@@ -2,6 +2,10 @@
 (``kernel_fun.bench.layer``'s bench): rows stamped and appended to ``results/layer.jsonl``.
 
     python -m benchmarks.layer --B 2 --T 8192 [--safe-gate]
+        [--candidate B7-B10=research.b7_cute_probe:intra_bwd_l2:supports_l2]
+
+``--candidate`` (as ``benchmarks.op``'s) registers a stage's candidate as its ``ours`` for the
+run; its rows carry ``candidate`` and the README skips them.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ def main(argv=None) -> int:
     parser = layer.parser()
     parser.prog = "python -m benchmarks.layer"
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--candidate", action="append", default=[], metavar="STAGE=module:function[:supports]",
+                        help="a candidate registered as the stage's ours for this run (its rows say so)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -25,7 +31,11 @@ def main(argv=None) -> int:
     from benchmarks import fla_configs, rows
 
     fla_configs.use_stored_configs(torch.cuda.get_device_name())
-    written = [rows.stamp(r) for r in layer.run(args.B, args.T, args.safe_gate, args.reps, args.rounds)]
+    from benchmarks.op import register_candidates
+
+    candidate = register_candidates(args.candidate) or None
+    written = [rows.stamp({**r, **({"candidate": candidate} if candidate and r.get("impl") != "fla" else {})})
+               for r in layer.run(args.B, args.T, args.safe_gate, args.reps, args.rounds)]
     for r in written:
         rows.append(args.out or rows.RESULTS / "layer.jsonl", r)
     print(layer.format_rows(written))

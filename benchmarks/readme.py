@@ -263,9 +263,9 @@ def render(rows: list[dict]) -> str:
         return bench is not None and bench.ships(row)
 
     stages = stage_table(rows, ships=ships)
-    layer = layer_table(rows)
-    conv = cconv_table(rows)
     shipped = [r for r in rows if not r.get("candidate")]  # a design measured before registration is not what ships
+    layer = layer_table(shipped)
+    conv = cconv_table(shipped)
     return (op_table(shipped) + ("\n\n" + layer if layer else "") + ("\n\n" + conv if conv else "")
             + ("\n\n" + stages if stages else ""))
 

@@ -325,6 +325,13 @@ def test_candidates_register_for_the_run_and_stay_out_of_the_readme():
         op.stages_off(["B7-B11"])
     candidate = _row(impl="ours", fwdbwd_ms=30.0, candidate={"B7-B9": "fla"})
     assert "30.00" not in readme.render([_row(), candidate]) and "30.00" in readme.op_table([_row(), candidate])
+    # (the layer bench's rows the same: its --candidate is the op bench's)
+    layer = dict(kind="layer", shape="prod8192_layer", problem="B2 T8192", fwdbwd_spread_ms=[1.0, 2.0])
+    layer_rows = [_row(**layer, fwdbwd_ms=40.0), _row(**layer, impl="ours", fwdbwd_ms=31.0),
+                  _row(**layer, impl="ours", fwdbwd_ms=27.0, candidate={"B7-B10": "research.x:f"},
+                       date="2026-12-01T10:00:00+00:00")]
+    assert "27.00" in readme.layer_table(layer_rows) and "27.00" not in readme.render(layer_rows)
+    assert "31.00" in readme.render(layer_rows)
 
 
 def test_the_readme_table_shows_the_pinned_config_against_fla():
