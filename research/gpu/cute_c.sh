@@ -4,7 +4,8 @@
 # (CAND: any of unit, l2, b6, fused, or both for unit and b6; default unit), each with the op bench's
 # parity and fla in-process. BASE=0 leaves out the first (registered) run; SHAPES (comma-separated)
 # other shapes than prod8192_gate (each one's first fla compile takes minutes on a fresh machine);
-# KERNEL_FUN_B7_FORM=wp the unit candidate's pair-by-pair path warp-parallel.
+# KERNEL_FUN_B7_FORM=wp the unit candidate's pair-by-pair path warp-parallel; LAYER=1 then fla's layer
+# through patch_fla(), registered and with the unit with B10.
 source .gpu/env.sh
 source research/gpu/cute_env.sh || { echo "no cute"; exit 3; }
 log=$OUT/log; CAND=${CAND:-unit}
@@ -16,4 +17,10 @@ case $CAND in *unit*|both) run --impls fla,ours --candidate B7-B9=research.b7_cu
 case $CAND in *l2*|both) run --impls fla,ours --candidate B7-B10=research.b7_cute_probe:intra_bwd_l2:supports_l2;; esac
 case $CAND in *b6*|both) run --impls fla,ours --candidate B6=research.b6_cute_probe:wy_dqkg_bwd:supports;; esac
 case $CAND in *fused*) run --impls fla,ours --candidate B6-B9=research.b6_cute_probe:wy_intra_bwd:supports_fused;; esac
+if [ "${LAYER:-0}" = 1 ]; then  # fla's KimiDeltaAttention layer through patch_fla(): registered, then with the unit with B10
+  for c in "" "--candidate B7-B10=research.b7_cute_probe:intra_bwd_l2:supports_l2"; do
+    echo "== layer $c $(date +%T)" | tee -a $log
+    python3 -m benchmarks.layer --B 2 --T 8192 --out $OUT/layer.jsonl $c 2>&1 | tail -8 | tee -a $log
+  done
+fi
 echo "done $(date +%T)" | tee -a $log
