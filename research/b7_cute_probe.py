@@ -319,7 +319,7 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
         tens = (dAqk, dAkk, q, k, g, beta, x_q, x_kr, x_c, dq, dk, dg, g_raw, a_log, dt_bias, dq2, dk2, dg2, db_part,
                 dA_part, dbias_part, q_rstd, k_rstd, chunk_rows)
         sm = (s_a, s_at, s_b, storage.red.data_ptr(), storage.xch.data_ptr(), storage.xbar.data_ptr(),
-              storage.xc.data_ptr(), storage.yqh.data_ptr())
+              storage.xc.data_ptr())
         mmas = (mma, mma_z, mma_t, mma_tz)
         if cutlass.const_expr(not wg2):
             body(0, tidx, w, lane, chunk, half, tens, sm, mmas)
