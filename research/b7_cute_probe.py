@@ -1114,6 +1114,11 @@ def unit_form() -> bool:
     return "wp" in form
 
 
+def candidate_form() -> str:
+    """The option in force, for the bench's rows (``benchmarks.op`` appends it to the candidate's name)."""
+    return "wp" if unit_form() else ""
+
+
 def _run_unit(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, g, A_log, dt_bias, lower_bound, q_rstd=None, k_rstd=None,
               cu_seqlens=None, chunk_indices=None):
     """The unit build (``l2`` with q_rstd and k_rstd) on the op's tensors, compiled once a
