@@ -93,7 +93,7 @@ BUILDS = ((True, True, False), (True, False, False), (True, True, True))
 def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = False, raw: str = "bf16",
           has_bias: bool = True, lower_bound: float | None = None, H: int = 1, l2: bool = False,
           phased: bool = False, wg2: bool = False, ws: bool = False, body_only: bool = False, stm: bool = False,
-          dakk_global: bool = True, bars: tuple = (1, 2), G: int = 1, wp: bool = False,
+          dakk_global: bool = True, bars: tuple = (1, 2), G: int = 1,
           var: bool = False):
     """The probe's host function (a ``cute.jit``) for K = 2 KH: one CTA of 128 threads a
     (K half, chunk-head). ``within``: the pairs within a block too. ``unit`` (with ``within``):
@@ -140,14 +140,6 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
     zero rows and columns of dA, q, k and beta add nothing). The pair-by-pair path takes the
     chunk's rows alone; with ``l2``, B10's rstd and outputs too. Not with ``wg2`` or ``body_only``.
 
-    ``wp``: the pair-by-pair path warp-parallel. For each element index i of the fragment, the
-    warp votes which lanes have element i past the guard; for each such lane (a warp-uniform
-    loop), its (t, c) goes to every lane by shuffle. Lanes 0-15 each take one s of the row role's
-    s <= t, lanes 16-31 one r of the column role's r >= t, all loads and exp2s at once, and the
-    sums come back by four butterfly shuffles to the lane that owns the element. Against one
-    dependent round trip a pair (up to 16 an element), one round trip an element; the code stays
-    one body an element index, as before. The sums' order is a tree, not s ascending.
-
     ``body_only``: return the B7 body alone (``body``, a ``cute.jit`` function) for a kernel that
     runs it on its own shared memory, with ``bars`` the named barriers it may take (the tail's,
     128 threads; the two roles', 256) and ``dakk_global`` off where that kernel has written dAkk's
@@ -158,6 +150,9 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
     assert not ws or wg2
     assert not wg2 or within
     LOG2E = 1.4426950408889634
+    # dAqk's diagonal out of the products, added in the unit's tail (not in a fused kernel's body,
+    # whose registers are full: research.b6_cute_probe's spills 28 bytes with it)
+    DIAG = unit and not body_only
     import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
@@ -400,15 +395,16 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
             else:
                 frag(view).store(vals)
 
-        # dA's tiles, split, their upper triangles zeroed (dAqk keeps its diagonal): the row role
-        # reads them as they lie, the column role MN-major
+        # dA's tiles, split, their upper triangles zeroed (dAqk keeps its diagonal but in the unit,
+        # whose tail adds the pairs (r, r) in fp32): the row role reads them as they lie, the column
+        # role MN-major
         # (``wg2``: warpgroup 0 writes dAqk's, warpgroup 1 dAkk's)
         def da_tiles(mats):
             for mat in mats:
                 v = regs(_ld(frag((g_q, g_k)[mat]), ok))
                 for i in cutlass.range_constexpr(cute.size(shape)):
                     r, s = coords[i]
-                    v[i] = f32(cutlass.select_(s <= r if mat == 0 else s < r, v[i], f32(0.0)))
+                    v[i] = f32(cutlass.select_(s <= r if mat == 0 and not DIAG else s < r, v[i], f32(0.0)))
                 parts = _split(v.load())
                 put(mn(s_a[2 * mat]), parts[0])
                 put(mn(s_a[2 * mat + 1]), parts[1])
@@ -539,68 +535,11 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
             if cutlass.const_expr(var):  # (the chunk's rows alone: a row past its end counts as inside)
                 for i in cutlass.range_constexpr(cute.size(shape)):
                     sp[i] = f32(cutlass.select_(coords[i][0] < nval, sp[i], f32(0.0)))
-            if cutlass.const_expr(wp):  # (which elements are past the guard, one bit each: sp dies here)
-                flags = cutlass.Int32(0)
-                for i in cutlass.range_constexpr(cute.size(shape)):
-                    flags = flags | (cutlass.Int32(cutlass.select_(sp[i] <= GUARD, cutlass.Int32(0),
-                                                                    cutlass.Int32(1))) << i)
-                if cute.arch.vote_any_sync(flags != 0):
-                    slow_warp(row, col, flags, o_q, o_k, o_c)
-            else:
-                past = f32(0.0)
-                for i in cutlass.range_constexpr(cute.size(shape)):
-                    past = past + f32(cutlass.select_(sp[i] <= GUARD, f32(0.0), f32(1.0)))
-                if cute.arch.vote_any_sync(past > f32(0.0)):
-                    slow_serial(row, col, sp, o_q, o_k, o_c)
-
-        def slow_warp(row, col, flags, o_q, o_k, o_c):
-            j = lane % BC  # (lanes 0-15: s = u + j of the row role; lanes 16-31: r = t + j of the column role)
+            past = f32(0.0)
             for i in cutlass.range_constexpr(cute.size(shape)):
-                mask = cute.arch.vote_ballot_sync(((flags >> i) & 1) != 0)
-                # (what the loop adds to the element, three scalars: the loop and its branches carry
-                # these, not the fragments, which the DSL would otherwise rebind whole)
-                a_q = f32(0.0)
-                a_k = f32(0.0)
-                a_c = f32(0.0)
-                if mask != 0:
-                    for src in cutlass.range(32, unroll=1):
-                        if ((mask >> src) & 1) != 0:
-                            t = cute.arch.shuffle_sync(coords[i][0], src)
-                            c = cute.arch.shuffle_sync(coords[i][1], src)
-                            u = t // BC * BC
-                            end = cutlass.min(u + BC, nval) if cutlass.const_expr(var) else u + BC
-                            s = u + j
-                            r = t + j
-                            v_q = f32(0.0)
-                            v_k = f32(0.0)
-                            v_c = f32(0.0)
-                            if cutlass.const_expr(row):
-                                if lane < BC:
-                                    if s <= t:  # the row role: s <= t (dAkk: s < t)
-                                        f = g_kk[s, c].to(f32) * _ex2(g_g[t, c] - g_g[s, c])
-                                        v_q = g_q[t, s] * f
-                                        if s < t:
-                                            v_k = g_k[t, s] * f
-                            if cutlass.const_expr(col):
-                                if lane >= BC:
-                                    if r < end:  # the column role: r >= t (dAkk: r > t)
-                                        wt = g_q[r, t] * g_qq[r, c].to(f32)
-                                        if r > t:
-                                            wt += g_k[r, t] * g_b[r] * g_kk[r, c].to(f32)
-                                        v_c = wt * _ex2(g_g[r, c] - g_g[t, c])
-                            for d in cutlass.range_constexpr(4):  # (each half's 16 lanes summed within it)
-                                v_q = v_q + cute.arch.shuffle_sync_bfly(v_q, 1 << d)
-                                v_k = v_k + cute.arch.shuffle_sync_bfly(v_k, 1 << d)
-                                v_c = v_c + cute.arch.shuffle_sync_bfly(v_c, 1 << d)
-                            mine = lane == src
-                            a_q = a_q + f32(cutlass.select_(mine, cute.arch.shuffle_sync(v_q, 0), f32(0.0)))
-                            a_k = a_k + f32(cutlass.select_(mine, cute.arch.shuffle_sync(v_k, 0), f32(0.0)))
-                            a_c = a_c + f32(cutlass.select_(mine, cute.arch.shuffle_sync(v_c, BC), f32(0.0)))
-                if cutlass.const_expr(row):
-                    o_q[i] = o_q[i] + a_q
-                    o_k[i] = o_k[i] + a_k
-                if cutlass.const_expr(col):
-                    o_c[i] = o_c[i] + a_c
+                past = past + f32(cutlass.select_(sp[i] <= GUARD, f32(0.0), f32(1.0)))
+            if cute.arch.vote_any_sync(past > f32(0.0)):
+                slow_serial(row, col, sp, o_q, o_k, o_c)
 
         def slow_serial(row, col, sp, o_q, o_k, o_c):
             for i in cutlass.range_constexpr(cute.size(shape)):
@@ -611,18 +550,24 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
                     if cutlass.const_expr(row):
                         a_q = f32(0.0)
                         a_k = f32(0.0)
-                        for s in cutlass.range(u, t + 1, unroll=1):  # the row role: s <= t (dAkk: s < t)
+                        # the row role: s <= t (dAkk, and in the unit dAqk: s < t)
+                        for s in cutlass.range(u, t + (0 if DIAG else 1), unroll=1):
                             f = g_kk[s, c].to(f32) * cute.arch.exp2(g_g[t, c] - g_g[s, c])
                             a_q += g_q[t, s] * f
-                            if s < t:
+                            if cutlass.const_expr(DIAG):
+                                a_k += g_k[t, s] * f
+                            elif s < t:
                                 a_k += g_k[t, s] * f
                         o_q[i] = o_q[i] + a_q
                         o_k[i] = o_k[i] + a_k
                     if cutlass.const_expr(col):
                         a_c = f32(0.0)
-                        for r in cutlass.range(t, end, unroll=1):  # the column role: r >= t (dAkk: r > t)
+                        # the column role: r >= t (dAkk, and in the unit dAqk: r > t)
+                        for r in cutlass.range(t + (1 if DIAG else 0), end, unroll=1):
                             wt = g_q[r, t] * g_qq[r, c].to(f32)
-                            if r > t:
+                            if cutlass.const_expr(DIAG):
+                                wt += g_k[r, t] * g_b[r] * g_kk[r, c].to(f32)
+                            elif r > t:
                                 wt += g_k[r, t] * g_b[r] * g_kk[r, c].to(f32)
                             a_c += wt * cute.arch.exp2(g_g[r, c] - g_g[t, c])
                         o_c[i] = o_c[i] + a_c
@@ -635,7 +580,7 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
             if cutlass.const_expr(within):
                 slow(True, True, o_q, o_k, o_c)
             if cutlass.const_expr(unit):
-                _tail(thr_c, shape, w, lane, chunk, half, red, xch, xbar, o_q, o_k, o_c, q, k, beta, dq, dk, dg,
+                _tail(thr_c, shape, w, lane, chunk, half, red, xch, xbar, o_q, o_k, o_c, dAqk, q, k, beta, dq, dk, dg,
                       g_raw, a_log, dt_bias, dq2, dk2, dg2, db_part, dA_part, dbias_part, q_rstd, k_rstd,
                       (row0, nval, ok))
             else:
@@ -666,13 +611,14 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
                 if cutlass.const_expr(unit):
                     _roles_bar()
                     o_c.store(frag(s_xc).load())
-                    _tail(thr_c, shape, w, lane, chunk, half, red, xch, xbar, o_q, o_k, o_c, q, k, beta, dq, dk, dg,
+                    _tail(thr_c, shape, w, lane, chunk, half, red, xch, xbar, o_q, o_k, o_c, dAqk, q, k, beta, dq, dk, dg,
                           g_raw, a_log, dt_bias, dq2, dk2, dg2, db_part, dA_part, dbias_part, q_rstd, k_rstd)
                 else:
                     store(((o_q, x_q), (o_k, x_kr)))
 
     @cute.jit
-    def _tail(thr_c, shape, w, lane, chunk, half, red, xch, xbar, o_q, o_k, o_c, q, k, beta, dq, dk, dg, g_raw, a_log,
+    def _tail(thr_c, shape, w, lane, chunk, half, red, xch, xbar, o_q, o_k, o_c, dAqk, q, k, beta, dq, dk, dg, g_raw,
+              a_log,
               dt_bias, dq2, dk2, dg2, db_part, dA_part, dbias_part, q_rstd, k_rstd, rows=None):
         """``unit``: the B7-B9 unit's tail on this CTA's (chunk, K half), from the three sums in
         registers (``l2``: with B10's l2norm backward of dq2 and dk2; ``rows``: the chunk's first row, its
@@ -694,11 +640,32 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
         a_krb = a_kr * _ld(frag(cute.make_tensor(beta.iterator + row0 * H + head,
                                                  cute.make_layout((BT, KH), stride=(H, 0)))), ok)
         qf = _ld(tile_qk(q), ok).to(f32)
+        if cutlass.const_expr(DIAG):
+            # dAqk's diagonal, each row's pair (r, r) at factor 1, out of the products (a bf16 split
+            # carries ~2^-17 of a product): dq's and dk's terms added below in fp32. In dg's terms
+            # (y), the pair's two, q_r dAqk[r, r] k_r and the same less, cancel exactly: left out.
+            # (A thread has two rows: element i's is 16 w + lane // 4 + 8 b, b = i // 2 % 2.)
+            dd = [f32(0.0), f32(0.0)]
+            for b in cutlass.range_constexpr(2):
+                r = w * BC + lane // 4 + 8 * b
+                v = f32(0.0)
+                if cutlass.const_expr(var):
+                    if r < nval:
+                        v = dAqk[row0 + r, head * BT + r]
+                else:
+                    v = dAqk[row0 + r, head * BT + r]
+                dd[b] = v
         # (dg's and db's terms first, so that the three sums are dead before dq2 and dk2 are formed)
         y = regs(_ld(tile(dg), ok) + qf * a_q + kf * (a_krb - a_c))
         # db's part: each row's sum over this half's channels (the thread's 16, then its quad's)
         row_sums = quad_row_sums(a_kr * kf)
         dqv, dkv = _ld(tile(dq), ok) + a_q, _ld(tile(dk), ok) + a_krb + a_c
+        if cutlass.const_expr(DIAG):
+            dqr, dkr, kr, qr = regs(dqv), regs(dkv), regs(kf), regs(qf)
+            for i in cutlass.range_constexpr(n_el):
+                dqr[i] = dqr[i] + dd[i // 2 % 2] * kr[i]
+                dkr[i] = dkr[i] + dd[i // 2 % 2] * qr[i]
+            dqv, dkv = dqr.load(), dkr.load()
         if cutlass.const_expr(l2):
             _l2norm_bwd(frag, w, lane, half, row0, ok, head, xch, xbar, dqv, qf, dkv, kf, q_rstd, k_rstd, tile(dq2),
                         tile(dk2))
@@ -928,15 +895,16 @@ def want(dAqk, dAkk, q, k, g, beta, within: bool = True) -> tuple:
     return tuple(x.reshape(n * BT, K) for x in (x_q, x_kr, x_c))
 
 
-def twin(dAqk, dAkk, q, k, g, beta, split: bool = True, within: bool = True) -> tuple:
+def twin(dAqk, dAkk, q, k, g, beta, split: bool = True, within: bool = True, diag: bool = True) -> tuple:
     """The kernel's arithmetic in torch (fp32, its bf16 roundings). Row role, per block j < 3:
     kx_j and dA's columns split (or rounded), the products, the rows after block j scaled
     through their anchors; then each row's own factor. Column role, per block i > 0: yq_i, yk_i
     and dA's rows split, the products with dA^T, the columns before block i scaled; then each
     column's own factor. ``within``: then the pairs within a block, through each block's first
     row u: an element (row, channel) whose span g[u] - g is within GUARD from the block-diagonal
-    products, one past it pair by pair in fp32. The GPU check holds the kernel to it and to
-    ``want``; the CPU tests hold it to ``want`` and ``want`` to the package's reference B7."""
+    products, one past it pair by pair in fp32. ``diag`` off: without dAqk's diagonal (the pairs
+    (r, r), which the unit's tail adds). The GPU check holds the kernel to it and to ``want``;
+    the CPU tests hold it to ``want`` and ``want`` to the package's reference B7."""
     import torch
 
     n, K = k.shape[0] // BT, k.shape[1]
@@ -954,7 +922,7 @@ def twin(dAqk, dAkk, q, k, g, beta, split: bool = True, within: bool = True) -> 
         (a_hi, a_lo), (b_hi, b_lo) = parts(a), parts(b)
         return a_hi @ b_hi + ((a_hi @ b_lo + a_lo @ b_hi) if split else 0)
 
-    d_q = dAqk.float().view(n, BT, BT) * (rows[None, :] <= rows[:, None])
+    d_q = dAqk.float().view(n, BT, BT) * ((rows[None, :] <= rows[:, None]) if diag else (rows[None, :] < rows[:, None]))
     d_k = dAkk.float().view(n, BT, BT) * (rows[None, :] < rows[:, None])
     out = []
     for d in (d_q, d_k):
@@ -993,7 +961,8 @@ def twin(dAqk, dAkk, q, k, g, beta, split: bool = True, within: bool = True) -> 
 def twin_unit(t: dict, split: bool = True, lower_bound: float | None = None, has_bias: bool = True,
               l2: bool = False) -> tuple:
     """The ``unit`` build's arithmetic in torch on ``make_tensors``'s tensors (H = 1): the
-    twin's sums, then the kernel's tail as written there, for the gate form the build takes
+    twin's sums without dAqk's diagonal, then the kernel's tail as written there (the diagonal's
+    pairs added to dq2 and dk2 in fp32, and left out of dg's sum, where they cancel), for the gate form the build takes
     (softplus, or with ``lower_bound`` the sigmoid form; ``has_bias``: dt_bias added). Returns
     (dq2, dk2, db, dg2, dA_log, ddt_bias) with db, dA_log and ddt_bias summed over the K
     halves' and chunk-heads' partials as a caller of the kernel adds them (ddt_bias None
@@ -1003,11 +972,12 @@ def twin_unit(t: dict, split: bool = True, lower_bound: float | None = None, has
     dg2's bf16 rounding.)"""
     import torch
 
-    a_q, a_kr, a_c = twin(*[t[n] for n in ("dAqk", "dAkk", "q", "k", "g", "beta")], split=split)
+    a_q, a_kr, a_c = twin(*[t[n] for n in ("dAqk", "dAkk", "q", "k", "g", "beta")], split=split, diag=False)
     n, K = t["k"].shape[0] // BT, t["k"].shape[1]
     qf, kf, bt = t["q"].float(), t["k"].float(), t["beta"].float()[:, None]
     a_krb = a_kr * bt
-    dq2, dk2 = t["dq"] + a_q, t["dk"] + a_krb + a_c
+    dd = t["dAqk"].float().view(n, BT, BT).diagonal(dim1=1, dim2=2).reshape(n * BT, 1)  # (the pairs (r, r))
+    dq2, dk2 = t["dq"] + a_q + dd * kf, t["dk"] + a_krb + a_c + dd * qf
     db = (a_kr * kf).sum(1)
     if l2:  # B10: dx = rstd (dy - (dy . y) y) over the whole row, in bf16
         dq2, dk2 = ((dy * r[:, None] - (dy * y).sum(1, keepdim=True) * y * r[:, None]).bfloat16()
@@ -1105,20 +1075,6 @@ def intra_bwd_l2(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log
                      cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
 
 
-def unit_form() -> bool:
-    """The candidate's one option, ``wp`` (off by default), from KERNEL_FUN_B7_FORM: a GPU run
-    compares the two in the whole op without an edit between calls."""
-    form = {f.strip() for f in os.environ.get("KERNEL_FUN_B7_FORM", "").split(",") if f.strip()}
-    if form - {"wp"}:
-        raise ValueError(f"KERNEL_FUN_B7_FORM: unknown options {sorted(form - {'wp'})}")
-    return "wp" in form
-
-
-def candidate_form() -> str:
-    """The option in force, for the bench's rows (``benchmarks.op`` appends it to the candidate's name)."""
-    return "wp" if unit_form() else ""
-
-
 def _run_unit(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, g, A_log, dt_bias, lower_bound, q_rstd=None, k_rstd=None,
               cu_seqlens=None, chunk_indices=None):
     """The unit build (``l2`` with q_rstd and k_rstd) on the op's tensors, compiled once a
@@ -1140,12 +1096,11 @@ def _run_unit(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, g, A_log, dt_bias, low
     args = dlpack_args(tensors, rows_dynamic=var, l2=l2, whole=not var)
     args.append(cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream))
     raw = "bf16" if g.dtype == torch.bfloat16 else "fp32"
-    wp = unit_form()
-    key = (None if var else B * T, H, Hq, K, raw, dt_bias is not None, lower_bound, l2, var, wp, dev.index)
+    key = (None if var else B * T, H, Hq, K, raw, dt_bias is not None, lower_bound, l2, var, dev.index)
     if key not in _COMPILED:
         _COMPILED[key] = cute.compile(build(K, True, True, True, raw, dt_bias is not None,
                                             None if lower_bound is None else float(lower_bound), H, l2, stm=True,
-                                            G=H // Hq, var=var, wp=wp),
+                                            G=H // Hq, var=var),
                                      *args)
     _COMPILED[key](*args)
     return unit_outputs(tensors, db, A_log, dt_bias)
@@ -1242,7 +1197,7 @@ def chunk_rows(B: int, T: int, cu_seqlens=None, chunk_indices=None, device="cpu"
 def compile_offline(nch: int = 4, K: int = 128, split: bool = True, within: bool = True, unit: bool = False,
                     dump: str | None = None, H: int = 1, has_bias: bool = True, lower_bound: float | None = None,
                     l2: bool = False, phased: bool = False, wg2: bool = False, ws: bool = False, stm: bool = False,
-                    dyn: bool = False, G: int = 1, var: bool = False, wp: bool = False):
+                    dyn: bool = False, G: int = 1, var: bool = False):
     """Trace and compile for sm_90a with no GPU: the PTX and cubin land in ``dump`` (``dyn``: the
     rows a run-time extent, one build for any B * T; ``var``: the op's layout with T 20 short of
     whole chunks, its rows and chunks run-time extents)."""
@@ -1264,7 +1219,7 @@ def compile_offline(nch: int = 4, K: int = 128, split: bool = True, within: bool
                        op(H, BT), op(H, BT), op(H, K), op(H, K), op(H, K), op(H, K, dtype=torch.bfloat16),
                        torch.zeros(H), torch.zeros(H * K), *((op(H), op(H)) if l2 else ()))
     return cute.compile(build(K, split, within, unit, "bf16", has_bias, lower_bound, H, l2, phased, wg2, ws, stm=stm,
-                              G=G, var=var, wp=wp),
+                              G=G, var=var),
                         *dlpack_args(t, rows_dynamic=dyn or var, l2=l2, whole=not var), cuda.CUstream(0))
 
 
@@ -1285,7 +1240,7 @@ def sm90_row(dump: str, split: bool, within: bool, unit: bool = False, **form) -
 def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = True, unit: bool = False,
             reps: int = 20, strength: float = 0.3, lower_bound: float | None = None, has_bias: bool = True,
             l2: bool = False, phased: bool = False, wg2: bool = False, ws: bool = False, stm: bool = False,
-            bench_gate: bool = False, wp: bool = False) -> dict:
+            bench_gate: bool = False) -> dict:
     """On a GPU: x_q, x_kr and x_c against float64 and against the twin on 64 chunk-heads
     spread over all (with ``unit``, which keeps them in registers, the twin's alone); with
     ``unit``, the unit's six outputs against the registered Triton B7-B9
@@ -1308,7 +1263,7 @@ def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = T
     if not has_bias:  # (the build without dt_bias never reads it: zeros, as ``unit_views`` passes)
         t["dt_bias"].zero_()
     run = cute.compile(build(K, split, within, unit, "bf16", has_bias, lower_bound, l2=l2, phased=phased, wg2=wg2,
-                             ws=ws, stm=stm, wp=wp),
+                             ws=ws, stm=stm),
                        *args)
     run(*args)
     torch.cuda.synchronize()
@@ -1405,7 +1360,7 @@ def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = T
         moved += nch * (2 * BT * 4 - 2 * BT * K * 2)
     return {"kind": "gpu", "kernel": "b7_cute_probe", "split": split, "within": within, "unit": unit, "l2": l2,
             "phased": phased, "wg2": wg2, "ws": ws, "stm": stm,
-            "bench_gate": bench_gate, "wp": wp,
+            "bench_gate": bench_gate,
             "strength": strength, "lower_bound": lower_bound, "has_bias": has_bias, "chunk_heads": nch,
             "errors": errors, **registered, "slow_share": share,
             "finite": finite, "causal_to_the_bit": causal, "ms": ms, "bytes": moved, "TB_s": moved / ms / 1e9,
@@ -1435,7 +1390,7 @@ def main(argv=None) -> int:
                         lower_bound=-5.0 if "lb" in argv[6:] else None, l2="l2" in argv[6:],
                         phased="phased" in argv[6:], wg2="wg2" in argv[6:] or "ws" in argv[6:],
                         ws="ws" in argv[6:], stm="stm" in argv[6:],
-                        dyn="dyn" in argv[6:], wp="wp" in argv[6:],
+                        dyn="dyn" in argv[6:],
                         G=2 if "gva2" in argv[6:] else 1, var="var" in argv[6:],
                         K=64 if "k64" in argv[6:] else 128)
         return 0
@@ -1445,8 +1400,7 @@ def main(argv=None) -> int:
         # no dt_bias, 2:lb:nobias both; 2:l2 B10 in the unit; 2:phased the operands in two phases;
         # any build's, 0:wg2, the roles on two warpgroups, 0:ws, that with an idle third and 232 registers;
         # 0:stm, the shared tiles written by stmatrix; 0:benchgate, the
-        # op bench's gate draw; 2:strong, the gates past the guard; 2:wp, the pair-by-pair path
-        # warp-parallel)
+        # op bench's gate draw; 2:strong, the gates past the guard)
         for arg in argv[1:] or [str(i) for i in range(len(BUILDS))]:
             index, *form = arg.split(":")
             split, within, unit = BUILDS[int(index)]
@@ -1454,7 +1408,7 @@ def main(argv=None) -> int:
                                      lower_bound=-5.0 if "lb" in form else None, l2="l2" in form,
                                      phased="phased" in form, wg2="wg2" in form or "ws" in form,
                                      ws="ws" in form, stm="stm" in form,
-                                     bench_gate="benchgate" in form, wp="wp" in form,
+                                     bench_gate="benchgate" in form,
                                      strength=10.0 if "strong" in form else 0.3)), flush=True)
         if not argv[1:]:
             print(json.dumps(gpu_run(strength=10.0)), flush=True)

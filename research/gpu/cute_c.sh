@@ -4,7 +4,7 @@
 # (CAND: any of unit, l2, b6, fused, or both for unit and b6; default unit), each with the op bench's
 # parity and fla in-process. BASE=0 leaves out the first (registered) run; SHAPES (comma-separated)
 # other shapes than prod8192_gate (each one's first fla compile takes minutes on a fresh machine);
-# KERNEL_FUN_B7_FORM=wp the unit candidate's pair-by-pair path warp-parallel; LAYER=1 then fla's layer
+# LAYER=1 then fla's layer
 # through patch_fla(), registered and with the unit with B10.
 source .gpu/env.sh
 source research/gpu/cute_env.sh || { echo "no cute"; exit 3; }

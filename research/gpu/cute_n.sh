@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Call 2 (carry .gpu and .cute2), right after cute_a.sh on the same machine: join CuTe DSL, then
 # the fragment builds of the B7 and B6 probes, each step in its own process while LIMIT allows:
-# the unit (and with its tiles by stmatrix), its pair-by-pair path and staged tail, the unit with
+# the unit (and with its tiles by stmatrix) at the gentle, the bench's and strong gates, the unit with
 # B10, the persistent B6, the fused B6 and B7-B9, Nsight Compute on the unit, the unit with B10 on
 # two warpgroups, then the rest.
 # ONLY (a bash regex over the step names, "ncu" for the profile) runs just the steps it matches.
@@ -25,11 +25,7 @@ step "b7 unit" b7.jsonl 150 python3 -m research.b7_cute_probe gpu 2
 step "b7 unit, tiles by stmatrix" b7.jsonl 100 python3 -m research.b7_cute_probe gpu 2:stm
 step "b7 unit, bench gates" b7.jsonl 100 python3 -m research.b7_cute_probe gpu 2:stm:benchgate
 step "b7 unit, strong gates" b7.jsonl 100 python3 -m research.b7_cute_probe gpu 2:stm:strong
-step "b7 unit, bench gates, pair-by-pair path warp-parallel (wp)" b7.jsonl 100 python3 -m research.b7_cute_probe gpu 2:stm:benchgate:wp
-step "b7 unit, strong gates, wp" b7.jsonl 100 python3 -m research.b7_cute_probe gpu 2:stm:strong:wp
-step "b7 unit, gentle gates, wp" b7.jsonl 100 python3 -m research.b7_cute_probe gpu 2:stm:wp
 step "b7 unit with b10, bench gates" b7.jsonl 120 python3 -m research.b7_cute_probe gpu 2:l2:stm:benchgate
-step "b7 unit with b10, bench gates, wp" b7.jsonl 120 python3 -m research.b7_cute_probe gpu 2:l2:stm:benchgate:wp
 step "b7 unit with b10" b7.jsonl 120 python3 -m research.b7_cute_probe gpu 2:l2
 step "b6 persistent" b6.jsonl 100 python3 -m research.b6_cute_probe gpu 8
 step "b6 then b7-b9, fused" b6.jsonl 100 python3 -m research.b6_cute_probe gpu 8:fused
