@@ -23,4 +23,6 @@ if [ "${LAYER:-0}" = 1 ]; then  # fla's KimiDeltaAttention layer through patch_f
     python3 -m benchmarks.layer --B 2 --T 8192 --out $OUT/layer.jsonl $c 2>&1 | tail -8 | tee -a $log
   done
 fi
+# fla's autotune choices for this GPU (benchmarks/fla_configs/<gpu>): back with the results, to commit
+tar czf $OUT/fla_configs.tgz -C benchmarks fla_configs 2>/dev/null
 echo "done $(date +%T)" | tee -a $log
