@@ -35,8 +35,7 @@ def register_candidates(specs: list[str]) -> dict[str, str]:
                              f"{sorted(stages())}; got {spec!r}")
         module = importlib.import_module(parts[0])
         add_impl(stage, "ours", getattr(module, parts[1]), getattr(module, parts[2]) if len(parts) == 3 else None)
-        form = getattr(module, "candidate_form", lambda: "")()  # (a build option the module reads from the environment)
-        chosen[stage] = f"{target}+{form}" if form else target
+        chosen[stage] = target
     return chosen
 
 
