@@ -3,6 +3,7 @@ single-GPU call on the whole batch (parity) and against fla's own context parall
 
     python -m benchmarks.cp --world 2 --tokens 32768,131072 --out $OUT/cp.jsonl
     python -m benchmarks.cp --world 2 --device cpu --tokens 256 --heads 2 --K 32 --V 16   # a rehearsal (gloo)
+    python -m benchmarks.cp --world 2 --one-gpu --tokens 8192 --out $OUT/cp.jsonl   # parity on one GPU
 
 One process a GPU (NCCL; gloo on the CPU), each holding its share of one packed batch of
 ``world x tokens`` tokens at the production head dims (16 heads of K=128, V=256, bf16, the
@@ -16,6 +17,10 @@ boundaries. Per layout (contiguous, and fla 0.6's zigzag where it is installed):
 - time: fwd+bwd of ours (both summaries) and of fla's ``chunk_kda`` with the same context,
   interleaved round by round, CUDA events on every rank, a barrier before each call; the
   slowest rank's median.
+
+``--one-gpu``: every rank on the one GPU there is, through gloo (which takes CUDA tensors by
+way of the host): the parity of both summaries, fla's kernels' included, on a machine of one
+GPU; no times (the ranks share the GPU).
 
 A row a (layout, tokens) from rank 0, printed and appended to ``--out``.
 """
@@ -64,8 +69,9 @@ def _rank_main(rank: int, world: int, args, init: str, out: str):
     try:
         cuda = args.device == "cuda"
         if cuda:
-            torch.cuda.set_device(rank)
-        dist.init_process_group("nccl" if cuda else "gloo", init_method=init, rank=rank, world_size=world)
+            torch.cuda.set_device(0 if args.one_gpu else rank)
+        dist.init_process_group("nccl" if cuda and not args.one_gpu else "gloo", init_method=init, rank=rank,
+                                world_size=world)
         rows = [_measure(rank, world, args, layout, tokens)
                 for tokens in (int(t) for t in args.tokens.split(",")) for layout in _layouts()]
         if rank == 0:
@@ -97,7 +103,7 @@ def _measure(rank: int, world: int, args, layout: str, tokens: int) -> dict:
     from kernel_fun.kda.problems import GRAD_NAMES, Problem, cotangents, leaves, make_inputs
 
     cuda = args.device == "cuda"
-    dev = f"cuda:{rank}" if cuda else "cpu"
+    dev = f"cuda:{0 if args.one_gpu else rank}" if cuda else "cpu"
     T = world * tokens
     cu_list = offsets(T, world)
     p = Problem("cp", 1, T, args.heads, args.heads, args.K, args.V, beta_sigmoid_in_kernel=True,
@@ -140,7 +146,7 @@ def _measure(rank: int, world: int, args, layout: str, tokens: int) -> dict:
             witness &= bool(record is not None and record.engaged and f"({variant})" in record.notes.get("CP", ""))
         del whole, got
         ms = {}
-        if cuda:
+        if cuda and not args.one_gpu:
             fla_fn = _fla.chunk_kda()
 
             def ours(variant):
@@ -172,7 +178,7 @@ def _measure(rank: int, world: int, args, layout: str, tokens: int) -> dict:
     return {"kind": "cp", "world": world, "layout": layout, "tokens_per_rank": tokens, "offsets": cu_list,
             "problem": p.describe(), "ms": ms, "speedup": (ms["fla"] / ms["ours"]) if ms else None,
             "vs_whole": dict(zip(sorted(errors), worst.tolist())), "witness_every_rank": bool(flags.item()),
-            "device": torch.cuda.get_device_name(rank) if cuda else "cpu"}
+            "one_gpu": bool(args.one_gpu), "device": torch.cuda.get_device_name(dev) if cuda else "cpu"}
 
 
 def main(argv=None) -> int:
@@ -184,6 +190,7 @@ def main(argv=None) -> int:
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--tokens", default="32768,131072", help="each rank's share of the batch, comma list")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--one-gpu", action="store_true", help="every rank on GPU 0 through gloo: parity, no times")
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--K", type=int, default=128)
     parser.add_argument("--V", type=int, default=256)
