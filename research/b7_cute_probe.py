@@ -1,8 +1,12 @@
-"""B7's three sums on chip in CuTe DSL (sm_90a), and the B7-B9 unit on them: the first piece of
-B7 for the fused backward kernel (docs/log/bwd-fused.md, steps 6-11). Not registered. Measured
-on an H100 (2026-12-06): right everywhere, but the unit takes 19.2 ms against the registered
-unit's 9.85. Nsight Compute puts 64% of its stalls on instruction fetch: 145 KB of hot
-straight-line code. Its body also runs inside research.b6_cute_probe's fused kernel.
+"""B7's three sums on chip in CuTe DSL (sm_90a), and the B7-B9 unit on them (with B10 too):
+the backward's candidate for B7-B10 (docs/log/bwd-fused.md). Not registered yet. Measured on
+an H100 (2026-12-06, rows in benchmarks/results/):
+- the unit with B10 at the op bench's gates: 9.9 ms against 11.3 for the registered Triton unit;
+- in the whole op at prod8192_gate: 32.4 ms against 37.3 with the registered stages (fla 52.9);
+- under gates past the guard: 25.6 against 25.2.
+
+Its time follows its instruction count (a straight-line body of ~13,400 SASS instructions). Its
+body also runs inside research.b6_cute_probe's fused kernel.
 
 CuTe DSL 4.8.1 has no tf32 warpgroup MMA for Hopper: its warpgroup ops take bf16/fp16, fp8
 and int8; tf32 is only in the sm80 warp MMA and in Blackwell's tcgen05. So where the Triton
@@ -62,8 +66,10 @@ read.
 
 With ``unit`` as well, the rest of the B7-B9 unit in the same kernel (the registered kernel's
 tail: dq2, dk2, db's part, B8's reverse cumsum, B9's gate backward and its parameters'
-partials), and ``intra_bwd`` / ``supports`` give it the stage registry's contract on the op's
-layout: a candidate for ``python -m benchmarks.op --candidate
+partials; dAqk's diagonal, each row's pair (r, r), added there in fp32 rather than in the split
+products, and left out of dg's terms, where its two cancel: dA_log under strong gates is a sum
+that shows every product's rounding), and ``intra_bwd`` / ``supports`` give it the stage
+registry's contract on the op's layout: a candidate for ``python -m benchmarks.op --candidate
 B7-B9=research.b7_cute_probe:intra_bwd:supports``.
 
 Layout (one head; the op's [B, T, H, C] tensors are viewed [B * T, H * C] at H heads):
@@ -611,15 +617,14 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
                 if cutlass.const_expr(unit):
                     _roles_bar()
                     o_c.store(frag(s_xc).load())
-                    _tail(thr_c, shape, w, lane, chunk, half, red, xch, xbar, o_q, o_k, o_c, dAqk, q, k, beta, dq, dk, dg,
-                          g_raw, a_log, dt_bias, dq2, dk2, dg2, db_part, dA_part, dbias_part, q_rstd, k_rstd)
+                    _tail(thr_c, shape, w, lane, chunk, half, red, xch, xbar, o_q, o_k, o_c, dAqk, q, k, beta, dq, dk,
+                          dg, g_raw, a_log, dt_bias, dq2, dk2, dg2, db_part, dA_part, dbias_part, q_rstd, k_rstd)
                 else:
                     store(((o_q, x_q), (o_k, x_kr)))
 
     @cute.jit
     def _tail(thr_c, shape, w, lane, chunk, half, red, xch, xbar, o_q, o_k, o_c, dAqk, q, k, beta, dq, dk, dg, g_raw,
-              a_log,
-              dt_bias, dq2, dk2, dg2, db_part, dA_part, dbias_part, q_rstd, k_rstd, rows=None):
+              a_log, dt_bias, dq2, dk2, dg2, db_part, dA_part, dbias_part, q_rstd, k_rstd, rows=None):
         """``unit``: the B7-B9 unit's tail on this CTA's (chunk, K half), from the three sums in
         registers (``l2``: with B10's l2norm backward of dq2 and dk2; ``rows``: the chunk's first row, its
         length and which of the thread's elements are in it, ``var``'s). A thread's element i = a + 2
@@ -922,7 +927,8 @@ def twin(dAqk, dAkk, q, k, g, beta, split: bool = True, within: bool = True, dia
         (a_hi, a_lo), (b_hi, b_lo) = parts(a), parts(b)
         return a_hi @ b_hi + ((a_hi @ b_lo + a_lo @ b_hi) if split else 0)
 
-    d_q = dAqk.float().view(n, BT, BT) * ((rows[None, :] <= rows[:, None]) if diag else (rows[None, :] < rows[:, None]))
+    lower = (rows[None, :] <= rows[:, None]) if diag else (rows[None, :] < rows[:, None])
+    d_q = dAqk.float().view(n, BT, BT) * lower
     d_k = dAkk.float().view(n, BT, BT) * (rows[None, :] < rows[:, None])
     out = []
     for d in (d_q, d_k):
@@ -962,8 +968,8 @@ def twin_unit(t: dict, split: bool = True, lower_bound: float | None = None, has
               l2: bool = False) -> tuple:
     """The ``unit`` build's arithmetic in torch on ``make_tensors``'s tensors (H = 1): the
     twin's sums without dAqk's diagonal, then the kernel's tail as written there (the diagonal's
-    pairs added to dq2 and dk2 in fp32, and left out of dg's sum, where they cancel), for the gate form the build takes
-    (softplus, or with ``lower_bound`` the sigmoid form; ``has_bias``: dt_bias added). Returns
+    pairs added to dq2 and dk2 in fp32, and left out of dg's sum, where they cancel), for the
+    gate form the build takes (softplus, or with ``lower_bound`` the sigmoid form; ``has_bias``: dt_bias added). Returns
     (dq2, dk2, db, dg2, dA_log, ddt_bias) with db, dA_log and ddt_bias summed over the K
     halves' and chunk-heads' partials as a caller of the kernel adds them (ddt_bias None
     without dt_bias). ``l2``: dq2 and dk2 through B10's l2norm backward, in bf16, as that build

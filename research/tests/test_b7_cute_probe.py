@@ -3,7 +3,8 @@ reference B7 (dq's part, and dk's row and column parts together), whole or less 
 within a block; its twin (the kernel's arithmetic in torch: anchors, masks, bf16 split, the
 pairs within a block through their first rows or, past the guard, one by one) meets them at
 the split's precision under gentle and extreme gates, and one bf16 product does not; and
-the unit's tail (assembly, B8, B9) meets the reference B7-B9 unit; and where CuTe DSL is
+the unit's tail (assembly, B8, B9) meets the reference B7-B9 unit, and keeps dA_log within
+budget under strong gates on the reference chain's inputs; and where CuTe DSL is
 installed, every build compiles for sm_90a without spills or ptxas's speed notes."""
 
 import json
