@@ -1246,7 +1246,7 @@ def sm90_row(dump: str, split: bool, within: bool, unit: bool = False, **form) -
 def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = True, unit: bool = False,
             reps: int = 20, strength: float = 0.3, lower_bound: float | None = None, has_bias: bool = True,
             l2: bool = False, phased: bool = False, wg2: bool = False, ws: bool = False, stm: bool = False,
-            bench_gate: bool = False) -> dict:
+            bench_gate: bool = False, dyn: bool = False) -> dict:
     """On a GPU: x_q, x_kr and x_c against float64 and against the twin on 64 chunk-heads
     spread over all (with ``unit``, which keeps them in registers, the twin's alone); with
     ``unit``, the unit's six outputs against the registered Triton B7-B9
@@ -1254,7 +1254,9 @@ def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = T
     one head) and its per-token ones against float64 (``reference.intra_bwd_tail``) on the 64;
     then the CUDA-event time at ``nch`` chunk-heads against the bytes it moves, the registered
     unit's beside it; then the kernel's causality to the bit. ``l2``: the unit with B10, held to
-    the registered unit followed by the op's B10 (fla's l2norm backward), timed against both."""
+    the registered unit followed by the op's B10 (fla's l2norm backward), timed against both.
+    ``dyn``: the rows a run-time extent (one build for any B * T, as a shipped build would take
+    dense tensors)."""
     import cuda.bindings.driver as cuda
     import cutlass.cute as cute
     import torch
@@ -1264,7 +1266,8 @@ def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = T
     t = make_tensors(nch, K, "cuda", strength=strength, ns=ns, bench_gate=bench_gate)
     if l2:  # (B10 writes q's and k's dtype)
         t.update(dq2=t["dq2"].bfloat16(), dk2=t["dk2"].bfloat16())
-    args = [from_dlpack(t[n], assumed_align=16) for n in ARGS]
+    args = (dlpack_args(t, rows_dynamic=True, l2=l2) if dyn else
+            [from_dlpack(t[n], assumed_align=16) for n in ARGS])
     args.append(cuda.CUstream(torch.cuda.current_stream().cuda_stream))
     if not has_bias:  # (the build without dt_bias never reads it: zeros, as ``unit_views`` passes)
         t["dt_bias"].zero_()
@@ -1366,7 +1369,7 @@ def gpu_run(nch: int = 32768, K: int = 128, split: bool = True, within: bool = T
         moved += nch * (2 * BT * 4 - 2 * BT * K * 2)
     return {"kind": "gpu", "kernel": "b7_cute_probe", "split": split, "within": within, "unit": unit, "l2": l2,
             "phased": phased, "wg2": wg2, "ws": ws, "stm": stm,
-            "bench_gate": bench_gate,
+            "bench_gate": bench_gate, "dyn": dyn,
             "strength": strength, "lower_bound": lower_bound, "has_bias": has_bias, "chunk_heads": nch,
             "errors": errors, **registered, "slow_share": share,
             "finite": finite, "causal_to_the_bit": causal, "ms": ms, "bytes": moved, "TB_s": moved / ms / 1e9,
@@ -1406,7 +1409,7 @@ def main(argv=None) -> int:
         # no dt_bias, 2:lb:nobias both; 2:l2 B10 in the unit; 2:phased the operands in two phases;
         # any build's, 0:wg2, the roles on two warpgroups, 0:ws, that with an idle third and 232 registers;
         # 0:stm, the shared tiles written by stmatrix; 0:benchgate, the
-        # op bench's gate draw; 2:strong, the gates past the guard)
+        # op bench's gate draw; 2:strong, the gates past the guard; 2:dyn, the rows a run-time extent)
         for arg in argv[1:] or [str(i) for i in range(len(BUILDS))]:
             index, *form = arg.split(":")
             split, within, unit = BUILDS[int(index)]
@@ -1414,7 +1417,7 @@ def main(argv=None) -> int:
                                      lower_bound=-5.0 if "lb" in form else None, l2="l2" in form,
                                      phased="phased" in form, wg2="wg2" in form or "ws" in form,
                                      ws="ws" in form, stm="stm" in form,
-                                     bench_gate="benchgate" in form,
+                                     bench_gate="benchgate" in form, dyn="dyn" in form,
                                      strength=10.0 if "strong" in form else 0.3)), flush=True)
         if not argv[1:]:
             print(json.dumps(gpu_run(strength=10.0)), flush=True)

@@ -26,6 +26,7 @@ step "b7 unit, tiles by stmatrix" b7.jsonl 100 python3 -m research.b7_cute_probe
 step "b7 unit, bench gates" b7.jsonl 100 python3 -m research.b7_cute_probe gpu 2:stm:benchgate
 step "b7 unit, strong gates" b7.jsonl 100 python3 -m research.b7_cute_probe gpu 2:stm:strong
 step "b7 unit with b10, bench gates" b7.jsonl 120 python3 -m research.b7_cute_probe gpu 2:l2:stm:benchgate
+step "b7 unit with b10, bench gates, rows a run-time extent (dyn)" b7.jsonl 120 python3 -m research.b7_cute_probe gpu 2:l2:stm:benchgate:dyn
 step "b7 unit with b10" b7.jsonl 120 python3 -m research.b7_cute_probe gpu 2:l2
 step "b6 persistent" b6.jsonl 100 python3 -m research.b6_cute_probe gpu 8
 step "b6 then b7-b9, fused" b6.jsonl 100 python3 -m research.b6_cute_probe gpu 8:fused
