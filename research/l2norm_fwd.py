@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernel_fun._triton import to
+
 EPS = 1e-6
 BR, WARPS = 32, 4  # rows a program and its warps: 8 KB of bf16 in at K = 128
 
@@ -45,7 +47,7 @@ def _rows(x, y, rstd, row0, R, eps, K: tl.constexpr, BR: tl.constexpr, BK: tl.co
     off = rows.to(tl.int64)[:, None] * K + cols[None, :]
     b_x = tl.load(x + off, mask=m, other=0.0).to(tl.float32)
     b_r = 1 / tl.sqrt(tl.sum(b_x * b_x, 1) + eps)
-    tl.store(y + off, (b_x * b_r[:, None]).to(y.dtype.element_ty), mask=m)
+    tl.store(y + off, to(b_x * b_r[:, None], y.dtype.element_ty), mask=m)
     tl.store(rstd + rows, b_r, mask=m_r)
 
 
