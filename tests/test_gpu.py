@@ -14,6 +14,8 @@ stored entry matches) do not autotune either:
 
 - Each kernel of kernel-fun's against fla's stage (through its stage-bench entry's inputs and
   bars, or on the inputs fla's chain gives the stage), and the whole op's launch witness.
+- Context parallel on the one GPU (two ranks through gloo), both summaries against the whole
+  batch.
 """
 
 from __future__ import annotations
@@ -859,3 +861,24 @@ def test_a_capacity_shaped_step_tracks_fla_and_replays_new_offsets():
             assert torch.equal(got[:, :1500], expected[:, :1500])
         else:
             assert torch.equal(got, expected)
+
+
+def test_context_parallel_on_one_gpu_tracks_the_whole_batch(tmp_path):
+    """Context parallel on the one GPU: two ranks through gloo (``benchmarks.cp --one-gpu``),
+    sequences crossing the ranks' boundary. Each rank's o and gradients are held against its
+    slice of the whole batch's, within fla's budgets, with both exchanges' summaries: the torch
+    ones, and fla's kernels (``KERNEL_FUN_CP_SUMMARIES=fla``). The launch witness holds on every
+    rank."""
+    pytest.importorskip("fla.ops.cp")
+    import json
+
+    from benchmarks import cp
+
+    out = tmp_path / "cp.jsonl"
+    assert cp.main(["--world", "2", "--one-gpu", "--tokens", "1024", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows and all(r["witness_every_rank"] for r in rows)
+    for r in rows:
+        assert {n.split(":")[1] for n in r["vs_whole"]} == {"torch", "fla"}, r["vs_whole"]
+        misses = {n: e for n, e in r["vs_whole"].items() if not e <= ref.BUDGETS[n.split(":")[0]]}
+        assert not misses, (r["layout"], misses)
