@@ -35,7 +35,6 @@ within it), against 1.64: F3-F6 4.91 to ~4.0 ms, the forward 8.08 to ~7.2.
 
 from __future__ import annotations
 
-import json
 import sys
 
 import torch
@@ -46,6 +45,18 @@ from kernel_fun._triton import GUARD_SPAN, chunk_head, dot3, to
 
 BT, BC = 64, 16
 BKS, WARPS = 32, 4  # the channels a slice, the warps a program: 149 registers, no spills (sm_90a)
+
+
+@triton.jit
+def _slice(q, k, g, p_qk, p_g, m_r, i_k, K: tl.constexpr, BK: tl.constexpr):
+    """The block's rows of q, k and g in channel slice i_k, fp32 (rows past the chunk's end 0)."""
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_k = o_k < K
+    m = m_r[:, None] & m_k[None, :]
+    b_q = tl.load(q + p_qk + o_k[None, :], mask=m, other=0.0).to(tl.float32)
+    b_k = tl.load(k + p_qk + o_k[None, :], mask=m, other=0.0).to(tl.float32)
+    b_g = tl.load(g + p_g + o_k[None, :], mask=m, other=0.0).to(tl.float32)
+    return o_k, m_k, m, b_q, b_k, b_g
 
 
 @triton.jit
@@ -67,14 +78,9 @@ def _block(q, k, g, beta, Aqk, Akkd, scale, r0, n, i_h, i_hv, H: tl.constexpr, H
     b_Akk = tl.zeros([BC, BC], dtype=tl.float32)
     far = tl.zeros([BC], dtype=tl.float32)  # each row's largest |g - g[u]|
     for i_k in range(0, tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        m_k = o_k < K
-        m = m_r[:, None] & m_k[None, :]
-        b_q = tl.load(q + p_qk + o_k[None, :], mask=m, other=0.0).to(tl.float32)
-        b_k = tl.load(k + p_qk + o_k[None, :], mask=m, other=0.0).to(tl.float32)
+        o_k, m_k, m, b_q, b_k, b_g = _slice(q, k, g, p_qk, p_g, m_r, i_k, K, BK)
         b_gu = tl.load(g + (tu * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-        # (rows past the chunk's end read as the anchor's: their factors 1, their q and k 0)
-        b_g = tl.load(g + p_g + o_k[None, :], mask=m, other=0.0).to(tl.float32)
+        # (rows past the chunk's end take the anchor's g: their factors 1, their q and k 0)
         d = tl.where(m, b_g - b_gu[None, :], 0.0)
         far = tl.maximum(far, tl.max(tl.abs(d), axis=1))
         far = tl.where(tl.sum(tl.where(d != d, 1, 0), axis=1) > 0, float("nan"), far)  # (a NaN stays one)
@@ -98,12 +104,7 @@ def _block(q, k, g, beta, Aqk, Akkd, scale, r0, n, i_h, i_hv, H: tl.constexpr, H
             a_q = tl.zeros([BC], dtype=tl.float32)
             a_k = tl.zeros([BC], dtype=tl.float32)
             for i_k in range(0, tl.cdiv(K, BK)):
-                o_k = i_k * BK + tl.arange(0, BK)
-                m_k = o_k < K
-                m = m_r[:, None] & m_k[None, :]
-                b_q = tl.load(q + p_qk + o_k[None, :], mask=m, other=0.0).to(tl.float32)
-                b_k = tl.load(k + p_qk + o_k[None, :], mask=m, other=0.0).to(tl.float32)
-                b_g = tl.load(g + p_g + o_k[None, :], mask=m, other=0.0).to(tl.float32)
+                o_k, m_k, m, b_q, b_k, b_g = _slice(q, k, g, p_qk, p_g, m_r, i_k, K, BK)
                 b_ks = tl.load(k + (ts * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
                 b_gs = tl.load(g + (ts * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
                 b_f = tl.where(m, b_ks[None, :] * tl.exp2(b_g - b_gs[None, :]), 0.0)
@@ -242,6 +243,7 @@ def gpu(out: str | None = None) -> list[dict]:
 
     from fla.ops.kda.chunk_intra_token_parallel import chunk_kda_fwd_intra_token_parallel
 
+    from research import emit_row
     from kernel_fun import _fla
     from kernel_fun.bench.timing import cuda_times
     from kernel_fun.kda import chunk_kda, use_impls
@@ -299,14 +301,11 @@ def gpu(out: str | None = None) -> list[dict]:
         row.update(f4_ms={f"{c[0]}x{c[1]}": statistics.median(v) for c, v in t4o.items()},
                    fla_f4_ms=statistics.median(t4f), f3_f6_ms=statistics.median(t6o),
                    fla_f3_f6_ms=statistics.median(t6f), gpu=torch.cuda.get_device_name())
-        print(json.dumps(row), flush=True)
-        rows.append(row)
-        if out:
-            with open(out, "a") as fh:
-                fh.write(json.dumps(row) + "\n")
+        rows.append(emit_row(row, out))
     return rows
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["gpu"]:
-        gpu(sys.argv[sys.argv.index("--out") + 1] if "--out" in sys.argv else None)
+    from research import gpu_main
+
+    gpu_main(gpu, sys.argv)

@@ -25,7 +25,6 @@ for K above 512 or a non-contiguous row layout.
 
 from __future__ import annotations
 
-import json
 import sys
 
 import torch
@@ -95,6 +94,7 @@ def gpu(out: str | None = None) -> list[dict]:
 
     from fla.modules.l2norm import l2norm_fwd as fla_fwd
 
+    from research import emit_row
     from kernel_fun.bench.timing import cuda_times
     from kernel_fun.kda import reference as ref
 
@@ -127,14 +127,11 @@ def gpu(out: str | None = None) -> list[dict]:
             fla_t += cuda_times(theirs, 20)
         row.update(ms=statistics.median(ours_t), fla_ms=statistics.median(fla_t), bytes=moved,
                    TB_s=moved / statistics.median(ours_t) / 1e9, gpu=torch.cuda.get_device_name())
-        print(json.dumps(row), flush=True)
-        rows.append(row)
-        if out:
-            with open(out, "a") as f:
-                f.write(json.dumps(row) + "\n")
+        rows.append(emit_row(row, out))
     return rows
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["gpu"]:
-        gpu(sys.argv[sys.argv.index("--out") + 1] if "--out" in sys.argv else None)
+    from research import gpu_main
+
+    gpu_main(gpu, sys.argv)
