@@ -219,16 +219,20 @@ def exact_diag(q, k, gc, beta, scale, cu_seqlens=None):
     return Aqk, Akkd
 
 
-def diag_mask(T: int, HV: int, cu_seqlens=None, B: int = 1, device="cpu"):
-    """Where F4 writes values both kernels define: (Aqk's diagonal blocks' lower triangles
-    [B, T, HV, 64], Akkd's strict lower triangles [B, T, HV, 16]), chunks from each sequence's
-    start."""
+def positions(T: int, cu_seqlens=None, device="cpu"):
+    """Each token's position within its sequence, [T] (one sequence of T, or the packed ones)."""
     starts = torch.zeros(T, dtype=torch.long, device=device)
     if cu_seqlens is not None:
         for x, y in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()):
             starts[x:y] = x
-    pos = torch.arange(T, device=device) - starts  # (within the sequence)
-    r = pos % BT
+    return torch.arange(T, device=device) - starts
+
+
+def diag_mask(T: int, HV: int, cu_seqlens=None, B: int = 1, device="cpu"):
+    """Where F4 writes values both kernels define: (Aqk's diagonal blocks' lower triangles
+    [B, T, HV, 64], Akkd's strict lower triangles [B, T, HV, 16]), chunks from each sequence's
+    start."""
+    r = positions(T, cu_seqlens, device) % BT
     cols = torch.arange(BT, device=device)
     mq = (cols[None, :] // BC == r[:, None] // BC) & (cols[None, :] <= r[:, None])
     mk = torch.arange(BC, device=device)[None, :] < (r % BC)[:, None]
@@ -285,7 +289,7 @@ def gpu(out: str | None = None) -> list[dict]:
         want = _fla.intra(**full)
         got = intra(**full)
         # (Aqk where both write it: each chunk's lower triangle; fla leaves the rest unwritten)
-        low = ((torch.arange(BT, device="cuda")[None, :] <= (torch.arange(T, device="cuda") % BT)[:, None])
+        low = ((torch.arange(BT, device="cuda")[None, :] <= (positions(T, device="cuda") % BT)[:, None])
                [None, :, None, :].expand(B, T, HV, BT))
         row["stage_vs_fla"] = {name: ref.rel_rms(x[low] if name == "Aqk" else x, y[low] if name == "Aqk" else y)
                                for name, x, y in zip(("w", "u", "kg", "Aqk", "Akk", "qg"), got, want) if x is not None}

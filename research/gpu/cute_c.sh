@@ -2,8 +2,7 @@
 # Call 3 (carry .gpu), on the same warm machine after cute_a/cute_n: the whole op at
 # prod8192_gate, fla and ours with the registered stages, then ours with each candidate, each
 # with the op bench's parity and fla in-process.
-# CAND: any of unit, l2, b6, fused, f1 (research.l2norm_fwd), f4 (research.f4_diag), or both
-# (unit and b6); default unit.
+# CAND: any of unit, l2, b6, fused, or both (unit and b6); default unit. (The forward's candidates: fwd_c.sh.)
 # BASE=0 leaves out the first (registered) run. SHAPES (comma-separated): other shapes than
 # prod8192_gate (each one's first fla compile takes minutes on a fresh machine). LAYER=1: then
 # fla's layer through patch_fla(), registered and with the unit with B10.
@@ -18,8 +17,6 @@ case $CAND in *unit*|both) run --impls fla,ours --candidate B7-B9=research.b7_cu
 case $CAND in *l2*|both) run --impls fla,ours --candidate B7-B10=research.b7_cute_probe:intra_bwd_l2:supports_l2;; esac
 case $CAND in *b6*|both) run --impls fla,ours --candidate B6=research.b6_cute_probe:wy_dqkg_bwd:supports;; esac
 case $CAND in *fused*) run --impls fla,ours --candidate B6-B9=research.b6_cute_probe:wy_intra_bwd:supports_fused;; esac
-case $CAND in *f1*) run --impls fla,ours --candidate F1=research.l2norm_fwd:l2norm_fwd:supports;; esac
-case $CAND in *f4*) run --impls fla,ours --candidate F3-F6=research.f4_diag:intra:supports;; esac
 if [ "${LAYER:-0}" = 1 ]; then  # fla's KimiDeltaAttention layer through patch_fla(): registered, then with the unit with B10
   for c in "" "--candidate B7-B10=research.b7_cute_probe:intra_bwd_l2:supports_l2"; do
     echo "== layer $c $(date +%T)" | tee -a $log

@@ -8,35 +8,20 @@ import pytest
 import torch
 
 from kernel_fun.kda import reference as ref
-from research.f4_diag import BC, BT, diag_blocks, diag_mask, exact_diag
-
-
-def _chunk_indices(cu: torch.Tensor) -> torch.Tensor:
-    out = []
-    for n, (x, y) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
-        out += [[n, c] for c in range((y - x + BT - 1) // BT)]
-    return torch.tensor(out, dtype=torch.int32)
+from kernel_fun.kda.chain import host_chunk_indices
+from research.f4_diag import BC, BT, diag_blocks, diag_mask, exact_diag, positions
 
 
 def _inputs(B, T, H, HV, K, dtype, rate, seed=0):
-    """q, k in ``dtype`` (l2-normalized rows, as the op hands them on), the gate's chunk cumsum
-    in log2 units with a per-token decay of ``rate`` (a float or a per-head list), beta."""
+    """q, k in ``dtype`` (l2-normalized rows, as the op hands them on), the gate's log2 decay a
+    token of 0 to 2 ``rate`` (a float or a per-head list; its chunk cumsum is F4's g), beta."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1).to(dtype)
     k = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1).to(dtype)
     rates = torch.tensor(rate if isinstance(rate, list) else [rate] * HV).view(1, 1, HV, 1)
     step = -torch.rand(B, T, HV, K, generator=gen) * 2 * rates
-    gc = torch.cat([c.cumsum(1) for c in step.split(BT, dim=1)], dim=1)  # (dense chunks: packed below)
     beta = torch.rand(B, T, HV, generator=gen).to(dtype)
-    return q, k, gc, beta
-
-
-def _packed_cumsum(step: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
-    out = torch.empty_like(step)
-    for x, y in zip(cu[:-1].tolist(), cu[1:].tolist()):
-        for c0 in range(x, y, BT):
-            out[:, c0:min(c0 + BT, y)] = step[:, c0:min(c0 + BT, y)].cumsum(1)
-    return out
+    return q, k, step, beta
 
 
 CASES = [
@@ -51,13 +36,12 @@ CASES = [
 
 @pytest.mark.parametrize("name, B, T, H, HV, K, dtype, rate, cu", CASES, ids=[c[0] for c in CASES])
 def test_the_diagonal_blocks_are_their_definition(name, B, T, H, HV, K, dtype, rate, cu):
-    q, k, gc, beta = _inputs(B, T, H, HV, K, dtype, rate)
+    q, k, step, beta = _inputs(B, T, H, HV, K, dtype, rate)
     ci = None
     if cu is not None:
         cu = torch.tensor(cu, dtype=torch.int32)
-        step = torch.cat([gc[:, :1], gc[:, 1:] - gc[:, :-1]], 1)
-        gc = _packed_cumsum(step.clamp(max=0), cu)
-        ci = _chunk_indices(cu)
+        ci = host_chunk_indices(cu, cu.clone(), BT)
+    gc = ref.chunk_cumsum(step, chunk_size=BT, cu_seqlens=cu)  # (each sequence's chunks from its start)
     scale = K ** -0.5
     sentinel = 7.0
     Aqk = torch.full((B, T, HV, BT), sentinel, dtype=k.dtype)
@@ -71,12 +55,7 @@ def test_the_diagonal_blocks_are_their_definition(name, B, T, H, HV, K, dtype, r
     bar = ref.rel_rms(e_q[m_q].to(k.dtype), e_q[m_q])
     assert ref.rel_rms(Aqk[m_q], e_q[m_q]) <= 1.05 * bar + 2e-6, (ref.rel_rms(Aqk[m_q], e_q[m_q]), bar)
     # above a block's diagonal: 0; outside the diagonal blocks: untouched
-    r = torch.arange(T)
-    if cu is not None:
-        starts = torch.zeros(T, dtype=torch.long)
-        for x, y in zip(cu[:-1].tolist(), cu[1:].tolist()):
-            starts[x:y] = x
-        r = r - starts
+    r = positions(T, cu)
     cols = torch.arange(BT)
     in_block = (cols[None, :] // BC == (r % BT)[:, None] // BC)[None, :, None, :].expand_as(Aqk)
     assert (Aqk[in_block & ~m_q] == 0).all()
@@ -89,7 +68,8 @@ def test_the_diagonal_blocks_are_their_definition(name, B, T, H, HV, K, dtype, r
 def test_the_output_at_a_token_ignores_later_tokens(rate, t, poison):
     """Every input after token t changed (the gate by ``poison``: a shift, a NaN, a decay that
     sends the later rows past the guard, an inf): the outputs at tokens <= t bit for bit."""
-    q, k, gc, beta = _inputs(1, 64, 1, 1, 64, torch.bfloat16, [rate])
+    q, k, step, beta = _inputs(1, 64, 1, 1, 64, torch.bfloat16, [rate])
+    gc = ref.chunk_cumsum(step, chunk_size=BT)
     fresh = lambda: (torch.zeros(1, 64, 1, BT, dtype=k.dtype), torch.zeros(1, 64, 1, BC))  # noqa: E731
     base = diag_blocks(q, k, gc, beta, 0.125, None, None, *fresh())
     q2, k2, gc2, beta2 = (x.clone() for x in (q, k, gc, beta))
