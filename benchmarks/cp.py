@@ -62,6 +62,27 @@ def local_tokens(x, rank: int, world: int, layout: str):
     return torch.cat([x[:, rank * part:(rank + 1) * part], x[:, back * part:(back + 1) * part]], dim=1)
 
 
+def gloo_takes_stacked_gathers() -> None:
+    """``torch.distributed.all_gather_into_tensor`` as NCCL takes it, under gloo: NCCL takes the
+    output as the ranks' inputs stacked ([world, *shape], the layout fla's context-parallel
+    kernels pass) or concatenated on dim 0; gloo only concatenated. A stacked output goes to
+    gloo as its concatenated view: the same memory, the same result."""
+    import torch.distributed as dist
+
+    gather = dist.all_gather_into_tensor
+    if getattr(gather, "takes_stacked", False):
+        return
+
+    def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
+        if (input_tensor.dim() > 0 and output_tensor.dim() == input_tensor.dim() + 1
+                and output_tensor.shape[1:] == input_tensor.shape and output_tensor.is_contiguous()):
+            output_tensor = output_tensor.view(-1, *input_tensor.shape[1:])
+        return gather(output_tensor, input_tensor, group=group, async_op=async_op)
+
+    all_gather_into_tensor.takes_stacked = True
+    dist.all_gather_into_tensor = all_gather_into_tensor
+
+
 def _rank_main(rank: int, world: int, args, init: str, out: str):
     import torch
     import torch.distributed as dist
@@ -72,6 +93,8 @@ def _rank_main(rank: int, world: int, args, init: str, out: str):
             torch.cuda.set_device(0 if args.one_gpu else rank)
         dist.init_process_group("nccl" if cuda and not args.one_gpu else "gloo", init_method=init, rank=rank,
                                 world_size=world)
+        if dist.get_backend() == "gloo":
+            gloo_takes_stacked_gathers()
         rows = [_measure(rank, world, args, layout, tokens)
                 for tokens in (int(t) for t in args.tokens.split(",")) for layout in _layouts()]
         if rank == 0:

@@ -252,3 +252,42 @@ def test_the_summaries_are_the_chunk_steps_in_order(block, monkeypatch):
         dh, dM = step @ dh + 0.5 * (h(qg).transpose(1, 2) @ h(do)) - wt @ h(dv), step @ dM
     got = cp.backward_summary(qg, kg, w, do, dv, gc, 0.5, bos, eos, BT)
     assert ref.rel_rms(got, torch.cat([dh, dM], 2)) < 1e-6
+
+
+def _gather_worker(rank: int, world: int, init: str, out_dir: str):
+    from benchmarks.cp import gloo_takes_stacked_gathers
+
+    try:
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+        from fla.ops.cp.comm import all_gather_into_tensor
+
+        inp = torch.arange(6.0).view(3, 2) + 10 * rank
+        with pytest.raises(Exception, match="invalid tensor size"):  # (gloo alone: the stacked output refused)
+            all_gather_into_tensor(inp)
+        gloo_takes_stacked_gathers()
+        gloo_takes_stacked_gathers()  # (a second call wraps nothing twice)
+        got, _ = all_gather_into_tensor(inp)  # fla's layout: [world, *shape]
+        want = torch.stack([torch.arange(6.0).view(3, 2) + 10 * r for r in range(world)])
+        assert got.shape == want.shape and torch.equal(got, want), got
+        flat = torch.empty(world * 3, 2)  # (the concatenated layout passes as before)
+        dist.all_gather_into_tensor(flat, inp)
+        assert torch.equal(flat, want.view(-1, 2)), flat
+        with open(os.path.join(out_dir, f"rank{rank}"), "w") as f:
+            f.write("ok")
+    except BaseException:
+        with open(os.path.join(out_dir, f"rank{rank}"), "w") as f:
+            f.write(traceback.format_exc())
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_the_one_gpu_run_s_gloo_takes_fla_s_stacked_gathers(tmp_path):
+    """``benchmarks.cp --one-gpu`` runs fla's context-parallel kernels over gloo, whose
+    all-gather takes the output concatenated on dim 0 only; fla passes it stacked, as NCCL
+    takes it. With ``gloo_takes_stacked_gathers`` fla's gather gives every rank's input in rank
+    order."""
+    init = f"file://{tmp_path / 'rendezvous'}"
+    mp.start_processes(_gather_worker, args=(2, init, str(tmp_path)), nprocs=2, start_method="fork")
+    for rank in range(2):
+        assert (tmp_path / f"rank{rank}").read_text() == "ok", (tmp_path / f"rank{rank}").read_text()
