@@ -10,29 +10,10 @@ e.g. ``python -m research.b7_tiers --shapes prod8192_gate``.
 - ``profile_stage``: a stage's kernel run a few times for Nsight Compute.
 - ``b6_ws_probe``, ``b6_gluon``: B6 as warp-specialized Gluon kernels (docs/log/bwd-fused.md).
 - ``b6_cute_probe``: B6's V loop as a 2-CTA cluster in CuTe DSL (docs/log/bwd-fused.md).
-- ``l2norm_fwd``, ``f4_diag``: the forward's F1 in one launch, and F4 through an anchor row
-  (docs/log/prep.md).
+- ``b7_cute_probe``: B7's three sums on chip in CuTe DSL, and the B7-B9 and B7-B10 unit on them:
+  the backward's candidate for B7-B10 (docs/log/bwd-fused.md).
 
 A candidate kernel (one not yet measured the winner on the H200) lives here too, with its
 tests, until it is registered in the package: ``python -m benchmarks.op --candidate
 STAGE=research.<module>:<function>`` measures it in the whole op.
 """
-
-
-def emit_row(row: dict, out: str | None) -> dict:
-    """A GPU run's row: printed as one JSON line, and appended to ``out`` when given."""
-    import json
-    from pathlib import Path
-
-    from benchmarks.rows import append
-
-    print(json.dumps(row), flush=True)
-    if out:
-        append(Path(out), row)
-    return row
-
-
-def gpu_main(gpu, argv: list[str]) -> None:
-    """``python -m research.<module> gpu [--out FILE]``: the module's ``gpu(out)``."""
-    if argv[1:2] == ["gpu"]:
-        gpu(argv[argv.index("--out") + 1] if "--out" in argv else None)
