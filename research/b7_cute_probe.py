@@ -100,7 +100,7 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
           has_bias: bool = True, lower_bound: float | None = None, H: int = 1, l2: bool = False,
           phased: bool = False, wg2: bool = False, ws: bool = False, body_only: bool = False, stm: bool = False,
           dakk_global: bool = True, bars: tuple = (1, 2), G: int = 1,
-          var: bool = False):
+          var: bool = False, diag: bool = True):
     """The probe's host function (a ``cute.jit``) for K = 2 KH: one CTA of 128 threads a
     (K half, chunk-head). ``within``: the pairs within a block too. ``unit`` (with ``within``):
     then the rest of the B7-B9 unit, as the registered kernel's tail: dq2 = dq + x_q, dk2 = dk +
@@ -158,7 +158,9 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
     LOG2E = 1.4426950408889634
     # dAqk's diagonal out of the products, added in the unit's tail (not in a fused kernel's body,
     # whose registers are full: research.b6_cute_probe's spills 28 bytes with it)
-    DIAG = unit and not body_only
+    # (``diag`` off: the diagonal in the products as before, for a timing comparison only: dA_log
+    # under strong gates then misses its budget)
+    DIAG = unit and not body_only and diag
     import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
@@ -1081,8 +1083,22 @@ def intra_bwd_l2(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log
                      cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
 
 
+def intra_bwd_l2_nodiag(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log, dt_bias, lower_bound,
+                        chunk_size, cu_seqlens, chunk_indices, q_rstd, k_rstd):
+    """``intra_bwd_l2`` with dAqk's diagonal in the split products, as the unit had it before
+    its tail took the diagonal: for timing the two in the whole op only (the unit in the op went
+    from 7.9 ms to 12.2 with the change, on an H100, while the H = 1 probe moved 9.7 to 9.9).
+    Not a candidate: dA_log under strong gates misses its budget (0.032 at T = 500)."""
+    why = supports_l2(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log, dt_bias, lower_bound,
+                      chunk_size, cu_seqlens, chunk_indices, q_rstd, k_rstd)
+    if why:
+        raise ValueError(why)
+    return _run_unit(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, g, A_log, dt_bias, lower_bound, q_rstd, k_rstd,
+                     cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, diag=False)
+
+
 def _run_unit(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, g, A_log, dt_bias, lower_bound, q_rstd=None, k_rstd=None,
-              cu_seqlens=None, chunk_indices=None):
+              cu_seqlens=None, chunk_indices=None, diag: bool = True):
     """The unit build (``l2`` with q_rstd and k_rstd) on the op's tensors, compiled once a
     shape and gate form, and its outputs as the registry's. (The rows, B * T, as a run-time
     extent would make one build serve every B * T, for 184 more SASS instructions, 1.4%, not
@@ -1102,11 +1118,11 @@ def _run_unit(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, g, A_log, dt_bias, low
     args = dlpack_args(tensors, rows_dynamic=var, l2=l2, whole=not var)
     args.append(cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream))
     raw = "bf16" if g.dtype == torch.bfloat16 else "fp32"
-    key = (None if var else B * T, H, Hq, K, raw, dt_bias is not None, lower_bound, l2, var, dev.index)
+    key = (None if var else B * T, H, Hq, K, raw, dt_bias is not None, lower_bound, l2, var, diag, dev.index)
     if key not in _COMPILED:
         _COMPILED[key] = cute.compile(build(K, True, True, True, raw, dt_bias is not None,
                                             None if lower_bound is None else float(lower_bound), H, l2, stm=True,
-                                            G=H // Hq, var=var),
+                                            G=H // Hq, var=var, diag=diag),
                                      *args)
     _COMPILED[key](*args)
     return unit_outputs(tensors, db, A_log, dt_bias)
@@ -1203,7 +1219,7 @@ def chunk_rows(B: int, T: int, cu_seqlens=None, chunk_indices=None, device="cpu"
 def compile_offline(nch: int = 4, K: int = 128, split: bool = True, within: bool = True, unit: bool = False,
                     dump: str | None = None, H: int = 1, has_bias: bool = True, lower_bound: float | None = None,
                     l2: bool = False, phased: bool = False, wg2: bool = False, ws: bool = False, stm: bool = False,
-                    dyn: bool = False, G: int = 1, var: bool = False):
+                    dyn: bool = False, G: int = 1, var: bool = False, diag: bool = True):
     """Trace and compile for sm_90a with no GPU: the PTX and cubin land in ``dump`` (``dyn``: the
     rows a run-time extent, one build for any B * T; ``var``: the op's layout with T 20 short of
     whole chunks, its rows and chunks run-time extents)."""
@@ -1225,7 +1241,7 @@ def compile_offline(nch: int = 4, K: int = 128, split: bool = True, within: bool
                        op(H, BT), op(H, BT), op(H, K), op(H, K), op(H, K), op(H, K, dtype=torch.bfloat16),
                        torch.zeros(H), torch.zeros(H * K), *((op(H), op(H)) if l2 else ()))
     return cute.compile(build(K, split, within, unit, "bf16", has_bias, lower_bound, H, l2, phased, wg2, ws, stm=stm,
-                              G=G, var=var),
+                              G=G, var=var, diag=diag),
                         *dlpack_args(t, rows_dynamic=dyn or var, l2=l2, whole=not var), cuda.CUstream(0))
 
 
@@ -1393,14 +1409,14 @@ def main(argv=None) -> int:
             print(json.dumps(sm90_row(sub, split, within, unit)))
         return 0
     if argv[:1] == ["compile-one"]:
-        # (then optionally H, and a unit's gate form: lb, nobias)
+        # (then optionally H, and a unit's gate form: lb, nobias; nodiag: dAqk's diagonal in the products)
         compile_offline(split=bool(int(argv[1])), within=bool(int(argv[2])), unit=bool(int(argv[3])), dump=argv[4],
                         H=int(argv[5]) if len(argv) > 5 else 1, has_bias="nobias" not in argv[6:],
                         lower_bound=-5.0 if "lb" in argv[6:] else None, l2="l2" in argv[6:],
                         phased="phased" in argv[6:], wg2="wg2" in argv[6:] or "ws" in argv[6:],
                         ws="ws" in argv[6:], stm="stm" in argv[6:],
                         dyn="dyn" in argv[6:],
-                        G=2 if "gva2" in argv[6:] else 1, var="var" in argv[6:],
+                        G=2 if "gva2" in argv[6:] else 1, var="var" in argv[6:], diag="nodiag" not in argv[6:],
                         K=64 if "k64" in argv[6:] else 128)
         return 0
     if argv[:1] == ["gpu"]:  # every build at the gentle draw, then the whole sums under gates past the guard;

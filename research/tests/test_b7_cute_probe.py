@@ -227,7 +227,7 @@ def test_the_op_layout_the_unit_reads_and_writes(l2, G, K):
 
 @pytest.mark.parametrize("form", [[], ["lb", "nobias"], ["l2"], ["l2", "phased"], ["wg2"], ["ws"], ["l2", "ws"],
                                   ["stm"], ["stm", "dyn"], ["stm", "gva2"], ["stm", "var"],
-                                  ["l2", "stm", "var"], ["stm", "k64"], ["l2", "stm", "k64"]])
+                                  ["l2", "stm", "var"], ["stm", "k64"], ["l2", "stm", "k64"], ["l2", "stm", "nodiag"]])
 def test_the_unit_compiles_at_the_op_s_heads(tmp_path: Path, form):
     """The unit build on the op's layout at 16 heads (as ``intra_bwd`` builds it for
     prod8192_gate), with the softplus gate and dt_bias or the lower-bounded gate without it,
@@ -235,7 +235,8 @@ def test_the_unit_compiles_at_the_op_s_heads(tmp_path: Path, form):
     cluster's barrier twice), and that with its B operands in two phases, or its roles on two
     warpgroups (with an idle third, each role in the 232 registers a B6 consumer has), or its
     shared tiles written by stmatrix (and its rows a run-time extent, or GVA's two value heads a
-    q/k head, or chunks of any length, or K = 64 in one CTA a chunk-head): as clean as at one."""
+    q/k head, or chunks of any length, or K = 64 in one CTA a chunk-head, or dAqk's diagonal in
+    the products, the timing comparison's form): as clean as at one."""
     pytest.importorskip("cutlass.cute", reason="CuTe DSL (nvidia-cutlass-dsl) is not installed")
     root = Path(__file__).resolve().parents[2]
     done = subprocess.run([sys.executable, "-m", "research.b7_cute_probe", "compile-one", "1", "1", "1", str(tmp_path),
@@ -447,3 +448,16 @@ def test_the_unit_s_arithmetic_keeps_dA_log_in_budget_under_strong_gates(T):
                                   ("dq", dq, exact[0], 0.008)):
         err = ref.rel_rms(got.reshape(-1).double(), want_.reshape(-1).double())
         assert err < bar, (name, err)
+
+
+def test_the_timing_form_without_the_diagonal_takes_the_candidate_s_call():
+    """``intra_bwd_l2_nodiag`` (the unit before its tail took dAqk's diagonal, timed beside the
+    candidate in the op) takes the call ``intra_bwd_l2`` takes, and its compile cache keeps the
+    two forms apart."""
+    import inspect
+
+    from research import b7_cute_probe
+
+    assert inspect.signature(b7_cute_probe.intra_bwd_l2_nodiag) == inspect.signature(b7_cute_probe.intra_bwd_l2)
+    assert "diag" in inspect.signature(b7_cute_probe._run_unit).parameters
+    assert "diag, dev.index)" in inspect.getsource(b7_cute_probe._run_unit)

@@ -1,0 +1,25 @@
+# The whole op's fwd+bwd once at prod8192_gate on the op bench's draw (seed 0), the CuTe unit as
+# B7-B10, for ncu: the unit's is the one launch named kernel_cutlass. "nodiag" in argv: dAqk's
+# diagonal in the split products (research.b7_cute_probe.intra_bwd_l2_nodiag, the unit before
+# its tail took the diagonal).
+import sys
+
+import torch
+
+from benchmarks import fla_configs
+
+fla_configs.use_stored_configs(torch.cuda.get_device_name())  # (before fla is imported: no autotune)
+from benchmarks.op import register_candidates  # noqa: E402
+from kernel_fun.kda import chunk_kda, last_record  # noqa: E402
+from kernel_fun.kda.problems import cotangents, make_inputs, problem  # noqa: E402
+
+fn = "intra_bwd_l2_nodiag" if "nodiag" in sys.argv[1:] else "intra_bwd_l2"
+register_candidates([f"B7-B10=research.b7_cute_probe:{fn}:supports_l2"])
+p = problem("prod8192_gate")
+kw = make_inputs(p, device="cuda", seed=0)
+o, _ = chunk_kda(**kw)
+do, _ = cotangents(o, None, seed=7)
+o.backward(do)
+torch.cuda.synchronize()
+assert last_record().backward["B7-B10"] == "ours", last_record()
+print(fn, "ran once in the op")
