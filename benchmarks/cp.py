@@ -91,6 +91,9 @@ def _rank_main(rank: int, world: int, args, init: str, out: str):
         cuda = args.device == "cuda"
         if cuda:
             torch.cuda.set_device(0 if args.one_gpu else rank)
+            from benchmarks import fla_configs  # (fla's stored autotune choices for this GPU, before fla is imported)
+
+            fla_configs.use_stored_configs(torch.cuda.get_device_name())
         dist.init_process_group("nccl" if cuda and not args.one_gpu else "gloo", init_method=init, rank=rank,
                                 world_size=world)
         if dist.get_backend() == "gloo":
