@@ -45,9 +45,24 @@ CONV_OFFSETS = (0, 62, 130, 256)
 WORLDS = {2: ("cp2-cross", "cp2-pregated-vfirst", "cp2-keep", "conv"), 4: ("cp4-span3", "conv")}
 
 
-def _worker(rank: int, world: int, init: str, out_dir: str):
+def _in_group(rank: int, world: int, init: str, out_dir: str, check) -> None:
+    """``check()`` on this rank of a gloo group; the rank's file in ``out_dir`` says "ok" or
+    holds the traceback."""
     try:
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+        check()
+        text = "ok"
+    except BaseException:
+        text = traceback.format_exc()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    with open(os.path.join(out_dir, f"rank{rank}"), "w") as f:
+        f.write(text)
+
+
+def _worker(rank: int, world: int, init: str, out_dir: str):
+    def check():
         torch.manual_seed(0)
         from kernel_fun import _fla
 
@@ -59,14 +74,8 @@ def _worker(rank: int, world: int, init: str, out_dir: str):
                 else:
                     _, _, offsets, p = next(c for c in CASES if c[0] == case)
                     _check_rank(rank, world, offsets, p, layout)
-        with open(os.path.join(out_dir, f"rank{rank}"), "w") as f:
-            f.write("ok")
-    except BaseException:
-        with open(os.path.join(out_dir, f"rank{rank}"), "w") as f:
-            f.write(traceback.format_exc())
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+
+    _in_group(rank, world, init, out_dir, check)
 
 
 def _context(cu: torch.Tensor, layout: str, **kw):
@@ -257,8 +266,7 @@ def test_the_summaries_are_the_chunk_steps_in_order(block, monkeypatch):
 def _gather_worker(rank: int, world: int, init: str, out_dir: str):
     from benchmarks.cp import gloo_takes_stacked_gathers
 
-    try:
-        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    def check():
         from fla.ops.cp.comm import all_gather_into_tensor
 
         inp = torch.arange(6.0).view(3, 2) + 10 * rank
@@ -272,14 +280,8 @@ def _gather_worker(rank: int, world: int, init: str, out_dir: str):
         flat = torch.empty(world * 3, 2)  # (the concatenated layout passes as before)
         dist.all_gather_into_tensor(flat, inp)
         assert torch.equal(flat, want.view(-1, 2)), flat
-        with open(os.path.join(out_dir, f"rank{rank}"), "w") as f:
-            f.write("ok")
-    except BaseException:
-        with open(os.path.join(out_dir, f"rank{rank}"), "w") as f:
-            f.write(traceback.format_exc())
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+
+    _in_group(rank, world, init, out_dir, check)
 
 
 def test_the_one_gpu_run_s_gloo_takes_fla_s_stacked_gathers(tmp_path):
