@@ -2,7 +2,9 @@
 the backward's candidate for B7-B10 (docs/log/bwd-fused.md). Not registered yet. Measured on
 an H100 (2026-12-06, rows in benchmarks/results/):
 - the unit with B10 at the op bench's gates: 9.9 ms against 11.3 for the registered Triton unit;
-- in the whole op at prod8192_gate: 32.4 ms against 37.3 with the registered stages (fla 52.9);
+- in the whole op at prod8192_gate: 36.2 ms against 37.3 with the registered stages (fla 53.1),
+  its kernel 12.2 ms there; 32.4 ms, its kernel 7.9, before its tail took dAqk's diagonal (the
+  fix that keeps dA_log in budget under strong gates), not yet explained;
 - under gates past the guard: 25.6 against 25.2.
 
 Its time follows its instruction count (a straight-line body of ~13,400 SASS instructions). Its
@@ -85,6 +87,7 @@ in, dq2 and dk2 in bf16.
 """
 
 
+import functools
 import json
 import os
 import sys
@@ -1071,30 +1074,23 @@ def supports_l2(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log,
 
 
 def intra_bwd_l2(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log, dt_bias, lower_bound, chunk_size,
-                 cu_seqlens, chunk_indices, q_rstd, k_rstd):
+                 cu_seqlens, chunk_indices, q_rstd, k_rstd, *, diag: bool = True):
     """B7-B10 with the stage registry's contract from the ``l2`` unit build (B10's dq and dk in
     q's and k's dtype): a candidate for ``python -m benchmarks.op --candidate
-    B7-B10=research.b7_cute_probe:intra_bwd_l2:supports_l2``."""
+    B7-B10=research.b7_cute_probe:intra_bwd_l2:supports_l2``. ``diag`` off: ``build``'s ``diag``."""
     why = supports_l2(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log, dt_bias, lower_bound,
                       chunk_size, cu_seqlens, chunk_indices, q_rstd, k_rstd)
     if why:
         raise ValueError(why)
     return _run_unit(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, g, A_log, dt_bias, lower_bound, q_rstd, k_rstd,
-                     cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
+                     cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, diag=diag)
 
 
-def intra_bwd_l2_nodiag(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log, dt_bias, lower_bound,
-                        chunk_size, cu_seqlens, chunk_indices, q_rstd, k_rstd):
-    """``intra_bwd_l2`` with dAqk's diagonal in the split products, as the unit had it before
-    its tail took the diagonal: for timing the two in the whole op only (the unit in the op went
-    from 7.9 ms to 12.2 with the change, on an H100, while the H = 1 probe moved 9.7 to 9.9).
-    Not a candidate: dA_log under strong gates misses its budget (0.032 at T = 500)."""
-    why = supports_l2(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log, dt_bias, lower_bound,
-                      chunk_size, cu_seqlens, chunk_indices, q_rstd, k_rstd)
-    if why:
-        raise ValueError(why)
-    return _run_unit(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, g, A_log, dt_bias, lower_bound, q_rstd, k_rstd,
-                     cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, diag=False)
+# ``intra_bwd_l2`` with dAqk's diagonal in the split products, as the unit had it before its tail
+# took the diagonal: for timing the two in the whole op only (the unit in the op went from 7.9 ms
+# to 12.2 with the change, on an H100, while the H = 1 probe moved 9.7 to 9.9). Not a candidate:
+# dA_log under strong gates misses its budget (0.032 at T = 500).
+intra_bwd_l2_nodiag = functools.partial(intra_bwd_l2, diag=False)
 
 
 def _run_unit(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, g, A_log, dt_bias, lower_bound, q_rstd=None, k_rstd=None,

@@ -33,9 +33,8 @@ if [ "${NCU:-0}" = 1 ]; then  # Nsight Compute on the unit's launch in the op, w
       --launch-count 1 -f -o /tmp/op_$form python3 research/gpu/op_unit_once.py $form >> $log 2>&1
     echo "rc $? ncu $form" | tee -a $log
     ncu --import /tmp/op_$form.ncu-rep --page details > $OUT/ncu_$form.txt 2>>$log
+    ncu --import /tmp/op_$form.ncu-rep --page source --csv --print-source sass 2>>$log | gzip > $OUT/ncu_$form.sass.csv.gz
   done
-  ncu --import /tmp/op_nodiag.ncu-rep --page source --csv --print-source sass 2>>$log | gzip > $OUT/ncu_nodiag.sass.csv.gz
-  ncu --import /tmp/op_diag.ncu-rep --page source --csv --print-source sass 2>>$log | gzip > $OUT/ncu_diag.sass.csv.gz
 fi
 # fla's autotune choices for this GPU (benchmarks/fla_configs/<gpu>): back with the results, to commit
 tar czf $OUT/fla_configs.tgz -C benchmarks fla_configs 2>/dev/null

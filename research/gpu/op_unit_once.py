@@ -11,15 +11,12 @@ from benchmarks import fla_configs
 fla_configs.use_stored_configs(torch.cuda.get_device_name())  # (before fla is imported: no autotune)
 from benchmarks.op import register_candidates  # noqa: E402
 from kernel_fun.kda import chunk_kda, last_record  # noqa: E402
-from kernel_fun.kda.problems import cotangents, make_inputs, problem  # noqa: E402
+from kernel_fun.kda.problems import make_inputs, problem, run_fwd_bwd  # noqa: E402
 
 fn = "intra_bwd_l2_nodiag" if "nodiag" in sys.argv[1:] else "intra_bwd_l2"
 register_candidates([f"B7-B10=research.b7_cute_probe:{fn}:supports_l2"])
 p = problem("prod8192_gate")
-kw = make_inputs(p, device="cuda", seed=0)
-o, _ = chunk_kda(**kw)
-do, _ = cotangents(o, None, seed=7)
-o.backward(do)
+run_fwd_bwd(chunk_kda, make_inputs(p, device="cuda", seed=0))  # (the gate draw decides the unit's path)
 torch.cuda.synchronize()
 assert last_record().backward["B7-B10"] == "ours", last_record()
 print(fn, "ran once in the op")

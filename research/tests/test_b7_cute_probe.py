@@ -450,14 +450,14 @@ def test_the_unit_s_arithmetic_keeps_dA_log_in_budget_under_strong_gates(T):
         assert err < bar, (name, err)
 
 
-def test_the_timing_form_without_the_diagonal_takes_the_candidate_s_call():
+def test_the_timing_form_without_the_diagonal_takes_the_stage_s_call():
     """``intra_bwd_l2_nodiag`` (the unit before its tail took dAqk's diagonal, timed beside the
-    candidate in the op) takes the call ``intra_bwd_l2`` takes, and its compile cache keeps the
-    two forms apart."""
+    candidate in the op) takes B7-B10's inputs as the registry binds them, with the form off."""
     import inspect
 
+    from kernel_fun.kda.stages import stages
     from research import b7_cute_probe
 
-    assert inspect.signature(b7_cute_probe.intra_bwd_l2_nodiag) == inspect.signature(b7_cute_probe.intra_bwd_l2)
-    assert "diag" in inspect.signature(b7_cute_probe._run_unit).parameters
-    assert "diag, dev.index)" in inspect.getsource(b7_cute_probe._run_unit)
+    bound = inspect.signature(b7_cute_probe.intra_bwd_l2_nodiag).bind(**dict.fromkeys(stages()["B7-B10"].inputs))
+    bound.apply_defaults()
+    assert bound.arguments["diag"] is False
