@@ -163,7 +163,11 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
     # whose registers are full: research.b6_cute_probe's spills 28 bytes with it)
     # (``diag`` off: the diagonal in the products as before, for a timing comparison only: dA_log
     # under strong gates then misses its budget)
-    DIAG = unit and not body_only and diag
+    DIAG = unit and not body_only and bool(diag)
+    # (timing forms of the diagonal's read in the tail: "smem", the entries put in shared memory by
+    # da_tiles's threads that hold them; "zero", no read at all, its values wrong)
+    DIAG_FROM = (diag if isinstance(diag, str) else "global") if DIAG else None
+    assert DIAG_FROM in (None, "global", "smem", "zero")
     import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
@@ -302,7 +306,8 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
             ykh: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(b_l)], 1024]
             ykl: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(b_l)], 1024]
             # (unit) the warps' column sums for B8's cumsum and dt_bias's partial, and their dA_log sums
-            red: cute.struct.Align[cute.struct.MemRange[f32, 2 * NB * KH + NB], 128]
+            # (and, ``diag`` "smem", dAqk's diagonal by row)
+            red: cute.struct.Align[cute.struct.MemRange[f32, 2 * NB * KH + NB + BT], 128]
             # (l2) the K halves' row sums of dq2 q and dk2 k, [half, q or k, row]: this CTA's half
             # written here, the peer's copied in, and the barrier that copy completes on
             xch: cute.struct.Align[cute.struct.MemRange[f32, 4 * BT], 128]
@@ -410,11 +415,17 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
         # whose tail adds the pairs (r, r) in fp32): the row role reads them as they lie, the column
         # role MN-major
         # (``wg2``: warpgroup 0 writes dAqk's, warpgroup 1 dAkk's)
+        s_dd = cute.make_tensor(red + 2 * NB * KH + NB, cute.make_layout(BT)) if DIAG_FROM == "smem" else None
+
         def da_tiles(mats):
+            sd = s_dd  # (a local: the DSL passes a branch only the locals it writes)
             for mat in mats:
                 v = regs(_ld(frag((g_q, g_k)[mat]), ok))
                 for i in cutlass.range_constexpr(cute.size(shape)):
                     r, s = coords[i]
+                    if cutlass.const_expr(mat == 0 and DIAG_FROM == "smem"):
+                        if r == s:
+                            sd[r] = v[i]
                     v[i] = f32(cutlass.select_(s <= r if mat == 0 and not DIAG else s < r, v[i], f32(0.0)))
                 parts = _split(v.load())
                 put(mn(s_a[2 * mat]), parts[0])
@@ -656,14 +667,18 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
             # (y), the pair's two, q_r dAqk[r, r] k_r and the same less, cancel exactly: left out.
             # (A thread has two rows: element i's is 16 w + lane // 4 + 8 b, b = i // 2 % 2.)
             dd = [f32(0.0), f32(0.0)]
+            s_dd = cute.make_tensor(red + 2 * NB * KH + NB, cute.make_layout(BT))
             for b in cutlass.range_constexpr(2):
                 r = w * BC + lane // 4 + 8 * b
                 v = f32(0.0)
-                if cutlass.const_expr(var):
-                    if r < nval:
+                if cutlass.const_expr(DIAG_FROM == "smem"):
+                    v = s_dd[r]
+                elif cutlass.const_expr(DIAG_FROM == "global"):
+                    if cutlass.const_expr(var):
+                        if r < nval:
+                            v = dAqk[row0 + r, head * BT + r]
+                    else:
                         v = dAqk[row0 + r, head * BT + r]
-                else:
-                    v = dAqk[row0 + r, head * BT + r]
                 dd[b] = v
         # (dg's and db's terms first, so that the three sums are dead before dq2 and dk2 are formed)
         y = regs(_ld(tile(dg), ok) + qf * a_q + kf * (a_krb - a_c))
@@ -1091,6 +1106,10 @@ def intra_bwd_l2(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log
 # to 12.2 with the change, on an H100, while the H = 1 probe moved 9.7 to 9.9). Not a candidate:
 # dA_log under strong gates misses its budget (0.032 at T = 500).
 intra_bwd_l2_nodiag = functools.partial(intra_bwd_l2, diag=False)
+# the diagonal's read in the tail from shared memory (da_tiles's holders put it there), and not
+# read at all (its values wrong): which part of the change the op's time follows
+intra_bwd_l2_sdiag = functools.partial(intra_bwd_l2, diag="smem")
+intra_bwd_l2_zdiag = functools.partial(intra_bwd_l2, diag="zero")
 
 
 def _run_unit(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, g, A_log, dt_bias, lower_bound, q_rstd=None, k_rstd=None,
@@ -1412,7 +1431,9 @@ def main(argv=None) -> int:
                         phased="phased" in argv[6:], wg2="wg2" in argv[6:] or "ws" in argv[6:],
                         ws="ws" in argv[6:], stm="stm" in argv[6:],
                         dyn="dyn" in argv[6:],
-                        G=2 if "gva2" in argv[6:] else 1, var="var" in argv[6:], diag="nodiag" not in argv[6:],
+                        G=2 if "gva2" in argv[6:] else 1, var="var" in argv[6:],
+                        diag=("smem" if "sdiag" in argv[6:] else "zero" if "zdiag" in argv[6:]
+                              else "nodiag" not in argv[6:]),
                         K=64 if "k64" in argv[6:] else 128)
         return 0
     if argv[:1] == ["gpu"]:  # every build at the gentle draw, then the whole sums under gates past the guard;
