@@ -103,7 +103,7 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
           has_bias: bool = True, lower_bound: float | None = None, H: int = 1, l2: bool = False,
           phased: bool = False, wg2: bool = False, ws: bool = False, body_only: bool = False, stm: bool = False,
           dakk_global: bool = True, bars: tuple = (1, 2), G: int = 1,
-          var: bool = False, diag: bool = True):
+          var: bool = False, diag: bool = True, rolled: bool = False):
     """The probe's host function (a ``cute.jit``) for K = 2 KH: one CTA of 128 threads a
     (K half, chunk-head). ``within``: the pairs within a block too. ``unit`` (with ``within``):
     then the rest of the B7-B9 unit, as the registered kernel's tail: dq2 = dq + x_q, dk2 = dk +
@@ -149,6 +149,12 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
     zero rows and columns of dA, q, k and beta add nothing). The pair-by-pair path takes the
     chunk's rows alone; with ``l2``, B10's rstd and outputs too. Not with ``wg2`` or ``body_only``.
 
+    ``rolled`` (with ``unit``, one warpgroup, not ``phased``): the pair-by-pair path as one run-time
+    loop over a thread's 32 elements, its three sums an element put in the B operands' shared
+    memory (dead once the products are done) and added to the registers after it: ~5,100 SASS
+    instructions of cold code between the products and the tail become a few hundred. The same
+    operations in the same order: the sums to the bit.
+
     ``body_only``: return the B7 body alone (``body``, a ``cute.jit`` function) for a kernel that
     runs it on its own shared memory, with ``bars`` the named barriers it may take (the tail's,
     128 threads; the two roles', 256) and ``dakk_global`` off where that kernel has written dAkk's
@@ -183,6 +189,7 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
     XCH = l2 and NS == 2  # (B10's row sums swapped between the K halves; at K = 64 one CTA holds the row)
     assert G == 1 or not (l2 or wg2 or body_only)
     assert not var or (unit and not (wg2 or body_only or phased))
+    assert not rolled or (unit and not (wg2 or body_only or phased))
     bf16, f32 = cutlass.BFloat16, cutlass.Float32
     raw = {"bf16": bf16, "fp32": f32}[raw]
 
@@ -330,7 +337,7 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
         tens = (dAqk, dAkk, q, k, g, beta, x_q, x_kr, x_c, dq, dk, dg, g_raw, a_log, dt_bias, dq2, dk2, dg2, db_part,
                 dA_part, dbias_part, q_rstd, k_rstd, chunk_rows)
         sm = (s_a, s_at, s_b, storage.red.data_ptr(), storage.xch.data_ptr(), storage.xbar.data_ptr(),
-              storage.xc.data_ptr())
+              storage.xc.data_ptr(), cute.recast_ptr(storage.xh.data_ptr(), dtype=f32))
         mmas = (mma, mma_z, mma_t, mma_tz)
         if cutlass.const_expr(not wg2):
             body(0, tidx, w, lane, chunk, half, tens, sm, mmas)
@@ -561,7 +568,51 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
             for i in cutlass.range_constexpr(cute.size(shape)):
                 past = past + f32(cutlass.select_(sp[i] <= GUARD, f32(0.0), f32(1.0)))
             if cute.arch.vote_any_sync(past > f32(0.0)):
-                slow_serial(row, col, sp, o_q, o_k, o_c)
+                if cutlass.const_expr(rolled):
+                    slow_rolled(o_q, o_k, o_c)
+                else:
+                    slow_serial(row, col, sp, o_q, o_k, o_c)
+
+        def slow_rolled(o_q, o_k, o_c):
+            # (``rolled``: the thread's elements one by one in a run-time loop, element i = a + 2 b + 4 n
+            # at row 16 w + lane // 4 + 8 b, channel 8 n + 2 (lane % 4) + a; its three sums into the
+            # warp's 12 KB of the B operands' memory, lane-major, then added as slow_serial adds them)
+            scr = cute.make_tensor(sm[7] + w * (3 * 32 * 32), cute.make_layout((32, 32, 3), stride=(1, 32, 1024)))
+            u = w * BC
+            for i in cutlass.range(32, unroll=1):
+                t = u + lane // 4 + 8 * (i // 2 % 2)
+                c = 8 * (i // 4) + 2 * (lane % 4) + i % 2
+                a_q = f32(0.0)
+                a_k = f32(0.0)
+                a_c = f32(0.0)
+                inside = True
+                end = u + BC
+                if cutlass.const_expr(var):
+                    inside = t < nval
+                    end = cutlass.min(u + BC, nval)
+                if inside:
+                    if not (g_g[u, c] - g_g[t, c] <= GUARD):
+                        for s in cutlass.range(u, t + (0 if DIAG else 1), unroll=1):
+                            f = g_kk[s, c].to(f32) * cute.arch.exp2(g_g[t, c] - g_g[s, c])
+                            a_q += g_q[t, s] * f
+                            if cutlass.const_expr(DIAG):
+                                a_k += g_k[t, s] * f
+                            elif s < t:
+                                a_k += g_k[t, s] * f
+                        for r in cutlass.range(t + (1 if DIAG else 0), end, unroll=1):
+                            wt = g_q[r, t] * g_qq[r, c].to(f32)
+                            if cutlass.const_expr(DIAG):
+                                wt += g_k[r, t] * g_b[r] * g_kk[r, c].to(f32)
+                            elif r > t:
+                                wt += g_k[r, t] * g_b[r] * g_kk[r, c].to(f32)
+                            a_c += wt * cute.arch.exp2(g_g[r, c] - g_g[t, c])
+                scr[lane, i, 0] = a_q
+                scr[lane, i, 1] = a_k
+                scr[lane, i, 2] = a_c
+            for i in cutlass.range_constexpr(cute.size(shape)):
+                o_q[i] = o_q[i] + scr[lane, i, 0]
+                o_k[i] = o_k[i] + scr[lane, i, 1]
+                o_c[i] = o_c[i] + scr[lane, i, 2]
 
         def slow_serial(row, col, sp, o_q, o_k, o_c):
             for i in cutlass.range_constexpr(cute.size(shape)):
@@ -1089,16 +1140,16 @@ def supports_l2(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log,
 
 
 def intra_bwd_l2(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log, dt_bias, lower_bound, chunk_size,
-                 cu_seqlens, chunk_indices, q_rstd, k_rstd, *, diag: bool = True):
+                 cu_seqlens, chunk_indices, q_rstd, k_rstd, *, diag: bool = True, rolled: bool = False):
     """B7-B10 with the stage registry's contract from the ``l2`` unit build (B10's dq and dk in
     q's and k's dtype): a candidate for ``python -m benchmarks.op --candidate
-    B7-B10=research.b7_cute_probe:intra_bwd_l2:supports_l2``. ``diag`` off: ``build``'s ``diag``."""
+    B7-B10=research.b7_cute_probe:intra_bwd_l2:supports_l2``. ``diag``, ``rolled``: ``build``'s."""
     why = supports_l2(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log, dt_bias, lower_bound,
                       chunk_size, cu_seqlens, chunk_indices, q_rstd, k_rstd)
     if why:
         raise ValueError(why)
     return _run_unit(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, g, A_log, dt_bias, lower_bound, q_rstd, k_rstd,
-                     cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, diag=diag)
+                     cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, diag=diag, rolled=rolled)
 
 
 # ``intra_bwd_l2`` with dAqk's diagonal in the split products, as the unit had it before its tail
@@ -1110,10 +1161,13 @@ intra_bwd_l2_nodiag = functools.partial(intra_bwd_l2, diag=False)
 # read at all (its values wrong): which part of the change the op's time follows
 intra_bwd_l2_sdiag = functools.partial(intra_bwd_l2, diag="smem")
 intra_bwd_l2_zdiag = functools.partial(intra_bwd_l2, diag="zero")
+# the pair-by-pair path as a run-time loop (``build``'s ``rolled``), and the same without the diagonal
+intra_bwd_l2_rolled = functools.partial(intra_bwd_l2, rolled=True)
+intra_bwd_l2_nodiag_rolled = functools.partial(intra_bwd_l2, diag=False, rolled=True)
 
 
 def _run_unit(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, g, A_log, dt_bias, lower_bound, q_rstd=None, k_rstd=None,
-              cu_seqlens=None, chunk_indices=None, diag: bool = True):
+              cu_seqlens=None, chunk_indices=None, diag: bool = True, rolled: bool = False):
     """The unit build (``l2`` with q_rstd and k_rstd) on the op's tensors, compiled once a
     shape and gate form, and its outputs as the registry's. (The rows, B * T, as a run-time
     extent would make one build serve every B * T, for 184 more SASS instructions, 1.4%, not
@@ -1133,11 +1187,11 @@ def _run_unit(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, g, A_log, dt_bias, low
     args = dlpack_args(tensors, rows_dynamic=var, l2=l2, whole=not var)
     args.append(cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream))
     raw = "bf16" if g.dtype == torch.bfloat16 else "fp32"
-    key = (None if var else B * T, H, Hq, K, raw, dt_bias is not None, lower_bound, l2, var, diag, dev.index)
+    key = (None if var else B * T, H, Hq, K, raw, dt_bias is not None, lower_bound, l2, var, diag, rolled, dev.index)
     if key not in _COMPILED:
         _COMPILED[key] = cute.compile(build(K, True, True, True, raw, dt_bias is not None,
                                             None if lower_bound is None else float(lower_bound), H, l2, stm=True,
-                                            G=H // Hq, var=var, diag=diag),
+                                            G=H // Hq, var=var, diag=diag, rolled=rolled),
                                      *args)
     _COMPILED[key](*args)
     return unit_outputs(tensors, db, A_log, dt_bias)
@@ -1234,7 +1288,7 @@ def chunk_rows(B: int, T: int, cu_seqlens=None, chunk_indices=None, device="cpu"
 def compile_offline(nch: int = 4, K: int = 128, split: bool = True, within: bool = True, unit: bool = False,
                     dump: str | None = None, H: int = 1, has_bias: bool = True, lower_bound: float | None = None,
                     l2: bool = False, phased: bool = False, wg2: bool = False, ws: bool = False, stm: bool = False,
-                    dyn: bool = False, G: int = 1, var: bool = False, diag: bool = True):
+                    dyn: bool = False, G: int = 1, var: bool = False, diag: bool = True, rolled: bool = False):
     """Trace and compile for sm_90a with no GPU: the PTX and cubin land in ``dump`` (``dyn``: the
     rows a run-time extent, one build for any B * T; ``var``: the op's layout with T 20 short of
     whole chunks, its rows and chunks run-time extents)."""
@@ -1256,7 +1310,7 @@ def compile_offline(nch: int = 4, K: int = 128, split: bool = True, within: bool
                        op(H, BT), op(H, BT), op(H, K), op(H, K), op(H, K), op(H, K, dtype=torch.bfloat16),
                        torch.zeros(H), torch.zeros(H * K), *((op(H), op(H)) if l2 else ()))
     return cute.compile(build(K, split, within, unit, "bf16", has_bias, lower_bound, H, l2, phased, wg2, ws, stm=stm,
-                              G=G, var=var, diag=diag),
+                              G=G, var=var, diag=diag, rolled=rolled),
                         *dlpack_args(t, rows_dynamic=dyn or var, l2=l2, whole=not var), cuda.CUstream(0))
 
 
@@ -1433,7 +1487,7 @@ def main(argv=None) -> int:
                         dyn="dyn" in argv[6:],
                         G=2 if "gva2" in argv[6:] else 1, var="var" in argv[6:],
                         diag=("smem" if "sdiag" in argv[6:] else "zero" if "zdiag" in argv[6:]
-                              else "nodiag" not in argv[6:]),
+                              else "nodiag" not in argv[6:]), rolled="rolled" in argv[6:],
                         K=64 if "k64" in argv[6:] else 128)
         return 0
     if argv[:1] == ["gpu"]:  # every build at the gentle draw, then the whole sums under gates past the guard;

@@ -3,8 +3,9 @@
 # the unit's kernel time (the launch named kernel_cutlass, torch's profiler). Forms (argv, default
 # all): diag (intra_bwd_l2: dAqk's diagonal read from global memory in the tail), sdiag (read from
 # shared memory, put there by the threads that load it for the split tiles), zdiag (not read: its
-# values wrong), nodiag (the diagonal in the split products). Each form's outputs against diag's,
-# to the bit (sdiag must match: the same fp32 values in the same FMAs).
+# values wrong), nodiag (the diagonal in the split products), rolled and nodiag_rolled (the
+# pair-by-pair path a run-time loop). Each form's outputs against the form it must match to the
+# bit (SAME_AS: the same fp32 operations in the same order), the others against diag's.
 import sys
 
 import torch
@@ -20,7 +21,8 @@ from kernel_fun.kda.stages import add_impl  # noqa: E402
 from research import b7_cute_probe as P  # noqa: E402
 
 FNS = {"diag": P.intra_bwd_l2, "sdiag": P.intra_bwd_l2_sdiag, "zdiag": P.intra_bwd_l2_zdiag,
-       "nodiag": P.intra_bwd_l2_nodiag}
+       "nodiag": P.intra_bwd_l2_nodiag, "rolled": P.intra_bwd_l2_rolled, "nodiag_rolled": P.intra_bwd_l2_nodiag_rolled}
+SAME_AS = {"sdiag": "diag", "zdiag": "diag", "rolled": "diag", "nodiag_rolled": "nodiag"}  # (the form to match)
 forms = sys.argv[1:] or list(FNS)
 kwargs = make_inputs(problem("prod8192_gate"), device="cuda", seed=0)
 results, first = {f: [] for f in forms}, {}
@@ -33,10 +35,10 @@ for rnd in range(2):
         assert last_record().backward["B7-B10"] == "ours", last_record()
         if rnd == 0:
             first[form] = out
-            ref = first.get("diag")
+            ref = first.get(SAME_AS.get(form, "diag"))
             if ref is not None:
                 same = {n: bool(torch.equal(out[n], ref[n])) for n in out if out[n] is not None}
-                print(form, "bits as diag:", same, flush=True)
+                print(form, f"bits as {SAME_AS.get(form, 'diag')}:", same, flush=True)
         for _ in range(2):
             step()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
