@@ -13,8 +13,9 @@ boundaries. Per layout (contiguous, and fla 0.6's zigzag where it is installed):
 - parity: every rank's o and gradients against the same rank's slice of the single-device
   call on the whole batch (each rank runs it on its own GPU), relative RMS, with the launch
   witness (the chain's record and its context-parallel note); the exchanges' summaries in
-  torch and, on GPUs, through fla's kernels (``KERNEL_FUN_CP_SUMMARIES=fla``);
-- time: fwd+bwd of ours (both summaries) and of fla's ``chunk_kda`` with the same context,
+  torch (``KERNEL_FUN_CP_SUMMARIES=torch``) and, on GPUs, through fla's kernels (the default
+  there);
+- time: fwd+bwd of ours (fla's summaries, and the torch ones) and of fla's ``chunk_kda`` with the same context,
   interleaved round by round, CUDA events on every rank, a barrier before each call; the
   slowest rank's median.
 
@@ -179,7 +180,7 @@ def _measure(rank: int, world: int, args, layout: str, tokens: int) -> dict:
                 os.environ["KERNEL_FUN_CP_SUMMARIES"] = variant
                 return step(chunk_kda, local, lcot)
 
-            fns = {"ours": lambda: ours("torch"), "ours_fla_summaries": lambda: ours("fla"),
+            fns = {"ours": lambda: ours("fla"), "ours_torch_summaries": lambda: ours("torch"),
                    "fla": lambda: step(fla_fn, local, lcot)}
             times = {k: [] for k in fns}
             for _ in range(args.rounds):

@@ -293,3 +293,21 @@ def test_the_one_gpu_run_s_gloo_takes_fla_s_stacked_gathers(tmp_path):
     mp.start_processes(_gather_worker, args=(2, init, str(tmp_path)), nprocs=2, start_method="fork")
     for rank in range(2):
         assert (tmp_path / f"rank{rank}").read_text() == "ok", (tmp_path / f"rank{rank}").read_text()
+
+
+def test_fla_s_summary_kernels_are_the_gpu_s_exchanges_unless_asked_otherwise(monkeypatch):
+    """On CUDA the exchanges take fla's summary kernels by default (parity checked on an H100:
+    benchmarks/results/cp.jsonl), ``KERNEL_FUN_CP_SUMMARIES=torch`` the torch ones; other
+    devices always take the torch ones; any other value is refused, not ignored."""
+    from kernel_fun.kda import cp
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.delenv("KERNEL_FUN_CP_SUMMARIES", raising=False)
+    assert cp.fla_summaries(cuda) and not cp.fla_summaries(cpu)
+    monkeypatch.setenv("KERNEL_FUN_CP_SUMMARIES", "torch")
+    assert not cp.fla_summaries(cuda) and not cp.fla_summaries(cpu)
+    monkeypatch.setenv("KERNEL_FUN_CP_SUMMARIES", " FLA ")
+    assert cp.fla_summaries(cuda)
+    monkeypatch.setenv("KERNEL_FUN_CP_SUMMARIES", "triton")
+    with pytest.raises(ValueError, match="KERNEL_FUN_CP_SUMMARIES"):
+        cp.fla_summaries(cuda)

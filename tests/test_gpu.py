@@ -866,9 +866,9 @@ def test_a_capacity_shaped_step_tracks_fla_and_replays_new_offsets():
 def test_context_parallel_on_one_gpu_tracks_the_whole_batch(tmp_path):
     """Context parallel on the one GPU: two ranks through gloo (``benchmarks.cp --one-gpu``),
     sequences crossing the ranks' boundary. Each rank's o and gradients are held against its
-    slice of the whole batch's, within fla's budgets, with both exchanges' summaries: the torch
-    ones, and fla's kernels (``KERNEL_FUN_CP_SUMMARIES=fla``). The launch witness holds on every
-    rank."""
+    slice of the whole batch's, within fla's budgets, with both exchanges' summaries: fla's
+    kernels (the default on GPUs), and the torch ones (``KERNEL_FUN_CP_SUMMARIES=torch``). The
+    launch witness holds on every rank."""
     pytest.importorskip("fla.ops.cp")
     import json
 
