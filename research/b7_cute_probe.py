@@ -1,14 +1,18 @@
 """B7's three sums on chip in CuTe DSL (sm_90a), and the B7-B9 unit on them (with B10 too):
 the backward's candidate for B7-B10 (docs/log/bwd-fused.md). Not registered yet. Measured on
 an H100 (2026-12-06, rows in benchmarks/results/):
-- the unit with B10 at the op bench's gates: 9.9 ms against 11.3 for the registered Triton unit;
-- in the whole op at prod8192_gate: 36.2 ms against 37.3 with the registered stages (fla 53.1),
-  its kernel 12.2 ms there; 32.4 ms, its kernel 7.9, before its tail took dAqk's diagonal (the
-  fix that keeps dA_log in budget under strong gates), not yet explained;
-- under gates past the guard: 25.6 against 25.2.
+- in the whole op at prod8192_gate: 31.3 ms against 37.3 with the registered stages and fla's
+  52.8 (1.69x), the unit's kernel 7.4 ms there;
+- that is with the pair-by-pair path as a run-time loop: unrolled (~5,100 of the kernel's
+  13,400 SASS instructions between the products and the tail) the kernel took 12.0 ms in the op,
+  its straight-line code past what the instruction cache holds; the same bits either way;
+- unrolled, and on one head (the probe's ``gpu``): 9.9 ms at the op bench's gates against 11.3
+  for the registered Triton unit, and 25.6 against 25.2 under gates past the guard (the loop's
+  times there not yet measured).
 
-Its time follows its instruction count (a straight-line body of ~13,400 SASS instructions). Its
-body also runs inside research.b6_cute_probe's fused kernel.
+Its time follows its instruction count (a straight-line body and tail of ~8,000 SASS
+instructions, each executed once a warp). Its body also runs inside research.b6_cute_probe's
+fused kernel.
 
 CuTe DSL 4.8.1 has no tf32 warpgroup MMA for Hopper: its warpgroup ops take bf16/fp16, fp8
 and int8; tf32 is only in the sm80 warp MMA and in Blackwell's tcgen05. So where the Triton
@@ -87,7 +91,6 @@ in, dq2 and dk2 in bf16.
 """
 
 
-import functools
 import json
 import os
 import sys
@@ -103,7 +106,7 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
           has_bias: bool = True, lower_bound: float | None = None, H: int = 1, l2: bool = False,
           phased: bool = False, wg2: bool = False, ws: bool = False, body_only: bool = False, stm: bool = False,
           dakk_global: bool = True, bars: tuple = (1, 2), G: int = 1,
-          var: bool = False, diag: bool = True, rolled: bool = False):
+          var: bool = False):
     """The probe's host function (a ``cute.jit``) for K = 2 KH: one CTA of 128 threads a
     (K half, chunk-head). ``within``: the pairs within a block too. ``unit`` (with ``within``):
     then the rest of the B7-B9 unit, as the registered kernel's tail: dq2 = dq + x_q, dk2 = dk +
@@ -149,11 +152,13 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
     zero rows and columns of dA, q, k and beta add nothing). The pair-by-pair path takes the
     chunk's rows alone; with ``l2``, B10's rstd and outputs too. Not with ``wg2`` or ``body_only``.
 
-    ``rolled`` (with ``unit``, one warpgroup, not ``phased``): the pair-by-pair path as one run-time
-    loop over a thread's 32 elements, its three sums an element put in the B operands' shared
-    memory (dead once the products are done) and added to the registers after it: ~5,100 SASS
-    instructions of cold code between the products and the tail become a few hundred. The same
-    operations in the same order: the sums to the bit.
+    With ``unit``, one warpgroup and not ``phased`` (every unit build the op runs), the
+    pair-by-pair path is one run-time loop over a thread's 32 elements, its three sums waiting in
+    the B operands' shared memory (dead once the products are done): ~5,100 SASS instructions of
+    cold code between the products and the tail become ~400, and the kernel 13,400 to 8,480 with
+    B10. The same operations in the same order, so the sums to the bit; in the op on an H100 the
+    unit's kernel went 12.0 ms to 7.4 (the straight-line body and tail now fit the instruction
+    cache, docs/log/bwd-fused.md).
 
     ``body_only``: return the B7 body alone (``body``, a ``cute.jit`` function) for a kernel that
     runs it on its own shared memory, with ``bars`` the named barriers it may take (the tail's,
@@ -167,13 +172,7 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
     LOG2E = 1.4426950408889634
     # dAqk's diagonal out of the products, added in the unit's tail (not in a fused kernel's body,
     # whose registers are full: research.b6_cute_probe's spills 28 bytes with it)
-    # (``diag`` off: the diagonal in the products as before, for a timing comparison only: dA_log
-    # under strong gates then misses its budget)
-    DIAG = unit and not body_only and bool(diag)
-    # (timing forms of the diagonal's read in the tail: "smem", the entries put in shared memory by
-    # da_tiles's threads that hold them; "zero", no read at all, its values wrong)
-    DIAG_FROM = (diag if isinstance(diag, str) else "global") if DIAG else None
-    assert DIAG_FROM in (None, "global", "smem", "zero")
+    DIAG = unit and not body_only
     import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
@@ -189,7 +188,7 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
     XCH = l2 and NS == 2  # (B10's row sums swapped between the K halves; at K = 64 one CTA holds the row)
     assert G == 1 or not (l2 or wg2 or body_only)
     assert not var or (unit and not (wg2 or body_only or phased))
-    assert not rolled or (unit and not (wg2 or body_only or phased))
+    ROLLED = unit and not (wg2 or body_only or phased)  # (the pair-by-pair path a run-time loop)
     bf16, f32 = cutlass.BFloat16, cutlass.Float32
     raw = {"bf16": bf16, "fp32": f32}[raw]
 
@@ -313,8 +312,7 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
             ykh: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(b_l)], 1024]
             ykl: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(b_l)], 1024]
             # (unit) the warps' column sums for B8's cumsum and dt_bias's partial, and their dA_log sums
-            # (and, ``diag`` "smem", dAqk's diagonal by row)
-            red: cute.struct.Align[cute.struct.MemRange[f32, 2 * NB * KH + NB + BT], 128]
+            red: cute.struct.Align[cute.struct.MemRange[f32, 2 * NB * KH + NB], 128]
             # (l2) the K halves' row sums of dq2 q and dk2 k, [half, q or k, row]: this CTA's half
             # written here, the peer's copied in, and the barrier that copy completes on
             xch: cute.struct.Align[cute.struct.MemRange[f32, 4 * BT], 128]
@@ -422,17 +420,11 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
         # whose tail adds the pairs (r, r) in fp32): the row role reads them as they lie, the column
         # role MN-major
         # (``wg2``: warpgroup 0 writes dAqk's, warpgroup 1 dAkk's)
-        s_dd = cute.make_tensor(red + 2 * NB * KH + NB, cute.make_layout(BT)) if DIAG_FROM == "smem" else None
-
         def da_tiles(mats):
-            sd = s_dd  # (a local: the DSL passes a branch only the locals it writes)
             for mat in mats:
                 v = regs(_ld(frag((g_q, g_k)[mat]), ok))
                 for i in cutlass.range_constexpr(cute.size(shape)):
                     r, s = coords[i]
-                    if cutlass.const_expr(mat == 0 and DIAG_FROM == "smem"):
-                        if r == s:
-                            sd[r] = v[i]
                     v[i] = f32(cutlass.select_(s <= r if mat == 0 and not DIAG else s < r, v[i], f32(0.0)))
                 parts = _split(v.load())
                 put(mn(s_a[2 * mat]), parts[0])
@@ -568,16 +560,21 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
             for i in cutlass.range_constexpr(cute.size(shape)):
                 past = past + f32(cutlass.select_(sp[i] <= GUARD, f32(0.0), f32(1.0)))
             if cute.arch.vote_any_sync(past > f32(0.0)):
-                if cutlass.const_expr(rolled):
+                if cutlass.const_expr(ROLLED):
                     slow_rolled(o_q, o_k, o_c)
                 else:
                     slow_serial(row, col, sp, o_q, o_k, o_c)
 
         def slow_rolled(o_q, o_k, o_c):
-            # (``rolled``: the thread's elements one by one in a run-time loop, element i = a + 2 b + 4 n
-            # at row 16 w + lane // 4 + 8 b, channel 8 n + 2 (lane % 4) + a; its three sums into the
-            # warp's 12 KB of the B operands' memory, lane-major, then added as slow_serial adds them)
+            # (the unit's: the thread's elements one by one in a run-time loop, element i = a + 2 b + 4 n
+            # at row 16 w + lane // 4 + 8 b, channel 8 n + 2 (lane % 4) + a. The three sums wait in
+            # the warp's 12 KB of the B operands' memory, lane-major; an element past the guard adds
+            # its pairs there as slow_serial adds them in registers)
             scr = cute.make_tensor(sm[7] + w * (3 * 32 * 32), cute.make_layout((32, 32, 3), stride=(1, 32, 1024)))
+            for i in cutlass.range_constexpr(cute.size(shape)):  # (no registers held across the loop)
+                scr[lane, i, 0] = o_q[i]
+                scr[lane, i, 1] = o_k[i]
+                scr[lane, i, 2] = o_c[i]
             u = w * BC
             for i in cutlass.range(32, unroll=1):
                 t = u + lane // 4 + 8 * (i // 2 % 2)
@@ -606,13 +603,13 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
                             elif r > t:
                                 wt += g_k[r, t] * g_b[r] * g_kk[r, c].to(f32)
                             a_c += wt * cute.arch.exp2(g_g[r, c] - g_g[t, c])
-                scr[lane, i, 0] = a_q
-                scr[lane, i, 1] = a_k
-                scr[lane, i, 2] = a_c
+                        scr[lane, i, 0] = scr[lane, i, 0] + a_q
+                        scr[lane, i, 1] = scr[lane, i, 1] + a_k
+                        scr[lane, i, 2] = scr[lane, i, 2] + a_c
             for i in cutlass.range_constexpr(cute.size(shape)):
-                o_q[i] = o_q[i] + scr[lane, i, 0]
-                o_k[i] = o_k[i] + scr[lane, i, 1]
-                o_c[i] = o_c[i] + scr[lane, i, 2]
+                o_q[i] = scr[lane, i, 0]
+                o_k[i] = scr[lane, i, 1]
+                o_c[i] = scr[lane, i, 2]
 
         def slow_serial(row, col, sp, o_q, o_k, o_c):
             for i in cutlass.range_constexpr(cute.size(shape)):
@@ -718,18 +715,14 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
             # (y), the pair's two, q_r dAqk[r, r] k_r and the same less, cancel exactly: left out.
             # (A thread has two rows: element i's is 16 w + lane // 4 + 8 b, b = i // 2 % 2.)
             dd = [f32(0.0), f32(0.0)]
-            s_dd = cute.make_tensor(red + 2 * NB * KH + NB, cute.make_layout(BT))
             for b in cutlass.range_constexpr(2):
                 r = w * BC + lane // 4 + 8 * b
                 v = f32(0.0)
-                if cutlass.const_expr(DIAG_FROM == "smem"):
-                    v = s_dd[r]
-                elif cutlass.const_expr(DIAG_FROM == "global"):
-                    if cutlass.const_expr(var):
-                        if r < nval:
-                            v = dAqk[row0 + r, head * BT + r]
-                    else:
+                if cutlass.const_expr(var):
+                    if r < nval:
                         v = dAqk[row0 + r, head * BT + r]
+                else:
+                    v = dAqk[row0 + r, head * BT + r]
                 dd[b] = v
         # (dg's and db's terms first, so that the three sums are dead before dq2 and dk2 are formed)
         y = regs(_ld(tile(dg), ok) + qf * a_q + kf * (a_krb - a_c))
@@ -1140,34 +1133,22 @@ def supports_l2(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log,
 
 
 def intra_bwd_l2(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log, dt_bias, lower_bound, chunk_size,
-                 cu_seqlens, chunk_indices, q_rstd, k_rstd, *, diag: bool = True, rolled: bool = False):
+                 cu_seqlens, chunk_indices, q_rstd, k_rstd):
     """B7-B10 with the stage registry's contract from the ``l2`` unit build (B10's dq and dk in
     q's and k's dtype): a candidate for ``python -m benchmarks.op --candidate
-    B7-B10=research.b7_cute_probe:intra_bwd_l2:supports_l2``. ``diag``, ``rolled``: ``build``'s."""
+    B7-B10=research.b7_cute_probe:intra_bwd_l2:supports_l2``."""
     why = supports_l2(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log, dt_bias, lower_bound,
                       chunk_size, cu_seqlens, chunk_indices, q_rstd, k_rstd)
     if why:
         raise ValueError(why)
     return _run_unit(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, g, A_log, dt_bias, lower_bound, q_rstd, k_rstd,
-                     cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, diag=diag, rolled=rolled)
+                     cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
 
 
-# ``intra_bwd_l2`` with dAqk's diagonal in the split products, as the unit had it before its tail
-# took the diagonal: for timing the two in the whole op only (the unit in the op went from 7.9 ms
-# to 12.2 with the change, on an H100, while the H = 1 probe moved 9.7 to 9.9). Not a candidate:
-# dA_log under strong gates misses its budget (0.032 at T = 500).
-intra_bwd_l2_nodiag = functools.partial(intra_bwd_l2, diag=False)
-# the diagonal's read in the tail from shared memory (da_tiles's holders put it there), and not
-# read at all (its values wrong): which part of the change the op's time follows
-intra_bwd_l2_sdiag = functools.partial(intra_bwd_l2, diag="smem")
-intra_bwd_l2_zdiag = functools.partial(intra_bwd_l2, diag="zero")
-# the pair-by-pair path as a run-time loop (``build``'s ``rolled``), and the same without the diagonal
-intra_bwd_l2_rolled = functools.partial(intra_bwd_l2, rolled=True)
-intra_bwd_l2_nodiag_rolled = functools.partial(intra_bwd_l2, diag=False, rolled=True)
 
 
 def _run_unit(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, g, A_log, dt_bias, lower_bound, q_rstd=None, k_rstd=None,
-              cu_seqlens=None, chunk_indices=None, diag: bool = True, rolled: bool = False):
+              cu_seqlens=None, chunk_indices=None):
     """The unit build (``l2`` with q_rstd and k_rstd) on the op's tensors, compiled once a
     shape and gate form, and its outputs as the registry's. (The rows, B * T, as a run-time
     extent would make one build serve every B * T, for 184 more SASS instructions, 1.4%, not
@@ -1187,11 +1168,11 @@ def _run_unit(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, g, A_log, dt_bias, low
     args = dlpack_args(tensors, rows_dynamic=var, l2=l2, whole=not var)
     args.append(cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream))
     raw = "bf16" if g.dtype == torch.bfloat16 else "fp32"
-    key = (None if var else B * T, H, Hq, K, raw, dt_bias is not None, lower_bound, l2, var, diag, rolled, dev.index)
+    key = (None if var else B * T, H, Hq, K, raw, dt_bias is not None, lower_bound, l2, var, dev.index)
     if key not in _COMPILED:
         _COMPILED[key] = cute.compile(build(K, True, True, True, raw, dt_bias is not None,
                                             None if lower_bound is None else float(lower_bound), H, l2, stm=True,
-                                            G=H // Hq, var=var, diag=diag, rolled=rolled),
+                                            G=H // Hq, var=var),
                                      *args)
     _COMPILED[key](*args)
     return unit_outputs(tensors, db, A_log, dt_bias)
@@ -1288,7 +1269,7 @@ def chunk_rows(B: int, T: int, cu_seqlens=None, chunk_indices=None, device="cpu"
 def compile_offline(nch: int = 4, K: int = 128, split: bool = True, within: bool = True, unit: bool = False,
                     dump: str | None = None, H: int = 1, has_bias: bool = True, lower_bound: float | None = None,
                     l2: bool = False, phased: bool = False, wg2: bool = False, ws: bool = False, stm: bool = False,
-                    dyn: bool = False, G: int = 1, var: bool = False, diag: bool = True, rolled: bool = False):
+                    dyn: bool = False, G: int = 1, var: bool = False):
     """Trace and compile for sm_90a with no GPU: the PTX and cubin land in ``dump`` (``dyn``: the
     rows a run-time extent, one build for any B * T; ``var``: the op's layout with T 20 short of
     whole chunks, its rows and chunks run-time extents)."""
@@ -1310,7 +1291,7 @@ def compile_offline(nch: int = 4, K: int = 128, split: bool = True, within: bool
                        op(H, BT), op(H, BT), op(H, K), op(H, K), op(H, K), op(H, K, dtype=torch.bfloat16),
                        torch.zeros(H), torch.zeros(H * K), *((op(H), op(H)) if l2 else ()))
     return cute.compile(build(K, split, within, unit, "bf16", has_bias, lower_bound, H, l2, phased, wg2, ws, stm=stm,
-                              G=G, var=var, diag=diag, rolled=rolled),
+                              G=G, var=var),
                         *dlpack_args(t, rows_dynamic=dyn or var, l2=l2, whole=not var), cuda.CUstream(0))
 
 
@@ -1478,7 +1459,7 @@ def main(argv=None) -> int:
             print(json.dumps(sm90_row(sub, split, within, unit)))
         return 0
     if argv[:1] == ["compile-one"]:
-        # (then optionally H, and a unit's gate form: lb, nobias; nodiag: dAqk's diagonal in the products)
+        # (then optionally H, and a unit's gate form: lb, nobias)
         compile_offline(split=bool(int(argv[1])), within=bool(int(argv[2])), unit=bool(int(argv[3])), dump=argv[4],
                         H=int(argv[5]) if len(argv) > 5 else 1, has_bias="nobias" not in argv[6:],
                         lower_bound=-5.0 if "lb" in argv[6:] else None, l2="l2" in argv[6:],
@@ -1486,8 +1467,6 @@ def main(argv=None) -> int:
                         ws="ws" in argv[6:], stm="stm" in argv[6:],
                         dyn="dyn" in argv[6:],
                         G=2 if "gva2" in argv[6:] else 1, var="var" in argv[6:],
-                        diag=("smem" if "sdiag" in argv[6:] else "zero" if "zdiag" in argv[6:]
-                              else "nodiag" not in argv[6:]), rolled="rolled" in argv[6:],
                         K=64 if "k64" in argv[6:] else 128)
         return 0
     if argv[:1] == ["gpu"]:  # every build at the gentle draw, then the whole sums under gates past the guard;

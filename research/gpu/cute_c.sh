@@ -2,9 +2,8 @@
 # Call 3 (carry .gpu), on the same warm machine after cute_a/cute_n: the whole op at
 # prod8192_gate, fla and ours with the registered stages, then ours with each candidate, each
 # with the op bench's parity and fla in-process.
-# CAND: any of unit, l2, nodiag, b6, fused, or both (unit and b6); default unit. (nodiag: the unit
-# with B10 and dAqk's diagonal in its products, for timing against l2 only.) NCU=1: Nsight Compute
-# on the unit's launch in the op, both forms (research/gpu/op_unit_once.py), details and SASS back.
+# CAND: any of unit, l2, b6, fused, or both (unit and b6); default unit. NCU=1: Nsight Compute on
+# the unit's launch in the op (research/gpu/op_unit_once.py), details and SASS back.
 # BASE=0 leaves out the first (registered) run. SHAPES (comma-separated): other shapes than
 # prod8192_gate (each one's first fla compile takes minutes on a fresh machine). LAYER=1: then
 # fla's layer through patch_fla(), registered and with the unit with B10.
@@ -17,7 +16,6 @@ run() { echo "== $* $(date +%T)" | tee -a $log; python3 -m benchmarks.op --shape
 [ "${BASE:-1}" = 0 ] || run --impls fla,ours
 case $CAND in *unit*|both) run --impls fla,ours --candidate B7-B9=research.b7_cute_probe:intra_bwd:supports;; esac
 case $CAND in *l2*|both) run --impls fla,ours --candidate B7-B10=research.b7_cute_probe:intra_bwd_l2:supports_l2;; esac
-case $CAND in *nodiag*) run --impls fla,ours --candidate B7-B10=research.b7_cute_probe:intra_bwd_l2_nodiag:supports_l2;; esac
 case $CAND in *b6*|both) run --impls fla,ours --candidate B6=research.b6_cute_probe:wy_dqkg_bwd:supports;; esac
 case $CAND in *fused*) run --impls fla,ours --candidate B6-B9=research.b6_cute_probe:wy_intra_bwd:supports_fused;; esac
 if [ "${LAYER:-0}" = 1 ]; then  # fla's KimiDeltaAttention layer through patch_fla(): registered, then with the unit with B10
@@ -26,8 +24,8 @@ if [ "${LAYER:-0}" = 1 ]; then  # fla's KimiDeltaAttention layer through patch_f
     python3 -m benchmarks.layer --B 2 --T 8192 --out $OUT/layer.jsonl $c 2>&1 | tail -8 | tee -a $log
   done
 fi
-if [ "${NCU:-0}" = 1 ]; then  # Nsight Compute on the unit's launch in the op, with the diagonal in its tail and without
-  for form in diag nodiag; do
+if [ "${NCU:-0}" = 1 ]; then  # Nsight Compute on the unit's launch in the op
+  for form in l2; do
     echo "== ncu $form $(date +%T)" | tee -a $log
     timeout -k 5 ${NCU_LIMIT:-150} ncu --clock-control none --set full --import-source yes -k regex:kernel_cutlass \
       --launch-count 1 -f -o /tmp/op_$form python3 research/gpu/op_unit_once.py $form >> $log 2>&1

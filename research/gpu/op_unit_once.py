@@ -1,9 +1,5 @@
 # The whole op's fwd+bwd once at prod8192_gate on the op bench's draw (seed 0), the CuTe unit as
-# B7-B10, for ncu: the unit's is the one launch named kernel_cutlass. "nodiag" in argv: dAqk's
-# diagonal in the split products (research.b7_cute_probe.intra_bwd_l2_nodiag, the unit before
-# its tail took the diagonal).
-import sys
-
+# B7-B10, for ncu: the unit's is the one launch named kernel_cutlass.
 import torch
 
 from benchmarks import fla_configs
@@ -13,10 +9,9 @@ from benchmarks.op import register_candidates  # noqa: E402
 from kernel_fun.kda import chunk_kda, last_record  # noqa: E402
 from kernel_fun.kda.problems import make_inputs, problem, run_fwd_bwd  # noqa: E402
 
-fn = "intra_bwd_l2_nodiag" if "nodiag" in sys.argv[1:] else "intra_bwd_l2"
-register_candidates([f"B7-B10=research.b7_cute_probe:{fn}:supports_l2"])
+register_candidates(["B7-B10=research.b7_cute_probe:intra_bwd_l2:supports_l2"])
 p = problem("prod8192_gate")
 run_fwd_bwd(chunk_kda, make_inputs(p, device="cuda", seed=0))  # (the gate draw decides the unit's path)
 torch.cuda.synchronize()
 assert last_record().backward["B7-B10"] == "ours", last_record()
-print(fn, "ran once in the op")
+print("intra_bwd_l2 ran once in the op")

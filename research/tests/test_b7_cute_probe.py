@@ -65,6 +65,13 @@ def test_the_twin_meets_the_definitions_at_the_split_s_precision(within, strengt
     assert slow_share(t["g"]) == 0 if strength < 1 else 0 < slow_share(t["g"]) < 1
 
 
+# The unit's builds with the pair-by-pair path as one run-time loop: ptxas may keep one 64-bit
+# address across the products as one store and one load a thread (the op's build with B10 does:
+# beta's rows, stored once in the body and read once in the tail; its 7.4 ms in the op on an H100
+# carries them). One spilled value at most, never a store in a loop (one STL in the SASS).
+SPILL_BUDGET = 8
+
+
 def test_the_probe_compiles_for_sm90a(tmp_path: Path):
     pytest.importorskip("cutlass.cute", reason="CuTe DSL (nvidia-cutlass-dsl) is not installed")
     root = Path(__file__).resolve().parents[2]
@@ -75,7 +82,8 @@ def test_the_probe_compiles_for_sm90a(tmp_path: Path):
     assert [(r["split"], r["within"], r["unit"]) for r in rows] == [(True, True, False), (True, False, False),
                                                                    (True, True, True)]
     for r in rows:
-        assert (r["spill_stores"], r["sass_stl"], r["ptxas_notes"]) == (0, 0, {}), r
+        assert r["ptxas_notes"] == {}, r
+        assert r["spill_stores"] <= (SPILL_BUDGET if r["unit"] else 0) and r["sass_stl"] <= (1 if r["unit"] else 0), r
         # three products a block and dA: the column role's four blocks (three across only), the
         # row role's three across blocks and, within, its four (the unit's tail adds none)
         assert r["wgmma"] == r["sass_hgmma"] == 3 * 2 * (3 + 3 + (5 if r["within"] else 0)), r
@@ -227,7 +235,7 @@ def test_the_op_layout_the_unit_reads_and_writes(l2, G, K):
 
 @pytest.mark.parametrize("form", [[], ["lb", "nobias"], ["l2"], ["l2", "phased"], ["wg2"], ["ws"], ["l2", "ws"],
                                   ["stm"], ["stm", "dyn"], ["stm", "gva2"], ["stm", "var"],
-                                  ["l2", "stm", "var"], ["stm", "k64"], ["l2", "stm", "k64"], ["l2", "stm", "nodiag"]])
+                                  ["l2", "stm", "var"], ["stm", "k64"], ["l2", "stm", "k64"], ["l2", "stm"]])
 def test_the_unit_compiles_at_the_op_s_heads(tmp_path: Path, form):
     """The unit build on the op's layout at 16 heads (as ``intra_bwd`` builds it for
     prod8192_gate), with the softplus gate and dt_bias or the lower-bounded gate without it,
@@ -235,8 +243,8 @@ def test_the_unit_compiles_at_the_op_s_heads(tmp_path: Path, form):
     cluster's barrier twice), and that with its B operands in two phases, or its roles on two
     warpgroups (with an idle third, each role in the 232 registers a B6 consumer has), or its
     shared tiles written by stmatrix (and its rows a run-time extent, or GVA's two value heads a
-    q/k head, or chunks of any length, or K = 64 in one CTA a chunk-head, or dAqk's diagonal in
-    the products, the timing comparison's form): as clean as at one."""
+    q/k head, or chunks of any length, or K = 64 in one CTA a chunk-head, or with B10, the op's
+    build): as clean as at one."""
     pytest.importorskip("cutlass.cute", reason="CuTe DSL (nvidia-cutlass-dsl) is not installed")
     root = Path(__file__).resolve().parents[2]
     done = subprocess.run([sys.executable, "-m", "research.b7_cute_probe", "compile-one", "1", "1", "1", str(tmp_path),
@@ -245,7 +253,10 @@ def test_the_unit_compiles_at_the_op_s_heads(tmp_path: Path, form):
     from research.b7_cute_probe import sm90_row
 
     r = sm90_row(str(tmp_path), True, True, True)
-    assert (r["spill_stores"], r["sass_stl"], r["ptxas_notes"], r["wgmma"]) == (0, 0, {}, 66), r
+    assert (r["ptxas_notes"], r["wgmma"]) == ({}, 66), r
+    # (the one-warpgroup unit runs its pair-by-pair path as a run-time loop: see SPILL_BUDGET)
+    rolled = not ({"wg2", "ws", "phased"} & set(form))
+    assert r["spill_stores"] <= (SPILL_BUDGET if rolled else 0) and r["sass_stl"] <= (1 if rolled else 0), r
     # (``ws``: the registers at entry for 384 threads, and both setmaxnreg kept)
     assert (r["registers"], r["sass_setmaxnreg"]) == ((168, 2) if "ws" in form else (r["registers"], 0)), r
     ptx = next(tmp_path.glob("cutlass_*.ptx")).read_text()
@@ -448,16 +459,3 @@ def test_the_unit_s_arithmetic_keeps_dA_log_in_budget_under_strong_gates(T):
                                   ("dq", dq, exact[0], 0.008)):
         err = ref.rel_rms(got.reshape(-1).double(), want_.reshape(-1).double())
         assert err < bar, (name, err)
-
-
-def test_the_timing_form_without_the_diagonal_takes_the_stage_s_call():
-    """``intra_bwd_l2_nodiag`` (the unit before its tail took dAqk's diagonal, timed beside the
-    candidate in the op) takes B7-B10's inputs as the registry binds them, with the form off."""
-    import inspect
-
-    from kernel_fun.kda.stages import stages
-    from research import b7_cute_probe
-
-    bound = inspect.signature(b7_cute_probe.intra_bwd_l2_nodiag).bind(**dict.fromkeys(stages()["B7-B10"].inputs))
-    bound.apply_defaults()
-    assert bound.arguments["diag"] is False
