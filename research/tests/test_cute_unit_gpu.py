@@ -11,7 +11,9 @@
   registered chain's; and where a candidate refuses, no CuTe kernel and the chain's bits as
   without it.
 
-The registration run (issue 50) runs these beside the stage and whole-op timings."""
+The registration run (issue 50) runs these beside the stage and whole-op timings, through
+``research/gpu/cute_t.sh`` (fla on its stored autotune choices and their defaults: the shapes
+here would otherwise autotune every fla kernel for minutes)."""
 
 from __future__ import annotations
 
