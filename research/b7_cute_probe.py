@@ -579,9 +579,6 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
             for i in cutlass.range(32, unroll=1):
                 t = u + lane // 4 + 8 * (i // 2 % 2)
                 c = 8 * (i // 4) + 2 * (lane % 4) + i % 2
-                a_q = f32(0.0)
-                a_k = f32(0.0)
-                a_c = f32(0.0)
                 inside = True
                 end = u + BC
                 if cutlass.const_expr(var):
@@ -589,20 +586,8 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
                     end = cutlass.min(u + BC, nval)
                 if inside:
                     if not (g_g[u, c] - g_g[t, c] <= GUARD):
-                        for s in cutlass.range(u, t + (0 if DIAG else 1), unroll=1):
-                            f = g_kk[s, c].to(f32) * cute.arch.exp2(g_g[t, c] - g_g[s, c])
-                            a_q += g_q[t, s] * f
-                            if cutlass.const_expr(DIAG):
-                                a_k += g_k[t, s] * f
-                            elif s < t:
-                                a_k += g_k[t, s] * f
-                        for r in cutlass.range(t + (1 if DIAG else 0), end, unroll=1):
-                            wt = g_q[r, t] * g_qq[r, c].to(f32)
-                            if cutlass.const_expr(DIAG):
-                                wt += g_k[r, t] * g_b[r] * g_kk[r, c].to(f32)
-                            elif r > t:
-                                wt += g_k[r, t] * g_b[r] * g_kk[r, c].to(f32)
-                            a_c += wt * cute.arch.exp2(g_g[r, c] - g_g[t, c])
+                        a_q, a_k = row_pairs(t, c, u)
+                        a_c = col_pairs(t, c, end)
                         scr[lane, i, 0] = scr[lane, i, 0] + a_q
                         scr[lane, i, 1] = scr[lane, i, 1] + a_k
                         scr[lane, i, 2] = scr[lane, i, 2] + a_c
@@ -618,29 +603,38 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
                 end = cutlass.min(u + BC, nval) if cutlass.const_expr(var) else u + BC  # (the block's rows in the chunk)
                 if not (sp[i] <= GUARD):
                     if cutlass.const_expr(row):
-                        a_q = f32(0.0)
-                        a_k = f32(0.0)
-                        # the row role: s <= t (dAkk, and in the unit dAqk: s < t)
-                        for s in cutlass.range(u, t + (0 if DIAG else 1), unroll=1):
-                            f = g_kk[s, c].to(f32) * cute.arch.exp2(g_g[t, c] - g_g[s, c])
-                            a_q += g_q[t, s] * f
-                            if cutlass.const_expr(DIAG):
-                                a_k += g_k[t, s] * f
-                            elif s < t:
-                                a_k += g_k[t, s] * f
+                        a_q, a_k = row_pairs(t, c, u)
                         o_q[i] = o_q[i] + a_q
                         o_k[i] = o_k[i] + a_k
                     if cutlass.const_expr(col):
-                        a_c = f32(0.0)
-                        # the column role: r >= t (dAkk, and in the unit dAqk: r > t)
-                        for r in cutlass.range(t + (1 if DIAG else 0), end, unroll=1):
-                            wt = g_q[r, t] * g_qq[r, c].to(f32)
-                            if cutlass.const_expr(DIAG):
-                                wt += g_k[r, t] * g_b[r] * g_kk[r, c].to(f32)
-                            elif r > t:
-                                wt += g_k[r, t] * g_b[r] * g_kk[r, c].to(f32)
-                            a_c += wt * cute.arch.exp2(g_g[r, c] - g_g[t, c])
-                        o_c[i] = o_c[i] + a_c
+                        o_c[i] = o_c[i] + col_pairs(t, c, end)
+
+        def row_pairs(t, c, u):
+            """Element (t, c)'s pairs within its block for x_q and x_kr, s from the block's first
+            row u up to t: s <= t (dAkk s < t; in the unit dAqk s < t too, its tail adds s = t)."""
+            a_q = f32(0.0)
+            a_k = f32(0.0)
+            for s in cutlass.range(u, t + (0 if DIAG else 1), unroll=1):
+                f = g_kk[s, c].to(f32) * cute.arch.exp2(g_g[t, c] - g_g[s, c])
+                a_q += g_q[t, s] * f
+                if cutlass.const_expr(DIAG):
+                    a_k += g_k[t, s] * f
+                elif s < t:
+                    a_k += g_k[t, s] * f
+            return a_q, a_k
+
+        def col_pairs(t, c, end):
+            """Element (t, c)'s pairs within its block for x_c, r from t to the block's end:
+            r >= t (dAkk r > t; in the unit dAqk r > t too)."""
+            a_c = f32(0.0)
+            for r in cutlass.range(t + (1 if DIAG else 0), end, unroll=1):
+                wt = g_q[r, t] * g_qq[r, c].to(f32)
+                if cutlass.const_expr(DIAG):
+                    wt += g_k[r, t] * g_b[r] * g_kk[r, c].to(f32)
+                elif r > t:
+                    wt += g_k[r, t] * g_b[r] * g_kk[r, c].to(f32)
+                a_c += wt * cute.arch.exp2(g_g[r, c] - g_g[t, c])
+            return a_c
 
         def store(outs):
             for o, x in outs:
