@@ -194,3 +194,23 @@ def test_the_oracle_takes_every_flag_the_chain_handles():
                    "cp_context"}
     handled = {n for n, what in PARAMETERS.items() if what.startswith("handled")}
     assert handled - bookkeeping <= oracle, sorted(handled - bookkeeping - oracle)
+
+
+def test_the_oracle_s_size_of_a_packed_shape_keeps_its_documents():
+    """The op bench checks each shape against float64 at 512 tokens (``shrunk``): a dense shape
+    as one sequence, the packed production shape with its documents scaled into them, in order,
+    each boundary a token index, the first 0 and the last the new length."""
+    from kernel_fun.kda.problems import SHAPES, shrunk
+
+    dense = shrunk(SHAPES["prod8192_gate"], 512)
+    assert (dense.B, dense.T, dense.cu_seqlens) == (1, 512, None)
+    p = SHAPES["prod_packed"]
+    assert p.cu_seqlens[0] == 0 and p.cu_seqlens[-1] == p.B * p.T
+    small = shrunk(p, 512)
+    bounds = small.cu_seqlens
+    assert (small.B, small.T, bounds[0], bounds[-1]) == (1, 512, 0, 512)
+    assert all(a < b for a, b in zip(bounds, bounds[1:]))
+    assert len(bounds) == len(p.cu_seqlens)  # (no two of its documents meet at 512 tokens)
+    for c in p.cu_seqlens:  # every boundary where its share of the tokens puts it
+        assert c * 512 // p.T in bounds
+    assert make_inputs(small)["cu_seqlens"].tolist() == list(bounds)

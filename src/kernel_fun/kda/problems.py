@@ -11,6 +11,7 @@ outputs and wrong indexing.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 import torch
@@ -69,6 +70,10 @@ class Problem:
                 f"{str(self.dtype).replace('torch.', '')} {'+'.join(flags) or 'pre-gated'}")
 
 
+# the documents of prod_packed, in order (131,072 tokens)
+PACKED_LENGTHS = (9000, 3100, 12000, 700, 5500, 8192, 2300, 15000, 4096, 6100, 300, 9800, 7000, 1234, 11000, 5000,
+                  3900, 8400, 600, 10000, 7850)
+
 # The bench's named shapes: production Kimi-Linear-style training calls.
 SHAPES = {
     "prod8192_gate": Problem("prod8192_gate", 16, 8192, 16, 16, 128, 256),
@@ -83,6 +88,10 @@ SHAPES = {
                               state_v_first=True),
     "prod8192_layer_safe": Problem("prod8192_layer_safe", 16, 8192, 16, 16, 128, 256, beta_sigmoid_in_kernel=True,
                                    state_v_first=True, safe_gate=True, lower_bound=-5.0),
+    # prod8192_gate's 131,072 tokens as one packed batch of 21 documents of 300 to 15,000 tokens,
+    # 19 of them not whole chunks (cu_seqlens): how training on packed documents calls the op
+    "prod_packed": Problem("prod_packed", 1, 131072, 16, 16, 128, 256,
+                           cu_seqlens=tuple(itertools.accumulate(PACKED_LENGTHS, initial=0))),
 }
 
 
@@ -120,6 +129,17 @@ def problem(name: str) -> Problem:
     if name in SHAPES:
         return SHAPES[name]
     return STAGE_SHAPES[name]
+
+
+def shrunk(p: Problem, T: int) -> Problem:
+    """``p`` as one sequence of at most T tokens (the float64 oracle's size); a packed ``p``
+    keeps its documents, each scaled to the new length (boundaries that meet merged)."""
+    if p.cu_seqlens is None:
+        return dataclasses.replace(p, B=1, T=min(p.T, T))
+    total = p.cu_seqlens[-1]
+    T = min(total, T)
+    bounds = sorted({c * T // total for c in p.cu_seqlens})
+    return dataclasses.replace(p, B=1, T=T, cu_seqlens=tuple(bounds))
 
 
 def make_inputs(p: Problem, device="cpu", seed: int = 0, requires_grad: bool = True) -> dict:
