@@ -216,22 +216,34 @@ def build(K: int = 128, split: bool = True, within: bool = True, unit: bool = Fa
             """x's [64, width] tile at column tile ``ctile`` of the 64 rows from row0 (those past the
             chunk's end never touched)."""
             C = cute.size(x, mode=[1])
-            return cute.make_tensor(x.iterator + row0 * C + ctile * width,
+            assert not isinstance(C, int) or C % width == 0  # (what the assumption below rests on)
+            # (the offset a whole number of tiles' widths: the tile's rows keep the tensor's
+            # alignment, so a thread's two adjacent channels load as one 8-byte access)
+            return cute.make_tensor(x.iterator + cute.assume(row0 * C + ctile * width, divby=width),
                                     cute.make_layout((BT, width), stride=(C, 1)))
 
+        # (a thread's fragment holds two rows, element i = a + 2 b + 4 n on row b: each row read
+        # or written whole under one branch on its ``ok``, so that its pairs of adjacent channels
+        # stay 8-byte accesses, where a predicate an element made every access a scalar one)
+        @cute.jit
         def _ld(f, ok):
             """A thread's fragment of a global view, loaded: the rows past the chunk's end (``ok``
             false) not read, 0."""
             r = cute.make_rmem_tensor(f.shape, f.element_type)
             r.fill(0)
-            cute.copy(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), f.element_type), f, r, pred=ok)
+            for b in cutlass.range_constexpr(2):
+                if ok[2 * b]:
+                    r[(None, b, None), 0, 0].store(f[(None, b, None), 0, 0].load())
             return r.load()
 
+        @cute.jit
         def _st(f, vals, ok):
             """vals into a thread's fragment of a global view, not past the chunk's end."""
             r = cute.make_rmem_tensor(f.shape, f.element_type)
             r.store(vals)
-            cute.copy(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), f.element_type), r, f, pred=ok)
+            for b in cutlass.range_constexpr(2):
+                if ok[2 * b]:
+                    f[(None, b, None), 0, 0].store(r[(None, b, None), 0, 0].load())
     else:
         def _tile(x, rt, row0, ctile, width=KH):
             """x's [64, width] tile at row tile rt, column tile ``ctile``."""
