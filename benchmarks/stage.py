@@ -2,6 +2,7 @@
 has an entry (``benchmarks/stages/``).
 
 ``python -m benchmarks.stage --stage B6 --shapes prod8192_gate,kimi --configs sweep``
+``python -m benchmarks.stage --stage B7-B9 --shapes kimi --candidate research.<module>:<function>``
 
 For each shape: the stage's inputs (its entry's ``make_inputs``: random or a real chain's, of
 the magnitudes a real chain gives), fla's stage on them, and each launch config (the pinned
@@ -10,13 +11,16 @@ the float64 stage, with the entry's bars (``misses``) -- then the median of CUDA
 timings, interleaved with fla's. Configs compile in parallel worker processes first, so a
 sweep pays the compiler once per config across all CPU cores. Rows (``kind: stage``) go to
 ``benchmarks/results/stages.jsonl``; the README's stage table is generated from them, each
-row's "ships" verdict from its entry's ``launch_config``.
+row's "ships" verdict from its entry's ``launch_config``. ``--candidate module:function`` times a
+kernel not registered (kept under ``research/``, the stage's registry contract) in the entry's
+place, on the same inputs and bars: its rows carry ``candidate`` and never ship.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import os
 import sys
@@ -61,6 +65,8 @@ def precompile(jobs, workers: int) -> None:
     import concurrent.futures
     import multiprocessing
 
+    if not jobs:
+        return
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
         for _ in pool.map(_precompile, jobs):
@@ -145,10 +151,21 @@ def bench_shape(bench, name: str, candidates, reps: int, rounds: int, out_path: 
             "parity": checks[label], "gpu": gpu, "versions": info,
             "fla_cache_mode": os.environ.get("FLA_CACHE_MODE", "disabled"),
             "commit": results.commit(), "date": results.now(),
+            **({"candidate": bench.candidate} if bench.candidate and label != "fla" else {}),
         }
         results.append(out_path, row)
         rows.append(row)
     return rows
+
+
+def as_candidate(bench, target: str):
+    """The stage's entry with ``module:function`` (the stage's registry contract, a kernel
+    kept under ``research/``) as its kernel: the same inputs, bytes, float64 stage and bars;
+    no launch configs; its rows named by the target and marked ``candidate``."""
+    module, _, name = target.partition(":")
+    fn = getattr(importlib.import_module(module), name)
+    return dataclasses.replace(bench, label=f"candidate {target}", ours=lambda inputs, config: fn(**inputs),
+                               launch_config=lambda p, overrides: {}, sweep=(), candidate=target)
 
 
 def main(argv=None, stage: str | None = None) -> int:
@@ -165,8 +182,12 @@ def main(argv=None, stage: str | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--workers", type=int, default=12)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--candidate", default=None, metavar="module:function",
+                        help="a kernel kept under research/ (the stage's registry contract) timed in the entry's place")
     args = parser.parse_args(argv)
     bench = known[stage or args.stage]
+    if args.candidate:
+        bench = as_candidate(bench, args.candidate)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -174,7 +195,9 @@ def main(argv=None, stage: str | None = None) -> int:
     from benchmarks import rows as results
 
     fla_configs.use_stored_configs(torch.cuda.get_device_name())
-    if args.configs == "sweep":
+    if bench.candidate:  # (the candidate's build is its own: no launch configs)
+        candidates = [{}]
+    elif args.configs == "sweep":
         candidates = [{}] + list(bench.sweep)
     elif args.configs == "pinned":
         candidates = [{}]
@@ -191,7 +214,7 @@ def main(argv=None, stage: str | None = None) -> int:
                 families.add(key)
                 jobs.append((bench.stage, s, c))
     t0 = time.perf_counter()
-    precompile(jobs, args.workers)
+    precompile([] if bench.candidate else jobs, args.workers)
     print(f"compiled {len(jobs)} kernel configs in {time.perf_counter() - t0:.0f} s", flush=True)
     out = args.out or results.RESULTS / "stages.jsonl"
     rows = []

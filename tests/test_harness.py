@@ -37,3 +37,20 @@ def test_autotuner_takes_one_config_under_the_interpreter():
     y = torch.empty_like(x)
     _scale_kernel[lambda meta: (triton.cdiv(50, meta["BLOCK"]),)](x, y, 50)
     assert torch.equal(y, 2 * x)
+
+
+def test_a_stage_candidate_takes_the_entry_s_place_and_never_ships():
+    """``benchmarks.stage --candidate module:function``: the stage's entry with that function as
+    its kernel (called with the entry's inputs), no launch configs, and its rows marked and
+    named so that the README's stage table never takes them for the kernel that ships."""
+    from benchmarks.stage import as_candidate, entries
+
+    entry = entries()["B7-B9"]
+    cand = as_candidate(entry, "builtins:dict")  # (a stand-in kernel: returns its keyword inputs)
+    assert cand.ours({"q": 1, "k": 2}, None) == {"q": 1, "k": 2}
+    assert (cand.candidate, cand.sweep, cand.launch_config(None, {"BK": 16})) == ("builtins:dict", (), {})
+    assert (cand.stage, cand.make_inputs, cand.exact, cand.misses) == (entry.stage, entry.make_inputs, entry.exact,
+                                                                         entry.misses)
+    row = {"design": cand.label, "shape": "prod8192_gate", "config": {}, "candidate": "builtins:dict"}
+    assert not cand.ships(row) and not entry.ships(row)
+    assert not entry.ships({**row, "design": entry.label})  # (marked a candidate: never what ships)

@@ -26,6 +26,7 @@ class StageBench:
     misses: Callable[..., dict]  # (vs_exact, fla_vs_exact, vs_fla) -> the outputs over their bars
     sweep: tuple[dict, ...] = ()
     fla_outputs: Callable[[tuple], tuple] = tuple  # fla's outputs as ours are compared (B2: u dropped)
+    candidate: str | None = None  # (``benchmarks.stage --candidate``: a research kernel in the entry's place)
 
     def fla(self, **inputs) -> tuple:
         """fla's stage on the inputs (the chain's fla implementation of the stage)."""
@@ -39,7 +40,8 @@ class StageBench:
         B6's launch-order switch carry no HEADS_FAST: fla's order)."""
         from kernel_fun.kda.stages import stages
 
-        if row.get("design") != self.label or "ours" not in stages()[self.stage].impls:
+        if (row.get("design") != self.label or "ours" not in stages()[self.stage].impls or self.candidate
+                or row.get("candidate")):
             return False
         try:
             picked = self.launch_config(problem(row["shape"]), None)
