@@ -205,7 +205,9 @@ def main(argv=None, stage: str | None = None) -> int:
         candidates = list(json.loads(args.configs))
     shapes = args.shapes.split(",")
     jobs, families = [], set()
-    for s in shapes:  # one compile per binary: shapes that differ only in B and T share it
+    # one compile per binary: shapes that differ only in B and T share it (a candidate's build
+    # is its own: nothing to precompile)
+    for s in ([] if bench.candidate else shapes):
         p = problem(s)
         fields = {f.name: getattr(p, f.name) for f in dataclasses.fields(p) if f.name not in ("name", "B", "T")}
         for c in candidates:
@@ -214,7 +216,7 @@ def main(argv=None, stage: str | None = None) -> int:
                 families.add(key)
                 jobs.append((bench.stage, s, c))
     t0 = time.perf_counter()
-    precompile([] if bench.candidate else jobs, args.workers)
+    precompile(jobs, args.workers)
     print(f"compiled {len(jobs)} kernel configs in {time.perf_counter() - t0:.0f} s", flush=True)
     out = args.out or results.RESULTS / "stages.jsonl"
     rows = []

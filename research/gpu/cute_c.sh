@@ -25,14 +25,12 @@ if [ "${LAYER:-0}" = 1 ]; then  # fla's KimiDeltaAttention layer through patch_f
   done
 fi
 if [ "${NCU:-0}" = 1 ]; then  # Nsight Compute on the unit's launch in the op
-  for form in l2; do
-    echo "== ncu $form $(date +%T)" | tee -a $log
-    timeout -k 5 ${NCU_LIMIT:-150} ncu --clock-control none --set full --import-source yes -k regex:kernel_cutlass \
-      --launch-count 1 -f -o /tmp/op_$form python3 research/gpu/op_unit_once.py $form >> $log 2>&1
-    echo "rc $? ncu $form" | tee -a $log
-    ncu --import /tmp/op_$form.ncu-rep --page details > $OUT/ncu_$form.txt 2>>$log
-    ncu --import /tmp/op_$form.ncu-rep --page source --csv --print-source sass 2>>$log | gzip > $OUT/ncu_$form.sass.csv.gz
-  done
+  echo "== ncu $(date +%T)" | tee -a $log
+  timeout -k 5 ${NCU_LIMIT:-150} ncu --clock-control none --set full --import-source yes -k regex:kernel_cutlass \
+    --launch-count 1 -f -o /tmp/op_unit python3 research/gpu/op_unit_once.py >> $log 2>&1
+  echo "rc $? ncu" | tee -a $log
+  ncu --import /tmp/op_unit.ncu-rep --page details > $OUT/ncu_unit.txt 2>>$log
+  ncu --import /tmp/op_unit.ncu-rep --page source --csv --print-source sass 2>>$log | gzip > $OUT/ncu_unit.sass.csv.gz
 fi
 # fla's autotune choices for this GPU (benchmarks/fla_configs/<gpu>): back with the results, to commit
 tar czf $OUT/fla_configs.tgz -C benchmarks fla_configs 2>/dev/null

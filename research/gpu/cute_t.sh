@@ -6,8 +6,8 @@
 # K: pytest's -k expression (default all); LIMIT: seconds (default 560).
 source .gpu/env.sh
 source research/gpu/cute_env.sh || { echo "no cute"; exit 3; }
-gpu=$(python3 -c "import re, torch; print(re.sub(r'[^0-9A-Za-z]+', '_', torch.cuda.get_device_name()).strip('_'))")
-export FLA_CONFIG_DIR=$PWD/benchmarks/fla_configs/$gpu FLA_CACHE_MODE=full
-echo "commit $(cat .gpu/commit) $gpu configs $(ls $FLA_CONFIG_DIR 2>/dev/null | wc -l)" | tee $OUT/t.log
+export FLA_CONFIG_DIR=$(python3 -c "import torch; from benchmarks.fla_configs import gpu_dir; print(gpu_dir(torch.cuda.get_device_name()))")
+export FLA_CACHE_MODE=full
+echo "commit $(cat .gpu/commit) configs $FLA_CONFIG_DIR ($(ls $FLA_CONFIG_DIR 2>/dev/null | wc -l))" | tee $OUT/t.log
 timeout -k 5 ${LIMIT:-560} python3 -m pytest -v -s -p no:cacheprovider -m gpu research/tests/test_cute_unit_gpu.py \
   ${K:+-k "$K"} 2>&1 | tee -a $OUT/t.log | grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed" | tail -40

@@ -65,13 +65,6 @@ def test_the_twin_meets_the_definitions_at_the_split_s_precision(within, strengt
     assert slow_share(t["g"]) == 0 if strength < 1 else 0 < slow_share(t["g"]) < 1
 
 
-# The unit's builds with the pair-by-pair path as one run-time loop: ptxas may keep one 64-bit
-# address across the products as one store and one load a thread (the op's build with B10 does:
-# beta's rows, stored once in the body and read once in the tail; its 7.4 ms in the op on an H100
-# carries them). One spilled value at most, never a store in a loop (one STL in the SASS).
-SPILL_BUDGET = 8
-
-
 def test_the_probe_compiles_for_sm90a(tmp_path: Path):
     pytest.importorskip("cutlass.cute", reason="CuTe DSL (nvidia-cutlass-dsl) is not installed")
     root = Path(__file__).resolve().parents[2]
@@ -82,8 +75,8 @@ def test_the_probe_compiles_for_sm90a(tmp_path: Path):
     assert [(r["split"], r["within"], r["unit"]) for r in rows] == [(True, True, False), (True, False, False),
                                                                    (True, True, True)]
     for r in rows:
-        assert r["ptxas_notes"] == {}, r
-        assert r["spill_stores"] <= (SPILL_BUDGET if r["unit"] else 0) and r["sass_stl"] <= (1 if r["unit"] else 0), r
+        # (the unit at one head: ptxas -v reports 4 bytes spilled, the DSL's own build none in its SASS)
+        assert (r["spill_stores"], r["sass_stl"], r["ptxas_notes"]) == ((4, 0) if r["unit"] else (0, 0)) + ({},), r
         # three products a block and dA: the column role's four blocks (three across only), the
         # row role's three across blocks and, within, its four (the unit's tail adds none)
         assert r["wgmma"] == r["sass_hgmma"] == 3 * 2 * (3 + 3 + (5 if r["within"] else 0)), r
@@ -253,10 +246,10 @@ def test_the_unit_compiles_at_the_op_s_heads(tmp_path: Path, form):
     from research.b7_cute_probe import sm90_row
 
     r = sm90_row(str(tmp_path), True, True, True)
-    assert (r["ptxas_notes"], r["wgmma"]) == ({}, 66), r
-    # (the one-warpgroup unit runs its pair-by-pair path as a run-time loop: see SPILL_BUDGET)
-    rolled = not ({"wg2", "ws", "phased"} & set(form))
-    assert r["spill_stores"] <= (SPILL_BUDGET if rolled else 0) and r["sass_stl"] <= (1 if rolled else 0), r
+    # (the op's build, B10 and stmatrix: one 64-bit address, beta's rows, stored once in the body
+    # and read once in the tail, one STL, never in a loop; its 7.4 ms in the op on an H100 carries it)
+    spilled = (8, 1) if form == ["l2", "stm"] else (0, 0)
+    assert (r["spill_stores"], r["sass_stl"], r["ptxas_notes"], r["wgmma"]) == spilled + ({}, 66), r
     # (``ws``: the registers at entry for 384 threads, and both setmaxnreg kept)
     assert (r["registers"], r["sass_setmaxnreg"]) == ((168, 2) if "ws" in form else (r["registers"], 0)), r
     ptx = next(tmp_path.glob("cutlass_*.ptx")).read_text()
