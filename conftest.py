@@ -6,7 +6,8 @@
 - Fresh floating-point allocations (``torch.empty``, ``empty_like``, ``new_empty``) are
   filled with NaN during tests, so a kernel that leaves part of an output unwritten fails
   loudly instead of passing on whatever the allocator returned.
-- Tests marked ``gpu`` are skipped without CUDA.
+- Tests marked ``gpu`` are skipped without CUDA. Where B7-B10's CuTe kernel runs (sm_90 with
+  CuTe DSL), the other tests see the chain with the Triton unit, as every other machine runs it.
 - On a GPU, each test's tensors are collected and the caching allocator's free blocks
   handed back after it: the workers of ``pytest -n`` share one GPU, and a worker that ran
   a production-size test would otherwise keep that test's reservation for the rest of the
@@ -96,6 +97,35 @@ def clean_switches(monkeypatch):
 
     reset_log_once()
     yield
+
+
+def cute_runs() -> bool:
+    """Whether B7-B9 and B7-B10's CuTe kernel can run here (an sm_90 GPU with CuTe DSL)."""
+    if not HAS_CUDA:
+        return False
+    from kernel_fun.kda.kernels import b7_b10_intra_bwd_sm90
+
+    return b7_b10_intra_bwd_sm90.cute_unavailable(torch.empty(1, device="cuda")) is None
+
+
+@pytest.fixture(autouse=True)
+def triton_unit_outside_the_gpu_tests(request):
+    """Where the CuTe kernel can run, tests not marked ``gpu`` (nor ``shipped_dispatch``) see the
+    chain as every other machine runs it: B7-B9 on the Triton unit, B7-B10's kernel declined.
+    Tests marked ``gpu`` run the chain as it ships (tests/test_gpu_sm90.py holds the CuTe kernel)."""
+    import contextlib
+
+    if "gpu" in request.keywords or "shipped_dispatch" in request.keywords or not cute_runs():
+        yield
+        return
+    from kernel_fun.kda.kernels import b7_b9_intra_bwd, b7_b10_intra_bwd_sm90
+    from kernel_fun.kda.stages import registered
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(registered("B7-B9", "ours", b7_b9_intra_bwd.intra_bwd, b7_b9_intra_bwd.supports))
+        stack.enter_context(registered("B7-B10", "ours", b7_b10_intra_bwd_sm90.intra_bwd_l2,
+                                       lambda **kw: "the CuTe kernel is for the gpu tests"))
+        yield
 
 
 @pytest.fixture(autouse=True)

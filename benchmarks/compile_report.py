@@ -10,6 +10,7 @@ the H200.
     python -m benchmarks.compile_report --only b6,scan   # the builds whose names start so
     python -m benchmarks.compile_report --out benchmarks/results/compile_sm90.jsonl  # rows kept
     python -m benchmarks.compile_report --kernel b6 --K 128 --V 256 --BV 32,64 --warps 8 --stages 2,3
+    python -m benchmarks.compile_report --cute all       # B7-B10's CuTe DSL builds (CuTe DSL installed)
 
 ``sass_sha`` fingerprints nvdisasm's listing without line information or the kernel's name,
 so a kernel moved to another file or renamed keeps it and any changed instruction changes
@@ -307,6 +308,67 @@ SHIPPED = {
 }
 
 
+# B7-B10's CuTe DSL kernel (``kda/kernels/b7_b10_intra_bwd_sm90.py``): each build the chain
+# can call, at the production heads (H = 16, K = 128) and the awkward ones its support takes
+# (the ``var`` build: T 20 short of whole chunks). Compiled by CuTe DSL (the ``sm90`` extra),
+# one build a process: CuTe DSL reads its dump folder once.
+CUTE_SHIPPED = {
+    "b7-b10 cute K128": dict(l2=True),
+    "b7-b10 cute K128 var": dict(l2=True, var=True),
+    "b7-b10 cute K64": dict(K=64, l2=True),
+    "b7-b9 cute K128": dict(),
+    "b7-b9 cute K128 var": dict(var=True),
+    "b7-b9 cute K128 gva2": dict(G=2),
+    "b7-b9 cute K128 var gva2": dict(var=True, G=2),
+    "b7-b9 cute K64 lower-bound no-bias": dict(K=64, has_bias=False, lower_bound=-5.0),
+}
+
+
+def cute_report(name: str) -> dict:
+    """The CuTe build ``name`` (``CUTE_SHIPPED``) compiled for sm_90a in a dump folder of its
+    own: registers, spills and ptxas's notes (Triton's ptxas on its PTX: CuTe DSL 4.8.1 writes
+    PTX ISA 8.8, Triton 3.6's ptxas reads up to 8.7, so the header is lowered for this count
+    only), and the fingerprint, instruction count, wgmmas and local-memory stores of the cubin
+    CuTe DSL built, the one that runs."""
+    import glob
+
+    import torch
+
+    from kernel_fun.kda.kernels import b7_b10_intra_bwd_sm90 as m
+
+    form = {**dict(K=128, G=1, l2=False, var=False, has_bias=True, lower_bound=None), **CUTE_SHIPPED[name]}
+    with tempfile.TemporaryDirectory() as dump:
+        os.environ.update(CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx,cubin", CUTE_DSL_DUMP_DIR=dump)
+        import cuda.bindings.driver as cuda
+        import cutlass.cute as cute
+
+        H, K, G, T = 16, form["K"], form["G"], 4 * 64 - (20 if form["var"] else 0)
+        op = lambda *shape, dtype=torch.float32: torch.zeros(1, T, *shape, dtype=dtype)  # noqa: E731
+        t = m.views(op(H // G, K, dtype=torch.bfloat16), op(H // G, K, dtype=torch.bfloat16), op(H, K), op(H),
+                    op(H, 64), op(H, 64), op(H, K), op(H, K), op(H, K), op(H, K, dtype=torch.bfloat16),
+                    torch.zeros(H), torch.zeros(H * K), *((op(H), op(H)) if form["l2"] else ()))
+        cute.compile(m.build(K, H, G, form["l2"], form["var"], "bf16", form["has_bias"], form["lower_bound"]),
+                     *m.dlpack_args(t, form["var"]), cuda.CUstream(0))
+        (ptx_path,) = glob.glob(os.path.join(dump, "*.sm_90a.ptx"))
+        ptx = open(ptx_path).read()
+        lowered = os.path.join(dump, "isa87.ptx")
+        with open(lowered, "w") as f:
+            f.write(re.sub(r"^\.version 8\.8", ".version 8.7", ptx, flags=re.M))
+        import triton
+
+        ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+        log = subprocess.run([ptxas, "-arch=sm_90a", "-v", lowered, "-o", os.devnull], capture_output=True,
+                             text=True, check=True).stderr
+        (cubin,) = glob.glob(os.path.join(dump, "*.cubin"))
+        sha, count = sass_sha(cubin)
+        listing = subprocess.run([os.path.join(os.path.dirname(ptxas), "nvdisasm"), "-c", cubin],
+                                 capture_output=True, text=True, check=True).stdout
+        ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", listing)
+    return {**ptxas_numbers(log), "sass_sha": sha, "sass_instructions": count,
+            "sass_hgmma": sum(o.startswith("HGMMA") for o in ops), "sass_stl": sum(o.startswith("STL") for o in ops),
+            "wgmma": ptx.count("wgmma.mma_async"), "cute_dsl": m.CUTE_DSL}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m benchmarks.compile_report", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -321,8 +383,35 @@ def main(argv=None):
     parser.add_argument("--stages", default="1,2,3")
     parser.add_argument("--maxnreg", type=int, default=None)
     parser.add_argument("--out", default=None, help="a jsonl file to append the shipped builds' rows to")
+    parser.add_argument("--cute", default=None, metavar="NAME",
+                        help="one CuTe DSL build of CUTE_SHIPPED (CuTe DSL installed), or 'all', each in a process")
     args = parser.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)
+    if args.cute is not None:
+        names = list(CUTE_SHIPPED) if args.cute == "all" else [args.cute]
+        for name in names:
+            if len(names) > 1:  # (a process each: CuTe DSL reads its dump folder once)
+                out = subprocess.run([sys.executable, "-m", "benchmarks.compile_report", "--cute", name,
+                                      *(["--out", args.out] if args.out else [])], capture_output=True, text=True)
+                print(out.stdout.strip() or json.dumps({"build": name, "error": out.stderr.strip()[-160:]}),
+                      flush=True)
+                continue
+            row = {"build": name}
+            try:
+                row.update(cute_report(name))
+            except Exception as err:  # a build that does not compile is a row too
+                row.update(error=str(err).splitlines()[0][:160])
+            print(json.dumps(row), flush=True)
+            if args.out:
+                from pathlib import Path
+
+                import triton
+
+                from benchmarks import rows
+
+                rows.append(Path(args.out), rows.stamp({"kind": "compile_sm90_cute", "triton": triton.__version__,
+                                                        **row}))
+        return 0
     if args.kernel is None:
         prefixes = [p for p in args.only.split(",") if p]
         for name, build in SHIPPED.items():

@@ -14,6 +14,7 @@ import torch
 from conftest import DEVICE, chain_problems, needs_triton
 from kernel_fun.kda import chunk_kda, last_record
 from kernel_fun.kda import reference as ref
+from kernel_fun.kda import kernels
 from kernel_fun.kda.kernels import b7_b9_intra_bwd as unit
 from kernel_fun.kda.problems import Problem, as_oracle_inputs, make_inputs, run_fwd_bwd
 from kernel_fun.kda.stages import capture_stages, stages, use_impls
@@ -202,6 +203,7 @@ def test_outputs_are_fresh_and_inputs_untouched():
         assert all(a.data_ptr() != t.data_ptr() for t in before.values())
 
 
+@pytest.mark.shipped_dispatch
 def test_supports_and_config():
     inputs = unit_inputs(SHAPES[0])
     assert unit.supports(**inputs) is None
@@ -209,7 +211,7 @@ def test_supports_and_config():
     assert unit.supports(**dict(inputs, safe_gate=True)) is None
     with pytest.raises(ValueError, match="PRODUCTS"):  # a retired knob is an error, not ignored
         unit.intra_bwd(**inputs, config={"PRODUCTS": 2})
-    assert stages()["B7-B9"].impls["ours"] is unit.intra_bwd
+    assert stages()["B7-B9"].impls["ours"] is kernels.intra_bwd  # (the CuTe kernel where it takes the call, else this)
     assert "ours" not in stages()["B7"].impls  # the unit is what runs: B7 alone has no kernel of ours
 
 

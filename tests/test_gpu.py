@@ -34,7 +34,7 @@ from kernel_fun import _fla
 from kernel_fun._triton import store_pairs
 from kernel_fun.kda import chunk_kda, last_record, use_impls
 from kernel_fun.kda import reference as ref
-from kernel_fun.kda.kernels import b2_wy_recompute, b6_wy_bwd, b7_b9_intra_bwd, f7_f8_b3_scan
+from kernel_fun.kda.kernels import b2_wy_recompute, b6_wy_bwd, b7_b9_intra_bwd, b7_b10_intra_bwd_sm90, f7_f8_b3_scan
 from kernel_fun.kda.problems import SHAPES, Problem, make_inputs, problem, run_fwd_bwd
 from kernel_fun.kda.stages import capture_stages, set_last_record, stages
 
@@ -310,21 +310,31 @@ def _whole_op(p: Problem = PROD):
 @ONE_AT_A_TIME
 def test_launch_witness_at_prod8192_gate():
     """The whole op at prod8192_gate: the F7-F8 unit, B2 (no u), B3 (forming u), B6 and the
-    B7-B9 unit ran kernel-fun's kernels and not fla's, every other stage ran fla's (the
+    B7-B9 unit (on sm_90 with CuTe DSL the B7-B10 unit) ran kernel-fun's kernels and not fla's, every other stage ran fla's (the
     forward's F3-F6 too: fla's WY kernel once, kernel-fun's B2 kernel once, in the backward),
     and the result tracks fla's chunk_kda (o within 2e-3: the scan rounds where fla's two
     stages do, its dots blocked otherwise)."""
     from torch.profiler import ProfilerActivity, profile
 
     ours, theirs, record, kernels = _whole_op()
+    # (on sm_90 with CuTe DSL the l2norm's backward is in the B7-B10 unit's CuTe kernel)
+    cute = b7_b10_intra_bwd_sm90.cute_unavailable(torch.empty(1, device="cuda")) is None
+    unit = "B7-B10" if cute else "B7-B9"
     assert record.engaged and record.forward["F7-F8"] == "ours" and record.forward["F3-F6"] == "fla"
-    assert all(record.backward[n] == "ours" for n in ("B2", "B3", "B6", "B7-B9")), record
-    assert not {"F7", "F8"} & set(record.forward) and not {"B7", "B8", "B9"} & set(record.backward), record
-    mine_stages = ("F7-F8", "B2", "B3", "B6", "B7-B9")
+    assert all(record.backward[n] == "ours" for n in ("B2", "B3", "B6", unit)), record
+    assert not {"F7", "F8"} & set(record.forward), record
+    assert not {"B7", "B8", "B9", "B7-B9", "B7-B10"} - {unit} & set(record.backward), record
+    assert ("B10" in record.backward) != cute, record
+    mine_stages = ("F7-F8", "B2", "B3", "B6", unit)
     others = {impl for name, impl in {**record.forward, **record.backward}.items() if name not in mine_stages}
     assert others == {"fla"}
-    mine = {"scan_transposed_kernel", "wy_recompute_kernel", "wy_dqkg_kernel", "intra_bwd_kernel"}
+    mine = {"scan_transposed_kernel", "wy_recompute_kernel", "wy_dqkg_kernel"}
     assert mine <= kernels, sorted(kernels)
+    if cute:
+        assert any(k.startswith("kernel_cutlass") for k in kernels) and "intra_bwd_kernel" not in kernels, \
+            sorted(kernels)
+    else:
+        assert "intra_bwd_kernel" in kernels, sorted(kernels)
     assert not {"chunk_gla_fwd_kernel_o", "chunk_kda_bwd_kernel_wy_dqkg_fused", "chunk_kda_bwd_kernel_intra",
                 "chunk_gated_delta_rule_fwd_kernel_h_blockdim64"} & kernels, sorted(kernels)
 

@@ -64,3 +64,27 @@ def test_every_shipped_build_compiles_as_committed(compiled):
         if problems:
             bad[name] = problems
     assert not bad, bad
+
+
+def test_the_cute_builds_compile_as_committed():
+    """B7-B10's CuTe DSL builds (``compile_report.CUTE_SHIPPED``, where CuTe DSL is installed: the
+    ``sm90`` extra) compile for sm_90a, spill no more than their committed rows, keep ptxas's notes
+    empty and their machine code the committed rows'."""
+    pytest.importorskip("cutlass.cute", reason="CuTe DSL (the sm90 extra) is not installed")
+    want = {r["build"]: r for r in rows.latest([r for r in rows.load(kind="compile_sm90_cute")
+                                                if r.get("triton") == triton.__version__], "build")}
+    env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-m", "benchmarks.compile_report", "--cute", "all"], capture_output=True,
+                         text=True, env=env, timeout=1800, cwd=rows.REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = {r["build"]: r for r in map(json.loads, out.stdout.strip().splitlines())}
+    assert set(got) == set(compile_report.CUTE_SHIPPED) == set(want), (sorted(got), sorted(want))
+    bad = {}
+    for name, row in got.items():
+        old = want[name]
+        if "error" in row:
+            bad[name] = row["error"]
+        elif row["spill_stores"] > old["spill_stores"] or row["spill_loads"] > old["spill_loads"] or \
+                row["ptxas_notes"] or row["sass_sha"] != old["sass_sha"]:
+            bad[name] = {n: (row[n], old[n]) for n in ("spill_stores", "spill_loads", "ptxas_notes", "sass_sha")}
+    assert not bad, bad

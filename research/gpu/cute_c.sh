@@ -2,7 +2,8 @@
 # Call 3 (carry .gpu), on the same warm machine after cute_a/cute_n: the whole op at
 # prod8192_gate, fla and ours with the registered stages, then ours with each candidate, each
 # with the op bench's parity and fla in-process.
-# CAND: any of unit, l2, b6, fused, or both (unit and b6); default unit. NCU=1: Nsight Compute on
+# CAND: any of unit, l2, b6, fused, or both (unit and b6); default unit; none: the registered
+# chain alone (with B7-B10's CuTe kernel where CuTe DSL runs). NCU=1: Nsight Compute on
 # the unit's launch in the op (research/gpu/op_unit_once.py), details and SASS back.
 # BASE=0 leaves out the first (registered) run. SHAPES (comma-separated): other shapes than
 # prod8192_gate (each one's first fla compile takes minutes on a fresh machine). LAYER=1: then
@@ -19,7 +20,7 @@ case $CAND in *l2*|both) run --impls fla,ours --candidate B7-B10=research.b7_cut
 case $CAND in *b6*|both) run --impls fla,ours --candidate B6=research.b6_cute_probe:wy_dqkg_bwd:supports;; esac
 case $CAND in *fused*) run --impls fla,ours --candidate B6-B9=research.b6_cute_probe:wy_intra_bwd:supports_fused;; esac
 if [ "${LAYER:-0}" = 1 ]; then  # fla's KimiDeltaAttention layer through patch_fla(): registered, then with the unit with B10
-  for c in "" "--candidate B7-B10=research.b7_cute_probe:intra_bwd_l2:supports_l2"; do
+  for c in "" $([ "$CAND" = none ] || echo "--candidate B7-B10=research.b7_cute_probe:intra_bwd_l2:supports_l2"); do
     echo "== layer $c $(date +%T)" | tee -a $log
     python3 -m benchmarks.layer --B 2 --T 8192 --out $OUT/layer.jsonl $c 2>&1 | tail -8 | tee -a $log
   done
