@@ -2,7 +2,7 @@
 (``kernel_fun.bench.layer``'s bench): rows stamped and appended to ``results/layer.jsonl``.
 
     python -m benchmarks.layer --B 2 --T 8192 [--safe-gate]
-        [--candidate B7-B10=research.b7_cute_probe:intra_bwd_l2:supports_l2]
+        [--candidate STAGE=research.<module>:<function>:<supports>]
 
 ``--candidate`` (as ``benchmarks.op``'s) registers a stage's candidate as its ``ours`` for the
 run; its rows carry ``candidate`` and the README skips them.

@@ -9,9 +9,9 @@ e.g. ``python -m research.b7_tiers --shapes prod8192_gate``.
 - ``b7_tiers``: the share of B7's programs taking one, two, three or more levels on the chain's own gate.
 - ``profile_stage``: a stage's kernel run a few times for Nsight Compute.
 - ``b6_ws_probe``, ``b6_gluon``: B6 as warp-specialized Gluon kernels (docs/log/bwd-fused.md).
-- ``b6_cute_probe``: B6's V loop as a 2-CTA cluster in CuTe DSL (docs/log/bwd-fused.md).
-- ``b7_cute_probe``: B7's three sums on chip in CuTe DSL, and the B7-B9 and B7-B10 unit on them:
-  the backward's candidate for B7-B10 (docs/log/bwd-fused.md).
+- ``b7_cute_probe``: B7-B10's CuTe DSL kernel (``kernel_fun.kda.kernels.b7_b10_intra_bwd_sm90``)
+  as an instrument: its sums in float64, its arithmetic in torch, one head timed on a GPU
+  against the Triton unit (docs/log/bwd-fused.md).
 
 A candidate kernel (one not yet measured the winner on the H200) lives here too, with its
 tests, until it is registered in the package: ``python -m benchmarks.op --candidate

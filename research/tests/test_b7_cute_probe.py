@@ -1,16 +1,13 @@
-"""The CuTe DSL B7 probe (research.b7_cute_probe) on the CPU: its definitions are the package's
+"""B7-B10's CuTe DSL kernel's instrument (research.b7_cute_probe) on the CPU: its definitions are the package's
 reference B7 (dq's part, and dk's row and column parts together), whole or less the pairs
 within a block; its twin (the kernel's arithmetic in torch: anchors, masks, bf16 split, the
 pairs within a block through their first rows or, past the guard, one by one) meets them at
 the split's precision under gentle and extreme gates, and one bf16 product does not; and
 the unit's tail (assembly, B8, B9) meets the reference B7-B9 unit, and keeps dA_log within
-budget under strong gates on the reference chain's inputs; and where CuTe DSL is
-installed, every build compiles for sm_90a without spills or ptxas's speed notes."""
+budget under strong gates on the reference chain's inputs; and the kernel's reads and writes on
+the op's layout (``views``, ``outputs``, ``chunk_rows``), emulated with the twin, are the
+reference unit's. (Its builds' compile for sm_90a: benchmarks/tests/test_compile_report.py.)"""
 
-import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -63,23 +60,6 @@ def test_the_twin_meets_the_definitions_at_the_split_s_precision(within, strengt
         assert x_q[:, :BC].abs().max() == 0 and x_c[:, -BC:].abs().max() == 0  # no block before the first, after the last
     # the gentle draw takes the products everywhere; the extreme one both paths
     assert slow_share(t["g"]) == 0 if strength < 1 else 0 < slow_share(t["g"]) < 1
-
-
-def test_the_probe_compiles_for_sm90a(tmp_path: Path):
-    pytest.importorskip("cutlass.cute", reason="CuTe DSL (nvidia-cutlass-dsl) is not installed")
-    root = Path(__file__).resolve().parents[2]
-    done = subprocess.run([sys.executable, "-m", "research.b7_cute_probe", "compile", str(tmp_path)], cwd=root,
-                          capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-4000:]
-    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert [(r["split"], r["within"], r["unit"]) for r in rows] == [(True, True, False), (True, False, False),
-                                                                   (True, True, True)]
-    for r in rows:
-        # (the unit at one head: ptxas -v reports 4 bytes spilled, the DSL's own build none in its SASS)
-        assert (r["spill_stores"], r["sass_stl"], r["ptxas_notes"]) == ((4, 0) if r["unit"] else (0, 0)) + ({},), r
-        # three products a block and dA: the column role's four blocks (three across only), the
-        # row role's three across blocks and, within, its four (the unit's tail adds none)
-        assert r["wgmma"] == r["sass_hgmma"] == 3 * 2 * (3 + 3 + (5 if r["within"] else 0)), r
 
 
 @pytest.mark.parametrize("strength", [0.3, 10.0])
@@ -168,7 +148,7 @@ def test_the_unit_with_b10_is_the_reference_b7_b10():
 @pytest.mark.parametrize("l2, G, K", [(False, 1, 128), (True, 1, 128), (False, 2, 128), (False, 1, 64), (True, 1, 64)],
                          ids=["unit", "l2", "gva", "k64", "l2-k64"])
 def test_the_op_layout_the_unit_reads_and_writes(l2, G, K):
-    """What ``intra_bwd`` (the unit build as the op's B7-B9; with ``l2``, ``intra_bwd_l2`` as
+    """What the kernel's ``intra_bwd`` (B7-B9; with ``l2``, ``intra_bwd_l2`` as
     B7-B10, the rows' rstd read at stride H as beta; with G = 2, GVA: 4 value heads on 2 q/k
     heads, value head h reading q's and k's head h // 2; at K = 64 one CTA a chunk-head, its
     partials alone) relies on, for B=2, T=128, H=3: the
@@ -178,7 +158,8 @@ def test_the_op_layout_the_unit_reads_and_writes(l2, G, K):
     dA_log's at (j, c), dt_bias's at (c, channel)) with ``twin_unit`` for the arithmetic, then
     ``unit_outputs`` summing the partials, against the reference unit on the op's tensors."""
     from kernel_fun.kda import reference as ref
-    from research.b7_cute_probe import twin_unit, unit_outputs, unit_views
+    from kernel_fun.kda.kernels.b7_b10_intra_bwd_sm90 import outputs as unit_outputs, views as unit_views
+    from research.b7_cute_probe import twin_unit
 
     B, T, H = 2, 128, 3 if G == 1 else 4
     gen = torch.Generator().manual_seed(7)
@@ -226,44 +207,9 @@ def test_the_op_layout_the_unit_reads_and_writes(l2, G, K):
         assert err < (5e-4 if name in ("dg", "ddt_bias") or (l2 and name in ("dq", "dk")) else 2e-5), (name, err)
 
 
-@pytest.mark.parametrize("form", [[], ["lb", "nobias"], ["l2"], ["l2", "phased"], ["wg2"], ["ws"], ["l2", "ws"],
-                                  ["stm"], ["stm", "dyn"], ["stm", "gva2"], ["stm", "var"],
-                                  ["l2", "stm", "var"], ["stm", "k64"], ["l2", "stm", "k64"], ["l2", "stm"]])
-def test_the_unit_compiles_at_the_op_s_heads(tmp_path: Path, form):
-    """The unit build on the op's layout at 16 heads (as ``intra_bwd`` builds it for
-    prod8192_gate), with the softplus gate and dt_bias or the lower-bounded gate without it,
-    or with B10 (the K halves' row sums swapped by one shared-to-shared copy each way, the
-    cluster's barrier twice), and that with its B operands in two phases, or its roles on two
-    warpgroups (with an idle third, each role in the 232 registers a B6 consumer has), or its
-    shared tiles written by stmatrix (and its rows a run-time extent, or GVA's two value heads a
-    q/k head, or chunks of any length, or K = 64 in one CTA a chunk-head, or with B10, the op's
-    build): as clean as at one."""
-    pytest.importorskip("cutlass.cute", reason="CuTe DSL (nvidia-cutlass-dsl) is not installed")
-    root = Path(__file__).resolve().parents[2]
-    done = subprocess.run([sys.executable, "-m", "research.b7_cute_probe", "compile-one", "1", "1", "1", str(tmp_path),
-                           "16", *form], cwd=root, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-4000:]
-    from research.b7_cute_probe import sm90_row
-
-    r = sm90_row(str(tmp_path), True, True, True)
-    # (the op's build, B10 and stmatrix: one 64-bit address, beta's rows, stored once in the body
-    # and read once in the tail, one STL, never in a loop; its 7.4 ms in the op on an H100 carries it)
-    spilled = (8, 1) if form == ["l2", "stm"] else (0, 0)
-    assert (r["spill_stores"], r["sass_stl"], r["ptxas_notes"], r["wgmma"]) == spilled + ({}, 66), r
-    # (``ws``: the registers at entry for 384 threads, and both setmaxnreg kept)
-    assert (r["registers"], r["sass_setmaxnreg"]) == ((168, 2) if "ws" in form else (r["registers"], 0)), r
-    ptx = next(tmp_path.glob("cutlass_*.ptx")).read_text()
-    swaps, cluster_barriers = ptx.count("cp.async.bulk.shared::cluster"), ptx.count("barrier.cluster")
-    # (the cluster's barriers: the first arrive, and B10's wait, arrive and wait; with ``ws`` the
-    # column role's and the idle warpgroup's branches take those three as well)
-    want = ((1, 10 if "ws" in form else 4) if "l2" in form and "k64" not in form else (0, 0))
-    assert (swaps, cluster_barriers) == want, (swaps, cluster_barriers)
-    assert ptx.count("cp.async.ca.shared.global") == 0  # (the tail reads dg and dq from global memory)
-
-
 def test_the_tail_s_lane_arithmetic():
-    """The unit's tail moves values between lanes (``_tail``, and research.cute_kit's
-    ``quad_row_sums`` / ``warp_col_sums``): emulated here on a [64, 64] tile laid out as the
+    """The unit's tail moves values between lanes (``_tail``, ``quad_row_sums`` and
+    ``warp_col_sums``): emulated here on a [64, 64] tile laid out as the
     wgmma accumulator (thread t's element i = a + 2 b + 4 n at row 16 (t // 32) + t % 32 // 4 + 8 b,
     column 8 n + 2 (t % 4) + a), each step as the kernel writes it, against torch: B8's reverse
     cumsum by column, the rows' sums, the columns' sums."""
@@ -320,9 +266,10 @@ def test_the_var_build_s_rows_are_the_reference_b7_b9(packed):
     arithmetic on the 64 rows, only the chunk's rows written, and ``unit_outputs`` summing the
     partials: against the reference unit with cu_seqlens. (g past the end is the last row's, as
     the kernel reads it; the twin's exact pair factors never meet it, the kernel's anchors do:
-    that part is the GPU test's, research/tests/test_cute_unit_gpu.py.)"""
+    that part is the GPU test's, tests/test_gpu_sm90.py.)"""
     from kernel_fun.kda import reference as ref
-    from research.b7_cute_probe import chunk_rows, twin_unit, unit_outputs, unit_views
+    from kernel_fun.kda.kernels.b7_b10_intra_bwd_sm90 import chunk_rows, outputs as unit_outputs, views as unit_views
+    from research.b7_cute_probe import twin_unit
 
     H, K = 2, 128
     if packed:
