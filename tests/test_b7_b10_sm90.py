@@ -101,6 +101,7 @@ def test_a_cuda_call_the_cute_kernel_declines_logs_why(monkeypatch, caplog):
     ("q_fp32", "bf16 q and k"),
     ("g_fp16", "a bf16 or fp32 gate"),
     ("dAqk_strided", "non-contiguous"),
+    ("huge", "32-bit"),
 ])
 def test_every_refusal_says_why(monkeypatch, change, why):
     """With CuTe DSL and an sm_90 GPU taken as given, each shape or form the kernel is not built
@@ -118,6 +119,9 @@ def test_every_refusal_says_why(monkeypatch, change, why):
         inputs.update(q=inputs["q"].float())
     elif change == "g_fp16":
         inputs.update(g=inputs["g"].half())
+    elif change == "huge":  # (2^31 elements a tensor, on the meta device: no memory)
+        inputs.update(k=torch.empty(1, 2 ** 20, 16, 128, dtype=torch.bfloat16, device="meta"),
+                      gc=torch.empty(1, 2 ** 20, 16, 128, device="meta"))
     else:
         inputs.update(dAqk=inputs["dAqk"].transpose(1, 2).contiguous().transpose(1, 2))
     reason = sm90.supports(**inputs)

@@ -214,7 +214,8 @@ def build(K: int = 128, H: int = 1, G: int = 1, l2: bool = False, var: bool = Fa
                mma_t: cute.TiledMma, mma_tz: cute.TiledMma, a_l: cute.ComposedLayout, at_l: cute.ComposedLayout,
                b_l: cute.ComposedLayout):
         tidx, _, _ = cute.arch.thread_idx()
-        half, chunk, _ = cute.arch.block_idx()
+        bid, _, _ = cute.arch.block_idx()
+        half, chunk = bid % NS, bid // NS  # (the grid's x: a chunk-head's K halves side by side, a cluster)
         w = cute.arch.make_warp_uniform(cute.arch.warp_idx()) % NB  # (its rows, or columns s, are block w)
         lane = cute.arch.lane_idx()
         for m, on in ((mma, True), (mma_z, False), (mma_t, True), (mma_tz, False)):  # (each MMA twice, its
@@ -642,7 +643,7 @@ def build(K: int = 128, H: int = 1, G: int = 1, l2: bool = False, var: bool = Fa
         nch = (cute.size(chunk_rows, mode=[0]) if cutlass.const_expr(var) else cute.size(k, mode=[0]) // BT) * H
         kernel(dAqk, dAkk, q, k, g, beta, dq, dk, dg, g_raw, a_log, dt_bias, dq2, dk2, dg2, db_part, dA_part,
                dbias_part, q_rstd, k_rstd, chunk_rows, mma, mma_z, mma_t, mma_tz, a_l, at_l, b_l).launch(
-            grid=(NS, nch, 1), block=(128, 1, 1), cluster=(2, 1, 1) if XCH else (1, 1, 1), stream=stream)
+            grid=(NS * nch, 1, 1), block=(128, 1, 1), cluster=(2, 1, 1) if XCH else (1, 1, 1), stream=stream)
 
     return launch
 
@@ -701,6 +702,8 @@ def supports(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log, dt
         return f"q {q.dtype}, k {k.dtype}, raw gate {g.dtype} (the kernel takes bf16 q and k, a bf16 or fp32 gate)"
     if not all(x.is_contiguous() for x in (q, k, gc, dAqk, dAkk, dq, dk, dg, g)):
         return "non-contiguous tensors (the kernel views them as dense [B * T, H * C])"
+    if B * T * gc.shape[2] * K >= 2 ** 31:
+        return f"{B * T * gc.shape[2] * K} elements a tensor (the kernel's offsets are 32-bit)"
     return None
 
 
