@@ -72,34 +72,6 @@ def _strong(kwargs: dict) -> dict:
     return kwargs
 
 
-@pytest.mark.parametrize("p", TAKEN, ids=lambda p: p.name)
-@pytest.mark.parametrize("gates", ["kimi", "strong"])
-def test_the_kernel_on_the_chain_s_inputs_matches_fla_stages(p, gates):
-    if gates == "strong" and p.safe_gate:
-        pytest.skip("safe_gate bounds the gate")
-    kwargs = make_inputs(p, device="cuda", seed=5)
-    if gates == "strong":
-        kwargs = _strong(kwargs)
-    with use_impls({"B7-B9": "fla", "B7-B10": "fla"}), capture_stages() as log:  # B7, B8, B9 one by one
-        run_fwd_bwd(chunk_kda, kwargs, grid=p.dtype)
-    (b7,) = [x for name, _, x, _ in log if name == "B7"]
-    (b9,) = [x for name, _, x, _ in log if name == "B9"]
-    gate = {n: b9[n] for n in ("g", "A_log", "dt_bias", "lower_bound")}
-    assert sm90.supports(**b7, **gate) is None  # (the kernel takes these: no fallback compared)
-    theirs = _fla.intra_bwd_tail(**b7, **gate)
-    exact = ref.intra_bwd_tail(**{n: t for n, t in b7.items() if n not in ("chunk_indices", "safe_gate")}, **gate,
-                               exact=True)
-    ours = sm90.intra_bwd(**b7, **gate)
-    fla_exact = {n: ref.rel_rms(a, b) for n, a, b in zip(NAMES, theirs, exact) if b is not None}
-    vs_fla = {n: ref.rel_rms(a, b) for n, a, b in zip(NAMES, ours, theirs) if b is not None}
-    vs_exact = {n: ref.rel_rms(a, b) for n, a, b in zip(NAMES, ours, exact) if b is not None}
-    triton = b7_b9_intra_bwd.intra_bwd(**b7, **gate)
-    print(p.name, gates, "vs fla", vs_fla, "vs exact", vs_exact, "fla vs exact", fla_exact,
-          "Triton unit vs exact", {n: ref.rel_rms(a, b) for n, a, b in zip(NAMES, triton, exact) if b is not None})
-    assert all(torch.isfinite(t).all() for t in ours if t is not None)
-    assert not tail_misses(vs_exact, fla_exact, vs_fla), tail_misses(vs_exact, fla_exact, vs_fla)
-
-
 @contextlib.contextmanager
 def _triton_chain():
     """The chain as it runs without the CuTe kernel: B7-B9's ``ours`` the Triton unit, B7-B10's
@@ -165,3 +137,31 @@ def test_what_the_kernel_refuses_runs_as_without_it(p, cute):
         return
     assert all(torch.equal(ours[n], triton[n]) for n in triton if triton[n] is not None)
     assert stages()["B7-B9"].impls["ours"] is not b7_b9_intra_bwd.intra_bwd  # (the dispatch is what ran)
+
+
+@pytest.mark.parametrize("p", TAKEN, ids=lambda p: p.name)
+@pytest.mark.parametrize("gates", ["kimi", "strong"])
+def test_the_kernel_on_the_chain_s_inputs_matches_fla_stages(p, gates):
+    if gates == "strong" and p.safe_gate:
+        pytest.skip("safe_gate bounds the gate")
+    kwargs = make_inputs(p, device="cuda", seed=5)
+    if gates == "strong":
+        kwargs = _strong(kwargs)
+    with use_impls({"B7-B9": "fla", "B7-B10": "fla"}), capture_stages() as log:  # B7, B8, B9 one by one
+        run_fwd_bwd(chunk_kda, kwargs, grid=p.dtype)
+    (b7,) = [x for name, _, x, _ in log if name == "B7"]
+    (b9,) = [x for name, _, x, _ in log if name == "B9"]
+    gate = {n: b9[n] for n in ("g", "A_log", "dt_bias", "lower_bound")}
+    assert sm90.supports(**b7, **gate) is None  # (the kernel takes these: no fallback compared)
+    theirs = _fla.intra_bwd_tail(**b7, **gate)
+    exact = ref.intra_bwd_tail(**{n: t for n, t in b7.items() if n not in ("chunk_indices", "safe_gate")}, **gate,
+                               exact=True)
+    ours = sm90.intra_bwd(**b7, **gate)
+    fla_exact = {n: ref.rel_rms(a, b) for n, a, b in zip(NAMES, theirs, exact) if b is not None}
+    vs_fla = {n: ref.rel_rms(a, b) for n, a, b in zip(NAMES, ours, theirs) if b is not None}
+    vs_exact = {n: ref.rel_rms(a, b) for n, a, b in zip(NAMES, ours, exact) if b is not None}
+    triton = b7_b9_intra_bwd.intra_bwd(**b7, **gate)
+    print(p.name, gates, "vs fla", vs_fla, "vs exact", vs_exact, "fla vs exact", fla_exact,
+          "Triton unit vs exact", {n: ref.rel_rms(a, b) for n, a, b in zip(NAMES, triton, exact) if b is not None})
+    assert all(torch.isfinite(t).all() for t in ours if t is not None)
+    assert not tail_misses(vs_exact, fla_exact, vs_fla), tail_misses(vs_exact, fla_exact, vs_fla)
