@@ -23,10 +23,10 @@ registers: the tail forms dq2, dk2, db's part, dg's reverse cumsum and the gate'
 from them, dAqk's diagonal (the pairs (r, r)) added in fp32. With B10, a chunk-head's K halves
 run as a 2-CTA cluster and swap their halves' row sums by one shared-to-shared copy.
 
-Measured: the README's whole-op tables (on an H100 at prod8192_gate, the kernel with B10 7.4 ms
-where the Triton unit and B10 took 13.1; the op 31.3 ms against 37.3 with them, fla's 52.8). Its
-time follows its code: unrolled, the pair-by-pair path made it 13,400 SASS instructions of
-straight-line code, past the instruction cache, and 12.0 ms; as a loop 8,480
+Measured: the README's whole-op tables (on an H100 at prod8192_gate, B7-B10 7.8 ms in the op
+where the Triton unit and B10 took 13.1; the op 31.70 ms against 37.33 with them, fla's 52.84).
+Its time follows its code: unrolled, the pair-by-pair path made it 13,400 SASS instructions of
+straight-line code, past the instruction cache, and 12.0 ms; as a loop ~8,500
 (docs/log/bwd-fused.md has every round).
 
 Falls back (``supports``, to the Triton unit): not sm_90, CuTe DSL not installed, a
