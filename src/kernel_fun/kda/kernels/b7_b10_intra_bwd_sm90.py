@@ -1,9 +1,9 @@
 """B7-B9, and with the l2norm in the op B7-B10, in one CuTe DSL kernel for sm_90a: the
 intra-chunk backward's three sums on tensor cores, dg's chunk cumsum (B8), the gate's backward
 (B9) and the l2norm's (B10), for one (chunk-head, 64-channel K half) a CTA of one warpgroup.
-It runs inside the registered stages (``b7_b9_intra_bwd.intra_bwd`` and B7-B10's ``ours``) on
-an sm_90 GPU with ``nvidia-cutlass-dsl`` installed (the ``sm90`` extra), where ``supports``
-takes the call; the Triton unit, which CI runs in the interpreter, is its twin everywhere else.
+It runs inside the registered stages (B7-B9's ``ours``, ``kda/kernels/__init__.py``, and
+B7-B10's) on an sm_90 GPU with ``nvidia-cutlass-dsl`` installed (the ``sm90`` extra), where
+``supports`` takes the call; the Triton unit, which CI runs in the interpreter, is its twin.
 
 The sums, for g the chunk cumsum in log2 and f(r, s) = exp2(g_r - g_s):
 x_q[r] = sum_{s<=r} dAqk[r, s] k_s f, x_kr[r] = sum_{s<r} dAkk[r, s] k_s f (beta_r after),
@@ -29,11 +29,11 @@ Its time follows its code: unrolled, the pair-by-pair path made it 13,400 SASS i
 straight-line code, past the instruction cache, and 12.0 ms; as a loop ~8,500
 (docs/log/bwd-fused.md has every round).
 
-Falls back (``supports``, to the Triton unit): not sm_90, CuTe DSL not installed, a
+Falls back (``supports``, to the Triton unit): not sm_90, CuTe DSL missing or not 4.8.1, a
 pre-computed gate, chunk size other than 64, K other than 64 or 128, fp32 q or k, non-dense
-tensors; for B7-B10 also GVA (the group's sum comes before B10). Packed sequences and T not a
-multiple of 64 take the ``var`` build (the rows and chunks run-time extents). One compile a
-shape and gate form (~9 s), kept per process.
+tensors, 2^31 elements a tensor; for B7-B10 also GVA (the group's sum comes before B10). Packed
+sequences and T not a multiple of 64 take the ``var`` build (rows and chunks run-time extents).
+One compile a shape and gate form (~9 s), kept per process.
 """
 
 import torch
@@ -764,10 +764,11 @@ def _run(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, g, A_log, dt_bias, lower_bo
     lb = None if lower_bound is None else float(lower_bound)
     # (every extent and value the build bakes in: B * T unless ``var``, the heads, K, the gate form)
     key = (None if var else B * T, H, Hq, K, raw, dt_bias is not None, lb, l2, var, dev.index)
-    fn = _COMPILED.get(key)
-    if fn is None:
-        fn = _COMPILED[key] = cute.compile(build(K, H, H // Hq, l2, var, raw, dt_bias is not None, lb), *args)
-    fn(*args)
+    with torch.cuda.device(dev):  # (compiled and launched on the tensors' device, whichever is current)
+        fn = _COMPILED.get(key)
+        if fn is None:
+            fn = _COMPILED[key] = cute.compile(build(K, H, H // Hq, l2, var, raw, dt_bias is not None, lb), *args)
+        fn(*args)
     return outputs(tensors, db, A_log, dt_bias)
 
 
