@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 
@@ -99,6 +100,7 @@ def clean_switches(monkeypatch):
     yield
 
 
+@functools.cache
 def cute_runs() -> bool:
     """Whether B7-B9 and B7-B10's CuTe kernel can run here (an sm_90 GPU with CuTe DSL)."""
     if not HAS_CUDA:

@@ -30,7 +30,7 @@ from kernel_fun.kda import reference as ref
 from kernel_fun.kda.kernels import b7_b9_intra_bwd
 from kernel_fun.kda.kernels import b7_b10_intra_bwd_sm90 as sm90
 from kernel_fun.kda.problems import SHAPES, make_inputs, run_fwd_bwd
-from kernel_fun.kda.stages import capture_stages, registered, stages
+from kernel_fun.kda.stages import capture_stages, registered
 
 pytestmark = pytest.mark.gpu
 
@@ -136,7 +136,6 @@ def test_what_the_kernel_refuses_runs_as_without_it(p, cute):
         assert not worse, worse
         return
     assert all(torch.equal(ours[n], triton[n]) for n in triton if triton[n] is not None)
-    assert stages()["B7-B9"].impls["ours"] is not b7_b9_intra_bwd.intra_bwd  # (the dispatch is what ran)
 
 
 @pytest.mark.parametrize("p", TAKEN, ids=lambda p: p.name)

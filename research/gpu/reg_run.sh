@@ -4,6 +4,7 @@
 # kernel's GPU tests (tests/test_gpu_sm90.py, K a -k expression) and the chain's launch witness
 # until LIMIT seconds from the start (default 570). fla on its stored autotune choices for the
 # op bench (STRICT: it autotunes what it times), and on them and their defaults for the tests.
+# OP=0: the tests alone.
 start=$(date +%s)
 source .gpu/env.sh
 source research/gpu/cute_env.sh || { echo "no cute"; exit 3; }

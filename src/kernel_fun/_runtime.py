@@ -70,6 +70,20 @@ def env_int(name: str, default: int, minimum: int = 0) -> int:
     return value
 
 
+def env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
+    """A switch among ``choices`` (case and surrounding spaces ignored); a value not among them
+    warns once and keeps ``default``."""
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    value = raw.strip().lower()
+    if value not in choices:
+        log_once(logging.WARNING, f"ignoring {name}={raw!r}: expected one of {', '.join(choices)}; "
+                                  f"keeping the default ({default})")
+        return default
+    return value
+
+
 # Offsets tensors already checked on the device, each kept while it lives unmodified (the
 # same object at the same version: torch bumps ``_version`` on every in-place write), so a
 # model's layers, which share one cu_seqlens, enqueue the check once a step.

@@ -36,13 +36,13 @@ and the context's ``cu_seqlens`` replace the call's.
 from __future__ import annotations
 
 import dataclasses
-import os
 import warnings
 
 import torch
 import torch.distributed as dist
 
 from kernel_fun import _fla as fla
+from kernel_fun._runtime import env_choice
 from kernel_fun.kda import reference as ref
 
 
@@ -217,10 +217,7 @@ def fla_summaries(device: torch.device) -> bool:
     summary, the all-gather and the fold in one call each way) instead of the torch ones: on
     CUDA unless ``KERNEL_FUN_CP_SUMMARIES=torch`` (``benchmarks.cp`` checks and times both).
     The tensors the chain hands them are fla's own stage outputs."""
-    choice = os.environ.get("KERNEL_FUN_CP_SUMMARIES", "fla").strip().lower()
-    if choice not in ("fla", "torch"):
-        raise ValueError(f"KERNEL_FUN_CP_SUMMARIES={choice!r}: expected 'fla' or 'torch'")
-    return device.type == "cuda" and choice == "fla"
+    return device.type == "cuda" and env_choice("KERNEL_FUN_CP_SUMMARIES", ("fla", "torch"), "fla") == "fla"
 
 
 def initial_state(ctx, kg, w, u, gc, cu_seqlens_cpu, chunk_size: int, v_first: bool,
