@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One device call that works through STEPS (space-separated, in order) until LIMIT seconds from
+# its start (default 570), after cute_a.sh on the same warm machine (carry .gpu and .cute2; .ab_old
+# for `ab`). Each step streams to $OUT/log and gets the time left; fla's autotune choices live in
+# /tmp/fla_configs (seeded from benchmarks/fla_configs, kept while the machine stays warm) and come
+# back as $OUT/fla_configs.tgz after every step. Steps:
+#   op:SHAPE[,SHAPE]   the whole op, fla and ours, rows to $OUT/op.jsonl
+#   layer              fla's KimiDeltaAttention layer, unpatched and through patch_fla(), B2 T8192
+#   stage:STAGE:SHAPES one stage alone against fla's (pinned configs), rows to $OUT/stages.jsonl
+#   rel:PARTS          benchmarks.reliability --parts PARTS (SOAK_ITERS, default 300)
+#   ab                 research/gpu/ab_old.sh (one round)
+set -o pipefail
+start=$(date +%s)
+source .gpu/env.sh
+source research/gpu/cute_env.sh || { echo "no cute"; exit 3; }
+[ -d /tmp/fla_configs ] || cp -r benchmarks/fla_configs /tmp/fla_configs
+export KERNEL_FUN_FLA_CONFIGS=/tmp/fla_configs
+export KERNEL_FUN_COMMIT=$(cut -c1-12 .gpu/commit)
+log=$OUT/log
+echo "commit $(cat .gpu/commit) $(python3 -c 'import torch; print(torch.cuda.get_device_name())')" | tee -a $log
+for step in $STEPS; do
+  left=$(( ${LIMIT:-570} - 15 - ($(date +%s) - start) ))
+  [ $left -lt 20 ] && { echo "== skipped $step: ${left}s left" | tee -a $log; continue; }
+  echo "== $step $(date +%T), ${left}s left" | tee -a $log
+  IFS=: read -r what a b <<< "$step"
+  case $what in
+    op) timeout -k 5 $left python3 -m benchmarks.op --shapes $a --impls fla,ours --out $OUT/op.jsonl 2>&1 | tail -30 ;;
+    layer) timeout -k 5 $left python3 -m benchmarks.layer --B 2 --T 8192 --out $OUT/layer.jsonl 2>&1 | tail -12 ;;
+    stage) timeout -k 5 $left python3 -m benchmarks.stage --stage $a --shapes $b --configs pinned --out $OUT/stages.jsonl 2>&1 | tail -14 ;;
+    rel) timeout -k 5 $left python3 -m benchmarks.reliability --parts $a --soak-iters ${SOAK_ITERS:-300} \
+           --soak-seconds 90 --out $OUT/reliability.jsonl 2>&1 | tail -40 ;;
+    ab) ROUNDS=1 timeout -k 5 $left bash research/gpu/ab_old.sh ;;
+    *) echo "unknown step $step" ;;
+  esac 2>&1 | tee -a $log
+  echo "rc ${PIPESTATUS[0]} $step $(date +%T)" | tee -a $log
+  tar czf $OUT/fla_configs.tgz -C /tmp fla_configs 2>/dev/null
+done
+echo "done $(date +%T)" | tee -a $log
