@@ -100,6 +100,23 @@ def warp_col_sums(x):
 # --------------------------------------------------------------------------------------
 # the kernel
 # --------------------------------------------------------------------------------------
+def _bulk_to_peer(src, nbytes: int, mbar, peer):
+    """One bulk copy of ``nbytes`` from ``src`` (this CTA's shared memory) to the same offset in
+    cluster CTA ``peer``, completing on ``peer``'s barrier at ``mbar``'s offset. PTX requires the
+    barrier in the destination CTA, so both addresses are mapped into the peer; CuTe DSL 4.8.1's
+    ``CopyBulkS2SOp`` maps the destination alone (compute-sanitizer's memcheck flags that form)."""
+    from cutlass import AddressSpace, Int32
+    from cutlass._mlir.dialects import llvm, nvvm
+    from cutlass.cutlass_dsl import T
+
+    cluster = llvm.PointerType.get(AddressSpace.dsmem)
+    dst = nvvm.mapa(cluster, src.to_llvm_ptr(), peer.ir_value())
+    bar = nvvm.mapa(cluster, mbar.to_llvm_ptr(), peer.ir_value())
+    # (the op types its barrier operand as this CTA's window; PTX takes either window's 32 bits)
+    bar = llvm.inttoptr(llvm.PointerType.get(AddressSpace.smem), llvm.ptrtoint(T.i32(), bar))
+    nvvm.cp_async_bulk_shared_cluster_shared_cta(dst, src.to_llvm_ptr(), bar, Int32(nbytes).ir_value())
+
+
 def build(K: int = 128, H: int = 1, G: int = 1, l2: bool = False, var: bool = False, raw: str = "bf16",
           has_bias: bool = True, lower_bound: float | None = None):
     """The host function (a ``cute.jit``) for one shape and gate form: one CTA of 128 threads a
@@ -115,7 +132,7 @@ def build(K: int = 128, H: int = 1, G: int = 1, l2: bool = False, var: bool = Fa
     import cutlass
     import cutlass.cute as cute
     import cutlass.utils.hopper_helpers as sm90
-    from cutlass.cute.nvgpu import cpasync, warp, warpgroup
+    from cutlass.cute.nvgpu import warp, warpgroup
     from cutlass.memory import SmemAllocator
     from cutlass.tensor_utils import LayoutEnum
 
@@ -254,6 +271,8 @@ def build(K: int = 128, H: int = 1, G: int = 1, l2: bool = False, var: bool = Fa
             if tidx == 0:
                 cute.arch.mbarrier_init(storage.xbar.data_ptr(), 1)
                 cute.arch.mbarrier_init_fence()
+            cute.arch.sync_threads()  # (its initialisation before any use, for every thread's view)
+            if tidx == 0:
                 cute.arch.mbarrier_arrive_and_expect_tx(storage.xbar.data_ptr(), 2 * BT * 4)
             cute.arch.cluster_arrive_relaxed()
         s_a = [getattr(storage, n).get_tensor(a_l.outer, swizzle=a_l.inner) for n in ("qh", "ql", "kh", "kl")]
@@ -610,9 +629,7 @@ def build(K: int = 128, H: int = 1, G: int = 1, l2: bool = False, var: bool = Fa
             cute.arch.cluster_wait()  # (the peer's barrier is armed)
             if w == 0:
                 if lane == 0:
-                    send = cute.make_copy_atom(cpasync.CopyBulkS2SOp(), f32, num_bits_per_copy=2 * BT * 32)
-                    mine = cute.make_tensor(xch + half * 2 * BT, cute.make_layout(2 * BT))
-                    cute.copy(send, mine, mine, mbar_ptr=xbar, cta_rank=cutlass.Int32(1 - half))
+                    _bulk_to_peer(xch + half * 2 * BT, 2 * BT * 4, xbar, cutlass.Int32(1 - half))
             cute.arch.mbarrier_wait(xbar, 0)
             cute.arch.cluster_arrive_relaxed()  # (the peer's bytes are here: its copy has read them)
         by_row = lambda m, h: frag(cute.make_tensor(xch + (h * 2 + m) * BT,  # noqa: E731
