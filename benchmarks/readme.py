@@ -119,14 +119,21 @@ def stage_table(rows: list[dict], best_only: bool = True, ships=None) -> str:
     bool), only rows of the launch config that ships at the row's shape, named kernel-fun,
     so the table shows what ships rather than a faster number from a kernel or design since
     replaced (those stay in the sweep record, by the design names the rounds used)."""
-    def name(r):
-        return "kernel-fun" if ships is not None else r["design"]
+    def name(r):  # (where two kernels ship for one stage and shape, B7-B9's Triton unit and CuTe kernel: named)
+        if ships is None:
+            return r["design"]
+        return "kernel-fun" + (f" ({r['design']})" if (r["stage"], r["shape"]) in two else "")
 
     every = [r for r in rows if r.get("kind") == "stage"]
     if ships is not None:
         every = [r for r in every if r["impl"] == "fla" or ships(r)]
         shipped = {(r["stage"], r["shape"]) for r in every if r["impl"] != "fla"}
         every = [r for r in every if (r["stage"], r["shape"]) in shipped]  # fla's row beside what ships
+    designs: dict[tuple, set] = {}
+    for r in every:
+        if r["impl"] != "fla":
+            designs.setdefault((r["stage"], r["shape"]), set()).add(r["design"])
+    two = {key for key, d in designs.items() if len(d) > 1}
     rows = latest(every, "stage", "shape", "impl")
     if not rows:
         return ""
@@ -258,9 +265,8 @@ def render(rows: list[dict]) -> str:
 
     benches = entries()
 
-    def ships(row) -> bool:
-        bench = benches.get(row.get("stage"))
-        return bench is not None and bench.ships(row)
+    def ships(row) -> bool:  # (a stage may have two entries: B7-B9's Triton unit and its CuTe kernel)
+        return any(b.ships(row) for b in benches.values() if b.stage == row.get("stage"))
 
     stages = stage_table(rows, ships=ships)
     shipped = [r for r in rows if not r.get("candidate")]  # a design measured before registration is not what ships

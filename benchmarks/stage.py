@@ -49,9 +49,9 @@ def _precompile(job):
     with the same head counts, dims and flags: B=2 and three chunks, so no integer argument
     is 1 where the full-size launch's is not (Triton specializes ints equal to 1) and the
     binary is the one the full-size launch uses."""
-    stage, name, config = job
+    entry, name, config = job
     os.environ.pop("TRITON_INTERPRET", None)
-    bench = entries()[stage]
+    bench = entries()[entry]
     p = dataclasses.replace(problem(name), B=2, T=192)
     try:
         bench.ours(bench.make_inputs(p, "cuda"), bench.launch_config(p, config))
@@ -207,14 +207,14 @@ def main(argv=None, stage: str | None = None) -> int:
     jobs, families = [], set()
     # one compile per binary: shapes that differ only in B and T share it (a candidate's build
     # is its own: nothing to precompile)
-    for s in ([] if bench.candidate else shapes):
+    for s in (shapes if bench.precompile and not bench.candidate else []):
         p = problem(s)
         fields = {f.name: getattr(p, f.name) for f in dataclasses.fields(p) if f.name not in ("name", "B", "T")}
         for c in candidates:
             key = (repr(sorted(fields.items())), json.dumps(c, sort_keys=True))
             if key not in families:
                 families.add(key)
-                jobs.append((bench.stage, s, c))
+                jobs.append((bench.name, s, c))
     t0 = time.perf_counter()
     precompile(jobs, args.workers)
     print(f"compiled {len(jobs)} kernel configs in {time.perf_counter() - t0:.0f} s", flush=True)

@@ -54,3 +54,38 @@ def test_a_stage_candidate_takes_the_entry_s_place_and_never_ships():
     row = {"design": cand.label, "shape": "prod8192_gate", "config": {}, "candidate": "builtins:dict"}
     assert not cand.ships(row) and not entry.ships(row)
     assert not entry.ships({**row, "design": entry.label})  # (marked a candidate: never what ships)
+
+
+def test_b7_b9_s_cute_kernel_has_its_own_stage_entry():
+    """B7-B9's two shipped kernels each have a stage-bench entry: the Triton unit (``B7-B9``) and
+    the CuTe kernel (``B7-B9-sm90``: the same inputs and bars, one pinned build compiled in the
+    bench's process). Where the CuTe kernel declines (here: no sm_90 GPU) its entry raises with
+    the reason rather than timing another kernel under its name, and the reliability harness
+    skips it; the README's stage table names both where both ship at one shape."""
+    from benchmarks import readme
+    from benchmarks.stage import entries
+    from kernel_fun.kda.problems import problem
+
+    triton_unit, cute = entries()["B7-B9"], entries()["B7-B9-sm90"]
+    assert (cute.stage, cute.make_inputs, cute.exact, cute.misses, cute.bytes) == (
+        "B7-B9", triton_unit.make_inputs, triton_unit.exact, triton_unit.misses, triton_unit.bytes)
+    assert (cute.sweep, cute.precompile, cute.launch_config(None, None)) == ((), False, {})
+    assert triton_unit.precompile and triton_unit.declines is None
+    inputs = cute.make_inputs(problem("grid64"), "cpu")
+    why = cute.declines(inputs)
+    assert why and ("sm_90" in why or "CuTe" in why), why
+    with pytest.raises(RuntimeError, match="declines"):
+        cute.ours(inputs, None)
+    assert cute.ships({"design": cute.label, "shape": "prod8192_gate", "config": {}})
+    assert not cute.ships({"design": triton_unit.label, "shape": "prod8192_gate", "config": {}})
+
+    from kernel_fun.kda.kernels.b7_b9_intra_bwd import CONFIG
+
+    base = dict(kind="stage", stage="B7-B9", shape="kimi", spread_ms=[0.9, 1.1], floor_ms=0.5, gpu="H100",
+                date="2026-12-06T10:00:00+00:00", commit="abc", parity={"ok": True})
+    rows = [dict(base, impl="fla", design="fla", ms=2.0, config={}),
+            dict(base, impl="wide-halves-pf[x]", design=triton_unit.label, ms=1.5, config=dict(CONFIG)),
+            dict(base, impl="cute-sm90[]", design=cute.label, ms=1.0, config={})]
+    table = readme.render(rows)
+    assert f"| kernel-fun ({cute.label}) |" in table and f"| kernel-fun ({triton_unit.label}) |" in table
+    assert "| kernel-fun |" in readme.render(rows[:2])  # (one kernel at a shape: unnamed, as before)

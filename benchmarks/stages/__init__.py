@@ -8,7 +8,8 @@ from benchmarks.stages.common import StageBench
 
 
 def entries() -> dict[str, StageBench]:
-    """Every stage with a bench entry, by stage name."""
+    """Every kernel with a bench entry, by its entry's name (the stage's, or for B7-B9's CuTe
+    kernel ``B7-B9-sm90``)."""
     from benchmarks.stages import b2, b3, b6, b7_b9, f7_f8
 
-    return {e.stage: e for e in (b2.BENCH, b3.BENCH, b6.BENCH, b7_b9.BENCH, f7_f8.BENCH)}
+    return {e.name: e for e in (b2.BENCH, b3.BENCH, b6.BENCH, b7_b9.BENCH, b7_b9.BENCH_SM90, f7_f8.BENCH)}

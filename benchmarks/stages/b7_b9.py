@@ -11,6 +11,8 @@ within 10% of fla's own error.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from benchmarks.stages.common import StageBench, qk_and_gate
@@ -132,3 +134,26 @@ def _misses(vs_exact, fla_exact, vs_fla):
 
 BENCH = StageBench(stage="B7-B9", label="wide-halves-pf", make_inputs=make_inputs, bytes=b7b9_bytes, exact=_exact,
                    ours=_ours, launch_config=_launch_config, misses=_misses, sweep=SWEEP)
+
+
+def _declines_sm90(inputs):
+    from kernel_fun.kda.kernels import b7_b10_intra_bwd_sm90
+
+    return b7_b10_intra_bwd_sm90.supports(**inputs)
+
+
+def _ours_sm90(inputs, config):
+    from kernel_fun.kda.kernels import b7_b10_intra_bwd_sm90
+
+    why = b7_b10_intra_bwd_sm90.supports(**inputs)
+    if why:  # (a row that says so, never the Triton unit's time under this kernel's name)
+        raise RuntimeError(f"B7-B9's CuTe kernel declines: {why}")
+    return b7_b10_intra_bwd_sm90.intra_bwd(**inputs)
+
+
+# B7-B9's CuTe DSL kernel (``kda/kernels/b7_b10_intra_bwd_sm90.py``), what B7-B9's ``ours`` runs on
+# an sm_90 GPU with the sm90 extra: the same inputs, bytes and bars; one pinned build, compiled in
+# the bench's process.
+BENCH_SM90 = dataclasses.replace(BENCH, key="B7-B9-sm90", label="cute-sm90", ours=_ours_sm90,
+                                 launch_config=lambda p, overrides: {}, sweep=(), precompile=False,
+                                 declines=_declines_sm90)

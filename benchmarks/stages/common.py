@@ -27,6 +27,13 @@ class StageBench:
     sweep: tuple[dict, ...] = ()
     fla_outputs: Callable[[tuple], tuple] = tuple  # fla's outputs as ours are compared (B2: u dropped)
     candidate: str | None = None  # (``benchmarks.stage --candidate``: a research kernel in the entry's place)
+    key: str = ""  # the entry's name where a stage has two kernels (default: the stage's)
+    precompile: bool = True  # Triton's binaries compiled in worker processes first (a CuTe build compiles in place)
+    declines: Callable[[dict], str | None] | None = None  # (inputs) -> why the kernel does not take them, or None
+
+    @property
+    def name(self) -> str:
+        return self.key or self.stage
 
     def fla(self, **inputs) -> tuple:
         """fla's stage on the inputs (the chain's fla implementation of the stage)."""

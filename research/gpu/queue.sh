@@ -9,6 +9,7 @@
 #   stage:STAGE:SHAPES one stage alone against fla's (pinned configs), rows to $OUT/stages.jsonl
 #   rel:PARTS          benchmarks.reliability --parts PARTS (SOAK_ITERS, default 300)
 #   ab                 research/gpu/ab_old.sh (one round)
+#   tests[:EXPR]       tests/test_gpu_sm90.py (-k EXPR), fla on its stored choices and their defaults
 set -o pipefail
 start=$(date +%s)
 source .gpu/env.sh
@@ -30,6 +31,9 @@ for step in $STEPS; do
     rel) timeout -k 5 $left python3 -m benchmarks.reliability --parts $a --soak-iters ${SOAK_ITERS:-300} \
            --soak-seconds 90 --out $OUT/reliability.jsonl 2>&1 | tail -40 ;;
     ab) ROUNDS=1 timeout -k 5 $left bash research/gpu/ab_old.sh ;;
+    tests) FLA_CONFIG_DIR=$(python3 -c "import torch; from benchmarks.fla_configs import gpu_dir; print(gpu_dir(torch.cuda.get_device_name()))") \
+           FLA_CACHE_MODE=full timeout -k 5 $left python3 -m pytest -v -s -p no:cacheprovider -m gpu tests/test_gpu_sm90.py \
+           ${a:+-k "$a"} 2>&1 | tee -a $OUT/t.log | grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed|Error" | tail -40 ;;
     *) echo "unknown step $step" ;;
   esac 2>&1 | tee -a $log
   echo "rc ${PIPESTATUS[0]} $step $(date +%T)" | tee -a $log
