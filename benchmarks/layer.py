@@ -39,7 +39,8 @@ def main(argv=None) -> int:
     for r in written:
         rows.append(args.out or rows.RESULTS / "layer.jsonl", r)
     # the layer's own kernels (convolutions, norms) autotune too: keep fla's choices for the next run
-    print(f"stored {fla_configs.dump(fla_configs.gpu_dir(torch.cuda.get_device_name()))} fla autotune entries", flush=True)
+    stored = fla_configs.dump(fla_configs.gpu_dir(torch.cuda.get_device_name()))
+    print(f"stored {stored} fla autotune entries", flush=True)
     print(layer.format_rows(written))
     return 0 if written[0]["parity"]["ok"] else 1
 

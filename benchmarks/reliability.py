@@ -487,7 +487,8 @@ def sanitize(tool: str, captured_path: Path, planted: bool, timeout: float, cand
     padding = ["--padding", str(MEMCHECK_PADDING)] if tool == "memcheck" else []
     # (host API errors are not the kernels': CuTe DSL's driver bindings probe symbols the driver
     # lacks through cuGetProcAddress, each an "invalid argument" the sanitizer would count)
-    cmd = [sanitizer(), "--tool", tool, *padding, "--report-api-errors", "no", "--print-limit", "20", sys.executable, "-m", "benchmarks.reliability",
+    cmd = [sanitizer(), "--tool", tool, *padding, "--report-api-errors", "no", "--print-limit", "20",
+           sys.executable, "-m", "benchmarks.reliability",
            "--child", str(captured_path)] + (["--planted"] if planted else [])
     cmd += [f"--candidate={c}" for c in candidates]
     env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1")

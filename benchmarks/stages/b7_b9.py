@@ -145,7 +145,7 @@ def _declines_sm90(inputs):
 def _ours_sm90(inputs, config):
     from kernel_fun.kda.kernels import b7_b10_intra_bwd_sm90
 
-    why = b7_b10_intra_bwd_sm90.supports(**inputs)
+    why = _declines_sm90(inputs)
     if why:  # (a row that says so, never the Triton unit's time under this kernel's name)
         raise RuntimeError(f"B7-B9's CuTe kernel declines: {why}")
     return b7_b10_intra_bwd_sm90.intra_bwd(**inputs)

@@ -21,10 +21,13 @@ stmatrix. 18 groups of three bf16 wgmmas (hi*hi + hi*lo + lo*hi) alternate betwe
 accumulators, the next group issued before this one's epilogue. The sums never leave the
 registers: the tail forms dq2, dk2, db's part, dg's reverse cumsum and the gate's backward
 from them, dAqk's diagonal (the pairs (r, r)) added in fp32. With B10, a chunk-head's K halves
-run as a 2-CTA cluster and swap their halves' row sums by one shared-to-shared copy.
+run as a 2-CTA cluster and swap their halves' row sums by one shared-to-shared copy, which
+completes on the receiver's barrier (both addresses mapped into the peer, as PTX requires).
 
 Measured: the README's whole-op tables (on an H100 at prod8192_gate, B7-B10 7.8 ms in the op
-where the Triton unit and B10 took 13.1; the op 31.70 ms against 37.33 with them, fla's 52.84).
+where the Triton unit and B10 took 13.1; the op 31.70 ms against 37.33 with them, fla's 52.84;
+at kimi 26.00 against fla's 45.89). That run's exchange passed the copy this CTA's barrier,
+which memcheck flagged; the mapped form since is compiled, not yet timed.
 Its time follows its code: unrolled, the pair-by-pair path made it 13,400 SASS instructions of
 straight-line code, past the instruction cache, and 12.0 ms; as a loop ~8,500
 (docs/log/bwd-fused.md has every round).
