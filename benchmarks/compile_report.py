@@ -324,6 +324,17 @@ CUTE_SHIPPED = {
 }
 
 
+def cluster_copies(ptx: str) -> tuple[int, int]:
+    """The PTX's bulk copies into a cluster peer's shared memory, and how many of them have both
+    their destination and their barrier mapped into the peer by ``mapa`` (PTX requires the
+    barrier in the destination CTA: compute-sanitizer's memcheck flags a copy whose barrier is
+    this CTA's)."""
+    mapped = set(re.findall(r"mapa\.shared::cluster\.u32\s+(%r\d+),", ptx))
+    copies = re.findall(r"cp\.async\.bulk\.shared::cluster\.shared::cta\.mbarrier::complete_tx::bytes\s+"
+                        r"\[(%r\d+)\],\s*\[[^\]]+\],\s*[^,]+,\s*\[(%r\d+)\]", ptx)
+    return len(copies), sum(dst in mapped and bar in mapped for dst, bar in copies)
+
+
 def cute_report(name: str) -> dict:
     """The CuTe build ``name`` (``CUTE_SHIPPED``) compiled for sm_90a in a dump folder of its
     own: registers, spills and ptxas's notes (Triton's ptxas on its PTX: CuTe DSL 4.8.1 writes
@@ -366,7 +377,8 @@ def cute_report(name: str) -> dict:
         ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", listing)
     return {**ptxas_numbers(log), "sass_sha": sha, "sass_instructions": count,
             "sass_hgmma": sum(o.startswith("HGMMA") for o in ops), "sass_stl": sum(o.startswith("STL") for o in ops),
-            "wgmma": ptx.count("wgmma.mma_async"), "cute_dsl": m.CUTE_DSL}
+            "wgmma": ptx.count("wgmma.mma_async"), "cute_dsl": m.CUTE_DSL,
+            **dict(zip(("cluster_copies", "cluster_copies_mapped"), cluster_copies(ptx)))}
 
 
 def main(argv=None):

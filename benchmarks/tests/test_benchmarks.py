@@ -355,3 +355,25 @@ def test_the_readme_table_shows_the_pinned_config_against_fla():
             dict(old, impl="ours[G=8]", ms=1.7, config={**K.DEFAULT_CONFIG, "G": 8})]
     table = readme.cconv_table(then)
     assert "| kernel-fun | 1.200 (0.700–0.800) | 2.00x | — | — |" in table and "1.700" not in table, table
+
+
+def test_the_compile_report_counts_cluster_copies_whose_barrier_is_the_peer_s():
+    """``compile_report.cluster_copies`` on the two forms B7-B10's CuTe kernel has had (PTX as CuTe
+    DSL 4.8.1 wrote them): the copy whose barrier was this CTA's address (memcheck: "Barrier ... is
+    not located in destination CTA") counts as unmapped; with the barrier through ``mapa`` too, mapped."""
+    from benchmarks.compile_report import cluster_copies
+
+    common = """
+	and.b32 	%r5899, %r5894, 1;
+	mapa.shared::cluster.u32 	%r5900, %r5898, %r5899;
+"""
+    unmapped = common + """	mov.b32 	%r5901, 512;
+	cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%r5900], [%r5897+100480], %r5901, [%r5902];
+"""
+    mapped = common + """	mapa.shared::cluster.u32 	%r5901, %r5903, %r5899;
+	mov.b32 	%r5902, 512;
+	cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%r5900], [%r5897+100480], %r5902, [%r5901];
+"""
+    assert cluster_copies(unmapped) == (1, 0)
+    assert cluster_copies(mapped) == (1, 1)
+    assert cluster_copies("\tbar.sync 	0;\n") == (0, 0)
