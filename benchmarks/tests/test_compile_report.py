@@ -87,9 +87,9 @@ def test_the_cute_builds_compile_as_committed():
         elif row["spill_stores"] > old["spill_stores"] or row["spill_loads"] > old["spill_loads"] or \
                 row["ptxas_notes"] or row["sass_sha"] != old["sass_sha"]:
             bad[name] = {n: (row[n], old[n]) for n in ("spill_stores", "spill_loads", "ptxas_notes", "sass_sha")}
-        elif row["cluster_copies"] != row["cluster_copies_mapped"]:  # (each copy's barrier in its destination)
-            bad[name] = {"cluster copies with a barrier not mapped into the peer":
-                         row["cluster_copies"] - row["cluster_copies_mapped"]}
+        if "error" not in row and row["cluster_copies"] != row["cluster_copies_mapped"]:  # (rows rewritten or not)
+            bad.setdefault(name, {})["cluster copies with a barrier not mapped into the peer"] = \
+                row["cluster_copies"] - row["cluster_copies_mapped"]
     assert not bad, bad
     # the cluster builds (B10 with K = 128: the halves a 2-CTA cluster) exchange by one copy each
     assert {n for n, r in got.items() if r["cluster_copies"]} == {"b7-b10 cute K128", "b7-b10 cute K128 var"}
