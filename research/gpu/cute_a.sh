@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Call 1 of 2 (carry .gpu and .cute1; research/gpu/stage_cute.sh made them): stage CuTe DSL's first part on the machine.
 # Before: ../shared/gpu/prep (.gpu: fla and env.sh), research/gpu/stage_cute.sh, and git rev-parse HEAD > .gpu/commit.
-# Then, on the same warm machine: research/gpu/cute_c.sh or reg_run.sh (carry .gpu and .cute2).
+# Then, on the same warm machine: research/gpu/queue.sh or ab_old.sh (carry .gpu and .cute2).
 source .gpu/env.sh
 source research/gpu/cute_env.sh
 echo "commit $(cat .gpu/commit)"

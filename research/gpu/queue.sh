@@ -10,6 +10,8 @@
 #   rel:PARTS          benchmarks.reliability --parts PARTS (SOAK_ITERS, default 300)
 #   ab                 research/gpu/ab_old.sh (one round)
 #   tests[:EXPR]       tests/test_gpu_sm90.py (-k EXPR), fla on its stored choices and their defaults
+#   ncu                Nsight Compute on the CuTe kernel's launch in the op (research/gpu/op_unit_once.py):
+#                      details and SASS back
 set -o pipefail
 start=$(date +%s)
 source .gpu/env.sh
@@ -34,6 +36,10 @@ for step in $STEPS; do
     tests) FLA_CONFIG_DIR=$(python3 -c "import torch; from benchmarks.fla_configs import gpu_dir; print(gpu_dir(torch.cuda.get_device_name()))") \
            FLA_CACHE_MODE=full timeout -k 5 $left python3 -m pytest -v -s -p no:cacheprovider -m gpu tests/test_gpu_sm90.py \
            ${a:+-k "$a"} 2>&1 | tee -a $OUT/t.log | grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed|Error" | tail -40 ;;
+    ncu) timeout -k 5 $left ncu --clock-control none --set full --import-source yes -k regex:kernel_cutlass \
+           --launch-count 1 -f -o /tmp/op_unit python3 research/gpu/op_unit_once.py 2>&1 | tail -5
+         ncu --import /tmp/op_unit.ncu-rep --page details > $OUT/ncu_unit.txt
+         ncu --import /tmp/op_unit.ncu-rep --page source --csv --print-source sass | gzip > $OUT/ncu_unit.sass.csv.gz ;;
     *) echo "unknown step $step" ;;
   esac 2>&1 | tee -a $log
   echo "rc ${PIPESTATUS[0]} $step $(date +%T)" | tee -a $log

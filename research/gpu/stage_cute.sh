@@ -2,7 +2,7 @@
 # Once per checkout, here (not on the GPU machine): CuTe DSL 4.8.1's wheels for the GPU image
 # (Python 3.12) in two ignored folders, each under what one device call carries. The libs
 # wheel's files (225 MB) go as one xz archive split in two; research/gpu/cute_env.sh joins
-# and installs them on the machine after two back-to-back calls (cute_a.sh, then cute_c.sh or reg_run.sh).
+# and installs them on the machine after two back-to-back calls (cute_a.sh, then queue.sh or ab_old.sh).
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 tmp=$(mktemp -d)
