@@ -115,3 +115,17 @@ WY_BARS = dict.fromkeys(("w", "u", "qg", "kg"), ref.BUDGETS["o"])
 def wy_misses(vs_exact: dict, baseline_exact: dict, vs_fla: dict | None = None) -> dict[str, tuple]:
     """B2's misses (``bar_misses``), ``WY_BARS`` on both sides."""
     return bar_misses(vs_exact, baseline_exact, vs_fla, WY_BARS, WY_BARS)
+
+
+# The reverse state scan (B5, and the B4-B5 unit): against fla's stages, dh, dv2 and dh0 carry bf16
+# roundings at fla's points through the chunks (the forward scan's 2e-3), dAqk is an fp32 sum in
+# another order (1e-4); against the float64 stages, fla's budgets for the gradients they are or
+# feed (dh and dv2 as dv, dAqk as dq).
+DHU_VS_FLA = {"dAqk": 1e-4, "dh": 2e-3, "dh0": 2e-3, "dv2": 2e-3}
+DHU_BUDGETS = {"dAqk": ref.BUDGETS["dq"], "dh": ref.BUDGETS["dv"], "dh0": ref.BUDGETS["dh0"], "dv2": ref.BUDGETS["dv"]}
+
+
+def dhu_misses(vs_exact: dict, baseline_exact: dict, vs_fla: dict | None = None) -> dict[str, tuple]:
+    """B5's and the B4-B5 unit's misses (``bar_misses``): ``DHU_VS_FLA`` against fla's stages,
+    ``DHU_BUDGETS`` against the float64 stages."""
+    return bar_misses(vs_exact, baseline_exact, vs_fla, DHU_VS_FLA, DHU_BUDGETS)

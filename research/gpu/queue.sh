@@ -5,8 +5,10 @@
 # /tmp/fla_configs (seeded from benchmarks/fla_configs, kept while the machine stays warm) and come
 # back as $OUT/fla_configs.tgz after every step. Steps:
 #   op:SHAPE[,SHAPE]   the whole op, fla and ours, rows to $OUT/op.jsonl
+#   opc:SHAPE[,SHAPE]  the same, ours with $CANDIDATE (STAGE=module:function:supports) registered
 #   layer              fla's KimiDeltaAttention layer, unpatched and through patch_fla(), B2 T8192
-#   stage:STAGE:SHAPES one stage alone against fla's (pinned configs), rows to $OUT/stages.jsonl
+#   stage:STAGE:SHAPES[:sweep] one stage alone against fla's (pinned configs, or the entry's sweep),
+#                      rows to $OUT/stages.jsonl
 #   rel:PARTS          benchmarks.reliability --parts PARTS (SOAK_ITERS, default 300)
 #   ab                 research/gpu/ab_old.sh (one round)
 #   tests[:EXPR]       tests/test_gpu_sm90.py (-k EXPR), fla on its stored choices and their defaults
@@ -25,11 +27,14 @@ for step in $STEPS; do
   left=$(( ${LIMIT:-570} - 15 - ($(date +%s) - start) ))
   [ $left -lt 20 ] && { echo "== skipped $step: ${left}s left" | tee -a $log; continue; }
   echo "== $step $(date +%T), ${left}s left" | tee -a $log
-  IFS=: read -r what a b <<< "$step"
+  IFS=: read -r what a b c <<< "$step"
   case $what in
     op) timeout -k 5 $left python3 -m benchmarks.op --shapes $a --impls fla,ours --out $OUT/op.jsonl 2>&1 | tail -30 ;;
     layer) timeout -k 5 $left python3 -m benchmarks.layer --B 2 --T 8192 --out $OUT/layer.jsonl 2>&1 | tail -12 ;;
-    stage) timeout -k 5 $left python3 -m benchmarks.stage --stage $a --shapes $b --configs pinned --out $OUT/stages.jsonl 2>&1 | tail -14 ;;
+    opc) timeout -k 5 $left python3 -m benchmarks.op --shapes $a --impls fla,ours --candidate "$CANDIDATE" \
+           --out $OUT/op.jsonl 2>&1 | tail -30 ;;
+    stage) timeout -k 5 $left python3 -m benchmarks.stage --stage $a --shapes $b --configs ${c:-pinned} \
+             --out $OUT/stages.jsonl 2>&1 | tail -24 ;;
     rel) timeout -k 5 $left python3 -m benchmarks.reliability --parts $a --soak-iters ${SOAK_ITERS:-300} \
            --soak-seconds 90 --out $OUT/reliability.jsonl 2>&1 | tail -40 ;;
     ab) ROUNDS=1 timeout -k 5 $left bash research/gpu/ab_old.sh ;;

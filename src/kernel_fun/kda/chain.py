@@ -31,6 +31,8 @@ B2          w, u, qg, kg recomputed (``recompute_w_u_fwd``)
 B3          F7 recomputed
 B4          dAqk and dv through Aqk (``chunk_kda_bwd_dAv``)
 B5          the reverse scan (``chunk_gated_delta_rule_bwd_dhu``)
+B4-B5       B4 and B5 as one unit (B4's dv formed in the scan), in their place when
+            kernel-fun's kernel takes it
 B6          the WY backward (``chunk_kda_bwd_wy_dqkg_fused``)
 B7          gradients through Aqk/Akk (``chunk_kda_bwd_intra``)
 B8          reverse chunk cumsum of dg (``chunk_local_cumsum``)
@@ -156,6 +158,18 @@ def intra_l2_unit(tail, l2norm):
     return unit
 
 
+def dav_dhu_unit(dav, dhu):
+    """The B4-B5 unit as B4 ``dav`` then B5 ``dhu``: B4's dv passes between them."""
+    def unit(q, k, v_new, do, Aqk, qg, kg, w, gc, h0, dht, scale, state_v_first, chunk_size, cu_seqlens,
+             chunk_indices):
+        common = dict(chunk_size=chunk_size, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
+        dAqk, dv = dav(q=q, k=k, v_new=v_new, do=do, Aqk=Aqk, scale=scale, **common)
+        dh, dh0, dv2 = dhu(qg=qg, kg=kg, w=w, gc=gc, h0=h0, dht=dht, do=do, dv=dv, scale=scale,
+                           state_v_first=state_v_first, **common)
+        return dAqk, dh, dh0, dv2
+    return unit
+
+
 def wy_intra_unit(wy, tail):
     """The B6-B9 unit as B6 ``wy`` then the B7-B9 unit ``tail``: dAkk passes between them."""
     def unit(q, k, v, v_new, gc, beta, A, h, do, dh, dv, scale, state_v_first, chunk_size, cu_seqlens, chunk_indices,
@@ -205,6 +219,12 @@ _stage("B3", ("B3",), "state scan (recompute)", _SCAN_IN + " v beta Akk", ("h", 
 _stage("B4", ("B4",), "dAqk, dv through Aqk", f"q k v_new do Aqk scale {_C}", ("dAqk", "dv"), fla.dav, _ref_dav)
 _stage("B5", ("B5",), "reverse state scan", f"qg kg w gc h0 dht do dv scale state_v_first {_C}",
        ("dh", "dh0", "dv2"), fla.dhu, _ref_dhu)
+# B4 and B5 as one unit (B4's dv formed in the reverse scan, never written), in their place only
+# when kernel-fun's kernel for it takes the call and no context-parallel exchange reads B4's dv;
+# fla's side is fla's two stages in turn.
+_stage("B4-B5", ("B4", "B5"), "dAqk and the reverse state scan (B4's dv formed in the scan)",
+       f"q k v_new do Aqk qg kg w gc h0 dht scale state_v_first {_C}", ("dAqk", "dh", "dh0", "dv2"),
+       dav_dhu_unit(fla.dav, fla.dhu), dav_dhu_unit(_ref_dav, _ref_dhu))
 _stage("B6", ("B6",), "WY backward dq/dk/dv/db/dg/dA", f"q k v v_new gc beta A h do dh dv scale state_v_first {_C}",
        ("dq", "dk", "dv", "db", "dg", "dA"), fla.wy_dqkg, _ref_wy_dqkg)
 _stage("B7", ("B7",), "intra backward", f"q k gc beta dAqk dAkk dq dk db dg safe_gate {_C}",
@@ -608,15 +628,20 @@ def _run_backward(s: dict, opts: Options, run: Dispatcher, do, dht):
         w, u, qg, kg = run.run("B2", "backward", q=q, k=k, v=v, beta=beta, A=Akk, gc=gc, want_u=want_u, **common)
         h, v_new, _ = run.run("B3", "backward", kg=kg, w=w, u=u, gc=gc, **b3)
         del u, b3
-    dAqk, dv = run.run("B4", "backward", q=q, k=k, v_new=v_new, do=do, Aqk=Aqk, scale=opts.scale, **common)
-    if opts.cp is not None:  # context parallel: the gradient leaving this rank's last sequence
-        dht = cp.final_state_grad(opts.cp, qg, kg, w, do, dv, gc, opts.scale, _host_offsets(opts),
-                                  opts.chunk_size, layout["state_v_first"], cu_seqlens)
-        record.notes["CP"] = f"forward and backward exchanges ({'fla' if cp.fla_summaries(q.device) else 'torch'})"
-    dh, dh0, dv = run.run(
-        "B5", "backward", qg=qg, kg=kg, w=w, gc=gc, h0=initial_state, dht=dht, do=do, dv=dv,
-        scale=opts.scale, **common, **layout,
-    )
+    b5 = dict(qg=qg, kg=kg, w=w, gc=gc, h0=initial_state, scale=opts.scale, **common, **layout)
+    b45 = dict(q=q, k=k, v_new=v_new, do=do, Aqk=Aqk, dht=dht, **b5)
+    if opts.cp is None and run.answer(("takes", "B4-B5"), lambda: run.takes_ours("B4-B5", **b45)):
+        dAqk, dh, dh0, dv = run.run("B4-B5", "backward", **b45)
+    else:
+        dAqk, dv = run.run("B4", "backward", q=q, k=k, v_new=v_new, do=do, Aqk=Aqk, scale=opts.scale, **common)
+        if opts.cp is not None:  # context parallel: the gradient leaving this rank's last sequence
+            dht = cp.final_state_grad(opts.cp, qg, kg, w, do, dv, gc, opts.scale, _host_offsets(opts),
+                                      opts.chunk_size, layout["state_v_first"], cu_seqlens)
+            record.notes["CP"] = (f"forward and backward exchanges "
+                                  f"({'fla' if cp.fla_summaries(q.device) else 'torch'})")
+        dh, dh0, dv = run.run("B5", "backward", dht=dht, do=do, dv=dv, **b5)
+    b5.clear()  # (qg, kg and w are dropped below: no dict keeps them)
+    b45.clear()
     del qg, kg, w
     if opts.cp is not None:  # (the initial state was the exchange's, not an input)
         dh0 = None

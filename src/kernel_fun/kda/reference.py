@@ -627,14 +627,16 @@ def o_fwd(
 
 
 # B4: dAqk and the intra-chunk part of dv ------------------------------------------------------
-def _dav_dense(v_new, do, Aqk, scale, BT):
+def _dav_dense(v_new, do, Aqk, scale, BT, exact=False):
     T = do.shape[1]
+    f = (lambda x: x.double()) if exact else (lambda x: x.float())
     m_incl = _mask_pairs(T, BT, do.device, strict=False)
-    A = torch.where(m_incl, to_chunks(Aqk, BT), 0).to(do.dtype).float()
-    doc = to_chunks(do.float(), BT)
-    dA = torch.where(m_incl, scale * (doc @ to_chunks(v_new.float(), BT).transpose(-1, -2)), 0.0)
+    A = torch.where(m_incl, to_chunks(Aqk, BT), 0)
+    A = f(A if exact else A.to(do.dtype))  # (fla rounds Aqk to do's dtype)
+    doc = to_chunks(f(do), BT)
+    dA = torch.where(m_incl, scale * (doc @ to_chunks(f(v_new), BT).transpose(-1, -2)), 0.0)
     dv = (A.transpose(-1, -2) @ doc)
-    return from_chunks(dA, T), from_chunks(dv, T).to(do.dtype)
+    return from_chunks(dA, T), from_chunks(dv, T) if exact else from_chunks(dv, T).to(do.dtype)
 
 
 def dav_bwd(
@@ -644,36 +646,39 @@ def dav_bwd(
     scale: float,
     chunk_size: int = CHUNK,
     cu_seqlens: torch.Tensor | None = None,
+    exact: bool = False,
 ):
     """B4: ``dAqk = scale tril(do v_new^T)`` (fp32; the gradient of the unscaled score) and
-    ``dv = tril(Aqk)^T do`` (do.dtype)."""
+    ``dv = tril(Aqk)^T do`` (do.dtype); ``exact=True``: float64, without fla's roundings."""
     if cu_seqlens is not None:
         return per_sequence(
-            _dav_dense, cu_seqlens, dict(v_new=v_new, do=do, Aqk=Aqk, scale=scale, BT=chunk_size),
+            _dav_dense, cu_seqlens, dict(v_new=v_new, do=do, Aqk=Aqk, scale=scale, BT=chunk_size, exact=exact),
             {"v_new": "token", "do": "token", "Aqk": "token"}, ("token", "token"), chunk_size,
         )
-    return _dav_dense(v_new, do, Aqk, scale, chunk_size)
+    return _dav_dense(v_new, do, Aqk, scale, chunk_size, exact)
 
 
 # B5: the reverse state-gradient scan -----------------------------------------------------------
-def _dhu_dense(qg, kg, w, gc, h0, dht, do, dv, scale, BT):
+def _dhu_dense(qg, kg, w, gc, h0, dht, do, dv, scale, BT, exact=False):
     B, T, HV, K = kg.shape
     V = do.shape[-1]
-    qgc, kgc, wc = (to_chunks(x.float(), BT) for x in (qg, kg, w))
-    doc, dvc = to_chunks(do.float(), BT), to_chunks(dv.float(), BT)
-    g_last = _last_rows(to_chunks(gc.float(), BT), T, BT)
+    f = (lambda x: x.double()) if exact else (lambda x: x.float())
+    r = (lambda x, dtype: x) if exact else (lambda x, dtype: x.to(dtype))  # fla's roundings
+    qgc, kgc, wc = (to_chunks(f(x), BT) for x in (qg, kg, w))
+    doc, dvc = to_chunks(f(do), BT), to_chunks(f(dv), BT)
+    g_last = _last_rows(to_chunks(f(gc), BT), T, BT)
     NT = kgc.shape[2]
-    dS = dht.float().clone() if dht is not None else kgc.new_zeros(B, HV, K, V)
-    dh = kg.new_empty(B, NT, HV, K, V)
+    dS = f(dht).clone() if dht is not None else kgc.new_zeros(B, HV, K, V)
+    dh = kgc.new_empty(B, NT, HV, K, V) if exact else kg.new_empty(B, NT, HV, K, V)
     dv2 = [None] * NT
     for c in range(NT - 1, -1, -1):
-        dSb = dS.to(kg.dtype)
+        dSb = r(dS, kg.dtype)
         dh[:, c] = dSb
-        dvn = (dvc[:, :, c] + kgc[:, :, c] @ dSb.float()).to(dv.dtype)
+        dvn = r(dvc[:, :, c] + kgc[:, :, c] @ f(dSb), dv.dtype)
         dv2[c] = dvn
         dS = (dS * torch.exp2(g_last[:, :, c])[..., None]
               + scale * (qgc[:, :, c].transpose(-1, -2) @ doc[:, :, c])
-              - wc[:, :, c].transpose(-1, -2) @ dvn.float())
+              - wc[:, :, c].transpose(-1, -2) @ f(dvn))
     dv2 = from_chunks(torch.stack(dv2, 2), T) if dv2 else dv.new_empty(B, 0, HV, V)
     return dh, (dS if h0 is not None else None), dv2
 
@@ -691,23 +696,26 @@ def dhu_bwd(
     chunk_size: int = CHUNK,
     cu_seqlens: torch.Tensor | None = None,
     state_v_first: bool = False,
+    exact: bool = False,
 ):
     """B5: reverse scan from dht. Per chunk c (last first): ``dh[c] = dS`` (the gradient of the
     state leaving c), ``dv2 = dv + kg dS``, ``dS <- exp2(gc_last) dS + scale qg^T do - w^T dv2``.
     Returns (dh [B,NT,HV,K,V], dh0 fp32 when h0 is given, dv2); with ``state_v_first`` the
-    states (h0, dht, dh, dh0) are ``[..., V, K]``."""
+    states (h0, dht, dh, dh0) are ``[..., V, K]``; ``exact=True``: float64, without fla's
+    roundings."""
     if state_v_first:
-        dh, dh0, dv2 = dhu_bwd(qg, kg, w, gc, swap_state(h0), swap_state(dht), do, dv, scale, chunk_size, cu_seqlens)
+        dh, dh0, dv2 = dhu_bwd(qg, kg, w, gc, swap_state(h0), swap_state(dht), do, dv, scale, chunk_size, cu_seqlens,
+                               exact=exact)
         return swap_state(dh), swap_state(dh0), dv2
     if cu_seqlens is not None:
         return per_sequence(
             _dhu_dense, cu_seqlens,
-            dict(qg=qg, kg=kg, w=w, gc=gc, h0=h0, dht=dht, do=do, dv=dv, scale=scale, BT=chunk_size),
+            dict(qg=qg, kg=kg, w=w, gc=gc, h0=h0, dht=dht, do=do, dv=dv, scale=scale, BT=chunk_size, exact=exact),
             {"qg": "token", "kg": "token", "w": "token", "gc": "token", "h0": "state", "dht": "state",
              "do": "token", "dv": "token"},
             ("chunk", "state", "token"), chunk_size,
         )
-    return _dhu_dense(qg, kg, w, gc, h0, dht, do, dv, scale, chunk_size)
+    return _dhu_dense(qg, kg, w, gc, h0, dht, do, dv, scale, chunk_size, exact)
 
 
 # B6: the WY backward ----------------------------------------------------------------------

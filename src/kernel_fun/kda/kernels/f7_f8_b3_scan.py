@@ -66,7 +66,7 @@ def _first_non_finite(x, o_t, BT: tl.constexpr, AXIS: tl.constexpr):
 
 
 @triton.jit
-def _sequence(i_n, cu_seqlens, chunk_offsets, T, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
+def sequence_span(i_n, cu_seqlens, chunk_offsets, T, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Sequence i_n's first token row, its length and its first chunk's index."""
     if IS_VARLEN:
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
@@ -90,7 +90,7 @@ def scan_kernel(
     (for 128 < K <= 256): every load of a chunk issued before the step's first dot."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
-    bos, T_seq, boh = _sequence(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
+    bos, T_seq, boh = sequence_span(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
     NT = tl.cdiv(T_seq, BT)
 
     o_t = tl.arange(0, BT)
@@ -198,7 +198,7 @@ def scan_transposed_kernel(
     rounded as F6 rounds u where it is used."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
-    bos, T_seq, boh = _sequence(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
+    bos, T_seq, boh = sequence_span(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
     NT = tl.cdiv(T_seq, BT)
     BKH: tl.constexpr = BK // 2
 
@@ -307,13 +307,13 @@ def launch_config(sequence_heads: int, V: int, K: int, sms: int = 132) -> dict:
     return dict(table[min((bv for bv in table if bv <= max(32, V)), key=cost)][0])
 
 
-def _check_dense(**tensors) -> None:
+def check_dense(**tensors) -> None:
     for name, t in tensors.items():
         if t is not None and not t.is_contiguous():
             raise ValueError(f"the scan kernel indexes {name} as a dense tensor; got strides {t.stride()}")
 
 
-def _chains(B: int, T: int, BT: int, cu_seqlens, chunk_indices):
+def chains(B: int, T: int, BT: int, cu_seqlens, chunk_indices):
     """(sequences, chunks in all, each sequence's first chunk index or None when dense). The
     packed chunk count is the chunk index's row count (read from the offsets' data it would
     wait for the stream); the first chunks are formed on the device."""
@@ -336,8 +336,8 @@ def scan_output(q, qg, kg, w, u, gc, Aqk, scale, initial_state, output_final_sta
     B, T, HV, K = kg.shape
     V = u.shape[3]
     BT = chunk_size
-    _check_dense(qg=qg, kg=kg, w=w, u=u, gc=gc, Aqk=Aqk)
-    N, NT_total, chunk_offsets = _chains(B, T, BT, cu_seqlens, chunk_indices)
+    check_dense(qg=qg, kg=kg, w=w, u=u, gc=gc, Aqk=Aqk)
+    N, NT_total, chunk_offsets = chains(B, T, BT, cu_seqlens, chunk_indices)
     sms = {"sms": torch.cuda.get_device_properties(kg.device).multi_processor_count} if kg.is_cuda else {}
     cfg = config_over(launch_config(N * HV, V, K, **sms), config, CONFIG_KEYS, "F7-F8")
     o = torch.empty_like(u)
@@ -374,8 +374,8 @@ def scan_states(kg, w, u, gc, initial_state, output_final_state, chunk_size, cu_
     BT = chunk_size
     if K > 128:
         raise ValueError(f"the transposed-state scan holds K <= 128 in two halves; got K={K}")
-    _check_dense(kg=kg, w=w, gc=gc, v=v, beta=beta, Akk=Akk)
-    N, NT_total, chunk_offsets = _chains(B, T, BT, cu_seqlens, chunk_indices)
+    check_dense(kg=kg, w=w, gc=gc, v=v, beta=beta, Akk=Akk)
+    N, NT_total, chunk_offsets = chains(B, T, BT, cu_seqlens, chunk_indices)
     cfg = config_over(STATES_CONFIG, config, CONFIG_KEYS, "B3")
     ht = torch.empty(N, HV, K, V, device=v.device, dtype=torch.float32) if output_final_state else None
     h = torch.empty(B, NT_total // B, HV, K, V, device=v.device, dtype=kg.dtype)  # B = 1 when packed

@@ -1,0 +1,215 @@
+"""Candidate: B5 (the reverse state-gradient scan) with the state gradient held transposed, and
+the B4-B5 unit where the scan forms B4's dv itself (the roofline's Bc').
+
+fla's B5 (``chunk_gated_delta_rule_bwd_dhu``) carries dS [K, BV] per (sequence, head, V slice)
+from the last chunk to the first and per chunk computes
+
+    dh_c = bf16(dS);  dv2 = bf16(dv + kg dh_c)
+    dS   = exp2(g_last) dS + scale qg^T do - w^T dv2
+
+Here dS^T [V slice, K] is held in two halves of K, as the forward scan holds S^T: the V slice is
+every dot's M side, dv2^T is the next dot's register operand in its accumulator's layout, and
+only the chunk's rows (kg^T, qg, w, Aqk) pass through shared memory. The roundings are fla's.
+
+``FORM_DV`` (the B4-B5 unit): dv = bf16(tril(Aqk)^T do) is formed in the step from the do
+tile it already holds and the chunk's Aqk (8 KB), off the state's chain, so fla's B4 writes no
+dv (1.07 GB at prod8192_gate) and the scan reads Aqk (0.27) in place of it; B4's other output,
+dAqk = scale tril(do v_new^T), comes from a chunk-parallel kernel (``dAqk_kernel``) that reads
+do and v_new once.
+
+Falls back (``supports``): chunk size other than 64, K > 128, states in [V, K].
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernel_fun._triton import config_over, dot, to
+from kernel_fun.kda.kernels.f7_f8_b3_scan import chains, check_dense, sequence_span
+
+
+@triton.jit
+def dhu_transposed_kernel(
+    qg, kg, w, g, do, dv, Aqk, dht, dh0, dh, dv2, cu_seqlens, chunk_offsets, scale, T,
+    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_DHT: tl.constexpr, HAS_DH0: tl.constexpr, FORM_DV: tl.constexpr,
+):
+    """The reverse scan on one (sequence, value head, V slice), dS^T [BV, K] in two halves
+    (BK/2 channels each, K <= 128):
+
+        dh_c^T  = bf16(dS^T);  dv2^T = bf16(dv^T + dh_c^T kg^T)
+        dS^T    = dS^T exp2(g_last) + scale do^T qg - dv2^T w
+
+    with ``FORM_DV`` dv^T = bf16(do^T tril(Aqk)) (B4's rounding), else dv read."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    bos, T_seq, boh = sequence_span(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
+    NT = tl.cdiv(T_seq, BT)
+    BKH: tl.constexpr = BK // 2
+
+    o_t = tl.arange(0, BT)
+    o_k1 = tl.arange(0, BKH)
+    o_k2 = BKH + tl.arange(0, BKH)
+    m_k1, m_k2 = o_k1 < K, o_k2 < K
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    p_vk1, p_vk2 = o_v[:, None] + o_k1[None, :] * V, o_v[:, None] + o_k2[None, :] * V  # dS^T[v, k] of [K, V]
+    m_vk1, m_vk2 = m_v[:, None] & m_k1[None, :], m_v[:, None] & m_k2[None, :]
+
+    b_D1 = tl.zeros([BV, BKH], dtype=tl.float32)
+    b_D2 = tl.zeros([BV, BKH], dtype=tl.float32)
+    if HAS_DHT:
+        p_dht = dht + i_nh.to(tl.int64) * K * V
+        b_D1 += tl.load(p_dht + p_vk1, mask=m_vk1, other=0).to(tl.float32)
+        b_D2 += tl.load(p_dht + p_vk2, mask=m_vk2, other=0).to(tl.float32)
+
+    for i_r in range(0, NT):
+        i_c = NT - 1 - i_r
+        row0 = bos + i_c * BT
+        n_t = T_seq - i_c * BT
+        m_t = o_t < n_t
+        m_vt = m_v[:, None] & m_t[None, :]
+        r_t = (row0 + o_t) * (HV * K) + i_hv * K  # the chunk's rows of [T, HV, K]
+        p_vt = (row0 + o_t)[None, :] * (HV * V) + i_hv * V + o_v[:, None]  # [BV, BT] views of [T, V] rows
+        r_l = (row0 + tl.minimum(n_t, BT) - 1) * (HV * K) + i_hv * K
+        b_g1 = tl.load(g + r_l + o_k1, mask=m_k1, other=0).to(tl.float32)
+        b_g2 = tl.load(g + r_l + o_k2, mask=m_k2, other=0).to(tl.float32)
+        b_do = tl.load(do + p_vt, mask=m_vt, other=0)  # do^T [BV, BT]
+        if FORM_DV:  # dv^T [v, s] = sum over t >= s of do^T[v, t] Aqk[t, s], rounded as B4 stores it
+            b_A = tl.load(Aqk + (row0 + o_t)[:, None] * (HV * BT) + i_hv * BT + o_t[None, :], mask=m_t[:, None],
+                          other=0)
+            b_A = tl.where(o_t[None, :] <= o_t[:, None], b_A, 0).to(b_do.dtype)
+            b_dv = to(dot(b_do, b_A), b_do.dtype).to(tl.float32)
+        else:
+            b_dv = tl.load(dv + p_vt, mask=m_vt, other=0).to(tl.float32)
+        b_k1 = tl.load(kg + r_t[None, :] + o_k1[:, None], mask=m_k1[:, None] & m_t[None, :], other=0)  # kg^T
+        b_k2 = tl.load(kg + r_t[None, :] + o_k2[:, None], mask=m_k2[:, None] & m_t[None, :], other=0)
+        b_H1 = to(b_D1, kg.dtype.element_ty)  # dh_c^T
+        b_H2 = to(b_D2, kg.dtype.element_ty)
+        p_dh = dh + ((boh + i_c) * HV + i_hv).to(tl.int64) * K * V
+        tl.store(p_dh + p_vk1, b_H1, mask=m_vk1)
+        tl.store(p_dh + p_vk2, b_H2, mask=m_vk2)
+        b_dv2 = to(b_dv + dot(b_H2, b_k2, dot(b_H1, b_k1)), b_do.dtype)  # dv2^T
+        tl.store(dv2 + p_vt, b_dv2, mask=m_vt)
+        b_q1 = tl.load(qg + r_t[:, None] + o_k1[None, :], mask=m_t[:, None] & m_k1[None, :], other=0)
+        b_q2 = tl.load(qg + r_t[:, None] + o_k2[None, :], mask=m_t[:, None] & m_k2[None, :], other=0)
+        b_w1 = tl.load(w + r_t[:, None] + o_k1[None, :], mask=m_t[:, None] & m_k1[None, :], other=0)
+        b_w2 = tl.load(w + r_t[:, None] + o_k2[None, :], mask=m_t[:, None] & m_k2[None, :], other=0)
+        b_D1 = b_D1 * tl.exp2(b_g1)[None, :] + (scale * dot(b_do, b_q1) - dot(b_dv2, b_w1))
+        b_D2 = b_D2 * tl.exp2(b_g2)[None, :] + (scale * dot(b_do, b_q2) - dot(b_dv2, b_w2))
+
+    if HAS_DH0:
+        p_dh0 = dh0 + i_nh.to(tl.int64) * K * V
+        tl.store(p_dh0 + p_vk1, b_D1, mask=m_vk1)
+        tl.store(p_dh0 + p_vk2, b_D2, mask=m_vk2)
+
+
+@triton.jit
+def dAqk_kernel(do, v_new, dAqk, chunk_indices, scale, T, HV: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                BV: tl.constexpr, IS_VARLEN: tl.constexpr, cu_seqlens=None):
+    """B4's dAqk on one chunk-head: scale tril(do v_new^T) (the diagonal included), fp32, over
+    V in slices of BV; zero above the diagonal, as B4 writes it."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    if IS_VARLEN:
+        i_n = tl.load(chunk_indices + i_t * 2).to(tl.int32)
+        i_t = tl.load(chunk_indices + i_t * 2 + 1).to(tl.int32)
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T_seq = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
+    else:
+        bos = i_b.to(tl.int64) * T
+        T_seq = T
+    o_t = tl.arange(0, BT)
+    row0 = bos + i_t * BT
+    m_t = o_t < T_seq - i_t * BT
+    b_A = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_v in range(0, tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        p = (row0 + o_t)[:, None] * (HV * V) + i_hv * V + o_v[None, :]
+        b_do = tl.load(do + p, mask=m_tv, other=0)
+        b_vn = tl.load(v_new + p, mask=m_tv, other=0)
+        b_A = dot(b_do, tl.trans(b_vn), b_A)
+    b_A = tl.where(o_t[None, :] <= o_t[:, None], b_A * scale, 0)
+    tl.store(dAqk + (row0 + o_t)[:, None] * (HV * BT) + i_hv * BT + o_t[None, :], b_A, mask=m_t[:, None])
+
+
+# B5's config: BV=64 at 4 warps, two stages (the forward scan's pin at its shape; to be timed).
+CONFIG = dict(BV=64, num_warps=4, num_stages=2)
+DAQK_CONFIG = dict(BV=64, num_warps=4, num_stages=2)
+CONFIG_KEYS = frozenset({"BV", "num_warps", "num_stages"})
+
+
+def _scan(qg, kg, w, gc, h0, dht, do, dv, Aqk, scale, chunk_size, cu_seqlens, chunk_indices, config):
+    B, T, HV, K = kg.shape
+    V = do.shape[3]
+    BT = chunk_size
+    if K > 128:
+        raise ValueError(f"the transposed reverse scan holds K <= 128 in two halves; got K={K}")
+    check_dense(qg=qg, kg=kg, w=w, gc=gc, do=do, dv=dv, Aqk=Aqk, dht=dht)
+    N, NT_total, offsets = chains(B, T, BT, cu_seqlens, chunk_indices)
+    cfg = config_over(CONFIG, config, CONFIG_KEYS, "B5")
+    dh = torch.empty(B, NT_total // B, HV, K, V, device=do.device, dtype=kg.dtype)  # B = 1 when packed
+    dh0 = torch.empty(N, HV, K, V, device=do.device, dtype=torch.float32) if h0 is not None else None
+    dv2 = torch.empty_like(do)
+    BV = min(cfg["BV"], triton.next_power_of_2(V))
+    dhu_transposed_kernel[(triton.cdiv(V, BV), N * HV)](
+        qg=qg, kg=kg, w=w, g=gc, do=do, dv=dv, Aqk=Aqk, dht=dht, dh0=dh0, dh=dh, dv2=dv2, cu_seqlens=cu_seqlens,
+        chunk_offsets=offsets, scale=scale, T=T, HV=HV, K=K, V=V, BT=BT, BK=max(64, triton.next_power_of_2(K)),
+        BV=BV, IS_VARLEN=cu_seqlens is not None, HAS_DHT=dht is not None, HAS_DH0=h0 is not None,
+        FORM_DV=dv is None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return dh, dh0, dv2
+
+
+def dhu(qg, kg, w, gc, h0, dht, do, dv, scale, state_v_first, chunk_size, cu_seqlens, chunk_indices,
+        config: dict | None = None):
+    """B5 with fla's contract: (dh [B, NT, HV, K, V] in kg's dtype, dh0 fp32 where h0 is given,
+    dv2 in do's dtype); states in [K, V]."""
+    if state_v_first:
+        raise ValueError("the reverse scan keeps its states in [K, V]; the chain passes them so")
+    return _scan(qg, kg, w, gc, h0, dht, do.contiguous(), dv, None, scale, chunk_size, cu_seqlens, chunk_indices,
+                 config)
+
+
+def dAqk(v_new, do, Aqk, scale, chunk_size, cu_seqlens, chunk_indices, config: dict | None = None):
+    """B4's dAqk alone: scale tril(do v_new^T), fp32 [B, T, HV, BT] (Aqk's shape)."""
+    B, T, HV, V = do.shape
+    BT = chunk_size
+    cfg = config_over(DAQK_CONFIG, config, CONFIG_KEYS, "dAqk")
+    out = torch.empty(B, T, HV, BT, device=do.device, dtype=torch.float32)
+    NT = chunk_indices.shape[0] if cu_seqlens is not None else triton.cdiv(T, BT)
+    dAqk_kernel[(NT, (1 if cu_seqlens is not None else B) * HV)](
+        do=do, v_new=v_new, dAqk=out, chunk_indices=chunk_indices, scale=scale, T=T, HV=HV, V=V, BT=BT,
+        BV=min(cfg["BV"], max(16, triton.next_power_of_2(V))), IS_VARLEN=cu_seqlens is not None,
+        cu_seqlens=cu_seqlens, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out
+
+
+def dav_dhu(q, k, v_new, do, Aqk, qg, kg, w, gc, h0, dht, scale, state_v_first, chunk_size, cu_seqlens,
+            chunk_indices, config: dict | None = None):
+    """The B4-B5 unit: (dAqk fp32, dh, dh0, dv2) as fla's B4 then B5 return them, B4's dv
+    formed inside the scan."""
+    if state_v_first:
+        raise ValueError("the reverse scan keeps its states in [K, V]; the chain passes them so")
+    do = do.contiguous()
+    check_dense(v_new=v_new, Aqk=Aqk)
+    dA = dAqk(v_new, do, Aqk, scale, chunk_size, cu_seqlens, chunk_indices)
+    dh, dh0, dv2 = _scan(qg, kg, w, gc, h0, dht, do, None, Aqk, scale, chunk_size, cu_seqlens, chunk_indices,
+                         config)
+    return dA, dh, dh0, dv2
+
+
+def supports(kg=None, chunk_size=64, state_v_first=False, q=None, **_) -> str | None:
+    """None when the transposed reverse scan takes the call, else why fla's runs."""
+    K = (kg if kg is not None else q).shape[-1]
+    if chunk_size != 64:
+        return f"chunk_size={chunk_size} (the scan kernel is built for 64)"
+    if K > 128:
+        return f"K={K} > 128 (the transposed reverse scan holds K in two halves of at most 64)"
+    if state_v_first:
+        return "states in [V, K] (the kernel's are [K, V])"
+    return None

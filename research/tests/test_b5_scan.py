@@ -1,0 +1,155 @@
+"""research.b5_scan through the interpreter: the reverse state scan alone (B5, reading B4's dv)
+and as the B4-B5 unit (B4's dv formed in the scan, dAqk from its own kernel), on the inputs the
+reference chain gives the stages, against the rounding references of fla's stages and the
+float64 ones; and the whole op with the unit registered against the float64 recurrence. T not
+a multiple of 64, GVA, packed sequences (a 1-token one among them), initial and final states,
+K 48 / 64 / 100 / 128, V of one and two slices and of no power of two, fp16 and bf16."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from benchmarks.parity import DHU_VS_FLA, dhu_misses, stage_errors
+from conftest import DEVICE, needs_triton
+from kernel_fun.kda import chunk_kda, last_record
+from kernel_fun.kda import reference as ref
+from kernel_fun.kda.problems import Problem, as_oracle_inputs, make_inputs, run_fwd_bwd
+from kernel_fun.kda.stages import capture_stages, registered, stages, use_impls
+from research import b5_scan
+
+pytestmark = needs_triton
+
+SHAPES = [
+    Problem("T63-K64-h0", 2, 63, 2, 2, 64, 32, initial_state=True, output_final_state=True),
+    Problem("T130-K128-gva-V128", 1, 130, 1, 2, 128, 128, initial_state=True, output_final_state=True),
+    Problem("T70-K100-fp16", 1, 70, 2, 2, 100, 16, dtype=torch.float16, output_final_state=True),
+    Problem("varlen-K64-h0", 1, 150, 2, 2, 64, 32, initial_state=True, output_final_state=True,
+            cu_seqlens=(0, 1, 65, 150)),
+    Problem("T100-K48-V40-gva-h0", 1, 100, 1, 2, 48, 40, initial_state=True, output_final_state=True),
+]
+
+
+def stage_inputs(p: Problem, seed: int = 8) -> tuple[dict, dict]:
+    """B4's and B5's inputs as the reference chain's backward gives them."""
+    kw = make_inputs(p, device=DEVICE, seed=seed)
+    with use_impls("reference"), capture_stages() as log:
+        run_fwd_bwd(chunk_kda, kw, grid=p.dtype)
+    found = {name: x for name, _, x, _ in log if name in ("B4", "B5")}
+    return found["B4"], found["B5"]
+
+
+def unit_inputs(b4: dict, b5: dict) -> dict:
+    return dict(b4, **{n: t for n, t in b5.items() if n not in ("do", "dv")})
+
+
+def exact_unit(i: dict) -> tuple:
+    dAqk, dv = ref.dav_bwd(i["v_new"], i["do"], i["Aqk"], i["scale"], i["chunk_size"], i["cu_seqlens"], exact=True)
+    return (dAqk, *ref.dhu_bwd(i["qg"], i["kg"], i["w"], i["gc"], i["h0"], i["dht"], i["do"], dv, i["scale"],
+                               i["chunk_size"], i["cu_seqlens"], i["state_v_first"], exact=True))
+
+
+@pytest.mark.parametrize("p", SHAPES, ids=lambda p: p.name)
+def test_unit_matches_b4_then_b5(p):
+    """dAqk, dh, dh0 and dv2 as the rounding references of fla's B4 then B5 give them, and
+    within fla's budgets of the float64 stages, no more than 10% over the references' own
+    error."""
+    b4, b5 = stage_inputs(p)
+    i = unit_inputs(b4, b5)
+    got = b5_scan.dav_dhu(**i)
+    want = stages()["B4-B5"].impls["reference"](**i)
+    exact = exact_unit(i)
+    vs_want = stage_errors("B4-B5", got, want)
+    assert set(vs_want) == {"dAqk", "dh", "dv2"} | ({"dh0"} if p.initial_state else set()), vs_want
+    misses = dhu_misses(stage_errors("B4-B5", got, exact), stage_errors("B4-B5", want, exact), vs_want)
+    assert not misses, (misses, vs_want)
+
+
+@pytest.mark.parametrize("p", SHAPES[:4], ids=lambda p: p.name)
+def test_b5_alone_matches_b5(p):
+    """The scan reading B4's dv (B5's contract): dh, dh0 and dv2 as B5's rounding reference."""
+    _, b5 = stage_inputs(p)
+    got = b5_scan.dhu(**b5)
+    want = stages()["B5"].impls["reference"](**b5)
+    exact = ref.dhu_bwd(*(b5[n] for n in ("qg", "kg", "w", "gc", "h0", "dht", "do", "dv", "scale", "chunk_size",
+                                          "cu_seqlens", "state_v_first")), exact=True)
+    vs_want = stage_errors("B5", got, want)
+    misses = dhu_misses(stage_errors("B5", got, exact), stage_errors("B5", want, exact), vs_want)
+    assert not misses, (misses, vs_want)
+
+
+def test_a_wrong_scan_misses_its_bars():
+    """The bars can fail: dv formed without Aqk's diagonal, or one chunk's dh left out."""
+    b4, b5 = stage_inputs(SHAPES[0])
+    i = unit_inputs(b4, b5)
+    want = stages()["B4-B5"].impls["reference"](**i)
+    exact = exact_unit(i)
+    pos = ref.sequence_positions(i["Aqk"].shape[1], i["cu_seqlens"], i["Aqk"].device) % 64
+    diagonal = (torch.arange(64)[None, :] == pos[:, None])[None, :, None, :]
+    got = b5_scan.dav_dhu(**dict(i, Aqk=i["Aqk"].masked_fill(diagonal, 0)))
+    assert dhu_misses(stage_errors("B4-B5", got, exact), stage_errors("B4-B5", want, exact),
+                      stage_errors("B4-B5", got, want))
+    dh, dh0, dv2 = b5_scan.dhu(**b5)
+    dh[:, 0] = 0
+    assert stage_errors("B5", (dh, dh0, dv2), stages()["B5"].impls["reference"](**b5))["dh"] > DHU_VS_FLA["dh"]
+
+
+@pytest.mark.parametrize("p", [SHAPES[1], SHAPES[3],
+                               Problem("layer-vfirst", 1, 100, 2, 2, 64, 32, initial_state=True,
+                                       output_final_state=True, state_v_first=True)], ids=lambda p: p.name)
+def test_chain_with_the_unit_against_the_oracle(p):
+    """With the unit registered the chain runs it in place of B4 and B5 (the launch witness:
+    the call's record), and the forward and every gradient stay within fla's budgets of the
+    float64 recurrence."""
+    kwargs = make_inputs(p, device=DEVICE, seed=12)
+    with registered("B4-B5", "ours", b5_scan.dav_dhu, b5_scan.supports):
+        result = run_fwd_bwd(chunk_kda, kwargs, grid=p.dtype)
+    record = last_record()
+    assert record.backward["B4-B5"] == "ours" and not {"B4", "B5"} & set(record.backward), record.backward
+    oracle = run_fwd_bwd(ref.recurrent_kda, as_oracle_inputs(kwargs), grid=p.dtype)
+    errors = {n: ref.rel_rms(result[n], oracle[n]) for n in oracle if oracle[n] is not None}
+    assert all(errors[n] <= ref.BUDGETS[n] for n in errors), errors
+
+
+def test_what_the_unit_declines_runs_as_b4_then_b5():
+    """K > 128 and states in [V, K] are declined with the reason; the chain then runs B4 and B5."""
+    kg = torch.empty(1, 64, 1, 160)
+    assert "K=160" in b5_scan.supports(kg=kg, chunk_size=64)
+    assert "[V, K]" in b5_scan.supports(kg=kg[..., :64], chunk_size=64, state_v_first=True)
+    assert "chunk_size=32" in b5_scan.supports(kg=kg[..., :64], chunk_size=32)
+    p = Problem("T70-K160", 1, 70, 1, 1, 160, 16, initial_state=True, output_final_state=True)
+    with registered("B4-B5", "ours", b5_scan.dav_dhu, b5_scan.supports):
+        run_fwd_bwd(chunk_kda, make_inputs(p, device=DEVICE, seed=3), grid=p.dtype)
+    record = last_record()
+    assert "B4-B5" not in record.backward and {"B4", "B5"} <= set(record.backward), record.backward
+    assert "K=160" in record.notes["B4-B5"]
+
+
+def test_the_stage_bench_entries_run_on_the_cpu(tmp_path, monkeypatch):
+    """benchmarks.stage's B5 and B4-B5 entries end to end under the interpreter (the rounding
+    references standing in for fla's stages): rows marked as the candidate's, parity green,
+    never shipping."""
+    import time
+
+    from benchmarks import stage
+    from benchmarks.stages import common
+
+    tiny = Problem("tiny", 1, 70, 1, 2, 64, 64, initial_state=True, output_final_state=True)
+    monkeypatch.setattr(stage, "problem", lambda name: tiny)
+    monkeypatch.setattr(common, "problem", lambda name: tiny)
+
+    def stopwatch(fn, reps):
+        t0 = time.perf_counter()
+        fn()
+        return [(time.perf_counter() - t0) * 1e3]
+
+    for name in ("B5", "B4-B5"):
+        bench = stage.entries()[name]
+        monkeypatch.setattr(type(bench), "fla", lambda self, **i: stages()[self.stage].impls["reference"](**i))
+        found = stage.bench_shape(dataclasses.replace(bench), "tiny", [{}, dict(BV=32, num_warps=4, num_stages=1)],
+                                  reps=1, rounds=1, out_path=tmp_path / "stages.jsonl", device="cpu", timer=stopwatch)
+        assert [r["impl"] for r in found][0] == "fla" and len(found) == 3
+        assert all(r["parity"]["ok"] and r["ms"] > 0 for r in found), [r["parity"] for r in found]
+        assert all(r["candidate"] == bench.candidate for r in found[1:]) and not any(bench.ships(r) for r in found)
