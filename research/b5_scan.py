@@ -91,14 +91,15 @@ def dhu_transposed_kernel(
         p_dh = dh + ((boh + i_c) * HV + i_hv).to(tl.int64) * K * V
         tl.store(p_dh + p_vk1, b_H1, mask=m_vk1)
         tl.store(p_dh + p_vk2, b_H2, mask=m_vk2)
-        b_dv2 = to(b_dv + dot(b_H2, b_k2, dot(b_H1, b_k1)), b_do.dtype)  # dv2^T
-        tl.store(dv2 + p_vt, b_dv2, mask=m_vt)
+        b_dv2f = dot(b_H2, b_k2, dot(b_H1, b_k1, b_dv))  # dv2^T
+        tl.store(dv2 + p_vt, to(b_dv2f, b_do.dtype), mask=m_vt)
         b_q1 = tl.load(qg + r_t[:, None] + o_k1[None, :], mask=m_t[:, None] & m_k1[None, :], other=0)
         b_q2 = tl.load(qg + r_t[:, None] + o_k2[None, :], mask=m_t[:, None] & m_k2[None, :], other=0)
         b_w1 = tl.load(w + r_t[:, None] + o_k1[None, :], mask=m_t[:, None] & m_k1[None, :], other=0)
         b_w2 = tl.load(w + r_t[:, None] + o_k2[None, :], mask=m_t[:, None] & m_k2[None, :], other=0)
-        b_D1 = b_D1 * tl.exp2(b_g1)[None, :] + (scale * dot(b_do, b_q1) - dot(b_dv2, b_w1))
-        b_D2 = b_D2 * tl.exp2(b_g2)[None, :] + (scale * dot(b_do, b_q2) - dot(b_dv2, b_w2))
+        b_ndv2 = to(-b_dv2f, b_do.dtype)  # -bf16(dv2^T): the state's update accumulates onto it
+        b_D1 = dot(b_ndv2, b_w1, b_D1 * tl.exp2(b_g1)[None, :]) + scale * dot(b_do, b_q1)
+        b_D2 = dot(b_ndv2, b_w2, b_D2 * tl.exp2(b_g2)[None, :]) + scale * dot(b_do, b_q2)
 
     if HAS_DH0:
         p_dh0 = dh0 + i_nh.to(tl.int64) * K * V
