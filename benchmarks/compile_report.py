@@ -250,6 +250,35 @@ def b2_report(K: int = 128, varlen: bool = False, dtype: str = "bf16", config: d
     return compile_sm90(m.wy_recompute_kernel, types, ce, cfg["num_warps"], cfg["num_stages"])
 
 
+def dhu_report(K: int = 128, V: int = 256, form_dv: bool = True, h0: bool = True, dht: bool = False,
+               varlen: bool = False, dtype: str = "bf16", config: dict | None = None) -> dict:
+    """B4-B5's reverse scan (``kda/kernels/b4_b5_dhu.py``) at its pinned config, forming dv (the
+    unit) or reading it."""
+    import triton
+
+    from kernel_fun.kda.kernels import b4_b5_dhu as m
+
+    cfg = {**m.CONFIG, **(config or {})}
+    types = {n: _PTR[dtype] for n in ("qg", "kg", "w", "do", "dv", "Aqk", "dh", "dv2")}
+    types.update(g="*fp32", dht="*fp32", dh0="*fp32", cu_seqlens="*i32", chunk_offsets="*i64")
+    ce = dict(HV=16, K=K, V=V, BT=64, BK=max(64, triton.next_power_of_2(K)), BV=cfg["BV"], IS_VARLEN=varlen,
+              HAS_DHT=dht, HAS_DH0=h0, FORM_DV=form_dv, **({} if form_dv else dict(Aqk=None)),
+              **(dict(dv=None) if form_dv else {}), **({} if dht else dict(dht=None)), **({} if h0 else dict(dh0=None)),
+              **({} if varlen else dict(cu_seqlens=None, chunk_offsets=None)))
+    return compile_sm90(m.dhu_transposed_kernel, types, ce, cfg["num_warps"], cfg["num_stages"])
+
+
+def daqk_report(V: int = 256, varlen: bool = False, dtype: str = "bf16") -> dict:
+    """B4-B5's dAqk kernel (``kda/kernels/b4_b5_dhu.py``) at its pinned config."""
+    from kernel_fun.kda.kernels import b4_b5_dhu as m
+
+    cfg = m.DAQK_CONFIG
+    types = dict(do=_PTR[dtype], v_new=_PTR[dtype], dAqk="*fp32", chunk_indices="*i64", cu_seqlens="*i32")
+    ce = dict(HV=16, V=V, BT=64, BV=cfg["BV"], IS_VARLEN=varlen,
+              **({} if varlen else dict(chunk_indices=None, cu_seqlens=None)))
+    return compile_sm90(m.dAqk_kernel, types, ce, cfg["num_warps"], cfg["num_stages"])
+
+
 def cconv_report(D: int = 2048, backward: bool = False, config: dict | None = None) -> dict:
     """The short convolution's forward or backward kernel (``cconv/kernels.py``) at its pinned
     config: bf16 x, fp32 weight, W=4, SiLU, no bias, dense sequences."""
@@ -300,6 +329,11 @@ SHIPPED = {
                                                              config=dict(BV=128, num_warps=8, num_stages=1)),
     "scan b3 K128 V256": lambda: scan_report(recompute=True),
     "scan b3 K64 V128 varlen": lambda: scan_report(K=64, V=128, recompute=True, h0=False, varlen=True),
+    "b4-b5 dhu K128 V256": lambda: dhu_report(),
+    "b4-b5 dhu K64 V128 dht varlen": lambda: dhu_report(K=64, V=128, h0=False, dht=True, varlen=True),
+    "b4-b5 dhu K100 V256 fp16": lambda: dhu_report(K=100, dtype="fp16"),
+    "b4-b5 dAqk V256": lambda: daqk_report(),
+    "b4-b5 dAqk V128 varlen": lambda: daqk_report(V=128, varlen=True),
     "b2 K128": lambda: b2_report(),
     "b2 K64 varlen": lambda: b2_report(K=64, varlen=True),
     "b2 K128 fp32": lambda: b2_report(dtype="fp32"),

@@ -27,14 +27,15 @@ import torch
 import triton
 import triton.language as tl
 
-from benchmarks.parity import B6_VS_FLA, stage_errors, tail_misses
+from benchmarks.parity import B6_VS_FLA, DHU_VS_FLA, stage_errors, tail_misses
 from benchmarks.stages import b6 as b6_entry
 from benchmarks.stages import b7_b9 as b7_b9_entry
 from kernel_fun import _fla
 from kernel_fun._triton import store_pairs
 from kernel_fun.kda import chunk_kda, last_record, use_impls
 from kernel_fun.kda import reference as ref
-from kernel_fun.kda.kernels import b2_wy_recompute, b6_wy_bwd, b7_b9_intra_bwd, b7_b10_intra_bwd_sm90, f7_f8_b3_scan
+from kernel_fun.kda.kernels import (b2_wy_recompute, b4_b5_dhu, b6_wy_bwd, b7_b9_intra_bwd, b7_b10_intra_bwd_sm90,
+                                   f7_f8_b3_scan)
 from kernel_fun.kda.problems import SHAPES, Problem, make_inputs, problem, run_fwd_bwd
 from kernel_fun.kda.stages import capture_stages, set_last_record, stages
 
@@ -309,8 +310,8 @@ def _whole_op(p: Problem = PROD):
 
 @ONE_AT_A_TIME
 def test_launch_witness_at_prod8192_gate():
-    """The whole op at prod8192_gate: the F7-F8 unit, B2 (no u), B3 (forming u), B6 and the
-    B7-B9 unit (on sm_90 with CuTe DSL the B7-B10 unit) ran kernel-fun's kernels and not fla's, every other stage ran fla's (the
+    """The whole op at prod8192_gate: the F7-F8 unit, B2 (no u), B3 (forming u), the B4-B5 unit,
+    B6 and the B7-B9 unit (on sm_90 with CuTe DSL the B7-B10 unit) ran kernel-fun's kernels and not fla's, every other stage ran fla's (the
     forward's F3-F6 too: fla's WY kernel once, kernel-fun's B2 kernel once, in the backward),
     and the result tracks fla's chunk_kda (o within 2e-3: the scan rounds where fla's two
     stages do, its dots blocked otherwise)."""
@@ -325,10 +326,11 @@ def test_launch_witness_at_prod8192_gate():
     assert not {"F7", "F8"} & set(record.forward), record
     assert not {"B7", "B8", "B9", "B7-B9", "B7-B10"} - {unit} & set(record.backward), record
     assert ("B10" in record.backward) != cute, record
-    mine_stages = ("F7-F8", "B2", "B3", "B6", unit)
+    assert record.backward["B4-B5"] == "ours" and not {"B4", "B5"} & set(record.backward), record
+    mine_stages = ("F7-F8", "B2", "B3", "B4-B5", "B6", unit)
     others = {impl for name, impl in {**record.forward, **record.backward}.items() if name not in mine_stages}
     assert others == {"fla"}
-    mine = {"scan_transposed_kernel", "wy_recompute_kernel", "wy_dqkg_kernel"}
+    mine = {"scan_transposed_kernel", "wy_recompute_kernel", "dhu_transposed_kernel", "dAqk_kernel", "wy_dqkg_kernel"}
     assert mine <= kernels, sorted(kernels)
     if cute:
         assert any(k.startswith("kernel_cutlass") for k in kernels) and "intra_bwd_kernel" not in kernels, \
@@ -336,7 +338,8 @@ def test_launch_witness_at_prod8192_gate():
     else:
         assert "intra_bwd_kernel" in kernels, sorted(kernels)
     assert not {"chunk_gla_fwd_kernel_o", "chunk_kda_bwd_kernel_wy_dqkg_fused", "chunk_kda_bwd_kernel_intra",
-                "chunk_gated_delta_rule_fwd_kernel_h_blockdim64"} & kernels, sorted(kernels)
+                "chunk_gated_delta_rule_fwd_kernel_h_blockdim64", "chunk_kda_bwd_kernel_dAv",
+                "chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64"} & kernels, sorted(kernels)
 
     errors = {n: ref.rel_rms(ours[n], theirs[n]) for n in theirs if theirs[n] is not None}
     print("whole op vs fla", errors)
@@ -459,6 +462,35 @@ def test_scan_matches_fla_f7_f8(p):
         against_fla(f7_f8_b3_scan.scan_output(**unit, config=config), f"F7-F8 {config}")
     for config in (None, dict(BV=128, num_warps=8, num_stages=2)):
         against_fla(f7_f8_b3_scan.scan_states(**b3, config=config), f"B3 {config}", states_only=True)
+
+
+# --------------------------------------------------------------------------------------
+# The B4-B5 unit against fla's B4 then B5
+# --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("p", SMALL + [FLAGGED[0], PROD_ALONE], ids=lambda p: p.name)
+def test_b4_b5_matches_fla_b4_b5(p):
+    """On the inputs fla's chain gives B4 and B5 (T=500 with h0 and a final state's gradient,
+    packed sequences, pre-gated, fla's layer's flags, prod8192_gate): the unit's dAqk, dh, dh0
+    and dv2 against fla's B4 then B5, at the pinned config and the stage bench's others; the
+    scan alone reading fla's B4's dv against fla's B5."""
+    from benchmarks.stages import b4_b5
+
+    kwargs = make_inputs(p, device="cuda", seed=7)
+    with use_impls({"B4-B5": "fla"}), capture_stages() as log:  # B4 and B5 one by one
+        run_fwd_bwd(chunk_kda, kwargs, grid=p.dtype)
+    (b4, (dAqk, dv)), = [(x, out) for name, _, x, out in log if name == "B4"]
+    (b5, b5_out), = [(x, out) for name, _, x, out in log if name == "B5"]
+    if b5["state_v_first"]:  # (the chain passes [K, V] states where it swaps: fla only keeps [V, K])
+        pytest.skip("states reach B5 in [V, K]: the unit declines")
+    unit = dict(b4, **{n: t for n, t in b5.items() if n not in ("do", "dv")})
+    theirs = (dAqk, *b5_out)
+    for config in (None,) + b4_b5.SWEEP:
+        errors = stage_errors("B4-B5", b4_b5_dhu.dav_dhu(**unit, config=config), theirs)
+        print(p.name, "B4-B5", config, "vs fla", errors)
+        assert all(errors[n] <= DHU_VS_FLA[n] for n in errors), (config, errors)
+    errors = stage_errors("B5", b4_b5_dhu.dhu(**b5), b5_out)
+    print(p.name, "B5 alone vs fla", errors)
+    assert all(errors[n] <= DHU_VS_FLA[n] for n in errors), errors
 
 
 # --------------------------------------------------------------------------------------

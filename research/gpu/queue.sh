@@ -6,12 +6,14 @@
 # back as $OUT/fla_configs.tgz after every step. Steps:
 #   op:SHAPE[,SHAPE]   the whole op, fla and ours, rows to $OUT/op.jsonl
 #   opc:SHAPE[,SHAPE]  the same, ours with $CANDIDATE (STAGE=module:function:supports) registered
+#   opoff:SHAPES:STAGE the same, ours with STAGE (a unit: its stages one by one) on fla's
 #   layer              fla's KimiDeltaAttention layer, unpatched and through patch_fla(), B2 T8192
 #   stage:STAGE:SHAPES[:sweep] one stage alone against fla's (pinned configs, or the entry's sweep),
 #                      rows to $OUT/stages.jsonl
 #   rel:PARTS          benchmarks.reliability --parts PARTS (SOAK_ITERS, default 300)
 #   ab                 research/gpu/ab_old.sh (one round)
 #   tests[:EXPR]       tests/test_gpu_sm90.py (-k EXPR), fla on its stored choices and their defaults
+#   gtests:EXPR        tests/test_gpu.py -k EXPR (a + for " or "), the same way
 #   ncu                Nsight Compute on the CuTe kernel's launch in the op (research/gpu/op_unit_once.py):
 #                      details and SASS back
 set -o pipefail
@@ -33,10 +35,14 @@ for step in $STEPS; do
     layer) timeout -k 5 $left python3 -m benchmarks.layer --B 2 --T 8192 --out $OUT/layer.jsonl 2>&1 | tail -12 ;;
     opc) timeout -k 5 $left python3 -m benchmarks.op --shapes $a --impls fla,ours --candidate "$CANDIDATE" \
            --out $OUT/op.jsonl 2>&1 | tail -30 ;;
+    opoff) timeout -k 5 $left python3 -m benchmarks.op --shapes $a --impls ours --off $b --out $OUT/op.jsonl 2>&1 | tail -30 ;;
     stage) timeout -k 5 $left python3 -m benchmarks.stage --stage $a --shapes $b --configs ${c:-pinned} \
              --out $OUT/stages.jsonl 2>&1 | tail -24 ;;
     rel) timeout -k 5 $left python3 -m benchmarks.reliability --parts $a --soak-iters ${SOAK_ITERS:-300} \
            --soak-seconds 90 --out $OUT/reliability.jsonl 2>&1 | tail -40 ;;
+    gtests) FLA_CONFIG_DIR=$(python3 -c "import torch; from benchmarks.fla_configs import gpu_dir; print(gpu_dir(torch.cuda.get_device_name()))") \
+           FLA_CACHE_MODE=full timeout -k 5 $left python3 -m pytest -v -s -p no:cacheprovider -m gpu tests/test_gpu.py \
+           -k "${a//+/ or }" 2>&1 | tee -a $OUT/g.log | grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed|Error|vs fla" | tail -40 ;;
     ab) ROUNDS=1 timeout -k 5 $left bash research/gpu/ab_old.sh ;;
     tests) FLA_CONFIG_DIR=$(python3 -c "import torch; from benchmarks.fla_configs import gpu_dir; print(gpu_dir(torch.cuda.get_device_name()))") \
            FLA_CACHE_MODE=full timeout -k 5 $left python3 -m pytest -v -s -p no:cacheprovider -m gpu tests/test_gpu_sm90.py \

@@ -213,3 +213,33 @@ def store_pairs(base, off, x, mask):
                                   [tl.broadcast_to(base.to(tl.int64, bitcast=True), x.shape), off, x,
                                    mask.to(tl.int32)],
                                   dtype=tl.int32, is_pure=False, pack=2)
+
+
+# The sequential scans' sequences (F7-F8, B3, B4-B5)
+@triton.jit
+def sequence_span(i_n, cu_seqlens, chunk_offsets, T, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Sequence i_n's first token row, its length and its first chunk's index."""
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T_seq = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
+        boh = tl.load(chunk_offsets + i_n).to(tl.int64)
+    else:
+        bos = i_n.to(tl.int64) * T
+        T_seq = T
+        boh = i_n.to(tl.int64) * tl.cdiv(T, BT)
+    return bos, T_seq, boh
+
+
+def check_dense(**tensors) -> None:
+    for name, t in tensors.items():
+        if t is not None and not t.is_contiguous():
+            raise ValueError(f"the scan kernel indexes {name} as a dense tensor; got strides {t.stride()}")
+
+
+def chains(B: int, T: int, BT: int, cu_seqlens, chunk_indices):
+    """(sequences, chunks in all, each sequence's first chunk index or None when dense). The
+    packed chunk count is the chunk index's row count (read from the offsets' data it would
+    wait for the stream); the first chunks are formed on the device."""
+    if cu_seqlens is None:
+        return B, B * triton.cdiv(T, BT), None
+    return len(cu_seqlens) - 1, chunk_indices.shape[0], chunk_offsets(cu_seqlens, BT)

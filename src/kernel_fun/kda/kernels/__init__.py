@@ -8,6 +8,8 @@ stage         module                    what runs
 B2            ``b2_wy_recompute``       w, qg, kg recomputed from Akk_inv, no u
 B3, F7-F8     ``f7_f8_b3_scan``         the state scan: with the output (F7 + F8 in one
                                         pass), or as B3 forming u itself
+B4-B5         ``b4_b5_dhu``             the reverse state scan forming B4's dv, and
+                                        B4's dAqk
 B6            ``b6_wy_bwd``             the WY backward
 B7-B9         ``b7_b9_intra_bwd``       the intra-chunk backward, dg's chunk cumsum and
                                         the gate's backward in one pass; on sm_90 with
@@ -27,7 +29,8 @@ reference on a CPU.
 import logging
 
 from kernel_fun._runtime import log_once
-from kernel_fun.kda.kernels import b2_wy_recompute, b6_wy_bwd, b7_b9_intra_bwd, b7_b10_intra_bwd_sm90, f7_f8_b3_scan
+from kernel_fun.kda.kernels import (b2_wy_recompute, b4_b5_dhu, b6_wy_bwd, b7_b9_intra_bwd, b7_b10_intra_bwd_sm90,
+                                   f7_f8_b3_scan)
 from kernel_fun.kda.stages import add_impl
 
 
@@ -49,6 +52,7 @@ def intra_bwd(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log, d
 add_impl("B2", "ours", b2_wy_recompute.wy_recompute, b2_wy_recompute.supports)
 add_impl("B3", "ours", f7_f8_b3_scan.scan_states, f7_f8_b3_scan.supports_states, caps=("forms_u",))
 add_impl("F7-F8", "ours", f7_f8_b3_scan.scan_output, f7_f8_b3_scan.supports, caps=("reads_qg",))
+add_impl("B4-B5", "ours", b4_b5_dhu.dav_dhu, b4_b5_dhu.supports)
 add_impl("B6", "ours", b6_wy_bwd.wy_dqkg_bwd, b6_wy_bwd.supports)
 add_impl("B7-B9", "ours", intra_bwd, b7_b9_intra_bwd.supports)
 add_impl("B7-B10", "ours", b7_b10_intra_bwd_sm90.intra_bwd_l2, b7_b10_intra_bwd_sm90.supports_l2)

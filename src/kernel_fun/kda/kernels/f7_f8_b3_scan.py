@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernel_fun._triton import chunk_offsets, config_over, dot, to
+from kernel_fun._triton import chains, check_dense, config_over, dot, sequence_span, to
 
 
 @triton.jit
@@ -63,20 +63,6 @@ def _first_non_finite(x, o_t, BT: tl.constexpr, AXIS: tl.constexpr):
         return tl.min(tl.where(finite, BT, o_t[:, None]), axis=0)
     else:
         return tl.min(tl.where(finite, BT, o_t[None, :]), axis=1)
-
-
-@triton.jit
-def sequence_span(i_n, cu_seqlens, chunk_offsets, T, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """Sequence i_n's first token row, its length and its first chunk's index."""
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T_seq = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
-        boh = tl.load(chunk_offsets + i_n).to(tl.int64)
-    else:
-        bos = i_n.to(tl.int64) * T
-        T_seq = T
-        boh = i_n.to(tl.int64) * tl.cdiv(T, BT)
-    return bos, T_seq, boh
 
 
 @triton.jit
@@ -305,21 +291,6 @@ def launch_config(sequence_heads: int, V: int, K: int, sms: int = 132) -> dict:
     def cost(bv):
         return -(-sequence_heads * -(-V // bv) // (sms * table[bv][2])) * table[bv][1]
     return dict(table[min((bv for bv in table if bv <= max(32, V)), key=cost)][0])
-
-
-def check_dense(**tensors) -> None:
-    for name, t in tensors.items():
-        if t is not None and not t.is_contiguous():
-            raise ValueError(f"the scan kernel indexes {name} as a dense tensor; got strides {t.stride()}")
-
-
-def chains(B: int, T: int, BT: int, cu_seqlens, chunk_indices):
-    """(sequences, chunks in all, each sequence's first chunk index or None when dense). The
-    packed chunk count is the chunk index's row count (read from the offsets' data it would
-    wait for the stream); the first chunks are formed on the device."""
-    if cu_seqlens is None:
-        return B, B * triton.cdiv(T, BT), None
-    return len(cu_seqlens) - 1, chunk_indices.shape[0], chunk_offsets(cu_seqlens, BT)
 
 
 def scan_output(q, qg, kg, w, u, gc, Aqk, scale, initial_state, output_final_state, save_states, cu_seqlens_cpu,

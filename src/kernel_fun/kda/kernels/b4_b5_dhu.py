@@ -1,23 +1,28 @@
-"""Candidate: B5 (the reverse state-gradient scan) with the state gradient held transposed, and
-the B4-B5 unit where the scan forms B4's dv itself (the roofline's Bc').
+"""B4-B5: the reverse state-gradient scan (B5) with B4's dv formed in it, and B4's dAqk.
 
-fla's B5 (``chunk_gated_delta_rule_bwd_dhu``) carries dS [K, BV] per (sequence, head, V slice)
-from the last chunk to the first and per chunk computes
+Replaces fla's ``chunk_kda_bwd_dAv`` (B4), which writes dv = tril(Aqk)^T do (bf16, 1.07 GB at
+prod8192_gate) for B5 to read back and dAqk for B7, and ``chunk_gated_delta_rule_bwd_dhu``
+(B5). Here one program per (sequence, value head, V slice) carries the state gradient dS in
+fp32 from the sequence's last chunk to its first and per chunk computes
 
-    dh_c = bf16(dS);  dv2 = bf16(dv + kg dh_c)
+    dh_c = bf16(dS);  dv = bf16(tril(Aqk)^T do);  dv2 = bf16(dv + kg dh_c)
     dS   = exp2(g_last) dS + scale qg^T do - w^T dv2
 
-Here dS^T [V slice, K] is held in two halves of K, as the forward scan holds S^T: the V slice is
-every dot's M side, dv2^T is the next dot's register operand in its accumulator's layout, and
-only the chunk's rows (kg^T, qg, w, Aqk) pass through shared memory. The roundings are fla's.
+with the roundings where fla's two kernels make them; dv is formed from the step's do tile and
+the chunk's Aqk (8 KB), off the state's chain, and never written. dAqk = scale tril(do v_new^T)
+(fp32, the diagonal included) comes from a chunk-parallel kernel that reads do and v_new once.
 
-``FORM_DV`` (the B4-B5 unit): dv = bf16(tril(Aqk)^T do) is formed in the step from the do
-tile it already holds and the chunk's Aqk (8 KB), off the state's chain, so fla's B4 writes no
-dv (1.07 GB at prod8192_gate) and the scan reads Aqk (0.27) in place of it; B4's other output,
-dAqk = scale tril(do v_new^T), comes from a chunk-parallel kernel (``dAqk_kernel``) that reads
-do and v_new once.
+dS is held transposed, dS^T [V slice, K], in two halves of K (``dhu_transposed_kernel``), as
+the forward scan holds its state: the V slice is every dot's M side, dv2^T is the next dot's
+register operand in its accumulator's layout, and the chunk's rows (kg^T, qg, w, Aqk, do^T) pass
+through shared memory. Each dot accumulates onto the last (dv2^T onto dv^T; the update onto
+dS^T exp2(g_last) with -bf16(dv2^T) as its operand): the same sums in another fp32 order, and
+no spills at any 4-warp width (the update written as fla writes it spilled 88-100 B).
 
-Falls back (``supports``): chunk size other than 64, K > 128, states in [V, K].
+Falls back (``supports``): chunk size other than 64, K > 128, states in [V, K]; the chain keeps
+fla's B4 and B5 under context parallel (its exchange reads B4's dv).
+
+Measured: the README's whole-op rows. The rounds are in docs/log/b5.md.
 """
 
 from __future__ import annotations
@@ -26,8 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernel_fun._triton import config_over, dot, to
-from kernel_fun.kda.kernels.f7_f8_b3_scan import chains, check_dense, sequence_span
+from kernel_fun._triton import chains, check_dense, config_over, dot, sequence_span, to
 
 
 @triton.jit
@@ -137,7 +141,7 @@ def dAqk_kernel(do, v_new, dAqk, chunk_indices, scale, T, HV: tl.constexpr, V: t
     tl.store(dAqk + (row0 + o_t)[:, None] * (HV * BT) + i_hv * BT + o_t[None, :], b_A, mask=m_t[:, None])
 
 
-# B5's config: BV=64 at 4 warps, two stages (the forward scan's pin at its shape; to be timed).
+# The scan's config: BV=64 at 4 warps, two stages (sm_90a, K=128, V=256: 228 registers, 128 KB).
 CONFIG = dict(BV=64, num_warps=4, num_stages=2)
 DAQK_CONFIG = dict(BV=64, num_warps=4, num_stages=2)
 CONFIG_KEYS = frozenset({"BV", "num_warps", "num_stages"})
