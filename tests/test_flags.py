@@ -129,7 +129,7 @@ def test_state_v_first_is_the_default_layout_transposed(p):
 
 def test_state_v_first_keeps_the_chain_in_k_first():
     """A [V, K] caller's states are transposed once at the boundary: every stage inside
-    runs in [K, V] (B6's fast layout), the F7-F8 unit starts from the transposed h0 and B5 ends at dh0
+    runs in [K, V] (B6's fast layout), the F7-F8 unit starts from the transposed h0 and the B4-B5 unit ends at dh0
     in [K, V], which reaches the caller transposed back."""
     p = flagged(B6_SHAPES[1], "state_v_first")
     kwargs = make_inputs(p, seed=12)
@@ -137,11 +137,11 @@ def test_state_v_first_keeps_the_chain_in_k_first():
         result = run_fwd_bwd(chunk_kda, kwargs, grid=p.dtype)
     inputs = {name: stage_inputs for name, _, stage_inputs, _ in log}
     outputs = {name: out for name, _, _, out in log}
-    assert {n for n, x in inputs.items() if "state_v_first" in x} == {"F7-F8", "B3", "B5", "B6"}
+    assert {n for n, x in inputs.items() if "state_v_first" in x} == {"F7-F8", "B3", "B4-B5", "B6"}
     assert not any(x.get("state_v_first") for x in inputs.values())
     assert torch.equal(inputs["F7-F8"]["initial_state"], ref.swap_state(kwargs["initial_state"].detach()))
     assert torch.equal(result["final_state"], ref.swap_state(outputs["F7-F8"][1]))
-    assert torch.equal(result["dh0"], ref.swap_state(outputs["B5"][1]))
+    assert torch.equal(result["dh0"], ref.swap_state(outputs["B4-B5"][2]))
 
 
 @pytest.mark.parametrize("p", [SHAPES[2], B6_SHAPES[0]], ids=lambda p: p.name)
@@ -290,9 +290,10 @@ def test_log_names_every_stage_once_per_shape_and_flags(caplog):
     run_fwd_bwd(chunk_kda, dict(kwargs, disable_recompute=True))
     engaged = [m for m in _messages(caplog) if m.startswith("engaged (")]
     assert len(engaged) == 2, engaged
-    assert engaged[0].endswith("fwd+bwd): forward F1-F6 reference, F7-F8 ours; backward B1 reference, B2-B3 ours, "
-                               "B4-B5 reference, B6-B9 ours, B10 reference"), engaged[0]  # the F7-F8 unit, B2, B3, B6, B7-B9
-    assert "disable_recompute" in engaged[1] and "backward B4-B5 reference, B6-B9 ours" in engaged[1]
+    # the F7-F8 unit, B2, B3, the B4-B5 unit, B6, B7-B9
+    assert engaged[0].endswith("fwd+bwd): forward F1-F6 reference, F7-F8 ours; backward B1 reference, B2-B9 ours, "
+                               "B10 reference"), engaged[0]
+    assert "disable_recompute" in engaged[1] and "backward B4-B9 ours, B10 reference" in engaged[1]
 
 
 def test_packed_batches_of_other_lengths_log_one_line(caplog):
