@@ -22,7 +22,9 @@ no spills at any 4-warp width (the update written as fla writes it spilled 88-10
 Falls back (``supports``): chunk size other than 64, K > 128, states in [V, K]; the chain keeps
 fla's B4 and B5 under context parallel (its exchange reads B4's dv).
 
-Measured: the README's whole-op rows. The rounds are in docs/log/b5.md.
+Measured: the README's stage table (B4-B5 rows: 4.40 ms against fla's B4 + B5 4.63 at
+prod8192_gate on an H100; the scan 3.5 ms of it against fla's B5 3.14, dAqk 0.94 against B4 1.40)
+and whole-op rows. The rounds are in docs/log/b5.md.
 """
 
 from __future__ import annotations
@@ -141,8 +143,11 @@ def dAqk_kernel(do, v_new, dAqk, chunk_indices, scale, T, HV: tl.constexpr, V: t
     tl.store(dAqk + (row0 + o_t)[:, None] * (HV * BT) + i_hv * BT + o_t[None, :], b_A, mask=m_t[:, None])
 
 
-# The scan's config: BV=64 at 4 warps, two stages (sm_90a, K=128, V=256: 228 registers, 128 KB).
-CONFIG = dict(BV=64, num_warps=4, num_stages=2)
+# The scan's config: BV=64 at 4 warps, one stage (sm_90a, K=128, V=256: 255 registers, no spills,
+# 40 KB: two programs an SM). Measured at prod8192_gate (H100, the unit with dAqk): 4.40 ms; at two
+# stages (128 KB, one an SM) 4.51, BV=128 at 8 warps 4.46, BV=64 at 8 warps 4.75 (two stages) and
+# 6.37 (one), BV=32 6.01.
+CONFIG = dict(BV=64, num_warps=4, num_stages=1)
 DAQK_CONFIG = dict(BV=64, num_warps=4, num_stages=2)
 CONFIG_KEYS = frozenset({"BV", "num_warps", "num_stages"})
 
