@@ -112,11 +112,13 @@ def test_chain_with_the_unit_against_the_oracle(p):
 
 
 def test_what_the_unit_declines_runs_as_b4_then_b5():
-    """K > 128 and states in [V, K] are declined with the reason; the chain then runs B4 and B5."""
+    """K > 128, states in [V, K], fp32 inputs and another chunk size are declined with the reason;
+    the chain then runs B4 and B5."""
     kg = torch.empty(1, 64, 1, 160)
-    assert "K=160" in b4_b5_dhu.supports(kg=kg, chunk_size=64)
-    assert "[V, K]" in b4_b5_dhu.supports(kg=kg[..., :64], chunk_size=64, state_v_first=True)
-    assert "chunk_size=32" in b4_b5_dhu.supports(kg=kg[..., :64], chunk_size=32)
+    assert "K=160" in b4_b5_dhu.supports(kg=kg.bfloat16(), chunk_size=64)
+    assert "[V, K]" in b4_b5_dhu.supports(kg=kg[..., :64].bfloat16(), chunk_size=64, state_v_first=True)
+    assert "chunk_size=32" in b4_b5_dhu.supports(kg=kg[..., :64].bfloat16(), chunk_size=32)
+    assert "float32" in b4_b5_dhu.supports(kg=kg[..., :64], chunk_size=64)
     p = Problem("T70-K160", 1, 70, 1, 1, 160, 16, initial_state=True, output_final_state=True)
     run_fwd_bwd(chunk_kda, make_inputs(p, device=DEVICE, seed=3), grid=p.dtype)
     record = last_record()

@@ -19,7 +19,7 @@ through shared memory. Each dot accumulates onto the last (dv2^T onto dv^T; the 
 dS^T exp2(g_last) with -bf16(dv2^T) as its operand): the same sums in another fp32 order, and
 no spills at any 4-warp width (the update written as fla writes it spilled 88-100 B).
 
-Falls back (``supports``): chunk size other than 64, K > 128, states in [V, K]; the chain keeps
+Falls back (``supports``): fp32 inputs, chunk size other than 64, K > 128, states in [V, K]; the chain keeps
 fla's B4 and B5 under context parallel (its exchange reads B4's dv).
 
 Measured: the README's stage table (B4-B5 rows: 4.40 ms against fla's B4 + B5 4.63 at
@@ -215,7 +215,10 @@ def dav_dhu(q, k, v_new, do, Aqk, qg, kg, w, gc, h0, dht, scale, state_v_first, 
 
 def supports(kg=None, chunk_size=64, state_v_first=False, q=None, **_) -> str | None:
     """None when the transposed reverse scan takes the call, else why fla's runs."""
-    K = (kg if kg is not None else q).shape[-1]
+    x = kg if kg is not None else q
+    K = x.shape[-1]
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        return f"{x.dtype} inputs (the scan's dots are 16-bit; timed and held to fla at bf16 only)"
     if chunk_size != 64:
         return f"chunk_size={chunk_size} (the scan kernel is built for 64)"
     if K > 128:
