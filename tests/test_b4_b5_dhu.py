@@ -68,6 +68,16 @@ def test_unit_matches_b4_then_b5(p):
 
 
 @pytest.mark.parametrize("p", SHAPES[:4], ids=lambda p: p.name)
+def test_loads_first_changes_no_value(p):
+    """LOADS_FIRST (qg and w loaded ahead of the step's chain, a sweep option) computes the same
+    sums in the same order: every output the pin's, bit for bit."""
+    i = unit_inputs(*stage_inputs(p))
+    want = b4_b5_dhu.dav_dhu(**i)
+    got = b4_b5_dhu.dav_dhu(**i, config=dict(LOADS_FIRST=True))
+    assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("p", SHAPES[:4], ids=lambda p: p.name)
 def test_b5_alone_matches_b5(p):
     """The scan reading B4's dv (B5's contract): dh, dh0 and dv2 as B5's rounding reference."""
     _, b5 = stage_inputs(p)

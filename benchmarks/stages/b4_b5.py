@@ -21,10 +21,11 @@ from benchmarks.stages.common import StageBench, chain_runs
 # K=128, V=256, forming dv, no spills anywhere): two stages (228 registers, 128 KB, one an SM); at
 # 8 warps 172-187 registers; BV=128 at 8 warps 255 (one stage) and 230 (two, 144 KB: half the
 # programs reading a head's kg, qg and w, each with its loads a stage ahead, not yet timed); BV=32
-# at 4 warps 220, an mma.sync kernel.
+# at 4 warps 220, an mma.sync kernel. LOADS_FIRST: qg and w loaded ahead of the step's chain.
 SWEEP = (dict(BV=64, num_warps=4, num_stages=2), dict(BV=64, num_warps=8, num_stages=1),
          dict(BV=64, num_warps=8, num_stages=2), dict(BV=32, num_warps=4, num_stages=1),
-         dict(BV=128, num_warps=8, num_stages=1), dict(BV=128, num_warps=8, num_stages=2))
+         dict(BV=128, num_warps=8, num_stages=1), dict(BV=128, num_warps=8, num_stages=2),
+         dict(LOADS_FIRST=True), dict(BV=128, num_warps=8, num_stages=1, LOADS_FIRST=True))
 
 
 def _tokens(p):

@@ -41,6 +41,7 @@ def dhu_transposed_kernel(
     qg, kg, w, g, do, dv, Aqk, dht, dh0, dh, dv2, cu_seqlens, chunk_offsets, scale, T,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_DHT: tl.constexpr, HAS_DH0: tl.constexpr, FORM_DV: tl.constexpr,
+    LOADS_FIRST: tl.constexpr = False,
 ):
     """The reverse scan on one (sequence, value head, V slice), dS^T [BV, K] in two halves
     (BK/2 channels each, K <= 128):
@@ -92,6 +93,11 @@ def dhu_transposed_kernel(
             b_dv = tl.load(dv + p_vt, mask=m_vt, other=0).to(tl.float32)
         b_k1 = tl.load(kg + r_t[None, :] + o_k1[:, None], mask=m_k1[:, None] & m_t[None, :], other=0)  # kg^T
         b_k2 = tl.load(kg + r_t[None, :] + o_k2[:, None], mask=m_k2[:, None] & m_t[None, :], other=0)
+        if LOADS_FIRST:  # qg and w issued with the step's other loads, ahead of the chain
+            b_q1 = tl.load(qg + r_t[:, None] + o_k1[None, :], mask=m_t[:, None] & m_k1[None, :], other=0)
+            b_q2 = tl.load(qg + r_t[:, None] + o_k2[None, :], mask=m_t[:, None] & m_k2[None, :], other=0)
+            b_w1 = tl.load(w + r_t[:, None] + o_k1[None, :], mask=m_t[:, None] & m_k1[None, :], other=0)
+            b_w2 = tl.load(w + r_t[:, None] + o_k2[None, :], mask=m_t[:, None] & m_k2[None, :], other=0)
         b_H1 = to(b_D1, kg.dtype.element_ty)  # dh_c^T
         b_H2 = to(b_D2, kg.dtype.element_ty)
         p_dh = dh + ((boh + i_c) * HV + i_hv).to(tl.int64) * K * V
@@ -99,11 +105,12 @@ def dhu_transposed_kernel(
         tl.store(p_dh + p_vk2, b_H2, mask=m_vk2)
         b_dv2f = dot(b_H2, b_k2, dot(b_H1, b_k1, b_dv))  # dv2^T
         tl.store(dv2 + p_vt, to(b_dv2f, b_do.dtype), mask=m_vt)
-        b_q1 = tl.load(qg + r_t[:, None] + o_k1[None, :], mask=m_t[:, None] & m_k1[None, :], other=0)
-        b_q2 = tl.load(qg + r_t[:, None] + o_k2[None, :], mask=m_t[:, None] & m_k2[None, :], other=0)
-        b_w1 = tl.load(w + r_t[:, None] + o_k1[None, :], mask=m_t[:, None] & m_k1[None, :], other=0)
-        b_w2 = tl.load(w + r_t[:, None] + o_k2[None, :], mask=m_t[:, None] & m_k2[None, :], other=0)
         b_ndv2 = to(-b_dv2f, b_do.dtype)  # -bf16(dv2^T): the state's update accumulates onto it
+        if not LOADS_FIRST:
+            b_q1 = tl.load(qg + r_t[:, None] + o_k1[None, :], mask=m_t[:, None] & m_k1[None, :], other=0)
+            b_q2 = tl.load(qg + r_t[:, None] + o_k2[None, :], mask=m_t[:, None] & m_k2[None, :], other=0)
+            b_w1 = tl.load(w + r_t[:, None] + o_k1[None, :], mask=m_t[:, None] & m_k1[None, :], other=0)
+            b_w2 = tl.load(w + r_t[:, None] + o_k2[None, :], mask=m_t[:, None] & m_k2[None, :], other=0)
         b_D1 = dot(b_ndv2, b_w1, b_D1 * tl.exp2(b_g1)[None, :]) + scale * dot(b_do, b_q1)
         b_D2 = dot(b_ndv2, b_w2, b_D2 * tl.exp2(b_g2)[None, :]) + scale * dot(b_do, b_q2)
 
@@ -149,7 +156,10 @@ def dAqk_kernel(do, v_new, dAqk, chunk_indices, scale, T, HV: tl.constexpr, V: t
 # 6.37 (one), BV=32 6.01.
 CONFIG = dict(BV=64, num_warps=4, num_stages=1)
 DAQK_CONFIG = dict(BV=64, num_warps=4, num_stages=2)
-CONFIG_KEYS = frozenset({"BV", "num_warps", "num_stages"})
+# What ``config`` may set (the stage bench's sweep). LOADS_FIRST (not timed yet; off at the pin): qg's
+# and w's tiles loaded with the step's other loads, ahead of the chain, their latency behind its dots
+# (sm_90a at the pin: 44 B of spills, 58 KB; BV=128 at 8 warps none, 68 KB).
+CONFIG_KEYS = frozenset({"BV", "num_warps", "num_stages", "LOADS_FIRST"})
 
 
 def _scan(qg, kg, w, gc, h0, dht, do, dv, Aqk, scale, chunk_size, cu_seqlens, chunk_indices, config):
@@ -169,7 +179,7 @@ def _scan(qg, kg, w, gc, h0, dht, do, dv, Aqk, scale, chunk_size, cu_seqlens, ch
         qg=qg, kg=kg, w=w, g=gc, do=do, dv=dv, Aqk=Aqk, dht=dht, dh0=dh0, dh=dh, dv2=dv2, cu_seqlens=cu_seqlens,
         chunk_offsets=offsets, scale=scale, T=T, HV=HV, K=K, V=V, BT=BT, BK=max(64, triton.next_power_of_2(K)),
         BV=BV, IS_VARLEN=cu_seqlens is not None, HAS_DHT=dht is not None, HAS_DH0=h0 is not None,
-        FORM_DV=dv is None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        FORM_DV=dv is None, LOADS_FIRST=cfg.get("LOADS_FIRST", False), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return dh, dh0, dv2
 
