@@ -108,10 +108,14 @@ def test_a_wrong_scan_misses_its_bars():
 
 @pytest.mark.parametrize("p", [SHAPES[1], SHAPES[3],
                                Problem("layer-vfirst", 1, 100, 2, 2, 64, 32, initial_state=True,
-                                       output_final_state=True, state_v_first=True)], ids=lambda p: p.name)
+                                       output_final_state=True, state_v_first=True),
+                               Problem("varlen-empty", 1, 130, 1, 2, 64, 32, initial_state=True,
+                                       output_final_state=True, cu_seqlens=(0, 0, 70, 70, 130))],
+                         ids=lambda p: p.name)
 def test_chain_with_the_unit_against_the_oracle(p):
     """The chain runs the unit in place of B4 and B5 (the launch witness: the call's record),
-    and the forward and every gradient stay within fla's budgets of the float64 recurrence."""
+    and the forward and every gradient stay within fla's budgets of the float64 recurrence;
+    zero-length sequences among packed ones included."""
     kwargs = make_inputs(p, device=DEVICE, seed=12)
     result = run_fwd_bwd(chunk_kda, kwargs, grid=p.dtype)
     record = last_record()

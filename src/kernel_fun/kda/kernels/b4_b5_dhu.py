@@ -19,8 +19,8 @@ through shared memory. Each dot accumulates onto the last (dv2^T onto dv^T; the 
 dS^T exp2(g_last) with -bf16(dv2^T) as its operand): the same sums in another fp32 order, and
 no spills at any 4-warp width (the update written as fla writes it spilled 88-100 B).
 
-Falls back (``supports``): fp32 inputs, chunk size other than 64, K > 128, states in [V, K]; the chain keeps
-fla's B4 and B5 under context parallel (its exchange reads B4's dv).
+Falls back (``supports``): fp32 inputs, chunk size other than 64, K > 128, states in [V, K];
+the chain keeps fla's B4 and B5 under context parallel (its exchange reads B4's dv).
 
 Measured: the README's stage table (B4-B5 rows: 4.40 ms against fla's B4 + B5 4.63 at
 prod8192_gate on an H100; the scan 3.5 ms of it against fla's B5 3.14, dAqk 0.94 against B4 1.40)
@@ -179,7 +179,8 @@ def _scan(qg, kg, w, gc, h0, dht, do, dv, Aqk, scale, chunk_size, cu_seqlens, ch
         qg=qg, kg=kg, w=w, g=gc, do=do, dv=dv, Aqk=Aqk, dht=dht, dh0=dh0, dh=dh, dv2=dv2, cu_seqlens=cu_seqlens,
         chunk_offsets=offsets, scale=scale, T=T, HV=HV, K=K, V=V, BT=BT, BK=max(64, triton.next_power_of_2(K)),
         BV=BV, IS_VARLEN=cu_seqlens is not None, HAS_DHT=dht is not None, HAS_DH0=h0 is not None,
-        FORM_DV=dv is None, LOADS_FIRST=cfg.get("LOADS_FIRST", False), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        FORM_DV=dv is None, LOADS_FIRST=cfg.get("LOADS_FIRST", False), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
     return dh, dh0, dv2
 
