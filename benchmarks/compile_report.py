@@ -250,20 +250,18 @@ def b2_report(K: int = 128, varlen: bool = False, dtype: str = "bf16", config: d
     return compile_sm90(m.wy_recompute_kernel, types, ce, cfg["num_warps"], cfg["num_stages"])
 
 
-def dhu_report(K: int = 128, V: int = 256, form_dv: bool = True, h0: bool = True, dht: bool = False,
-               varlen: bool = False, dtype: str = "bf16", config: dict | None = None) -> dict:
-    """B4-B5's reverse scan (``kda/kernels/b4_b5_dhu.py``) at its pinned config, forming dv (the
-    unit) or reading it."""
+def dhu_report(K: int = 128, V: int = 256, h0: bool = True, dht: bool = False, varlen: bool = False,
+               dtype: str = "bf16", config: dict | None = None) -> dict:
+    """B4-B5's reverse scan (``kda/kernels/b4_b5_dhu.py``) at its pinned config."""
     import triton
 
     from kernel_fun.kda.kernels import b4_b5_dhu as m
 
     cfg = {**m.CONFIG, **(config or {})}
-    types = {n: _PTR[dtype] for n in ("qg", "kg", "w", "do", "dv", "Aqk", "dh", "dv2")}
+    types = {n: _PTR[dtype] for n in ("qg", "kg", "w", "do", "Aqk", "dh", "dv2")}
     types.update(g="*fp32", dht="*fp32", dh0="*fp32", cu_seqlens="*i32", chunk_offsets="*i64")
     ce = dict(HV=16, K=K, V=V, BT=64, BK=max(64, triton.next_power_of_2(K)), BV=cfg["BV"], IS_VARLEN=varlen,
-              HAS_DHT=dht, HAS_DH0=h0, FORM_DV=form_dv, LOADS_FIRST=cfg.get("LOADS_FIRST", False), **({} if form_dv else dict(Aqk=None)),
-              **(dict(dv=None) if form_dv else {}), **({} if dht else dict(dht=None)), **({} if h0 else dict(dh0=None)),
+              HAS_DHT=dht, HAS_DH0=h0, **({} if dht else dict(dht=None)), **({} if h0 else dict(dh0=None)),
               **({} if varlen else dict(cu_seqlens=None, chunk_offsets=None)))
     return compile_sm90(m.dhu_transposed_kernel, types, ce, cfg["num_warps"], cfg["num_stages"])
 

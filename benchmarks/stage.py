@@ -195,7 +195,7 @@ def main(argv=None, stage: str | None = None) -> int:
     from benchmarks import rows as results
 
     fla_configs.use_stored_configs(torch.cuda.get_device_name())
-    if bench.candidate and not bench.sweep:  # (--candidate: the build is its own, no launch configs)
+    if bench.candidate:  # (the candidate's build is its own: no launch configs)
         candidates = [{}]
     elif args.configs == "sweep":
         candidates = [{}] + list(bench.sweep)

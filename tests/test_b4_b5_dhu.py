@@ -1,18 +1,17 @@
-"""B4-B5 (kda/kernels/b4_b5_dhu.py) through the interpreter: the reverse state scan alone (B5, reading B4's dv)
-and as the B4-B5 unit (B4's dv formed in the scan, dAqk from its own kernel), on the inputs the
-reference chain gives the stages, against the rounding references of fla's stages and the
-float64 ones; and the whole op with the unit registered against the float64 recurrence. T not
-a multiple of 64, GVA, packed sequences (a 1-token one among them), initial and final states,
-K 48 / 64 / 100 / 128, V of one and two slices and of no power of two, fp16 and bf16."""
+"""B4-B5 (kda/kernels/b4_b5_dhu.py) through the interpreter: the unit (B4's dv formed in the scan,
+dAqk from its own kernel) on the inputs the reference chain gives B4 and B5, against the rounding
+references of fla's stages and the float64 ones; and the whole op with the unit in the chain
+against the float64 recurrence. T not a multiple of 64, GVA, packed sequences (a 1-token and
+zero-length ones among them), initial and final states, K 48 / 64 / 100 / 128, V of one and two
+slices and of no power of two, fp16 and bf16."""
 
 from __future__ import annotations
-
-import dataclasses
 
 import pytest
 import torch
 
 from benchmarks.parity import DHU_VS_FLA, dhu_misses, stage_errors
+from benchmarks.stages import b4_b5 as b4_b5_entry
 from conftest import DEVICE, needs_triton
 from kernel_fun.kda import chunk_kda, last_record
 from kernel_fun.kda import reference as ref
@@ -46,9 +45,8 @@ def unit_inputs(b4: dict, b5: dict) -> dict:
 
 
 def exact_unit(i: dict) -> tuple:
-    dAqk, dv = ref.dav_bwd(i["v_new"], i["do"], i["Aqk"], i["scale"], i["chunk_size"], i["cu_seqlens"], exact=True)
-    return (dAqk, *ref.dhu_bwd(i["qg"], i["kg"], i["w"], i["gc"], i["h0"], i["dht"], i["do"], dv, i["scale"],
-                               i["chunk_size"], i["cu_seqlens"], i["state_v_first"], exact=True))
+    """The float64 B4 then B5 (the stage bench entry's)."""
+    return b4_b5_entry.BENCH.exact(**i)
 
 
 @pytest.mark.parametrize("p", SHAPES, ids=lambda p: p.name)
@@ -67,29 +65,6 @@ def test_unit_matches_b4_then_b5(p):
     assert not misses, (misses, vs_want)
 
 
-@pytest.mark.parametrize("p", SHAPES[:4], ids=lambda p: p.name)
-def test_loads_first_changes_no_value(p):
-    """LOADS_FIRST (qg and w loaded ahead of the step's chain, a sweep option) computes the same
-    sums in the same order: every output the pin's, bit for bit."""
-    i = unit_inputs(*stage_inputs(p))
-    want = b4_b5_dhu.dav_dhu(**i)
-    got = b4_b5_dhu.dav_dhu(**i, config=dict(LOADS_FIRST=True))
-    assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(got, want))
-
-
-@pytest.mark.parametrize("p", SHAPES[:4], ids=lambda p: p.name)
-def test_b5_alone_matches_b5(p):
-    """The scan reading B4's dv (B5's contract): dh, dh0 and dv2 as B5's rounding reference."""
-    _, b5 = stage_inputs(p)
-    got = b4_b5_dhu.dhu(**b5)
-    want = stages()["B5"].impls["reference"](**b5)
-    exact = ref.dhu_bwd(*(b5[n] for n in ("qg", "kg", "w", "gc", "h0", "dht", "do", "dv", "scale", "chunk_size",
-                                          "cu_seqlens", "state_v_first")), exact=True)
-    vs_want = stage_errors("B5", got, want)
-    misses = dhu_misses(stage_errors("B5", got, exact), stage_errors("B5", want, exact), vs_want)
-    assert not misses, (misses, vs_want)
-
-
 def test_a_wrong_scan_misses_its_bars():
     """The bars can fail: dv formed without Aqk's diagonal, or one chunk's dh left out."""
     b4, b5 = stage_inputs(SHAPES[0])
@@ -101,9 +76,9 @@ def test_a_wrong_scan_misses_its_bars():
     got = b4_b5_dhu.dav_dhu(**dict(i, Aqk=i["Aqk"].masked_fill(diagonal, 0)))
     assert dhu_misses(stage_errors("B4-B5", got, exact), stage_errors("B4-B5", want, exact),
                       stage_errors("B4-B5", got, want))
-    dh, dh0, dv2 = b4_b5_dhu.dhu(**b5)
+    dA, dh, dh0, dv2 = b4_b5_dhu.dav_dhu(**i)
     dh[:, 0] = 0
-    assert stage_errors("B5", (dh, dh0, dv2), stages()["B5"].impls["reference"](**b5))["dh"] > DHU_VS_FLA["dh"]
+    assert stage_errors("B4-B5", (dA, dh, dh0, dv2), want)["dh"] > DHU_VS_FLA["dh"]
 
 
 @pytest.mark.parametrize("p", [SHAPES[1], SHAPES[3],
@@ -140,10 +115,10 @@ def test_what_the_unit_declines_runs_as_b4_then_b5():
     assert "K=160" in record.notes["B4-B5"]
 
 
-def test_the_stage_bench_entries_run_on_the_cpu(tmp_path, monkeypatch):
-    """benchmarks.stage's B5 and B4-B5 entries end to end under the interpreter (the rounding
-    references standing in for fla's stages): parity green; B4-B5's pinned row ships, B5 alone
-    (reading B4's dv, not registered) never does."""
+def test_the_stage_bench_entry_runs_on_the_cpu(tmp_path, monkeypatch):
+    """benchmarks.stage's B4-B5 entry end to end under the interpreter (the rounding references
+    standing in for fla's stages): parity green at the pin and at another config; the pin's row
+    ships, the other's does not."""
     import time
 
     from benchmarks import stage
@@ -158,11 +133,10 @@ def test_the_stage_bench_entries_run_on_the_cpu(tmp_path, monkeypatch):
         fn()
         return [(time.perf_counter() - t0) * 1e3]
 
-    for name in ("B5", "B4-B5"):
-        bench = stage.entries()[name]
-        monkeypatch.setattr(type(bench), "fla", lambda self, **i: stages()[self.stage].impls["reference"](**i))
-        found = stage.bench_shape(dataclasses.replace(bench), "tiny", [{}, dict(BV=32, num_warps=4, num_stages=1)],
-                                  reps=1, rounds=1, out_path=tmp_path / "stages.jsonl", device="cpu", timer=stopwatch)
-        assert [r["impl"] for r in found][0] == "fla" and len(found) == 3
-        assert all(r["parity"]["ok"] and r["ms"] > 0 for r in found), [r["parity"] for r in found]
-        assert [bench.ships(dict(r, shape="tiny")) for r in found] == [False, name == "B4-B5", False]
+    bench = stage.entries()["B4-B5"]
+    monkeypatch.setattr(type(bench), "fla", lambda self, **i: stages()[self.stage].impls["reference"](**i))
+    found = stage.bench_shape(bench, "tiny", [{}, dict(BV=32, num_warps=4, num_stages=1)], reps=1, rounds=1,
+                              out_path=tmp_path / "stages.jsonl", device="cpu", timer=stopwatch)
+    assert [r["impl"] for r in found][0] == "fla" and len(found) == 3
+    assert all(r["parity"]["ok"] and r["ms"] > 0 for r in found), [r["parity"] for r in found]
+    assert [bench.ships(dict(r, shape="tiny")) for r in found] == [False, True, False]

@@ -471,8 +471,7 @@ def test_scan_matches_fla_f7_f8(p):
 def test_b4_b5_matches_fla_b4_b5(p):
     """On the inputs fla's chain gives B4 and B5 (T=500 with h0 and a final state's gradient,
     packed sequences, pre-gated, fla's layer's flags, prod8192_gate): the unit's dAqk, dh, dh0
-    and dv2 against fla's B4 then B5, at the pinned config and the stage bench's others; the
-    scan alone reading fla's B4's dv against fla's B5."""
+    and dv2 against fla's B4 then B5, at the pinned config and the stage bench's others."""
     from benchmarks.stages import b4_b5
 
     kwargs = make_inputs(p, device="cuda", seed=7)
@@ -480,17 +479,13 @@ def test_b4_b5_matches_fla_b4_b5(p):
         run_fwd_bwd(chunk_kda, kwargs, grid=p.dtype)
     (b4, (dAqk, dv)), = [(x, out) for name, _, x, out in log if name == "B4"]
     (b5, b5_out), = [(x, out) for name, _, x, out in log if name == "B5"]
-    if b5["state_v_first"]:  # (the chain passes [K, V] states where it swaps: fla only keeps [V, K])
-        pytest.skip("states reach B5 in [V, K]: the unit declines")
+    assert not b5["state_v_first"]  # (the chain passes [K, V] states: fla's layer's flags included)
     unit = dict(b4, **{n: t for n, t in b5.items() if n not in ("do", "dv")})
     theirs = (dAqk, *b5_out)
     for config in (None,) + b4_b5.SWEEP:
         errors = stage_errors("B4-B5", b4_b5_dhu.dav_dhu(**unit, config=config), theirs)
         print(p.name, "B4-B5", config, "vs fla", errors)
         assert all(errors[n] <= DHU_VS_FLA[n] for n in errors), (config, errors)
-    errors = stage_errors("B5", b4_b5_dhu.dhu(**b5), b5_out)
-    print(p.name, "B5 alone vs fla", errors)
-    assert all(errors[n] <= DHU_VS_FLA[n] for n in errors), errors
 
 
 # --------------------------------------------------------------------------------------

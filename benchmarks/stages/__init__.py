@@ -9,8 +9,8 @@ from benchmarks.stages.common import StageBench
 
 def entries() -> dict[str, StageBench]:
     """Every kernel with a bench entry, by its entry's name (the stage's, or for B7-B9's CuTe
-    kernel ``B7-B9-sm90``; B5, the B4-B5 unit's scan reading B4's dv)."""
+    kernel ``B7-B9-sm90``)."""
     from benchmarks.stages import b2, b3, b4_b5, b6, b7_b9, f7_f8
 
-    return {e.name: e for e in (b2.BENCH, b3.BENCH, b4_b5.BENCH_B5, b4_b5.BENCH, b6.BENCH, b7_b9.BENCH,
+    return {e.name: e for e in (b2.BENCH, b3.BENCH, b4_b5.BENCH, b6.BENCH, b7_b9.BENCH,
                                 b7_b9.BENCH_SM90, f7_f8.BENCH)}

@@ -38,18 +38,17 @@ from kernel_fun._triton import chains, check_dense, config_over, dot, sequence_s
 
 @triton.jit
 def dhu_transposed_kernel(
-    qg, kg, w, g, do, dv, Aqk, dht, dh0, dh, dv2, cu_seqlens, chunk_offsets, scale, T,
+    qg, kg, w, g, do, Aqk, dht, dh0, dh, dv2, cu_seqlens, chunk_offsets, scale, T,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, HAS_DHT: tl.constexpr, HAS_DH0: tl.constexpr, FORM_DV: tl.constexpr,
-    LOADS_FIRST: tl.constexpr = False,
+    IS_VARLEN: tl.constexpr, HAS_DHT: tl.constexpr, HAS_DH0: tl.constexpr,
 ):
     """The reverse scan on one (sequence, value head, V slice), dS^T [BV, K] in two halves
     (BK/2 channels each, K <= 128):
 
-        dh_c^T  = bf16(dS^T);  dv2^T = bf16(dv^T + dh_c^T kg^T)
+        dh_c^T  = bf16(dS^T);  dv^T = bf16(do^T tril(Aqk));  dv2^T = bf16(dv^T + dh_c^T kg^T)
         dS^T    = dS^T exp2(g_last) + scale do^T qg - dv2^T w
 
-    with ``FORM_DV`` dv^T = bf16(do^T tril(Aqk)) (B4's rounding), else dv read."""
+    with B4's rounding of dv."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
     bos, T_seq, boh = sequence_span(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
@@ -84,20 +83,12 @@ def dhu_transposed_kernel(
         b_g1 = tl.load(g + r_l + o_k1, mask=m_k1, other=0).to(tl.float32)
         b_g2 = tl.load(g + r_l + o_k2, mask=m_k2, other=0).to(tl.float32)
         b_do = tl.load(do + p_vt, mask=m_vt, other=0)  # do^T [BV, BT]
-        if FORM_DV:  # dv^T [v, s] = sum over t >= s of do^T[v, t] Aqk[t, s], rounded as B4 stores it
-            b_A = tl.load(Aqk + (row0 + o_t)[:, None] * (HV * BT) + i_hv * BT + o_t[None, :], mask=m_t[:, None],
-                          other=0)
-            b_A = tl.where(o_t[None, :] <= o_t[:, None], b_A, 0).to(b_do.dtype)
-            b_dv = to(dot(b_do, b_A), b_do.dtype).to(tl.float32)
-        else:
-            b_dv = tl.load(dv + p_vt, mask=m_vt, other=0).to(tl.float32)
+        # dv^T [v, s] = sum over t >= s of do^T[v, t] Aqk[t, s], rounded as B4 stores it
+        b_A = tl.load(Aqk + (row0 + o_t)[:, None] * (HV * BT) + i_hv * BT + o_t[None, :], mask=m_t[:, None], other=0)
+        b_A = tl.where(o_t[None, :] <= o_t[:, None], b_A, 0).to(b_do.dtype)
+        b_dv = to(dot(b_do, b_A), b_do.dtype).to(tl.float32)
         b_k1 = tl.load(kg + r_t[None, :] + o_k1[:, None], mask=m_k1[:, None] & m_t[None, :], other=0)  # kg^T
         b_k2 = tl.load(kg + r_t[None, :] + o_k2[:, None], mask=m_k2[:, None] & m_t[None, :], other=0)
-        if LOADS_FIRST:  # qg and w issued with the step's other loads, ahead of the chain
-            b_q1 = tl.load(qg + r_t[:, None] + o_k1[None, :], mask=m_t[:, None] & m_k1[None, :], other=0)
-            b_q2 = tl.load(qg + r_t[:, None] + o_k2[None, :], mask=m_t[:, None] & m_k2[None, :], other=0)
-            b_w1 = tl.load(w + r_t[:, None] + o_k1[None, :], mask=m_t[:, None] & m_k1[None, :], other=0)
-            b_w2 = tl.load(w + r_t[:, None] + o_k2[None, :], mask=m_t[:, None] & m_k2[None, :], other=0)
         b_H1 = to(b_D1, kg.dtype.element_ty)  # dh_c^T
         b_H2 = to(b_D2, kg.dtype.element_ty)
         p_dh = dh + ((boh + i_c) * HV + i_hv).to(tl.int64) * K * V
@@ -106,11 +97,10 @@ def dhu_transposed_kernel(
         b_dv2f = dot(b_H2, b_k2, dot(b_H1, b_k1, b_dv))  # dv2^T
         tl.store(dv2 + p_vt, to(b_dv2f, b_do.dtype), mask=m_vt)
         b_ndv2 = to(-b_dv2f, b_do.dtype)  # -bf16(dv2^T): the state's update accumulates onto it
-        if not LOADS_FIRST:
-            b_q1 = tl.load(qg + r_t[:, None] + o_k1[None, :], mask=m_t[:, None] & m_k1[None, :], other=0)
-            b_q2 = tl.load(qg + r_t[:, None] + o_k2[None, :], mask=m_t[:, None] & m_k2[None, :], other=0)
-            b_w1 = tl.load(w + r_t[:, None] + o_k1[None, :], mask=m_t[:, None] & m_k1[None, :], other=0)
-            b_w2 = tl.load(w + r_t[:, None] + o_k2[None, :], mask=m_t[:, None] & m_k2[None, :], other=0)
+        b_q1 = tl.load(qg + r_t[:, None] + o_k1[None, :], mask=m_t[:, None] & m_k1[None, :], other=0)
+        b_q2 = tl.load(qg + r_t[:, None] + o_k2[None, :], mask=m_t[:, None] & m_k2[None, :], other=0)
+        b_w1 = tl.load(w + r_t[:, None] + o_k1[None, :], mask=m_t[:, None] & m_k1[None, :], other=0)
+        b_w2 = tl.load(w + r_t[:, None] + o_k2[None, :], mask=m_t[:, None] & m_k2[None, :], other=0)
         b_D1 = dot(b_ndv2, b_w1, b_D1 * tl.exp2(b_g1)[None, :]) + scale * dot(b_do, b_q1)
         b_D2 = dot(b_ndv2, b_w2, b_D2 * tl.exp2(b_g2)[None, :]) + scale * dot(b_do, b_q2)
 
@@ -156,71 +146,51 @@ def dAqk_kernel(do, v_new, dAqk, chunk_indices, scale, T, HV: tl.constexpr, V: t
 # 6.37 (one), BV=32 6.01.
 CONFIG = dict(BV=64, num_warps=4, num_stages=1)
 DAQK_CONFIG = dict(BV=64, num_warps=4, num_stages=2)
-# What ``config`` may set (the stage bench's sweep). LOADS_FIRST (not timed yet; off at the pin): qg's
-# and w's tiles loaded with the step's other loads, ahead of the chain, their latency behind its dots
-# (sm_90a at the pin: 44 B of spills, 58 KB; BV=128 at 8 warps none, 68 KB).
-CONFIG_KEYS = frozenset({"BV", "num_warps", "num_stages", "LOADS_FIRST"})
+# What ``config`` may set (the stage bench's sweep).
+CONFIG_KEYS = frozenset({"BV", "num_warps", "num_stages"})
 
 
-def _scan(qg, kg, w, gc, h0, dht, do, dv, Aqk, scale, chunk_size, cu_seqlens, chunk_indices, config):
-    B, T, HV, K = kg.shape
-    V = do.shape[3]
-    BT = chunk_size
-    if K > 128:
-        raise ValueError(f"the transposed reverse scan holds K <= 128 in two halves; got K={K}")
-    check_dense(qg=qg, kg=kg, w=w, gc=gc, do=do, dv=dv, Aqk=Aqk, dht=dht)
-    N, NT_total, offsets = chains(B, T, BT, cu_seqlens, chunk_indices)
-    cfg = config_over(CONFIG, config, CONFIG_KEYS, "B5")
-    dh = torch.empty(B, NT_total // B, HV, K, V, device=do.device, dtype=kg.dtype)  # B = 1 when packed
-    dh0 = torch.empty(N, HV, K, V, device=do.device, dtype=torch.float32) if h0 is not None else None
-    dv2 = torch.empty_like(do)
-    BV = min(cfg["BV"], triton.next_power_of_2(V))
-    dhu_transposed_kernel[(triton.cdiv(V, BV), N * HV)](
-        qg=qg, kg=kg, w=w, g=gc, do=do, dv=dv, Aqk=Aqk, dht=dht, dh0=dh0, dh=dh, dv2=dv2, cu_seqlens=cu_seqlens,
-        chunk_offsets=offsets, scale=scale, T=T, HV=HV, K=K, V=V, BT=BT, BK=max(64, triton.next_power_of_2(K)),
-        BV=BV, IS_VARLEN=cu_seqlens is not None, HAS_DHT=dht is not None, HAS_DH0=h0 is not None,
-        FORM_DV=dv is None, LOADS_FIRST=cfg.get("LOADS_FIRST", False), num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
-    )
-    return dh, dh0, dv2
-
-
-def dhu(qg, kg, w, gc, h0, dht, do, dv, scale, state_v_first, chunk_size, cu_seqlens, chunk_indices,
-        config: dict | None = None):
-    """B5 with fla's contract: (dh [B, NT, HV, K, V] in kg's dtype, dh0 fp32 where h0 is given,
-    dv2 in do's dtype); states in [K, V]."""
-    if state_v_first:
-        raise ValueError("the reverse scan keeps its states in [K, V]; the chain passes them so")
-    return _scan(qg, kg, w, gc, h0, dht, do.contiguous(), dv, None, scale, chunk_size, cu_seqlens, chunk_indices,
-                 config)
-
-
-def dAqk(v_new, do, Aqk, scale, chunk_size, cu_seqlens, chunk_indices, config: dict | None = None):
-    """B4's dAqk alone: scale tril(do v_new^T), fp32 [B, T, HV, BT] (Aqk's shape)."""
+def dAqk(v_new, do, scale, chunk_size, cu_seqlens, chunk_indices) -> torch.Tensor:
+    """B4's dAqk: scale tril(do v_new^T), fp32 [B, T, HV, BT] (Aqk's shape)."""
     B, T, HV, V = do.shape
     BT = chunk_size
-    cfg = config_over(DAQK_CONFIG, config, CONFIG_KEYS, "dAqk")
     out = torch.empty(B, T, HV, BT, device=do.device, dtype=torch.float32)
     NT = chunk_indices.shape[0] if cu_seqlens is not None else triton.cdiv(T, BT)
     dAqk_kernel[(NT, (1 if cu_seqlens is not None else B) * HV)](
         do=do, v_new=v_new, dAqk=out, chunk_indices=chunk_indices, scale=scale, T=T, HV=HV, V=V, BT=BT,
-        BV=min(cfg["BV"], max(16, triton.next_power_of_2(V))), IS_VARLEN=cu_seqlens is not None,
-        cu_seqlens=cu_seqlens, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        BV=min(DAQK_CONFIG["BV"], max(16, triton.next_power_of_2(V))), IS_VARLEN=cu_seqlens is not None,
+        cu_seqlens=cu_seqlens, num_warps=DAQK_CONFIG["num_warps"], num_stages=DAQK_CONFIG["num_stages"],
     )
     return out
 
 
 def dav_dhu(q, k, v_new, do, Aqk, qg, kg, w, gc, h0, dht, scale, state_v_first, chunk_size, cu_seqlens,
             chunk_indices, config: dict | None = None):
-    """The B4-B5 unit: (dAqk fp32, dh, dh0, dv2) as fla's B4 then B5 return them, B4's dv
-    formed inside the scan."""
+    """The B4-B5 unit: (dAqk fp32, dh [B, NT, HV, K, V] in kg's dtype, dh0 fp32 where h0 is given,
+    dv2 in do's dtype) as fla's B4 then B5 return them, B4's dv formed inside the scan; states in
+    [K, V]. ``config`` overrides the scan's pinned config (``CONFIG_KEYS``)."""
     if state_v_first:
         raise ValueError("the reverse scan keeps its states in [K, V]; the chain passes them so")
+    B, T, HV, K = kg.shape
+    V = do.shape[3]
+    BT = chunk_size
+    if K > 128:
+        raise ValueError(f"the transposed reverse scan holds K <= 128 in two halves; got K={K}")
     do = do.contiguous()
-    check_dense(v_new=v_new, Aqk=Aqk)
-    dA = dAqk(v_new, do, Aqk, scale, chunk_size, cu_seqlens, chunk_indices)
-    dh, dh0, dv2 = _scan(qg, kg, w, gc, h0, dht, do, None, Aqk, scale, chunk_size, cu_seqlens, chunk_indices,
-                         config)
+    check_dense(qg=qg, kg=kg, w=w, gc=gc, v_new=v_new, Aqk=Aqk, dht=dht)
+    dA = dAqk(v_new, do, scale, chunk_size, cu_seqlens, chunk_indices)
+    N, NT_total, offsets = chains(B, T, BT, cu_seqlens, chunk_indices)
+    cfg = config_over(CONFIG, config, CONFIG_KEYS, "B4-B5")
+    dh = torch.empty(B, NT_total // B, HV, K, V, device=do.device, dtype=kg.dtype)  # B = 1 when packed
+    dh0 = torch.empty(N, HV, K, V, device=do.device, dtype=torch.float32) if h0 is not None else None
+    dv2 = torch.empty_like(do)
+    BV = min(cfg["BV"], triton.next_power_of_2(V))
+    dhu_transposed_kernel[(triton.cdiv(V, BV), N * HV)](
+        qg=qg, kg=kg, w=w, g=gc, do=do, Aqk=Aqk, dht=dht, dh0=dh0, dh=dh, dv2=dv2, cu_seqlens=cu_seqlens,
+        chunk_offsets=offsets, scale=scale, T=T, HV=HV, K=K, V=V, BT=BT, BK=max(64, triton.next_power_of_2(K)),
+        BV=BV, IS_VARLEN=cu_seqlens is not None, HAS_DHT=dht is not None, HAS_DH0=h0 is not None,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
     return dA, dh, dh0, dv2
 
 
