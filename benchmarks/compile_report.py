@@ -328,8 +328,7 @@ SHIPPED = {
     "scan b3 K128 V256": lambda: scan_report(recompute=True),
     "scan b3 K64 V128 varlen": lambda: scan_report(K=64, V=128, recompute=True, h0=False, varlen=True),
     "b4-b5 dhu K128 V256": lambda: dhu_report(),
-    # (K=64 at BV=64 is not held: Triton 3.6's ptxas assembles that PTX with other register numbers
-    # from run to run, the same instructions)
+    "b4-b5 dhu K64 V256": lambda: dhu_report(K=64),
     "b4-b5 dhu K128 V256 dht varlen": lambda: dhu_report(h0=False, dht=True, varlen=True),
     "b4-b5 dhu K100 V256 fp16": lambda: dhu_report(K=100, dtype="fp16"),
     "b4-b5 dAqk V256": lambda: daqk_report(),

@@ -22,9 +22,9 @@ no spills at any 4-warp width (the update written as fla writes it spilled 88-10
 Falls back (``supports``): fp32 inputs, chunk size other than 64, K > 128, states in [V, K];
 the chain keeps fla's B4 and B5 under context parallel (its exchange reads B4's dv).
 
-Measured: the README's stage table (B4-B5 rows: 4.40 ms against fla's B4 + B5 4.63 at
-prod8192_gate on an H100; the scan 3.5 ms of it against fla's B5 3.14, dAqk 0.94 against B4 1.40)
-and whole-op rows. The rounds are in docs/log/b5.md.
+Measured: the README's stage table (B4-B5 rows: 3.41-3.49 ms against fla's B4 + B5 4.59-4.73 at
+prod8192_gate on an H100, 1.34-1.36x at kimi and b8, 0.95x at small) and whole-op rows (30.80 ms
+against 31.70 at the earlier one-stage BV=64 pin). The rounds are in docs/log/b5.md.
 """
 
 from __future__ import annotations
@@ -140,11 +140,14 @@ def dAqk_kernel(do, v_new, dAqk, chunk_indices, scale, T, HV: tl.constexpr, V: t
     tl.store(dAqk + (row0 + o_t)[:, None] * (HV * BT) + i_hv * BT + o_t[None, :], b_A, mask=m_t[:, None])
 
 
-# The scan's config: BV=64 at 4 warps, one stage (sm_90a, K=128, V=256: 255 registers, no spills,
-# 40 KB: two programs an SM). Measured at prod8192_gate (H100, the unit with dAqk): 4.40 ms; at two
-# stages (128 KB, one an SM) 4.51, BV=128 at 8 warps 4.46, BV=64 at 8 warps 4.75 (two stages) and
-# 6.37 (one), BV=32 6.01.
-CONFIG = dict(BV=64, num_warps=4, num_stages=1)
+# The scan's config: BV=128 at 8 warps, two stages (sm_90a, K=128, V=256: 234 registers, no spills,
+# 144 KB: one program an SM, its next chunk's loads in flight during the chain). Measured on an H100
+# (the unit with dAqk, fla's B4 + B5 in the same process): 3.41-3.49 ms at prod8192_gate against
+# 4.59-4.73, 1.97-2.03 at kimi against 2.60-2.72, 1.75 at b8 against 2.38, 0.34 at grid1024 against
+# 0.37; at small 0.70 against 0.66 (a loss, smaller than BV=64's 0.85). The sweep at prod8192_gate:
+# BV=64 at 4 warps 4.35 (one stage) and 4.47 (two), at 8 warps 6.34 and 4.71, BV=32 5.99, BV=128
+# at one stage 4.42.
+CONFIG = dict(BV=128, num_warps=8, num_stages=2)
 DAQK_CONFIG = dict(BV=64, num_warps=4, num_stages=2)
 # What ``config`` may set (the stage bench's sweep).
 CONFIG_KEYS = frozenset({"BV", "num_warps", "num_stages"})
