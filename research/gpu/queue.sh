@@ -47,10 +47,11 @@ for step in $STEPS; do
            -k "${a//+/ or }" 2>&1 | tee -a $OUT/g.log | grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed|Error|vs fla" | tail -40 ;;
     ab) ROUNDS=1 timeout -k 5 $left bash research/gpu/ab_old.sh ;;
     msan) san=$(python3 -c "from benchmarks.reliability import sanitizer; print(sanitizer() or '')")
+          if [ -z "$san" ]; then echo "no compute-sanitizer on this machine"; else
           FLA_CONFIG_DIR=$(python3 -c "import torch; from benchmarks.fla_configs import gpu_dir; print(gpu_dir(torch.cuda.get_device_name()))") \
           FLA_CACHE_MODE=full timeout -k 5 $left $san --tool memcheck --print-limit 20 python3 -m pytest -x -v -s \
            -p no:cacheprovider -m gpu tests/test_gpu_sm90.py -k "${a//+/ or }" > $OUT/msan.log 2>&1
-          grep -E "Invalid|at 0x|by thread|Address|ERROR SUMMARY|PASSED|FAILED" $OUT/msan.log | head -40 ;;
+          grep -E "Invalid|at 0x|by thread|Address|ERROR SUMMARY|PASSED|FAILED" $OUT/msan.log | head -40; fi ;;
     tests) FLA_CONFIG_DIR=$(python3 -c "import torch; from benchmarks.fla_configs import gpu_dir; print(gpu_dir(torch.cuda.get_device_name()))") \
            FLA_CACHE_MODE=full timeout -k 5 $left python3 -m pytest -v -s -p no:cacheprovider -m gpu tests/test_gpu_sm90.py \
            ${a:+-k "$a"} 2>&1 | tee -a $OUT/t.log | grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed|Error" | tail -40 ;;
