@@ -467,11 +467,17 @@ def test_scan_matches_fla_f7_f8(p):
 # --------------------------------------------------------------------------------------
 # The B4-B5 unit against fla's B4 then B5
 # --------------------------------------------------------------------------------------
-@pytest.mark.parametrize("p", SMALL + [FLAGGED[0], PROD_ALONE], ids=lambda p: p.name)
+# (the pin's BV is 128: V = 64 and 32 run it at BV = V, the one-V-slice programs; K = 100 pads)
+NARROW = [dataclasses.replace(SMALL[0], name="T500-h0-k64-v64", K=64, V=64),
+          dataclasses.replace(SMALL[0], name="T500-h0-k100-v32", K=100, V=32)]
+
+
+@pytest.mark.parametrize("p", SMALL + [FLAGGED[0]] + NARROW + [PROD_ALONE], ids=lambda p: p.name)
 def test_b4_b5_matches_fla_b4_b5(p):
     """On the inputs fla's chain gives B4 and B5 (T=500 with h0 and a final state's gradient,
-    packed sequences, pre-gated, fla's layer's flags, prod8192_gate): the unit's dAqk, dh, dh0
-    and dv2 against fla's B4 then B5, at the pinned config and the stage bench's others."""
+    packed sequences, pre-gated, fla's layer's flags, K and V below 128, prod8192_gate): the
+    unit's dAqk, dh, dh0 and dv2 against fla's B4 then B5, at the pinned config and the stage
+    bench's others."""
     from benchmarks.stages import b4_b5
 
     kwargs = make_inputs(p, device="cuda", seed=7)
