@@ -112,6 +112,11 @@ OTHER_SHAPES = {"k64": dict(B=8, T=8192, H=16, HV=16, K=64, V=128),
 # One sequence of 8192 tokens on one head: a scan's 128 dependent chunk steps on as few
 # programs as its V slices, so its time over 128 is the latency of one step.
 OTHER_SHAPES["step8192"] = dict(B=1, T=8192, H=1, HV=1, K=128, V=256)
+# The KDA call inside fla's KimiDeltaAttention layer at the layer bench's B2 T8192 (hidden 2048,
+# 16 heads of 128): 32 sequence-heads, V = 128, with the flags the layer passes; its scans run
+# on 32 chains, where a V slice of 128 is one program a chain.
+OTHER_SHAPES["layer2x8192"] = dict(B=2, T=8192, H=16, HV=16, K=128, V=128, beta_sigmoid_in_kernel=True,
+                                   state_v_first=True)
 STAGE_SHAPES = {name: Problem(name, **dims) for name, dims in {**FLOOR_SHAPES, **OTHER_SHAPES}.items()}
 # prod8192_gate and grid1024 with strong gates (``strong_gate``): what B7's levels cost there
 STAGE_SHAPES["prod8192_strong"] = dataclasses.replace(SHAPES["prod8192_gate"], name="prod8192_strong", strong_gate=True)
