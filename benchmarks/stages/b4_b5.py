@@ -19,9 +19,11 @@ from benchmarks.stages.common import StageBench, chain_runs
 # Beside the pin (BV=128 at 8 warps, two stages: 234 registers, 144 KB, one program an SM; sm_90a,
 # K=128, V=256, no spills anywhere): BV=128 at one stage (255 registers); BV=64 at 4 warps (255
 # registers at one stage, 40 KB; 228 at two, 128 KB) and at 8 warps (172-187); BV=32 at 4 warps
-# 220, an mma.sync kernel. Timed on an H100: docs/log/b5.md.
+# 220 at one stage, 215 and 70 KB at two (three programs an SM by its memory), an mma.sync kernel.
+# Timed on an H100: docs/log/b5.md.
 SWEEP = (dict(BV=64, num_warps=4, num_stages=2), dict(BV=64, num_warps=8, num_stages=1),
          dict(BV=64, num_warps=8, num_stages=2), dict(BV=32, num_warps=4, num_stages=1),
+         dict(BV=32, num_warps=4, num_stages=2),
          dict(BV=128, num_warps=8, num_stages=1), dict(BV=64, num_warps=4, num_stages=1))
 
 
