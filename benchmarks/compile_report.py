@@ -343,14 +343,16 @@ SHIPPED = {
 
 # B7-B10's CuTe DSL kernel (``kda/kernels/b7_b10_intra_bwd_sm90.py``): each build the chain
 # can call, at the production heads (H = 16, K = 128) and the awkward ones its support takes
-# (the ``var`` build: T 20 short of whole chunks). Compiled by CuTe DSL (the ``sm90`` extra),
+# (the ``var`` builds: T 20 short of whole chunks). Compiled by CuTe DSL (the ``sm90`` extra),
 # one build a process: CuTe DSL reads its dump folder once.
 CUTE_SHIPPED = {
     "b7-b10 cute K128": dict(l2=True),
     "b7-b10 cute K128 var": dict(l2=True, var=True),
+    "b7-b10 cute K128 var whole": dict(l2=True, var=True, whole=True),
     "b7-b10 cute K64": dict(K=64, l2=True),
     "b7-b9 cute K128": dict(),
     "b7-b9 cute K128 var": dict(var=True),
+    "b7-b9 cute K128 var whole": dict(var=True, whole=True),
     "b7-b9 cute K128 gva2": dict(G=2),
     "b7-b9 cute K128 var gva2": dict(var=True, G=2),
     "b7-b9 cute K64 lower-bound no-bias": dict(K=64, has_bias=False, lower_bound=-5.0),
@@ -380,7 +382,7 @@ def cute_report(name: str) -> dict:
 
     from kernel_fun.kda.kernels import b7_b10_intra_bwd_sm90 as m
 
-    form = {**dict(K=128, G=1, l2=False, var=False, has_bias=True, lower_bound=None), **CUTE_SHIPPED[name]}
+    form = {**dict(K=128, G=1, l2=False, var=False, has_bias=True, lower_bound=None, whole=False), **CUTE_SHIPPED[name]}
     with tempfile.TemporaryDirectory() as dump:
         os.environ.update(CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx,cubin", CUTE_DSL_DUMP_DIR=dump)
         import cuda.bindings.driver as cuda
@@ -391,7 +393,8 @@ def cute_report(name: str) -> dict:
         t = m.views(op(H // G, K, dtype=torch.bfloat16), op(H // G, K, dtype=torch.bfloat16), op(H, K), op(H),
                     op(H, 64), op(H, 64), op(H, K), op(H, K), op(H, K), op(H, K, dtype=torch.bfloat16),
                     torch.zeros(H), torch.zeros(H * K), *((op(H), op(H)) if form["l2"] else ()))
-        cute.compile(m.build(K, H, G, form["l2"], form["var"], "bf16", form["has_bias"], form["lower_bound"]),
+        cute.compile(m.build(K, H, G, form["l2"], form["var"], "bf16", form["has_bias"], form["lower_bound"],
+                             form["whole"]),
                      *m.dlpack_args(t, form["var"]), cuda.CUstream(0))
         (ptx_path,) = glob.glob(os.path.join(dump, "*.sm_90a.ptx"))
         ptx = open(ptx_path).read()

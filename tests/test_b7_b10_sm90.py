@@ -159,12 +159,41 @@ def test_another_cute_dsl_release_is_declined(monkeypatch):
 
 
 def test_the_var_build_s_chunk_map():
-    """Each chunk's first row and length: B sequences of T tokens (T not a multiple of 64), and
-    packed sequences through fla's (sequence, chunk) pairs; None for whole chunks in order."""
+    """Each chunk's first row, length and number: B sequences of T tokens (T not a multiple of
+    64), and packed sequences through fla's (sequence, chunk) pairs; None for whole chunks in
+    order."""
     assert sm90.chunk_rows(2, 128) is None
-    assert sm90.chunk_rows(2, 100).tolist() == [[0, 64], [64, 36], [100, 64], [164, 36]]
+    assert sm90.chunk_rows(2, 100).tolist() == [[0, 64, 0], [64, 36, 1], [100, 64, 2], [164, 36, 3]]
     cu = torch.tensor([0, 30, 158, 700])
     idx = torch.tensor([[0, 0], [1, 0], [1, 1], [2, 0]] + [[2, i] for i in range(1, 9)])
     got = sm90.chunk_rows(1, 700, cu, idx).tolist()
-    assert got[:4] == [[0, 30], [30, 64], [94, 64], [158, 64]] and got[-1] == [670, 30], got
-    assert sum(n for _, n in got) == 700
+    assert got[:4] == [[0, 30, 0], [30, 64, 1], [94, 64, 2], [158, 64, 3]] and got[-1] == [670, 30, 11], got
+    assert sum(n for _, n, _ in got) == 700 and [c for _, _, c in got] == list(range(12))
+
+
+@pytest.mark.parametrize("case", ["T100", "packed", "whole-last", "empty-seq", "all-short"])
+def test_the_map_splits_into_whole_chunks_and_a_part_that_holds_every_short_one(case):
+    """``split_chunks``: the first part only chunks of 64 rows (the ``whole`` build bounds no
+    row), the second min(sequences, chunks) chunks holding every shorter one, the chunks' numbers
+    kept; together every chunk once, the chunks of 64 first and each group in the map's order."""
+    B, T, cu, n_seq = {"T100": (2, 100, None, 2), "packed": (1, 700, [0, 30, 158, 700], 3),
+                       "whole-last": (1, 320, [0, 64, 100, 320], 3), "empty-seq": (1, 200, [0, 70, 70, 200], 3),
+                       "all-short": (1, 90, [0, 30, 60, 90], 3)}[case]
+    if cu is not None:
+        cu = torch.tensor(cu)
+        per = (cu[1:] - cu[:-1] + 63) // 64
+        idx = torch.stack([torch.arange(len(per)).repeat_interleave(per),
+                           torch.cat([torch.arange(int(n)) for n in per])], -1)
+    else:
+        idx = None
+    rows = sm90.chunk_rows(B, T, cu, idx)
+    whole, part = sm90.split_chunks(rows, n_seq)
+    assert (whole[:, 1] == 64).all() and len(part) == min(n_seq, len(rows))
+    assert int((rows[:, 1] < 64).sum()) == int((part[:, 1] < 64).sum())
+    assert sorted(torch.cat([whole, part]).tolist()) == rows.tolist()
+    ranked = torch.cat([whole, part])
+    n_whole = int((rows[:, 1] == 64).sum())
+    for group in (ranked[:n_whole], ranked[n_whole:]):
+        assert (group[:, 2][1:] > group[:, 2][:-1]).all()
+    assert whole.is_contiguous() and part.is_contiguous() and part.data_ptr() % 16 == 0
+    assert len(whole) == 0 or whole.data_ptr() % 16 == 0

@@ -17,6 +17,7 @@ test_gpu.py says how): the shapes here would otherwise autotune every fla kernel
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 
@@ -83,7 +84,8 @@ def _triton_chain():
 
 def _op(p, gates: str = "kimi"):
     """fla's chunk_kda, ours as registered and ours on the Triton chain, on the same inputs: (ours,
-    fla's, the Triton chain's, the record of ours, the CUDA kernels ours launched)."""
+    fla's, the Triton chain's, the record of ours, the CUDA kernels ours launched, by name and
+    count)."""
     from torch.profiler import ProfilerActivity, profile
 
     kwargs = make_inputs(p, device="cuda", seed=9)
@@ -96,7 +98,7 @@ def _op(p, gates: str = "kimi"):
         ours = run_fwd_bwd(chunk_kda, kwargs, grid=p.dtype)
         torch.cuda.synchronize()
         record = last_record()
-    kernels = {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
+    kernels = collections.Counter(e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
     return ours, theirs, triton, record, kernels
 
 
@@ -106,7 +108,9 @@ def test_the_whole_op_runs_the_kernel_and_tracks_fla(stage, p, gates):
     ours, theirs, triton, record, kernels = _op(p, gates)
     assert record.backward[stage] == "ours", record
     assert not {"B7", "B8", "B9", "B10", "B7-B9", "B7-B10"} - {stage} & set(record.backward), record
-    assert any(k.startswith("kernel_cutlass") for k in kernels), sorted(kernels)
+    # (packed sequences and T not a multiple of 64: the chunks of 64 rows one launch, the rest another)
+    launches = sum(n for name, n in kernels.items() if name.startswith("kernel_cutlass"))
+    assert launches == (2 if p.cu_seqlens is not None or p.T % 64 else 1), kernels
     assert "intra_bwd_kernel" not in kernels and "chunk_kda_bwd_kernel_intra" not in kernels, sorted(kernels)
     errors = {n: ref.rel_rms(ours[n], theirs[n]) for n in theirs if theirs[n] is not None}
     triton_errors = {n: ref.rel_rms(triton[n], theirs[n]) for n in theirs if theirs[n] is not None}

@@ -92,4 +92,5 @@ def test_the_cute_builds_compile_as_committed():
                 row["cluster_copies"] - row["cluster_copies_mapped"]
     assert not bad, bad
     # the cluster builds (B10 with K = 128: the halves a 2-CTA cluster) exchange by one copy each
-    assert {n for n, r in got.items() if r["cluster_copies"]} == {"b7-b10 cute K128", "b7-b10 cute K128 var"}
+    assert {n for n, r in got.items() if r["cluster_copies"]} == {"b7-b10 cute K128", "b7-b10 cute K128 var",
+                                                                  "b7-b10 cute K128 var whole"}

@@ -312,7 +312,8 @@ def test_the_var_build_s_rows_are_the_reference_b7_b9(packed):
     cr = chunk_rows(B, T, cu, ci)
     assert torch.equal(t["chunk_rows"], cr) and cr[:, 1].max() <= BT and int(cr[:, 1].sum()) == R
     assert cr.shape[0] == (sum((e - a + BT - 1) // BT for a, e in zip(starts, ends)))
-    for chunk, (row0, n) in enumerate(cr.tolist()):
+    assert cr[:, 2].tolist() == list(range(cr.shape[0]))  # (each chunk's number: where its partials go)
+    for chunk, (row0, n, _) in enumerate(cr.tolist()):
         for h in range(H):
             c = chunk * H + h
             rows = torch.arange(row0, row0 + BT).clamp(max=R - 1)  # (the emulation's rows; past n unused)

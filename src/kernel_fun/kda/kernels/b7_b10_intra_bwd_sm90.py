@@ -36,8 +36,11 @@ straight-line code, past the instruction cache, and 12.0 ms; as a loop ~8,500
 Falls back (``supports``, to the Triton unit): not sm_90, CuTe DSL missing or not 4.8.1, a
 pre-computed gate, chunk size other than 64, K other than 64 or 128, fp32 q or k, non-dense
 tensors, 2^31 elements a tensor; for B7-B10 also GVA (the group's sum comes before B10). Packed
-sequences and T not a multiple of 64 take the ``var`` build (rows and chunks run-time extents).
-One compile a shape and gate form (~9 s), kept per process.
+sequences and T not a multiple of 64 take two launches (rows and chunks run-time extents): the
+chunks of 64 rows the ``whole`` build, whose code is the dense build's (8,496 SASS instructions
+against 8,512), and at most one chunk a sequence, every shorter one among them, the ``var``
+build, whose bounded rows cost 10,328. One compile a shape and gate form (~9 s; two for packed
+sequences), kept per process.
 """
 
 import torch
@@ -46,7 +49,7 @@ BT, KH, BC = 64, 64, 16  # chunk rows, a CTA's K half, the row block
 NB = BT // BC
 GUARD = 64  # the pairs within a block go through its first row where its factor stays within 2^GUARD
 LOG2E = 1.4426950408889634
-# the kernel's tensors, in its order (chunk_rows: ``var``'s [chunks, 2] int32, else a placeholder)
+# the kernel's tensors, in its order (chunk_rows: ``var``'s [chunks, 3] int32, else a placeholder)
 ARGS = ("dAqk", "dAkk", "q", "k", "g", "beta", "dq", "dk", "dg", "g_raw", "A_log", "dt_bias", "dq2", "dk2", "dg2",
         "db_part", "dA_part", "dbias_part", "q_rstd", "k_rstd", "chunk_rows")
 # the tensors whose first extent follows the rows (B * T): run-time extents in the ``var`` build
@@ -122,7 +125,7 @@ def _bulk_to_peer(src, nbytes: int, mbar, peer):
 
 
 def build(K: int = 128, H: int = 1, G: int = 1, l2: bool = False, var: bool = False, raw: str = "bf16",
-          has_bias: bool = True, lower_bound: float | None = None):
+          has_bias: bool = True, lower_bound: float | None = None, whole: bool = False):
     """The host function (a ``cute.jit``) for one shape and gate form: one CTA of 128 threads a
     (K half, chunk-head), K = 64 (one CTA a chunk-head) or 128 (two). The token tensors hold H
     value heads side by side, as the op's [B, T, H, C] viewed [B * T, H * C]; q and k hold H / G
@@ -131,7 +134,10 @@ def build(K: int = 128, H: int = 1, G: int = 1, l2: bool = False, var: bool = Fa
     bf16. ``var``: chunks of any length up to 64 anywhere in the rows (``chunk_rows``), rows past
     a chunk's end never read or written, g past it read as its last row's (every factor stays
     finite; the zero rows of dA, q, k and beta add nothing). ``raw``: the raw gate's dtype (bf16
-    or fp32); ``has_bias``: dt_bias added; ``lower_bound``: the sigmoid gate form."""
+    or fp32); ``has_bias``: dt_bias added; ``lower_bound``: the sigmoid gate form. ``whole`` (with
+    ``var``): every chunk the map names is 64 rows, so no row is bounded (the chunks still start
+    anywhere). A ``var`` build writes each chunk-head's partials of dA_log and dt_bias at the
+    chunk's number in the map (its third column), so that a launch may take any of the chunks."""
     import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
@@ -144,6 +150,8 @@ def build(K: int = 128, H: int = 1, G: int = 1, l2: bool = False, var: bool = Fa
     assert K == NS * KH and NS in (1, 2)
     assert G == 1 or not l2  # (B10 needs the group's sum first)
     XCH = l2 and NS == 2  # (B10's row sums swapped between the K halves; at K = 64 one CTA holds the row)
+    assert var or not whole
+    short = var and not whole  # (chunks may end before 64 rows: their rows bounded)
     bf16, f32 = cutlass.BFloat16, cutlass.Float32
     raw = {"bf16": bf16, "fp32": f32}[raw]
 
@@ -165,7 +173,12 @@ def build(K: int = 128, H: int = 1, G: int = 1, l2: bool = False, var: bool = Fa
             # alignment, so a thread's two adjacent channels load as one 8-byte access)
             return cute.make_tensor(x.iterator + cute.assume(row0 * C + ctile * width, divby=width),
                                     cute.make_layout((BT, width), stride=(C, 1)))
+    else:
+        def _tile(x, rt, row0, ctile, width=KH):
+            """x's [64, width] tile at row tile rt, column tile ``ctile``."""
+            return cute.local_tile(x, (BT, width), (rt, ctile))
 
+    if short:
         # (a thread's fragment holds two rows: each read or written whole under one branch on its
         # ``ok``, so that its pairs of adjacent channels stay 8-byte accesses)
         @cute.jit
@@ -188,10 +201,6 @@ def build(K: int = 128, H: int = 1, G: int = 1, l2: bool = False, var: bool = Fa
                 if ok[2 * b]:
                     f[(None, b, None), 0, 0].store(r[(None, b, None), 0, 0].load())
     else:
-        def _tile(x, rt, row0, ctile, width=KH):
-            """x's [64, width] tile at row tile rt, column tile ``ctile``."""
-            return cute.local_tile(x, (BT, width), (rt, ctile))
-
         def _ld(f, ok):
             return f.load()
 
@@ -301,9 +310,10 @@ def build(K: int = 128, H: int = 1, G: int = 1, l2: bool = False, var: bool = Fa
         mma, mma_z, mma_t, mma_tz = mmas
         rt, ct = chunk // H, chunk % H * NS + half  # the chunk's row tile; this K slice's column tile
         head = chunk % H
-        # (``var``: the chunk's first row and its length from chunk_rows; else whole chunks)
-        row0, nval = (chunk_rows[chunk // H, 0], chunk_rows[chunk // H, 1]) if cutlass.const_expr(var) else (
-            rt * BT, BT)
+        # (``var``: the chunk's first row from chunk_rows, its length too unless ``whole``; else
+        # whole chunks in order)
+        row0 = chunk_rows[chunk // H, 0] if cutlass.const_expr(var) else rt * BT
+        nval = chunk_rows[chunk // H, 1] if cutlass.const_expr(short) else BT
         g_q = _tile(dAqk, rt, row0, head, BT)
         g_k = _tile(dAkk, rt, row0, head, BT)
         ctq = chunk % H // G * NS + half  # (q's and k's column tile: the value head's q/k head)
@@ -316,14 +326,14 @@ def build(K: int = 128, H: int = 1, G: int = 1, l2: bool = False, var: bool = Fa
         frag = thr_c.partition_C  # (a thread's 32 elements of a [64, 64] tile: its rows are block w's)
         shape = frag(g_g).shape
         coords = frag(cute.make_identity_tensor((BT, KH)))
-        ok = None  # (``var``: which of the thread's elements are the chunk's rows)
-        if cutlass.const_expr(var):
+        ok = None  # (short chunks: which of the thread's elements are the chunk's rows)
+        if cutlass.const_expr(short):
             ok = cute.make_rmem_tensor(shape, cutlass.Boolean)
             for i in cutlass.range_constexpr(cute.size(shape)):
                 ok[i] = coords[i][0] < nval
         lay = cute.make_layout((BT, KH), stride=(0, 1))
         rows_of = lambda ptr: frag(cute.make_tensor(ptr, cute.make_layout((BT, KH), stride=(H, 0))))  # noqa: E731
-        if cutlass.const_expr(var):  # (an anchor past the chunk's end is its last row; so is g)
+        if cutlass.const_expr(short):  # (an anchor past the chunk's end is its last row; so is g)
             anchor = lambda row: frag(cute.make_tensor(g_g[cutlass.min(row, nval - 1), None].iterator,  # noqa: E731
                                                        lay)).load()
             gload = lambda: cute.where(ok.load(), _ld(frag(g_g), ok), anchor(nval - 1))  # noqa: E731
@@ -436,7 +446,7 @@ def build(K: int = 128, H: int = 1, G: int = 1, l2: bool = False, var: bool = Fa
         # across the loop and its code stays small (unrolled, ~5,100 SASS instructions of cold
         # code between the products and the tail pushed the kernel past the instruction cache).
         sp = regs(anchor(w * BC) - gload())
-        if cutlass.const_expr(var):  # (the chunk's rows alone: a row past its end counts as inside)
+        if cutlass.const_expr(short):  # (the chunk's rows alone: a row past its end counts as inside)
             for i in cutlass.range_constexpr(cute.size(shape)):
                 sp[i] = f32(cutlass.select_(coords[i][0] < nval, sp[i], f32(0.0)))
         past = f32(0.0)
@@ -455,7 +465,7 @@ def build(K: int = 128, H: int = 1, G: int = 1, l2: bool = False, var: bool = Fa
                 c = 8 * (i // 4) + 2 * (lane % 4) + i % 2
                 inside = True
                 end = u + BC
-                if cutlass.const_expr(var):
+                if cutlass.const_expr(short):
                     inside = t < nval
                     end = cutlass.min(u + BC, nval)
                 if inside:
@@ -481,17 +491,21 @@ def build(K: int = 128, H: int = 1, G: int = 1, l2: bool = False, var: bool = Fa
                 o_k[i] = scr[lane, i, 1]
                 o_c[i] = scr[lane, i, 2]
         _tail(thr_c, shape, w, lane, chunk, half, red, xch, xbar, o_q, o_k, o_c, dAqk, q, k, beta, dq, dk, dg,
-              g_raw, a_log, dt_bias, dq2, dk2, dg2, db_part, dA_part, dbias_part, q_rstd, k_rstd, row0, nval, ok)
+              g_raw, a_log, dt_bias, dq2, dk2, dg2, db_part, dA_part, dbias_part, q_rstd, k_rstd, chunk_rows, row0,
+              nval, ok)
 
     @cute.jit
     def _tail(thr_c, shape, w, lane, chunk, half, red, xch, xbar, o_q, o_k, o_c, dAqk, q, k, beta, dq, dk, dg, g_raw,
-              a_log, dt_bias, dq2, dk2, dg2, db_part, dA_part, dbias_part, q_rstd, k_rstd, row0, nval, ok):
+              a_log, dt_bias, dq2, dk2, dg2, db_part, dA_part, dbias_part, q_rstd, k_rstd, chunk_rows, row0, nval,
+              ok):
         """The rest of the unit on this CTA's (chunk-head, K half) from the three sums in registers:
         dq2 = dq + x_q, dk2 = dk + beta x_kr + x_c (with dAqk's diagonal), db's part (the row sums
         of x_kr k), dg = dg + q x_q + k (beta x_kr - x_c) reverse-cumsummed over the chunk (B8),
         the gate's backward (B9) into dg2 with dA_log's partial per (K half, chunk-head) and
         dt_bias's per (chunk-head, channel); ``l2``: B10 on dq2 and dk2."""
         rt, ct, head = chunk // H, chunk % H * NS + half, chunk % H
+        # (where the partials go: the chunk-head's number, ``var``: by the chunk's number in the map)
+        cid = chunk_rows[chunk // H, 2] * H + head if cutlass.const_expr(var) else chunk
         frag = thr_c.partition_C
         tile = lambda t: frag(_tile(t, rt, row0, ct))  # noqa: E731
         tile_qk = lambda t: frag(_tile(t, rt, row0, chunk % H // G * NS + half))  # noqa: E731
@@ -513,7 +527,7 @@ def build(K: int = 128, H: int = 1, G: int = 1, l2: bool = False, var: bool = Fa
         for b in cutlass.range_constexpr(2):
             r = w * BC + lane // 4 + 8 * b
             v = f32(0.0)
-            if cutlass.const_expr(var):
+            if cutlass.const_expr(short):
                 if r < nval:
                     v = dAqk[row0 + r, head * BT + r]
             else:
@@ -539,7 +553,7 @@ def build(K: int = 128, H: int = 1, G: int = 1, l2: bool = False, var: bool = Fa
             R = cute.size(q, mode=[0])
             for b in cutlass.range_constexpr(2):
                 row = w * BC + lane // 4 + 8 * b
-                if cutlass.const_expr(var):
+                if cutlass.const_expr(short):
                     if row < nval:
                         db_part[half * R * H + (row0 + row) * H + head] = row_sums[b]
                 else:
@@ -606,12 +620,12 @@ def build(K: int = 128, H: int = 1, G: int = 1, l2: bool = False, var: bool = Fa
                 bias_sum = f32(0.0)
                 for v in cutlass.range_constexpr(NB):
                     bias_sum += s_bias[v, tidx]
-                dbias_part[chunk, half * KH + tidx] = bias_sum
+                dbias_part[cid, half * KH + tidx] = bias_sum
         if tidx == 0:
             da_sum = f32(0.0)
             for v in cutlass.range_constexpr(NB):
                 da_sum += s_da[v]
-            dA_part[half * (cute.size(dA_part, mode=[0]) // NS) + chunk] = da_sum
+            dA_part[half * (cute.size(dA_part, mode=[0]) // NS) + cid] = da_sum
         if cutlass.const_expr(XCH):  # (the peer has what this CTA sent before either leaves)
             cute.arch.cluster_wait()
 
@@ -768,8 +782,8 @@ def _run(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, g, A_log, dt_bias, lower_bo
          chunk_indices):
     """The build for this shape and gate form (compiled on first use, kept per process) on the
     op's tensors, and its outputs as the stage's. Dense sequences of whole chunks take a build
-    per B * T; packed sequences and T not a multiple of 64 the ``var`` build, one for every
-    batch of them."""
+    per B * T; packed sequences and T not a multiple of 64 two builds for every batch of them
+    (``split_chunks``): the ``whole`` one on chunks of 64 rows, the ``var`` one on the rest."""
     import cuda.bindings.driver as cuda
     import cutlass.cute as cute
 
@@ -779,25 +793,33 @@ def _run(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, g, A_log, dt_bias, lower_bo
     var = cu_seqlens is not None or T % BT != 0
     tensors = views(q, k, gc, beta, dAqk, dAkk, dq, dk, dg, g, A_log, dt_bias, q_rstd, k_rstd, cu_seqlens,
                     chunk_indices)
-    args = dlpack_args(tensors, var)
-    args.append(cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream))
+    stream = cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream)
     raw = "bf16" if g.dtype == torch.bfloat16 else "fp32"
     lb = None if lower_bound is None else float(lower_bound)
-    # (every extent and value the build bakes in: B * T unless ``var``, the heads, K, the gate form)
-    key = (None if var else B * T, H, Hq, K, raw, dt_bias is not None, lb, l2, var, dev.index)
+    if var:  # (the chunks of 64 rows, then the rest: each a launch of its own build, where it has any)
+        n_seq = B if cu_seqlens is None else cu_seqlens.numel() - 1
+        runs = [(whole, rows) for whole, rows in zip((True, False), split_chunks(tensors["chunk_rows"], n_seq))
+                if rows.shape[0]]
+    else:
+        runs = [(False, None)]
     with torch.cuda.device(dev):  # (compiled and launched on the tensors' device, whichever is current)
-        fn = _COMPILED.get(key)
-        if fn is None:
-            fn = _COMPILED[key] = cute.compile(build(K, H, H // Hq, l2, var, raw, dt_bias is not None, lb), *args)
-        fn(*args)
+        for whole, rows in runs:
+            args = dlpack_args(tensors if rows is None else {**tensors, "chunk_rows": rows}, var) + [stream]
+            # (every extent and value the build bakes in: B * T unless ``var``, the heads, K, the gate form)
+            key = (None if var else B * T, H, Hq, K, raw, dt_bias is not None, lb, l2, var, whole, dev.index)
+            fn = _COMPILED.get(key)
+            if fn is None:
+                fn = _COMPILED[key] = cute.compile(build(K, H, H // Hq, l2, var, raw, dt_bias is not None, lb, whole),
+                                                   *args)
+            fn(*args)
     return outputs(tensors, db, A_log, dt_bias)
 
 
 def chunk_rows(B: int, T: int, cu_seqlens=None, chunk_indices=None, device="cpu"):
-    """[chunks, 2] int32, each chunk's first row in [B * T] and its length (at most 64): the
-    ``var`` build's map, for packed sequences (``chunk_indices``' (sequence, chunk) pairs over
-    ``cu_seqlens``) or B sequences of T tokens with T not a multiple of 64; None where every
-    chunk is whole and in order (the dense build's rows)."""
+    """[chunks, 3] int32, each chunk's first row in [B * T], its length (at most 64) and its
+    number: the ``var`` builds' map, for packed sequences (``chunk_indices``' (sequence, chunk)
+    pairs over ``cu_seqlens``) or B sequences of T tokens with T not a multiple of 64; None where
+    every chunk is whole and in order (the dense build's rows)."""
     if cu_seqlens is None:
         if T % BT == 0:
             return None
@@ -807,7 +829,21 @@ def chunk_rows(B: int, T: int, cu_seqlens=None, chunk_indices=None, device="cpu"
         cu = cu_seqlens.to(device=device, dtype=torch.int64)
         seq, i = chunk_indices.to(device=device, dtype=torch.int64).unbind(-1)
         starts, ends = cu[seq] + i * BT, cu[seq + 1]
-    return torch.stack([starts.reshape(-1), (ends - starts).clamp(max=BT).reshape(-1)], -1).to(torch.int32).contiguous()
+    lens, starts = (ends - starts).clamp(max=BT).reshape(-1), starts.reshape(-1)
+    return torch.stack([starts, lens, torch.arange(len(starts), device=device)], -1).to(torch.int32).contiguous()
+
+
+def split_chunks(rows, n_seq: int):
+    """``chunk_rows``' map as two: chunks of 64 rows, for the ``whole`` build, and a last part of
+    min(n_seq, chunks) chunks that holds every shorter one, for the ``var`` build. Only a
+    sequence's last chunk can be short, so at most n_seq are; the chunks of 64 sort first (each
+    group in its order), and the split needs no count from the device. Each part keeps the
+    chunks' numbers (the third column), where their partials go."""
+    n = rows.shape[0]
+    order = torch.argsort((rows[:, 1] < BT).to(torch.int64) * n + torch.arange(n, device=rows.device))
+    ranked = rows[order]
+    cut = n - min(n_seq, n)
+    return ranked[:cut].contiguous(), ranked[cut:].clone()
 
 
 def views(q, k, gc, beta, dAqk, dAkk, dq, dk, dg, g, A_log, dt_bias, q_rstd=None, k_rstd=None, cu_seqlens=None,
@@ -838,7 +874,7 @@ def views(q, k, gc, beta, dAqk, dAkk, dq, dk, dg, g, A_log, dt_bias, q_rstd=None
                 dbias_part=torch.empty(nch, K, device=dev),
                 **{n: (x.float().contiguous().view(-1) if x is not None else torch.zeros(BT, device=dev))
                    for n, x in (("q_rstd", q_rstd), ("k_rstd", k_rstd))},
-                chunk_rows=rows if rows is not None else torch.zeros(1, 2, dtype=torch.int32, device=dev))
+                chunk_rows=rows if rows is not None else torch.zeros(1, 3, dtype=torch.int32, device=dev))
 
 
 def dlpack_args(tensors: dict, var: bool = False) -> list:
