@@ -67,7 +67,8 @@ def _ours(inputs, config):
 def _launch_config(p, overrides):
     from kernel_fun.kda.kernels import b4_b5_dhu
 
-    return {**b4_b5_dhu.CONFIG, **(overrides or {})}
+    chains = (p.B if p.cu_seqlens is None else len(p.cu_seqlens) - 1) * p.HV
+    return {**b4_b5_dhu.launch_config(chains, p.V), **(overrides or {})}
 
 
 def _misses(vs_exact, fla_exact, vs_fla):

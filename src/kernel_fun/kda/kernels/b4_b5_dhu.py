@@ -140,17 +140,33 @@ def dAqk_kernel(do, v_new, dAqk, chunk_indices, scale, T, HV: tl.constexpr, V: t
     tl.store(dAqk + (row0 + o_t)[:, None] * (HV * BT) + i_hv * BT + o_t[None, :], b_A, mask=m_t[:, None])
 
 
-# The scan's config: BV=128 at 8 warps, two stages (sm_90a, K=128, V=256: 234 registers, no spills,
-# 144 KB: one program an SM, its next chunk's loads in flight during the chain). Measured on an H100
-# (the unit with dAqk, fla's B4 + B5 in the same process): 3.41-3.49 ms at prod8192_gate against
-# 4.59-4.73, 1.97-2.03 at kimi against 2.60-2.72, 1.75 at b8 against 2.38, 0.34 at grid1024 against
-# 0.37; at small 0.70 against 0.66 (a loss, smaller than BV=64's 0.85). The sweep at prod8192_gate:
+# The scan's config by V slice: the config, the chunk step's latency at one chain (us: the
+# step8192 shape's time over its 128 steps, H100) and programs an SM (sm_90a, K=128, V=256, no
+# spills: BV=32 at 4 warps, two stages, 215 registers and 70 KB, an mma.sync kernel; BV=64 at 4
+# warps 232 and 128 KB; BV=128 at 8 warps 234 and 144 KB). ``launch_config`` takes the least
+# waves x latency. Measured on an H100 (the unit with dAqk, fla's B4 + B5 in the same process):
+# BV=128 3.41-3.49 ms at prod8192_gate against 4.59-4.73, 1.97-2.03 at kimi against 2.60-2.72,
+# 1.75 at b8 against 2.38; on 32 chains BV=32: 0.562 at small against fla's 0.657 (BV=128 0.697)
+# and 0.446 at layer2x8192 against 0.417 (BV=128 0.613, BV=64 0.511). The sweep at prod8192_gate:
 # BV=64 at 4 warps 4.35 (one stage) and 4.47 (two), at 8 warps 6.34 and 4.71, BV=32 5.99, BV=128
-# at one stage 4.42.
-CONFIG = dict(BV=128, num_warps=8, num_stages=2)
+# at one stage 4.42. (BV=64 at 8 warps and one stage gave NaN at K=64 V=64 on the GPU: never
+# picked.)
+STEPS = {32: (dict(BV=32, num_warps=4, num_stages=2), 2.6, 2),
+         64: (dict(BV=64, num_warps=4, num_stages=2), 3.1, 1),
+         128: (dict(BV=128, num_warps=8, num_stages=2), 4.2, 1)}
+CONFIG = STEPS[128][0]  # (prod8192_gate's)
 DAQK_CONFIG = dict(BV=64, num_warps=4, num_stages=2)
 # What ``config`` may set (the stage bench's sweep).
 CONFIG_KEYS = frozenset({"BV", "num_warps", "num_stages"})
+
+
+def launch_config(sequence_heads: int, V: int, sms: int = 132) -> dict:
+    """The scan's config for ``sequence_heads`` chains of V columns on ``sms`` SMs: the V slice
+    whose waves times its step latency is least (prod8192_gate's 256 chains and kimi's: BV=128,
+    one program an SM; 32 chains, as in fla's layer at B2 T8192: BV=32)."""
+    def cost(bv):
+        return -(-sequence_heads * -(-V // bv) // (sms * STEPS[bv][2])) * STEPS[bv][1]
+    return dict(STEPS[min((bv for bv in STEPS if bv <= max(32, V)), key=cost)][0])
 
 
 def dAqk(v_new, do, scale, chunk_size, cu_seqlens, chunk_indices) -> torch.Tensor:
@@ -183,7 +199,8 @@ def dav_dhu(q, k, v_new, do, Aqk, qg, kg, w, gc, h0, dht, scale, state_v_first, 
     check_dense(qg=qg, kg=kg, w=w, gc=gc, v_new=v_new, Aqk=Aqk, dht=dht)
     dA = dAqk(v_new, do, scale, chunk_size, cu_seqlens, chunk_indices)
     N, NT_total, offsets = chains(B, T, BT, cu_seqlens, chunk_indices)
-    cfg = config_over(CONFIG, config, CONFIG_KEYS, "B4-B5")
+    sms = {"sms": torch.cuda.get_device_properties(kg.device).multi_processor_count} if kg.is_cuda else {}
+    cfg = config_over(launch_config(N * HV, V, **sms), config, CONFIG_KEYS, "B4-B5")
     dh = torch.empty(B, NT_total // B, HV, K, V, device=do.device, dtype=kg.dtype)  # B = 1 when packed
     dh0 = torch.empty(N, HV, K, V, device=do.device, dtype=torch.float32) if h0 is not None else None
     dv2 = torch.empty_like(do)
