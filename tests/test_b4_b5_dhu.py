@@ -65,6 +65,21 @@ def test_unit_matches_b4_then_b5(p):
     assert not misses, (misses, vs_want)
 
 
+def test_launch_picks_the_v_slice_by_chains():
+    """Many chains (prod8192_gate's 256 of V=256, kimi's 256 of V=128, b8's 128) take BV=128 at
+    one program an SM; 32 chains (small, fla's layer at B2 T8192) and one take BV=32 at two
+    stages; K <= 64 keeps BV=128's config whatever the chains."""
+    wide = dict(BV=128, num_warps=8, num_stages=2)
+    assert b4_b5_dhu.launch_config(256, 256, 128) == wide
+    assert b4_b5_dhu.launch_config(256, 128, 128) == wide
+    assert b4_b5_dhu.launch_config(128, 256, 128) == wide
+    assert b4_b5_dhu.launch_config(32, 256, 128) == dict(BV=32, num_warps=4, num_stages=2)
+    assert b4_b5_dhu.launch_config(32, 128, 128)["BV"] == 32
+    assert b4_b5_dhu.launch_config(1, 256, 100)["BV"] == 32
+    assert b4_b5_dhu.launch_config(32, 256, 64) == wide
+    assert b4_b5_dhu.launch_config(1, 64, 64) == wide
+
+
 def test_a_wrong_scan_misses_its_bars():
     """The bars can fail: dv formed without Aqk's diagonal, or one chunk's dh left out."""
     b4, b5 = stage_inputs(SHAPES[0])

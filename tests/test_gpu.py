@@ -488,10 +488,13 @@ def test_b4_b5_matches_fla_b4_b5(p):
     assert not b5["state_v_first"]  # (the chain passes [K, V] states: fla's layer's flags included)
     unit = dict(b4, **{n: t for n, t in b5.items() if n not in ("do", "dv")})
     theirs = (dAqk, *b5_out)
+    missed = []  # (every config checked before the test fails, so one run names all that miss)
     for config in (None,) + b4_b5.SWEEP:
         errors = stage_errors("B4-B5", b4_b5_dhu.dav_dhu(**unit, config=config), theirs)
         print(p.name, "B4-B5", config, "vs fla", errors)
-        assert all(errors[n] <= DHU_VS_FLA[n] for n in errors), (config, errors)
+        if not all(errors[n] <= DHU_VS_FLA[n] for n in errors):  # (a NaN fails this too)
+            missed.append((config, errors))
+    assert not missed, missed
 
 
 # --------------------------------------------------------------------------------------

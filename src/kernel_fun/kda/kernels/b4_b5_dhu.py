@@ -160,10 +160,15 @@ DAQK_CONFIG = dict(BV=64, num_warps=4, num_stages=2)
 CONFIG_KEYS = frozenset({"BV", "num_warps", "num_stages"})
 
 
-def launch_config(sequence_heads: int, V: int, sms: int = 132) -> dict:
+def launch_config(sequence_heads: int, V: int, K: int = 128, sms: int = 132) -> dict:
     """The scan's config for ``sequence_heads`` chains of V columns on ``sms`` SMs: the V slice
     whose waves times its step latency is least (prod8192_gate's 256 chains and kimi's: BV=128,
-    one program an SM; 32 chains, as in fla's layer at B2 T8192: BV=32)."""
+    one program an SM; 32 chains, as in fla's layer at B2 T8192: BV=32). At K <= 64 (halves of
+    32 channels) always BV=128's: the smaller slices have not passed GPU parity there (the run
+    that timed them stopped at another config's NaN, docs/log/b5.md)."""
+    if K <= 64:
+        return dict(STEPS[128][0])
+
     def cost(bv):
         return -(-sequence_heads * -(-V // bv) // (sms * STEPS[bv][2])) * STEPS[bv][1]
     return dict(STEPS[min((bv for bv in STEPS if bv <= max(32, V)), key=cost)][0])
@@ -200,7 +205,7 @@ def dav_dhu(q, k, v_new, do, Aqk, qg, kg, w, gc, h0, dht, scale, state_v_first, 
     dA = dAqk(v_new, do, scale, chunk_size, cu_seqlens, chunk_indices)
     N, NT_total, offsets = chains(B, T, BT, cu_seqlens, chunk_indices)
     sms = {"sms": torch.cuda.get_device_properties(kg.device).multi_processor_count} if kg.is_cuda else {}
-    cfg = config_over(launch_config(N * HV, V, **sms), config, CONFIG_KEYS, "B4-B5")
+    cfg = config_over(launch_config(N * HV, V, K, **sms), config, CONFIG_KEYS, "B4-B5")
     dh = torch.empty(B, NT_total // B, HV, K, V, device=do.device, dtype=kg.dtype)  # B = 1 when packed
     dh0 = torch.empty(N, HV, K, V, device=do.device, dtype=torch.float32) if h0 is not None else None
     dv2 = torch.empty_like(do)
