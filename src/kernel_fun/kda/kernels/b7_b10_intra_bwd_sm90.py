@@ -39,7 +39,8 @@ tensors, 2^31 elements a tensor; for B7-B10 also GVA (the group's sum comes befo
 sequences and T not a multiple of 64 take two launches (rows and chunks run-time extents): the
 chunks of 64 rows the ``whole`` build, whose code is the dense build's (8,496 SASS instructions
 against 8,512), and at most one chunk a sequence, every shorter one among them, the ``var``
-build, whose bounded rows cost 10,328. One compile a shape and gate form (~9 s; two for packed
+build, whose bounded rows cost 10,328 (on an H100 the op at prod_packed 31.73 ms, against 37.94
+with every chunk through the ``var`` build). One compile a shape and gate form (~9 s; two for packed
 sequences), kept per process.
 """
 
