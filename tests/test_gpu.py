@@ -460,7 +460,9 @@ def test_scan_matches_fla_f7_f8(p):
 
     for config in (None,) + f7_f8.SWEEP:
         against_fla(f7_f8_b3_scan.scan_output(**unit, config=config), f"F7-F8 {config}")
-    for config in (None, dict(BV=128, num_warps=8, num_stages=2)):
+    from benchmarks.stages import b3 as b3_entry
+
+    for config in (None,) + b3_entry.SWEEP:
         against_fla(f7_f8_b3_scan.scan_states(**b3, config=config), f"B3 {config}", states_only=True)
 
 
