@@ -16,6 +16,8 @@
 #   gtests:EXPR        tests/test_gpu.py -k EXPR (a + for " or "), the same way
 #   msan:EXPR          tests/test_gpu_sm90.py -k EXPR under compute-sanitizer's memcheck (the first
 #                      20 errors named, with the kernel and the access), log to $OUT/msan.log
+#   host[:SHAPE]       research/gpu/host_issue.py: host issue time against event time, fla and ours
+#                      (layer2x8192 by default), and a cProfile of our forward, to $OUT/host_issue.txt
 #   ncu                Nsight Compute on the CuTe kernel's launch in the op (research/gpu/op_unit_once.py):
 #                      details and SASS back
 set -o pipefail
@@ -55,6 +57,8 @@ for step in $STEPS; do
     tests) FLA_CONFIG_DIR=$(python3 -c "import torch; from benchmarks.fla_configs import gpu_dir; print(gpu_dir(torch.cuda.get_device_name()))") \
            FLA_CACHE_MODE=full timeout -k 5 $left python3 -m pytest -v -s -p no:cacheprovider -m gpu tests/test_gpu_sm90.py \
            ${a:+-k "$a"} 2>&1 | tee -a $OUT/t.log | grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed|Error" | tail -40 ;;
+    host) timeout -k 5 $left python3 research/gpu/host_issue.py ${a:-layer2x8192} > $OUT/host_issue.txt 2>&1
+          head -8 $OUT/host_issue.txt ;;
     ncu) timeout -k 5 $left ncu --clock-control none --set full --import-source yes -k regex:kernel_cutlass \
            --launch-count 1 -f -o /tmp/op_unit python3 research/gpu/op_unit_once.py 2>&1 | tail -5
          ncu --import /tmp/op_unit.ncu-rep --page details > $OUT/ncu_unit.txt

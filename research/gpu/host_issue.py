@@ -1,0 +1,66 @@
+# Where a small call's time goes between the host and the GPU (layer2x8192 by default, the KDA call
+# inside fla's layer at B2 T8192): for fla's chunk_kda and ours, the forward and the fwd+bwd, each
+# call's host issue time (perf_counter around the call, no sync: the time to enqueue its launches)
+# against its CUDA-event time (synced after each call, as the op bench times), then a cProfile of
+# our forward's issue (the 25 functions with the most own time). Usage, on the GPU:
+#   python3 research/gpu/host_issue.py [SHAPE] > $OUT/host_issue.txt
+# Read: where the issue time is near the event time, the GPU waits on the host (a deeper queue in
+# training hides it only while the host keeps ahead); the profile names what the host spends.
+import cProfile
+import pstats
+import statistics
+import sys
+import time
+
+import torch
+
+from benchmarks import fla_configs
+
+fla_configs.use_stored_configs(torch.cuda.get_device_name())  # (before fla is imported: no autotune)
+from kernel_fun.bench.op import fwd_bwd, variants  # noqa: E402
+from kernel_fun.kda.problems import cotangents, make_inputs, problem  # noqa: E402
+
+shape = sys.argv[1] if len(sys.argv) > 1 else "layer2x8192"
+p = problem(shape)
+kw = make_inputs(p, device="cuda", seed=0)
+o_like = torch.empty(p.B, p.T, p.HV, p.V, device="cuda", dtype=p.dtype)
+do, _ = cotangents(o_like, None, seed=7)
+REPS = 30
+
+
+def timed(fn):
+    """(median host issue ms, median event ms) over REPS calls, each after a sync."""
+    issue, event = [], []
+    for _ in range(REPS):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        start.record()
+        fn()
+        t1 = time.perf_counter()
+        end.record()
+        end.synchronize()
+        issue.append((t1 - t0) * 1e3)
+        event.append(start.elapsed_time(end))
+    return statistics.median(issue), statistics.median(event)
+
+
+print(f"{shape}: {p.describe()}")
+print(f"{'impl':6} {'phase':8} {'host issue ms':>14} {'event ms':>9}")
+for v in variants(["fla", "ours"]):
+    for _ in range(3):
+        fwd_bwd(v, kw, do)
+    for phase, fn in (("fwd", lambda v=v: v(**kw)), ("fwd+bwd", lambda v=v: fwd_bwd(v, kw, do))):
+        issue, event = timed(fn)
+        print(f"{v.name:6} {phase:8} {issue:14.3f} {event:9.3f}", flush=True)
+
+ours = variants(["ours"])[0]
+torch.cuda.synchronize()
+prof = cProfile.Profile()
+prof.enable()
+for _ in range(REPS):
+    ours(**kw)
+prof.disable()
+torch.cuda.synchronize()
+print(f"\ncProfile of {REPS} forwards (ours), by own time:")
+pstats.Stats(prof).sort_stats("tottime").print_stats(25)
