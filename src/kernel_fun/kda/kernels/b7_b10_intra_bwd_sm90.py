@@ -26,22 +26,18 @@ completes on the receiver's barrier (both addresses mapped into the peer, as PTX
 
 Measured: the README's whole-op tables (on an H100 at prod8192_gate, B7-B10 7.8 ms in the op
 where the Triton unit and B10 took 13.1; the op 31.70 ms against 37.33 with them, fla's 52.84;
-at kimi 26.00 against fla's 45.89). That run's exchange passed the copy this CTA's barrier,
-which memcheck flagged; the mapped form is clean under memcheck and racecheck, the op's time
-the same (31.70-31.76 ms with B4-B5 in it).
-Its time follows its code: unrolled, the pair-by-pair path made it 13,400 SASS instructions of
-straight-line code, past the instruction cache, and 12.0 ms; as a loop ~8,500
+at prod_packed 31.73 in two launches against 37.94 in one, every chunk bounded). Clean under
+memcheck and racecheck. Its time follows its code: unrolled, the pair-by-pair path made it
+13,400 SASS instructions, past the instruction cache, and 12.0 ms; as a loop ~8,500
 (docs/log/bwd-fused.md has every round).
 
 Falls back (``supports``, to the Triton unit): not sm_90, CuTe DSL missing or not 4.8.1, a
 pre-computed gate, chunk size other than 64, K other than 64 or 128, fp32 q or k, non-dense
 tensors, 2^31 elements a tensor; for B7-B10 also GVA (the group's sum comes before B10). Packed
-sequences and T not a multiple of 64 take two launches (rows and chunks run-time extents): the
-chunks of 64 rows the ``whole`` build, whose code is the dense build's (8,496 SASS instructions
-against 8,512), and at most one chunk a sequence, every shorter one among them, the ``var``
-build, whose bounded rows cost 10,328 (on an H100 the op at prod_packed 31.73 ms, against 37.94
-with every chunk through the ``var`` build). One compile a shape and gate form (~9 s; two for packed
-sequences), kept per process.
+sequences and T not a multiple of 64 take two launches: the chunks of 64 rows the ``whole``
+build (the dense build's code, 8,496 SASS instructions against 8,512), and at most one chunk a
+sequence, every shorter one among them, the ``var`` build (bounded rows, 10,328). One compile a
+shape and gate form (~9 s; two for packed sequences), kept per process.
 """
 
 import torch
