@@ -4,7 +4,9 @@
     python -m benchmarks.layer --B 2 --T 8192 [--safe-gate]
         [--candidate STAGE=research.<module>:<function>:<supports>]
 
-``--candidate`` (as ``benchmarks.op``'s) registers a stage's candidate as its ``ours`` for the
+Each row also carries its kernels' device time (the 25 largest by name, and their sum) and the
+time a fwd+bwd takes issued back to back (``fwdbwd_stream_ms``). ``--candidate`` (as
+``benchmarks.op``'s) registers a stage's candidate as its ``ours`` for the
 run; its rows carry ``candidate`` and the README skips them.
 """
 
@@ -35,7 +37,7 @@ def main(argv=None) -> int:
 
     candidate = register_candidates(args.candidate) or None
     written = [rows.stamp({**r, **({"candidate": candidate} if candidate and r.get("impl") != "fla" else {})})
-               for r in layer.run(args.B, args.T, args.safe_gate, args.reps, args.rounds)]
+               for r in layer.run(args.B, args.T, args.safe_gate, args.reps, args.rounds, profile=True)]
     for r in written:
         rows.append(args.out or rows.RESULTS / "layer.jsonl", r)
     # the layer's own kernels (convolutions, norms) autotune too: keep fla's choices for the next run

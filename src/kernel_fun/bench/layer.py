@@ -72,9 +72,12 @@ def parity_misses(ours: dict, fla: dict) -> tuple[dict, dict]:
     return errors, {n: (e, parity_bar(n)) for n, e in errors.items() if not e <= parity_bar(n)}
 
 
-def run(B: int = 2, T: int = 8192, safe_gate: bool = False, reps: int = 10, rounds: int = 5) -> list[dict]:
+def run(B: int = 2, T: int = 8192, safe_gate: bool = False, reps: int = 10, rounds: int = 5,
+        profile: bool = False) -> list[dict]:
     """fla's layer and the patched one at (B, T): parity first, then the interleaved timings;
-    one row each (fla's first)."""
+    one row each (fla's first). ``profile``: each row also gets its kernels' device time
+    (``kernel_profile``) and the time a call issued back to back (``stream_time``: the GPU's
+    time where the host runs ahead, as in a training step)."""
     from kernel_fun import versions
     from kernel_fun.bench.timing import cuda_times, summary
     from kernel_fun.cconv import last_route
@@ -111,6 +114,14 @@ def run(B: int = 2, T: int = 8192, safe_gate: bool = False, reps: int = 10, roun
             for name, (layer, context) in layers.items():
                 with context():
                     times[name] += cuda_times(lambda: fwd_bwd(layer, x, w), reps)
+    extra = {name: {} for name in layers}
+    if ok and profile:
+        from kernel_fun.bench.timing import kernel_profile, stream_time
+
+        for name, (layer, context) in layers.items():
+            with context():
+                extra[name] = {**kernel_profile(lambda: fwd_bwd(layer, x, w)),
+                               "fwdbwd_stream_ms": stream_time(lambda: fwd_bwd(layer, x, w), reps)}
     info = versions()
     shape = f"kda_layer_B{B}_T{T}" + ("_safe" if safe_gate else "")
     rows = []
@@ -125,7 +136,7 @@ def run(B: int = 2, T: int = 8192, safe_gate: bool = False, reps: int = 10, roun
             "parity": {"ok": ok, "vs_fla": errors, "impls": {**record.forward, **record.backward},
                        "convolutions": conv},
             "gpu": torch.cuda.get_device_name(), "versions": info,
-            "fla_cache_mode": os.environ.get("FLA_CACHE_MODE", "disabled"),
+            "fla_cache_mode": os.environ.get("FLA_CACHE_MODE", "disabled"), **extra[name],
         })
     return rows
 

@@ -129,21 +129,13 @@ def parity(variants_: list[Variant], p, device, seed: int) -> dict[str, dict]:
 def profile_stages(variant: Variant, kwargs: dict, do: torch.Tensor) -> tuple[dict, dict]:
     """(ms per kernel-fun stage, ms per kernel name) of one fwd+bwd: stages timed with CUDA
     events around each (empty for fla's own chunk_kda), kernels from the profiler."""
-    from torch.profiler import ProfilerActivity, profile
-
+    from kernel_fun.bench.timing import kernel_profile
     from kernel_fun.kda.stages import stage_ms, time_stages
 
     with time_stages() as marks:
         fwd_bwd(variant, kwargs, do)
     stages = stage_ms(marks)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fwd_bwd(variant, kwargs, do)
-        torch.cuda.synchronize()
-    kernels = {}
-    for evt in prof.events():
-        if evt.device_type == torch.autograd.DeviceType.CUDA:
-            kernels[evt.name] = kernels.get(evt.name, 0.0) + evt.device_time_total / 1e3
-    kernels = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:25])
+    kernels = kernel_profile(lambda: fwd_bwd(variant, kwargs, do))["kernel_ms"]
     return stages, kernels
 
 

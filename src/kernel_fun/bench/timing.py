@@ -47,3 +47,19 @@ def stream_time(fn, reps: int) -> float:
 def summary(times: list[float]) -> dict:
     return {"median": statistics.median(times), "p10": percentile(times, 0.1),
             "p90": percentile(times, 0.9), "n": len(times)}
+
+
+def kernel_profile(fn) -> dict:
+    """One call of ``fn`` under the profiler: device ms per kernel name (the 25 largest) and
+    their sum over every kernel."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels = {}
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[evt.name] = kernels.get(evt.name, 0.0) + evt.device_time_total / 1e3
+    top = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:25])
+    return {"kernel_ms": top, "kernels_sum_ms": sum(kernels.values())}
