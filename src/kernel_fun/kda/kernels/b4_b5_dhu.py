@@ -22,9 +22,13 @@ no spills at any 4-warp width (the update written as fla writes it spilled 88-10
 Falls back (``supports``): fp32 inputs, chunk size other than 64, K > 128, states in [V, K];
 the chain keeps fla's B4 and B5 under context parallel (its exchange reads B4's dv).
 
-Measured: the README's stage table (B4-B5 rows: 3.41-3.49 ms against fla's B4 + B5 4.59-4.73 at
-prod8192_gate on an H100, 1.34-1.36x at kimi and b8, 0.95x at small) and whole-op rows (30.80 ms
-against 31.70 at the earlier one-stage BV=64 pin). The rounds are in docs/log/b5.md.
+The V slice follows the chains (``launch_config``): BV=128 on many, one program an SM; BV=32 on
+few (K > 64), where the step's latency decides.
+
+Measured: the README's stage table (B4-B5 rows, on an H100: 3.41-3.49 ms against fla's B4 + B5
+4.59-4.73 at prod8192_gate, 1.34-1.36x at kimi and b8 at BV=128; BV=32 1.17x at small, 0.93x at
+layer2x8192, where BV=128 took 0.95x and 0.68x) and whole-op rows (30.80 ms against 31.70 at the
+earlier one-stage BV=64 pin). The rounds are in docs/log/b5.md.
 """
 
 from __future__ import annotations
