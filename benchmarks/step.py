@@ -100,23 +100,16 @@ def _device_profile(fns: dict, top: int = 8) -> dict:
     """Per entry, one warmed call under the profiler: the device time of its kernels summed
     (against the wall time ``_timed_rounds`` gives, what is not device time is the host's or
     a gap) and its ``top`` kernels by device time; each entry a (context, fn) pair."""
-    from torch.profiler import ProfilerActivity, profile
+    from kernel_fun.bench.timing import kernel_profile
 
     out = {}
     for name, (context, fn) in fns.items():
         with context():
             fn()
             torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                fn()
-                torch.cuda.synchronize()
-        kernels = {}
-        for evt in prof.events():
-            if evt.device_type == torch.autograd.DeviceType.CUDA:
-                kernels[evt.name] = kernels.get(evt.name, 0.0) + evt.device_time_total / 1e3
-        ranked = sorted(kernels.items(), key=lambda kv: -kv[1])
-        out[name] = {"device_ms": round(sum(kernels.values()), 4), "kernels": len(kernels),
-                     "top": [[n[:80], round(ms, 4)] for n, ms in ranked[:top]]}
+            prof = kernel_profile(fn, top)
+        out[name] = {"device_ms": round(prof["kernels_sum_ms"], 4), "kernels": prof["kernels"],
+                     "top": [[n[:80], round(ms, 4)] for n, ms in prof["kernel_ms"].items()]}
     return out
 
 

@@ -49,9 +49,9 @@ def summary(times: list[float]) -> dict:
             "p90": percentile(times, 0.9), "n": len(times)}
 
 
-def kernel_profile(fn) -> dict:
-    """One call of ``fn`` under the profiler: device ms per kernel name (the 25 largest) and
-    their sum over every kernel."""
+def kernel_profile(fn, top: int = 25) -> dict:
+    """One call of ``fn`` under the profiler: device ms per kernel name (the ``top`` largest),
+    their sum over every kernel, and how many kernels there were by name."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -61,5 +61,5 @@ def kernel_profile(fn) -> dict:
     for evt in prof.events():
         if evt.device_type == torch.autograd.DeviceType.CUDA:
             kernels[evt.name] = kernels.get(evt.name, 0.0) + evt.device_time_total / 1e3
-    top = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:25])
-    return {"kernel_ms": top, "kernels_sum_ms": sum(kernels.values())}
+    ranked = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:top])
+    return {"kernel_ms": ranked, "kernels_sum_ms": sum(kernels.values()), "kernels": len(kernels)}
