@@ -54,7 +54,35 @@ for v in variants(["fla", "ours"]):
         issue, event = timed(fn)
         print(f"{v.name:6} {phase:8} {issue:14.3f} {event:9.3f}", flush=True)
 
+# Our forward's host time by stage: Dispatcher.run wrapped (its Python and the stage's launches),
+# the rest of the call outside any stage.
+from kernel_fun.kda.stages import Dispatcher  # noqa: E402
+
 ours = variants(["ours"])[0]
+plain_run, per_stage = Dispatcher.run, {}
+
+
+def timed_run(self, name, phase, **inputs):
+    t0 = time.perf_counter()
+    out = plain_run(self, name, phase, **inputs)
+    per_stage[name] = per_stage.get(name, 0.0) + time.perf_counter() - t0
+    return out
+
+
+Dispatcher.run = timed_run
+torch.cuda.synchronize()
+t0 = time.perf_counter()
+for _ in range(REPS):
+    ours(**kw)
+total = time.perf_counter() - t0
+torch.cuda.synchronize()
+Dispatcher.run = plain_run
+print(f"\nour forward's host time by stage (us a call, {REPS} calls issued back to back):")
+for name, secs in per_stage.items():
+    print(f"  {name:8} {secs / REPS * 1e6:9.1f}")
+print(f"  {'outside':8} {(total - sum(per_stage.values())) / REPS * 1e6:9.1f}   (the call's own Python)")
+print(f"  {'total':8} {total / REPS * 1e6:9.1f}")
+
 torch.cuda.synchronize()
 prof = cProfile.Profile()
 prof.enable()
