@@ -251,13 +251,15 @@ def b2_report(K: int = 128, varlen: bool = False, dtype: str = "bf16", config: d
 
 
 def dhu_report(K: int = 128, V: int = 256, h0: bool = True, dht: bool = False, varlen: bool = False,
-               dtype: str = "bf16", config: dict | None = None) -> dict:
-    """B4-B5's reverse scan (``kda/kernels/b4_b5_dhu.py``) at its pinned config."""
+               dtype: str = "bf16", chains: int = 256, config: dict | None = None) -> dict:
+    """B4-B5's reverse scan (``kda/kernels/b4_b5_dhu.py``) at the launcher's config for
+    ``chains`` chains (prod8192_gate's 256 by default); ``config`` over it."""
     import triton
 
     from kernel_fun.kda.kernels import b4_b5_dhu as m
 
-    cfg = {**m.CONFIG, **(config or {})}
+    cfg = {**m.launch_config(chains, V, K), **(config or {})}
+    cfg["BV"] = min(cfg["BV"], triton.next_power_of_2(V))  # (as the launcher clips it)
     types = {n: _PTR[dtype] for n in ("qg", "kg", "w", "do", "Aqk", "dh", "dv2")}
     types.update(g="*fp32", dht="*fp32", dh0="*fp32", cu_seqlens="*i32", chunk_offsets="*i64")
     ce = dict(HV=16, K=K, V=V, BT=64, BK=max(64, triton.next_power_of_2(K)), BV=cfg["BV"], IS_VARLEN=varlen,
@@ -329,6 +331,8 @@ SHIPPED = {
     "scan b3 K64 V128 varlen": lambda: scan_report(K=64, V=128, recompute=True, h0=False, varlen=True),
     "b4-b5 dhu K128 V256": lambda: dhu_report(),
     "b4-b5 dhu K64 V256": lambda: dhu_report(K=64),
+    "b4-b5 dhu K64 V64": lambda: dhu_report(K=64, V=64),
+    "b4-b5 dhu K128 V256 32 chains": lambda: dhu_report(chains=32),
     "b4-b5 dhu K128 V256 dht varlen": lambda: dhu_report(h0=False, dht=True, varlen=True),
     "b4-b5 dhu K100 V256 fp16": lambda: dhu_report(K=100, dtype="fp16"),
     "b4-b5 dAqk V256": lambda: daqk_report(),

@@ -168,10 +168,12 @@ def launch_config(sequence_heads: int, V: int, K: int = 128, sms: int = 132) -> 
     """The scan's config for ``sequence_heads`` chains of V columns on ``sms`` SMs: the V slice
     whose waves times its step latency is least (prod8192_gate's 256 chains and kimi's: BV=128,
     one program an SM; 32 chains, as in fla's layer at B2 T8192: BV=32). At K <= 64 (halves of
-    32 channels) always BV=128's: the smaller slices have not passed GPU parity there (the run
-    that timed them stopped at another config's NaN, docs/log/b5.md)."""
+    32 channels) by V alone: BV=128's config where V > 64, else BV=64's at 4 warps. BV=64 at 8
+    warps splits a 32-channel half's products into m64n16k16 wgmmas, whose 32-byte operand rows
+    Triton 3.6 reads past the shared allocation: NaN at K=64 V=64 on an H100 (docs/log/b5.md).
+    BV=32 has not been held to fla there on a GPU."""
     if K <= 64:
-        return dict(STEPS[128][0])
+        return dict(STEPS[128][0] if V > 64 else STEPS[64][0])
 
     def cost(bv):
         return -(-sequence_heads * -(-V // bv) // (sms * STEPS[bv][2])) * STEPS[bv][1]
