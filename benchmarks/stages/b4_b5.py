@@ -23,7 +23,9 @@ from benchmarks.stages.common import StageBench, chain_runs
 # 220 at one stage, 215 and 70 KB at two (three programs an SM by its memory), an mma.sync kernel.
 # Timed on an H100: docs/log/b5.md.
 # BV=64 at 8 warps and one stage (6.34 ms at prod8192_gate, 0.85 at small, 0.76 at layer2x8192:
-# never the pick) left the sweep after it gave NaN at K=64 V=64 on an H100 (docs/log/b5.md).
+# never the pick) left the sweep after it gave NaN at K=64 V=64 on an H100: over 32-channel halves
+# 8 warps make m64n16k16 wgmmas, whose operands Triton 3.6 reads past their shared allocation;
+# the kernel declines BV=64 at 8 warps for K <= 64 (``declines``), and so does this entry.
 SWEEP = (dict(BV=64, num_warps=4, num_stages=2), dict(BV=64, num_warps=8, num_stages=2),
          dict(BV=32, num_warps=4, num_stages=1), dict(BV=32, num_warps=4, num_stages=2),
          dict(BV=128, num_warps=8, num_stages=1), dict(BV=64, num_warps=4, num_stages=1))
@@ -70,7 +72,11 @@ def _launch_config(p, overrides):
     from kernel_fun.kda.kernels import b4_b5_dhu
 
     chains = (p.B if p.cu_seqlens is None else len(p.cu_seqlens) - 1) * p.HV
-    return {**b4_b5_dhu.launch_config(chains, p.V, p.K), **(overrides or {})}
+    config = {**b4_b5_dhu.launch_config(chains, p.V, p.K), **(overrides or {})}
+    why = b4_b5_dhu.declines(min(config["BV"], 1 << (p.V - 1).bit_length()), config["num_warps"], p.K)
+    if why:
+        raise ValueError(why)
+    return config
 
 
 def _misses(vs_exact, fla_exact, vs_fla):

@@ -180,6 +180,16 @@ def launch_config(sequence_heads: int, V: int, K: int = 128, sms: int = 132) -> 
     return dict(STEPS[min((bv for bv in STEPS if bv <= max(32, V)), key=cost)][0])
 
 
+def declines(BV: int, num_warps: int, K: int) -> str | None:
+    """Why the scan will not launch at this V slice and warp count for head dim K, or None: BV=64
+    at 8 warps over halves of 32 channels (K <= 64) splits the products into m64n16k16 wgmmas,
+    whose 32-byte operand rows Triton 3.6 reads past the shared allocation (NaN on an H100)."""
+    if K <= 64 and BV == 64 and num_warps == 8:
+        return (f"BV=64 at 8 warps with K={K} (halves of 32 channels: m64n16k16 wgmmas, whose operands Triton "
+                "3.6 reads past their shared allocation)")
+    return None
+
+
 def dAqk(v_new, do, scale, chunk_size, cu_seqlens, chunk_indices) -> torch.Tensor:
     """B4's dAqk: scale tril(do v_new^T), fp32 [B, T, HV, BT] (Aqk's shape)."""
     B, T, HV, V = do.shape
@@ -216,6 +226,9 @@ def dav_dhu(q, k, v_new, do, Aqk, qg, kg, w, gc, h0, dht, scale, state_v_first, 
     dh0 = torch.empty(N, HV, K, V, device=do.device, dtype=torch.float32) if h0 is not None else None
     dv2 = torch.empty_like(do)
     BV = min(cfg["BV"], triton.next_power_of_2(V))
+    why = declines(BV, cfg["num_warps"], K)
+    if why:
+        raise ValueError(f"B4-B5's scan: {why}")
     dhu_transposed_kernel[(triton.cdiv(V, BV), N * HV)](
         qg=qg, kg=kg, w=w, g=gc, do=do, Aqk=Aqk, dht=dht, dh0=dh0, dh=dh, dv2=dv2, cu_seqlens=cu_seqlens,
         chunk_offsets=offsets, scale=scale, T=T, HV=HV, K=K, V=V, BT=BT, BK=max(64, triton.next_power_of_2(K)),
