@@ -469,7 +469,7 @@ def test_scan_matches_fla_f7_f8(p):
 # --------------------------------------------------------------------------------------
 # The B4-B5 unit against fla's B4 then B5
 # --------------------------------------------------------------------------------------
-# (the pin's BV is 128: V = 64 and 32 run it at BV = V, the one-V-slice programs; K = 100 pads)
+# (one V slice a program: K=64 V=64 at BV=64 on 4 warps, K=100 V=32 at BV=32; K = 100 pads)
 NARROW = [dataclasses.replace(SMALL[0], name="T500-h0-k64-v64", K=64, V=64),
           dataclasses.replace(SMALL[0], name="T500-h0-k100-v32", K=100, V=32)]
 
