@@ -17,7 +17,7 @@ Rows (``kind: reliability``, one per check, ``ok`` true or false) go to ``--out`
    while a second stream multiplies large matrices.
 2. **Memory safety**: ``compute-sanitizer`` memcheck, racecheck, initcheck and synccheck
    run a child process that calls only our kernels, on inputs the real chain gave them
-   at small awkward shapes (``SANITIZE_SHAPES``: T 63 / 65 / 130, packed sequences with a
+   at small awkward shapes (``SANITIZE_SHAPES``: T 63 / 64 / 65 / 70 / 130, packed sequences with a
    1-token and a 64-token one, GVA, K 64 and 128, V 32 / 64 / 256, initial states, both
    state layouts), captured first in this process. Zero errors each. The same script runs
    a copy of B6's kernel with one store moved a chunk further (``planted_module``) under
@@ -71,6 +71,9 @@ SANITIZE_SHAPES = [
     Problem("T130-K64-V256-v-first-h0", 1, 130, 2, 2, 64, 256, initial_state=True, output_final_state=True,
             state_v_first=True),
     Problem("T64-K128-V32-pregated", 2, 64, 2, 2, 128, 32, gate_in_kernel=False),
+    # K=64 V=64: B4-B5's scan at BV=64 on 4 warps (8 warps there made wgmmas that read past
+    # their operands' allocation)
+    Problem("T70-K64-V64-h0", 1, 70, 2, 2, 64, 64, initial_state=True),
 ]
 
 
