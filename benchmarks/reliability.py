@@ -566,6 +566,9 @@ def main(argv=None) -> int:
     parser.add_argument("--extreme", default=",".join(EXTREME_CASES),
                         help="the extreme-input cases to run, a comma list")
     parser.add_argument("--sanitizer-timeout", type=float, default=100, help="seconds per sanitizer run")
+    parser.add_argument("--tools", default=",".join(TOOLS),
+                        help="the sanitize part's tools, a comma list (the planted store and the malformed "
+                             "offsets run with memcheck): one device call may take some, the next the rest")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--candidate", action="append", default=[], metavar="STAGE=module:function[:supports]",
                         help="an implementation not registered for users, as the stage's ours for this run "
@@ -574,6 +577,10 @@ def main(argv=None) -> int:
     parser.add_argument("--planted", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--child-offsets", choices=OFFSET_CHILDREN, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    tools = [t for t in args.tools.split(",") if t]
+    unknown = sorted(set(tools) - set(TOOLS))
+    if unknown:
+        parser.error(f"--tools: {unknown} (known: {', '.join(TOOLS)})")
     cases = args.extreme.split(",")
     unknown = sorted(set(cases) - set(EXTREME_CASES))
     if unknown:
@@ -628,17 +635,19 @@ def main(argv=None) -> int:
                 path = Path(tmp) / "captured.pt"
                 torch.save(captured, path)
                 shapes = sorted({c["shape"] for c in captured})
-                for t in TOOLS:
+                for t in tools:
                     res = sanitize(t, path, False, args.sanitizer_timeout, args.candidate)
                     res["ok"] = res["errors"] == 0 and res["kernels_ran"] == len(captured)
                     emit("sanitize", f"{t} ({len(captured)} launches, {len(shapes)} shapes)",
                          {**res, "shapes": shapes, "stages": sorted({c["stage"] for c in captured})})
-                res = sanitize("memcheck", path, True, args.sanitizer_timeout, args.candidate)
-                # The fault must be seen, in the planted copy (memcheck names its file and line;
-                # the launch then fails, so the child never reports the kernel as done).
-                res["ok"] = bool(res["errors"]) and any(PLANTED_FILE in line for line in res["summary"])
-                emit("sanitize", "planted out-of-bounds store caught", res)
-        if tool is not None:  # the malformed offsets: with the sanitize part, or alone (--parts offsets)
+                if "memcheck" in tools:
+                    res = sanitize("memcheck", path, True, args.sanitizer_timeout, args.candidate)
+                    # The fault must be seen, in the planted copy (memcheck names its file and line;
+                    # the launch then fails, so the child never reports the kernel as done).
+                    res["ok"] = bool(res["errors"]) and any(PLANTED_FILE in line for line in res["summary"])
+                    emit("sanitize", "planted out-of-bounds store caught", res)
+        # the malformed offsets: with the sanitize part's memcheck, or alone (--parts offsets)
+        if tool is not None and ("memcheck" in tools or "sanitize" not in parts):
             for which in OFFSET_CHILDREN:
                 emit("sanitize", f"memcheck malformed offsets, {which}",
                      sanitize_offsets(which, args.sanitizer_timeout))

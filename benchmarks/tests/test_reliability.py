@@ -150,6 +150,13 @@ def test_cli_names_an_unknown_extreme_case(capsys):
     assert "no-such-case" in capsys.readouterr().err
 
 
+def test_cli_names_an_unknown_sanitizer_tool(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        rel.main(["--parts", "sanitize", "--tools", "memcheck,leakcheck"])
+    assert exit_info.value.code == 2
+    assert "leakcheck" in capsys.readouterr().err
+
+
 @needs_interpreter
 def test_offset_child_runs_the_convolution_kernels_on_every_malformed_case(capsys):
     """The memcheck child's kernel case on the CPU: every malformed offsets list reaches the

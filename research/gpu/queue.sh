@@ -10,7 +10,8 @@
 #   layer              fla's KimiDeltaAttention layer, unpatched and through patch_fla(), B2 T8192
 #   stage:STAGE:SHAPES[:sweep] one stage alone against fla's (pinned configs, or the entry's sweep),
 #                      rows to $OUT/stages.jsonl
-#   rel:PARTS[:SHAPE]  benchmarks.reliability --parts PARTS (SOAK_ITERS, default 300) [--shape SHAPE]
+#   rel:PARTS[:SHAPE[:TOOLS]] benchmarks.reliability --parts PARTS (SOAK_ITERS, default 300) [--shape
+#                      SHAPE] [--tools TOOLS: the sanitizer's, e.g. initcheck,synccheck; SHAPE may be empty]
 #   ab                 research/gpu/ab_old.sh (one round)
 #   tests[:EXPR]       tests/test_gpu_sm90.py (-k EXPR), fla on its stored choices and their defaults
 #   gtests:EXPR        tests/test_gpu.py -k EXPR (a + for " or "), the same way
@@ -43,7 +44,7 @@ for step in $STEPS; do
     stage) timeout -k 5 $left python3 -m benchmarks.stage --stage $a --shapes $b --configs ${c:-pinned} \
              --out $OUT/stages.jsonl 2>&1 | tail -24 ;;
     rel) timeout -k 5 $left python3 -m benchmarks.reliability --parts $a --soak-iters ${SOAK_ITERS:-300} \
-           --soak-seconds 90 ${b:+--shape $b} --out $OUT/reliability.jsonl 2>&1 | tail -40 ;;
+           --soak-seconds 90 ${b:+--shape $b} ${c:+--tools $c} --out $OUT/reliability.jsonl 2>&1 | tail -40 ;;
     gtests) FLA_CONFIG_DIR=$(python3 -c "import torch; from benchmarks.fla_configs import gpu_dir; print(gpu_dir(torch.cuda.get_device_name()))") \
            FLA_CACHE_MODE=full timeout -k 5 $left python3 -m pytest -v -s -p no:cacheprovider -m gpu tests/test_gpu.py \
            -k "${a//+/ or }" 2>&1 | tee -a $OUT/g.log | grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed|Error|vs fla" | tail -40 ;;
