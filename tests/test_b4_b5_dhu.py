@@ -2,8 +2,8 @@
 dAqk from its own kernel) on the inputs the reference chain gives B4 and B5, against the rounding
 references of fla's stages and the float64 ones; and the whole op with the unit in the chain
 against the float64 recurrence. T not a multiple of 64, GVA, packed sequences (a 1-token and
-zero-length ones among them), initial and final states, K 48 / 64 / 100 / 128, V of one and two
-slices and of no power of two, fp16 and bf16."""
+zero-length ones among them), initial and final states, a pre-gated call, K 48 / 64 / 100 / 128, V of
+one and two slices and of no power of two, fp16 and bf16."""
 
 from __future__ import annotations
 
@@ -20,17 +20,12 @@ from kernel_fun.kda import reference as ref
 from kernel_fun.kda.problems import Problem, as_oracle_inputs, make_inputs, run_fwd_bwd
 from kernel_fun.kda.kernels import b4_b5_dhu
 from kernel_fun.kda.stages import capture_stages, stages, use_impls
+from test_f7_f8_b3_scan import SHAPES as SCAN_SHAPES
 
 pytestmark = needs_triton
 
-SHAPES = [
-    Problem("T63-K64-h0", 2, 63, 2, 2, 64, 32, initial_state=True, output_final_state=True),
-    Problem("T130-K128-gva-V128", 1, 130, 1, 2, 128, 128, initial_state=True, output_final_state=True),
-    Problem("T70-K100-fp16", 1, 70, 2, 2, 100, 16, dtype=torch.float16, output_final_state=True),
-    Problem("varlen-K64-h0", 1, 150, 2, 2, 64, 32, initial_state=True, output_final_state=True,
-            cu_seqlens=(0, 1, 65, 150)),
-    Problem("T100-K48-V40-gva-h0", 1, 100, 1, 2, 48, 40, initial_state=True, output_final_state=True),
-]
+# the scan's awkward shapes (kda/kernels/f7_f8_b3_scan.py's tests) up to K = 128, the unit's reach
+SHAPES = [p for p in SCAN_SHAPES if p.K <= 128]
 
 
 def stage_inputs(p: Problem, seed: int = 8) -> tuple[dict, dict]:
