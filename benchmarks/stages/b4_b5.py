@@ -71,9 +71,9 @@ def _ours(inputs, config):
 def _launch_config(p, overrides):
     from kernel_fun.kda.kernels import b4_b5_dhu
 
-    chains = (p.B if p.cu_seqlens is None else len(p.cu_seqlens) - 1) * p.HV
+    chains = p.sequences * p.HV
     config = {**b4_b5_dhu.launch_config(chains, p.V, p.K), **(overrides or {})}
-    why = b4_b5_dhu.declines(min(config["BV"], 1 << (p.V - 1).bit_length()), config["num_warps"], p.K)
+    why = b4_b5_dhu.declines(config, p.V, p.K)
     if why:
         raise ValueError(why)
     return config

@@ -70,7 +70,7 @@ def _ours(inputs, config):
 def _launch_config(p, overrides):
     from kernel_fun.kda.kernels import f7_f8_b3_scan
 
-    chains = (p.B if p.cu_seqlens is None else len(p.cu_seqlens) - 1) * p.HV
+    chains = p.sequences * p.HV
     return {**f7_f8_b3_scan.launch_config(chains, p.V, p.K), **(overrides or {})}
 
 

@@ -48,6 +48,15 @@ def config_over(pinned: dict, config: dict | None, keys, who: str) -> dict:
     return {**pinned, **(config or {})}
 
 
+def least_waves(table: dict, sequence_heads: int, V: int, sms: int) -> dict:
+    """A chunk scan's config from ``table`` ({BV: (config, step latency, programs an SM)}) for
+    ``sequence_heads`` chains of V columns on ``sms`` SMs: the V slice (at most V, or the
+    narrowest) whose waves times its step latency is least."""
+    def cost(bv):
+        return -(-sequence_heads * -(-V // bv) // (sms * table[bv][2])) * table[bv][1]
+    return dict(table[min((bv for bv in table if bv <= max(min(table), V)), key=cost)][0])
+
+
 @triton.jit
 def dot(a, b, acc=None):
     if INTERPRETING:

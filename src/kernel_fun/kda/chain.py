@@ -630,7 +630,7 @@ def _run_backward(s: dict, opts: Options, run: Dispatcher, do, dht):
         del u, b3
     b5 = dict(qg=qg, kg=kg, w=w, gc=gc, h0=initial_state, scale=opts.scale, **common, **layout)
     b45 = dict(q=q, k=k, v_new=v_new, do=do, Aqk=Aqk, dht=dht, **b5)
-    if opts.cp is None and run.answer(("takes", "B4-B5"), lambda: run.takes_ours("B4-B5", **b45)):
+    if opts.cp is None and run.answer(("takes", "B4-B5"), lambda b45=b45: run.takes_ours("B4-B5", **b45)):
         dAqk, dh, dh0, dv = run.run("B4-B5", "backward", **b45)
     else:
         dAqk, dv = run.run("B4", "backward", q=q, k=k, v_new=v_new, do=do, Aqk=Aqk, scale=opts.scale, **common)
@@ -640,9 +640,7 @@ def _run_backward(s: dict, opts: Options, run: Dispatcher, do, dht):
             record.notes["CP"] = (f"forward and backward exchanges "
                                   f"({'fla' if cp.fla_summaries(q.device) else 'torch'})")
         dh, dh0, dv = run.run("B5", "backward", dht=dht, do=do, dv=dv, **b5)
-    b5.clear()  # (qg, kg and w are dropped below: no dict keeps them)
-    b45.clear()
-    del qg, kg, w
+    del b5, b45, qg, kg, w  # (no dict keeps them past here)
     if opts.cp is not None:  # (the initial state was the exchange's, not an input)
         dh0 = None
     if swap and dh0 is not None:

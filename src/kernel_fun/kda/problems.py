@@ -45,6 +45,10 @@ class Problem:
     strong_gate: bool = False
 
     @property
+    def sequences(self) -> int:
+        return self.B if self.cu_seqlens is None else len(self.cu_seqlens) - 1
+
+    @property
     def chunk_heads(self) -> int:
         if self.cu_seqlens is None:
             return self.B * -(-self.T // 64) * self.HV
@@ -176,7 +180,7 @@ def make_inputs(p: Problem, device="cpu", seed: int = 0, requires_grad: bool = T
         kwargs["beta"] = randn(B, T, HV)
     else:
         kwargs["beta"] = torch.sigmoid(torch.randn(B, T, HV, generator=gen)).to(device=device, dtype=p.dtype)
-    N = B if p.cu_seqlens is None else len(p.cu_seqlens) - 1
+    N = p.sequences
     if p.initial_state:
         state = (N, HV, V, K) if p.state_v_first else (N, HV, K, V)
         kwargs["initial_state"] = randn(*state, dtype=torch.float32) * 0.1

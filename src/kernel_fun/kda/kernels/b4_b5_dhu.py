@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernel_fun._triton import chains, check_dense, config_over, dot, sequence_span, to
+from kernel_fun._triton import chains, check_dense, config_over, dot, least_waves, sequence_span, to
 
 
 @triton.jit
@@ -153,12 +153,10 @@ def dAqk_kernel(do, v_new, dAqk, chunk_indices, scale, T, HV: tl.constexpr, V: t
 # 1.75 at b8 against 2.38; on 32 chains BV=32: 0.562 at small against fla's 0.657 (BV=128 0.697)
 # and 0.446 at layer2x8192 against 0.417 (BV=128 0.613, BV=64 0.511). The sweep at prod8192_gate:
 # BV=64 at 4 warps 4.35 (one stage) and 4.47 (two), at 8 warps 6.34 and 4.71, BV=32 5.99, BV=128
-# at one stage 4.42. (BV=64 at 8 warps and one stage gave NaN at K=64 V=64 on the GPU: never
-# picked.)
+# at one stage 4.42. (BV=64 at 8 warps gave NaN at K=64 V=64 on the GPU: ``declines``.)
 STEPS = {32: (dict(BV=32, num_warps=4, num_stages=2), 2.6, 2),
          64: (dict(BV=64, num_warps=4, num_stages=2), 3.1, 1),
          128: (dict(BV=128, num_warps=8, num_stages=2), 4.2, 1)}
-CONFIG = STEPS[128][0]  # (prod8192_gate's)
 DAQK_CONFIG = dict(BV=64, num_warps=4, num_stages=2)
 # What ``config`` may set (the stage bench's sweep).
 CONFIG_KEYS = frozenset({"BV", "num_warps", "num_stages"})
@@ -174,17 +172,15 @@ def launch_config(sequence_heads: int, V: int, K: int = 128, sms: int = 132) -> 
     BV=32 has not been held to fla there on a GPU."""
     if K <= 64:
         return dict(STEPS[128][0] if V > 64 else STEPS[64][0])
-
-    def cost(bv):
-        return -(-sequence_heads * -(-V // bv) // (sms * STEPS[bv][2])) * STEPS[bv][1]
-    return dict(STEPS[min((bv for bv in STEPS if bv <= max(32, V)), key=cost)][0])
+    return least_waves(STEPS, sequence_heads, V, sms)
 
 
-def declines(BV: int, num_warps: int, K: int) -> str | None:
-    """Why the scan will not launch at this V slice and warp count for head dim K, or None: BV=64
-    at 8 warps over halves of 32 channels (K <= 64) splits the products into m64n16k16 wgmmas,
-    whose 32-byte operand rows Triton 3.6 reads past the shared allocation (NaN on an H100)."""
-    if K <= 64 and BV == 64 and num_warps == 8:
+def declines(config: dict, V: int, K: int) -> str | None:
+    """Why the scan will not launch ``config`` for V columns at head dim K, or None: BV=64 (after
+    the clip to V) at 8 warps over halves of 32 channels (K <= 64) splits the products into
+    m64n16k16 wgmmas, whose 32-byte operand rows Triton 3.6 reads past the shared allocation
+    (NaN on an H100)."""
+    if K <= 64 and min(config["BV"], triton.next_power_of_2(V)) == 64 and config["num_warps"] == 8:
         return (f"BV=64 at 8 warps with K={K} (halves of 32 channels: m64n16k16 wgmmas, whose operands Triton "
                 "3.6 reads past their shared allocation)")
     return None
@@ -208,7 +204,7 @@ def dav_dhu(q, k, v_new, do, Aqk, qg, kg, w, gc, h0, dht, scale, state_v_first, 
             chunk_indices, config: dict | None = None):
     """The B4-B5 unit: (dAqk fp32, dh [B, NT, HV, K, V] in kg's dtype, dh0 fp32 where h0 is given,
     dv2 in do's dtype) as fla's B4 then B5 return them, B4's dv formed inside the scan; states in
-    [K, V]. ``config`` overrides the scan's pinned config (``CONFIG_KEYS``)."""
+    [K, V]. ``config`` overrides the launcher's pick (``CONFIG_KEYS``)."""
     if state_v_first:
         raise ValueError("the reverse scan keeps its states in [K, V]; the chain passes them so")
     B, T, HV, K = kg.shape
@@ -226,7 +222,7 @@ def dav_dhu(q, k, v_new, do, Aqk, qg, kg, w, gc, h0, dht, scale, state_v_first, 
     dh0 = torch.empty(N, HV, K, V, device=do.device, dtype=torch.float32) if h0 is not None else None
     dv2 = torch.empty_like(do)
     BV = min(cfg["BV"], triton.next_power_of_2(V))
-    why = declines(BV, cfg["num_warps"], K)
+    why = declines(cfg, V, K)
     if why:
         raise ValueError(f"B4-B5's scan: {why}")
     dhu_transposed_kernel[(triton.cdiv(V, BV), N * HV)](

@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernel_fun._triton import chains, check_dense, config_over, dot, sequence_span, to
+from kernel_fun._triton import chains, check_dense, config_over, dot, least_waves, sequence_span, to
 
 
 @triton.jit
@@ -286,11 +286,7 @@ def launch_config(sequence_heads: int, V: int, K: int, sms: int = 132) -> dict:
     """F7-F8's config for ``sequence_heads`` chains of V columns at head dim K on ``sms`` SMs
     (the H200's 132 by default): the V slice whose waves times its step latency is least
     (prod8192_gate's 256 chains: BV=64 at two programs an SM; one chain: BV=32)."""
-    table = TRANSPOSED_STEPS if K <= 128 else WIDE_K_STEPS
-
-    def cost(bv):
-        return -(-sequence_heads * -(-V // bv) // (sms * table[bv][2])) * table[bv][1]
-    return dict(table[min((bv for bv in table if bv <= max(32, V)), key=cost)][0])
+    return least_waves(TRANSPOSED_STEPS if K <= 128 else WIDE_K_STEPS, sequence_heads, V, sms)
 
 
 def scan_output(q, qg, kg, w, u, gc, Aqk, scale, initial_state, output_final_state, save_states, cu_seqlens_cpu,
