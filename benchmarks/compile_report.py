@@ -256,10 +256,11 @@ def dhu_report(K: int = 128, V: int = 256, h0: bool = True, dht: bool = False, v
     ``chains`` chains (prod8192_gate's 256 by default); ``config`` over it."""
     import triton
 
+    from kernel_fun._triton import v_slice
     from kernel_fun.kda.kernels import b4_b5_dhu as m
 
     cfg = {**m.launch_config(chains, V, K), **(config or {})}
-    cfg["BV"] = min(cfg["BV"], triton.next_power_of_2(V))  # (as the launcher clips it)
+    cfg["BV"] = v_slice(cfg, V)  # (as the launcher clips it)
     types = {n: _PTR[dtype] for n in ("qg", "kg", "w", "do", "Aqk", "dh", "dv2")}
     types.update(g="*fp32", dht="*fp32", dh0="*fp32", cu_seqlens="*i32", chunk_offsets="*i64")
     ce = dict(HV=16, K=K, V=V, BT=64, BK=max(64, triton.next_power_of_2(K)), BV=cfg["BV"], IS_VARLEN=varlen,

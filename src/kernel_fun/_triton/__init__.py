@@ -48,6 +48,12 @@ def config_over(pinned: dict, config: dict | None, keys, who: str) -> dict:
     return {**pinned, **(config or {})}
 
 
+def v_slice(config: dict, V: int) -> int:
+    """A scan's V slice for V columns: ``config``'s BV, clipped to V's next power of two (a
+    program never wider than V)."""
+    return min(config["BV"], triton.next_power_of_2(V))
+
+
 def least_waves(table: dict, sequence_heads: int, V: int, sms: int) -> dict:
     """A chunk scan's config from ``table`` ({BV: (config, step latency, programs an SM)}) for
     ``sequence_heads`` chains of V columns on ``sms`` SMs: the V slice (at most V, or the

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernel_fun._triton import chains, check_dense, config_over, dot, least_waves, sequence_span, to
+from kernel_fun._triton import chains, check_dense, config_over, dot, least_waves, sequence_span, to, v_slice
 
 
 @triton.jit
@@ -180,7 +180,7 @@ def declines(config: dict, V: int, K: int) -> str | None:
     the clip to V) at 8 warps over halves of 32 channels (K <= 64) splits the products into
     m64n16k16 wgmmas, whose 32-byte operand rows Triton 3.6 reads past the shared allocation
     (NaN on an H100)."""
-    if K <= 64 and min(config["BV"], triton.next_power_of_2(V)) == 64 and config["num_warps"] == 8:
+    if K <= 64 and v_slice(config, V) == 64 and config["num_warps"] == 8:
         return (f"BV=64 at 8 warps with K={K} (halves of 32 channels: m64n16k16 wgmmas, whose operands Triton "
                 "3.6 reads past their shared allocation)")
     return None
@@ -218,13 +218,13 @@ def dav_dhu(q, k, v_new, do, Aqk, qg, kg, w, gc, h0, dht, scale, state_v_first, 
     N, NT_total, offsets = chains(B, T, BT, cu_seqlens, chunk_indices)
     sms = {"sms": torch.cuda.get_device_properties(kg.device).multi_processor_count} if kg.is_cuda else {}
     cfg = config_over(launch_config(N * HV, V, K, **sms), config, CONFIG_KEYS, "B4-B5")
+    why = declines(cfg, V, K)  # (before anything is allocated)
+    if why:
+        raise ValueError(f"B4-B5's scan: {why}")
     dh = torch.empty(B, NT_total // B, HV, K, V, device=do.device, dtype=kg.dtype)  # B = 1 when packed
     dh0 = torch.empty(N, HV, K, V, device=do.device, dtype=torch.float32) if h0 is not None else None
     dv2 = torch.empty_like(do)
-    BV = min(cfg["BV"], triton.next_power_of_2(V))
-    why = declines(cfg, V, K)
-    if why:
-        raise ValueError(f"B4-B5's scan: {why}")
+    BV = v_slice(cfg, V)
     dhu_transposed_kernel[(triton.cdiv(V, BV), N * HV)](
         qg=qg, kg=kg, w=w, g=gc, do=do, Aqk=Aqk, dht=dht, dh0=dh0, dh=dh, dv2=dv2, cu_seqlens=cu_seqlens,
         chunk_offsets=offsets, scale=scale, T=T, HV=HV, K=K, V=V, BT=BT, BK=max(64, triton.next_power_of_2(K)),

@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernel_fun._triton import chains, check_dense, config_over, dot, least_waves, sequence_span, to
+from kernel_fun._triton import chains, check_dense, config_over, dot, least_waves, sequence_span, to, v_slice
 
 
 @triton.jit
@@ -313,7 +313,7 @@ def scan_output(q, qg, kg, w, u, gc, Aqk, scale, initial_state, output_final_sta
     if save_states:
         h = torch.empty(B, NT_total // B, HV, K, V, device=u.device, dtype=kg.dtype)  # B = 1 when packed
         v_new = torch.empty_like(u)
-    BV = min(cfg["BV"], triton.next_power_of_2(V))
+    BV = v_slice(cfg, V)
     args = dict(qg=qg, kg=kg, w=w, u=u, g=gc, Aqk=Aqk, h0=initial_state, o=o, ht=ht, h=h, v_new=v_new,
                 cu_seqlens=cu_seqlens, chunk_offsets=chunk_offsets, scale=scale, T=T, HV=HV, K=K, V=V, BT=BT,
                 BV=BV, IS_VARLEN=cu_seqlens is not None, HAS_H0=initial_state is not None,
@@ -347,7 +347,7 @@ def scan_states(kg, w, u, gc, initial_state, output_final_state, chunk_size, cu_
     ht = torch.empty(N, HV, K, V, device=v.device, dtype=torch.float32) if output_final_state else None
     h = torch.empty(B, NT_total // B, HV, K, V, device=v.device, dtype=kg.dtype)  # B = 1 when packed
     v_new = torch.empty_like(v)
-    BV = min(cfg["BV"], triton.next_power_of_2(V))
+    BV = v_slice(cfg, V)
     scan_transposed_kernel[(triton.cdiv(V, BV), N * HV)](
         qg=None, kg=kg, w=w, u=None, g=gc, Aqk=None, h0=initial_state, o=None, ht=ht, h=h, v_new=v_new,
         cu_seqlens=cu_seqlens, chunk_offsets=chunk_offsets, scale=1.0, T=T, HV=HV, K=K, V=V, BT=BT,
