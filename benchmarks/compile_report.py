@@ -209,15 +209,16 @@ def b7_b9_report(K: int = 128, HV: int = 16, gate: bool = True, bias: bool = Tru
 
 def scan_report(K: int = 128, V: int = 256, recompute: bool = False, h0: bool = True, final_state: bool = True,
                 save_states: bool = False, varlen: bool = False, dtype: str = "bf16",
-                config: dict | None = None) -> dict:
+                config: dict | None = None, chains: int = 256) -> dict:
     """The scan (``kda/kernels/f7_f8_b3_scan.py``): F7-F8 (the transposed kernel at K <= 128,
     the [K, V] one past it) at ``config`` (BV, num_warps, num_stages: the launcher picks one
-    by grid, ``TRANSPOSED_STEPS``), or B3 (``recompute``) at its pinned config."""
+    by grid, ``TRANSPOSED_STEPS``), or B3 (``recompute``) at the launcher's config for ``chains``
+    chains (prod8192_gate's 256 by default)."""
     import triton
 
     from kernel_fun.kda.kernels import f7_f8_b3_scan as m
 
-    cfg = {**(m.STATES_CONFIG if recompute else m.TRANSPOSED_STEPS[64][0] if K <= 128 else m.WIDE_K_STEPS[64][0]),
+    cfg = {**(m.states_config(chains, V) if recompute else m.TRANSPOSED_STEPS[64][0] if K <= 128 else m.WIDE_K_STEPS[64][0]),
            **(config or {})}
     types = {n: _PTR[dtype] for n in ("qg", "kg", "w", "u", "Aqk", "o", "h", "v_new", "v", "beta", "Akk")}
     types.update(g="*fp32", h0="*fp32", ht="*fp32", cu_seqlens="*i32", chunk_offsets="*i64")
@@ -330,6 +331,7 @@ SHIPPED = {
                                                              config=dict(BV=128, num_warps=8, num_stages=1)),
     "scan b3 K128 V256": lambda: scan_report(recompute=True),
     "scan b3 K64 V128 varlen": lambda: scan_report(K=64, V=128, recompute=True, h0=False, varlen=True),
+    "scan b3 K128 V128 32 chains": lambda: scan_report(V=128, recompute=True, chains=32),
     "b4-b5 dhu K128 V256": lambda: dhu_report(),
     "b4-b5 dhu K64 V256": lambda: dhu_report(K=64),
     "b4-b5 dhu K64 V64": lambda: dhu_report(K=64, V=64),

@@ -83,16 +83,27 @@ def test_launch_picks_the_v_slice_by_chains():
 
 def test_the_launcher_never_picks_a_config_it_declines():
     """No chain count, V or K takes BV=64 at 8 warps over 32-channel halves (K <= 64), whose
-    m64n16k16 wgmmas Triton 3.6 reads past their shared allocation; asked for, it is declined
-    before any launch."""
+    m64n16k16 wgmmas Triton 3.6 reads past their shared allocation, nor a wgmma slice at one
+    stage there (NaN and an illegal address on the H200); asked for, either is declined before
+    any launch. At K > 64 both run."""
     for chains in (1, 16, 32, 96, 256, 4096):
         for V in (16, 32, 40, 64, 100, 128, 256):
             for K in (32, 48, 64, 100, 128):
                 assert b4_b5_dhu.declines(b4_b5_dhu.launch_config(chains, V, K), V, K) is None
     assert b4_b5_dhu.declines(dict(BV=128, num_warps=8), 64, 64)  # (clipped to V: BV=64 at 8 warps)
+    for bv, warps in ((64, 4), (128, 8)):
+        one_stage = dict(BV=bv, num_warps=warps, num_stages=1)
+        assert "one stage" in b4_b5_dhu.declines(one_stage, 256, 64)
+        assert "one stage" in b4_b5_dhu.declines(one_stage, 128, 48)
+        assert b4_b5_dhu.declines(one_stage, 256, 100) is None
+        assert b4_b5_dhu.declines(dict(one_stage, num_stages=2), 256, 64) is None
+    assert b4_b5_dhu.declines(dict(BV=32, num_warps=4, num_stages=1), 256, 64) is None  # (mma.sync)
+    assert b4_b5_dhu.declines(dict(BV=128, num_warps=8, num_stages=1), 32, 64) is None  # (clipped: BV=32)
     b4, b5 = stage_inputs(dataclasses.replace(SHAPES[0], name="T63-K64-V64-h0", V=64))
     with pytest.raises(ValueError, match="m64n16k16"):
         b4_b5_dhu.dav_dhu(**unit_inputs(b4, b5), config=dict(BV=64, num_warps=8, num_stages=2))
+    with pytest.raises(ValueError, match="one stage"):
+        b4_b5_dhu.dav_dhu(**unit_inputs(b4, b5), config=dict(BV=64, num_warps=4, num_stages=1))
 
 
 def test_a_wrong_scan_misses_its_bars():

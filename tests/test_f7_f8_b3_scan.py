@@ -100,7 +100,7 @@ def test_without_saving_states_o_is_the_same():
 def test_scan_states_match_b3(p):
     """The backward's B3 (F7 recomputed: h and v_new) by the transposed kernel without o,
     forming u from v, beta and Akk_inv, on the inputs the reference chain gives B3 (whose
-    reference reads the reference B2's u), at one and two V slices. Under the interpreter the
+    reference reads the reference B2's u), at the launcher's slice, 16 and, past V=32, 64. Under the interpreter the
     two agree to fp32 rounding but where an entry of u lands on a bf16 rounding edge: the
     kernel's dot and the reference's matmul sum in their BLAS's order, which depends on the
     CPU, and such an entry rounds a unit apart (seen on an AVX2 machine: v_new 6.7e-6). The
@@ -108,7 +108,7 @@ def test_scan_states_match_b3(p):
     does (v_new moves by over 1e-2)."""
     inputs, (h, v_new, _) = stage_runs(p)["B3"]
     bound = 2e-4 if INTERPRETING else 2e-3
-    for config in (None, {"BV": 16}):
+    for config in (None, {"BV": 16}) + (({"BV": 64},) if p.V > 32 else ()):
         got_h, got_vn, got_ht = scan.scan_states(**inputs, config=config)
         assert got_ht is None and got_h.dtype == h.dtype and got_h.shape == h.shape
         errors = {"h": ref.rel_rms(got_h, h), "v_new": ref.rel_rms(got_vn, v_new)}
@@ -150,6 +150,19 @@ def test_launch_picks_the_v_slice_by_grid():
     assert scan.launch_config(1, 16, 128)["BV"] == 32
     assert scan.launch_config(256, 256, 192) == dict(BV=64, num_warps=4, num_stages=1)
     assert scan.launch_config(1, 256, 192)["BV"] == 32
+
+
+def test_b3_picks_the_v_slice_by_grid():
+    """B3 by the same rule from its own table: 256 chains of V=256 (prod8192_gate) and b8's 128
+    take BV=64 at two programs an SM; 32 chains (fla's layer at B2 T8192: V=128; small: V=256)
+    and 16 (grid1024) BV=32, as measured on the H200 (0.384 ms against BV=64's 0.449 at
+    layer2x8192); never wider than V needs."""
+    assert scan.states_config(256, 256) == dict(BV=64, num_warps=4, num_stages=2)
+    assert scan.states_config(128, 256)["BV"] == 64
+    for chains, V in ((32, 128), (32, 256), (16, 256), (1, 256), (1, 16)):
+        assert scan.states_config(chains, V) == dict(BV=32, num_warps=4, num_stages=2), (chains, V)
+    picked = {n: scan.states_config(n, 256)["BV"] for n in (1, 16, 32, 64, 128, 256, 1024)}
+    assert set(picked.values()) <= set(scan.STATES_STEPS), picked
 
 
 @pytest.mark.parametrize("p", [SHAPES[1], SHAPES[3], SHAPES[6],

@@ -12,9 +12,9 @@ from __future__ import annotations
 from benchmarks.stages.common import StageBench
 from benchmarks.stages.f7_f8 import chain_inputs
 
-# Beside the pin (BV=64 at 4 warps, two programs an SM): BV=128 at 8 warps, one; BV=32 at 4 warps
-# (sm_90a, K=128: 206 registers, 54 KB), the slice F7-F8 and B4-B5 take on few chains.
-SWEEP = (dict(BV=128, num_warps=8, num_stages=2), dict(BV=32, num_warps=4, num_stages=2))
+# Every V slice of the launcher's table (``STATES_STEPS``), whichever the chains pick.
+SWEEP = (dict(BV=64, num_warps=4, num_stages=2), dict(BV=128, num_warps=8, num_stages=2),
+         dict(BV=32, num_warps=4, num_stages=2))
 _SCAN = ("kg", "w", "u", "gc", "initial_state", "output_final_state", "chunk_size", "cu_seqlens", "cu_seqlens_cpu",
          "chunk_indices", "state_v_first")
 
@@ -48,7 +48,7 @@ def _ours(inputs, config):
 def _launch_config(p, overrides):
     from kernel_fun.kda.kernels import f7_f8_b3_scan
 
-    return {**f7_f8_b3_scan.STATES_CONFIG, **(overrides or {})}
+    return {**f7_f8_b3_scan.states_config(p.sequences * p.HV, p.V), **(overrides or {})}
 
 
 def _misses(vs_exact, fla_exact, vs_fla):

@@ -25,7 +25,9 @@ from benchmarks.stages.common import StageBench, chain_runs
 # BV=64 at 8 warps and one stage (6.34 ms at prod8192_gate, 0.85 at small, 0.76 at layer2x8192:
 # never the pick) left the sweep after it gave NaN at K=64 V=64 on an H100: over 32-channel halves
 # 8 warps make m64n16k16 wgmmas, whose operands Triton 3.6 reads past their shared allocation;
-# the kernel declines BV=64 at 8 warps for K <= 64 (``declines``), and so does this entry.
+# the kernel declines BV=64 at 8 warps for K <= 64 (``declines``), and so does this entry; the
+# same for a wgmma slice (BV >= 64) at one stage there, after BV=64 on 4 warps at one stage gave
+# NaN at k64v64 on the H200 (2026-12-06).
 SWEEP = (dict(BV=64, num_warps=4, num_stages=2), dict(BV=64, num_warps=8, num_stages=2),
          dict(BV=32, num_warps=4, num_stages=1), dict(BV=32, num_warps=4, num_stages=2),
          dict(BV=128, num_warps=8, num_stages=1), dict(BV=64, num_warps=4, num_stages=1))

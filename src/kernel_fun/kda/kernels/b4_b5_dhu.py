@@ -153,7 +153,8 @@ def dAqk_kernel(do, v_new, dAqk, chunk_indices, scale, T, HV: tl.constexpr, V: t
 # 1.75 at b8 against 2.38; on 32 chains BV=32: 0.562 at small against fla's 0.657 (BV=128 0.697)
 # and 0.446 at layer2x8192 against 0.417 (BV=128 0.613, BV=64 0.511). The sweep at prod8192_gate:
 # BV=64 at 4 warps 4.35 (one stage) and 4.47 (two), at 8 warps 6.34 and 4.71, BV=32 5.99, BV=128
-# at one stage 4.42. (BV=64 at 8 warps gave NaN at K=64 V=64 on the GPU: ``declines``.)
+# at one stage 4.42. (At K <= 64, BV=64 at 8 warps and a wgmma slice at one stage gave NaN on
+# the GPU: ``declines``.)
 STEPS = {32: (dict(BV=32, num_warps=4, num_stages=2), 2.6, 2),
          64: (dict(BV=64, num_warps=4, num_stages=2), 3.1, 1),
          128: (dict(BV=128, num_warps=8, num_stages=2), 4.2, 1)}
@@ -176,13 +177,22 @@ def launch_config(sequence_heads: int, V: int, K: int = 128, sms: int = 132) -> 
 
 
 def declines(config: dict, V: int, K: int) -> str | None:
-    """Why the scan will not launch ``config`` for V columns at head dim K, or None: BV=64 (after
-    the clip to V) at 8 warps over halves of 32 channels (K <= 64) splits the products into
+    """Why the scan will not launch ``config`` for V columns at head dim K, or None. Over halves
+    of 32 channels (K <= 64): BV=64 (after the clip to V) at 8 warps splits the products into
     m64n16k16 wgmmas, whose 32-byte operand rows Triton 3.6 reads past the shared allocation
-    (NaN on an H100)."""
-    if K <= 64 and v_slice(config, V) == 64 and config["num_warps"] == 8:
+    (NaN on an H100); a wgmma slice (BV >= 64) at one stage, whose m64n32k16 wgmmas read
+    buffers the one-stage build shares (24 KB at BV=64 against two stages' 80), gave NaN at
+    k64v64 and an illegal address at T=500 K=64 V=64 on the H200 (2026-12-06; two stages held
+    to fla there, and at K=128 one stage too)."""
+    if K > 64:
+        return None
+    bv = v_slice(config, V)
+    if bv == 64 and config["num_warps"] == 8:
         return (f"BV=64 at 8 warps with K={K} (halves of 32 channels: m64n16k16 wgmmas, whose operands Triton "
                 "3.6 reads past their shared allocation)")
+    if bv >= 64 and config.get("num_stages", 2) == 1:
+        return (f"BV={bv} at one stage with K={K} (halves of 32 channels: m64n32k16 wgmmas on the one-stage "
+                "build's shared buffers gave NaN and an illegal address on the H200)")
     return None
 
 

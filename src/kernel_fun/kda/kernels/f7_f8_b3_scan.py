@@ -274,10 +274,16 @@ TRANSPOSED_STEPS = {32: (dict(BV=32, num_warps=4, num_stages=2), 2.1, 2),
 WIDE_K_STEPS = {32: (dict(BV=32, num_warps=4, num_stages=1), 2.2, 2),
                 64: (dict(BV=64, num_warps=4, num_stages=1), 2.7, 2),
                 128: (dict(BV=128, num_warps=8, num_stages=1), 4.7, 1)}
-# B3 (the transposed kernel, o compiled out, u formed): BV=64 at 4 warps (sm_90a, K=128, V=256:
-# 246 registers, no spills, 90 KB of shared memory: two programs an SM). Measured at
-# prod8192_gate 2.16-2.21 ms, BV=128 at 8 warps 2.67.
-STATES_CONFIG = dict(BV=64, num_warps=4, num_stages=2)
+# B3 (the transposed kernel, o compiled out, u formed), the same by V slice: the step's latency
+# at one chain is step8192's time over 128 (H200: BV=32 0.266-0.333 ms, BV=64 0.315-0.397,
+# BV=128 0.456-0.519); programs an SM from sm_90a at K=128 (no spills: BV=32 206 registers and
+# 54 KB, an mma.sync kernel; BV=64 254 and 90 KB; BV=128 at 8 warps 248 and 100 KB). Measured:
+# prod8192_gate (256 chains) BV=64 2.16-2.21 ms, BV=128 2.48-2.67, BV=32 3.33-3.38; on 32
+# chains (H200, 2026-12-06) BV=32 0.384 ms at layer2x8192 against BV=64's 0.449 and fla's
+# 0.373, 0.509 at small against 0.548 and fla's 0.459.
+STATES_STEPS = {32: (dict(BV=32, num_warps=4, num_stages=2), 2.3, 2),
+                64: (dict(BV=64, num_warps=4, num_stages=2), 2.8, 2),
+                128: (dict(BV=128, num_warps=8, num_stages=2), 3.8, 1)}
 # What ``config`` may set (the benchmarks' sweeps; a call runs the config picked here).
 CONFIG_KEYS = frozenset({"BV", "num_warps", "num_stages"})
 
@@ -287,6 +293,12 @@ def launch_config(sequence_heads: int, V: int, K: int, sms: int = 132) -> dict:
     (the H200's 132 by default): the V slice whose waves times its step latency is least
     (prod8192_gate's 256 chains: BV=64 at two programs an SM; one chain: BV=32)."""
     return least_waves(TRANSPOSED_STEPS if K <= 128 else WIDE_K_STEPS, sequence_heads, V, sms)
+
+
+def states_config(sequence_heads: int, V: int, sms: int = 132) -> dict:
+    """B3's config, by the same rule from ``STATES_STEPS`` (prod8192_gate's 256 chains: BV=64;
+    32 chains, as in fla's layer at B2 T8192: BV=32)."""
+    return least_waves(STATES_STEPS, sequence_heads, V, sms)
 
 
 def scan_output(q, qg, kg, w, u, gc, Aqk, scale, initial_state, output_final_state, save_states, cu_seqlens_cpu,
@@ -343,7 +355,8 @@ def scan_states(kg, w, u, gc, initial_state, output_final_state, chunk_size, cu_
         raise ValueError(f"the transposed-state scan holds K <= 128 in two halves; got K={K}")
     check_dense(kg=kg, w=w, gc=gc, v=v, beta=beta, Akk=Akk)
     N, NT_total, chunk_offsets = chains(B, T, BT, cu_seqlens, chunk_indices)
-    cfg = config_over(STATES_CONFIG, config, CONFIG_KEYS, "B3")
+    sms = {"sms": torch.cuda.get_device_properties(kg.device).multi_processor_count} if kg.is_cuda else {}
+    cfg = config_over(states_config(N * HV, V, **sms), config, CONFIG_KEYS, "B3")
     ht = torch.empty(N, HV, K, V, device=v.device, dtype=torch.float32) if output_final_state else None
     h = torch.empty(B, NT_total // B, HV, K, V, device=v.device, dtype=kg.dtype)  # B = 1 when packed
     v_new = torch.empty_like(v)
