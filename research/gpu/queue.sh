@@ -58,7 +58,7 @@ for step in $STEPS; do
     tests) FLA_CONFIG_DIR=$(python3 -c "import torch; from benchmarks.fla_configs import gpu_dir; print(gpu_dir(torch.cuda.get_device_name()))") \
            FLA_CACHE_MODE=full timeout -k 5 $left python3 -m pytest -v -s -p no:cacheprovider -m gpu tests/test_gpu_sm90.py \
            ${a:+-k "$a"} 2>&1 | tee -a $OUT/t.log | grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed|Error" | tail -40 ;;
-    host) PYTHONPATH=. timeout -k 5 $left python3 research/gpu/host_issue.py ${a:-layer2x8192} > $OUT/host_issue.txt 2>&1
+    host) PYTHONPATH=$PWD:$PYTHONPATH timeout -k 5 $left python3 research/gpu/host_issue.py ${a:-layer2x8192} > $OUT/host_issue.txt 2>&1
           head -8 $OUT/host_issue.txt ;;
     ncu) timeout -k 5 $left ncu --clock-control none --set full --import-source yes -k regex:kernel_cutlass \
            --launch-count 1 -f -o /tmp/op_unit python3 research/gpu/op_unit_once.py 2>&1 | tail -5

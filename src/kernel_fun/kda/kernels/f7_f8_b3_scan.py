@@ -23,7 +23,8 @@ least waves x measured step latency (``launch_config``).
 
 B3 is the transposed kernel with o compiled out, forming each chunk's u = Akk_inv bf16(beta v)
 itself during the step before, after that step's dots on the chain (the ``forms_u``
-capability: B2 then writes no u, 1.07 GB less at prod8192_gate).
+capability: B2 then writes no u, 1.07 GB less at prod8192_gate). Its V slice follows the chains
+by its own table (``states_config``): BV=64 on many, BV=32 on few.
 
 Numerics: the chunk loop is the sequential recurrence, in fla's order; only the blocking
 inside each dot reassociates fp32 sums (o within 2e-3 of fla's on the H200). Causal to the
@@ -34,7 +35,8 @@ costs 0.23 ms at prod8192_gate (1.99 against 1.76 without, same run: docs/log/tr
 Falls back (``supports``): chunk size other than 64, K > 256; as B3 also K > 128.
 
 Measured: the README's stage table (F7-F8 rows, 2.19x fla's two stages at prod8192_gate, 1.52x
-the floor; B3 rows). A step at one chain takes ~2.1 us: seven waited wgmma groups and the
+the floor; B3 rows: 0.89x fla's F7 at prod8192_gate, which B2's unwritten u pays for; on 32
+chains 0.97x at BV=32, where BV=64 took 0.83x). On 32 chains F7-F8 takes 0.96x fla's two. A step at one chain takes ~2.1 us: seven waited wgmma groups and the
 layout conversions of u^T in and o out. The rounds, and the designs measured slower (F7-F8
 forming qg or u itself, prefetching the next chunk, the [K, V] state at K <= 128), are in
 docs/log/scan.md and docs/log/wy.md.
