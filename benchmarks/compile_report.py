@@ -218,8 +218,9 @@ def scan_report(K: int = 128, V: int = 256, recompute: bool = False, h0: bool = 
 
     from kernel_fun.kda.kernels import f7_f8_b3_scan as m
 
-    cfg = {**(m.states_config(chains, V) if recompute else m.TRANSPOSED_STEPS[64][0] if K <= 128 else m.WIDE_K_STEPS[64][0]),
-           **(config or {})}
+    picked = (m.states_config(chains, V) if recompute
+              else m.TRANSPOSED_STEPS[64][0] if K <= 128 else m.WIDE_K_STEPS[64][0])
+    cfg = {**picked, **(config or {})}
     types = {n: _PTR[dtype] for n in ("qg", "kg", "w", "u", "Aqk", "o", "h", "v_new", "v", "beta", "Akk")}
     types.update(g="*fp32", h0="*fp32", ht="*fp32", cu_seqlens="*i32", chunk_offsets="*i64")
     ce = dict(HV=16, K=K, V=V, BT=64, BV=cfg["BV"], IS_VARLEN=varlen, HAS_H0=h0, STORE_HT=final_state and not recompute,

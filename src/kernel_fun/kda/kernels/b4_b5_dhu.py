@@ -180,10 +180,10 @@ def declines(config: dict, V: int, K: int) -> str | None:
     """Why the scan will not launch ``config`` for V columns at head dim K, or None. Over halves
     of 32 channels (K <= 64): BV=64 (after the clip to V) at 8 warps splits the products into
     m64n16k16 wgmmas, whose 32-byte operand rows Triton 3.6 reads past the shared allocation
-    (NaN on an H100); a wgmma slice (BV >= 64) at one stage, whose m64n32k16 wgmmas read
-    buffers the one-stage build shares (24 KB at BV=64 against two stages' 80), gave NaN at
-    k64v64 and an illegal address at T=500 K=64 V=64 on the H200 (2026-12-06; two stages held
-    to fla there, and at K=128 one stage too)."""
+    (NaN on an H100). A wgmma slice (BV >= 64) at one stage gave NaN at k64v64 and an illegal
+    address at T=500 K=64 V=64 on the H200 (2026-12-06); why is not known: that build has no
+    32-byte operand rows (m64n64k16 and m64n32k16, as at two stages), only 24 KB of shared
+    memory against two stages' 80. Two stages held to fla there, and at K=128 one stage too."""
     if K > 64:
         return None
     bv = v_slice(config, V)
@@ -191,8 +191,8 @@ def declines(config: dict, V: int, K: int) -> str | None:
         return (f"BV=64 at 8 warps with K={K} (halves of 32 channels: m64n16k16 wgmmas, whose operands Triton "
                 "3.6 reads past their shared allocation)")
     if bv >= 64 and config.get("num_stages", 2) == 1:
-        return (f"BV={bv} at one stage with K={K} (halves of 32 channels: m64n32k16 wgmmas on the one-stage "
-                "build's shared buffers gave NaN and an illegal address on the H200)")
+        return (f"BV={bv} at one stage with K={K} (halves of 32 channels: this build gave NaN and an illegal "
+                "address on the H200)")
     return None
 
 

@@ -36,8 +36,9 @@ Falls back (``supports``): chunk size other than 64, K > 256; as B3 also K > 128
 
 Measured: the README's stage table (F7-F8 rows, 2.19x fla's two stages at prod8192_gate, 1.52x
 the floor; B3 rows: 0.89x fla's F7 at prod8192_gate, which B2's unwritten u pays for; on 32
-chains 0.97x at BV=32, where BV=64 took 0.83x). On 32 chains F7-F8 takes 0.96x fla's two. A step at one chain takes ~2.1 us: seven waited wgmma groups and the
-layout conversions of u^T in and o out. The rounds, and the designs measured slower (F7-F8
+chains 0.97x at BV=32, where BV=64 took 0.83x). On 32 chains F7-F8 takes 0.96x fla's two. A
+step at one chain takes ~2.1 us: seven waited wgmma groups and the layout conversions of u^T in
+and o out. The rounds, and the designs measured slower (F7-F8
 forming qg or u itself, prefetching the next chunk, the [K, V] state at K <= 128), are in
 docs/log/scan.md and docs/log/wy.md.
 """
