@@ -18,29 +18,26 @@ For K <= 128 the state is held transposed, S^T [V slice, K], in two halves of K
 h^T and v_new^T feed the tensor cores from registers in their accumulators' layout and only
 the chunk's rows (w, qg, kg, g's last row, Aqk) pass through shared memory, staged a chunk
 ahead by the pipeliner. For 128 < K <= 256 the state is [K, V slice] (``scan_kernel``), every
-load of a chunk issued before the step's first dot. The V slice is picked per grid: the
-least waves x measured step latency (``launch_config``).
+load of a chunk issued before the step's first dot. The V slice is picked per grid, the
+least waves x measured step latency (``launch_config``; B3's own table, ``states_config``).
 
 B3 is the transposed kernel with o compiled out, forming each chunk's u = Akk_inv bf16(beta v)
 itself during the step before, after that step's dots on the chain (the ``forms_u``
-capability: B2 then writes no u, 1.07 GB less at prod8192_gate). Its V slice follows the chains
-by its own table (``states_config``): BV=64 on many, BV=32 on few.
+capability: B2 then writes no u, 1.07 GB less at prod8192_gate).
 
 Numerics: the chunk loop is the sequential recurrence, in fla's order; only the blocking
 inside each dot reassociates fp32 sums (o within 2e-3 of fla's on the H200). Causal to the
 bit: a non-finite v_new value is selected away from the tokens before it in the masked
 intra-chunk dot (0 * NaN is NaN) and makes its outputs NaN from its token on; the check
 costs 0.23 ms at prod8192_gate (1.99 against 1.76 without, same run: docs/log/trust.md).
-
 Falls back (``supports``): chunk size other than 64, K > 256; as B3 also K > 128.
 
 Measured: the README's stage table (F7-F8 rows, 2.19x fla's two stages at prod8192_gate, 1.52x
 the floor; B3 rows: 0.89x fla's F7 at prod8192_gate, which B2's unwritten u pays for; on 32
-chains 0.97x at BV=32, where BV=64 took 0.83x). On 32 chains F7-F8 takes 0.96x fla's two. A
-step at one chain takes ~2.1 us: seven waited wgmma groups and the layout conversions of u^T in
-and o out. The rounds, and the designs measured slower (F7-F8
-forming qg or u itself, prefetching the next chunk, the [K, V] state at K <= 128), are in
-docs/log/scan.md and docs/log/wy.md.
+chains 0.97x at BV=32, where BV=64 took 0.83x; F7-F8 there 0.96x). A step at one chain takes
+~2.1 us: seven waited wgmma groups and the layout conversions of u^T in and o out. The rounds,
+and the designs measured slower (F7-F8 forming qg or u itself, prefetching the next chunk, the
+[K, V] state at K <= 128), are in docs/log/scan.md and docs/log/wy.md.
 """
 
 from __future__ import annotations
