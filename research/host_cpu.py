@@ -6,7 +6,6 @@
 #   PYTHONPATH=src:. python research/host_cpu.py [SHAPE]   (B=1, T=256 at the shape's heads)
 import dataclasses
 import sys
-import time
 
 import torch
 from triton.runtime import autotuner
@@ -24,7 +23,7 @@ autotuner.Autotuner.run = _stub
 
 from kernel_fun.kda import chunk_kda, last_record  # noqa: E402
 from kernel_fun.kda.problems import cotangents, leaves, make_inputs, problem  # noqa: E402
-from kernel_fun.kda.stages import Dispatcher  # noqa: E402
+from research.stage_time import stage_seconds  # noqa: E402
 
 sys.modules["kernel_fun.kda.stages"].interpreting = lambda: True  # (kernel-fun's stages chosen on the CPU)
 p = dataclasses.replace(problem(sys.argv[1] if len(sys.argv) > 1 else "layer2x8192"), B=1, T=256)
@@ -40,24 +39,13 @@ def fwd_bwd():
 fwd_bwd()
 record = last_record()
 ours = {name for phase in (record.forward, record.backward) for name, impl in phase.items() if impl == "ours"}
-plain, per_stage = Dispatcher.run, {}
-
-
-def timed_run(self, name, phase, **inputs):
-    t0 = time.perf_counter()
-    out = plain(self, name, phase, **inputs)
-    per_stage[name] = per_stage.get(name, 0.0) + time.perf_counter() - t0
-    return out
-
-
-Dispatcher.run = timed_run
 REPS = 30
 for _ in range(3):
     fwd_bwd()
-per_stage.clear()
 launches[0] = 0
-for _ in range(REPS):
-    fwd_bwd()
+with stage_seconds() as per_stage:
+    for _ in range(REPS):
+        fwd_bwd()
 print(f"{p.describe()}: {launches[0] / REPS:.0f} Triton launches a fwd+bwd; kernel-fun's stages, us a call:")
 for name in sorted(ours, key=list(per_stage).index):
     print(f"  {name:8} {per_stage[name] / REPS * 1e6:7.1f}")

@@ -55,29 +55,18 @@ for v in variants(["fla", "ours"]):
         issue, event = timed(fn)
         print(f"{v.name:6} {phase:8} {issue:14.3f} {event:9.3f} {stream_time(fn, REPS):16.3f}", flush=True)
 
-# Our forward's host time by stage: Dispatcher.run wrapped (its Python and the stage's launches),
-# the rest of the call outside any stage.
-from kernel_fun.kda.stages import Dispatcher  # noqa: E402
+# Our forward's and fwd+bwd's host time by stage (``research/stage_time.py``), the rest of the
+# call outside any stage.
+from research.stage_time import stage_seconds  # noqa: E402
 
 ours = variants(["ours"])[0]
-plain_run, per_stage = Dispatcher.run, {}
-
-
-def timed_run(self, name, phase, **inputs):
-    t0 = time.perf_counter()
-    out = plain_run(self, name, phase, **inputs)
-    per_stage[name] = per_stage.get(name, 0.0) + time.perf_counter() - t0
-    return out
-
-
-Dispatcher.run = timed_run
 for what, call in (("forward", lambda: ours(**kw)), ("fwd+bwd", lambda: fwd_bwd(ours, kw, do))):
-    per_stage.clear()
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(REPS):
-        call()
-    total = time.perf_counter() - t0
+    with stage_seconds() as per_stage:
+        t0 = time.perf_counter()
+        for _ in range(REPS):
+            call()
+        total = time.perf_counter() - t0
     torch.cuda.synchronize()
     print(f"\nour {what}'s host time by stage (us a call, {REPS} calls issued back to back; a stage that "
           "waits on the GPU shows here too):")
@@ -85,7 +74,6 @@ for what, call in (("forward", lambda: ours(**kw)), ("fwd+bwd", lambda: fwd_bwd(
         print(f"  {name:8} {secs / REPS * 1e6:9.1f}")
     print(f"  {'outside':8} {(total - sum(per_stage.values())) / REPS * 1e6:9.1f}   (the call's own Python, autograd)")
     print(f"  {'total':8} {total / REPS * 1e6:9.1f}")
-Dispatcher.run = plain_run
 
 for what, call in (("forwards", lambda: ours(**kw)), ("fwd+bwds", lambda: fwd_bwd(ours, kw, do))):
     torch.cuda.synchronize()
