@@ -54,6 +54,12 @@ def v_slice(config: dict, V: int) -> int:
     return min(config["BV"], triton.next_power_of_2(V))
 
 
+def sm_count(t: torch.Tensor) -> dict:
+    """``least_waves``' ``sms`` keyword for a scan launched on ``t``'s device: its SM count on a
+    GPU, nothing off one (the launchers' default, 132)."""
+    return {"sms": torch.cuda.get_device_properties(t.device).multi_processor_count} if t.is_cuda else {}
+
+
 def least_waves(table: dict, sequence_heads: int, V: int, sms: int) -> dict:
     """A chunk scan's config from ``table`` ({BV: (config, step latency, programs an SM)}) for
     ``sequence_heads`` chains of V columns on ``sms`` SMs: the V slice (at most V, or the

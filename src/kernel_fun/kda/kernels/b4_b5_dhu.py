@@ -37,7 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernel_fun._triton import chains, check_dense, config_over, dot, least_waves, sequence_span, to, v_slice
+from kernel_fun._triton import (chains, check_dense, config_over, dot, least_waves, sequence_span, sm_count, to,
+                                v_slice)
 
 
 @triton.jit
@@ -226,8 +227,7 @@ def dav_dhu(q, k, v_new, do, Aqk, qg, kg, w, gc, h0, dht, scale, state_v_first, 
     check_dense(qg=qg, kg=kg, w=w, gc=gc, v_new=v_new, Aqk=Aqk, dht=dht)
     dA = dAqk(v_new, do, scale, chunk_size, cu_seqlens, chunk_indices)
     N, NT_total, offsets = chains(B, T, BT, cu_seqlens, chunk_indices)
-    sms = {"sms": torch.cuda.get_device_properties(kg.device).multi_processor_count} if kg.is_cuda else {}
-    cfg = config_over(launch_config(N * HV, V, K, **sms), config, CONFIG_KEYS, "B4-B5")
+    cfg = config_over(launch_config(N * HV, V, K, **sm_count(kg)), config, CONFIG_KEYS, "B4-B5")
     why = declines(cfg, V, K)  # (before anything is allocated)
     if why:
         raise ValueError(f"B4-B5's scan: {why}")

@@ -46,7 +46,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernel_fun._triton import chains, check_dense, config_over, dot, least_waves, sequence_span, to, v_slice
+from kernel_fun._triton import (chains, check_dense, config_over, dot, least_waves, sequence_span, sm_count, to,
+                                v_slice)
 
 
 @triton.jit
@@ -317,8 +318,7 @@ def scan_output(q, qg, kg, w, u, gc, Aqk, scale, initial_state, output_final_sta
     BT = chunk_size
     check_dense(qg=qg, kg=kg, w=w, u=u, gc=gc, Aqk=Aqk)
     N, NT_total, chunk_offsets = chains(B, T, BT, cu_seqlens, chunk_indices)
-    sms = {"sms": torch.cuda.get_device_properties(kg.device).multi_processor_count} if kg.is_cuda else {}
-    cfg = config_over(launch_config(N * HV, V, K, **sms), config, CONFIG_KEYS, "F7-F8")
+    cfg = config_over(launch_config(N * HV, V, K, **sm_count(kg)), config, CONFIG_KEYS, "F7-F8")
     o = torch.empty_like(u)
     ht = torch.empty(N, HV, K, V, device=u.device, dtype=torch.float32) if output_final_state else None
     h = v_new = None
@@ -355,8 +355,7 @@ def scan_states(kg, w, u, gc, initial_state, output_final_state, chunk_size, cu_
         raise ValueError(f"the transposed-state scan holds K <= 128 in two halves; got K={K}")
     check_dense(kg=kg, w=w, gc=gc, v=v, beta=beta, Akk=Akk)
     N, NT_total, chunk_offsets = chains(B, T, BT, cu_seqlens, chunk_indices)
-    sms = {"sms": torch.cuda.get_device_properties(kg.device).multi_processor_count} if kg.is_cuda else {}
-    cfg = config_over(states_config(N * HV, V, **sms), config, CONFIG_KEYS, "B3")
+    cfg = config_over(states_config(N * HV, V, **sm_count(kg)), config, CONFIG_KEYS, "B3")
     ht = torch.empty(N, HV, K, V, device=v.device, dtype=torch.float32) if output_final_state else None
     h = torch.empty(B, NT_total // B, HV, K, V, device=v.device, dtype=kg.dtype)  # B = 1 when packed
     v_new = torch.empty_like(v)
