@@ -192,14 +192,15 @@ def layer_table(rows: list[dict]) -> str:
     every = [r for r in rows if r.get("kind") == "layer"]
     if not every:
         return ""
-    rows = latest(every, "shape", "impl")
-    same_run = {(r["shape"], r["commit"]): r for r in latest(every, "shape", "impl", "commit") if r["impl"] == "fla"}
+    rows = latest(every, "shape", "gpu", "impl")  # (each GPU's newest, as the op table keeps them)
+    same_run = {(r["shape"], r["gpu"], r["commit"]): r
+                for r in latest(every, "shape", "gpu", "impl", "commit") if r["impl"] == "fla"}
     lines = [
         "| layer | implementation | fwd+bwd ms (p10–p90) | vs fla | parity | GPU, date, commit |",
         "|---|---|---|---|---|---|",
     ]
-    for r in sorted(rows, key=lambda r: (r["shape"], r["impl"] != "fla")):
-        base = same_run.get((r["shape"], r["commit"]))
+    for r in sorted(rows, key=lambda r: (r["shape"], r["gpu"], r["impl"] != "fla")):
+        base = same_run.get((r["shape"], r["gpu"], r["commit"]))
         ratio = base["fwdbwd_ms"] / r["fwdbwd_ms"] if base and base.get("fwdbwd_ms") and r.get("fwdbwd_ms") else None
         ms = "—" if not r.get("fwdbwd_ms") else \
             f"{r['fwdbwd_ms']:.2f} ({r['fwdbwd_spread_ms'][0]:.2f}–{r['fwdbwd_spread_ms'][1]:.2f})"
