@@ -19,6 +19,8 @@
 #                      20 errors named, with the kernel and the access), log to $OUT/msan.log
 #   host[:SHAPE]       research/gpu/host_issue.py: host issue time against event time, fla and ours
 #                      (layer2x8192 by default), and a cProfile of our forward, to $OUT/host_issue.txt
+#   ffi[:SHAPES]       research/gpu/b7_ffi_ab.py: B7-B10's CuTe call through TVM-FFI against the shipped call
+#                      (parity bit for bit, B7-B10's host time, the op's fwd+bwd), rows to $OUT/ffi.jsonl
 #   ncu                Nsight Compute on the CuTe kernel's launch in the op (research/gpu/op_unit_once.py):
 #                      details and SASS back
 set -o pipefail
@@ -60,6 +62,7 @@ for step in $STEPS; do
            ${a:+-k "$a"} 2>&1 | tee -a $OUT/t.log | grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed|Error" | tail -40 ;;
     host) PYTHONPATH=$PWD:$PYTHONPATH timeout -k 5 $left python3 research/gpu/host_issue.py ${a:-layer2x8192} > $OUT/host_issue.txt 2>&1
           head -8 $OUT/host_issue.txt ;;
+    ffi) PYTHONPATH=$PWD:$PYTHONPATH timeout -k 5 $left python3 research/gpu/b7_ffi_ab.py ${a:-layer2x8192,grid1024} ;;
     ncu) timeout -k 5 $left ncu --clock-control none --set full --import-source yes -k regex:kernel_cutlass \
            --launch-count 1 -f -o /tmp/op_unit python3 research/gpu/op_unit_once.py 2>&1 | tail -5
          ncu --import /tmp/op_unit.ncu-rep --page details > $OUT/ncu_unit.txt
