@@ -1,7 +1,9 @@
 """Host time by stage: ``Dispatcher.run`` wrapped for the calls made inside the block, each
 stage's seconds (its launcher's Python and its launches, and any wait on the GPU it makes)
-summed by name into the dict it yields."""
+summed by name into the dict it yields; and a call's host issue time against its CUDA-event
+time (``issue_and_event``, on a GPU)."""
 import contextlib
+import statistics
 import time
 
 
@@ -22,3 +24,23 @@ def stage_seconds():
         yield seconds
     finally:
         Dispatcher.run = plain
+
+
+def issue_and_event(fn, reps: int) -> tuple[float, float]:
+    """(median host issue ms, median event ms) over ``reps`` calls of ``fn``, each after a sync:
+    the time to enqueue its launches (perf_counter around the call) and its CUDA-event time."""
+    import torch
+
+    issue, event = [], []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        start.record()
+        fn()
+        t1 = time.perf_counter()
+        end.record()
+        end.synchronize()
+        issue.append((t1 - t0) * 1e3)
+        event.append(start.elapsed_time(end))
+    return statistics.median(issue), statistics.median(event)

@@ -10,7 +10,6 @@
 # A form that raises is reported with its error and skipped.
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -24,7 +23,7 @@ from kernel_fun.bench.timing import stream_time  # noqa: E402
 from kernel_fun.kda import last_record  # noqa: E402
 from kernel_fun.kda.problems import cotangents, make_inputs, problem  # noqa: E402
 from research import b7_ffi  # noqa: E402
-from research.stage_time import stage_seconds  # noqa: E402
+from research.stage_time import issue_and_event, stage_seconds  # noqa: E402
 
 shapes = (sys.argv[1] if len(sys.argv) > 1 else "layer2x8192,grid1024").split(",")
 out = open(os.path.join(os.environ.get("OUT", "."), "ffi.jsonl"), "a")
@@ -34,22 +33,6 @@ ours = variants(["ours"])[0]
 
 def use(form: str) -> None:
     b7_ffi.uninstall() if form == "shipped" else b7_ffi.install(form)
-
-
-def timed(fn):
-    issue, event = [], []
-    for _ in range(REPS):
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        t0 = time.perf_counter()
-        start.record()
-        fn()
-        t1 = time.perf_counter()
-        end.record()
-        end.synchronize()
-        issue.append((t1 - t0) * 1e3)
-        event.append(start.elapsed_time(end))
-    return statistics.median(issue), statistics.median(event)
 
 
 print(f"{'shape':12} {'form':9} {'parity':22} {'B7-B10 host us':>15} {'issue ms':>9} {'event ms':>9} "
@@ -84,7 +67,7 @@ for shape in shapes:
                 for _ in range(REPS):
                     call()
             torch.cuda.synchronize()
-            issue, event = timed(call)
+            issue, event = issue_and_event(call, REPS)
             builds = sum(key[0] == form for key in b7_ffi._COMPILED)  # (the witness: this form's builds ran)
             row.update(impl=impl, ffi_builds=builds, bitwise=same, bitwise_side_stream=same_side,
                        b7_b10_host_us=per_stage.get("B7-B10", 0.0) / REPS * 1e6, issue_ms=issue, event_ms=event,

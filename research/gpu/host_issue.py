@@ -8,7 +8,6 @@
 # training hides it only while the host keeps ahead); the profile names what the host spends.
 import cProfile
 import pstats
-import statistics
 import sys
 import time
 
@@ -20,6 +19,7 @@ fla_configs.use_stored_configs(torch.cuda.get_device_name())  # (before fla is i
 from kernel_fun.bench.op import fwd_bwd, variants  # noqa: E402
 from kernel_fun.bench.timing import stream_time  # noqa: E402
 from kernel_fun.kda.problems import cotangents, make_inputs, problem  # noqa: E402
+from research.stage_time import issue_and_event, stage_seconds  # noqa: E402
 
 shape = sys.argv[1] if len(sys.argv) > 1 else "layer2x8192"
 p = problem(shape)
@@ -29,36 +29,17 @@ do, _ = cotangents(o_like, None, seed=7)
 REPS = 30
 
 
-def timed(fn):
-    """(median host issue ms, median event ms) over REPS calls, each after a sync."""
-    issue, event = [], []
-    for _ in range(REPS):
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        t0 = time.perf_counter()
-        start.record()
-        fn()
-        t1 = time.perf_counter()
-        end.record()
-        end.synchronize()
-        issue.append((t1 - t0) * 1e3)
-        event.append(start.elapsed_time(end))
-    return statistics.median(issue), statistics.median(event)
-
-
 print(f"{shape}: {p.describe()}")
 print(f"{'impl':6} {'phase':8} {'host issue ms':>14} {'event ms':>9} {'back to back ms':>16}")
 for v in variants(["fla", "ours"]):
     for _ in range(3):
         fwd_bwd(v, kw, do)
     for phase, fn in (("fwd", lambda v=v: v(**kw)), ("fwd+bwd", lambda v=v: fwd_bwd(v, kw, do))):
-        issue, event = timed(fn)
+        issue, event = issue_and_event(fn, REPS)
         print(f"{v.name:6} {phase:8} {issue:14.3f} {event:9.3f} {stream_time(fn, REPS):16.3f}", flush=True)
 
 # Our forward's and fwd+bwd's host time by stage (``research/stage_time.py``), the rest of the
 # call outside any stage.
-from research.stage_time import stage_seconds  # noqa: E402
-
 ours = variants(["ours"])[0]
 for what, call in (("forward", lambda: ours(**kw)), ("fwd+bwd", lambda: fwd_bwd(ours, kw, do))):
     torch.cuda.synchronize()
