@@ -102,6 +102,7 @@ def test_a_cuda_call_the_cute_kernel_declines_logs_why(monkeypatch, caplog):
     ("g_fp16", "a bf16 or fp32 gate"),
     ("dAqk_strided", "non-contiguous"),
     ("huge", "32-bit"),
+    ("beta_offset", "16-byte boundary"),
 ])
 def test_every_refusal_says_why(monkeypatch, change, why):
     """With CuTe DSL and an sm_90 GPU taken as given, each shape or form the kernel is not built
@@ -119,6 +120,9 @@ def test_every_refusal_says_why(monkeypatch, change, why):
         inputs.update(q=inputs["q"].float())
     elif change == "g_fp16":
         inputs.update(g=inputs["g"].half())
+    elif change == "beta_offset":  # (contiguous, 4 bytes past a 16-byte boundary: a view into a caller's buffer)
+        beta = inputs["beta"].float()
+        inputs.update(beta=torch.zeros(beta.numel() + 1)[1:].view_as(beta).copy_(beta))
     elif change == "huge":  # (2^31 elements a tensor, on the meta device: no memory)
         inputs.update(k=torch.empty(1, 2 ** 20, 16, 128, dtype=torch.bfloat16, device="meta"),
                       gc=torch.empty(1, 2 ** 20, 16, 128, device="meta"))
@@ -135,6 +139,9 @@ def test_b7_b10_needs_the_l2norm_and_h_equal_hv(monkeypatch):
     inputs = _inputs(Problem("T70-K64", 1, 70, 2, 2, 64, 16), l2=True)
     assert sm90.supports_l2(**inputs) is None
     assert "l2norm" in sm90.supports_l2(**dict(inputs, q_rstd=None))
+    rstd = inputs["k_rstd"].float()
+    offset = torch.zeros(rstd.numel() + 1)[1:].view_as(rstd).copy_(rstd)  # (4 bytes past a 16-byte boundary)
+    assert "16-byte boundary" in sm90.supports_l2(**dict(inputs, k_rstd=offset))
     gva = _inputs(Problem("T70-K64-gva", 1, 70, 1, 2, 64, 16), l2=True)
     assert sm90.supports(**{n: t for n, t in gva.items() if n not in ("q_rstd", "k_rstd")}) is None
     assert "H = HV" in sm90.supports_l2(**gva)

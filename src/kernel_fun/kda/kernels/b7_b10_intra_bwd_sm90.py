@@ -713,11 +713,17 @@ def _cute_missing() -> str | None:
     return _CUTE["missing"]
 
 
+def _misaligned(*tensors) -> bool:
+    """Whether any of ``tensors`` starts off a 16-byte boundary: the build takes every tensor as
+    16-byte aligned (an offset view of a caller's buffer need not be)."""
+    return any(x is not None and x.data_ptr() % 16 for x in tensors)
+
+
 def supports(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log, dt_bias, lower_bound, chunk_size,
              cu_seqlens, chunk_indices):
     """None when ``intra_bwd`` takes the B7-B9 unit, else why not: an sm_90 GPU with CuTe DSL, the
     gate in the op, chunks of 64, K = 64 or 128, value heads a multiple of the q/k heads, bf16 q
-    and k, a bf16 or fp32 raw gate, dense tensors."""
+    and k, a bf16 or fp32 raw gate, dense tensors that start on 16 bytes."""
     why = cute_unavailable(k)
     if why:
         return why
@@ -734,6 +740,8 @@ def supports(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log, dt
         return f"q {q.dtype}, k {k.dtype}, raw gate {g.dtype} (the kernel takes bf16 q and k, a bf16 or fp32 gate)"
     if not all(x.is_contiguous() for x in (q, k, gc, dAqk, dAkk, dq, dk, dg, g)):
         return "non-contiguous tensors (the kernel views them as dense [B * T, H * C])"
+    if _misaligned(q, k, gc, beta, dAqk, dAkk, dq, dk, dg, g, A_log, dt_bias):
+        return "a tensor that does not start on a 16-byte boundary (the kernel's loads assume one)"
     if B * T * gc.shape[2] * K >= 2 ** 31:
         return f"{B * T * gc.shape[2] * K} elements a tensor (the kernel's offsets are 32-bit)"
     return None
@@ -747,6 +755,8 @@ def supports_l2(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log,
         return "the l2norm is not in the op"
     if gc.shape[2] != k.shape[2]:
         return f"H={k.shape[2]}, HV={gc.shape[2]} (B10 in the kernel needs H = HV: GVA's group sum comes first)"
+    if _misaligned(q_rstd, k_rstd):
+        return "an rstd that does not start on a 16-byte boundary (the kernel's loads assume one)"
     return supports(q, k, gc, beta, dAqk, dAkk, dq, dk, db, dg, safe_gate, g, A_log, dt_bias, lower_bound, chunk_size,
                     cu_seqlens, chunk_indices)
 
