@@ -35,6 +35,13 @@ def use(form: str) -> None:
     b7_ffi.uninstall() if form == "shipped" else b7_ffi.install(form)
 
 
+try:
+    import tvm_ffi
+    import typing_extensions
+
+    print(f"tvm-ffi {tvm_ffi.__version__}, typing_extensions from {typing_extensions.__file__}", flush=True)
+except Exception as e:  # (the forms below then report their own errors)
+    print(f"tvm-ffi unavailable: {type(e).__name__}: {e}", flush=True)
 print(f"{'shape':12} {'form':9} {'parity':22} {'B7-B10 host us':>15} {'issue ms':>9} {'event ms':>9} "
       f"{'back to back':>13}", flush=True)
 for shape in shapes:
