@@ -236,6 +236,35 @@ def test_strided_inputs_give_the_contiguous_gradients(p):
         assert torch.equal(got[name], want), name
 
 
+def _offset(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values in a contiguous view that starts one element past a 16-byte boundary (a
+    caller's view into a larger buffer at an odd offset)."""
+    t = t.detach()
+    s = torch.zeros(t.numel() + 1, dtype=t.dtype)[1:].view_as(t).copy_(t)
+    assert s.is_contiguous() and s.data_ptr() % 16 and torch.equal(s, t)
+    return s.requires_grad_(True)
+
+
+@needs_interpreter
+def test_inputs_off_a_16_byte_boundary_reach_every_stage_aligned():
+    """The aligned call first, so that the offset call reuses its plan and the dispatcher's
+    choices (kept per metadata, which holds no address); B7-B10's CuTe build takes its
+    tensors as 16-byte aligned."""
+    p = B6_SHAPES[0]
+    kwargs = make_inputs(p, seed=12)
+    dense = run_fwd_bwd(chunk_kda, kwargs, grid=p.dtype)
+    names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
+    offset = dict(kwargs, **{n: _offset(kwargs[n]) for n in names})
+    with capture_stages() as log:
+        got = run_fwd_bwd(chunk_kda, offset, grid=p.dtype)
+    assert last_record().engaged and last_record().backward["B6"] == "ours"
+    seen = [(name, n) for name, _, inputs, _ in log for n, x in inputs.items() if isinstance(x, torch.Tensor)]
+    assert len(seen) > 20 and all(x.data_ptr() % 16 == 0 for _, _, inputs, _ in log for x in inputs.values()
+                                  if isinstance(x, torch.Tensor) and x.numel()), seen
+    for name, want in dense.items():
+        assert torch.equal(got[name], want), name
+
+
 @pytest.mark.every_fla
 def test_cu_seqlens_as_a_list_is_a_type_error():
     kwargs = make_inputs(SHAPES[2], requires_grad=False)

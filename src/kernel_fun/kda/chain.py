@@ -503,12 +503,22 @@ def run_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, opts: Options, 
     """The forward chain F1-F8 (``_run_forward``); a packed call's stages with fla's tensor
     cache off (``fla.no_tensor_cache``), a capacity-shaped call's told so. The packed chunk
     index is built before, with the cache as the user has it: from device offsets fla's
-    builder synchronizes on a miss, and a step's layers share one index."""
+    builder synchronizes on a miss, and a step's layers share one index. An input that starts
+    off a 16-byte boundary is copied first (``_aligned``)."""
+    q, k, v, g, beta, A_log, dt_bias, initial_state = (
+        _aligned(x) for x in (q, k, v, g, beta, A_log, dt_bias, initial_state))
     chunk_indices = _chunk_indices(opts, q.shape[1])
     if opts.cu_seqlens is None:
         return _run_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, opts, record, chunk_indices)
     with fla.no_tensor_cache(), fla.capacity_shaped(capacity_offsets(opts)):
         return _run_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, opts, record, chunk_indices)
+
+
+def _aligned(x: torch.Tensor | None) -> torch.Tensor | None:
+    """``x``, or its copy where it starts off a 16-byte boundary (a caller's view at an odd offset
+    into a larger buffer). Every stage may take its tensors as 16-byte aligned (B7-B10's CuTe
+    build does), and the dispatcher keeps its choices per metadata, which holds no address."""
+    return x if x is None or x.data_ptr() % 16 == 0 else x.clone()
 
 
 def _run_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, opts: Options, record: CallRecord,

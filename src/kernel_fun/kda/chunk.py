@@ -11,7 +11,8 @@ anything else -- an argument it does not know, ``chunk_size=32``, context parall
 dtype or device outside the box, a call fla 0.6 would give another backend, a switch --
 goes to fla's ``chunk_kda`` with the caller's arguments untouched, so the fallback is
 bitwise fla (on a CPU, where fla's kernels cannot run, a clear error instead). Inputs of
-any strides are made dense once, at the entry, as fla's ``input_guard`` does. Each
+any strides are made dense once, at the entry, as fla's ``input_guard`` does (and copied
+where they start off a 16-byte boundary, in ``chain.run_forward``). Each
 distinct decision is logged once on the ``kernel_fun`` logger, and once per distinct shape
 and flags one line names the implementation of every stage the call ran.
 
