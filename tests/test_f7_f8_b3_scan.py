@@ -101,9 +101,10 @@ def test_scan_states_match_b3(p):
     """The backward's B3 (F7 recomputed: h and v_new) by the transposed kernel without o,
     forming u from v, beta and Akk_inv, on the inputs the reference chain gives B3 (whose
     reference reads the reference B2's u), at the launcher's V slice, at 16 and, past V=32, at
-    64. Under the interpreter the two agree to fp32 rounding but where an entry of u lands on a bf16 rounding edge: the
-    kernel's dot and the reference's matmul sum in their BLAS's order, which depends on the
-    CPU, and such an entry rounds a unit apart (seen on an AVX2 machine: v_new 6.7e-6). The
+    64. Under the interpreter the two agree to fp32 rounding but where an entry of u lands on a
+    bf16 rounding edge: the kernel's dot and the reference's matmul sum in their BLAS's order,
+    which depends on the CPU, and such an entry rounds a unit apart (seen on an AVX2 machine:
+    v_new 6.7e-6). The
     bound, 2e-4, leaves such units room and stays 50x under what a wrong beta or Akk_inv
     does (v_new moves by over 1e-2)."""
     inputs, (h, v_new, _) = stage_runs(p)["B3"]
